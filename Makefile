@@ -1,0 +1,37 @@
+# The two commands of the README: `make run` and `make test`. Each creates .venv when it
+# is missing and installs the project into it, so a fresh machine needs nothing else.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+DATA ?= ./data
+
+export PYSPARK_PYTHON := $(abspath $(BIN)/python)
+export SPARK_LOCAL_IP := 127.0.0.1
+
+.PHONY: run test lint format bench clean
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "delayd needs Python >= 3.11; set PYTHON=python3.11 (or newer)")'
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[audit,dev]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/delayd broker --data $(DATA)
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/pytest
+
+format: $(STAMP)
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+bench: $(STAMP)
+	$(BIN)/python tools/bench_storage.py --quick
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

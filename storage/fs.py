@@ -1,0 +1,97 @@
+"""The one file-system interface every byte of storage/ goes through.
+
+Production passes :data:`REAL_FS` (thin wrappers over :mod:`os`). Tests pass a crash
+simulator (:mod:`storage.crashfs`) that remembers which bytes and directory entries an
+fsync has made durable, so that a power loss can be materialised at any point — the
+idea of leveldb's FaultInjectionTestEnv and SQLite's crash VFS (test6.c). No write may
+bypass this interface (no mmap writes), or the simulator would not see it.
+
+File descriptors are opaque integers owned by the file system object that made them.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Protocol
+
+O_READ = os.O_RDONLY
+O_WRITE = os.O_RDWR | os.O_CREAT  # read-write, create when missing, never truncate
+
+
+class FileSystem(Protocol):
+    """What storage/ needs from a file system; paths are ``str``."""
+
+    def open(self, path: str, flags: int) -> int: ...
+    def close(self, fd: int) -> None: ...
+    def pread(self, fd: int, size: int, offset: int) -> bytes: ...
+    def pwrite(self, fd: int, data: bytes | bytearray | memoryview, offset: int) -> int: ...
+    def fsync(self, fd: int) -> None: ...
+    def fdatasync(self, fd: int) -> None: ...
+    def ftruncate(self, fd: int, size: int) -> None: ...
+    def fsize(self, fd: int) -> int: ...
+    def replace(self, src: str, dst: str) -> None: ...
+    def unlink(self, path: str) -> None: ...
+    def mkdir(self, path: str) -> None: ...
+    def listdir(self, path: str) -> list[str]: ...
+    def exists(self, path: str) -> bool: ...
+    def fsync_dir(self, path: str) -> None: ...
+
+
+class OsFileSystem:
+    """The real file system: every call is the matching :mod:`os` call."""
+
+    def open(self, path: str, flags: int) -> int:
+        return os.open(path, flags, 0o644)
+
+    def close(self, fd: int) -> None:
+        os.close(fd)
+
+    def pread(self, fd: int, size: int, offset: int) -> bytes:
+        return os.pread(fd, size, offset)
+
+    def pwrite(self, fd: int, data: bytes | bytearray | memoryview, offset: int) -> int:
+        # os.pwrite may write less than asked (signals, huge buffers); loop until done so
+        # callers can treat a write as all-or-exception.
+        view = memoryview(data)
+        written = 0
+        while written < len(view):
+            written += os.pwrite(fd, view[written:], offset + written)
+        return written
+
+    def fsync(self, fd: int) -> None:
+        os.fsync(fd)
+
+    def fdatasync(self, fd: int) -> None:
+        os.fdatasync(fd)
+
+    def ftruncate(self, fd: int, size: int) -> None:
+        os.ftruncate(fd, size)
+
+    def fsize(self, fd: int) -> int:
+        return os.fstat(fd).st_size
+
+    def replace(self, src: str, dst: str) -> None:
+        os.replace(src, dst)
+
+    def unlink(self, path: str) -> None:
+        os.unlink(path)
+
+    def mkdir(self, path: str) -> None:
+        os.makedirs(path, exist_ok=True)
+
+    def listdir(self, path: str) -> list[str]:
+        return os.listdir(path)
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(path)
+
+    def fsync_dir(self, path: str) -> None:
+        # A rename, creation or unlink is durable only once its directory is fsynced.
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+REAL_FS: FileSystem = OsFileSystem()

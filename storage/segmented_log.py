@@ -1,0 +1,627 @@
+"""SegmentedLog: an append-only log of CRC-framed records split over segment files.
+
+Offsets are logical byte positions, dense across segments: a segment file is named by
+the 20-digit zero-padded offset of its first byte (MetaQ / RocketMQ commitlog naming), and
+the next segment starts right after the previous one's END_OF_SEGMENT record. Finding the
+segment of an offset is a binary search over the sorted base offsets.
+
+Durability model
+    ``append``/``append_batch`` write to the OS at once (readers see the records); the
+    records are *durable* after ``flush()``, which fdatasyncs every segment written since
+    the last flush and fsyncs the directory when a segment was created. The trio layer
+    (storage.flusher) decides when to flush (sync with group commit, or every N ms).
+
+How recovery tells a torn tail from corruption
+    A power loss can leave any mix of the bytes written since the last fsync: a short
+    file, zero pages, even a later page without an earlier one. The log bounds that
+    region: it never lets more than ``max_unsynced_bytes`` sit unsynced (append flushes
+    first when it would), so after a crash every invalid byte a power loss can explain
+    lies within ``max_unsynced_bytes`` of the end of the log. Recovery scans from the
+    recovery checkpoint (a durable offset written every ``checkpoint_every_bytes`` of
+    flushed data, so reopening costs time proportional to the tail, not to the log); the
+    first invalid record it meets is:
+
+    * a torn tail if it lies within ``max_unsynced_bytes`` of the end: the log is cut
+      there (later segments removed) and the cut is reported in ``recovery``;
+    * corruption otherwise: ``CorruptionError`` names the file, offset and bytes
+      affected, and nothing is truncated.
+
+    Records below the recovery checkpoint are not scanned at open; reads verify every
+    record's crc and raise ``CorruptionError`` there.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from sortedcontainers import SortedList
+
+from storage.checkpoint import read_checkpoint, write_checkpoint
+from storage.errors import CorruptionError, LogClosedError, RecordTooLargeError, StorageError
+from storage.framing import (
+    END_OF_SEGMENT_RECORD,
+    HEADER,
+    HEADER_SIZE,
+    MAX_TYPE,
+    TYPE_DATA,
+    TYPE_END_OF_SEGMENT,
+    crc32c,
+    encode_into,
+)
+from storage.fs import O_READ, O_WRITE, REAL_FS, FileSystem
+
+SEGMENT_NAME_DIGITS = 20
+RECOVERY_CHECKPOINT = "recovery.checkpoint"
+EOS_SIZE = len(END_OF_SEGMENT_RECORD)  # HEADER_SIZE + 0 payload bytes
+
+DEFAULT_SEGMENT_SIZE = 1 << 30  # 1 GiB, as RocketMQ's commitlog
+DEFAULT_MAX_UNSYNCED_BYTES = 32 << 20
+DEFAULT_CHECKPOINT_EVERY_BYTES = 32 << 20
+READ_CHUNK = 1 << 20  # bytes per pread while scanning
+MAX_OPEN_READERS = 64  # read-only fds kept open for sealed segments
+
+
+def segment_name(base: int) -> str:
+    return f"{base:0{SEGMENT_NAME_DIGITS}d}"
+
+
+def is_segment_name(name: str) -> bool:
+    return len(name) == SEGMENT_NAME_DIGITS and name.isdigit()
+
+
+class Record(NamedTuple):
+    offset: int  # logical offset of the record's header
+    type: int
+    payload: bytes
+    next_offset: int  # where the next record starts (resume a scan from here)
+
+
+@dataclass
+class RecoveryReport:
+    """What opening the log found and did."""
+
+    scanned_from: int = 0
+    scanned_bytes: int = 0
+    end_offset: int = 0
+    truncated_bytes: int = 0  # torn tail cut off
+    truncated_at: int | None = None
+    removed_segments: list[str] = field(default_factory=list)
+
+
+class _Segment:
+    __slots__ = ("base", "path", "size", "write_fd")
+
+    def __init__(self, base: int, path: str, size: int) -> None:
+        self.base = base
+        self.path = path
+        self.size = size  # bytes written (logical end = base + size)
+        self.write_fd: int | None = None
+
+
+class _BadRecord(Exception):
+    """Internal: the scan met bytes that are not a valid record."""
+
+    def __init__(self, segment: _Segment, position: int, length: int, reason: str) -> None:
+        self.segment = segment
+        self.position = position
+        self.length = length
+        self.reason = reason
+
+
+class SegmentedLog:
+    """An append-only, crash-safe log; see the module docstring for the guarantees.
+
+    Appends come from one thread (the event loop); ``flush()`` may run concurrently in a
+    worker thread. Readers may iterate while appends happen: they see every record whose
+    append returned.
+    """
+
+    def __init__(
+        self,
+        directory: str,
+        fs: FileSystem,
+        segment_size: int,
+        max_unsynced_bytes: int,
+        checkpoint_every_bytes: int,
+    ) -> None:
+        if segment_size < EOS_SIZE + HEADER_SIZE + 1:
+            raise ValueError(f"segment_size {segment_size} is too small to hold a record")
+        self.directory = directory
+        self.fs = fs
+        self.segment_size = segment_size
+        self.max_unsynced_bytes = max_unsynced_bytes
+        self.checkpoint_every_bytes = checkpoint_every_bytes
+        self.recovery = RecoveryReport()
+        self._segments: dict[int, _Segment] = {}
+        self._bases = SortedList()
+        self._readers: dict[int, int] = {}  # base -> read fd of a sealed segment
+        self._end = 0
+        self._durable = 0
+        self._checkpointed = 0
+        self._unsynced_bytes = 0
+        self._dirty: dict[int, _Segment] = {}  # written since the last flush
+        self._retired_fds: list[int] = []  # write fds of rolled segments, closed on flush
+        self._dir_dirty = False
+        self._state_lock = threading.Lock()  # appends vs a flush snapshot
+        self._flush_lock = threading.Lock()  # one flush at a time
+        self._failed: BaseException | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ opening
+
+    @classmethod
+    def open(
+        cls,
+        directory: str,
+        *,
+        fs: FileSystem = REAL_FS,
+        segment_size: int = DEFAULT_SEGMENT_SIZE,
+        max_unsynced_bytes: int = DEFAULT_MAX_UNSYNCED_BYTES,
+        checkpoint_every_bytes: int = DEFAULT_CHECKPOINT_EVERY_BYTES,
+    ) -> SegmentedLog:
+        """Open (creating if missing) the log in ``directory`` and recover its tail.
+
+        Raises CorruptionError for damage that a crash cannot explain.
+        """
+        log = cls(directory, fs, segment_size, max_unsynced_bytes, checkpoint_every_bytes)
+        fs.mkdir(directory)
+        log._recover()
+        return log
+
+    def _recover(self) -> None:
+        fs = self.fs
+        for name in sorted(n for n in fs.listdir(self.directory) if is_segment_name(n)):
+            path = os.path.join(self.directory, name)
+            fd = fs.open(path, O_READ)
+            try:
+                size = fs.fsize(fd)
+            finally:
+                fs.close(fd)
+            seg = _Segment(int(name), path, size)
+            self._segments[seg.base] = seg
+            self._bases.add(seg.base)
+        if not self._bases:
+            return
+        first = self._segments[self._bases[0]]
+        last = self._segments[self._bases[-1]]
+        file_end = last.base + last.size
+        checkpoint = self._read_recovery_checkpoint()
+        start = first.base
+        if checkpoint is not None and checkpoint > first.base:
+            if checkpoint > file_end:
+                raise CorruptionError(
+                    last.path,
+                    last.size,
+                    checkpoint - file_end,
+                    f"log ends at offset {file_end} but its recovery checkpoint says "
+                    f"{checkpoint} was durable",
+                )
+            start = checkpoint
+        self.recovery.scanned_from = start
+        try:
+            end = self._scan_to_end(start)
+        except _BadRecord as bad:
+            end = bad.segment.base + bad.position
+            if file_end - end > self.max_unsynced_bytes:
+                raise CorruptionError(
+                    bad.segment.path, bad.position, bad.length, bad.reason
+                ) from None
+            self._cut_tail(bad.segment, bad.position, file_end)
+        self.recovery.scanned_bytes = end - start
+        self.recovery.end_offset = end
+        self._end = end
+        # What survived a kill -9 may still sit only in the page cache: sync it once so
+        # that durable_offset is true from the start.
+        for base in self._bases.irange(self._segment_of(start).base):
+            seg = self._segments[base]
+            fd = fs.open(seg.path, O_READ)
+            try:
+                fs.fsync(fd)
+            finally:
+                fs.close(fd)
+        self._durable = end
+        self._checkpointed = start
+
+    def _read_recovery_checkpoint(self) -> int | None:
+        data = read_checkpoint(self.fs, os.path.join(self.directory, RECOVERY_CHECKPOINT))
+        return None if data is None else int.from_bytes(data, "little")
+
+    def _scan_to_end(self, start: int) -> int:
+        """Validate every record from ``start``; the logical end, or raise _BadRecord."""
+        seg = self._segment_of(start)
+        position = start - seg.base
+        while True:
+            position, sealed = self._validate_segment(seg, position)
+            is_last = seg.base == self._bases[-1]
+            if sealed and position < seg.size:
+                raise _BadRecord(
+                    seg, position, seg.size - position, "bytes after the end-of-segment marker"
+                )
+            if not sealed and not is_last:
+                raise _BadRecord(
+                    seg, position, 0, "segment has no end-of-segment marker but a later one exists"
+                )
+            if is_last:
+                return seg.base + position
+            next_base = seg.base + seg.size
+            following = self._bases[self._bases.index(seg.base) + 1]
+            if following != next_base:
+                raise _BadRecord(
+                    seg, seg.size, 0, f"next segment should start at {next_base}, found {following}"
+                )
+            seg, position = self._segments[following], 0
+
+    def _validate_segment(self, seg: _Segment, position: int) -> tuple[int, bool]:
+        """Check records from ``position`` to the end of ``seg``.
+
+        Returns (position after the last valid record, whether that record was the
+        END_OF_SEGMENT marker). Raises _BadRecord at the first invalid record.
+        """
+        fd = self._reader_fd(seg)
+        while position < seg.size:
+            header = self.fs.pread(fd, HEADER_SIZE, position)
+            if len(header) < HEADER_SIZE:
+                raise _BadRecord(seg, position, seg.size - position, "partial record header")
+            length, crc, rtype = HEADER.unpack(header)
+            end = position + HEADER_SIZE + length
+            if end > seg.size:
+                raise _BadRecord(
+                    seg, position, seg.size - position, f"record of {length} bytes runs past EOF"
+                )
+            body = self.fs.pread(fd, length + 1, position + HEADER_SIZE - 1)
+            if rtype == 0 or crc32c(body) != crc:
+                raise _BadRecord(seg, position, end - position, "crc mismatch")
+            position = end
+            if rtype == TYPE_END_OF_SEGMENT:
+                return position, True
+        return position, False
+
+    def _cut_tail(self, seg: _Segment, position: int, file_end: int) -> None:
+        fs = self.fs
+        self.recovery.truncated_at = seg.base + position
+        self.recovery.truncated_bytes = file_end - (seg.base + position)
+        for base in list(self._bases.irange(seg.base + 1)):
+            doomed = self._segments.pop(base)
+            self._bases.remove(base)
+            self._close_reader(base)
+            fs.unlink(doomed.path)
+            self.recovery.removed_segments.append(os.path.basename(doomed.path))
+        self._close_reader(seg.base)
+        fd = fs.open(seg.path, O_WRITE)
+        try:
+            fs.ftruncate(fd, position)
+            fs.fsync(fd)
+        finally:
+            fs.close(fd)
+        seg.size = position
+        fs.fsync_dir(self.directory)
+
+    # ------------------------------------------------------------------ appending
+
+    def append(self, payload: bytes, rtype: int = TYPE_DATA) -> int:
+        """Append one record; returns its offset. Durable after the next flush()."""
+        return self.append_batch((payload,), rtype)[0]
+
+    def append_batch(self, payloads: Sequence[bytes], rtype: int = TYPE_DATA) -> list[int]:
+        """Append records in order; returns their offsets.
+
+        Raises RecordTooLargeError (before writing anything) when a record cannot fit in
+        a segment or in the unsynced window, ValueError for a reserved type.
+        """
+        self._check_usable()
+        if not TYPE_DATA <= rtype <= MAX_TYPE:
+            raise ValueError(f"record type {rtype} is reserved; use {TYPE_DATA}..{MAX_TYPE}")
+        limit = min(self.segment_size - EOS_SIZE, self.max_unsynced_bytes)
+        for payload in payloads:
+            if HEADER_SIZE + len(payload) > limit:
+                raise RecordTooLargeError(
+                    f"record of {len(payload)} bytes does not fit: the limit is "
+                    f"{limit - HEADER_SIZE} bytes (segment_size={self.segment_size}, "
+                    f"max_unsynced_bytes={self.max_unsynced_bytes})"
+                )
+        offsets: list[int] = []
+        seg = self._active_segment()
+        buf = bytearray()
+        room = min(self.segment_size - EOS_SIZE - seg.size, self.max_unsynced_bytes)
+        try:
+            for payload in payloads:
+                need = HEADER_SIZE + len(payload)
+                if len(buf) + need > room:
+                    self._write(seg, buf)
+                    buf = bytearray()
+                    if seg.size + need > self.segment_size - EOS_SIZE:
+                        seg = self._roll(seg)
+                    room = min(self.segment_size - EOS_SIZE - seg.size, self.max_unsynced_bytes)
+                offsets.append(seg.base + seg.size + len(buf))
+                encode_into(buf, payload, rtype)
+            self._write(seg, buf)
+        except BaseException as exc:
+            # A failed write leaves the file in an unknown state; refuse further appends
+            # rather than guess (reopen runs recovery).
+            self._failed = exc
+            raise
+        return offsets
+
+    def _write(self, seg: _Segment, data: bytes | bytearray) -> None:
+        if not data:
+            return
+        if self._unsynced_bytes + len(data) > self.max_unsynced_bytes:
+            # Keep the unsynced window bounded: it is what lets recovery tell a torn
+            # tail from corruption. The trio flusher normally flushes long before this.
+            self.flush()
+        self.fs.pwrite(seg.write_fd, data, seg.size)
+        with self._state_lock:
+            seg.size += len(data)
+            self._end = seg.base + seg.size
+            self._unsynced_bytes += len(data)
+            self._dirty[seg.base] = seg
+
+    def _active_segment(self) -> _Segment:
+        if self._bases:
+            seg = self._segments[self._bases[-1]]
+            if seg.base + seg.size == self._end and seg.write_fd is not None:
+                return seg
+            if seg.base + seg.size == self._end and not self._is_sealed(seg):
+                seg.write_fd = self.fs.open(seg.path, O_WRITE)
+                return seg
+        return self._create_segment(self._end)
+
+    def _is_sealed(self, seg: _Segment) -> bool:
+        if seg.size < EOS_SIZE:
+            return False
+        tail = self.fs.pread(self._reader_fd(seg), EOS_SIZE, seg.size - EOS_SIZE)
+        return tail == END_OF_SEGMENT_RECORD
+
+    def _create_segment(self, base: int) -> _Segment:
+        path = os.path.join(self.directory, segment_name(base))
+        seg = _Segment(base, path, 0)
+        seg.write_fd = self.fs.open(path, O_WRITE)
+        self.fs.ftruncate(seg.write_fd, 0)  # a leftover of a crashed creation is garbage
+        with self._state_lock:
+            self._segments[base] = seg
+            self._bases.add(base)
+            self._dir_dirty = True
+        return seg
+
+    def _roll(self, seg: _Segment) -> _Segment:
+        self._write(seg, END_OF_SEGMENT_RECORD)
+        with self._state_lock:
+            self._retired_fds.append(seg.write_fd)
+            seg.write_fd = None
+        return self._create_segment(seg.base + seg.size)
+
+    # ------------------------------------------------------------------ durability
+
+    def flush(self) -> int:
+        """Make every record appended so far durable; returns the durable end offset.
+
+        Safe to call from a worker thread while the event loop appends. A failed fsync
+        makes the log unusable (after an fsync error the kernel may have dropped the
+        dirty pages, so retrying could report lost data as durable).
+        """
+        with self._flush_lock:
+            self._check_usable()
+            with self._state_lock:
+                target = self._end
+                # Capture the fds now: the event loop may roll a segment meanwhile.
+                dirty = [seg.write_fd for seg in self._dirty.values() if seg.write_fd is not None]
+                retired = self._retired_fds
+                self._retired_fds = []
+                self._dirty = {}
+                dir_dirty, self._dir_dirty = self._dir_dirty, False
+                synced_bytes = self._unsynced_bytes
+            try:
+                for fd in retired:
+                    self.fs.fdatasync(fd)
+                    self.fs.close(fd)
+                for fd in dirty:
+                    self.fs.fdatasync(fd)
+                if dir_dirty:
+                    self.fs.fsync_dir(self.directory)
+            except BaseException as exc:
+                self._failed = exc
+                raise
+            with self._state_lock:
+                self._unsynced_bytes -= synced_bytes
+                self._durable = max(self._durable, target)
+            if self._durable - self._checkpointed >= self.checkpoint_every_bytes:
+                self._write_recovery_checkpoint(self._durable)
+            return self._durable
+
+    def _write_recovery_checkpoint(self, offset: int) -> None:
+        path = os.path.join(self.directory, RECOVERY_CHECKPOINT)
+        write_checkpoint(self.fs, path, offset.to_bytes(8, "little"))
+        self._checkpointed = offset
+
+    # ------------------------------------------------------------------ reading
+
+    @property
+    def min_offset(self) -> int:
+        """Offset of the oldest record still on disk (== end_offset when empty)."""
+        return self._bases[0] if self._bases else self._end
+
+    @property
+    def end_offset(self) -> int:
+        """Offset the next record will be written at (one past the last record)."""
+        return self._end
+
+    @property
+    def durable_offset(self) -> int:
+        """Every record below this offset survives a power loss."""
+        return self._durable
+
+    @property
+    def unsynced_bytes(self) -> int:
+        return self._unsynced_bytes
+
+    def read(self, offset: int) -> Record:
+        """The record at ``offset`` (an offset returned by append or a scan).
+
+        Raises ValueError outside [min_offset, end_offset), CorruptionError when the bytes
+        there are not a valid record.
+        """
+        self._check_open()
+        if not self.min_offset <= offset < self._end:
+            raise ValueError(f"offset {offset} is outside the log [{self.min_offset}, {self._end})")
+        seg = self._segment_of(offset)
+        fd = self._read_fd(seg)
+        position = offset - seg.base
+        header = self.fs.pread(fd, HEADER_SIZE, position)
+        if len(header) < HEADER_SIZE:
+            raise CorruptionError(seg.path, position, len(header), "partial record header")
+        length, crc, rtype = HEADER.unpack(header)
+        if position + HEADER_SIZE + length > seg.size:
+            raise CorruptionError(seg.path, position, seg.size - position, "record runs past EOF")
+        body = self.fs.pread(fd, length + 1, position + HEADER_SIZE - 1)
+        if rtype == 0 or crc32c(body) != crc:
+            raise CorruptionError(
+                seg.path, position, HEADER_SIZE + length, "no valid record at this offset"
+            )
+        if rtype == TYPE_END_OF_SEGMENT:
+            raise ValueError(f"offset {offset} is an end-of-segment marker, not a record")
+        return Record(offset, rtype, body[1:], offset + HEADER_SIZE + length)
+
+    def iter_from(self, offset: int, until: int | None = None) -> Iterator[Record]:
+        """Records from ``offset`` (a record start) up to ``until`` or the current end.
+
+        The end is re-read as the scan goes, so records appended meanwhile are seen.
+        Raises CorruptionError on a damaged record.
+        """
+        self._check_open()
+        if offset < self.min_offset:
+            raise ValueError(f"offset {offset} is below the oldest record {self.min_offset}")
+        while True:
+            limit = self._end if until is None else min(until, self._end)
+            if offset >= limit:
+                return
+            seg = self._segment_of(offset)
+            last = None
+            for record in self._scan(seg, offset - seg.base, limit - seg.base):
+                last = record
+                yield record
+            # No record means the scan stopped at an END_OF_SEGMENT marker: go on in the
+            # next segment.
+            offset = seg.base + seg.size if last is None else last.next_offset
+
+    def _scan(self, seg: _Segment, position: int, limit: int) -> Iterator[Record]:
+        """Records of one segment from ``position`` up to ``limit`` (segment-relative),
+        read in big chunks; stops at END_OF_SEGMENT."""
+        fd = self._read_fd(seg)
+        limit = min(limit, seg.size)
+        base = seg.base
+        unpack_from = HEADER.unpack_from
+        while position < limit:
+            chunk = self.fs.pread(fd, min(READ_CHUNK, limit - position), position)
+            view = memoryview(chunk)
+            i, n = 0, len(chunk)
+            while i + HEADER_SIZE <= n:
+                length, crc, rtype = unpack_from(chunk, i)
+                end = i + HEADER_SIZE + length
+                if end > n:
+                    break
+                if rtype == 0 or crc32c(view[i + HEADER_SIZE - 1 : end]) != crc:
+                    raise CorruptionError(seg.path, position + i, end - i, "crc mismatch")
+                if rtype == TYPE_END_OF_SEGMENT:
+                    return
+                yield Record(
+                    base + position + i, rtype, chunk[i + HEADER_SIZE : end], base + position + end
+                )
+                i = end
+            if i == 0:
+                # One record larger than a chunk: read it whole.
+                record = self.read(base + position)
+                if record.next_offset - base > limit:
+                    return
+                yield record
+                i = record.next_offset - base - position
+            position += i
+
+    def _segment_of(self, offset: int) -> _Segment:
+        index = self._bases.bisect_right(offset) - 1
+        if index < 0:
+            raise ValueError(f"offset {offset} is below the oldest segment")
+        return self._segments[self._bases[index]]
+
+    def _read_fd(self, seg: _Segment) -> int:
+        return seg.write_fd if seg.write_fd is not None else self._reader_fd(seg)
+
+    def _reader_fd(self, seg: _Segment) -> int:
+        fd = self._readers.pop(seg.base, None)
+        if fd is None:
+            if len(self._readers) >= MAX_OPEN_READERS:
+                oldest = next(iter(self._readers))
+                self.fs.close(self._readers.pop(oldest))
+            fd = self.fs.open(seg.path, O_READ)
+        self._readers[seg.base] = fd  # re-insert: most recently used last
+        return fd
+
+    def _close_reader(self, base: int) -> None:
+        fd = self._readers.pop(base, None)
+        if fd is not None:
+            self.fs.close(fd)
+
+    # ------------------------------------------------------------------ retention, close
+
+    def delete_before(self, offset: int) -> int:
+        """Delete whole segments whose records all lie below ``offset``; returns how many.
+
+        The segment being written is never deleted.
+        """
+        self._check_usable()
+        doomed = []
+        for index in range(len(self._bases) - 1):
+            base, next_base = self._bases[index], self._bases[index + 1]
+            if next_base > offset:
+                break
+            doomed.append(base)
+        for base in doomed:
+            seg = self._segments[base]
+            with self._state_lock:
+                del self._segments[base]
+                self._bases.remove(base)
+            self._close_reader(base)
+            self.fs.unlink(seg.path)
+        if doomed:
+            self.fs.fsync_dir(self.directory)
+        return len(doomed)
+
+    def close(self) -> None:
+        """Flush, write the recovery checkpoint and release every file."""
+        if self._closed:
+            return
+        try:
+            if self._failed is None:
+                self.flush()
+                if self._durable > self._checkpointed:
+                    self._write_recovery_checkpoint(self._durable)
+        finally:
+            self._closed = True
+            for fd in self._retired_fds:
+                self.fs.close(fd)
+            for seg in self._segments.values():
+                if seg.write_fd is not None:
+                    self.fs.close(seg.write_fd)
+                    seg.write_fd = None
+            for base in list(self._readers):
+                self._close_reader(base)
+
+    def __enter__(self) -> SegmentedLog:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise LogClosedError(f"log {self.directory} is closed")
+
+    def _check_usable(self) -> None:
+        self._check_open()
+        if self._failed is not None:
+            raise StorageError(
+                f"log {self.directory} failed earlier ({self._failed!r}); reopen it to recover"
+            )
