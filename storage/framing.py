@@ -34,25 +34,23 @@ MAX_TYPE = 255
 crc32c = _crc32c.crc32c
 
 
+def type_seed(rtype: int) -> int:
+    """The crc32c of the type byte alone.
+
+    ``crc32c(payload, type_seed(t)) == crc32c(bytes([t]) + payload)``: a batch computes
+    the seed once and then one crc call per payload, without copying the payload.
+    """
+    return crc32c(bytes((rtype,)))
+
+
 def record_crc(rtype: int, payload: bytes | bytearray | memoryview) -> int:
     """The crc32c a record of ``rtype`` with ``payload`` must carry."""
-    return crc32c(payload, crc32c(bytes((rtype,))))
+    return crc32c(payload, type_seed(rtype))
 
 
 def encode_record(payload: bytes | bytearray | memoryview, rtype: int = TYPE_DATA) -> bytes:
     """One framed record, header and payload."""
     return HEADER.pack(len(payload), record_crc(rtype, payload), rtype) + bytes(payload)
-
-
-def encode_into(out: bytearray, payload: bytes | bytearray | memoryview, rtype: int) -> None:
-    """Append one framed record to ``out`` — the hot path of batch appends."""
-    start = len(out)
-    out += b"\0\0\0\0\0\0\0\0"
-    out.append(rtype)
-    out += payload
-    # The crc covers type and payload, which now sit contiguously in ``out``.
-    crc = crc32c(memoryview(out)[start + 8 :])
-    HEADER.pack_into(out, start, len(payload), crc, rtype)
 
 
 END_OF_SEGMENT_RECORD = encode_record(b"", TYPE_END_OF_SEGMENT)

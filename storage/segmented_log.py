@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -50,7 +50,7 @@ from storage.framing import (
     TYPE_DATA,
     TYPE_END_OF_SEGMENT,
     crc32c,
-    encode_into,
+    type_seed,
 )
 from storage.fs import O_READ, O_WRITE, REAL_FS, FileSystem
 
@@ -261,23 +261,71 @@ class SegmentedLog:
         Returns (position after the last valid record, whether that record was the
         END_OF_SEGMENT marker). Raises _BadRecord at the first invalid record.
         """
-        fd = self._reader_fd(seg)
-        while position < seg.size:
-            header = self.fs.pread(fd, HEADER_SIZE, position)
-            if len(header) < HEADER_SIZE:
-                raise _BadRecord(seg, position, seg.size - position, "partial record header")
-            length, crc, rtype = HEADER.unpack(header)
-            end = position + HEADER_SIZE + length
-            if end > seg.size:
-                raise _BadRecord(
-                    seg, position, seg.size - position, f"record of {length} bytes runs past EOF"
+        frames = self._frames(seg, position, seg.size)
+        while True:
+            try:
+                next(frames)
+            except StopIteration as done:
+                return done.value
+
+    def _frames(
+        self, seg: _Segment, position: int, limit: int
+    ) -> Generator[Record, None, tuple[int, bool]]:
+        """Records of ``seg`` from ``position`` up to ``limit`` (segment-relative), read
+        in big chunks. Returns (where it stopped, whether it stopped at END_OF_SEGMENT),
+        which ``yield from`` hands to the caller; the marker itself is not yielded.
+        Raises _BadRecord at the first invalid frame."""
+        fd = self._read_fd(seg)
+        base = seg.base
+        unpack_from = HEADER.unpack_from
+        # tuple.__new__ skips the Python-level NamedTuple constructor: the hot loop of
+        # every scan builds one Record per record.
+        new_record = tuple.__new__
+        while position < limit:
+            chunk = self.fs.pread(fd, min(READ_CHUNK, limit - position), position)
+            view = memoryview(chunk)
+            i, n = 0, len(chunk)
+            while i + HEADER_SIZE <= n:
+                length, crc, rtype = unpack_from(chunk, i)
+                end = i + HEADER_SIZE + length
+                if end > n:
+                    break
+                if rtype == 0 or crc32c(view[i + HEADER_SIZE - 1 : end]) != crc:
+                    raise _BadRecord(seg, position + i, end - i, "crc mismatch")
+                if rtype == TYPE_END_OF_SEGMENT:
+                    return position + end, True
+                yield new_record(
+                    Record,
+                    (
+                        base + position + i,
+                        rtype,
+                        chunk[i + HEADER_SIZE : end],
+                        base + position + end,
+                    ),
                 )
-            body = self.fs.pread(fd, length + 1, position + HEADER_SIZE - 1)
-            if rtype == 0 or crc32c(body) != crc:
-                raise _BadRecord(seg, position, end - position, "crc mismatch")
-            position = end
-            if rtype == TYPE_END_OF_SEGMENT:
-                return position, True
+                i = end
+            if i == 0:
+                # The frame at ``position`` does not fit in the chunk: a record bigger than
+                # READ_CHUNK, or one cut short by the end of what may be read.
+                if n < HEADER_SIZE:
+                    raise _BadRecord(seg, position, limit - position, "partial record header")
+                length, crc, rtype = unpack_from(chunk, 0)
+                end = position + HEADER_SIZE + length
+                if end > limit:
+                    raise _BadRecord(
+                        seg,
+                        position,
+                        limit - position,
+                        f"record of {length} bytes runs past the end",
+                    )
+                whole = self.fs.pread(fd, end - position, position)
+                if rtype == 0 or crc32c(memoryview(whole)[HEADER_SIZE - 1 :]) != crc:
+                    raise _BadRecord(seg, position, end - position, "crc mismatch")
+                if rtype == TYPE_END_OF_SEGMENT:
+                    return end, True
+                yield Record(base + position, rtype, whole[HEADER_SIZE:], base + end)
+                i = end - position
+            position += i
         return position, False
 
     def _cut_tail(self, seg: _Segment, position: int, file_end: int) -> None:
@@ -325,20 +373,25 @@ class SegmentedLog:
                 )
         offsets: list[int] = []
         seg = self._active_segment()
-        buf = bytearray()
+        seed = type_seed(rtype)
+        pack = HEADER.pack
+        parts: list[bytes] = []  # headers and payloads, joined once per write
+        pending = 0
         room = min(self.segment_size - EOS_SIZE - seg.size, self.max_unsynced_bytes)
         try:
             for payload in payloads:
                 need = HEADER_SIZE + len(payload)
-                if len(buf) + need > room:
-                    self._write(seg, buf)
-                    buf = bytearray()
+                if pending + need > room:
+                    self._write(seg, b"".join(parts))
+                    parts, pending = [], 0
                     if seg.size + need > self.segment_size - EOS_SIZE:
                         seg = self._roll(seg)
                     room = min(self.segment_size - EOS_SIZE - seg.size, self.max_unsynced_bytes)
-                offsets.append(seg.base + seg.size + len(buf))
-                encode_into(buf, payload, rtype)
-            self._write(seg, buf)
+                offsets.append(seg.base + seg.size + pending)
+                parts.append(pack(len(payload), crc32c(payload, seed), rtype))
+                parts.append(payload)
+                pending += need
+            self._write(seg, b"".join(parts))
         except BaseException as exc:
             # A failed write leaves the file in an unknown state; refuse further appends
             # rather than guess (reopen runs recovery).
@@ -499,46 +552,14 @@ class SegmentedLog:
             if offset >= limit:
                 return
             seg = self._segment_of(offset)
-            last = None
-            for record in self._scan(seg, offset - seg.base, limit - seg.base):
-                last = record
-                yield record
-            # No record means the scan stopped at an END_OF_SEGMENT marker: go on in the
-            # next segment.
-            offset = seg.base + seg.size if last is None else last.next_offset
-
-    def _scan(self, seg: _Segment, position: int, limit: int) -> Iterator[Record]:
-        """Records of one segment from ``position`` up to ``limit`` (segment-relative),
-        read in big chunks; stops at END_OF_SEGMENT."""
-        fd = self._read_fd(seg)
-        limit = min(limit, seg.size)
-        base = seg.base
-        unpack_from = HEADER.unpack_from
-        while position < limit:
-            chunk = self.fs.pread(fd, min(READ_CHUNK, limit - position), position)
-            view = memoryview(chunk)
-            i, n = 0, len(chunk)
-            while i + HEADER_SIZE <= n:
-                length, crc, rtype = unpack_from(chunk, i)
-                end = i + HEADER_SIZE + length
-                if end > n:
-                    break
-                if rtype == 0 or crc32c(view[i + HEADER_SIZE - 1 : end]) != crc:
-                    raise CorruptionError(seg.path, position + i, end - i, "crc mismatch")
-                if rtype == TYPE_END_OF_SEGMENT:
-                    return
-                yield Record(
-                    base + position + i, rtype, chunk[i + HEADER_SIZE : end], base + position + end
+            try:
+                stopped, sealed = yield from self._frames(
+                    seg, offset - seg.base, min(limit - seg.base, seg.size)
                 )
-                i = end
-            if i == 0:
-                # One record larger than a chunk: read it whole.
-                record = self.read(base + position)
-                if record.next_offset - base > limit:
-                    return
-                yield record
-                i = record.next_offset - base - position
-            position += i
+            except _BadRecord as bad:
+                raise CorruptionError(seg.path, bad.position, bad.length, bad.reason) from None
+            # Past an END_OF_SEGMENT marker the next record is in the next segment.
+            offset = seg.base + seg.size if sealed else seg.base + stopped
 
     def _segment_of(self, offset: int) -> _Segment:
         index = self._bases.bisect_right(offset) - 1

@@ -76,9 +76,8 @@ async def test_async_policy_explicit_flush(tmp_path):
 
 
 async def test_append_before_run_is_refused(tmp_path):
-    with SegmentedLog.open(str(tmp_path)) as log:
-        with pytest.raises(StorageError, match="not running"):
-            await LogWriter(log).append_batch([b"x"])
+    with SegmentedLog.open(str(tmp_path)) as log, pytest.raises(StorageError, match="not running"):
+        await LogWriter(log).append_batch([b"x"])
 
 
 def test_invalid_policy_is_refused():

@@ -31,7 +31,7 @@ def test_append_read_iterate_across_rolls(tmp_path):
         assert [r.offset for r in records] == offsets
         assert [r.payload for r in records] == payloads
         # next_offset chains the records, across END_OF_SEGMENT markers too
-        assert list(log.iter_from(records[77].next_offset))[0] == records[78]
+        assert next(log.iter_from(records[77].next_offset)) == records[78]
     # segment files are named by the logical offset of their first byte
     names = segment_files(str(tmp_path))
     assert names[0] == segment_name(0)
