@@ -1,0 +1,46 @@
+"""The `delayd` command. Each subcommand lives with the layer it drives and registers
+itself here through ``add_parser(subparsers)`` and ``run(args) -> int``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from delayd import __version__
+
+# subcommand -> module providing add_parser() and run(); imported lazily so that
+# `delayd --version` stays fast and one broken command cannot break the others.
+COMMANDS = {
+    "broker": "delayd.broker.command",
+    "consume": "delayd.client.consume_command",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="delayd", description="delayd: durable delayed messages")
+    parser.add_argument("--version", action="version", version=f"delayd {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module_name in COMMANDS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name is None or not module_name.startswith(exc.name):
+                raise
+            continue  # not built yet
+        module.add_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    module = importlib.import_module(COMMANDS[args.command])
+    return module.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
