@@ -1,0 +1,91 @@
+"""The delayd error tree (STYLE.md #9, after dramatiq/errors.py and h11/_util.py).
+
+::
+
+    DelaydError
+    ├── ProtocolError               bytes on a connection broke the wire protocol
+    │   ├── LocalProtocolError      ... because this side tried to send something invalid
+    │   └── RemoteProtocolError     ... because the peer sent something invalid
+    ├── RejectedError               the server refused a request; ``reason`` says what to change
+    ├── BusyError                   the server is overloaded; retrying later is correct
+    ├── ConnectionClosedError       the connection is gone; pending requests are lost
+    └── DelaydTimeout               a deadline passed (also a builtin ``TimeoutError``)
+
+    StorageError                    from storage/, re-exported here
+    └── CorruptionError
+
+The storage errors are re-exported, not re-parented: storage/ knows nothing of delayd
+(DESIGN.md, "Layers"), so code that wants "anything delayd can raise" catches
+``(DelaydError, StorageError)``.
+"""
+
+from __future__ import annotations
+
+from storage.errors import CorruptionError, StorageError
+
+__all__ = [
+    "BusyError",
+    "ConnectionClosedError",
+    "CorruptionError",
+    "DelaydError",
+    "DelaydTimeout",
+    "LocalProtocolError",
+    "ProtocolError",
+    "RejectedError",
+    "RemoteProtocolError",
+    "StorageError",
+]
+
+
+class DelaydError(Exception):
+    """Base class of every error delayd raises on purpose."""
+
+
+class ProtocolError(DelaydError):
+    """The wire protocol was violated; the connection cannot be used any further.
+
+    ``code`` is a hint for the ERROR frame to send before closing (a
+    ``delayd.protocol.ErrorCode``; ``None`` means a generic protocol error), and
+    ``request_id`` the request the error belongs to, or 0 when it concerns the whole
+    connection (for example a frame whose header could not be trusted). Like h11's
+    ``error_status_hint``, they let the server answer without knowing why it failed.
+    """
+
+    def __init__(self, message: str, *, code: int | None = None, request_id: int = 0) -> None:
+        super().__init__(message)
+        self.code = code
+        self.request_id = request_id
+
+
+class LocalProtocolError(ProtocolError):
+    """This side tried to do something the protocol forbids (a bug in the caller)."""
+
+
+class RemoteProtocolError(ProtocolError):
+    """The peer sent bytes that break the protocol (malformed, or not allowed now)."""
+
+
+class RejectedError(DelaydError):
+    """The server understood the request and refused it.
+
+    ``code`` is the server's result or error code (an ``IntEnum`` of delayd.protocol),
+    ``reason`` a sentence the user can act on ("delay of 3 years exceeds max_delay of
+    2 years").
+    """
+
+    def __init__(self, code: int, reason: str) -> None:
+        super().__init__(f"{reason} ({getattr(code, 'name', code)})")
+        self.code = code
+        self.reason = reason
+
+
+class BusyError(DelaydError):
+    """The server is overloaded or shutting down; the same request may succeed later."""
+
+
+class ConnectionClosedError(DelaydError):
+    """The connection was closed; requests still waiting for an answer are lost."""
+
+
+class DelaydTimeout(DelaydError, TimeoutError):
+    """A deadline passed before the operation finished."""
