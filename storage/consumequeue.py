@@ -65,7 +65,7 @@ import xxhash
 
 from storage.errors import CorruptionError, LogClosedError, StorageError
 from storage.framing import HEADER_SIZE
-from storage.fs import O_READ, O_WRITE, REAL_FS, FileSystem
+from storage.fs import O_READ, O_WRITE, REAL_FS, FileSystem, create_dirs_durably
 
 if TYPE_CHECKING:
     from storage.segmented_log import Record
@@ -116,27 +116,6 @@ def segment_name(base_index: int) -> str:
 
 def is_segment_name(name: str) -> bool:
     return len(name) == SEGMENT_NAME_DIGITS and name.isdigit()
-
-
-def create_dirs_durably(fs: FileSystem, directory: str) -> None:
-    """Create ``directory`` and missing parents, and fsync the parent of each created one.
-
-    A new directory survives a power loss only once its parent is fsynced; without this a
-    queue whose segments were all fsynced could vanish with its directory entry.
-    """
-    missing: list[str] = []
-    path = os.path.normpath(directory)
-    while not fs.exists(path):
-        missing.append(path)
-        parent = os.path.dirname(path)
-        if parent == path:
-            break
-        path = parent
-    if not missing:
-        return
-    fs.mkdir(directory)
-    for created in reversed(missing):  # top-most first: its parent already exists
-        fs.fsync_dir(os.path.dirname(created) or ".")
 
 
 class _Segment:

@@ -95,3 +95,24 @@ class OsFileSystem:
 
 
 REAL_FS: FileSystem = OsFileSystem()
+
+
+def create_dirs_durably(fs: FileSystem, directory: str) -> None:
+    """Create ``directory`` and missing parents, and fsync the parent of each created one.
+
+    A new directory survives a power loss only once its parent is fsynced; without this a
+    queue whose segments were all fsynced could vanish with its directory entry.
+    """
+    missing: list[str] = []
+    path = os.path.normpath(directory)
+    while not fs.exists(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    if not missing:
+        return
+    fs.mkdir(directory)
+    for created in reversed(missing):  # top-most first: its parent already exists
+        fs.fsync_dir(os.path.dirname(created) or ".")

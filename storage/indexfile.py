@@ -63,10 +63,9 @@ from typing import NamedTuple
 
 import xxhash
 
-from storage.consumequeue import create_dirs_durably
 from storage.errors import CorruptionError, LogClosedError, StorageError
 from storage.framing import crc32c
-from storage.fs import O_WRITE, REAL_FS, FileSystem
+from storage.fs import O_WRITE, REAL_FS, FileSystem, create_dirs_durably
 
 MAGIC = b"DIDX"
 VERSION = 1

@@ -52,7 +52,7 @@ from storage.framing import (
     crc32c,
     type_seed,
 )
-from storage.fs import O_READ, O_WRITE, REAL_FS, FileSystem
+from storage.fs import O_READ, O_WRITE, REAL_FS, FileSystem, create_dirs_durably
 
 SEGMENT_NAME_DIGITS = 20
 RECOVERY_CHECKPOINT = "recovery.checkpoint"
@@ -168,7 +168,7 @@ class SegmentedLog:
         Raises CorruptionError for damage that a crash cannot explain.
         """
         log = cls(directory, fs, segment_size, max_unsynced_bytes, checkpoint_every_bytes)
-        fs.mkdir(directory)
+        create_dirs_durably(fs, directory)
         log._recover()
         return log
 
