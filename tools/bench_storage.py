@@ -78,6 +78,11 @@ def bench_appends(root: str, records: int) -> None:
         producers=16,
         fsyncs=fsyncs,
     )
+    # one producer: every batch waits for its own fsync, the floor of the sync policy
+    lone = os.path.join(root, "sync1")
+    rate, fsyncs = trio.run(append_with_policy, lone, records // 10, FlushPolicy(FlushMode.SYNC), 1)
+    emit("append_sync_one_producer_batch100", rate, "records/s", producers=1, fsyncs=fsyncs)
+    shutil.rmtree(lone)
     # iterate what the sync case wrote
     log = SegmentedLog.open(directory)
     started = time.perf_counter()
