@@ -34,9 +34,8 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from sortedcontainers import SortedList
 
@@ -48,11 +47,11 @@ from storage.framing import (
     HEADER_SIZE,
     MAX_TYPE,
     TYPE_DATA,
-    TYPE_END_OF_SEGMENT,
     crc32c,
     type_seed,
 )
 from storage.fs import O_READ, O_WRITE, REAL_FS, FileSystem, create_dirs_durably
+from storage.scan import BadFrame, Record, read_frame, scan_frames, validate_frames
 
 SEGMENT_NAME_DIGITS = 20
 RECOVERY_CHECKPOINT = "recovery.checkpoint"
@@ -61,7 +60,6 @@ EOS_SIZE = len(END_OF_SEGMENT_RECORD)  # HEADER_SIZE + 0 payload bytes
 DEFAULT_SEGMENT_SIZE = 1 << 30  # 1 GiB, as RocketMQ's commitlog
 DEFAULT_MAX_UNSYNCED_BYTES = 32 << 20
 DEFAULT_CHECKPOINT_EVERY_BYTES = 32 << 20
-READ_CHUNK = 1 << 20  # bytes per pread while scanning
 MAX_OPEN_READERS = 64  # read-only fds kept open for sealed segments
 
 
@@ -71,13 +69,6 @@ def segment_name(base: int) -> str:
 
 def is_segment_name(name: str) -> bool:
     return len(name) == SEGMENT_NAME_DIGITS and name.isdigit()
-
-
-class Record(NamedTuple):
-    offset: int  # logical offset of the record's header
-    type: int
-    payload: bytes
-    next_offset: int  # where the next record starts (resume a scan from here)
 
 
 @dataclass
@@ -261,72 +252,10 @@ class SegmentedLog:
         Returns (position after the last valid record, whether that record was the
         END_OF_SEGMENT marker). Raises _BadRecord at the first invalid record.
         """
-        frames = self._frames(seg, position, seg.size)
-        while True:
-            try:
-                next(frames)
-            except StopIteration as done:
-                return done.value
-
-    def _frames(
-        self, seg: _Segment, position: int, limit: int
-    ) -> Generator[Record, None, tuple[int, bool]]:
-        """Records of ``seg`` from ``position`` up to ``limit`` (segment-relative), read
-        in big chunks. Returns (where it stopped, whether it stopped at END_OF_SEGMENT),
-        which ``yield from`` hands to the caller; the marker itself is not yielded.
-        Raises _BadRecord at the first invalid frame."""
-        fd = self._read_fd(seg)
-        base = seg.base
-        unpack_from = HEADER.unpack_from
-        # tuple.__new__ skips the Python-level NamedTuple constructor: the hot loop of
-        # every scan builds one Record per record.
-        new_record = tuple.__new__
-        while position < limit:
-            chunk = self.fs.pread(fd, min(READ_CHUNK, limit - position), position)
-            view = memoryview(chunk)
-            i, n = 0, len(chunk)
-            while i + HEADER_SIZE <= n:
-                length, crc, rtype = unpack_from(chunk, i)
-                end = i + HEADER_SIZE + length
-                if end > n:
-                    break
-                if rtype == 0 or crc32c(view[i + HEADER_SIZE - 1 : end]) != crc:
-                    raise _BadRecord(seg, position + i, end - i, "crc mismatch")
-                if rtype == TYPE_END_OF_SEGMENT:
-                    return position + end, True
-                yield new_record(
-                    Record,
-                    (
-                        base + position + i,
-                        rtype,
-                        chunk[i + HEADER_SIZE : end],
-                        base + position + end,
-                    ),
-                )
-                i = end
-            if i == 0:
-                # The frame at ``position`` does not fit in the chunk: a record bigger than
-                # READ_CHUNK, or one cut short by the end of what may be read.
-                if n < HEADER_SIZE:
-                    raise _BadRecord(seg, position, limit - position, "partial record header")
-                length, crc, rtype = unpack_from(chunk, 0)
-                end = position + HEADER_SIZE + length
-                if end > limit:
-                    raise _BadRecord(
-                        seg,
-                        position,
-                        limit - position,
-                        f"record of {length} bytes runs past the end",
-                    )
-                whole = self.fs.pread(fd, end - position, position)
-                if rtype == 0 or crc32c(memoryview(whole)[HEADER_SIZE - 1 :]) != crc:
-                    raise _BadRecord(seg, position, end - position, "crc mismatch")
-                if rtype == TYPE_END_OF_SEGMENT:
-                    return end, True
-                yield Record(base + position, rtype, whole[HEADER_SIZE:], base + end)
-                i = end - position
-            position += i
-        return position, False
+        try:
+            return validate_frames(self.fs, self._reader_fd(seg), seg.path, position, seg.size)
+        except BadFrame as bad:
+            raise _BadRecord(seg, bad.position, bad.length, bad.reason) from None
 
     def _cut_tail(self, seg: _Segment, position: int, file_end: int) -> None:
         fs = self.fs
@@ -521,22 +450,12 @@ class SegmentedLog:
         if not self.min_offset <= offset < self._end:
             raise ValueError(f"offset {offset} is outside the log [{self.min_offset}, {self._end})")
         seg = self._segment_of(offset)
-        fd = self._read_fd(seg)
-        position = offset - seg.base
-        header = self.fs.pread(fd, HEADER_SIZE, position)
-        if len(header) < HEADER_SIZE:
-            raise CorruptionError(seg.path, position, len(header), "partial record header")
-        length, crc, rtype = HEADER.unpack(header)
-        if position + HEADER_SIZE + length > seg.size:
-            raise CorruptionError(seg.path, position, seg.size - position, "record runs past EOF")
-        body = self.fs.pread(fd, length + 1, position + HEADER_SIZE - 1)
-        if rtype == 0 or crc32c(body) != crc:
-            raise CorruptionError(
-                seg.path, position, HEADER_SIZE + length, "no valid record at this offset"
+        try:
+            return read_frame(
+                self.fs, self._read_fd(seg), seg.path, seg.base, offset - seg.base, seg.size
             )
-        if rtype == TYPE_END_OF_SEGMENT:
-            raise ValueError(f"offset {offset} is an end-of-segment marker, not a record")
-        return Record(offset, rtype, body[1:], offset + HEADER_SIZE + length)
+        except BadFrame as bad:
+            raise bad.corruption() from None
 
     def iter_from(self, offset: int, until: int | None = None) -> Iterator[Record]:
         """Records from ``offset`` (a record start) up to ``until`` or the current end.
@@ -553,11 +472,16 @@ class SegmentedLog:
                 return
             seg = self._segment_of(offset)
             try:
-                stopped, sealed = yield from self._frames(
-                    seg, offset - seg.base, min(limit - seg.base, seg.size)
+                stopped, sealed = yield from scan_frames(
+                    self.fs,
+                    self._read_fd(seg),
+                    seg.path,
+                    seg.base,
+                    offset - seg.base,
+                    min(limit - seg.base, seg.size),
                 )
-            except _BadRecord as bad:
-                raise CorruptionError(seg.path, bad.position, bad.length, bad.reason) from None
+            except BadFrame as bad:
+                raise bad.corruption() from None
             # Past an END_OF_SEGMENT marker the next record is in the next segment.
             offset = seg.base + seg.size if sealed else seg.base + stopped
 

@@ -1,0 +1,125 @@
+"""The one parser of framed records on disk, shared by every log shape.
+
+It reads big chunks with pread and yields ``Record`` tuples, checking every crc. Both
+``SegmentedLog`` (many offset-named segments) and ``RecordFile`` (one file, as a
+schedule_log bucket) scan through it, so a record is validated the same way wherever
+it is read — including by the audit's Spark readers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from typing import NamedTuple
+
+from storage.errors import CorruptionError
+from storage.framing import HEADER, HEADER_SIZE, TYPE_END_OF_SEGMENT, crc32c
+from storage.fs import FileSystem
+
+READ_CHUNK = 1 << 20  # bytes per pread while scanning
+
+
+class Record(NamedTuple):
+    offset: int  # logical offset of the record's header
+    type: int
+    payload: bytes
+    next_offset: int  # where the next record starts (resume a scan from here)
+
+
+class BadFrame(Exception):
+    """The scan met bytes that are not a valid record. Whether that is a torn tail or
+    corruption is for the caller to decide; ``corruption()`` builds the report."""
+
+    def __init__(self, path: str, position: int, length: int, reason: str) -> None:
+        super().__init__(f"{path}@{position}: {reason}")
+        self.path = path
+        self.position = position  # byte position in the file
+        self.length = length  # bytes affected
+        self.reason = reason
+
+    def corruption(self) -> CorruptionError:
+        return CorruptionError(self.path, self.position, self.length, self.reason)
+
+
+def scan_frames(
+    fs: FileSystem, fd: int, path: str, base: int, position: int, limit: int
+) -> Generator[Record, None, tuple[int, bool]]:
+    """Records of the file ``fd`` from byte ``position`` up to byte ``limit``.
+
+    Record offsets are ``base + position``. Returns (the position where the scan
+    stopped, whether it stopped at END_OF_SEGMENT), which ``yield from`` hands to the
+    caller; the marker itself is not yielded. Raises BadFrame at the first invalid frame,
+    including one cut short by ``limit``.
+    """
+    unpack_from = HEADER.unpack_from
+    # tuple.__new__ skips the Python-level NamedTuple constructor: this loop builds one
+    # Record per record of every scan.
+    new_record = tuple.__new__
+    while position < limit:
+        chunk = fs.pread(fd, min(READ_CHUNK, limit - position), position)
+        view = memoryview(chunk)
+        i, n = 0, len(chunk)
+        while i + HEADER_SIZE <= n:
+            length, crc, rtype = unpack_from(chunk, i)
+            end = i + HEADER_SIZE + length
+            if end > n:
+                break
+            if rtype == 0 or crc32c(view[i + HEADER_SIZE - 1 : end]) != crc:
+                raise BadFrame(path, position + i, end - i, "crc mismatch")
+            if rtype == TYPE_END_OF_SEGMENT:
+                return position + end, True
+            yield new_record(
+                Record,
+                (base + position + i, rtype, chunk[i + HEADER_SIZE : end], base + position + end),
+            )
+            i = end
+        if i == 0:
+            # The frame at ``position`` does not fit in the chunk: a record bigger than
+            # READ_CHUNK, or one cut short by the end of what may be read.
+            if n < HEADER_SIZE:
+                raise BadFrame(path, position, limit - position, "partial record header")
+            length, crc, rtype = unpack_from(chunk, 0)
+            end = position + HEADER_SIZE + length
+            if end > limit:
+                raise BadFrame(
+                    path, position, limit - position, f"record of {length} bytes runs past the end"
+                )
+            whole = fs.pread(fd, end - position, position)
+            if rtype == 0 or crc32c(memoryview(whole)[HEADER_SIZE - 1 :]) != crc:
+                raise BadFrame(path, position, end - position, "crc mismatch")
+            if rtype == TYPE_END_OF_SEGMENT:
+                return end, True
+            yield Record(base + position, rtype, whole[HEADER_SIZE:], base + end)
+            i = end - position
+        position += i
+    return position, False
+
+
+def validate_frames(
+    fs: FileSystem, fd: int, path: str, position: int, limit: int
+) -> tuple[int, bool]:
+    """Check every frame from ``position`` to ``limit`` without keeping the records.
+
+    Returns what ``scan_frames`` returns; raises BadFrame at the first invalid frame.
+    """
+    frames = scan_frames(fs, fd, path, 0, position, limit)
+    while True:
+        try:
+            next(frames)
+        except StopIteration as done:
+            return done.value
+
+
+def read_frame(fs: FileSystem, fd: int, path: str, base: int, position: int, limit: int) -> Record:
+    """The one record at byte ``position`` (not END_OF_SEGMENT). Raises BadFrame."""
+    header = fs.pread(fd, HEADER_SIZE, position)
+    if len(header) < HEADER_SIZE:
+        raise BadFrame(path, position, len(header), "partial record header")
+    length, crc, rtype = HEADER.unpack(header)
+    if position + HEADER_SIZE + length > limit:
+        raise BadFrame(path, position, limit - position, "record runs past the end")
+    body = fs.pread(fd, length + 1, position + HEADER_SIZE - 1)
+    if rtype == 0 or crc32c(body) != crc:
+        raise BadFrame(path, position, HEADER_SIZE + length, "no valid record at this offset")
+    if rtype == TYPE_END_OF_SEGMENT:
+        raise BadFrame(path, position, HEADER_SIZE, "an end-of-segment marker, not a record")
+    return Record(base + position, rtype, body[1:], base + position + HEADER_SIZE + length)
