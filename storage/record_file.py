@@ -1,0 +1,198 @@
+"""RecordFile: one file of CRC-framed records, for logs that are one file per key.
+
+The delay server keeps one schedule_log file and one dispatch_log file per time bucket
+(named by the bucket, not by an offset), so a bucket is a RecordFile rather than a
+SegmentedLog. Offsets are byte positions in the file. The framing, the scanner and the
+torn-tail rule are the segmented log's (storage/framing.py, storage/scan.py):
+
+* on open the file is scanned from ``trusted_end`` (a length the caller knows to be
+  durable, e.g. from its checkpoint; 0 scans everything) to the end; the first invalid
+  record within ``max_unsynced_bytes`` of the end is a torn tail and is cut, anything
+  earlier raises CorruptionError and nothing is truncated;
+* the file never holds more than ``max_unsynced_bytes`` unsynced (append flushes first).
+
+A RecordFile is used from one thread; ``flush`` may run in a worker thread while that
+thread is not appending (the caller serialises them, as the replayer does).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+
+from storage.errors import CorruptionError, LogClosedError, RecordTooLargeError
+from storage.framing import HEADER, HEADER_SIZE, MAX_TYPE, TYPE_DATA, crc32c, type_seed
+from storage.fs import O_WRITE, REAL_FS, FileSystem, create_dirs_durably
+from storage.scan import BadFrame, Record, read_frame, scan_frames, validate_frames
+
+DEFAULT_MAX_UNSYNCED_BYTES = 32 << 20
+
+
+class RecordFile:
+    """An append-only file of framed records (see the module docstring)."""
+
+    def __init__(self, path: str, fs: FileSystem, fd: int, size: int, max_unsynced: int) -> None:
+        self.path = path
+        self.fs = fs
+        self.max_unsynced_bytes = max_unsynced
+        self.truncated_bytes = 0  # torn tail cut when the file was opened
+        self._fd = fd
+        self._size = size
+        self._durable = size
+        self._closed = False
+
+    @classmethod
+    def open(
+        cls,
+        path: str,
+        *,
+        fs: FileSystem = REAL_FS,
+        trusted_end: int = 0,
+        max_unsynced_bytes: int = DEFAULT_MAX_UNSYNCED_BYTES,
+    ) -> RecordFile:
+        """Open (creating when missing, with its directory made durable) and recover.
+
+        Raises CorruptionError for damage a crash cannot explain, or when the file is
+        shorter than ``trusted_end``.
+        """
+        directory = os.path.dirname(path) or "."
+        create_dirs_durably(fs, directory)
+        created = not fs.exists(path)
+        fd = fs.open(path, O_WRITE)
+        try:
+            if created:
+                fs.fsync_dir(directory)
+            size = fs.fsize(fd)
+            if size < trusted_end:
+                raise CorruptionError(
+                    path,
+                    size,
+                    trusted_end - size,
+                    f"file is shorter than its durable length {trusted_end}",
+                )
+            try:
+                end, _ = validate_frames(fs, fd, path, trusted_end, size)
+                cut = 0
+            except BadFrame as bad:
+                if size - bad.position > max_unsynced_bytes:
+                    raise bad.corruption() from None
+                end, cut = bad.position, size - bad.position
+                fs.ftruncate(fd, end)
+            if cut or size > trusted_end:
+                fs.fsync(fd)  # what survived a kill -9 may sit only in the page cache
+        except BaseException:
+            fs.close(fd)
+            raise
+        record_file = cls(path, fs, fd, end, max_unsynced_bytes)
+        record_file.truncated_bytes = cut
+        return record_file
+
+    @property
+    def end_offset(self) -> int:
+        return self._size
+
+    @property
+    def durable_offset(self) -> int:
+        return self._durable
+
+    @property
+    def unsynced_bytes(self) -> int:
+        return self._size - self._durable
+
+    def append_batch(self, payloads: Sequence[bytes], rtype: int = TYPE_DATA) -> list[int]:
+        """Append records; returns their offsets. Durable after the next flush().
+
+        Raises RecordTooLargeError (nothing written) for a record larger than the
+        unsynced window, ValueError for a reserved type.
+        """
+        self._check_open()
+        if not TYPE_DATA <= rtype <= MAX_TYPE:
+            raise ValueError(f"record type {rtype} is reserved; use {TYPE_DATA}..{MAX_TYPE}")
+        if any(HEADER_SIZE + len(p) > self.max_unsynced_bytes for p in payloads):
+            raise RecordTooLargeError(
+                f"a record exceeds max_unsynced_bytes={self.max_unsynced_bytes} in {self.path}"
+            )
+        seed = type_seed(rtype)
+        pack = HEADER.pack
+        offsets: list[int] = []
+        parts: list[bytes] = []
+        pending = 0
+        for payload in payloads:
+            need = HEADER_SIZE + len(payload)
+            if self.unsynced_bytes + pending + need > self.max_unsynced_bytes:
+                self._write(b"".join(parts))
+                parts, pending = [], 0
+                self.flush()
+            offsets.append(self._size + pending)
+            parts.append(pack(len(payload), crc32c(payload, seed), rtype))
+            parts.append(payload)
+            pending += need
+        self._write(b"".join(parts))
+        return offsets
+
+    def append(self, payload: bytes, rtype: int = TYPE_DATA) -> int:
+        return self.append_batch((payload,), rtype)[0]
+
+    def _write(self, data: bytes) -> None:
+        if data:
+            self.fs.pwrite(self._fd, data, self._size)
+            self._size += len(data)
+
+    def flush(self) -> int:
+        """fdatasync; returns the durable end offset."""
+        self._check_open()
+        if self._durable < self._size:
+            target = self._size
+            self.fs.fdatasync(self._fd)
+            self._durable = target
+        return self._durable
+
+    def read(self, offset: int) -> Record:
+        """The record at ``offset``. Raises ValueError past the end, CorruptionError."""
+        self._check_open()
+        if not 0 <= offset < self._size:
+            raise ValueError(f"offset {offset} is outside {self.path} [0, {self._size})")
+        try:
+            return read_frame(self.fs, self._fd, self.path, 0, offset, self._size)
+        except BadFrame as bad:
+            raise bad.corruption() from None
+
+    def iter_from(self, offset: int = 0, until: int | None = None) -> Iterator[Record]:
+        """Records from ``offset`` up to ``until`` or the end as of each chunk read."""
+        self._check_open()
+        limit = self._size if until is None else min(until, self._size)
+        try:
+            yield from scan_frames(self.fs, self._fd, self.path, 0, offset, limit)
+        except BadFrame as bad:
+            raise bad.corruption() from None
+
+    def truncate(self, offset: int) -> None:
+        """Drop every record at or after ``offset`` (a record boundary) and fsync.
+
+        For callers that make appends idempotent by cutting what a crashed run wrote
+        after their checkpoint (the replayer).
+        """
+        self._check_open()
+        if not 0 <= offset <= self._size:
+            raise ValueError(f"cannot truncate {self.path} to {offset}: size is {self._size}")
+        self.fs.ftruncate(self._fd, offset)
+        self.fs.fsync(self._fd)
+        self._size = self._durable = offset
+
+    def close(self) -> None:
+        if not self._closed:
+            try:
+                self.flush()
+            finally:
+                self._closed = True
+                self.fs.close(self._fd)
+
+    def __enter__(self) -> RecordFile:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise LogClosedError(f"{self.path} is closed")
