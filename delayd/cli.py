@@ -12,7 +12,9 @@ from delayd import __version__
 # subcommand -> module providing add_parser() and run(); imported lazily so that
 # `delayd --version` stays fast and one broken command cannot break the others.
 COMMANDS = {
+    "serve": "delayd.server.command",
     "broker": "delayd.broker.command",
+    "send": "delayd.client.send_command",
     "consume": "delayd.client.consume_command",
 }
 
