@@ -1,0 +1,633 @@
+"""Broker: the embeddable broker — store, idempotency, groups, offsets, long-polling PULL.
+
+The delay server runs it in its own process and calls :meth:`Broker.send_batch`
+directly; the TCP server (server.py) is a thin layer over the same methods::
+
+    async with open_broker(data_dir, BrokerConfig()) as broker:
+        results = await broker.send_batch([Message("id-1", "orders", body=b"...")])
+
+The synchronous methods take ``now_ms`` and do no I/O waits; the ``async`` ones read the
+clock (wall clock for store times and the idempotency window, trio's monotonic clock for
+heartbeats and PULL deadlines) and wait.
+
+PULL and commit semantics (what the clients rely on)
+    A member's PULL returns messages from its assigned queues. For each (group, subject,
+    queue) the broker keeps, in memory only, a *delivered cursor*: it starts at the
+    committed offset whenever the queue is (re)assigned or the broker starts, and
+    advances as messages are handed out. Consumers commit ``queue_offset + 1`` after
+    processing; anything handed out but not committed is delivered again after a
+    reassignment or restart (at-least-once). A commit beyond the cursor moves it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Callable, Hashable, Iterable, Sequence
+from contextlib import asynccontextmanager
+
+import trio
+
+from delayd.broker.arrivals import ArrivalHub
+from delayd.broker.config import BrokerConfig, StartFrom
+from delayd.broker.dedupe import IdWindow
+from delayd.broker.groups import GroupKey, GroupRegistry
+from delayd.broker.offsets import OffsetStore
+from delayd.broker.record import stored_message
+from delayd.broker.routing import QueueSelector
+from delayd.broker.store import BrokerStore, QueueKey, id_index_key, key_index_key
+from delayd.errors import RejectedError
+from delayd.protocol.codec import MAX_STR_BYTES
+from delayd.protocol.codes import ErrorCode, ResultCode
+from delayd.protocol.events import Message, SendResult, validate_subject
+from storage.fs import REAL_FS, FileSystem
+
+log = logging.getLogger(__name__)
+
+MAX_QUERY_RESULTS = 64
+REFUSE_DELAYED = "this is the broker; send delayed messages (at_ms/delay_ms) to the delay server"
+
+
+MAX_CACHED_SUBJECTS = 10_000  # subjects known valid, to skip the regex per message
+
+# SendResult's fields as slot setters: building the frozen dataclass through them costs
+# half of SendResult(...) (the codec builds Messages the same way); one per stored message.
+_RESULT_SETTERS = tuple(getattr(SendResult, f.name).__set__ for f in dataclasses.fields(SendResult))
+
+
+def _ok_result(
+    store_ms: int, offset: int, queue: int, queue_offset: int, due_ms: int | None
+) -> SendResult:
+    result = object.__new__(SendResult)
+    values = (ResultCode.OK, "", store_ms, offset, queue, queue_offset, due_ms)
+    for set_field, value in zip(_RESULT_SETTERS, values, strict=True):
+        set_field(result, value)
+    return result
+
+
+def wall_ms() -> int:
+    """Epoch milliseconds (UTC): store times and the idempotency window."""
+    return time.time_ns() // 1_000_000
+
+
+def _check_name(what: str, value: str) -> None:
+    """Group names and consumer ids: non-empty, at most 255 characters, no control
+    characters (they appear in offsets.json, STATS names and logs)."""
+    if not value or len(value) > 255 or any(ord(c) < 32 for c in value) or "/" in value:
+        raise RejectedError(
+            ErrorCode.INVALID_REQUEST,
+            f"{what} {value[:100]!r} must be 1 to 255 characters without '/' or control characters",
+        )
+
+
+def _check_subject(subject: str) -> None:
+    problem = validate_subject(subject)
+    if problem is not None:
+        raise RejectedError(ErrorCode.INVALID_REQUEST, problem)
+
+
+class Broker:
+    """The broker; see the module docstring. Use :func:`open_broker`, or
+    :meth:`open` then ``await nursery.start(broker.run)`` (run closes it on exit)."""
+
+    def __init__(
+        self,
+        store: BrokerStore,
+        offsets: OffsetStore,
+        config: BrokerConfig,
+        clock: Callable[[], int] = wall_ms,
+    ) -> None:
+        self.store = store
+        self.offsets = offsets
+        self.config = config
+        self.clock = clock
+        self.groups = GroupRegistry(config.heartbeat_timeout_ms)
+        self.hub = ArrivalHub()
+        self.selector = QueueSelector()
+        self.window = IdWindow(config.dedupe_max_ids, config.dedupe_window_ms, self._stored_id)
+        self.duplicates = 0
+        self.checkpoints = 0
+        self._valid_subjects: set[str] = set()
+        self.refused = 0
+        # (group, subject) -> queue -> [owner consumer_id, next offset to hand out]
+        self._cursors: dict[GroupKey, dict[int, list]] = {}
+        self._pull_turn = 0
+        self._membership_changed = trio.Event()
+        self._closed = False
+        store.on_arrival = self.hub.notify
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @classmethod
+    def open(
+        cls,
+        data_dir: str,
+        config: BrokerConfig | None = None,
+        *,
+        fs: FileSystem = REAL_FS,
+        clock: Callable[[], int] = wall_ms,
+    ) -> Broker:
+        """Open and recover the broker's files under ``<data_dir>/broker`` (blocking).
+
+        Rebuilds the idempotency window by scanning the commitlog from the checkpoint's
+        ``dedupe_from`` (see docs/broker.md for the cost). Raises CorruptionError.
+        """
+        config = config or BrokerConfig()
+        store = BrokerStore.open(data_dir, config, fs=fs)
+        try:
+            offsets = OffsetStore.open(store.directory, fs=fs)
+            broker = cls(store, offsets, config, clock)
+            checkpoint = store.checkpoint
+            start = store.commitlog.min_offset
+            if checkpoint is not None and checkpoint.dedupe_from is not None:
+                start = checkpoint.dedupe_from
+            began = time.perf_counter()
+            scanned = 0
+            for offset, message_id, store_ms in store.scan_ids(start):
+                broker.window.add(message_id, offset, store_ms)
+                scanned += 1
+            broker.window.expire(clock())
+            log.info(
+                "idempotency window rebuilt: %d records scanned from offset %d in %.3f s, "
+                "%d ids kept",
+                scanned,
+                start,
+                time.perf_counter() - began,
+                len(broker.window),
+            )
+        except BaseException:
+            store.close(None)
+            raise
+        return broker
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED):
+        """Run the background tasks (flusher, reput, checkpoints, heartbeat expiry) until
+        cancelled; then flush, checkpoint, persist offsets and close the files."""
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self.store.writer.run)
+                await nursery.start(self.store.run_reput)
+                await nursery.start(self._checkpoint_loop)
+                await nursery.start(self._expiry_loop)
+                task_status.started()
+        finally:
+            with trio.CancelScope(shield=True):
+                self.close()
+
+    def close(self) -> None:
+        """Make everything durable and close the files (idempotent, blocking)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.store.close(self.window.oldest_offset)
+        finally:
+            version, data = self.offsets.snapshot()
+            self.offsets.write(version, data)
+        log.info("broker closed: %d messages stored this run", self.store.messages_stored)
+
+    async def _checkpoint_loop(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        # Derived data and offsets are made durable every checkpoint_interval_ms, off
+        # the event loop; a crash costs a re-put of that interval and redelivery of the
+        # interval's commits.
+        task_status.started()
+        while True:
+            await trio.sleep(self.config.checkpoint_interval_ms / 1000)
+            self.window.expire(self.clock())
+            await self.checkpoint()
+
+    async def checkpoint(self) -> None:
+        """Flush consume queues and index, write the reput checkpoint and offsets.json."""
+        snapshot = self.store.checkpoint_snapshot(self.window.oldest_offset)
+        await trio.to_thread.run_sync(self.store.flush_derived, snapshot)
+        if self.offsets.dirty:
+            version, data = self.offsets.snapshot()
+            await trio.to_thread.run_sync(self.offsets.write, version, data)
+        self.checkpoints += 1
+
+    async def _expiry_loop(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        # Sleeps until the next member could time out, or until membership changes.
+        task_status.started()
+        while True:
+            next_ms = self.groups.next_expiry_ms()
+            deadline = math.inf
+            if next_ms is not None:
+                deadline = trio.current_time() + max(0, next_ms - self.monotonic_ms()) / 1000
+            with trio.move_on_at(deadline):
+                await self._membership_changed.wait()
+            self._membership_changed = trio.Event()
+            self._rebalanced(self.groups.expire(self.monotonic_ms()))
+
+    @staticmethod
+    def monotonic_ms() -> int:
+        """trio's clock in ms: heartbeats and deadlines (immune to wall-clock steps)."""
+        return int(trio.current_time() * 1000)
+
+    # ------------------------------------------------------------------ producing
+
+    async def send_batch(self, messages: Sequence[Message]) -> list[SendResult]:
+        """Store ``messages``; one SendResult per message, in order, once the flush
+        policy allows the acknowledgement (``sync``: durable).
+
+        OK: stored now. DUPLICATE: its id is already stored (within the idempotency
+        window, or earlier in this batch) and it was not stored again. Other codes: not
+        stored, ``reason`` says why. Raises StorageError when the commitlog fails (the
+        broker is then unusable).
+        """
+        await self.store.make_room()
+        results = self.append_batch(messages, self.clock())
+        await self.store.wait_durable()
+        return results
+
+    def append_batch(self, messages: Sequence[Message], now_ms: int) -> list[SendResult]:
+        """The synchronous half of :meth:`send_batch`: validate, dedupe, append (not yet
+        durable — await ``store.wait_durable()`` before acknowledging). The TCP server
+        calls it in request order, then waits for durability concurrently, so pipelined
+        batches of one connection keep their order and still share fsyncs.
+        """
+        store, window, config = self.store, self.window, self.config
+        window.expire(now_ms)
+        store_ms = max(now_ms, store.last_store_ms)
+        results: list[SendResult | None] = []
+        accepted: list[Message] = []
+        slots: list[int] = []  # result index of each accepted message
+        ids: list[bytes] = []
+        copies: list[tuple[int, int]] = []  # (result index, result index of first copy)
+        first_of: dict[str, int] = {}  # message id -> result index of its first copy
+        rollback: dict[QueueKey, int] = {}
+        valid_subjects = self._valid_subjects
+        max_body = config.max_body_bytes
+        for m in messages:
+            # The common message passes four cheap checks; anything else gets the full
+            # explanation from _refusal.
+            if (
+                not m.message_id
+                or m.subject not in valid_subjects
+                or m.at_ms is not None
+                or m.delay_ms is not None
+                or len(m.body) > max_body
+                or m.properties
+            ):
+                code, reason = self._refusal(m)
+                if code is not None:
+                    self.refused += 1
+                    results.append(SendResult(code, reason))
+                    continue
+                if len(valid_subjects) < MAX_CACHED_SUBJECTS:
+                    valid_subjects.add(m.subject)
+            earlier = first_of.get(m.message_id)
+            if earlier is not None:
+                copies.append((len(results), earlier))
+                results.append(None)
+                continue
+            id_bytes = m.message_id.encode()
+            stored_at = window.find(id_bytes)
+            if stored_at is not None:
+                self.duplicates += 1
+                results.append(self._duplicate_result(stored_at))
+                continue
+            first_of[m.message_id] = len(results)
+            queue = self.selector.select(m.subject, m.key, config.queues_for(m.subject))
+            key = (m.subject, queue)
+            if key not in rollback:
+                rollback[key] = store.next_queue_offset.get(key, 0)
+            queue_offset = store.assign_queue_offset(m.subject, queue)
+            accepted.append(
+                stored_message(
+                    m.message_id,
+                    m.subject,
+                    m.key,
+                    m.properties,
+                    m.body,
+                    store_ms,
+                    queue,
+                    queue_offset,
+                    m.due_ms,
+                    m.dispatched_ms,
+                )
+            )
+            slots.append(len(results))
+            ids.append(id_bytes)
+            results.append(None)
+        if accepted:
+            try:
+                offsets = store.append(accepted)
+            except BaseException:
+                # Nothing of the batch is stored (or the log is failed): give the queue
+                # offsets back so the queues stay dense.
+                store.next_queue_offset.update(rollback)
+                raise
+            store.last_store_ms = store_ms
+            add = window.add
+            for message, offset, id_bytes, slot in zip(accepted, offsets, ids, slots, strict=True):
+                add(id_bytes, offset, store_ms)
+                results[slot] = _ok_result(
+                    store_ms, offset, message.queue, message.queue_offset, message.due_ms
+                )
+        for slot, earlier in copies:
+            first = results[earlier]
+            assert first is not None
+            self.duplicates += 1
+            results[slot] = SendResult(
+                ResultCode.DUPLICATE,
+                "the same message id appears earlier in this batch",
+                store_ms=first.store_ms,
+                commitlog_offset=first.commitlog_offset,
+                queue=first.queue,
+                queue_offset=first.queue_offset,
+                due_ms=first.due_ms,
+            )
+        return results  # type: ignore[return-value]
+
+    def _refusal(self, m: Message) -> tuple[ResultCode | None, str]:
+        config = self.config
+        if not m.message_id:
+            return ResultCode.EMPTY_ID, "message_id is empty; give every message a unique id"
+        problem = validate_subject(m.subject)
+        if problem is not None:
+            return ResultCode.INVALID_SUBJECT, problem
+        if m.at_ms is not None or m.delay_ms is not None:
+            return ResultCode.INVALID_DELAY, REFUSE_DELAYED
+        if len(m.body) > config.max_body_bytes:
+            return (
+                ResultCode.BODY_TOO_LARGE,
+                f"body is {len(m.body)} bytes; this broker accepts at most {config.max_body_bytes}",
+            )
+        props = 0
+        for name, value in m.properties.items():
+            n, v = len(name.encode()), len(value.encode())
+            if n > MAX_STR_BYTES or v > MAX_STR_BYTES:
+                return (
+                    ResultCode.PROPERTIES_TOO_LARGE,
+                    f"property {name[:100]!r}: names and values are at most {MAX_STR_BYTES} bytes",
+                )
+            props += n + v
+        if props > config.max_properties_bytes:
+            return (
+                ResultCode.PROPERTIES_TOO_LARGE,
+                f"properties take {props} bytes; this broker accepts at most "
+                f"{config.max_properties_bytes}",
+            )
+        if len(m.message_id.encode()) > MAX_STR_BYTES or (
+            m.key is not None and len(m.key.encode()) > MAX_STR_BYTES
+        ):
+            return ResultCode.INTERNAL, f"message_id and key are at most {MAX_STR_BYTES} bytes"
+        return None, ""
+
+    def _duplicate_result(self, offset: int) -> SendResult:
+        original = self.store.message_at(offset)
+        if original is None:  # cannot happen: find() just read it
+            return SendResult(ResultCode.DUPLICATE, "already stored", commitlog_offset=offset)
+        return SendResult(
+            ResultCode.DUPLICATE,
+            "a message with this id is already stored",
+            store_ms=original.store_ms,
+            commitlog_offset=offset,
+            queue=original.queue,
+            queue_offset=original.queue_offset,
+            due_ms=original.due_ms,
+        )
+
+    def _stored_id(self, offset: int) -> bytes | None:
+        identity = self.store.identity_at(offset)
+        return None if identity is None else identity[0]
+
+    # ------------------------------------------------------------------ groups
+
+    def queue_count(self, subject: str) -> int:
+        """Queues of ``subject``: the configured number, or more when queues of an
+        earlier, larger configuration still exist on disk (so they are drained)."""
+        count = self.config.queues_for(subject)
+        for s, q in self.store.queues:
+            if s == subject and q >= count:
+                count = q + 1
+        return count
+
+    def join(
+        self, group: str, subject: str, consumer_id: str, connection: Hashable, now_ms: int
+    ) -> tuple[int, ...]:
+        """JOIN_GROUP: the member's queues. A group seen for the first time gets its
+        start offsets (earliest or latest, per config) committed now, so a restart does
+        not move them. Raises RejectedError for bad names."""
+        _check_name("group", group)
+        _check_subject(subject)
+        _check_name("consumer_id", consumer_id)
+        count = self.queue_count(subject)
+        for queue in range(count):
+            if self.offsets.get(group, subject, queue) is None:
+                self.offsets.set(group, subject, queue, self._start_offset(subject, queue))
+        queues, changed = self.groups.join(group, subject, consumer_id, count, connection, now_ms)
+        self._membership_changed.set()
+        if changed:
+            self._rebalanced({(group, subject)})
+        return queues
+
+    def heartbeat(
+        self, group: str, subject: str, consumer_id: str, connection: Hashable, now_ms: int
+    ) -> tuple[int, ...]:
+        """HEARTBEAT: the member's current queues. Raises RejectedError when it is not a
+        member (never joined, timed out or its connection closed): join again."""
+        queues = self.groups.touch(group, subject, consumer_id, connection, now_ms)
+        if queues is None:
+            raise RejectedError(ErrorCode.INVALID_REQUEST, "join the group first")
+        self._membership_changed.set()
+        return queues
+
+    def connection_closed(self, connection: Hashable) -> None:
+        """Drop the members bound to a closed connection and reassign their queues."""
+        self._rebalanced(self.groups.leave_connection(connection))
+
+    def _rebalanced(self, keys: Iterable[GroupKey]) -> None:
+        for group, subject in keys:
+            cursors = self._cursors.get((group, subject))
+            if cursors:
+                for queue in list(cursors):
+                    if self.groups.owner(group, subject, queue) != cursors[queue][0]:
+                        # The new owner starts from the committed offset: whatever the old
+                        # owner received but did not commit is delivered again.
+                        del cursors[queue]
+            self.hub.notify([("group", group, subject)])
+            log.info(
+                "group %s on %s rebalanced: members %s",
+                group,
+                subject,
+                self.groups.members(group, subject),
+            )
+
+    def _start_offset(self, subject: str, queue: int) -> int:
+        if self.config.start_from is StartFrom.LATEST:
+            return self.store.queue_end(subject, queue)
+        return self.store.queue_min(subject, queue)
+
+    def commit(self, group: str, subject: str, queue: int, offset: int) -> None:
+        """COMMIT_OFFSET: ``group`` consumed ``queue`` below ``offset``. Acknowledged from
+        memory; persisted with the next checkpoint. Raises RejectedError for an unknown
+        queue or an offset past the end of the queue."""
+        _check_name("group", group)
+        _check_subject(subject)
+        count = self.queue_count(subject)
+        if not 0 <= queue < count:
+            raise RejectedError(
+                ErrorCode.INVALID_REQUEST, f"{subject} has queues 0..{count - 1}, not {queue}"
+            )
+        end = self.store.queue_end(subject, queue)
+        if offset > end:
+            raise RejectedError(
+                ErrorCode.INVALID_REQUEST,
+                f"offset {offset} is past the end of {subject}/{queue} ({end})",
+            )
+        self.offsets.set(group, subject, queue, offset)
+        cursor = self._cursors.get((group, subject), {}).get(queue)
+        if cursor is not None and cursor[1] < offset:
+            cursor[1] = offset
+
+    # ------------------------------------------------------------------ consuming
+
+    async def pull(
+        self,
+        subject: str,
+        group: str,
+        consumer_id: str,
+        max_messages: int,
+        wait_ms: int,
+        connection: Hashable = None,
+    ) -> list[Message]:
+        """PULL: up to ``max_messages`` messages from the member's queues; when there
+        are none, wait up to ``wait_ms`` for one (long polling, woken by the reput).
+
+        Counts as a heartbeat. Raises RejectedError when the consumer is not a member
+        ("join the group first") or the arguments are bad.
+        """
+        _check_subject(subject)
+        if max_messages <= 0:
+            raise RejectedError(ErrorCode.INVALID_REQUEST, "max_messages must be at least 1")
+        max_messages = min(max_messages, self.config.max_pull_messages)
+        deadline = trio.current_time() + min(wait_ms, self.config.max_wait_ms) / 1000
+        while True:
+            queues = self.groups.touch(group, subject, consumer_id, connection, self.monotonic_ms())
+            if queues is None:
+                raise RejectedError(ErrorCode.INVALID_REQUEST, "join the group first")
+            messages = self._take(group, subject, consumer_id, queues, max_messages)
+            if messages or trio.current_time() >= deadline:
+                return messages
+            keys: list[Hashable] = [(subject, q) for q in queues]
+            keys.append(("group", group, subject))
+            await self.hub.wait(keys, deadline)
+
+    def _take(
+        self, group: str, subject: str, consumer_id: str, queues: Sequence[int], limit: int
+    ) -> list[Message]:
+        cursors = self._cursors.setdefault((group, subject), {})
+        out: list[Message] = []
+        budget = self.config.max_pull_bytes
+        n = len(queues)
+        self._pull_turn += 1
+        for i in range(n):
+            # Start at a different queue each time so that one busy queue cannot starve
+            # the others of the same member.
+            queue = queues[(self._pull_turn + i) % n]
+            cursor = cursors.get(queue)
+            if cursor is None or cursor[0] != consumer_id:
+                committed = self.offsets.get(group, subject, queue)
+                if committed is None:
+                    committed = self._start_offset(subject, queue)
+                    self.offsets.set(group, subject, queue, committed)
+                cursor = cursors[queue] = [consumer_id, committed]
+            if cursor[1] >= self.store.queue_end(subject, queue):
+                continue
+            got = self.store.read_queue(subject, queue, cursor[1], limit - len(out), budget)
+            if got:
+                cursor[1] = got[-1].queue_offset + 1
+                out += got
+                budget -= sum(len(m.body) for m in got)
+                if len(out) >= limit or budget <= 0:
+                    break
+        return out
+
+    # ------------------------------------------------------------------ queries, stats
+
+    def query(
+        self, subject: str, *, message_id: str | None = None, key: str | None = None
+    ) -> list[Message]:
+        """QUERY through the index: the stored messages of ``subject`` with this id or
+        key, newest first (at most 64), each verified against its record. Messages not
+        yet reput (not yet durable) are not found."""
+        _check_subject(subject)
+        if (message_id is None) == (key is None):
+            raise RejectedError(ErrorCode.INVALID_REQUEST, "query by exactly one of id and key")
+        subject_bytes = subject.encode()
+        store = self.store
+        if message_id is not None:
+            wanted = message_id.encode()
+
+            def matches(offset: int) -> bool:
+                found = store.identity_at(offset)
+                return found is not None and found[0] == wanted and found[1] == subject_bytes
+
+            index_key = id_index_key(wanted)
+        else:
+            assert key is not None
+            wanted = key.encode()
+
+            def matches(offset: int) -> bool:
+                found = store.identity_at(offset)
+                return found is not None and found[2] == wanted and found[1] == subject_bytes
+
+            index_key = key_index_key(subject_bytes, wanted)
+        offsets = store.lookup(index_key, matches, MAX_QUERY_RESULTS)
+        return [m for m in map(store.message_at, offsets) if m is not None]
+
+    def lags(self) -> list[tuple[str, str, int, int]]:
+        """(group, subject, queue, messages not yet committed) for every known offset."""
+        return [
+            (group, subject, queue, max(0, self.store.queue_end(subject, queue) - offset))
+            for (group, subject, queue), offset in sorted(self.offsets.items())
+        ]
+
+    def stats(self) -> dict[str, str | int | float]:
+        """STATS: flat named values. Subjects, groups and queues are joined with '/'."""
+        store = self.store
+        out: dict[str, str | int | float] = {
+            "broker.messages_stored_total": store.messages_stored,
+            "broker.duplicates_total": self.duplicates,
+            "broker.refused_total": self.refused,
+            "broker.commitlog_end_offset": store.commitlog.end_offset,
+            "broker.commitlog_durable_offset": store.commitlog.durable_offset,
+            "broker.reput_offset": store.reput_offset,
+            "broker.fsyncs_total": store.writer.fsyncs,
+            "broker.dedupe_ids": len(self.window),
+            "broker.dedupe_memory_bytes": self.window.memory_bytes,
+            "broker.held_pulls": self.hub.held,
+            "broker.checkpoints_total": self.checkpoints,
+            "broker.offsets_unsaved": int(self.offsets.dirty),
+        }
+        for subject, queue in sorted(store.queues):
+            out[f"queue_end_offset/{subject}/{queue}"] = store.queue_end(subject, queue)
+        for group, subject, queue, lag in self.lags():
+            out[f"consumer_lag_messages/{group}/{subject}/{queue}"] = lag
+        for group, subject in sorted(self.groups.keys()):
+            out[f"group_members/{group}/{subject}"] = len(self.groups.members(group, subject))
+        return out
+
+
+@asynccontextmanager
+async def open_broker(
+    data_dir: str,
+    config: BrokerConfig | None = None,
+    *,
+    fs: FileSystem = REAL_FS,
+    clock: Callable[[], int] = wall_ms,
+) -> AsyncIterator[Broker]:
+    """Open, recover and run a broker for the duration of the block; on exit it flushes,
+    checkpoints and closes. Recovery runs in a worker thread."""
+    broker = await trio.to_thread.run_sync(
+        lambda: Broker.open(data_dir, config, fs=fs, clock=clock)
+    )
+    async with trio.open_nursery() as nursery:
+        await nursery.start(broker.run)
+        try:
+            yield broker
+        finally:
+            nursery.cancel_scope.cancel()

@@ -1,0 +1,152 @@
+"""``delayd broker``: run a broker until SIGTERM/SIGINT, then shut down gracefully.
+
+Prints ``delayd broker listening on HOST:PORT`` on stdout once it accepts connections
+(the actual port when ``--listen`` asks for port 0); everything else goes to the log
+(stderr). Shutdown: stop accepting and close connections, then flush the commitlog,
+checkpoint the consume queues and index, persist offsets, exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from functools import partial
+
+import trio
+
+from delayd.broker.broker import Broker
+from delayd.broker.config import DAY_MS, BrokerConfig, StartFrom
+from delayd.broker.metrics import serve_metrics
+from delayd.broker.server import serve_broker
+from storage.flusher import FlushMode, FlushPolicy
+
+log = logging.getLogger("delayd.broker")
+
+DEFAULT_LISTEN = "127.0.0.1:20811"
+DEFAULT_METRICS_LISTEN = "127.0.0.1:20881"
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) -> (host, port); ArgumentTypeError if not."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT (port 0..65535)")
+    return host.strip("[]"), int(port)
+
+
+def parse_optional_address(text: str) -> tuple[str, int] | None:
+    if text.lower() in ("", "off", "none"):
+        return None
+    return parse_address(text)
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{value} is not positive")
+    return value
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "broker",
+        help="run the real-time broker consumers pull from",
+        description="Run a delayd broker: durable commitlog, consumer groups, long polling.",
+    )
+    parser.add_argument("--data", required=True, metavar="DIR", help="data directory")
+    parser.add_argument(
+        "--listen",
+        type=parse_address,
+        default=DEFAULT_LISTEN,
+        metavar="HOST:PORT",
+        help=f"protocol listener (default {DEFAULT_LISTEN}; port 0 picks a free port)",
+    )
+    parser.add_argument(
+        "--metrics-listen",
+        type=parse_optional_address,
+        default=DEFAULT_METRICS_LISTEN,
+        metavar="HOST:PORT",
+        help=f"Prometheus /metrics and /healthz (default {DEFAULT_METRICS_LISTEN}; 'off')",
+    )
+    parser.add_argument("--token", default=None, help="shared secret clients must send")
+    parser.add_argument(
+        "--flush",
+        choices=[m.value for m in FlushMode],
+        default="sync",
+        help="sync: ack after fsync (group commit, default); async: fsync every 100 ms",
+    )
+    parser.add_argument(
+        "--queues", type=positive_int, default=4, metavar="N", help="queues per subject"
+    )
+    parser.add_argument(
+        "--heartbeat-timeout-ms",
+        type=positive_int,
+        default=10_000,
+        metavar="MS",
+        help="drop a consumer silent this long (default 10000)",
+    )
+    parser.add_argument(
+        "--start-from",
+        choices=[s.value for s in StartFrom],
+        default="earliest",
+        help="where a new consumer group starts",
+    )
+    parser.add_argument(
+        "--dedupe-window-ms", type=positive_int, default=DAY_MS, metavar="MS", help="idempotency"
+    )
+    parser.add_argument(
+        "--dedupe-max-ids", type=positive_int, default=10_000_000, metavar="N", help="idempotency"
+    )
+    parser.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        config = BrokerConfig(
+            queues_per_subject=args.queues,
+            flush=FlushPolicy(FlushMode(args.flush)),
+            heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+            start_from=StartFrom(args.start_from),
+            dedupe_window_ms=args.dedupe_window_ms,
+            dedupe_max_ids=args.dedupe_max_ids,
+        )
+    except ValueError as exc:
+        print(f"delayd broker: {exc}", file=sys.stderr)
+        return 2
+    trio.run(_serve, args, config)
+    return 0
+
+
+async def _serve(args: argparse.Namespace, config: BrokerConfig) -> None:
+    broker = await trio.to_thread.run_sync(partial(Broker.open, args.data, config))
+    async with trio.open_nursery() as root:
+        await root.start(broker.run)
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async with trio.open_nursery() as front:
+                host, port = args.listen
+                bound = await front.start(
+                    partial(serve_broker, broker, host, port, token=args.token)
+                )
+                if args.metrics_listen is not None:
+                    m_host, m_port = args.metrics_listen
+                    m_bound = await front.start(serve_metrics, broker, m_host, m_port)
+                    log.info("metrics on http://%s:%d/metrics", *m_bound[0])
+                print(f"delayd broker listening on {bound[0][0]}:{bound[0][1]}", flush=True)
+                async for signum in signals:
+                    log.info("%s: shutting down", signal.Signals(signum).name)
+                    break
+                front.cancel_scope.cancel()
+        root.cancel_scope.cancel()
+    log.info("delayd broker stopped")

@@ -1,0 +1,280 @@
+"""The broker's TCP server: one delayd.protocol.Connection per socket, over a Broker.
+
+Per connection: a reader task parses frames and dispatches requests in arrival order; a
+writer task owns the socket's sending side (whole frames from a small channel, so a
+client that stops reading slows only itself). Cheap requests are answered inline.
+SEND_BATCH appends inline — pipelined batches keep their order — and waits for
+durability in a request task, so batches in flight share group-commit fsyncs. PULL runs
+in a request task because it may be held (long polling); answers may leave in any order
+(docs/protocol.md, rule 4). At most MAX_IN_FLIGHT request tasks per connection.
+
+Bad input never crashes the broker: a protocol violation gets the closing ERROR the
+Connection names and the socket is closed; a bad argument gets ERROR INVALID_REQUEST; an
+unexpected failure in one request is logged and answered ERROR INTERNAL. A closed socket
+cancels the connection's requests; their answers are dropped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+
+import trio
+
+from delayd.broker.broker import Broker
+from delayd.errors import (
+    ConnectionClosedError,
+    LocalProtocolError,
+    RejectedError,
+    RemoteProtocolError,
+)
+from delayd.protocol import (
+    NEED_DATA,
+    SERVER,
+    Cancel,
+    CommitOffset,
+    CommitOffsetOk,
+    Connection,
+    ConnectionClosed,
+    Error,
+    ErrorCode,
+    Event,
+    Heartbeat,
+    HeartbeatResult,
+    Hello,
+    HelloOk,
+    JoinGroup,
+    JoinGroupResult,
+    Pull,
+    PullResult,
+    Query,
+    QueryResult,
+    Request,
+    Reschedule,
+    SendBatch,
+    SendBatchResult,
+    Stats,
+    StatsResult,
+)
+from delayd.protocol.frames import DEFAULT_MAX_FRAME_SIZE
+from storage.errors import StorageError
+
+log = logging.getLogger(__name__)
+
+SERVER_NAME = "delayd-broker"
+RECEIVE_BYTES = 256 * 1024
+MAX_IN_FLIGHT = 64  # request tasks (held PULLs, SEND_BATCHes awaiting fsync) per connection
+OUTBOX_FRAMES = 16
+
+
+async def serve_broker(
+    broker: Broker,
+    host: str,
+    port: int,
+    *,
+    token: str | None = None,
+    max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+    task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Listen on host:port (0: any free port) and serve until cancelled.
+
+    Reports the bound (host, port) addresses through ``task_status.started``.
+    """
+    listeners = await trio.open_tcp_listeners(port, host=host)
+    addresses = [listener.socket.getsockname()[:2] for listener in listeners]
+
+    async def handle(stream: trio.SocketStream) -> None:
+        await BrokerConnection(broker, stream, token, max_frame_size).run()
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(trio.serve_listeners, handle, listeners)
+        task_status.started(addresses)
+
+
+class BrokerConnection:
+    """One client connection; see the module docstring."""
+
+    def __init__(
+        self, broker: Broker, stream: trio.SocketStream, token: str | None, max_frame_size: int
+    ) -> None:
+        self.broker = broker
+        self.stream = stream
+        self.conn = Connection(SERVER, token=token, max_frame_size=max_frame_size)
+        self._outbox, self._outbox_out = trio.open_memory_channel[bytes](OUTBOX_FRAMES)
+        self._slots = trio.Semaphore(MAX_IN_FLIGHT)
+        self._cancel = trio.CancelScope()
+        try:
+            self.peer = "{}:{}".format(*stream.socket.getpeername()[:2])
+        except OSError:
+            self.peer = "?"
+
+    async def run(self) -> None:
+        try:
+            with self._cancel:
+                async with trio.open_nursery() as outer:
+                    outer.start_soon(self._write_loop)
+                    async with trio.open_nursery() as requests:
+                        final = await self._read_loop(requests)
+                        requests.cancel_scope.cancel()
+                    if final is not None:
+                        await self._outbox.send(final)
+                    await self._outbox.aclose()
+        finally:
+            self.broker.connection_closed(self)
+            with trio.CancelScope(shield=True):
+                await self.stream.aclose()
+
+    async def _write_loop(self) -> None:
+        try:
+            async for data in self._outbox_out:
+                await self.stream.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            self._cancel.cancel()  # the peer is gone: stop reading and drop answers
+
+    async def _read_loop(self, requests: trio.Nursery) -> bytes | None:
+        """Parse and dispatch until EOF (None) or a protocol error (the closing frame)."""
+        conn = self.conn
+        while True:
+            try:
+                data = await self.stream.receive_some(RECEIVE_BYTES)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return None
+            conn.receive_data(data)
+            while True:
+                try:
+                    event = conn.next_event()
+                except RemoteProtocolError as exc:
+                    log.info("closing %s: %s", self.peer, exc)
+                    return conn.send(Error.for_exception(exc))
+                if event is NEED_DATA:
+                    break
+                if isinstance(event, ConnectionClosed):
+                    return None
+                await self._dispatch(event, requests)
+
+    async def _dispatch(self, event: Event, requests: trio.Nursery) -> None:
+        broker = self.broker
+        rid = event.request_id
+        try:
+            if isinstance(event, Hello):
+                await self._answer(
+                    HelloOk(
+                        self.conn.protocol_version or 1,
+                        SERVER_NAME,
+                        self.conn.max_frame_size,
+                        request_id=rid,
+                    )
+                )
+            elif isinstance(event, SendBatch):
+                await broker.store.make_room()
+                results = broker.append_batch(event.messages, broker.clock())
+                await self._spawn(
+                    requests, self._ack_batch, SendBatchResult(results, request_id=rid)
+                )
+            elif isinstance(event, Pull):
+                await self._spawn(requests, self._pull, event)
+            elif isinstance(event, CommitOffset):
+                broker.commit(event.group, event.subject, event.queue, event.offset)
+                await self._answer(CommitOffsetOk(request_id=rid))
+            elif isinstance(event, JoinGroup):
+                now = broker.monotonic_ms()
+                queues = broker.join(event.group, event.subject, event.consumer_id, self, now)
+                await self._answer(JoinGroupResult(queues, request_id=rid))
+            elif isinstance(event, Heartbeat):
+                now = broker.monotonic_ms()
+                queues = broker.heartbeat(event.group, event.subject, event.consumer_id, self, now)
+                await self._answer(HeartbeatResult(queues, request_id=rid))
+            elif isinstance(event, Query):
+                found = broker.query(event.subject, message_id=event.message_id, key=event.key)
+                await self._answer(QueryResult(found, request_id=rid))
+            elif isinstance(event, Stats):
+                await self._answer(StatsResult(broker.stats(), request_id=rid))
+            elif isinstance(event, (Cancel, Reschedule)):
+                await self._answer(
+                    Error(
+                        ErrorCode.UNSUPPORTED,
+                        f"the broker does not implement {event.command.name}; "
+                        "send it to the delay server",
+                        request_id=rid,
+                    )
+                )
+            else:
+                await self._answer(
+                    Error(ErrorCode.UNSUPPORTED, f"{type(event).__name__}", request_id=rid)
+                )
+        except Exception as exc:  # one bad request must not end the broker
+            await self._answer(self._error_for(exc, event))
+
+    async def _spawn(
+        self, requests: trio.Nursery, fn: Callable[..., Awaitable[None]], *args: object
+    ) -> None:
+        await self._slots.acquire()
+
+        async def task() -> None:
+            try:
+                await fn(*args)
+            finally:
+                self._slots.release()
+
+        requests.start_soon(task)
+
+    async def _ack_batch(self, result: SendBatchResult) -> None:
+        try:
+            await self.broker.store.wait_durable()
+        except StorageError as exc:
+            log.error("commitlog failure, batch from %s not acknowledged: %s", self.peer, exc)
+            await self._answer(
+                Error(ErrorCode.INTERNAL, f"storage failure: {exc}", request_id=result.request_id)
+            )
+            return
+        await self._answer(result)
+
+    async def _pull(self, event: Pull) -> None:
+        try:
+            messages = await self.broker.pull(
+                event.subject,
+                event.group,
+                event.consumer_id,
+                event.max_messages,
+                event.wait_ms,
+                self,
+            )
+            answer: Event = PullResult(messages, request_id=event.request_id)
+        except Exception as exc:
+            answer = self._error_for(exc, event)
+        await self._answer(answer)
+
+    def _error_for(self, exc: Exception, event: Request) -> Error:
+        rid = event.request_id
+        if isinstance(exc, RejectedError):
+            code = exc.code if isinstance(exc.code, ErrorCode) else ErrorCode.INVALID_REQUEST
+            return Error(code, exc.reason[: Error.MAX_REASON_LENGTH], request_id=rid)
+        if isinstance(exc, StorageError):
+            log.error("storage failure serving %s from %s: %s", event, self.peer, exc)
+        else:
+            log.exception("internal error serving %s from %s", type(event).__name__, self.peer)
+        reason = f"internal error: {type(exc).__name__}: {exc}"
+        return Error(ErrorCode.INTERNAL, reason[: Error.MAX_REASON_LENGTH], request_id=rid)
+
+    async def _answer(self, event: Event) -> None:
+        """Encode and queue one answer; dropped when the connection is already closed."""
+        try:
+            data = self.conn.send(event)
+        except ConnectionClosedError:
+            return
+        except LocalProtocolError as exc:
+            # E.g. a PULL_RESULT larger than the frame limit: answer the request anyway.
+            log.error("cannot send %s to %s: %s", type(event).__name__, self.peer, exc)
+            try:
+                data = self.conn.send(
+                    Error(
+                        ErrorCode.INTERNAL,
+                        f"answer not encodable: {exc}"[: Error.MAX_REASON_LENGTH],
+                        request_id=event.request_id,
+                    )
+                )
+            except (ConnectionClosedError, LocalProtocolError):
+                return
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            await self._outbox.send(data)
