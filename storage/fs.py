@@ -98,21 +98,19 @@ REAL_FS: FileSystem = OsFileSystem()
 
 
 def create_dirs_durably(fs: FileSystem, directory: str) -> None:
-    """Create ``directory`` and missing parents, and fsync the parent of each created one.
+    """Create ``directory`` and missing parents, and make the whole chain durable.
 
-    A new directory survives a power loss only once its parent is fsynced; without this a
-    queue whose segments were all fsynced could vanish with its directory entry.
+    A directory entry survives a power loss only once its parent is fsynced, so this
+    fsyncs ``directory`` itself (entries a crashed run created in it) and every ancestor
+    up to the root — also when they already exist: a run killed between its mkdir and
+    its fsync leaves a directory that exists but is not yet durable. Clean directories
+    fsync cheaply; stores call this once when they open.
     """
-    missing: list[str] = []
-    path = os.path.normpath(directory)
-    while not fs.exists(path):
-        missing.append(path)
+    path = os.path.normpath(os.path.abspath(directory))
+    fs.mkdir(path)
+    while True:
+        fs.fsync_dir(path)
         parent = os.path.dirname(path)
         if parent == path:
-            break
+            return
         path = parent
-    if not missing:
-        return
-    fs.mkdir(directory)
-    for created in reversed(missing):  # top-most first: its parent already exists
-        fs.fsync_dir(os.path.dirname(created) or ".")

@@ -56,7 +56,10 @@ class RecordFile:
         shorter than ``trusted_end``.
         """
         directory = os.path.dirname(path) or "."
-        create_dirs_durably(fs, directory)
+        if not fs.exists(directory):
+            # Once per new directory; a store of many RecordFiles makes its existing
+            # directory durable once at start (create_dirs_durably) rather than per file.
+            create_dirs_durably(fs, directory)
         created = not fs.exists(path)
         fd = fs.open(path, O_WRITE)
         try:

@@ -483,7 +483,18 @@ class SegmentedLog:
             except BadFrame as bad:
                 raise bad.corruption() from None
             # Past an END_OF_SEGMENT marker the next record is in the next segment.
-            offset = seg.base + seg.size if sealed else seg.base + stopped
+            next_offset = seg.base + seg.size if sealed else seg.base + stopped
+            if next_offset <= offset:
+                # An unsealed segment ends here, yet the log goes on: records are missing
+                # (a segment deleted or emptied by hand). Report it; never spin.
+                raise CorruptionError(
+                    seg.path,
+                    stopped,
+                    0,
+                    f"segment ends at offset {next_offset} without an end-of-segment marker "
+                    f"but the log continues to {limit}",
+                )
+            offset = next_offset
 
     def _segment_of(self, offset: int) -> _Segment:
         index = self._bases.bisect_right(offset) - 1

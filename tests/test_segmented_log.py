@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -255,3 +256,28 @@ def test_closed_log_refuses_use(tmp_path):
         log.append(b"x")
     with pytest.raises(LogClosedError):
         log.read(0)
+
+
+@pytest.mark.parametrize("damage", ["empty_first_segment", "missing_middle_segment"])
+def test_missing_records_below_the_checkpoint_are_reported_not_spun_on(tmp_path, damage):
+    directory = str(tmp_path)
+    with SegmentedLog.open(
+        directory, segment_size=4096, max_unsynced_bytes=3000, checkpoint_every_bytes=2048
+    ) as log:
+        for _ in range(12):
+            log.append(b"r" * 1000)
+            log.flush()
+    names = segment_files(directory)
+    if damage == "empty_first_segment":
+        os.truncate(os.path.join(directory, names[0]), 0)
+    else:
+        os.unlink(os.path.join(directory, names[1]))
+    # a regression here would hang rather than fail: bound it
+    signal.signal(signal.SIGALRM, lambda *_: pytest.fail("iter_from spun instead of raising"))
+    signal.alarm(10)
+    try:
+        log = SegmentedLog.open(directory, segment_size=4096, max_unsynced_bytes=3000)
+        with log, pytest.raises(CorruptionError, match="log continues"):
+            list(log.iter_from(log.min_offset))
+    finally:
+        signal.alarm(0)
