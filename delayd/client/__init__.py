@@ -1,0 +1,34 @@
+"""delayd clients: async (anyio: trio or asyncio) and blocking, over one protocol core.
+
+- ``open_producer(addr)`` / ``open_consumer(addr, subject=, group=)``: async context
+  managers (async_producer.py, async_consumer.py);
+- ``Producer(addr)`` / ``Consumer(addr, subject=, group=)``: the same for synchronous code
+  on plain sockets (blocking_producer.py, blocking_consumer.py);
+- ``Receipt``: what a send returns; consumers yield ``delayd.protocol.Message``.
+
+Shared, I/O-free pieces: ``_addr`` (``host:port``), ``_ids`` (message ids), ``_backoff``,
+``_messages`` (send arguments to Messages, frames), ``_errors`` (ERROR frames to
+exceptions), ``_consumer_state`` (prefetch, dedupe, offsets). The links (``_async_link``,
+``_blocking_link``) move bytes through ``delayd.protocol.Connection``; the sessions
+reconnect them with back-off.
+"""
+
+from delayd.client._addr import parse_addr
+from delayd.client._ids import new_message_id
+from delayd.client.async_consumer import AsyncConsumer, open_consumer
+from delayd.client.async_producer import AsyncProducer, open_producer
+from delayd.client.blocking_consumer import Consumer
+from delayd.client.blocking_producer import Producer
+from delayd.client.receipt import Receipt
+
+__all__ = [
+    "AsyncConsumer",
+    "AsyncProducer",
+    "Consumer",
+    "Producer",
+    "Receipt",
+    "new_message_id",
+    "open_consumer",
+    "open_producer",
+    "parse_addr",
+]

@@ -1,0 +1,214 @@
+"""AsyncLink: one connection to a delayd server on anyio, with HELLO done.
+
+Requests may overlap: a long-polling PULL does not hold up a HEARTBEAT or a COMMIT_OFFSET
+behind it (protocol rule 4, answers in any order). A reader task, started by the owner
+in its task group, routes each answer to the request waiting for it by request id; the
+protocol state is the sans-I/O ``delayd.protocol.Connection`` the blocking client and
+the servers use too.
+
+A link is never reused after a failure: the producer or consumer above it opens a new
+one (with back-off) and retries, which keeps the state here simple.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+
+import anyio
+import anyio.abc
+
+from delayd.client._errors import error_to_exception
+from delayd.errors import ConnectionClosedError, DelaydError, RemoteProtocolError
+from delayd.protocol import (
+    CLIENT,
+    NEED_DATA,
+    Connection,
+    ConnectionClosed,
+    Error,
+    Hello,
+    HelloOk,
+    Request,
+    Response,
+)
+
+RECEIVE_SIZE = 256 * 1024  # bytes per read; a full PULL_RESULT in a few reads
+# What the socket layer raises when the peer goes away, on either backend.
+_LINK_ERRORS = (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError)
+
+
+class _Waiter:
+    """A request waiting for its answer."""
+
+    __slots__ = ("done", "error", "response")
+
+    def __init__(self) -> None:
+        self.done = anyio.Event()
+        self.response: Response | None = None
+        self.error: DelaydError | None = None
+
+
+class AsyncLink:
+    """A connection with HELLO done; ``request`` sends and waits for the answer.
+
+    Create with ``await AsyncLink.open(...)``, then start ``link.run`` (the reader) in
+    the owner's task group; ``abort()`` ends it.
+    """
+
+    def __init__(self, stream: anyio.abc.SocketStream, conn: Connection, addr: str) -> None:
+        self.addr = addr
+        self._stream = stream
+        self._conn = conn
+        self._waiters: dict[int, _Waiter] = {}
+        self._outbox: list[bytes] = []  # frames waiting for the writer
+        self._writing = False  # a task is writing the outbox
+        self._scope = anyio.CancelScope()
+        self.failure: DelaydError | None = None  # why the link ended; None while it is up
+
+    @property
+    def closed(self) -> bool:
+        return self.failure is not None
+
+    @classmethod
+    async def open(cls, host: str, port: int, *, token: str | None, client_name: str) -> AsyncLink:
+        """Connect to ``host:port`` and do HELLO.
+
+        Raises OSError when the connection cannot be made, ConnectionClosedError when it
+        closes during HELLO, RejectedError (UNAUTHORIZED) for a wrong or missing token,
+        BusyError when the server is shutting down, ProtocolError when the peer does not
+        speak the delayd protocol. No time-out here: the caller bounds the whole call.
+        """
+        addr = f"{host}:{port}"
+        stream = await anyio.connect_tcp(host, port)
+        try:
+            # Requests are small and answered at once; Nagle would add up to 40 ms each.
+            raw = stream.extra(anyio.abc.SocketAttribute.raw_socket)
+            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = Connection(CLIENT)
+            hello = Hello(token=token, client_name=client_name, request_id=conn.next_request_id())
+            await stream.send(conn.send(hello))
+            while True:
+                event = conn.next_event()
+                if event is NEED_DATA:
+                    try:
+                        data = await stream.receive(RECEIVE_SIZE)
+                    except anyio.EndOfStream:
+                        data = b""
+                    conn.receive_data(data)
+                elif isinstance(event, HelloOk):
+                    return cls(stream, conn, addr)
+                elif isinstance(event, Error):
+                    raise error_to_exception(event, f"HELLO to {addr}")
+                else:
+                    raise ConnectionClosedError(f"{addr} closed the connection during HELLO")
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()
+            raise
+
+    async def run(self) -> None:
+        """The reader: route answers to their requests until the link ends. Never raises."""
+        try:
+            with self._scope:
+                try:
+                    await self._read_loop()
+                except RemoteProtocolError as exc:
+                    self._fail(exc)
+                except _LINK_ERRORS as exc:
+                    self._fail(ConnectionClosedError(f"connection to {self.addr} lost: {exc!r}"))
+        finally:
+            # Also when the owner's task group is cancelled at the same time as abort():
+            # then the Cancelled belongs to the outer scope and passes through ours.
+            self._fail(ConnectionClosedError(f"connection to {self.addr} closed"))
+            with anyio.CancelScope(shield=True):
+                await self._stream.aclose()
+
+    async def _read_loop(self) -> None:
+        conn, waiters = self._conn, self._waiters
+        while True:
+            try:
+                data = await self._stream.receive(RECEIVE_SIZE)
+            except anyio.EndOfStream:
+                data = b""
+            conn.receive_data(data)
+            while True:
+                event = conn.next_event()
+                if event is NEED_DATA:
+                    break
+                if isinstance(event, ConnectionClosed):
+                    self._fail(ConnectionClosedError(f"{self.addr} closed the connection"))
+                    return
+                waiter = waiters.pop(event.request_id, None)
+                if waiter is not None:
+                    waiter.response = event  # type: ignore[assignment]
+                    waiter.done.set()
+                if isinstance(event, Error) and (event.close or event.request_id == 0):
+                    # About the whole connection: every waiting request fails with it.
+                    self._fail(error_to_exception(event, f"connection to {self.addr}"))
+                    return
+
+    def _fail(self, exc: DelaydError) -> None:
+        if self.failure is None:
+            self.failure = exc
+        for waiter in self._waiters.values():
+            waiter.error = self.failure
+            waiter.done.set()
+        self._waiters.clear()
+
+    def abort(self, reason: str = "aborted") -> None:
+        """End the link now; waiting requests get ConnectionClosedError."""
+        self._fail(ConnectionClosedError(f"connection to {self.addr} {reason}"))
+        self._scope.cancel()
+
+    async def _write_outbox(self) -> None:
+        """Write queued frames until none are left, joined into one write per round.
+
+        Concurrent requests (several send_batch tasks, a heartbeat beside a PULL) queue
+        their frames while a write is under way and go out together in the next one:
+        fewer system calls here, and the server reads several frames at once, so one
+        fsync acknowledges them all.
+        """
+        self._writing = True
+        try:
+            while self._outbox:
+                data = b"".join(self._outbox) if len(self._outbox) > 1 else self._outbox[0]
+                self._outbox.clear()
+                await self._stream.send(data)
+        except BaseException:
+            # Cancelled or failed in the middle of a frame: the stream is out of step
+            # with the protocol and cannot carry another frame.
+            self.abort("lost in the middle of a write")
+            raise
+        finally:
+            self._writing = False
+
+    async def request(self, build: Callable[[int], Request]) -> Response:
+        """Send ``build(request_id)`` and return the server's answer.
+
+        Raises ConnectionClosedError when the link is or goes down before the answer
+        (the request may or may not have been carried out), the mapped exception for an
+        ERROR answer (see error_to_exception), LocalProtocolError for a request the
+        protocol does not allow (too large a frame). The caller bounds the wait.
+        """
+        if self.failure is not None:
+            raise ConnectionClosedError(f"connection to {self.addr} is down: {self.failure}")
+        request = build(self._conn.next_request_id())
+        data = self._conn.send(request)
+        waiter = _Waiter()
+        self._waiters[request.request_id] = waiter
+        try:
+            self._outbox.append(data)
+            if not self._writing:
+                await self._write_outbox()
+            await waiter.done.wait()
+        except _LINK_ERRORS as exc:
+            raise ConnectionClosedError(f"connection to {self.addr} lost: {exc!r}") from None
+        finally:
+            self._waiters.pop(request.request_id, None)
+        if waiter.error is not None:
+            raise waiter.error
+        response = waiter.response
+        if isinstance(response, Error):
+            raise error_to_exception(response, f"{request.command.name} to {self.addr}")
+        assert response is not None
+        return response

@@ -1,0 +1,193 @@
+"""BlockingLink: one connection to a delayd server on a plain socket, with HELLO done.
+
+For synchronous code (Django, Flask, scripts): no event loop, no threads of its own. The
+owner serialises use with a lock. A request waits for its own answer; ``pipeline`` keeps
+up to ``window`` requests in flight on the one connection, so that a big ``send_batch``
+pays one round trip (and shares fsyncs) instead of one per frame. The protocol state is
+the same sans-I/O ``delayd.protocol.Connection`` the async client uses.
+
+Deadlines are ``time.monotonic()`` values; a link whose request timed out is closed,
+since an answer may still arrive for it and the connection state is then unknown.
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+import time
+from collections.abc import Callable, Sequence
+
+from delayd.client._errors import error_to_exception
+from delayd.errors import ConnectionClosedError, DelaydError, DelaydTimeout, RemoteProtocolError
+from delayd.protocol import (
+    CLIENT,
+    NEED_DATA,
+    Connection,
+    ConnectionClosed,
+    Error,
+    Hello,
+    HelloOk,
+    Request,
+    Response,
+)
+
+RECEIVE_SIZE = 256 * 1024  # bytes per recv()
+
+
+class BlockingLink:
+    """A socket with HELLO done. Not thread-safe: the owner holds a lock around calls."""
+
+    def __init__(self, sock: socket.socket, conn: Connection, addr: str) -> None:
+        self.addr = addr
+        self._sock = sock
+        self._conn = conn
+        self.closed = False
+
+    @classmethod
+    def open(
+        cls, host: str, port: int, *, token: str | None, client_name: str, deadline: float
+    ) -> BlockingLink:
+        """Connect and do HELLO before ``deadline`` (monotonic seconds).
+
+        Raises OSError when the connection cannot be made, DelaydTimeout at the
+        deadline, ConnectionClosedError when the server closes during HELLO,
+        RejectedError (UNAUTHORIZED) for a wrong token, BusyError when the server is
+        shutting down, ProtocolError when the peer does not speak the protocol.
+        """
+        addr = f"{host}:{port}"
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise DelaydTimeout(f"no time left to connect to {addr}")
+        try:
+            sock = socket.create_connection((host, port), timeout=remaining)
+        except TimeoutError:
+            raise DelaydTimeout(f"connecting to {addr} timed out") from None
+        link = cls(sock, Connection(CLIENT), addr)
+        try:
+            # Requests are small and answered at once; Nagle would add up to 40 ms each.
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            hello = link._conn.next_request_id()
+            link._write(
+                link._conn.send(Hello(token=token, client_name=client_name, request_id=hello)),
+                deadline,
+            )
+            answer = link._read_answer(deadline)
+            if isinstance(answer, Error):
+                raise error_to_exception(answer, f"HELLO to {addr}")
+            if not isinstance(answer, HelloOk):
+                raise RemoteProtocolError(f"{addr} answered HELLO with {type(answer).__name__}")
+        except BaseException:
+            link.close()
+            raise
+        return link
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._sock.close()
+
+    # --- requests ---------------------------------------------------------------------
+
+    def request(self, build: Callable[[int], Request], deadline: float) -> Response:
+        """Send ``build(request_id)`` and return its answer (ERRORs raised as exceptions).
+
+        Raises ConnectionClosedError when the connection is lost (the request may or may
+        not have been carried out), DelaydTimeout at ``deadline`` (monotonic seconds;
+        the link is closed then), the mapped exception for an ERROR answer.
+        """
+        results: list[Response | DelaydError] = []
+        self.pipeline([build], deadline, on_answer=lambda _i, answer: results.append(answer))
+        (answer,) = results
+        if isinstance(answer, DelaydError):
+            raise answer
+        return answer
+
+    def pipeline(
+        self,
+        builds: Sequence[Callable[[int], Request]],
+        deadline: float,
+        *,
+        on_answer: Callable[[int, Response | DelaydError], None],
+        window: int = 8,
+    ) -> None:
+        """Send each request, keeping at most ``window`` unanswered, until all are answered.
+
+        ``on_answer(index, answer)`` gets each answer as it arrives: the response, or the
+        exception an ERROR answer maps to. The window bounds what waits in the socket
+        buffers: a client that only wrote and never read would, with enough requests,
+        deadlock against a server blocked writing answers nobody reads. Raises as
+        ``request`` does for the connection as a whole; answers already passed to
+        ``on_answer`` stand.
+        """
+        if self.closed:
+            raise ConnectionClosedError(f"connection to {self.addr} is closed")
+        waiting: dict[int, tuple[int, Request]] = {}  # request id -> (index, request)
+        next_index = 0
+        try:
+            while next_index < len(builds) or waiting:
+                # Write as many as the window allows in one sendall: fewer system calls,
+                # and the server can read them in one go.
+                chunks = []
+                while next_index < len(builds) and len(waiting) < window:
+                    request = builds[next_index](self._conn.next_request_id())
+                    chunks.append(self._conn.send(request))
+                    waiting[request.request_id] = (next_index, request)
+                    next_index += 1
+                if chunks:
+                    self._write(b"".join(chunks), deadline)
+                answer = self._read_answer(deadline)
+                index, request = waiting.pop(answer.request_id)
+                if isinstance(answer, Error):
+                    what = f"{request.command.name} to {self.addr}"
+                    exc = error_to_exception(answer, what)
+                    if answer.close:
+                        raise exc  # the server closes: the other requests are lost too
+                    on_answer(index, exc)
+                else:
+                    on_answer(index, answer)
+        except BaseException:
+            self.close()
+            raise
+
+    # --- bytes ------------------------------------------------------------------------
+
+    def _write(self, data: bytes, deadline: float) -> None:
+        self._settimeout(deadline)
+        try:
+            self._sock.sendall(data)
+        except TimeoutError:
+            raise DelaydTimeout(f"writing to {self.addr} timed out") from None
+        except OSError as exc:
+            raise ConnectionClosedError(f"connection to {self.addr} lost: {exc!r}") from None
+
+    def _read_answer(self, deadline: float) -> Response:
+        """The next answer from the server (an ERROR about the connection is raised)."""
+        conn = self._conn
+        while True:
+            event = conn.next_event()
+            if event is NEED_DATA:
+                self._settimeout(deadline)
+                try:
+                    data = self._sock.recv(RECEIVE_SIZE)
+                except TimeoutError:
+                    raise DelaydTimeout(f"no answer from {self.addr} in time") from None
+                except OSError as exc:
+                    raise ConnectionClosedError(
+                        f"connection to {self.addr} lost: {exc!r}"
+                    ) from None
+                conn.receive_data(data)
+                continue
+            if isinstance(event, ConnectionClosed):
+                raise ConnectionClosedError(f"{self.addr} closed the connection")
+            if isinstance(event, Error) and event.request_id == 0:
+                raise error_to_exception(event, f"connection to {self.addr}")
+            return event  # type: ignore[return-value]
+
+    def _settimeout(self, deadline: float) -> None:
+        if math.isinf(deadline):
+            self._sock.settimeout(None)
+            return
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise DelaydTimeout(f"the deadline passed before {self.addr} answered")
+        self._sock.settimeout(remaining)

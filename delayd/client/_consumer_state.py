@@ -1,0 +1,132 @@
+"""ConsumerState: a consumer's bookkeeping between requests, sans-I/O.
+
+The async and the blocking consumer drive the same object; it decides which message the
+user gets next and which offsets are due for COMMIT_OFFSET, and does no I/O itself.
+
+Invariants:
+
+- A message is handed to the user at most once per consumer instance: ``_fetched`` holds,
+  per queue, the offset after the last message accepted from a PULL, and later PULLs
+  that repeat older offsets (the broker restarts a queue's cursor at the committed
+  offset when it is reassigned, or after a reconnect) are dropped.
+- Offsets only move forward: a commit for queue ``q`` is due when the offset after the
+  last processed message of ``q`` is beyond what the broker last confirmed.
+- With auto-commit a message counts as processed when the user asks for the next one
+  (the loop body for it ran), or when the consumer is closed without an error; a
+  message whose processing raised is not committed and comes again after a restart.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+from delayd.protocol import Message
+
+
+class ConsumerState:
+    """Assignment, prefetched messages and offsets of one consumer.
+
+    ``commit_interval_s`` bounds how long a processed offset may wait before a commit
+    is due while the user works through a prefetched batch (seconds).
+    """
+
+    def __init__(self, *, auto_commit: bool = True, commit_interval_s: float = 1.0) -> None:
+        self.auto_commit = auto_commit
+        self.commit_interval_s = commit_interval_s
+        self.queues: tuple[int, ...] = ()
+        self._buffer: deque[Message] = deque()
+        self._fetched: dict[int, int] = {}  # queue -> offset after the last accepted message
+        self._processed: dict[int, int] = {}  # queue -> commit offset of processed messages
+        self._committed: dict[int, int] = {}  # queue -> offset the broker confirmed
+        self._current: Message | None = None  # handed to the user, being processed
+        self._last_flush_s: float | None = None
+
+    # --- membership -------------------------------------------------------------------
+
+    def set_assignment(self, queues: Iterable[int]) -> None:
+        """The broker assigned ``queues``; forget prefetched messages of the others.
+
+        Messages of a lost queue now belong to another member, which starts from the
+        committed offset; keeping them would deliver them twice for no gain.
+        """
+        self.queues = tuple(sorted(queues))
+        kept = set(self.queues)
+        if any(m.queue not in kept for m in self._buffer):
+            self._buffer = deque(m for m in self._buffer if m.queue in kept)
+        for queue in [q for q in self._fetched if q not in kept]:
+            # If the queue comes back, its cursor restarts at the committed offset and
+            # messages after it may legitimately come again (at-least-once).
+            del self._fetched[queue]
+
+    # --- messages ---------------------------------------------------------------------
+
+    def add_pulled(self, messages: Iterable[Message]) -> int:
+        """Accept the messages of a PULL_RESULT; returns how many were new."""
+        added = 0
+        for m in messages:
+            queue, offset = m.queue, m.queue_offset
+            if queue is not None and offset is not None:
+                if offset < self._fetched.get(queue, 0):
+                    continue  # already accepted once: a replay from an older cursor
+                self._fetched[queue] = offset + 1
+            self._buffer.append(m)
+            added += 1
+        return added
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buffer)
+
+    def advance(self) -> None:
+        """The user asked for the next message: with auto-commit, the current is done."""
+        if self._current is not None and self.auto_commit:
+            self.mark_processed(self._current)
+        self._current = None
+
+    def pop(self) -> Message | None:
+        """The next prefetched message for the user, or None when none is left."""
+        if not self._buffer:
+            return None
+        self._current = self._buffer.popleft()
+        return self._current
+
+    def close(self, *, clean: bool) -> None:
+        """The consumer is closing; ``clean`` means no exception is propagating."""
+        if clean:
+            self.advance()
+        self._current = None
+
+    # --- offsets ----------------------------------------------------------------------
+
+    def mark_processed(self, message: Message) -> None:
+        """``message`` and everything before it in its queue may be committed."""
+        queue, offset = message.queue, message.queue_offset
+        if queue is None or offset is None:
+            return
+        if offset + 1 > self._processed.get(queue, 0):
+            self._processed[queue] = offset + 1
+
+    def commits_due(self) -> list[tuple[int, int]]:
+        """(queue, offset) pairs to send as COMMIT_OFFSET, offset being the next to read."""
+        return [
+            (queue, offset)
+            for queue, offset in self._processed.items()
+            if offset > self._committed.get(queue, -1)
+        ]
+
+    def committed(self, queue: int, offset: int) -> None:
+        """The broker confirmed COMMIT_OFFSET(queue, offset)."""
+        if offset > self._committed.get(queue, -1):
+            self._committed[queue] = offset
+
+    def flush_due(self, now_s: float) -> bool:
+        """Whether processed offsets have waited ``commit_interval_s`` (monotonic s)."""
+        if self._last_flush_s is None:
+            self._last_flush_s = now_s
+            return False
+        return now_s - self._last_flush_s >= self.commit_interval_s and bool(self.commits_due())
+
+    def flushed(self, now_s: float) -> None:
+        """Commits were just sent (monotonic seconds)."""
+        self._last_flush_s = now_s

@@ -1,0 +1,113 @@
+"""Turning the arguments of ``send`` and ``send_batch`` into protocol Messages."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from delayd.client._ids import new_message_id
+from delayd.protocol import Message
+
+# Frames are split so that a huge send_batch neither makes one frame larger than the
+# server accepts nor holds the whole batch up behind one fsync: a few frames in flight
+# let the server's group commit cover several at once.
+MAX_FRAME_MESSAGES = 1000
+MAX_FRAME_BYTES = 4 * 1024 * 1024  # well under the 16 MiB default max_frame_size
+_MESSAGE_OVERHEAD = 14 + 8 * 2  # fixed head of a message, and room for its two integers
+
+
+def build_message(
+    subject: str,
+    body: bytes | bytearray | memoryview | str,
+    *,
+    at_ms: int | None = None,
+    delay_ms: int | None = None,
+    message_id: str | None = None,
+    key: str | None = None,
+    properties: Mapping[str, str] | None = None,
+) -> Message:
+    """The Message to send; a ``str`` body is sent as UTF-8.
+
+    ``at_ms`` (absolute due time, epoch ms UTC) and ``delay_ms`` (ms after the server
+    receives it) are mutually exclusive; with neither, the message is not delayed.
+    Without ``message_id`` the client makes a unique, time-ordered one. Raises
+    ValueError for both times at once or a body that is not bytes or str.
+    """
+    if at_ms is not None and delay_ms is not None:
+        raise ValueError("give at_ms (an absolute epoch-ms time) or delay_ms, not both")
+    if isinstance(body, str):
+        body = body.encode()
+    elif isinstance(body, (bytearray, memoryview)):
+        body = bytes(body)
+    elif not isinstance(body, bytes):
+        raise ValueError(f"body must be bytes or str, got {type(body).__name__}")
+    return Message(
+        message_id=new_message_id() if message_id is None else message_id,
+        subject=subject,
+        key=key,
+        properties={} if properties is None else dict(properties),
+        body=body,
+        at_ms=at_ms,
+        delay_ms=delay_ms,
+    )
+
+
+def coerce_batch(messages: Iterable[Any]) -> list[Message]:
+    """The Messages of a ``send_batch`` argument.
+
+    Each item is a ``delayd.protocol.Message``, a mapping of ``send``'s arguments
+    (``{"subject": ..., "body": ..., "delay_ms": ...}``), or a ``(subject, body)`` pair.
+    Raises ValueError for anything else (naming the item's index).
+    """
+    out: list[Message] = []
+    for index, item in enumerate(messages):
+        if isinstance(item, Message):
+            out.append(item)
+        elif isinstance(item, Mapping):
+            try:
+                out.append(build_message(**item))
+            except TypeError as exc:
+                raise ValueError(f"send_batch item {index}: {exc}") from None
+        elif isinstance(item, tuple) and len(item) == 2:
+            out.append(build_message(item[0], item[1]))
+        else:
+            raise ValueError(
+                f"send_batch item {index} is a {type(item).__name__}; give a "
+                "delayd.protocol.Message, a dict of send() arguments or a (subject, body) pair"
+            )
+    return out
+
+
+def _size(m: Message) -> int:
+    size = _MESSAGE_OVERHEAD + len(m.body) + len(m.message_id) * 4 + len(m.subject)
+    if m.key:
+        size += len(m.key) * 4
+    for name, value in m.properties.items():
+        size += 4 + (len(name) + len(value)) * 4  # up to 4 UTF-8 bytes per character
+    return size
+
+
+def split_frames(
+    messages: list[Message],
+    *,
+    max_messages: int = MAX_FRAME_MESSAGES,
+    max_bytes: int = MAX_FRAME_BYTES,
+) -> list[list[Message]]:
+    """``messages`` cut into runs of at most ``max_messages`` and about ``max_bytes``.
+
+    A single message larger than ``max_bytes`` gets a frame of its own (the server then
+    refuses it by size, per message, rather than the client refusing the whole batch).
+    """
+    frames: list[list[Message]] = []
+    current: list[Message] = []
+    current_bytes = 0
+    for m in messages:
+        size = _size(m)
+        if current and (len(current) >= max_messages or current_bytes + size > max_bytes):
+            frames.append(current)
+            current, current_bytes = [], 0
+        current.append(m)
+        current_bytes += size
+    if current:
+        frames.append(current)
+    return frames

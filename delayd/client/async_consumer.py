@@ -1,0 +1,370 @@
+"""The async consumer, on anyio: works under trio and under asyncio.
+
+::
+
+    async with delayd.open_consumer("127.0.0.1:20811", subject="orders", group="billing") as c:
+        async for message in c:
+            handle(message)          # committed once the loop asks for the next one
+
+Tasks, all in the consumer's own task group: a heartbeat every ``heartbeat_interval_s``
+(the broker drops members after ~10 s of silence), and one PULL at a time, started when
+the user wants a message and none is prefetched, or ahead of time when fewer than half
+a PULL's worth (``max_messages``) is left. The PULL runs in its own task so that a
+``receive`` that times out or is cancelled does not throw its answer away: the broker
+has already moved its delivered cursor past those messages, so they would otherwise not
+come again until the queue is reassigned.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager, suppress
+
+import anyio
+import anyio.abc
+
+from delayd.client._async_link import AsyncLink
+from delayd.client._async_session import AsyncSession
+from delayd.client._backoff import Backoff
+from delayd.client._consumer_id import new_consumer_id
+from delayd.client._consumer_state import ConsumerState
+from delayd.client._task_group import background_task_group
+from delayd.client.async_producer import CLIENT_NAME
+from delayd.errors import (
+    BusyError,
+    ConnectionClosedError,
+    DelaydError,
+    DelaydTimeout,
+    RejectedError,
+)
+from delayd.protocol import (
+    CommitOffset,
+    ErrorCode,
+    Heartbeat,
+    HeartbeatResult,
+    JoinGroup,
+    JoinGroupResult,
+    Message,
+    Pull,
+    PullResult,
+)
+
+
+class AsyncConsumer:
+    """Pulls messages of ``subject`` as a member of ``group``; made by ``open_consumer``.
+
+    Iterate it (``async for``) or call ``receive``. With ``auto_commit`` a message is
+    committed once the user asks for the next one, and the last one on a clean close;
+    otherwise call ``commit(message)``. ``timeout_s`` bounds every request; waiting for
+    a message has no bound of its own (the iterator keeps reconnecting while the broker
+    is away), ``receive(timeout_s=...)`` sets one.
+    """
+
+    def __init__(
+        self,
+        session: AsyncSession,
+        task_group: anyio.abc.TaskGroup,
+        *,
+        subject: str,
+        group: str,
+        consumer_id: str,
+        auto_commit: bool,
+        timeout_s: float,
+        max_messages: int,
+        pull_wait_ms: int,
+        heartbeat_interval_s: float,
+    ) -> None:
+        self._session = session
+        self._task_group = task_group
+        self.addr = session.addr
+        self.subject = subject
+        self.group = group
+        self.consumer_id = consumer_id
+        self.timeout_s = timeout_s
+        self.max_messages = max_messages
+        self.pull_wait_ms = pull_wait_ms
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self._state = ConsumerState(auto_commit=auto_commit)
+        self._joined: AsyncLink | None = None  # the link this consumer is a member on
+        self._join_lock = anyio.Lock()
+        self._joins = 0  # JOINs done so far
+        self._pulling = False
+        self._prefetch_low = max_messages // 2  # pull ahead below this many buffered
+        self._arrived = anyio.Event()
+        self._pull_error: DelaydError | None = None
+        self._busy_backoff = Backoff(initial_s=0.01, max_s=1.0)
+        self._closed = False
+
+    @property
+    def queues(self) -> tuple[int, ...]:
+        """The queues of the subject the broker currently assigns to this consumer."""
+        return self._state.queues
+
+    # --- iteration --------------------------------------------------------------------
+
+    def __aiter__(self) -> AsyncConsumer:
+        return self
+
+    async def __anext__(self) -> Message:
+        message = await self.receive()
+        assert message is not None
+        return message
+
+    async def receive(self, timeout_s: float | None = None) -> Message | None:
+        """The next message, or None when none came within ``timeout_s`` (None: wait).
+
+        Raises RejectedError when the broker refuses the subscription (bad subject or
+        group), ProtocolError when it breaks the protocol, ConnectionClosedError once
+        the consumer is closed.
+        """
+        if self._closed:
+            raise ConnectionClosedError("the consumer is closed")
+        self._state.advance()
+        deadline = math.inf if timeout_s is None else anyio.current_time() + timeout_s
+        while True:
+            message = self._state.pop()
+            if message is not None:
+                if (
+                    not self._pulling
+                    and self._pull_error is None
+                    and self._state.buffered < self._prefetch_low
+                ):
+                    # Pull the next batch while the user works through this one, so
+                    # that the broker's reading and the client's decoding overlap.
+                    self._start_pull()
+                if self._state.flush_due(anyio.current_time()):
+                    await self._flush_commits()
+                return message
+            if self._pull_error is not None:
+                error, self._pull_error = self._pull_error, None
+                raise error
+            with anyio.move_on_at(deadline):
+                # Nothing prefetched: the offsets processed so far go to the broker now,
+                # before this consumer possibly waits a long time.
+                await self._flush_commits()
+                if self._state.buffered or self._pull_error is not None:
+                    continue  # a PULL answered while the commits were under way
+                if not self._pulling:
+                    self._start_pull()
+                await self._arrived.wait()
+            if anyio.current_time() >= deadline and not self._state.buffered:
+                return None
+
+    def _start_pull(self) -> None:
+        self._pulling = True
+        self._arrived = anyio.Event()
+        self._task_group.start_soon(self._pull)
+
+    # --- commits ----------------------------------------------------------------------
+
+    async def commit(self, message: Message) -> None:
+        """Commit ``message`` and everything before it in its queue, now.
+
+        Raises DelaydTimeout after ``timeout_s``, RejectedError when the broker refuses.
+        """
+        self._state.mark_processed(message)
+        with anyio.move_on_after(self.timeout_s) as scope:
+            await self._flush_commits(retry=True)
+        if scope.cancelled_caught:
+            raise DelaydTimeout(
+                f"commit to {self.addr} took over {self.timeout_s} s "
+                f"({self._session.describe_problem()})"
+            )
+
+    async def _flush_commits(self, *, retry: bool = False) -> None:
+        """Send the due COMMIT_OFFSETs; with ``retry``, until they are confirmed.
+
+        Without ``retry`` a lost connection leaves them due for the next flush.
+        """
+        while due := self._state.commits_due():
+            link: AsyncLink | None = None
+            try:
+                link = await self._member_link()
+                for queue, offset in due:
+                    await link.request(
+                        lambda rid, q=queue, o=offset: CommitOffset(
+                            self.group, self.subject, q, o, request_id=rid
+                        )
+                    )
+                    self._state.committed(queue, offset)
+            except ConnectionClosedError as exc:
+                if link is not None:
+                    self._session.lost(link, exc)
+                if not retry:
+                    return
+            finally:
+                self._state.flushed(anyio.current_time())
+
+    # --- membership and pulling -------------------------------------------------------
+
+    async def _member_link(self) -> AsyncLink:
+        """A link on which this consumer has joined the group (re-JOIN after a reconnect)."""
+        async with self._join_lock:
+            while True:
+                link = await self._session.link()
+                if link is self._joined:
+                    return link
+                try:
+                    result = await link.request(
+                        lambda rid: JoinGroup(
+                            self.group, self.subject, self.consumer_id, request_id=rid
+                        )
+                    )
+                except ConnectionClosedError as exc:
+                    self._session.lost(link, exc)
+                    continue
+                except BusyError as exc:
+                    self._session.last_problem = exc
+                    await anyio.sleep(self._busy_backoff.next_delay())
+                    continue
+                assert isinstance(result, JoinGroupResult)
+                self._state.set_assignment(result.queues)
+                self._joined = link
+                self._joins += 1
+                return link
+
+    async def _pull(self) -> None:
+        """One PULL into the prefetch buffer. Never raises: errors go to receive()."""
+        try:
+            await self._pull_once()
+        finally:
+            self._pulling = False
+            self._arrived.set()
+
+    async def _pull_once(self) -> None:
+        joins_before = self._joins
+        try:
+            link = await self._member_link()
+        except DelaydError as exc:  # JOIN refused, or not the protocol: not retried
+            self._pull_error = exc
+            return
+        try:
+            with anyio.move_on_after(self.pull_wait_ms / 1000 + self.timeout_s) as scope:
+                result = await link.request(
+                    lambda rid: Pull(
+                        self.subject,
+                        self.group,
+                        self.consumer_id,
+                        max_messages=self.max_messages,
+                        wait_ms=self.pull_wait_ms,
+                        request_id=rid,
+                    )
+                )
+                assert isinstance(result, PullResult)
+                self._state.add_pulled(result.messages)
+                self._session.succeeded()
+            if scope.cancelled_caught:
+                link.abort("closed: no answer to PULL in time")
+        except ConnectionClosedError as exc:
+            self._session.lost(link, exc)
+        except RejectedError as exc:
+            if exc.code == ErrorCode.INVALID_REQUEST and self._joins == joins_before:
+                # The broker dropped this member (no heartbeat for too long): join again.
+                self._joined = None
+            else:
+                self._pull_error = exc
+        except BusyError as exc:
+            self._session.last_problem = exc
+            await anyio.sleep(self._busy_backoff.next_delay())
+        except DelaydError as exc:
+            self._pull_error = exc
+
+    async def _heartbeats(self) -> None:
+        """Keep the membership alive while the user works; follow reassignments."""
+        while True:
+            await anyio.sleep(self.heartbeat_interval_s)
+            link = self._joined
+            if link is None or link.closed:
+                continue  # the next PULL reconnects and joins again
+            try:
+                with anyio.move_on_after(self.timeout_s) as scope:
+                    result = await link.request(
+                        lambda rid: Heartbeat(
+                            self.group, self.subject, self.consumer_id, request_id=rid
+                        )
+                    )
+                    assert isinstance(result, HeartbeatResult)
+                    self._state.set_assignment(result.queues)
+                if scope.cancelled_caught:
+                    link.abort("closed: no answer to HEARTBEAT in time")
+            except RejectedError as exc:
+                if exc.code == ErrorCode.INVALID_REQUEST and link is self._joined:
+                    self._joined = None  # dropped from the group: the next PULL re-joins
+            except DelaydError:
+                pass  # connection trouble: the next PULL reconnects and reports errors
+
+    # --- lifecycle --------------------------------------------------------------------
+
+    async def _start(self) -> None:
+        with anyio.move_on_after(self.timeout_s) as scope:
+            await self._member_link()
+        if scope.cancelled_caught:
+            raise DelaydTimeout(
+                f"could not join group {self.group!r} at {self.addr} within {self.timeout_s} s "
+                f"({self._session.describe_problem()})"
+            )
+        self._task_group.start_soon(self._heartbeats)
+
+    async def aclose(self, *, clean: bool = True) -> None:
+        """Commit what was processed (with ``clean``, the current message too), close.
+
+        A commit that cannot be made within ``timeout_s`` is given up: those messages
+        come again to the group (at-least-once), which is why it does not raise.
+        """
+        if self._closed:
+            return
+        self._state.close(clean=clean)
+        if self._joined is not None and not self._joined.closed:
+            with anyio.move_on_after(self.timeout_s):
+                with suppress(DelaydError):
+                    await self._flush_commits()
+        self._closed = True
+        self._session.close()
+
+
+@asynccontextmanager
+async def open_consumer(
+    addr: str,
+    *,
+    subject: str,
+    group: str,
+    token: str | None = None,
+    auto_commit: bool = True,
+    consumer_id: str | None = None,
+    timeout_s: float = 10.0,
+    max_messages: int = 256,
+    pull_wait_ms: int = 2000,
+    heartbeat_interval_s: float = 3.0,
+    client_name: str = CLIENT_NAME,
+) -> AsyncIterator[AsyncConsumer]:
+    """An async consumer of ``subject`` in ``group`` at ``addr`` (``"host:port"``).
+
+    Joins the group before the body runs (within ``timeout_s``: DelaydTimeout, or
+    RejectedError for a wrong token or a refused subscription). On exit commits what
+    was processed — including the last message when the body ended without an
+    exception — and closes. ``max_messages`` is the PULL batch size, ``pull_wait_ms``
+    how long the broker may hold a PULL that finds nothing.
+    """
+    async with background_task_group() as tg:
+        session = AsyncSession(addr, token=token, client_name=client_name, task_group=tg)
+        consumer = AsyncConsumer(
+            session,
+            tg,
+            subject=subject,
+            group=group,
+            consumer_id=consumer_id or new_consumer_id(),
+            auto_commit=auto_commit,
+            timeout_s=timeout_s,
+            max_messages=max_messages,
+            pull_wait_ms=pull_wait_ms,
+            heartbeat_interval_s=heartbeat_interval_s,
+        )
+        clean = False
+        try:
+            await consumer._start()
+            yield consumer
+            clean = True
+        finally:
+            with anyio.CancelScope(shield=True):
+                await consumer.aclose(clean=clean)

@@ -1,0 +1,218 @@
+"""The async producer, on anyio: works under trio and under asyncio.
+
+::
+
+    async with delayd.open_producer("127.0.0.1:20811") as producer:
+        receipt = await producer.send("orders", b"...", delay_ms=30_000)
+
+Several ``send``/``send_batch`` calls may run at once (from different tasks) over the one
+connection; each SEND_BATCH frame is its own request, so the server's group commit can
+acknowledge several with one fsync.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable, Mapping
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import anyio.abc
+
+from delayd import __version__
+from delayd.client._async_session import AsyncSession
+from delayd.client._backoff import Backoff
+from delayd.client._messages import build_message, coerce_batch, split_frames
+from delayd.client._task_group import background_task_group
+from delayd.client.receipt import Receipt
+from delayd.errors import BusyError, ConnectionClosedError, DelaydTimeout, RejectedError
+from delayd.protocol import Message, ResultCode, SendBatch, SendBatchResult
+
+CLIENT_NAME = f"delayd-python-async/{__version__}"
+
+
+class AsyncProducer:
+    """Sends messages to a broker or to the delay server; made by ``open_producer``.
+
+    ``timeout_s`` bounds every call, reconnection and retries included (DelaydTimeout).
+    A message refused as BUSY is sent again up to ``busy_retries`` times with back-off.
+    """
+
+    def __init__(
+        self,
+        session: AsyncSession,
+        *,
+        timeout_s: float,
+        busy_retries: int,
+        busy_backoff: Backoff | None = None,
+    ) -> None:
+        self._session = session
+        self.addr = session.addr
+        self.timeout_s = timeout_s
+        self.busy_retries = busy_retries
+        self._busy_backoff = busy_backoff or Backoff(initial_s=0.01, max_s=1.0)
+        self._closed = False
+
+    async def send(
+        self,
+        subject: str,
+        body: bytes | str,
+        *,
+        at_ms: int | None = None,
+        delay_ms: int | None = None,
+        message_id: str | None = None,
+        key: str | None = None,
+        properties: Mapping[str, str] | None = None,
+    ) -> Receipt:
+        """Send one message and wait until the server has stored it durably.
+
+        ``at_ms`` is an absolute due time (epoch ms UTC), ``delay_ms`` a delay after the
+        server receives it; give at most one (ValueError otherwise). Returns the receipt
+        (``message_id``; ``due_ms`` and ``sequence`` from the delay server).
+
+        Raises RejectedError when the server refuses the message (its ``code`` and
+        ``reason`` say why), BusyError when it stayed busy through the retries,
+        DelaydTimeout when the whole call took longer than ``timeout_s``.
+        """
+        message = build_message(
+            subject,
+            body,
+            at_ms=at_ms,
+            delay_ms=delay_ms,
+            message_id=message_id,
+            key=key,
+            properties=properties,
+        )
+        (receipt,) = await self.send_batch([message])
+        if receipt.code is ResultCode.BUSY:
+            raise BusyError(
+                f"{self.addr} stayed busy through {self.busy_retries} retries: {receipt.reason}"
+            )
+        if not receipt.ok:
+            raise RejectedError(receipt.code, receipt.reason)
+        return receipt
+
+    async def send_batch(
+        self, messages: Iterable[Message | Mapping[str, Any] | tuple[str, bytes]]
+    ) -> list[Receipt]:
+        """Send several messages; one receipt per message, in order, refusals included.
+
+        Items are ``delayd.protocol.Message``, dicts of ``send`` arguments, or
+        ``(subject, body)`` pairs. Nothing is raised for refused messages: check
+        ``receipt.ok`` (BUSY receipts are those still busy after the retries). Raises
+        DelaydTimeout after ``timeout_s``, ValueError for malformed items, and
+        RejectedError / ProtocolError when the connection itself is refused.
+        """
+        batch = coerce_batch(messages)
+        if self._closed:
+            raise ConnectionClosedError("the producer is closed")
+        if not batch:
+            return []
+        with anyio.move_on_after(self.timeout_s):
+            frames = split_frames(batch)
+            if len(frames) == 1:
+                return await self._send_frame(frames[0])
+            results: list[list[Receipt]] = [[] for _ in frames]
+            errors: list[Exception] = []
+
+            async def one(index: int) -> None:
+                # Errors are kept rather than raised, so the caller gets the exception
+                # itself and not an ExceptionGroup from this task group.
+                try:
+                    results[index] = await self._send_frame(frames[index])
+                except Exception as exc:
+                    errors.append(exc)
+                    tg.cancel_scope.cancel()
+
+            async with anyio.create_task_group() as tg:
+                for index in range(len(frames)):
+                    tg.start_soon(one, index)
+            if errors:
+                raise errors[0]
+            return [receipt for part in results for receipt in part]
+        self._session.abort()
+        raise DelaydTimeout(
+            f"sending {len(batch)} message(s) to {self.addr} took over {self.timeout_s} s "
+            f"({self._session.describe_problem()})"
+        )
+
+    async def _send_frame(self, messages: list[Message]) -> list[Receipt]:
+        """Send one SEND_BATCH, again after a lost connection, and BUSY messages again.
+
+        Resending after a lost connection is safe because the ids are the same and the
+        server drops ids it has stored already (answering DUPLICATE, which is success).
+        """
+        receipts: list[Receipt | None] = [None] * len(messages)
+        todo = list(range(len(messages)))
+        busy_rounds = 0
+        while todo:
+            link = await self._session.link()
+            pending = [messages[i] for i in todo]
+            try:
+                response = await link.request(
+                    lambda rid, pending=pending: SendBatch(pending, request_id=rid)
+                )
+            except ConnectionClosedError as exc:
+                self._session.lost(link, exc)
+                continue
+            except BusyError as exc:
+                # The whole request was refused as busy (or the server is stopping).
+                self._session.last_problem = exc
+                busy = list(todo)
+            else:
+                assert isinstance(response, SendBatchResult)
+                self._session.succeeded()
+                busy = []
+                for index, result in zip(todo, response.results, strict=True):
+                    receipt = Receipt.from_result(messages[index].message_id, result)
+                    receipts[index] = receipt
+                    if result.code is ResultCode.BUSY:
+                        busy.append(index)
+            if busy:
+                busy_rounds += 1
+                if busy_rounds > self.busy_retries:
+                    for index in busy:
+                        if receipts[index] is None:
+                            receipts[index] = Receipt(
+                                messages[index].message_id, ResultCode.BUSY, "server busy"
+                            )
+                    break
+                await anyio.sleep(self._busy_backoff.next_delay())
+            todo = busy
+        return [r for r in receipts if r is not None]
+
+    async def aclose(self) -> None:
+        """Close the connection; later calls raise ConnectionClosedError."""
+        self._closed = True
+        self._session.close()
+
+
+@asynccontextmanager
+async def open_producer(
+    addr: str,
+    *,
+    token: str | None = None,
+    timeout_s: float = 10.0,
+    busy_retries: int = 5,
+    client_name: str = CLIENT_NAME,
+) -> AsyncIterator[AsyncProducer]:
+    """An async producer connected to ``addr`` (``"host:port"``), closed on exit.
+
+    Connects (HELLO, with ``token`` when given) before the body runs, retrying with
+    back-off for up to ``timeout_s``. Raises ValueError for a malformed ``addr``,
+    RejectedError for a wrong token, DelaydTimeout when the server cannot be reached.
+    """
+    async with background_task_group() as tg:
+        session = AsyncSession(addr, token=token, client_name=client_name, task_group=tg)
+        producer = AsyncProducer(session, timeout_s=timeout_s, busy_retries=busy_retries)
+        try:
+            with anyio.move_on_after(timeout_s) as scope:
+                await session.link()
+            if scope.cancelled_caught:
+                raise DelaydTimeout(
+                    f"could not connect to {addr} within {timeout_s} s "
+                    f"({session.describe_problem()})"
+                )
+            yield producer
+        finally:
+            await producer.aclose()

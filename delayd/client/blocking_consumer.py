@@ -1,0 +1,330 @@
+"""The blocking consumer: plain sockets, for ordinary synchronous code.
+
+::
+
+    with delayd.Consumer("127.0.0.1:20811", subject="orders", group="billing") as consumer:
+        for message in consumer:
+            handle(message)          # committed once the loop asks for the next one
+
+Heartbeats: a PULL counts as one, so a consumer that keeps pulling needs nothing else.
+But synchronous handlers block — a slow database call, a 20-second report — and during
+them nothing is pulled; after ~10 s the broker would drop the member, hand its queues to
+someone else and, on the next PULL, this consumer would re-join and take them back: two
+rebalances and redelivered messages for one slow handler. So a small daemon thread sends
+a HEARTBEAT on the same connection whenever nothing was sent for
+``heartbeat_interval_s``. The connection is shared under a lock; PULLs wait at most
+``pull_wait_ms`` (1 s by default), so the thread never waits long for its turn, and
+while the consumer pulls steadily the thread has nothing to do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+import time
+from types import TracebackType
+
+from delayd import __version__
+from delayd.client._backoff import Backoff
+from delayd.client._blocking_link import BlockingLink
+from delayd.client._blocking_session import BlockingSession
+from delayd.client._consumer_id import new_consumer_id
+from delayd.client._consumer_state import ConsumerState
+from delayd.errors import (
+    BusyError,
+    ConnectionClosedError,
+    DelaydError,
+    DelaydTimeout,
+    RejectedError,
+)
+from delayd.protocol import (
+    CommitOffset,
+    ErrorCode,
+    Heartbeat,
+    HeartbeatResult,
+    JoinGroup,
+    JoinGroupResult,
+    Message,
+    Pull,
+    PullResult,
+)
+
+CLIENT_NAME = f"delayd-python-blocking/{__version__}"
+
+
+class Consumer:
+    """Pulls messages of ``subject`` as a member of ``group`` at ``addr`` (``"host:port"``).
+
+    Connects and joins on ``with`` (or on the first receive). Iterate it, or call
+    ``receive(timeout_s=...)``. With ``auto_commit`` a message is committed once the
+    next one is asked for, and the last one when the ``with`` block ends without an
+    exception; otherwise call ``commit(message)``. ``timeout_s`` bounds every request;
+    iterating waits for messages for ever, reconnecting while the broker is away.
+    Raises ValueError for a malformed ``addr``.
+    """
+
+    def __init__(
+        self,
+        addr: str,
+        *,
+        subject: str,
+        group: str,
+        token: str | None = None,
+        auto_commit: bool = True,
+        consumer_id: str | None = None,
+        timeout_s: float = 10.0,
+        max_messages: int = 256,
+        pull_wait_ms: int = 1000,
+        heartbeat_interval_s: float = 3.0,
+        client_name: str = CLIENT_NAME,
+    ) -> None:
+        self._session = BlockingSession(addr, token=token, client_name=client_name)
+        self.addr = addr
+        self.subject = subject
+        self.group = group
+        self.consumer_id = consumer_id or new_consumer_id()
+        self.timeout_s = timeout_s
+        self.max_messages = max_messages
+        self.pull_wait_ms = pull_wait_ms
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self._state = ConsumerState(auto_commit=auto_commit)
+        self._joined: BlockingLink | None = None  # the link this consumer is a member on
+        self._joins = 0  # JOINs done so far
+        self._last_sent = 0.0  # monotonic time of the last request (a PULL is a heartbeat)
+        self._busy_backoff = Backoff(initial_s=0.01, max_s=1.0)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._heartbeat_thread: threading.Thread | None = None
+        self._closed = False
+
+    @property
+    def queues(self) -> tuple[int, ...]:
+        """The queues of the subject the broker currently assigns to this consumer."""
+        return self._state.queues
+
+    # --- lifecycle --------------------------------------------------------------------
+
+    def __enter__(self) -> Consumer:
+        self.connect()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close(clean=exc_type is None)
+
+    def connect(self) -> None:
+        """Connect and join now (DelaydTimeout after ``timeout_s``, RejectedError)."""
+        with self._lock:
+            self._check_open()
+            self._member_link(time.monotonic() + self.timeout_s)
+
+    def close(self, *, clean: bool = True) -> None:
+        """Commit what was processed (with ``clean``, the current message too), close.
+
+        A commit that fails is given up (those messages come again to the group), so
+        close does not raise for it.
+        """
+        self._stop.set()
+        with self._lock:
+            if self._closed:
+                return
+            self._state.close(clean=clean)
+            if self._session.current is not None and self._joined is self._session.current:
+                with contextlib.suppress(DelaydError):
+                    self._flush_commits(time.monotonic() + self.timeout_s, retry=False)
+            self._closed = True
+            self._session.close()
+        if self._heartbeat_thread is not None:
+            self._heartbeat_thread.join(timeout=self.timeout_s)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConnectionClosedError("the consumer is closed")
+
+    # --- iteration --------------------------------------------------------------------
+
+    def __iter__(self) -> Consumer:
+        return self
+
+    def __next__(self) -> Message:
+        message = self.receive()
+        assert message is not None
+        return message
+
+    def receive(self, timeout_s: float | None = None) -> Message | None:
+        """The next message, or None when none came within ``timeout_s`` (None: wait).
+
+        Raises RejectedError when the broker refuses the subscription (bad subject or
+        group, wrong token), ProtocolError when it breaks the protocol,
+        ConnectionClosedError once the consumer is closed.
+        """
+        deadline = math.inf if timeout_s is None else time.monotonic() + timeout_s
+        with self._lock:
+            self._check_open()
+            self._state.advance()
+            while True:
+                message = self._state.pop()
+                if message is not None:
+                    if self._state.flush_due(time.monotonic()):
+                        self._flush_commits(time.monotonic() + self.timeout_s, retry=False)
+                    return message
+                # Nothing prefetched: the offsets processed so far go to the broker now,
+                # before this consumer possibly waits a long time.
+                self._flush_commits(time.monotonic() + self.timeout_s, retry=False)
+                remaining_ms = (deadline - time.monotonic()) * 1000
+                if remaining_ms <= 0:
+                    return None
+                try:
+                    self._pull(int(min(self.pull_wait_ms, remaining_ms)), deadline)
+                except DelaydTimeout:
+                    if time.monotonic() >= deadline:
+                        return None
+                    raise
+
+    # --- commits ----------------------------------------------------------------------
+
+    def commit(self, message: Message) -> None:
+        """Commit ``message`` and everything before it in its queue, now.
+
+        Raises DelaydTimeout after ``timeout_s``, RejectedError when the broker refuses.
+        """
+        with self._lock:
+            self._check_open()
+            self._state.mark_processed(message)
+            self._flush_commits(time.monotonic() + self.timeout_s, retry=True)
+
+    def _flush_commits(self, deadline: float, *, retry: bool) -> None:
+        """Send the due COMMIT_OFFSETs; with ``retry``, until confirmed or ``deadline``.
+
+        Without ``retry`` a lost connection leaves them due for the next flush.
+        """
+        while due := self._state.commits_due():
+            try:
+                link = self._member_link(deadline)
+                for queue, offset in due:
+                    link.request(
+                        lambda rid, q=queue, o=offset: CommitOffset(
+                            self.group, self.subject, q, o, request_id=rid
+                        ),
+                        deadline,
+                    )
+                    self._state.committed(queue, offset)
+            except (ConnectionClosedError, DelaydTimeout) as exc:
+                if isinstance(exc, ConnectionClosedError) or self._session.current is None:
+                    self._session.lost(exc)
+                if not retry:
+                    return
+                if time.monotonic() >= deadline:
+                    raise
+            finally:
+                self._state.flushed(time.monotonic())
+
+    # --- membership and pulling -------------------------------------------------------
+
+    def _member_link(self, deadline: float) -> BlockingLink:
+        """A link on which this consumer has joined (re-JOIN after a reconnect).
+
+        Raises DelaydTimeout at ``deadline``; RejectedError when the JOIN is refused.
+        """
+        while True:
+            link = self._session.link(deadline)
+            if link is self._joined:
+                return link
+            try:
+                result = link.request(
+                    lambda rid: JoinGroup(
+                        self.group, self.subject, self.consumer_id, request_id=rid
+                    ),
+                    min(deadline, time.monotonic() + self.timeout_s),
+                )
+            except (ConnectionClosedError, DelaydTimeout) as exc:
+                self._session.lost(exc)
+                if time.monotonic() >= deadline:
+                    raise DelaydTimeout(f"could not join at {self.addr} in time") from None
+                continue
+            except BusyError as exc:
+                self._session.last_problem = exc
+                time.sleep(self._busy_backoff.next_delay())
+                continue
+            assert isinstance(result, JoinGroupResult)
+            self._state.set_assignment(result.queues)
+            self._joined = link
+            self._joins += 1
+            self._last_sent = time.monotonic()
+            self._start_heartbeats()
+            return link
+
+    def _pull(self, wait_ms: int, deadline: float) -> None:
+        """One PULL into the prefetch buffer; connection trouble is retried by the caller."""
+        joins_before = self._joins
+        link = self._member_link(deadline)
+        self._last_sent = time.monotonic()
+        try:
+            result = link.request(
+                lambda rid: Pull(
+                    self.subject,
+                    self.group,
+                    self.consumer_id,
+                    max_messages=self.max_messages,
+                    wait_ms=wait_ms,
+                    request_id=rid,
+                ),
+                time.monotonic() + wait_ms / 1000 + self.timeout_s,
+            )
+        except (ConnectionClosedError, DelaydTimeout) as exc:
+            self._session.lost(exc)
+            return
+        except RejectedError as exc:
+            if exc.code == ErrorCode.INVALID_REQUEST and self._joins == joins_before:
+                self._joined = None  # dropped from the group: join again
+                return
+            raise
+        except BusyError as exc:
+            self._session.last_problem = exc
+            time.sleep(self._busy_backoff.next_delay())
+            return
+        assert isinstance(result, PullResult)
+        self._session.succeeded()
+        self._state.add_pulled(result.messages)
+
+    # --- heartbeats -------------------------------------------------------------------
+
+    def _start_heartbeats(self) -> None:
+        if self._heartbeat_thread is None:
+            self._heartbeat_thread = threading.Thread(
+                target=self._heartbeats, name=f"delayd-heartbeat-{self.consumer_id}", daemon=True
+            )
+            self._heartbeat_thread.start()
+
+    def _heartbeats(self) -> None:
+        """Thread: a HEARTBEAT whenever nothing was sent for ``heartbeat_interval_s``."""
+        interval = self.heartbeat_interval_s
+        while not self._stop.wait(interval / 3):
+            with self._lock:
+                if self._closed:
+                    return
+                link = self._joined
+                if link is None or link.closed or time.monotonic() - self._last_sent < interval:
+                    continue
+                self._last_sent = time.monotonic()
+                try:
+                    result = link.request(
+                        lambda rid: Heartbeat(
+                            self.group, self.subject, self.consumer_id, request_id=rid
+                        ),
+                        time.monotonic() + self.timeout_s,
+                    )
+                except RejectedError as exc:
+                    if exc.code == ErrorCode.INVALID_REQUEST:
+                        self._joined = None  # dropped: the next receive() joins again
+                    continue
+                except DelaydError as exc:
+                    self._session.lost(exc)  # the next receive() reconnects
+                    continue
+                assert isinstance(result, HeartbeatResult)
+                self._state.set_assignment(result.queues)

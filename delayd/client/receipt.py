@@ -1,0 +1,65 @@
+"""Receipt: what a producer learns about one message it sent."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from delayd.protocol import ResultCode, SendResult
+
+
+@dataclass(frozen=True, slots=True)
+class Receipt:
+    """The server's answer about one sent message.
+
+    ``code`` is OK or DUPLICATE (stored; ``ok`` is true) or a refusal, with ``reason``
+    saying what to change. ``producer.send`` raises for refusals, so its receipts are
+    always ``ok``; ``send_batch`` returns one receipt per message, refusals included.
+
+    Times are epoch milliseconds. ``due_ms`` and ``sequence`` come from the delay server
+    (the absolute due time it computed on receipt, and the message's sequence in its
+    message_log, which travels in the result's ``queue_offset`` slot); a broker leaves
+    them None and fills ``store_ms``, ``commitlog_offset``, ``queue`` and
+    ``queue_offset`` instead. Any field the server did not send is None.
+    """
+
+    message_id: str
+    code: ResultCode = ResultCode.OK
+    reason: str = ""
+    due_ms: int | None = None
+    sequence: int | None = None
+    store_ms: int | None = None
+    commitlog_offset: int | None = None
+    queue: int | None = None
+    queue_offset: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        """Whether the message is stored (OK, or DUPLICATE: stored by an earlier send)."""
+        return self.code.is_success
+
+    @classmethod
+    def from_result(cls, message_id: str, result: SendResult) -> Receipt:
+        """The receipt for ``message_id`` from its SEND_BATCH result."""
+        if result.due_ms is not None:
+            # The delay server: it sends due_ms, and its message_log sequence in the
+            # queue_offset slot (docs/protocol.md, "SEND_BATCH results").
+            return cls(
+                message_id,
+                result.code,
+                result.reason,
+                due_ms=result.due_ms,
+                sequence=result.queue_offset,
+                store_ms=result.store_ms,
+                commitlog_offset=result.commitlog_offset,
+                queue=result.queue,
+                queue_offset=result.queue_offset,  # as sent, for code that reads the slot
+            )
+        return cls(
+            message_id,
+            result.code,
+            result.reason,
+            store_ms=result.store_ms,
+            commitlog_offset=result.commitlog_offset,
+            queue=result.queue,
+            queue_offset=result.queue_offset,
+        )

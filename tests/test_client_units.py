@@ -1,0 +1,305 @@
+"""Unit tests of the clients' I/O-free state: addresses, ids, back-off, receipts,
+message building and framing, ERROR mapping, and the consumer's bookkeeping."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from delayd.client._addr import parse_addr
+from delayd.client._backoff import Backoff
+from delayd.client._consumer_state import ConsumerState
+from delayd.client._errors import error_to_exception
+from delayd.client._ids import MessageIds, new_message_id
+from delayd.client._messages import build_message, coerce_batch, split_frames
+from delayd.client.receipt import Receipt
+from delayd.errors import BusyError, RejectedError, RemoteProtocolError
+from delayd.protocol import Error, ErrorCode, Message, ResultCode, SendResult
+
+# --- addresses ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("addr", "expected"),
+    [
+        ("127.0.0.1:20811", ("127.0.0.1", 20811)),
+        ("broker.internal:1", ("broker.internal", 1)),
+        ("[::1]:65535", ("::1", 65535)),
+        ("localhost:8080", ("localhost", 8080)),
+    ],
+)
+def test_parse_addr_accepts_host_port(addr: str, expected: tuple[str, int]) -> None:
+    assert parse_addr(addr) == expected
+
+
+@pytest.mark.parametrize(
+    "addr",
+    [
+        "127.0.0.1",
+        ":20811",
+        "host:",
+        "host:0",
+        "host:65536",
+        "host:port",
+        "::1:20811",
+        "h:+1",
+        "h:١٢",
+    ],
+)
+def test_parse_addr_refuses_with_an_example(addr: str) -> None:
+    with pytest.raises(ValueError, match=re.escape("127.0.0.1:20811")):
+        parse_addr(addr)
+
+
+def test_parse_addr_refuses_non_strings() -> None:
+    with pytest.raises(ValueError, match="host:port"):
+        parse_addr(("127.0.0.1", 20811))  # type: ignore[arg-type]
+
+
+def test_clients_refuse_bad_addresses_before_any_io() -> None:
+    import delayd
+
+    with pytest.raises(ValueError, match="host:port"):
+        delayd.Producer("localhost")
+    with pytest.raises(ValueError, match="host:port"):
+        delayd.Consumer("localhost:x", subject="s", group="g")
+
+
+# --- message ids --------------------------------------------------------------------------
+
+
+def test_ids_are_time_prefixed_hex_and_count_up_within_a_millisecond() -> None:
+    clock = iter([1000, 1000, 1000, 1001])
+    randoms = iter([5, 77])
+    ids = MessageIds(clock_ms=lambda: next(clock), random_bits=lambda: next(randoms))
+    made = [ids.new() for _ in range(4)]
+    assert made == [
+        f"{1000:012x}{5:020x}",
+        f"{1000:012x}{6:020x}",
+        f"{1000:012x}{7:020x}",
+        f"{1001:012x}{77:020x}",  # a new millisecond draws fresh random bits
+    ]
+    assert made == sorted(made)
+
+
+def test_ids_stay_ordered_when_the_clock_steps_back_and_on_counter_overflow() -> None:
+    clock = iter([2000, 1999, 1999])
+    ids = MessageIds(clock_ms=lambda: next(clock), random_bits=lambda: (1 << 80) - 1)
+    first, second, third = ids.new(), ids.new(), ids.new()
+    assert first < second < third
+    assert second == f"{2001:012x}{0:020x}"  # the 80 bits overflowed: borrow the next ms
+
+
+def test_ids_reset_draws_fresh_random_bits() -> None:
+    randoms = iter([1, 2])
+    ids = MessageIds(clock_ms=lambda: 5, random_bits=lambda: next(randoms))
+    assert ids.new().endswith(f"{1:020x}")
+    ids.reset()  # as in a forked child
+    assert ids.new().endswith(f"{2:020x}")
+
+
+def test_default_ids_are_unique() -> None:
+    made = {new_message_id() for _ in range(20_000)}
+    assert len(made) == 20_000
+    assert all(re.fullmatch(r"[0-9a-f]{32}", i) for i in made)
+
+
+# --- back-off -----------------------------------------------------------------------------
+
+
+def test_backoff_doubles_with_jitter_up_to_the_cap() -> None:
+    low = Backoff(initial_s=0.1, max_s=1.0, rand=lambda: 0.0)
+    assert [round(low.next_delay(), 6) for _ in range(6)] == [0.05, 0.1, 0.2, 0.4, 0.5, 0.5]
+    high = Backoff(initial_s=0.1, max_s=1.0, rand=lambda: 0.999999)
+    delays = [high.next_delay() for _ in range(6)]
+    assert delays == pytest.approx([0.1, 0.2, 0.4, 0.8, 1.0, 1.0], rel=1e-5)
+
+
+def test_backoff_reset_starts_over_and_never_overflows() -> None:
+    b = Backoff(initial_s=0.05, max_s=2.0, rand=lambda: 0.5)
+    for _ in range(10_000):
+        b.next_delay()
+    assert b.next_delay() == pytest.approx(2.0 * 0.75)
+    b.reset()
+    assert b.next_delay() == pytest.approx(0.05 * 0.75)
+
+
+def test_backoff_refuses_nonsense() -> None:
+    with pytest.raises(ValueError):
+        Backoff(initial_s=0, max_s=1)
+    with pytest.raises(ValueError):
+        Backoff(initial_s=2, max_s=1)
+    with pytest.raises(ValueError):
+        Backoff(multiplier=0.5)
+
+
+# --- receipts -----------------------------------------------------------------------------
+
+
+def test_receipt_from_a_delay_server_result() -> None:
+    # The delay server sends due_ms, and the sequence in the queue_offset slot.
+    result = SendResult(ResultCode.OK, due_ms=1_700_000_000_123, queue_offset=41)
+    receipt = Receipt.from_result("id-1", result)
+    assert receipt.message_id == "id-1"
+    assert receipt.due_ms == 1_700_000_000_123
+    assert receipt.sequence == 41
+    assert receipt.store_ms is None and receipt.queue is None
+    assert receipt.ok
+
+
+def test_receipt_from_a_broker_result_and_refusals() -> None:
+    result = SendResult(
+        ResultCode.DUPLICATE, commitlog_offset=99, queue=3, queue_offset=7, store_ms=11
+    )
+    receipt = Receipt.from_result("m", result)
+    assert (receipt.queue, receipt.queue_offset, receipt.commitlog_offset) == (3, 7, 99)
+    assert receipt.due_ms is None and receipt.sequence is None
+    assert receipt.ok  # DUPLICATE: stored by an earlier send
+    refused = Receipt.from_result("m", SendResult(ResultCode.BODY_TOO_LARGE, "too big"))
+    assert not refused.ok and refused.reason == "too big"
+
+
+# --- building messages --------------------------------------------------------------------
+
+
+def test_build_message_fills_in_an_id_and_encodes_text() -> None:
+    m = build_message("orders", "héllo", delay_ms=50, key="k", properties={"a": "b"})
+    assert re.fullmatch(r"[0-9a-f]{32}", m.message_id)
+    assert m.body == "héllo".encode()
+    assert (m.delay_ms, m.at_ms, m.key, m.properties) == (50, None, "k", {"a": "b"})
+    assert build_message("s", bytearray(b"x"), message_id="mine").message_id == "mine"
+
+
+def test_build_message_refuses_both_times_and_odd_bodies() -> None:
+    with pytest.raises(ValueError, match="not both"):
+        build_message("s", b"", at_ms=1, delay_ms=1)
+    with pytest.raises(ValueError, match="bytes or str"):
+        build_message("s", 42)  # type: ignore[arg-type]
+
+
+def test_coerce_batch_accepts_messages_dicts_and_pairs() -> None:
+    given = Message("id", "s", body=b"1")
+    batch = coerce_batch([given, {"subject": "t", "body": b"2", "at_ms": 9}, ("u", "3")])
+    assert batch[0] is given
+    assert (batch[1].subject, batch[1].body, batch[1].at_ms) == ("t", b"2", 9)
+    assert (batch[2].subject, batch[2].body) == ("u", b"3")
+    with pytest.raises(ValueError, match="item 1"):
+        coerce_batch([given, 5])
+    with pytest.raises(ValueError, match="item 0"):
+        coerce_batch([{"subject": "s", "body": b"", "colour": "red"}])
+
+
+def test_split_frames_by_count_and_size() -> None:
+    small = [Message(str(i), "s", body=b"x" * 10) for i in range(25)]
+    assert [len(f) for f in split_frames(small, max_messages=10)] == [10, 10, 5]
+    big = [Message(str(i), "s", body=b"x" * 400) for i in range(10)]
+    frames = split_frames(big, max_messages=100, max_bytes=1000)
+    assert [len(f) for f in frames] == [2, 2, 2, 2, 2]
+    assert [m for f in frames for m in f] == big
+    huge = [Message("h", "s", body=b"x" * 5000)]
+    assert split_frames(huge, max_bytes=1000) == [huge]
+
+
+# --- ERROR frames -------------------------------------------------------------------------
+
+
+def test_error_to_exception() -> None:
+    busy = error_to_exception(Error(ErrorCode.BUSY, "slow down"), "SEND_BATCH to x")
+    assert isinstance(busy, BusyError) and "slow down" in str(busy)
+    assert isinstance(error_to_exception(Error(ErrorCode.SHUTTING_DOWN, "bye"), "x"), BusyError)
+    auth = error_to_exception(Error(ErrorCode.UNAUTHORIZED, "wrong token"), "HELLO to x")
+    assert isinstance(auth, RejectedError) and auth.code == ErrorCode.UNAUTHORIZED
+    assert "token" in str(auth)
+    bad = error_to_exception(Error(ErrorCode.MALFORMED, "bad crc"), "x")
+    assert isinstance(bad, RemoteProtocolError) and bad.code == ErrorCode.MALFORMED
+    invalid = error_to_exception(Error(ErrorCode.INVALID_REQUEST, "join first"), "PULL to x")
+    assert isinstance(invalid, RejectedError) and invalid.reason == "PULL to x: join first"
+
+
+# --- consumer bookkeeping -----------------------------------------------------------------
+
+
+def msg(queue: int, offset: int) -> Message:
+    return Message(f"{queue}-{offset}", "s", queue=queue, queue_offset=offset)
+
+
+def test_auto_commit_commits_a_message_when_the_next_is_asked_for() -> None:
+    state = ConsumerState()
+    state.set_assignment([0, 1])
+    state.add_pulled([msg(0, 0), msg(1, 5), msg(0, 1)])
+    state.advance()
+    assert state.pop() == msg(0, 0)
+    assert state.commits_due() == []  # still being processed
+    state.advance()
+    assert state.commits_due() == [(0, 1)]
+    assert state.pop() == msg(1, 5)
+    state.advance()
+    assert sorted(state.commits_due()) == [(0, 1), (1, 6)]
+    state.committed(0, 1)
+    state.committed(1, 6)
+    assert state.commits_due() == []
+    assert state.pop() == msg(0, 1)
+    state.close(clean=True)  # a clean close commits the current message too
+    assert state.commits_due() == [(0, 2)]
+
+
+def test_a_message_whose_processing_failed_is_not_committed() -> None:
+    state = ConsumerState()
+    state.add_pulled([msg(0, 0), msg(0, 1)])
+    state.advance()
+    state.pop()
+    state.advance()
+    state.pop()
+    state.close(clean=False)
+    assert state.commits_due() == [(0, 1)]  # only the first one
+
+
+def test_manual_commit_only_what_is_marked() -> None:
+    state = ConsumerState(auto_commit=False)
+    state.add_pulled([msg(0, 0), msg(0, 1), msg(0, 2)])
+    for _ in range(3):
+        state.advance()
+        state.pop()
+    state.close(clean=True)
+    assert state.commits_due() == []
+    state.mark_processed(msg(0, 1))
+    state.mark_processed(msg(0, 0))  # offsets never move back
+    assert state.commits_due() == [(0, 2)]
+
+
+def test_replayed_messages_are_dropped() -> None:
+    state = ConsumerState()
+    state.set_assignment([0])
+    assert state.add_pulled([msg(0, 0), msg(0, 1)]) == 2
+    # After a reconnect the broker restarts the cursor at the committed offset.
+    assert state.add_pulled([msg(0, 0), msg(0, 1), msg(0, 2)]) == 1
+    assert [state.pop(), state.pop(), state.pop(), state.pop()] == [
+        msg(0, 0),
+        msg(0, 1),
+        msg(0, 2),
+        None,
+    ]
+
+
+def test_losing_a_queue_drops_its_prefetched_messages() -> None:
+    state = ConsumerState()
+    state.set_assignment([0, 1])
+    state.add_pulled([msg(0, 0), msg(1, 0), msg(0, 1)])
+    state.set_assignment([1])
+    assert state.buffered == 1 and state.pop() == msg(1, 0)
+    state.set_assignment([0, 1])  # back again: its messages may come again
+    assert state.add_pulled([msg(0, 0)]) == 1
+
+
+def test_flush_due_after_the_commit_interval() -> None:
+    state = ConsumerState(commit_interval_s=1.0)
+    state.add_pulled([msg(0, 0), msg(0, 1)])
+    assert not state.flush_due(100.0)  # starts the clock
+    state.advance()
+    state.pop()
+    state.advance()
+    assert not state.flush_due(100.5)
+    assert state.flush_due(101.0)
+    state.flushed(101.0)
+    assert not state.flush_due(101.5)
