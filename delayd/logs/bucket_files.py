@@ -1,0 +1,161 @@
+"""BucketFiles: the per-bucket RecordFiles of one directory, a bounded number open.
+
+schedule_log (and later dispatch_log) is one file per UTC bucket. Messages due far
+apart touch many buckets, so files are kept open in an LRU of at most ``max_open``;
+the least recently used is flushed and closed when another must open. QMQ keeps every
+DelaySegment mapped instead, which costs a file handle and address space per bucket
+for as long as the process runs.
+
+Opening a file for append needs a record boundary the caller knows to be durable
+(RecordFile's ``trusted_end``): the scan for a torn tail starts there. By default it is
+the file's whole current length — correct whenever the caller knows the file holds
+nothing unsynced, which is the replayer's invariant for every bucket its recovery did
+not have to cut (docs/replay.md). Pass ``trusted_end`` explicitly otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from delayd.logs.buckets import bucket_name, parse_bucket_name
+from storage.framing import TYPE_DATA
+from storage.fs import O_READ, REAL_FS, FileSystem, create_dirs_durably
+from storage.record_file import DEFAULT_MAX_UNSYNCED_BYTES, RecordFile
+
+DEFAULT_MAX_OPEN = 128
+
+
+class BucketFiles:
+    """Per-bucket RecordFiles under ``directory``; buckets are named by start (epoch ms).
+
+    Used from one thread at a time: ``flush`` may run in a worker thread while the owner
+    is not appending (the replayer awaits it).
+    """
+
+    def __init__(
+        self,
+        directory: str,
+        *,
+        fs: FileSystem = REAL_FS,
+        max_open: int = DEFAULT_MAX_OPEN,
+        max_unsynced_bytes: int = DEFAULT_MAX_UNSYNCED_BYTES,
+    ) -> None:
+        if max_open < 1:
+            raise ValueError(f"max_open must be at least 1, got {max_open}")
+        self.directory = directory
+        self.fs = fs
+        self.max_open = max_open
+        self.max_unsynced_bytes = max_unsynced_bytes
+        self._open: OrderedDict[int, RecordFile] = OrderedDict()  # least recently used first
+        self._dirty: set[int] = set()  # open buckets appended to since their last flush
+        self.opens = 0  # files opened so far (LRU misses), for tests and metrics
+        # Also fsyncs the directory itself: bucket files a killed process created may
+        # have names only in the page cache; this adopts them all at once (files created
+        # from here on are dir-synced by RecordFile.open).
+        create_dirs_durably(fs, directory)
+
+    def path(self, start_ms: int) -> str:
+        return os.path.join(self.directory, bucket_name(start_ms))
+
+    def is_open(self, start_ms: int) -> bool:
+        """Whether the bucket's file is open (appending to it opens and evicts nothing)."""
+        return start_ms in self._open
+
+    def exists(self, start_ms: int) -> bool:
+        return start_ms in self._open or self.fs.exists(self.path(start_ms))
+
+    def buckets(self) -> list[int]:
+        """Starts (epoch ms) of every bucket file in the directory, ascending."""
+        starts = []
+        for name in self.fs.listdir(self.directory):
+            try:
+                starts.append(parse_bucket_name(name))
+            except ValueError:
+                continue  # not a bucket (a temp file, a checkpoint of a later issue)
+        return sorted(starts)
+
+    def get(self, start_ms: int, *, trusted_end: int | None = None) -> RecordFile:
+        """The open RecordFile of the bucket, opening (and creating) it when needed.
+
+        ``trusted_end`` applies only when the file is not open yet (see the module
+        docstring; None means its current length). Raises CorruptionError when the file
+        is damaged before its last ``max_unsynced_bytes`` or shorter than
+        ``trusted_end``.
+        """
+        record_file = self._open.get(start_ms)
+        if record_file is not None:
+            self._open.move_to_end(start_ms)
+            return record_file
+        while len(self._open) >= self.max_open:
+            self._evict()
+        path = self.path(start_ms)
+        if trusted_end is None:
+            trusted_end = self._size(path)
+        record_file = RecordFile.open(
+            path, fs=self.fs, trusted_end=trusted_end, max_unsynced_bytes=self.max_unsynced_bytes
+        )
+        self.opens += 1
+        self._open[start_ms] = record_file
+        return record_file
+
+    def _size(self, path: str) -> int:
+        if not self.fs.exists(path):
+            return 0
+        fd = self.fs.open(path, O_READ)
+        try:
+            return self.fs.fsize(fd)
+        finally:
+            self.fs.close(fd)
+
+    def _evict(self) -> None:
+        start_ms, record_file = self._open.popitem(last=False)
+        self._dirty.discard(start_ms)
+        record_file.close()  # flushes: an evicted file holds nothing unsynced
+
+    def append_batch(
+        self, start_ms: int, payloads: Sequence[bytes], rtype: int = TYPE_DATA
+    ) -> list[int]:
+        """Append records to the bucket's file; returns their offsets in it."""
+        offsets = self.get(start_ms).append_batch(payloads, rtype)
+        self._dirty.add(start_ms)
+        return offsets
+
+    @property
+    def dirty(self) -> frozenset[int]:
+        """Open buckets holding appends not flushed yet."""
+        return frozenset(self._dirty)
+
+    def flush(self) -> int:
+        """fdatasync every bucket appended to since its last flush; returns how many."""
+        dirty, self._dirty = self._dirty, set()
+        try:
+            for start_ms in sorted(dirty):
+                self._open[start_ms].flush()
+        except BaseException:
+            self._dirty |= dirty  # unknown which made it: flush them all again next time
+            raise
+        return len(dirty)
+
+    def open_sizes(self) -> dict[int, int]:
+        """End offset (bytes) of every open bucket file, by bucket start."""
+        return {start_ms: rf.end_offset for start_ms, rf in self._open.items()}
+
+    @property
+    def open_count(self) -> int:
+        return len(self._open)
+
+    def close(self) -> None:
+        """Flush and close every open file."""
+        try:
+            while self._open:
+                self._evict()
+        finally:
+            self._dirty.clear()
+
+    def __enter__(self) -> BucketFiles:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

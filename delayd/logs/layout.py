@@ -1,0 +1,50 @@
+"""Where the delay server keeps each log under a data directory (DESIGN.md, "On disk")::
+
+    <data>/delay/message_log/00000000000000000000   SegmentedLog segments
+    <data>/delay/schedule_log/202611221530           one RecordFile per UTC bucket
+    <data>/delay/dispatch_log/202611221530           (the delivery issue)
+    <data>/delay/checkpoint/meta                     segment_scale the data was made with
+    <data>/delay/checkpoint/replay                   the replayer's checkpoint
+
+The server, ``delayd inspect`` and the audit take paths from here, never spell them.
+"""
+
+from __future__ import annotations
+
+import os
+
+DELAY = "delay"
+MESSAGE_LOG = "message_log"
+SCHEDULE_LOG = "schedule_log"
+DISPATCH_LOG = "dispatch_log"
+CHECKPOINT = "checkpoint"
+META_CHECKPOINT = "meta"
+REPLAY_CHECKPOINT = "replay"
+
+
+def delay_dir(data_dir: str) -> str:
+    return os.path.join(data_dir, DELAY)
+
+
+def message_log_dir(data_dir: str) -> str:
+    return os.path.join(data_dir, DELAY, MESSAGE_LOG)
+
+
+def schedule_log_dir(data_dir: str) -> str:
+    return os.path.join(data_dir, DELAY, SCHEDULE_LOG)
+
+
+def dispatch_log_dir(data_dir: str) -> str:
+    return os.path.join(data_dir, DELAY, DISPATCH_LOG)
+
+
+def checkpoint_dir(data_dir: str) -> str:
+    return os.path.join(data_dir, DELAY, CHECKPOINT)
+
+
+def meta_checkpoint_path(data_dir: str) -> str:
+    return os.path.join(checkpoint_dir(data_dir), META_CHECKPOINT)
+
+
+def replay_checkpoint_path(data_dir: str) -> str:
+    return os.path.join(checkpoint_dir(data_dir), REPLAY_CHECKPOINT)

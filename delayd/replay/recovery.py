@@ -1,0 +1,125 @@
+"""Making schedule_log agree with the replay checkpoint after a crash (docs/replay.md).
+
+The invariant the replayer keeps while running: a checkpoint at message_log offset C is
+written only after every schedule record of the message_log records below C is durable.
+So after a crash, what schedule_log may hold beyond what C covers is exactly the records
+of message_log records at or past C — all appended after C was written, each at the end
+of its bucket's file (one replayer appends in message_log order), each carrying its
+message_log offset. Recovery removes them:
+
+1. Scan message_log from C to its end. Every record there was either replayed after C
+   (its schedule record may be on disk, whole, torn or lost) or not yet: the set of
+   buckets those records map to contains every bucket that can hold a suffix to cut.
+   The same scan finds the last sequence, from which intake numbers on.
+2. For each such bucket that has a file, cut it at the first record whose message_log
+   offset is >= C. The checkpoint lists the length of every bucket open when it was
+   written (all durable then); for those the cut is that length, checked against the
+   record there, without scanning the file. Others are scanned from their start.
+3. Every other bucket holds only records below C, flushed before C was written: whole
+   and durable, so it can later be opened for append at its full length.
+
+After this the replayer appends from C again; the bytes it writes are a function of the
+message_log records alone, so every record lands where it had been (stable offsets).
+Cutting is idempotent: a crash during recovery leaves the same C and the same work.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from delayd.logs import message_log, schedule_log
+from delayd.logs.bucket_files import BucketFiles
+from delayd.logs.buckets import bucket_of
+from delayd.replay.state import ReplayCheckpoint
+from storage.errors import CorruptionError
+from storage.record_file import RecordFile
+from storage.segmented_log import SegmentedLog
+
+
+@dataclass
+class RecoveryReport:
+    """What recovery found and did."""
+
+    position: int  # the checkpoint's message_log offset
+    records_after_checkpoint: int = 0
+    bytes_after_checkpoint: int = 0
+    next_sequence: int = 1  # the sequence intake assigns next
+    buckets_checked: int = 0  # buckets the records after the checkpoint map to
+    buckets_scanned: int = 0  # of those, files scanned from their start (no known length)
+    cut_bytes: dict[int, int] = field(default_factory=dict)  # bucket start ms -> bytes cut
+
+
+def recover(
+    log: SegmentedLog,
+    buckets: BucketFiles,
+    checkpoint: ReplayCheckpoint,
+    segment_scale: int,
+) -> RecoveryReport:
+    """Cut from schedule_log every record at or past the checkpoint (see the module
+    docstring). ``log`` must be freshly opened (its recovery done, so all of it is
+    durable). Raises CorruptionError when message_log or a bucket contradicts the
+    checkpoint, RecordFormatError for a record type this version cannot replay."""
+    position = checkpoint.position
+    report = RecoveryReport(position=position, next_sequence=checkpoint.next_sequence)
+    if not log.min_offset <= position <= log.end_offset:
+        raise CorruptionError(
+            log.directory,
+            position,
+            0,
+            f"the replay checkpoint is at message_log offset {position}, but message_log "
+            f"holds [{log.min_offset}, {log.end_offset}): records the replayer has not "
+            "copied to schedule_log are missing",
+        )
+    touched: dict[int, None] = {}  # insertion-ordered set of bucket starts
+    last_sequence = checkpoint.next_sequence - 1
+    for record in log.iter_from(position):
+        message_log.check_type(record.type, log.directory, record.offset)
+        touched[bucket_of(message_log.due_ms_of(record.payload), segment_scale)] = None
+        last_sequence = max(last_sequence, message_log.sequence_of(record.payload))
+        report.records_after_checkpoint += 1
+    report.bytes_after_checkpoint = log.end_offset - position
+    report.next_sequence = last_sequence + 1
+    report.buckets_checked = len(touched)
+    for start_ms in touched:
+        if not buckets.exists(start_ms):
+            continue
+        known = checkpoint.bucket_sizes.get(start_ms)
+        if known is None:
+            report.buckets_scanned += 1
+            record_file = buckets.get(start_ms, trusted_end=0)
+            cut = _first_at_or_past(record_file, position)
+        else:
+            record_file = buckets.get(start_ms, trusted_end=known)
+            cut = known
+            _check_cut(record_file, cut, position)
+        if cut < record_file.end_offset:
+            report.cut_bytes[start_ms] = record_file.end_offset - cut
+            record_file.truncate(cut)
+    return report
+
+
+def _first_at_or_past(record_file: RecordFile, position: int) -> int:
+    """Offset of the first record whose message_log offset is >= position (or the end)."""
+    for record in record_file.iter_from(0):
+        schedule_log.check_type(record.type, record_file.path, record.offset)
+        if schedule_log.message_log_offset_of(record.payload) >= position:
+            return record.offset
+    return record_file.end_offset
+
+
+def _check_cut(record_file: RecordFile, cut: int, position: int) -> None:
+    """The record at the checkpoint's known length must come from past the checkpoint."""
+    if cut >= record_file.end_offset:
+        return
+    record = record_file.read(cut)
+    origin = schedule_log.message_log_offset_of(record.payload)
+    if origin < position:
+        raise CorruptionError(
+            record_file.path,
+            cut,
+            record_file.end_offset - cut,
+            f"the replay checkpoint says {os.path.basename(record_file.path)} was "
+            f"{cut} bytes long at message_log offset {position}, but the record there "
+            f"comes from message_log offset {origin}, below the checkpoint",
+        )

@@ -1,0 +1,338 @@
+"""The replayer: tails message_log and files each record into its schedule_log bucket.
+
+As QMQ's MessageLogReplayer it reads message_log from a persisted position and appends
+each record to the schedule_log segment of its due time (ScheduleLog.locateSegment),
+offering each appended record to a hook (QMQ's iterateCallback, which the wheel uses for
+canAdd). Unlike QMQ it is exactly-once across crashes: it reads only what message_log
+has made durable, writes its checkpoint only after the bucket files it covers are
+fsynced, and on restart cuts what a crashed run appended past its checkpoint
+(delayd.replay.recovery, docs/replay.md).
+
+The work is synchronous (``replay_available``, ``checkpoint``) so that tests can drive
+it step by step on the crash simulator; ``run`` is the trio task of the server.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import trio
+
+from delayd.logs import message_log, schedule_log
+from delayd.logs.bucket_files import BucketFiles
+from delayd.logs.buckets import bucket_width_ms
+from delayd.replay.recovery import RecoveryReport
+from delayd.replay.state import ReplayCheckpoint, write_replay_checkpoint
+from storage.framing import HEADER_SIZE
+from storage.fs import FileSystem
+from storage.scan import Record
+from storage.segmented_log import SegmentedLog
+
+OnScheduled = Callable[[int, int, int], object]
+"""``on_scheduled(bucket_start_ms, offset_in_bucket, due_ms)``, once per appended record."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Step:
+    """Records read from message_log for one replay step, not appended yet."""
+
+    groups: dict[int, list[bytes]]  # bucket start ms -> schedule payloads, in order
+    dues: dict[int, list[int]]  # bucket start ms -> due_ms of each (for the hook)
+    position: int  # message_log offset after the last record
+    last_sequence: int
+    count: int
+
+
+DEFAULT_BATCH_RECORDS = 4096  # records per step before yielding to other tasks
+DEFAULT_MAX_TAIL_BYTES = 64 * 1024 * 1024  # offered records kept in memory (see offer)
+DEFAULT_CHECKPOINT_INTERVAL_S = 1.0  # a checkpoint costs an fsync per touched bucket + 2
+
+
+class Replayer:
+    """Copies message_log records into schedule_log; see the module docstring.
+
+    Built by ``delayd.replay.open_replayer``, which runs recovery first. Attributes for
+    metrics: ``lag_bytes``, ``lag_records``, ``position``, ``checkpointed_position``,
+    ``replayed_total``, ``checkpoints``.
+    """
+
+    def __init__(
+        self,
+        log: SegmentedLog,
+        buckets: BucketFiles,
+        *,
+        fs: FileSystem,
+        data_dir: str,
+        segment_scale: int,
+        checkpoint: ReplayCheckpoint,
+        recovery: RecoveryReport,
+        on_scheduled: OnScheduled | None = None,
+        batch_records: int = DEFAULT_BATCH_RECORDS,
+        checkpoint_interval_s: float = DEFAULT_CHECKPOINT_INTERVAL_S,
+        poll_interval_s: float | None = None,
+        max_tail_bytes: int = DEFAULT_MAX_TAIL_BYTES,
+    ) -> None:
+        self.log = log
+        self.buckets = buckets
+        self.fs = fs
+        self.data_dir = data_dir
+        self.segment_scale = segment_scale
+        self.recovery = recovery
+        self.on_scheduled: OnScheduled | None = on_scheduled
+        self.batch_records = batch_records
+        self.checkpoint_interval_s = checkpoint_interval_s
+        # None: rely on notify() alone (sync flush: intake notifies after each fsync).
+        # With the async flush policy message_log becomes durable in the background, so
+        # the replayer also looks every poll_interval_s.
+        self.poll_interval_s = poll_interval_s
+        self._position = checkpoint.position
+        self._checkpointed = checkpoint.position
+        self._replayed_sequence = checkpoint.next_sequence - 1
+        self._head_sequence = recovery.next_sequence - 1
+        self.max_tail_bytes = max_tail_bytes
+        self._tail: deque[tuple[int, bytes]] = deque()  # (offset, payload) offered
+        self._tail_bytes = 0
+        self.tail_overflows = 0  # times the offered tail was dropped for its size
+        self.replayed_from_tail = 0  # records replayed from memory, not read back
+        self.replayed_total = 0  # records appended to schedule_log by this process
+        self.checkpoints = 0  # checkpoints written by this process
+        self._wake = trio.Event()
+        self._checkpoint_written = trio.Event()
+        self._stopping = False
+        self._stopped = trio.Event()
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def position(self) -> int:
+        """message_log offset of the next record to replay."""
+        return self._position
+
+    @property
+    def checkpointed_position(self) -> int:
+        """message_log offset of the last checkpoint written."""
+        return self._checkpointed
+
+    @property
+    def next_sequence(self) -> int:
+        """The sequence after the last replayed record."""
+        return self._replayed_sequence + 1
+
+    @property
+    def lag_bytes(self) -> int:
+        """Bytes of message_log not yet in schedule_log."""
+        return self.log.end_offset - self._position
+
+    @property
+    def lag_records(self) -> int:
+        """Accepted records (as reported by notify) not yet in schedule_log."""
+        return max(0, self._head_sequence - self._replayed_sequence)
+
+    def notify(self, head_sequence: int) -> None:
+        """Intake appended records up to ``head_sequence`` (and, with the sync policy,
+        made them durable): wake the run loop."""
+        self._head_sequence = max(self._head_sequence, head_sequence)
+        self._wake.set()
+
+    # ------------------------------------------------------------------ the work
+
+    def replay_available(self, max_records: int | None = None) -> int:
+        """Append the durable message_log records from ``position`` (at most
+        ``max_records``) to their buckets; returns how many.
+
+        Raises CorruptionError for a damaged record, RecordFormatError for a record type
+        this version cannot replay, StorageError when a bucket cannot be written.
+        """
+        step = self._collect(max_records)
+        if step is None:
+            return 0
+        self._finish(step, self._append(step.groups))
+        return step.count
+
+    def _collect(self, max_records: int | None) -> _Step | None:
+        """Read the next durable records and group their schedule payloads by bucket."""
+        target = self.log.durable_offset
+        if self._position >= target:
+            return None
+        limit = math.inf if max_records is None else max_records
+        width = bucket_width_ms(self.segment_scale)
+        # The codecs, inlined for the once-per-record path: message_log.due_ms_of is
+        # the unpack at offset 0, schedule_log.encode_scheduled the prefix + payload.
+        unpack_due = message_log.DUE_MS.unpack_from
+        pack_prefix = schedule_log.PREFIX.pack
+        message_type = message_log.TYPE_MESSAGE
+        with_dues = self.on_scheduled is not None
+        groups: dict[int, list[bytes]] = {}
+        dues: dict[int, list[int]] = {}  # filled only for a hook
+        position = self._position
+        count = 0
+        last_payload = b""
+        for offset, rtype, payload, next_offset in self._records(position, target):
+            if rtype != message_type:
+                message_log.check_type(rtype, self.log.directory, offset)
+            (due_ms,) = unpack_due(payload)
+            start = due_ms - due_ms % width  # bucket_of, inlined
+            group = groups.get(start)
+            if group is None:
+                group = groups[start] = []
+                dues[start] = []
+            group.append(pack_prefix(offset) + payload)
+            if with_dues:
+                dues[start].append(due_ms)
+            position = next_offset
+            last_payload = payload
+            count += 1
+            if count >= limit:
+                break
+        if not count:
+            return None
+        return _Step(groups, dues, position, message_log.sequence_of(last_payload), count)
+
+    def offer(self, offsets: list[int], payloads: list[bytes]) -> None:
+        """Intake just appended ``payloads`` to message_log at ``offsets`` (every append,
+        in order): keep them so that replay need not read back and re-check what it has
+        in memory (as RocketMQ's reput reads the commitlog's mapped tail). Bounded by
+        ``max_tail_bytes``; past it the tail is dropped and replay reads message_log."""
+        size = sum(map(len, payloads))
+        if self._tail_bytes + size > self.max_tail_bytes:
+            self._tail.clear()
+            self._tail_bytes = 0
+            self.tail_overflows += 1
+            return
+        self._tail.extend(zip(offsets, payloads, strict=True))
+        self._tail_bytes += size
+
+    def _records(self, position: int, target: int) -> Iterator[Record]:
+        """The records from ``position`` up to ``target``: from the offered tail when
+        it starts exactly there, else from message_log."""
+        tail = self._tail
+        while tail and tail[0][0] < position:
+            self._tail_bytes -= len(tail.popleft()[1])
+        if tail and tail[0][0] == position:
+            return self._from_tail(position, target)
+        return self.log.iter_from(position, target)
+
+    def _from_tail(self, position: int, target: int) -> Iterator[Record]:
+        # Only while each offered record starts where the previous one ended: an
+        # END_OF_SEGMENT marker between two (a segment roll), or records that were never
+        # offered, end the run, and the next step reads message_log from there.
+        tail = self._tail
+        message_type = message_log.TYPE_MESSAGE
+        while tail and tail[0][0] == position:
+            offset, payload = tail[0]
+            end = offset + HEADER_SIZE + len(payload)
+            if end > target:
+                return
+            tail.popleft()
+            self._tail_bytes -= len(payload)
+            self.replayed_from_tail += 1
+            yield Record(offset, message_type, payload, end)
+            position = end
+
+    def _append(self, groups: dict[int, list[bytes]]) -> dict[int, list[int]]:
+        """Append each group to its bucket file; the offsets, by bucket. Touches only
+        the bucket files, so ``run`` may call it in a worker thread."""
+        append = self.buckets.append_batch
+        return {start: append(start, p, schedule_log.TYPE_SCHEDULED) for start, p in groups.items()}
+
+    def _finish(self, step: _Step, offsets: dict[int, list[int]]) -> None:
+        hook = self.on_scheduled
+        if hook is not None:
+            for start, bucket_offsets in offsets.items():
+                for offset, due_ms in zip(bucket_offsets, step.dues[start], strict=True):
+                    hook(start, offset, due_ms)
+        self._position = step.position
+        self._replayed_sequence = step.last_sequence
+        self._head_sequence = max(self._head_sequence, step.last_sequence)
+        self.replayed_total += step.count
+
+    def checkpoint(self) -> bool:
+        """Make the replayed records durable and record the position; returns whether a
+        checkpoint was written (False when nothing was replayed since the last one).
+
+        Order is the idempotency argument: bucket files first, checkpoint second.
+        """
+        if self._position == self._checkpointed and not self.buckets.dirty:
+            return False
+        position, next_sequence = self._position, self._replayed_sequence + 1
+        self.buckets.flush()
+        write_replay_checkpoint(
+            self.fs,
+            self.data_dir,
+            ReplayCheckpoint(position, next_sequence, self.buckets.open_sizes()),
+        )
+        self._checkpointed = position
+        self.checkpoints += 1
+        return True
+
+    # ------------------------------------------------------------------ trio task
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Replay as records become durable, checkpoint every ``checkpoint_interval_s``;
+        after ``request_stop``, replay what is durable, checkpoint and return."""
+        task_status.started()
+        last_checkpoint = trio.current_time()
+        try:
+            while True:
+                self._wake = trio.Event()
+                replayed = await self._replay_step()
+                if replayed:
+                    await trio.lowlevel.checkpoint()  # let intake run between batches
+                    if replayed == self.batch_records:
+                        continue
+                pending = self._position != self._checkpointed
+                if pending and (
+                    self._stopping
+                    or trio.current_time() - last_checkpoint >= self.checkpoint_interval_s
+                ):
+                    await trio.to_thread.run_sync(self.checkpoint)
+                    last_checkpoint = trio.current_time()
+                    self._checkpoint_written.set()
+                    self._checkpoint_written = trio.Event()
+                    continue
+                if self._stopping and self._position >= self.log.durable_offset:
+                    return
+                timeout = math.inf
+                if pending:
+                    timeout = last_checkpoint + self.checkpoint_interval_s - trio.current_time()
+                if self.poll_interval_s is not None:
+                    timeout = min(timeout, self.poll_interval_s)
+                with trio.move_on_after(max(0.0, timeout)):
+                    await self._wake.wait()
+        finally:
+            self._stopped.set()
+
+    async def _replay_step(self) -> int:
+        """One step of ``replay_available`` for the event loop. Appends to open files
+        are page-cache writes and run inline; a step that must open files (create one:
+        a directory fsync; evict one: an fdatasync) runs them in a worker thread so
+        that intake is not held up — as happens all the time when delays are spread
+        over more buckets than ``max_open_files``."""
+        step = self._collect(self.batch_records)
+        if step is None:
+            return 0
+        if all(self.buckets.is_open(start) for start in step.groups):
+            offsets = self._append(step.groups)
+        else:
+            offsets = await trio.to_thread.run_sync(self._append, step.groups)
+        self._finish(step, offsets)
+        return step.count
+
+    async def wait_checkpointed(self, position: int) -> None:
+        """Wait until ``run`` wrote a checkpoint at or past message_log ``position``."""
+        while self._checkpointed < position:
+            await self._checkpoint_written.wait()
+
+    async def stop(self) -> None:
+        """Ask ``run`` to finish: replay everything durable, write the checkpoint, return.
+        Waits until it has. Call after intake stopped and message_log was flushed."""
+        self._stopping = True
+        self._wake.set()
+        await self._stopped.wait()
+
+    def close(self) -> None:
+        """Flush and close the bucket files (does not write a checkpoint)."""
+        self.buckets.close()

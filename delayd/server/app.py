@@ -1,0 +1,203 @@
+"""DelayServer: the delay server's process — message_log, replayer, intake listener,
+the embedded broker and /metrics — under one root nursery.
+
+Start-up (``open``, blocking, run in a worker thread): message_log recovery (torn tail
+cut), replay recovery (schedule_log cut back to the checkpoint, sequence recovered),
+broker recovery. ``run`` then starts every task with ``nursery.start`` and reports the
+bound addresses once all of them listen.
+
+Shutdown (``request_stop``, on SIGTERM/SIGINT): stop accepting and let in-flight
+batches be acknowledged, flush message_log, let the replayer copy everything durable and
+write its checkpoint, stop the broker (it flushes and checkpoints itself), close files.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from functools import partial
+
+import trio
+from prometheus_client import CollectorRegistry
+
+from delayd.broker import Broker
+from delayd.broker.metrics import BrokerCollector
+from delayd.broker.server import serve_broker
+from delayd.logs import layout
+from delayd.receiver import Receiver
+from delayd.replay import Replayer, open_replayer
+from delayd.server.config import Address, ServeConfig
+from delayd.server.connection import DelayConnection
+from delayd.server.intake import IntakePath
+from delayd.server.listener import IntakeListener
+from delayd.server.metrics import IntakeCollector, serve_metrics
+from storage.flusher import FlushMode, LogWriter
+from storage.fs import REAL_FS, FileSystem
+from storage.segmented_log import SegmentedLog
+
+log = logging.getLogger(__name__)
+
+SHUTDOWN_GRACE_S = 5.0  # in-flight batches get this long to be acknowledged
+ASYNC_POLL_INTERVAL_S = 0.01  # replayer's look at message_log under the async policy
+
+
+@dataclass(frozen=True, slots=True)
+class BoundAddresses:
+    """Where the started server listens (the real ports when port 0 was asked for)."""
+
+    intake: Address
+    broker: Address | None
+    metrics: Address | None
+
+
+class DelayServer:
+    """One delay server over a data directory; see the module docstring."""
+
+    def __init__(
+        self,
+        config: ServeConfig,
+        message_log: SegmentedLog,
+        replayer: Replayer,
+        broker: Broker,
+    ) -> None:
+        self.config = config
+        self.message_log = message_log
+        self.replayer = replayer
+        self.broker = broker
+        self.writer = LogWriter(message_log, config.flush)
+        self.receiver = Receiver(config.limits, replayer.recovery.next_sequence)
+        self.intake = IntakePath(self.receiver, self.writer, replayer)
+        self.listener = IntakeListener(self._connection)
+        self._stop = trio.Event()
+        self._broker_address: str | None = None
+
+    @classmethod
+    def open(cls, data_dir: str, config: ServeConfig, *, fs: FileSystem = REAL_FS) -> DelayServer:
+        """Open and recover everything under ``data_dir`` (blocking).
+
+        Raises SegmentScaleMismatchError, CorruptionError, StorageError.
+        """
+        message_log = SegmentedLog.open(
+            layout.message_log_dir(data_dir), fs=fs, segment_size=config.message_log_segment_bytes
+        )
+        if message_log.recovery.truncated_bytes:
+            log.warning(
+                "message_log: cut a torn tail of %d bytes at offset %d",
+                message_log.recovery.truncated_bytes,
+                message_log.recovery.truncated_at,
+            )
+        try:
+            async_flush = config.flush.mode is FlushMode.ASYNC
+            replayer = open_replayer(
+                data_dir,
+                message_log,
+                segment_scale=config.segment_scale_minutes,
+                fs=fs,
+                max_open_buckets=config.max_open_buckets,
+                batch_records=config.replay_batch_records,
+                checkpoint_interval_s=config.replay_checkpoint_interval_s,
+                poll_interval_s=ASYNC_POLL_INTERVAL_S if async_flush else None,
+            )
+        except BaseException:
+            message_log.close()
+            raise
+        report = replayer.recovery
+        log.info(
+            "replay recovery: checkpoint at %d, %d records after it, %d buckets checked, "
+            "%d cut (%d bytes), next sequence %d",
+            report.position,
+            report.records_after_checkpoint,
+            report.buckets_checked,
+            len(report.cut_bytes),
+            sum(report.cut_bytes.values()),
+            report.next_sequence,
+        )
+        try:
+            broker = Broker.open(data_dir, config.broker, fs=fs)
+        except BaseException:
+            replayer.close()
+            message_log.close()
+            raise
+        return cls(config, message_log, replayer, broker)
+
+    def _connection(self, stream: trio.SocketStream) -> DelayConnection:
+        return DelayConnection(
+            self.intake,
+            stream,
+            token=self.config.token,
+            max_frame_size=self.config.max_frame_bytes,
+            stats=self.stats,
+            broker_address=self._broker_address,
+        )
+
+    def stats(self) -> dict[str, str | int | float]:
+        """Flat named values for STATS (units in the names)."""
+        receiver, replayer = self.receiver, self.replayer
+        out: dict[str, str | int | float] = {
+            "intake.accepted_total": receiver.accepted_total,
+            "intake.refused_total": sum(receiver.refused_total.values()),
+            "intake.past_due_total": receiver.past_due_total,
+            "intake.pending_acks": self.intake.pending_acks,
+            "intake.last_sequence": receiver.last_sequence,
+            "message_log.end_offset_bytes": self.message_log.end_offset,
+            "message_log.durable_offset_bytes": self.message_log.durable_offset,
+            "replay.position_bytes": replayer.position,
+            "replay.checkpointed_position_bytes": replayer.checkpointed_position,
+            "replay.lag_bytes": replayer.lag_bytes,
+            "replay.lag_records": replayer.lag_records,
+            "replay.records_total": replayer.replayed_total,
+            "replay.records_from_memory_total": replayer.replayed_from_tail,
+            "schedule_log.segment_scale_minutes": self.config.segment_scale_minutes,
+        }
+        for code, count in sorted(receiver.refused_total.items()):
+            out[f"intake.refused_total/{code.name.lower()}"] = count
+        return out
+
+    def request_stop(self) -> None:
+        """Begin the graceful shutdown; ``run`` returns when it is done."""
+        self._stop.set()
+
+    async def run(self, *, task_status: trio.TaskStatus[BoundAddresses]) -> None:
+        """Serve until ``request_stop``; reports BoundAddresses once every listener is up.
+        Raises whatever stops a task (a StorageError from a log, for instance)."""
+        config = self.config
+        try:
+            async with trio.open_nursery() as root:
+                await root.start(self.writer.run)
+                await root.start(self.replayer.run)
+                await root.start(self.broker.run)
+                broker_bound = None
+                if config.broker_listen is not None:
+                    host, port = config.broker_listen
+                    bound = await root.start(
+                        partial(serve_broker, self.broker, host, port, token=config.token)
+                    )
+                    broker_bound = bound[0]
+                    self._broker_address = "{}:{}".format(*broker_bound)
+                metrics_bound = None
+                if config.metrics_listen is not None:
+                    registry = CollectorRegistry(auto_describe=False)
+                    registry.register(IntakeCollector(self.receiver, self.intake, self.replayer))
+                    registry.register(BrokerCollector(self.broker))
+                    host, port = config.metrics_listen
+                    metrics_bound = (await root.start(serve_metrics, registry, host, port))[0]
+                host, port = config.listen
+                intake_bound = await root.start(self.listener.serve, host, port)
+                task_status.started(BoundAddresses(intake_bound[0], broker_bound, metrics_bound))
+                await self._stop.wait()
+                await self._shutdown()
+                root.cancel_scope.cancel()
+        finally:
+            self.replayer.close()
+            self.message_log.close()
+
+    async def _shutdown(self) -> None:
+        log.info("shutting down: no new requests; answering those in flight")
+        await self.listener.stop(SHUTDOWN_GRACE_S)
+        await self.writer.flush()
+        await self.replayer.stop()
+        log.info(
+            "replay checkpoint at message_log offset %d (sequence %d)",
+            self.replayer.checkpointed_position,
+            self.replayer.next_sequence - 1,
+        )

@@ -1,0 +1,236 @@
+"""ServeConfig: every setting of ``delayd serve``, from defaults, a TOML file and flags.
+
+The file has one table per part of the server; every key carries its unit in its name
+(docs/configuration.md lists them with meaning and default). Unknown tables and keys,
+and invalid values, are refused with a ConfigError naming the key — a typo must not
+silently leave a default in place. Command-line flags override the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from delayd.broker.config import BrokerConfig
+from delayd.logs import message_log, schedule_log
+from delayd.logs.bucket_files import DEFAULT_MAX_OPEN
+from delayd.logs.buckets import DEFAULT_SEGMENT_SCALE, check_segment_scale
+from delayd.protocol.frames import DEFAULT_MAX_FRAME_SIZE
+from delayd.receiver import IntakeLimits
+from delayd.replay.replayer import DEFAULT_BATCH_RECORDS, DEFAULT_CHECKPOINT_INTERVAL_S
+from storage.flusher import FlushMode, FlushPolicy
+from storage.framing import HEADER_SIZE
+from storage.record_file import DEFAULT_MAX_UNSYNCED_BYTES as BUCKET_MAX_UNSYNCED_BYTES
+from storage.segmented_log import DEFAULT_MAX_UNSYNCED_BYTES, DEFAULT_SEGMENT_SIZE, EOS_SIZE
+
+DEFAULT_LISTEN = ("127.0.0.1", 20801)
+DEFAULT_BROKER_LISTEN = ("127.0.0.1", 20811)
+Address = tuple[str, int]
+
+
+class ConfigError(ValueError):
+    """A configuration value or key that cannot be used; the message names the key."""
+
+
+def parse_address(text: str, what: str) -> Address:
+    """``HOST:PORT`` (``[v6]:PORT`` for IPv6; port 0 picks a free port) -> (host, port).
+
+    Raises ConfigError naming ``what``.
+    """
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not (port.isascii() and port.isdigit()) or int(port) > 65535:
+        raise ConfigError(f"{what}: {text!r} is not HOST:PORT (port 0..65535)")
+    return host.strip("[]"), int(port)
+
+
+def parse_optional_address(text: str, what: str) -> Address | None:
+    """As parse_address, or None for ``off``."""
+    if text.strip().lower() in ("", "off", "none"):
+        return None
+    return parse_address(text, what)
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    """Everything ``delayd serve`` needs besides the data directory."""
+
+    listen: Address = DEFAULT_LISTEN
+    broker_listen: Address | None = DEFAULT_BROKER_LISTEN  # None: embedded broker, no port
+    metrics_listen: Address | None = None  # None: no /metrics endpoint
+    token: str | None = field(default=None, repr=False)
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_SIZE
+    limits: IntakeLimits = field(default_factory=IntakeLimits)
+    flush: FlushPolicy = field(default_factory=FlushPolicy)
+    message_log_segment_bytes: int = DEFAULT_SEGMENT_SIZE
+    segment_scale_minutes: int = DEFAULT_SEGMENT_SCALE
+    max_open_buckets: int = DEFAULT_MAX_OPEN
+    replay_checkpoint_interval_ms: int = int(DEFAULT_CHECKPOINT_INTERVAL_S * 1000)
+    replay_batch_records: int = DEFAULT_BATCH_RECORDS
+    broker: BrokerConfig = field(default_factory=BrokerConfig)
+
+    def __post_init__(self) -> None:
+        try:
+            check_segment_scale(self.segment_scale_minutes)
+        except ValueError as exc:
+            raise ConfigError(f"schedule_log.segment_scale_minutes: {exc}") from None
+        # The largest record must fit message_log's segments and unsynced window, and,
+        # behind its message_log offset, a bucket file's unsynced window.
+        room = min(
+            self.message_log_segment_bytes - EOS_SIZE - HEADER_SIZE,
+            DEFAULT_MAX_UNSYNCED_BYTES - HEADER_SIZE,
+            BUCKET_MAX_UNSYNCED_BYTES - HEADER_SIZE - schedule_log.PREFIX_SIZE,
+        )
+        if self.limits.max_record_bytes > room:
+            raise ConfigError(
+                f"intake.max_record_bytes ({self.limits.max_record_bytes:,}) does not fit in "
+                f"message_log.segment_bytes ({self.message_log_segment_bytes:,}) and the "
+                f"32 MiB unsynced windows; at most {room:,} with these settings"
+            )
+        smallest = message_log.HEAD_SIZE + 2
+        if self.limits.max_record_bytes < smallest:
+            raise ConfigError(f"intake.max_record_bytes must be at least {smallest}")
+
+    @property
+    def replay_checkpoint_interval_s(self) -> float:
+        return self.replay_checkpoint_interval_ms / 1000
+
+
+def _int(value: Any, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _str(value: Any, key: str) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{key} must be a string, got {value!r}")
+    return value
+
+
+def _choice(*choices: str) -> Callable[[Any, str], str]:
+    def check(value: Any, key: str) -> str:
+        if value not in choices:
+            raise ConfigError(f"{key} must be one of {', '.join(choices)}; got {value!r}")
+        return value
+
+    return check
+
+
+# table -> key -> (check, where the value goes: ServeConfig field, or "limits.x")
+_SCHEMA: dict[str, dict[str, tuple[Callable[[Any, str], Any], str]]] = {
+    "server": {
+        "listen": (lambda v, k: parse_address(_str(v, k), k), "listen"),
+        "broker_listen": (lambda v, k: parse_optional_address(_str(v, k), k), "broker_listen"),
+        "metrics_listen": (lambda v, k: parse_optional_address(_str(v, k), k), "metrics_listen"),
+        "token": (_str, "token"),
+        "max_frame_bytes": (_int, "max_frame_bytes"),
+    },
+    "intake": {name: (_int, f"limits.{name}") for name in IntakeLimits.__dataclass_fields__},
+    "message_log": {
+        "flush": (_choice(*(m.value for m in FlushMode)), "flush.mode"),
+        "flush_interval_ms": (_int, "flush.interval_ms"),
+        "segment_bytes": (_int, "message_log_segment_bytes"),
+    },
+    "schedule_log": {
+        "segment_scale_minutes": (_int, "segment_scale_minutes"),
+        "max_open_files": (_int, "max_open_buckets"),
+    },
+    "replay": {
+        "checkpoint_interval_ms": (_int, "replay_checkpoint_interval_ms"),
+        "batch_records": (_int, "replay_batch_records"),
+    },
+}
+# [broker] takes the embedded broker's BrokerConfig fields of simple types by name.
+_BROKER_KEYS = {
+    f.name
+    for f in dataclasses.fields(BrokerConfig)
+    if f.name not in ("flush", "subject_queues", "index_slot_count", "index_max_entries")
+}
+
+
+def config_from_mapping(document: Mapping[str, Any], *, source: str = "config") -> ServeConfig:
+    """A ServeConfig from a parsed TOML document. Raises ConfigError naming the key."""
+    values: dict[str, Any] = {}
+    limits: dict[str, Any] = {}
+    flush: dict[str, Any] = {}
+    broker: dict[str, Any] = {}
+    for table, entries in document.items():
+        if table != "broker" and table not in _SCHEMA:
+            known = ", ".join(sorted([*_SCHEMA, "broker"]))
+            raise ConfigError(f"{source}: unknown table [{table}]; known tables: {known}")
+        if not isinstance(entries, Mapping):
+            raise ConfigError(f"{source}: {table} must be a table ([{table}])")
+        for key, value in entries.items():
+            name = f"{table}.{key}"
+            if table == "broker":
+                broker[key] = _broker_value(key, value, name, source)
+                continue
+            if key not in _SCHEMA[table]:
+                known = ", ".join(sorted(_SCHEMA[table]))
+                raise ConfigError(f"{source}: unknown key {name}; keys of [{table}]: {known}")
+            check, target = _SCHEMA[table][key]
+            checked = check(value, f"{source}: {name}")
+            if target.startswith("limits."):
+                limits[target.removeprefix("limits.")] = checked
+            elif target.startswith("flush."):
+                flush[target.removeprefix("flush.")] = checked
+            else:
+                values[target] = checked
+    try:
+        if limits:
+            values["limits"] = IntakeLimits(**limits)
+        if flush:
+            values["flush"] = FlushPolicy(**flush)
+    except ValueError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    if broker:
+        try:
+            values["broker"] = BrokerConfig(**broker)
+        except ValueError as exc:
+            raise ConfigError(f"{source}: broker.{exc}") from None
+    try:
+        return ServeConfig(**values)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+
+
+def _broker_value(key: str, value: Any, name: str, source: str) -> Any:
+    if key == "flush":
+        mode = _choice(*(m.value for m in FlushMode))(value, f"{source}: {name}")
+        return FlushPolicy(FlushMode(mode))
+    if key == "subject_queues":
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{source}: {name} must be a table of subject = queues")
+        return {str(s): _int(n, f"{source}: {name}.{s}") for s, n in value.items()}
+    if key not in _BROKER_KEYS:
+        known = ", ".join(sorted([*_BROKER_KEYS, "flush", "subject_queues"]))
+        raise ConfigError(f"{source}: unknown key {name}; keys of [broker]: {known}")
+    default = BrokerConfig.__dataclass_fields__[key].default
+    if isinstance(default, enum.Enum):
+        return _str(value, f"{source}: {name}")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{source}: {name} must be an integer, got {value!r}")
+    return value
+
+
+def load_config(path: str) -> ServeConfig:
+    """The ServeConfig of the TOML file at ``path``. Raises ConfigError (also for a file
+    that cannot be read or parsed, with the parser's line and column)."""
+    try:
+        with open(path, "rb") as f:
+            document = tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path} is not valid TOML: {exc}") from None
+    return config_from_mapping(document, source=path)
+
+
+def with_overrides(config: ServeConfig, **overrides: Any) -> ServeConfig:
+    """``config`` with the non-None ``overrides`` (command-line flags) replacing fields."""
+    changes = {k: v for k, v in overrides.items() if v is not None}
+    return dataclasses.replace(config, **changes) if changes else config

@@ -1,0 +1,191 @@
+"""One producer connection to the delay server: a delayd.protocol.Connection over a
+trio stream, feeding SEND_BATCH to the intake path.
+
+Per connection a reader task parses frames and dispatches requests in arrival order and
+a writer task owns the sending side (whole frames from a small channel), the layout of
+the broker's server. SEND_BATCH is validated and appended on the reader, so pipelined
+batches keep their order, and answered from a request task once durable, so batches in
+flight share group-commit fsyncs; at most MAX_IN_FLIGHT such tasks per connection, after
+which the reader stops reading and TCP pushes back on the producer.
+
+Bad input never crashes the server: a protocol violation (bad frame, no HELLO, wrong
+token) gets the closing ERROR the Connection names and the socket is closed; requests
+the delay server does not serve get ERROR UNSUPPORTED; an unexpected failure in one
+request is logged and answered ERROR INTERNAL. A StorageError from message_log is not
+the client's fault and not survivable: it propagates and stops the server (recovery on
+restart repairs the log).
+
+Closing: at EOF or after a protocol error the in-flight requests are cancelled (their
+answers could not be delivered). ``stop_reading`` (server shutdown) instead stops
+taking requests and lets the in-flight ones finish, so batches already appended are
+still acknowledged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+
+import trio
+
+from delayd.errors import ConnectionClosedError, LocalProtocolError, RemoteProtocolError
+from delayd.protocol import (
+    NEED_DATA,
+    SERVER,
+    Cancel,
+    Connection,
+    ConnectionClosed,
+    Error,
+    ErrorCode,
+    Event,
+    Hello,
+    HelloOk,
+    Reschedule,
+    SendBatch,
+    SendBatchResult,
+    Stats,
+    StatsResult,
+)
+from delayd.receiver import Intake
+from delayd.server.intake import IntakePath
+from storage.errors import StorageError
+
+log = logging.getLogger(__name__)
+
+SERVER_NAME = "delayd-serve"
+RECEIVE_BYTES = 256 * 1024
+MAX_IN_FLIGHT = 64  # SEND_BATCHes awaiting durability per connection
+OUTBOX_FRAMES = 16
+
+
+class DelayConnection:
+    """One client connection; see the module docstring."""
+
+    def __init__(
+        self,
+        intake: IntakePath,
+        stream: trio.abc.Stream,
+        *,
+        token: str | None,
+        max_frame_size: int,
+        stats: Callable[[], dict[str, str | int | float]],
+        broker_address: str | None,
+    ) -> None:
+        self.intake = intake
+        self.stream = stream
+        self.conn = Connection(SERVER, token=token, max_frame_size=max_frame_size)
+        self.stats = stats
+        self.broker_address = broker_address
+        self._outbox, self._outbox_out = trio.open_memory_channel[bytes](OUTBOX_FRAMES)
+        self._slots = trio.Semaphore(MAX_IN_FLIGHT)
+        self._read_scope = trio.CancelScope()
+        self._stopping = False
+        try:
+            self.peer = "{}:{}".format(*stream.socket.getpeername()[:2])  # type: ignore[attr-defined]
+        except (AttributeError, OSError):
+            self.peer = "?"
+
+    async def run(self) -> None:
+        try:
+            async with trio.open_nursery() as outer:
+                outer.start_soon(self._write_loop, outer.cancel_scope)
+                async with trio.open_nursery() as requests:
+                    final = None
+                    with self._read_scope:
+                        final = await self._read_loop(requests)
+                    if not self._stopping:
+                        requests.cancel_scope.cancel()
+                if final is not None:
+                    await self._outbox.send(final)
+                await self._outbox.aclose()
+        finally:
+            with trio.CancelScope(shield=True):
+                await self.stream.aclose()
+
+    def stop_reading(self) -> None:
+        """Take no more requests; answer the ones in flight, then close."""
+        self._stopping = True
+        self._read_scope.cancel()
+
+    async def _write_loop(self, connection_scope: trio.CancelScope) -> None:
+        try:
+            async for data in self._outbox_out:
+                await self.stream.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            connection_scope.cancel()  # the peer is gone: stop reading, drop answers
+
+    async def _read_loop(self, requests: trio.Nursery) -> bytes | None:
+        """Parse and dispatch until EOF (None) or a protocol error (the closing frame)."""
+        conn = self.conn
+        while True:
+            try:
+                data = await self.stream.receive_some(RECEIVE_BYTES)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return None
+            conn.receive_data(data)
+            while True:
+                try:
+                    event = conn.next_event()
+                except RemoteProtocolError as exc:
+                    log.info("closing %s: %s", self.peer, exc)
+                    return conn.send(Error.for_exception(exc))
+                if event is NEED_DATA:
+                    break
+                if isinstance(event, ConnectionClosed):
+                    return None
+                await self._dispatch(event, requests)
+
+    async def _dispatch(self, event: Event, requests: trio.Nursery) -> None:
+        rid = event.request_id
+        try:
+            if isinstance(event, SendBatch):
+                await self._slots.acquire()
+                try:
+                    await self.intake.make_room()
+                    intake = self.intake.append(event.messages)
+                except BaseException:
+                    self._slots.release()
+                    raise
+                requests.start_soon(self._acknowledge, intake, rid)
+            elif isinstance(event, Hello):
+                version = self.conn.protocol_version or 1
+                hello_ok = HelloOk(version, SERVER_NAME, self.conn.max_frame_size, request_id=rid)
+                await self._answer(hello_ok)
+            elif isinstance(event, Stats):
+                await self._answer(StatsResult(self.stats(), request_id=rid))
+            elif isinstance(event, (Cancel, Reschedule)):
+                reason = f"the delay server does not implement {event.command.name} yet"
+                await self._answer(Error(ErrorCode.UNSUPPORTED, reason, request_id=rid))
+            else:
+                where = f" at {self.broker_address}" if self.broker_address else ""
+                reason = (
+                    f"this is the delay server: it takes SEND_BATCH and STATS; "
+                    f"{event.command.name} goes to its broker{where}"
+                )
+                await self._answer(Error(ErrorCode.UNSUPPORTED, reason, request_id=rid))
+        except StorageError:
+            raise
+        except Exception as exc:  # one bad request must not end the server
+            log.exception("internal error serving %s from %s", type(event).__name__, self.peer)
+            reason = f"internal error: {type(exc).__name__}: {exc}"[: Error.MAX_REASON_LENGTH]
+            await self._answer(Error(ErrorCode.INTERNAL, reason, request_id=rid))
+
+    async def _acknowledge(self, intake: Intake, request_id: int) -> None:
+        try:
+            results = await self.intake.acknowledge(intake)
+        finally:
+            self._slots.release()
+        await self._answer(SendBatchResult(results, request_id=request_id))
+
+    async def _answer(self, event: Event) -> None:
+        """Encode and queue one answer; dropped when the connection is already closed."""
+        try:
+            data = self.conn.send(event)
+        except ConnectionClosedError:
+            return
+        except LocalProtocolError as exc:
+            log.error("cannot send %s to %s: %s", type(event).__name__, self.peer, exc)
+            return
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            await self._outbox.send(data)

@@ -1,0 +1,92 @@
+"""The intake path: Receiver decisions, message_log appends, acks after durability.
+
+A SEND_BATCH is handled in two halves, as the broker does:
+
+1. ``append`` (on the connection's reader, so pipelined batches keep their order): wait
+   for room in message_log's unsynced window, then — with no await in between, which is
+   what keeps sequences increasing in message_log order — let the Receiver validate and
+   number the batch and append its records.
+2. ``acknowledge`` (in a request task): wait until the flush policy made the records
+   durable (``sync``: the next group-commit fsync, shared by every batch waiting at that
+   moment), then build the answer and wake the replayer.
+
+``pending_acks`` (records appended, not yet answered) and the replayer's lag feed the
+Receiver's BUSY decision.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+from delayd.logs.message_log import TYPE_MESSAGE
+from delayd.protocol import Message, SendResult
+from delayd.receiver import Intake, Receiver
+from delayd.replay import Replayer
+from storage.flusher import FlushMode, LogWriter
+
+
+def wall_ms() -> int:
+    """Epoch milliseconds (UTC): receipt times and due times."""
+    return time.time_ns() // 1_000_000
+
+
+class IntakePath:
+    """Appends accepted messages to message_log; see the module docstring."""
+
+    def __init__(
+        self,
+        receiver: Receiver,
+        writer: LogWriter,
+        replayer: Replayer,
+        *,
+        clock: Callable[[], int] = wall_ms,
+    ) -> None:
+        self.receiver = receiver
+        self.writer = writer
+        self.log = writer.log
+        self.replayer = replayer
+        self.clock = clock
+        self.pending_acks = 0  # records appended whose batch is not answered yet
+
+    async def make_room(self) -> None:
+        """Wait while message_log's unsynced bytes are over half its window (as
+        LogWriter.append_batch does), so the append below never fsyncs inline."""
+        log = self.log
+        while log.unsynced_bytes > log.max_unsynced_bytes // 2:
+            await self.writer.flush()
+
+    def append(self, messages: Sequence[Message]) -> Intake:
+        """Validate and append ``messages``; call ``make_room`` just before.
+
+        Raises StorageError when message_log cannot be written (the server stops).
+        """
+        intake = self.receiver.accept(
+            messages,
+            self.clock(),
+            pending_acks=self.pending_acks,
+            replay_lag_records=self.replayer.lag_records,
+        )
+        if intake.payloads:
+            offsets = self.log.append_batch(intake.payloads, TYPE_MESSAGE)
+            self.replayer.offer(offsets, intake.payloads)
+            self.pending_acks += len(intake.payloads)
+        return intake
+
+    async def acknowledge(self, intake: Intake) -> list[SendResult]:
+        """The answer for ``intake``, once its records are as durable as the flush
+        policy promises. Raises StorageError when the flush fails."""
+        count = len(intake.payloads)
+        if count:
+            try:
+                if self.writer.policy.mode is FlushMode.SYNC:
+                    await self.writer.flush()
+            finally:
+                self.pending_acks -= count
+            self.replayer.notify(intake.last_sequence)
+        return self.receiver.acknowledge(intake)
+
+    async def send_batch(self, messages: Sequence[Message]) -> list[SendResult]:
+        """Both halves at once, for callers that need no pipelining order (tests)."""
+        await self.make_room()
+        return await self.acknowledge(self.append(messages))

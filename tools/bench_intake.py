@@ -1,0 +1,298 @@
+"""Intake benchmark: acknowledged throughput of ``delayd serve`` (sync flush), replay
+catch-up, and the same workload on Redis (ZADD + HSET, appendfsync always).
+
+Prints one JSON object per figure on stdout:
+    {"bench": "intake", "metric": ..., "value": ..., "unit": ..., ...}
+
+    python tools/bench_intake.py            # the figures of docs/benchmarks.md
+    python tools/bench_intake.py --quick    # the same cases, smaller (< 1 minute)
+
+Workload: 100-byte bodies, batches of 100 messages, delays spread over one hour (60
+buckets at segment_scale 1), one client process. The server runs pinned to one CPU with
+``taskset`` and the client to another (placement alone moves figures ~2x on a 2-CPU
+machine), and so do redis-server and its client. The delayd client is a raw protocol
+client that encodes its frames before the clock starts and keeps ``--in-flight``
+SEND_BATCHes outstanding on one connection: the figure is the server's. Redis gets
+one pipeline of 100 messages (200 commands) per round trip; with ``appendfsync
+always`` it fsyncs once per event-loop pass, as delayd's group commit does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from delayd.protocol import (  # noqa: E402
+    CLIENT,
+    NEED_DATA,
+    Connection,
+    FrameDecoder,
+    Hello,
+    Message,
+    ResultCode,
+    SendBatch,
+    SendBatchResult,
+    Stats,
+    StatsResult,
+    decode_event,
+    encode_event,
+)
+
+BODY = b"b" * 100
+BATCH = 100
+SERVER_CPU = "0"
+CLIENT_CPU = "1"
+READY = re.compile(r"delayd serve listening on (\S+):(\d+)")
+HOUR_MS = 3_600_000
+
+
+def emit(metric: str, value: float, unit: str, **extra: object) -> None:
+    record = {"bench": "intake", "metric": metric, "value": round(value, 3), "unit": unit}
+    print(json.dumps({**record, **extra}), flush=True)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` so far (Linux /proc), in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def pinned(cpu: str, args: list[str]) -> list[str]:
+    return ["taskset", "-c", cpu, *args] if shutil.which("taskset") else args
+
+
+# ----------------------------------------------------------------------------- client
+
+
+class RawClient:
+    """Just enough protocol for the benchmark: HELLO, pipelined SEND_BATCH, STATS."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.sock = socket.create_connection((host, port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn = Connection(CLIENT)
+        self.sock.sendall(conn.send(Hello(client_name="bench-intake", request_id=1)))
+        while conn.next_event() is NEED_DATA:
+            conn.receive_data(self.sock.recv(65536))
+        self.decoder = FrameDecoder()
+        self.next_id = 2
+
+    def frames(self, count: int, seed: int) -> list[bytes]:
+        """``count`` SEND_BATCH frames of BATCH messages with unique ids."""
+        rng = random.Random(seed)
+        out = []
+        for _ in range(count):
+            messages = [
+                Message(f"m-{seed}-{self.next_id}-{i}", "orders", body=BODY,
+                        delay_ms=rng.randrange(HOUR_MS))
+                for i in range(BATCH)
+            ]  # fmt: skip
+            out.append(encode_event(SendBatch(messages, request_id=self.next_id)))
+            self.next_id += 1
+        return out
+
+    def receive(self):
+        while (frame := self.decoder.next_frame()) is None:
+            data = self.sock.recv(1 << 20)
+            if not data:
+                raise ConnectionError("server closed the connection")
+            self.decoder.feed(data)
+        return decode_event(frame.command, frame.flags, frame.request_id, frame.body)
+
+    def send_all(self, frames: list[bytes], in_flight: int) -> tuple[int, float]:
+        """Send every frame keeping ``in_flight`` outstanding; (messages acked, seconds)."""
+        acked = 0
+        sent = 0
+        pending = 0
+        started = time.perf_counter()
+        while sent < len(frames) or pending:
+            while pending < in_flight and sent < len(frames):
+                self.sock.sendall(frames[sent])
+                sent += 1
+                pending += 1
+            answer = self.receive()
+            assert isinstance(answer, SendBatchResult), answer
+            pending -= 1
+            acked += sum(1 for r in answer.results if r.code is ResultCode.OK)
+        return acked, time.perf_counter() - started
+
+    def stats(self) -> dict:
+        rid = self.next_id
+        self.next_id += 1
+        self.sock.sendall(encode_event(Stats(request_id=rid)))
+        answer = self.receive()
+        assert isinstance(answer, StatsResult), answer
+        return answer.stats
+
+
+def client_main(args: argparse.Namespace) -> None:
+    host, port = args.addr.rsplit(":", 1)
+    client = RawClient(host, int(port))
+    warmup = client.frames(20, seed=1)
+    client.send_all(warmup, args.in_flight)
+    frames = client.frames(args.messages // BATCH, seed=2)
+    acked, seconds = client.send_all(frames, args.in_flight)
+    last_ack = time.perf_counter()
+    lag_at_end = client.stats()["replay.lag_records"]
+    while client.stats()["replay.lag_records"]:
+        pass
+    caught_up = time.perf_counter() - last_ack
+    print(json.dumps({"acked": acked, "seconds": seconds, "lag_at_end": lag_at_end,
+                      "catch_up_s": caught_up}))  # fmt: skip
+
+
+def redis_client_main(args: argparse.Namespace) -> None:
+    import redis
+
+    r = redis.Redis(port=int(args.addr.rsplit(":", 1)[1]))
+    rng = random.Random(3)
+    now = int(time.time() * 1000)
+    rounds = [
+        [(f"m-{n}-{i}", now + rng.randrange(HOUR_MS)) for i in range(BATCH)]
+        for n in range(args.messages // BATCH)
+    ]
+    started = time.perf_counter()
+    for batch in rounds:
+        pipe = r.pipeline(transaction=False)
+        for message_id, due in batch:
+            pipe.zadd("delayd:due", {message_id: due})
+            pipe.hset("delayd:body", message_id, BODY)
+        pipe.execute()
+    seconds = time.perf_counter() - started
+    print(json.dumps({"acked": len(rounds) * BATCH, "seconds": seconds}))
+
+
+def run_client(mode: str, addr: str, messages: int, in_flight: int = 1) -> dict:
+    args = [sys.executable, __file__, mode, "--addr", addr, "--messages", str(messages),
+            "--in-flight", str(in_flight)]  # fmt: skip
+    done = subprocess.run(
+        pinned(CLIENT_CPU, args), capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# ----------------------------------------------------------------------------- servers
+
+
+def start_delayd(data: str) -> tuple[subprocess.Popen, str]:
+    config = Path(data) / "bench.toml"
+    config.write_text("[intake]\nmax_pending_acks = 1000000\nmax_replay_lag_records = 10000000\n")
+    args = [sys.executable, "-m", "delayd.cli", "serve", "--data", str(Path(data) / "d"),
+            "--config", str(config), "--listen", "127.0.0.1:0", "--broker-listen", "off",
+            "--log-level", "warning"]  # fmt: skip
+    proc = subprocess.Popen(pinned(SERVER_CPU, args), cwd=ROOT, stdout=subprocess.PIPE)
+    out = ""
+    deadline = time.monotonic() + 30
+    while (match := READY.search(out)) is None:
+        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            proc.kill()
+            raise RuntimeError(f"delayd serve did not start: {out!r}")
+        out += os.read(proc.stdout.fileno(), 65536).decode()
+    return proc, f"{match.group(1)}:{match.group(2)}"
+
+
+def bench_delayd(messages: int, in_flight_cases: list[tuple[int, int]]) -> None:
+    with tempfile.TemporaryDirectory(prefix="bench-intake-") as data:
+        proc, addr = start_delayd(data)
+        try:
+            for in_flight, count in [(16, messages), *in_flight_cases]:
+                cpu_before = cpu_seconds(proc.pid)
+                result = run_client("client", addr, count, in_flight)
+                cpu = cpu_seconds(proc.pid) - cpu_before
+                emit("acked_throughput_sync", result["acked"] / result["seconds"], "msg/s",
+                     in_flight_batches=in_flight, messages=result["acked"])  # fmt: skip
+                # Independent of what else runs on the machine: the server's own cost.
+                emit("server_cpu_per_message", cpu / result["acked"] * 1e6, "us",
+                     in_flight_batches=in_flight)  # fmt: skip
+                emit(
+                    "replay_catch_up_after_senders_stop",
+                    result["catch_up_s"],
+                    "s",
+                    lag_records_at_last_ack=result["lag_at_end"],
+                    in_flight_batches=in_flight,
+                )
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
+
+
+def bench_redis(messages: int) -> None:
+    server = shutil.which("redis-server")
+    try:
+        import redis  # noqa: F401
+    except ImportError:
+        server = None
+    if server is None:
+        print("redis comparison skipped: redis-server or the redis package is missing "
+              "(apt-get install -y redis-server; pip install redis)", file=sys.stderr)  # fmt: skip
+        emit("redis_zadd_hset_throughput", 0, "msg/s", skipped="redis-server not installed")
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory(prefix="bench-redis-") as data:
+        args = [server, "--port", str(port), "--bind", "127.0.0.1", "--dir", data,
+                "--save", "", "--appendonly", "yes", "--appendfsync", "always"]  # fmt: skip
+        proc = subprocess.Popen(pinned(SERVER_CPU, args), stdout=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    socket.create_connection(("127.0.0.1", port)).close()
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)  # polling a port coming up; nothing to wait on
+            cpu_before = cpu_seconds(proc.pid)
+            result = run_client("redis-client", f"127.0.0.1:{port}", messages)
+            cpu = cpu_seconds(proc.pid) - cpu_before
+            emit("redis_zadd_hset_throughput", result["acked"] / result["seconds"], "msg/s",
+                 appendfsync="always", per_round_trip=BATCH, messages=result["acked"])  # fmt: skip
+            emit("redis_server_cpu_per_message", cpu / result["acked"] * 1e6, "us")
+        finally:
+            proc.terminate()
+            proc.wait(30)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("mode", nargs="?", default="bench",
+                        choices=["bench", "client", "redis-client"])  # fmt: skip
+    parser.add_argument("--quick", action="store_true", help="smaller runs (< 1 minute)")
+    parser.add_argument("--addr", help=argparse.SUPPRESS)
+    parser.add_argument("--messages", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--in-flight", type=int, default=16, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.mode == "client":
+        client_main(args)
+        return
+    if args.mode == "redis-client":
+        redis_client_main(args)
+        return
+    if args.quick:
+        bench_delayd(300_000, [(1, 30_000)])
+        bench_redis(50_000)
+    else:
+        bench_delayd(2_000_000, [(1, 100_000), (4, 300_000)])
+        bench_redis(300_000)
+
+
+if __name__ == "__main__":
+    main()
