@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/delayd broker --data $(DATA)
+	$(BIN)/delayd serve --data $(DATA)
 
 test: $(STAMP)
 	$(BIN)/ruff check .
