@@ -1,4 +1,4 @@
-"""A hashed timing wheel of compact entries, and the trio task that drives it.
+"""A hashed timing wheel of compact entries (the trio task that drives it: ticker.py).
 
 The wheel holds ``(due_ms, bucket, offset)`` entries: when a message is due (epoch ms),
 the small integer id of its schedule_log bucket, and the byte offset of its record in
@@ -486,6 +486,3 @@ class TimingWheel:
             slots=self._slot_count,
             bytes_estimate=nbytes,
         )
-
-
-# ---------------------------------------------------------------------- the trio side
