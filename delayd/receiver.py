@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from delayd.logs import message_log
 from delayd.protocol import Message, ResultCode, SendResult, validate_subject
+from delayd.protocol.codec import new_send_result
 
 MS_PER_DAY = 86_400_000
 DEFAULT_MAX_DELAY_MS = 731 * MS_PER_DAY  # two years, counting a leap day
@@ -268,8 +269,9 @@ class Receiver:
         ok = ResultCode.OK
         for result in intake.results:
             if result is None:
-                # The delay server reports the sequence in queue_offset (docs/protocol.md).
-                result = SendResult(ok, queue_offset=sequence, due_ms=next(dues))
+                # The delay server reports the sequence in queue_offset (docs/protocol.md);
+                # new_send_result skips the frozen dataclass's __init__, once per message.
+                result = new_send_result(ok, "", None, None, None, sequence, next(dues))
                 sequence += 1
             out.append(result)
         return out

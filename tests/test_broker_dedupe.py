@@ -120,3 +120,31 @@ def test_matches_a_model_under_churn(operations):
         recent = [m for m, ms in model if m == message_id and ms > now - 2 * MARK_MS]
         if recent:
             assert found is not None  # never forgotten within the window and max_ids
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    batches=st.lists(
+        st.tuples(st.lists(st.integers(0, 40), max_size=12), st.integers(0, 3 * MARK_MS)),
+        max_size=20,
+    )
+)
+def test_add_batch_is_add_of_each(batches):
+    # The append path adds a whole batch at once; the window must end up the same as
+    # with one add per id, evictions and time marks included.
+    one, log_one = window(max_ids=16, window_ms=2 * MARK_MS, fingerprint=lambda m: int(m) % 7)
+    many, log_many = window(max_ids=16, window_ms=2 * MARK_MS, fingerprint=lambda m: int(m) % 7)
+    now = 0
+    for ids, step in batches:
+        now += step
+        ids = [b"%d" % n for n in ids]
+        for message_id in ids:
+            one.add(message_id, log_one.store(message_id), now)
+        many.add_batch(ids, [log_many.store(m) for m in ids], now)
+        one.expire(now)
+        many.expire(now)
+        assert len(one) == len(many)
+        assert one.oldest_offset == many.oldest_offset
+        assert list(one._marks) == list(many._marks)
+        for n in range(41):
+            assert one.find(b"%d" % n) == many.find(b"%d" % n)

@@ -3,14 +3,19 @@ delay server sets, and recovery of the derived files from the commitlog."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
+import pytest
 import trio
 
 from delayd.broker import BrokerConfig, open_broker
-from delayd.broker.store import CHECKPOINT_NAME
-from delayd.errors import RejectedError
-from delayd.protocol import Message, ResultCode
+from delayd.broker.record import RECORD_TYPE, encode_record
+from delayd.broker.store import CACHED_RECORD_OVERHEAD, CHECKPOINT_NAME, RecentRecords
+from delayd.errors import CorruptionError, RejectedError
+from delayd.protocol import Command, Message, ResultCode, SendBatch, decode_event, encode_event
+from delayd.protocol.frames import HEADER_SIZE
+from storage import framing
 from storage.consumequeue import ENTRY
 
 CONFIG = BrokerConfig(index_slot_count=1009, index_max_entries=50, dedupe_max_ids=1000)
@@ -138,3 +143,117 @@ async def test_long_poll_is_woken_by_the_reput_not_by_a_timer(tmp_path):
                 await broker.send_batch([Message("wake", "orders")])
         assert [m.message_id for m in got] == ["wake"]
         assert broker.hub.held == 0
+
+
+async def test_records_are_the_received_bytes_with_the_broker_integers_stamped_in(tmp_path):
+    # The TCP path stores the producer's bytes (SendBatch.encoded); the embedded path
+    # encodes Messages. Both must write exactly the record encode_record describes.
+    sent = [
+        Message("b-0", "orders", key="k", properties={"a": "é"}, body=b"\x00\xff"),
+        Message("b-1", "orders", body=b"x" * 300, due_ms=5, dispatched_ms=6),
+        # Integers only the broker sets are replaced, whatever a producer put there.
+        Message("b-2", "orders", store_ms=-1, commitlog_offset=9, queue=77, queue_offset=8),
+    ]
+    frame = encode_event(SendBatch(sent, request_id=1))
+    decoded = decode_event(Command.SEND_BATCH, 0, 1, frame[HEADER_SIZE:])
+    assert isinstance(decoded, SendBatch) and decoded.encoded is not None
+    async with open_broker(str(tmp_path), CONFIG) as broker:
+        via_bytes = broker.append_batch(decoded.messages, broker.clock(), decoded.encoded)
+        await broker.store.wait_durable()
+        again = [dataclasses.replace(m, message_id=m.message_id + "'") for m in sent]
+        via_messages = await broker.send_batch(again)
+        for messages, results in ((sent, via_bytes), (again, via_messages)):
+            for m, r in zip(messages, results, strict=True):
+                assert r.code is ResultCode.OK
+                payload = broker.store.commitlog.read(r.commitlog_offset).payload
+                assert payload == encode_record(m, r.store_ms, r.queue, r.queue_offset)
+                assert broker.store.message_at(r.commitlog_offset) == dataclasses.replace(
+                    m,
+                    store_ms=r.store_ms,
+                    commitlog_offset=r.commitlog_offset,
+                    queue=r.queue,
+                    queue_offset=r.queue_offset,
+                )
+        with pytest.raises(ValueError, match="spans"):
+            broker.append_batch(decoded.messages[:1], broker.clock(), decoded.encoded)
+
+
+@pytest.mark.parametrize("queues", [4, 16])  # 16: too sparse to scan, read one by one
+async def test_pull_reads_the_commitlog_when_the_cache_misses(tmp_path, queues):
+    config = dataclasses.replace(CONFIG, queues_per_subject=queues, recent_cache_bytes=0)
+    async with open_broker(str(tmp_path), config) as broker:
+        results = []
+        for n in range(3):
+            results += await broker.send_batch(batch(f"c{n}", 50))
+        got = await drain(broker, "g")
+        assert len(broker.store.recent) == 0  # every message came from the commitlog
+    by_id = {m.message_id: m for m in got}
+    assert len(by_id) == 150
+    for n in range(3):
+        for i, r in enumerate(results[n * 50 : n * 50 + 50]):
+            m = by_id[f"c{n}-{i}"]
+            assert (m.commitlog_offset, m.queue, m.queue_offset, m.store_ms) == (
+                r.commitlog_offset,
+                r.queue,
+                r.queue_offset,
+                r.store_ms,
+            )
+            assert m.body == b"%d" % i
+
+
+async def test_a_queue_entry_pointing_at_another_queues_record_is_corruption(tmp_path):
+    config = dataclasses.replace(CONFIG, recent_cache_bytes=0)
+    async with open_broker(str(tmp_path), config) as broker:
+        results = await broker.send_batch(batch("x", 8))
+        queue_dir = tmp_path / "broker" / "consumequeue" / "orders" / "0"
+        (segment,) = sorted(os.listdir(queue_dir))
+        other = next(r for r in results if r.queue == 1)
+        with open(queue_dir / segment, "r+b") as f:  # entry 1 of queue 0 -> queue 1's record
+            f.seek(ENTRY.size)
+            f.write(ENTRY.pack(other.commitlog_offset, 30, 0))
+        broker.join("g", "orders", "c", None, broker.monotonic_ms())
+        with pytest.raises(CorruptionError, match="points at commitlog offset"):
+            for _ in range(4):
+                await broker.pull("orders", "g", "c", 100, 0)
+
+
+async def test_pulls_cross_from_the_commitlog_into_the_recent_cache(tmp_path):
+    # A cache smaller than the backlog: a PULL starts in records only the commitlog has
+    # and continues into the cached ones, in queue order, nothing lost or repeated.
+    config = dataclasses.replace(CONFIG, queues_per_subject=2, recent_cache_bytes=4000)
+    async with open_broker(str(tmp_path), config) as broker:
+        results = []
+        for n in range(6):
+            results += await broker.send_batch(batch(f"e{n}", 20))
+        recent = broker.store.recent
+        assert 0 < len(recent) < 120 and recent.bytes <= 4000
+        assert recent.cached_from(("orders", 0)) > 0  # the oldest were evicted
+        got = await drain(broker, "g")
+    expected = {(r.queue, r.queue_offset): r.commitlog_offset for r in results}
+    assert {(m.queue, m.queue_offset): m.commitlog_offset for m in got} == expected
+    for queue in (0, 1):
+        offsets = [m.queue_offset for m in got if m.queue == queue]
+        assert offsets == list(range(len(offsets)))
+
+
+def test_recent_records_evict_oldest_first_and_read_by_queue_offset():
+    recent = RecentRecords(max_bytes=10 * (CACHED_RECORD_OVERHEAD + 4))
+    for start in range(0, 40, 4):  # four records a pass, alternating queues
+        key = ("s", start // 4 % 2)
+        base = start // 8 * 4
+        offsets = [1000 + start + i for i in range(4)]
+        recent.extend(key, base, offsets, [b"%04d" % o for o in offsets])
+    assert len(recent) <= 10
+    run0 = recent.cached_from(("s", 0))
+    offsets, payloads = recent.read(("s", 0), run0, run0 + 100)
+    assert payloads == [b"%04d" % o for o in offsets] and len(offsets) == 20 - run0
+    assert recent.read(("s", 0), run0 - 1, run0 + 1) == ([], [])  # evicted: not served
+
+
+def test_worked_example_of_a_record_in_docs_matches_the_code():
+    payload = encode_record(Message("m-1", "orders", key="k1", body=b"hi"), 1700000000000, 2, 5)
+    assert framing.encode_record(payload, RECORD_TYPE).hex(" ") == (
+        "2f 00 00 00 db 9e 2c 35 02 69 00 03 00 06 00 02 00 00 00 02 00 00 00 "
+        "6d 2d 31 6f 72 64 65 72 73 6b 31 68 69 00 68 e5 cf 8b 01 00 00 "
+        "02 00 00 00 05 00 00 00 00 00 00 00"
+    )

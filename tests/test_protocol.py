@@ -257,7 +257,7 @@ def test_many_small_frames_fed_in_odd_chunks():
 
 
 def test_decoded_messages_are_ordinary_messages():
-    # The decoder builds Message without __init__ (codec._new_message); the result must
+    # The decoder builds Message without __init__ (codec._MessageBuilder); the result must
     # be indistinguishable from one built normally.
     (decoded,) = decode_all([encode_event(p.SendBatch([SAMPLE_MESSAGE], request_id=1))])[0].messages
     assert decoded == SAMPLE_MESSAGE
@@ -265,6 +265,93 @@ def test_decoded_messages_are_ordinary_messages():
     assert dataclasses.replace(decoded, body=b"x").body == b"x"
     with pytest.raises(dataclasses.FrozenInstanceError):
         decoded.body = b"y"  # type: ignore[misc]
+
+
+def test_decoded_send_results_are_ordinary_send_results():
+    # The common result (stored, no reason) is decoded by a one-struct fast path.
+    result = p.SendResult(ResultCode.DUPLICATE, "", 1, 2, 3, 4)
+    frame = encode_event(p.SendBatchResult([result], request_id=1))
+    (decoded,) = decode_all([frame])[0].results
+    assert decoded == result and repr(decoded) == repr(result)
+    assert decoded.code is ResultCode.DUPLICATE
+    assert p.codec.new_send_result(ResultCode.OK, "", 1, 2, 3, 4, 5) == p.SendResult(
+        ResultCode.OK, "", 1, 2, 3, 4, 5
+    )
+
+
+# --- message bytes: what the broker stores and delivers without re-encoding -----------
+
+
+@settings(max_examples=200, deadline=None)
+@given(batch=message_lists.filter(bool), request_id=request_ids)
+def test_decoded_send_batch_keeps_each_message_span(batch, request_id):
+    (decoded,) = decode_all([encode_event(p.SendBatch(batch, request_id=request_id))])
+    spans = decoded.encoded
+    assert len(spans) == len(batch)
+    for i, message in enumerate(batch):
+        start, end = spans.bounds[i], spans.bounds[i + 1]
+        assert spans.data[start:end] == p.codec.encode_message(message)
+        assert p.codec.decode_message(spans.data, start, end) == message
+    # Senders never see it: it takes no part in comparisons or repr, and encoding
+    # ignores it.
+    assert decoded == p.SendBatch(batch, request_id=request_id)
+    assert "encoded" not in repr(decoded)
+
+
+@settings(max_examples=300, deadline=None)
+@given(message=messages, store_ms=i64, queue=u32, queue_offset=u64, offset=u64)
+def test_stamped_and_delivered_bytes_equal_encoding_the_message(
+    message, store_ms, queue, queue_offset, offset
+):
+    codec = p.codec
+    data = b"junk" + codec.encode_message(message) + b"more"
+    stored = dataclasses.replace(
+        message,
+        at_ms=None,
+        delay_ms=None,
+        store_ms=store_ms,
+        commitlog_offset=None,
+        queue=queue,
+        queue_offset=queue_offset,
+    )
+    record = codec.stamp_message(data, 4, len(data) - 4, store_ms, queue, queue_offset)
+    assert record == codec.encode_message(stored)
+    delivered = dataclasses.replace(stored, commitlog_offset=offset)
+    assert codec.with_commitlog_offset(record, offset) == codec.encode_message(delivered)
+    assert codec.with_commitlog_offset(codec.encode_message(delivered), 7) == (
+        codec.encode_message(dataclasses.replace(delivered, commitlog_offset=7))
+    )
+    ints = tuple(getattr(message, attr) for _, attr, _ in codec.MSG_INTS)
+    assert codec.message_ints(codec.encode_message(message)) == ints
+
+
+def test_message_ints_refuses_a_message_too_short_for_its_integers():
+    data = p.codec.encode_message(Message("m", "s", store_ms=5))
+    with pytest.raises(ValueError, match="too short"):
+        p.codec.message_ints(data[:-1])
+    with pytest.raises(ValueError, match="head"):
+        p.codec.message_ints(data[:5])
+    with pytest.raises(RemoteProtocolError, match="trailing"):
+        p.codec.decode_message(data + b"x")
+
+
+@settings(max_examples=100, deadline=None)
+@given(batch=message_lists, request_id=request_ids)
+def test_pull_result_from_encoded_messages_is_the_same_frame(batch, request_id):
+    parts = [p.codec.encode_message(m) for m in batch]
+    encoded = p.EncodedMessages.join(parts)
+    assert len(encoded) == len(batch)
+    for kind in (p.PullResult, p.QueryResult):
+        frame = encode_event(kind(encoded=encoded, request_id=request_id))
+        assert frame == encode_event(kind(batch, request_id=request_id))
+        assert decode_all([frame]) == [kind(batch, request_id=request_id)]
+
+
+def test_pull_result_with_both_messages_and_encoded_is_refused():
+    encoded = p.EncodedMessages.join([p.codec.encode_message(SAMPLE_MESSAGE)])
+    event = p.PullResult([SAMPLE_MESSAGE], encoded=encoded, request_id=1)
+    with pytest.raises(LocalProtocolError, match="both"):
+        encode_event(event)
 
 
 def test_lists_are_frozen_into_tuples():

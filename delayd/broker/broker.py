@@ -21,12 +21,12 @@ PULL and commit semantics (what the clients rely on)
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
 from collections.abc import AsyncIterator, Callable, Hashable, Iterable, Sequence
 from contextlib import asynccontextmanager
+from itertools import pairwise
 
 import trio
 
@@ -35,13 +35,13 @@ from delayd.broker.config import BrokerConfig, StartFrom
 from delayd.broker.dedupe import IdWindow
 from delayd.broker.groups import GroupKey, GroupRegistry
 from delayd.broker.offsets import OffsetStore
-from delayd.broker.record import stored_message
+from delayd.broker.record import encode_record, stamp_record
 from delayd.broker.routing import QueueSelector
-from delayd.broker.store import BrokerStore, QueueKey, id_index_key, key_index_key
+from delayd.broker.store import Arrival, BrokerStore, QueueKey, id_index_key, key_index_key
 from delayd.errors import RejectedError
-from delayd.protocol.codec import MAX_STR_BYTES
+from delayd.protocol.codec import MAX_STR_BYTES, decode_message, new_send_result
 from delayd.protocol.codes import ErrorCode, ResultCode
-from delayd.protocol.events import Message, SendResult, validate_subject
+from delayd.protocol.events import EncodedMessages, Message, SendResult, validate_subject
 from storage.fs import REAL_FS, FileSystem
 
 log = logging.getLogger(__name__)
@@ -51,20 +51,6 @@ REFUSE_DELAYED = "this is the broker; send delayed messages (at_ms/delay_ms) to 
 
 
 MAX_CACHED_SUBJECTS = 10_000  # subjects known valid, to skip the regex per message
-
-# SendResult's fields as slot setters: building the frozen dataclass through them costs
-# half of SendResult(...) (the codec builds Messages the same way); one per stored message.
-_RESULT_SETTERS = tuple(getattr(SendResult, f.name).__set__ for f in dataclasses.fields(SendResult))
-
-
-def _ok_result(
-    store_ms: int, offset: int, queue: int, queue_offset: int, due_ms: int | None
-) -> SendResult:
-    result = object.__new__(SendResult)
-    values = (ResultCode.OK, "", store_ms, offset, queue, queue_offset, due_ms)
-    for set_field, value in zip(_RESULT_SETTERS, values, strict=True):
-        set_field(result, value)
-    return result
 
 
 def wall_ms() -> int:
@@ -109,7 +95,9 @@ class Broker:
         self.window = IdWindow(config.dedupe_max_ids, config.dedupe_window_ms, self._stored_id)
         self.duplicates = 0
         self.checkpoints = 0
-        self._valid_subjects: set[str] = set()
+        # Subjects already validated -> their number of queues (skips the regex and the
+        # config lookup per message).
+        self._valid_subjects: dict[str, int] = {}
         self.refused = 0
         # (group, subject) -> queue -> [owner consumer_id, next offset to hand out]
         self._cursors: dict[GroupKey, dict[int, list]] = {}
@@ -241,91 +229,109 @@ class Broker:
         await self.store.wait_durable()
         return results
 
-    def append_batch(self, messages: Sequence[Message], now_ms: int) -> list[SendResult]:
+    def append_batch(
+        self,
+        messages: Sequence[Message],
+        now_ms: int,
+        encoded: EncodedMessages | None = None,
+    ) -> list[SendResult]:
         """The synchronous half of :meth:`send_batch`: validate, dedupe, append (not yet
         durable — await ``store.wait_durable()`` before acknowledging). The TCP server
         calls it in request order, then waits for durability concurrently, so pipelined
         batches of one connection keep their order and still share fsyncs.
+
+        ``encoded``, when given, holds the messages as they arrived (``SendBatch.encoded``,
+        one span each): their records are then those bytes with the broker's integers
+        stamped in, instead of the Messages encoded again — the same bytes, 0.3 µs per
+        message instead of 1.3. Raises ValueError when it does not hold one span per
+        message.
         """
+        if encoded is not None and len(encoded) != len(messages):
+            raise ValueError(f"{len(encoded)} encoded spans for {len(messages)} messages")
         store, window, config = self.store, self.window, self.config
         window.expire(now_ms)
         store_ms = max(now_ms, store.last_store_ms)
-        results: list[SendResult | None] = []
-        accepted: list[Message] = []
-        slots: list[int] = []  # result index of each accepted message
-        ids: list[bytes] = []
-        copies: list[tuple[int, int]] = []  # (result index, result index of first copy)
-        first_of: dict[str, int] = {}  # message id -> result index of its first copy
-        rollback: dict[QueueKey, int] = {}
+        results: list[SendResult | None] = [None] * len(messages)  # by message index
+        payloads: list[bytes] = []
+        arrivals: list[Arrival] = []
+        ids: list[bytes] = []  # of the stored messages
+        # Per stored message: (message index, (subject, queue), queue offset, due_ms).
+        stored: list[tuple[int, QueueKey, int, int | None]] = []
+        copies: list[tuple[int, int]] = []  # (message index, message index of first copy)
+        first_of: dict[str, int] = {}  # message id -> message index of its first copy
         valid_subjects = self._valid_subjects
         max_body = config.max_body_bytes
-        for m in messages:
-            # The common message passes four cheap checks; anything else gets the full
-            # explanation from _refusal.
-            if (
-                not m.message_id
-                or m.subject not in valid_subjects
-                or m.at_ms is not None
-                or m.delay_ms is not None
-                or len(m.body) > max_body
-                or m.properties
-            ):
-                code, reason = self._refusal(m)
-                if code is not None:
-                    self.refused += 1
-                    results.append(SendResult(code, reason))
+        if encoded is not None:
+            data, bounds = encoded.data, encoded.bounds
+        next_offset = store.next_queue_offset
+        select, find = self.selector.select, window.find
+        add_payload, add_arrival, add_id, add_stored = (
+            payloads.append,
+            arrivals.append,
+            ids.append,
+            stored.append,
+        )
+        try:
+            for i, m in enumerate(messages):
+                message_id, subject, key = m.message_id, m.subject, m.key
+                queues = valid_subjects.get(subject)
+                # The common message passes these cheap checks; anything else gets the
+                # full explanation from _refusal.
+                if (
+                    queues is None
+                    or not message_id
+                    or m.at_ms is not None
+                    or m.delay_ms is not None
+                    or len(m.body) > max_body
+                    or m.properties
+                ):
+                    code, reason = self._refusal(m)
+                    if code is not None:
+                        self.refused += 1
+                        results[i] = new_send_result(code, reason)
+                        continue
+                    queues = config.queues_for(subject)
+                    if len(valid_subjects) < MAX_CACHED_SUBJECTS:
+                        valid_subjects[subject] = queues
+                earlier = first_of.get(message_id)
+                if earlier is not None:
+                    copies.append((i, earlier))
                     continue
-                if len(valid_subjects) < MAX_CACHED_SUBJECTS:
-                    valid_subjects.add(m.subject)
-            earlier = first_of.get(m.message_id)
-            if earlier is not None:
-                copies.append((len(results), earlier))
-                results.append(None)
-                continue
-            id_bytes = m.message_id.encode()
-            stored_at = window.find(id_bytes)
-            if stored_at is not None:
-                self.duplicates += 1
-                results.append(self._duplicate_result(stored_at))
-                continue
-            first_of[m.message_id] = len(results)
-            queue = self.selector.select(m.subject, m.key, config.queues_for(m.subject))
-            key = (m.subject, queue)
-            if key not in rollback:
-                rollback[key] = store.next_queue_offset.get(key, 0)
-            queue_offset = store.assign_queue_offset(m.subject, queue)
-            accepted.append(
-                stored_message(
-                    m.message_id,
-                    m.subject,
-                    m.key,
-                    m.properties,
-                    m.body,
-                    store_ms,
-                    queue,
-                    queue_offset,
-                    m.due_ms,
-                    m.dispatched_ms,
-                )
-            )
-            slots.append(len(results))
-            ids.append(id_bytes)
-            results.append(None)
-        if accepted:
-            try:
-                offsets = store.append(accepted)
-            except BaseException:
-                # Nothing of the batch is stored (or the log is failed): give the queue
-                # offsets back so the queues stay dense.
-                store.next_queue_offset.update(rollback)
-                raise
+                id_bytes = message_id.encode()
+                stored_at = find(id_bytes)
+                if stored_at is not None:
+                    self.duplicates += 1
+                    results[i] = self._duplicate_result(stored_at)
+                    continue
+                first_of[message_id] = i
+                queue = select(subject, key, queues)
+                queue_key = (subject, queue)
+                queue_offset = next_offset.get(queue_key, 0)
+                next_offset[queue_key] = queue_offset + 1
+                if encoded is None:
+                    add_payload(encode_record(m, store_ms, queue, queue_offset))
+                else:
+                    add_payload(
+                        stamp_record(data, bounds[i], bounds[i + 1], store_ms, queue, queue_offset)
+                    )
+                key_key = None if key is None else key_index_key(subject, key)
+                # b"i\0" + id is id_index_key(id_bytes), spelled out on this hot path.
+                add_arrival((queue_key, queue_offset, b"i\x00" + id_bytes, key_key))
+                add_id(id_bytes)
+                add_stored((i, queue_key, queue_offset, m.due_ms))
+            offsets = store.append(payloads, arrivals, store_ms) if payloads else []
+        except BaseException:
+            # Nothing of the batch is stored (or the log is failed): give the queue
+            # offsets back so the queues stay dense (each queue to the first it gave).
+            for _, queue_key, queue_offset, _ in reversed(stored):
+                next_offset[queue_key] = queue_offset
+            raise
+        if payloads:
             store.last_store_ms = store_ms
-            add = window.add
-            for message, offset, id_bytes, slot in zip(accepted, offsets, ids, slots, strict=True):
-                add(id_bytes, offset, store_ms)
-                results[slot] = _ok_result(
-                    store_ms, offset, message.queue, message.queue_offset, message.due_ms
-                )
+            window.add_batch(ids, offsets, store_ms)
+            ok = ResultCode.OK
+            for (i, (_, queue), queue_offset, due_ms), offset in zip(stored, offsets, strict=True):
+                results[i] = new_send_result(ok, "", store_ms, offset, queue, queue_offset, due_ms)
         for slot, earlier in copies:
             first = results[earlier]
             assert first is not None
@@ -345,7 +351,7 @@ class Broker:
         config = self.config
         if not m.message_id:
             return ResultCode.EMPTY_ID, "message_id is empty; give every message a unique id"
-        problem = validate_subject(m.subject)
+        problem = None if m.subject in self._valid_subjects else validate_subject(m.subject)
         if problem is not None:
             return ResultCode.INVALID_SUBJECT, problem
         if m.at_ms is not None or m.delay_ms is not None:
@@ -500,6 +506,22 @@ class Broker:
         Counts as a heartbeat. Raises RejectedError when the consumer is not a member
         ("join the group first") or the arguments are bad.
         """
+        encoded = await self.pull_encoded(
+            subject, group, consumer_id, max_messages, wait_ms, connection
+        )
+        return [decode_message(encoded.data, a, b) for a, b in pairwise(encoded.bounds)]
+
+    async def pull_encoded(
+        self,
+        subject: str,
+        group: str,
+        consumer_id: str,
+        max_messages: int,
+        wait_ms: int,
+        connection: Hashable = None,
+    ) -> EncodedMessages:
+        """:meth:`pull`, with the messages as the wire carries them (what PullResult's
+        ``encoded`` takes): the stored bytes, never decoded."""
         _check_subject(subject)
         if max_messages <= 0:
             raise RejectedError(ErrorCode.INVALID_REQUEST, "max_messages must be at least 1")
@@ -509,18 +531,18 @@ class Broker:
             queues = self.groups.touch(group, subject, consumer_id, connection, self.monotonic_ms())
             if queues is None:
                 raise RejectedError(ErrorCode.INVALID_REQUEST, "join the group first")
-            messages = self._take(group, subject, consumer_id, queues, max_messages)
-            if messages or trio.current_time() >= deadline:
-                return messages
+            parts = self._take(group, subject, consumer_id, queues, max_messages)
+            if parts or trio.current_time() >= deadline:
+                return EncodedMessages.join(parts)
             keys: list[Hashable] = [(subject, q) for q in queues]
             keys.append(("group", group, subject))
             await self.hub.wait(keys, deadline)
 
     def _take(
         self, group: str, subject: str, consumer_id: str, queues: Sequence[int], limit: int
-    ) -> list[Message]:
+    ) -> list[bytes]:
         cursors = self._cursors.setdefault((group, subject), {})
-        out: list[Message] = []
+        out: list[bytes] = []
         budget = self.config.max_pull_bytes
         n = len(queues)
         self._pull_turn += 1
@@ -537,11 +559,11 @@ class Broker:
                 cursor = cursors[queue] = [consumer_id, committed]
             if cursor[1] >= self.store.queue_end(subject, queue):
                 continue
-            got = self.store.read_queue(subject, queue, cursor[1], limit - len(out), budget)
+            after, got = self.store.read_queue(subject, queue, cursor[1], limit - len(out), budget)
             if got:
-                cursor[1] = got[-1].queue_offset + 1
+                cursor[1] = after
                 out += got
-                budget -= sum(len(m.body) for m in got)
+                budget -= sum(map(len, got))
                 if len(out) >= limit or budget <= 0:
                     break
         return out

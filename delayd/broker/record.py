@@ -1,87 +1,54 @@
 """The commitlog record of one stored message: the wire protocol's message layout.
 
 A record's payload (inside the storage framing ``length crc type payload``, type
-RECORD_TYPE) is exactly one ``message`` of docs/protocol.md, encoded and decoded by the
+RECORD_TYPE) is exactly one ``message`` of docs/protocol.md, made and read by the
 protocol's own codec, so the layout exists once. The broker fills ``store_ms``,
 ``queue`` and ``queue_offset`` before appending, and the delay server ``due_ms`` /
 ``dispatched_ms`` when it delivered the message; ``at_ms``/``delay_ms`` are never
 stored (the broker refuses them) and ``commitlog_offset`` is not stored either — it is
 where the record is, added on reading. docs/broker.md has the worked example.
+
+The produce path never encodes a record: it copies the bytes the producer sent and
+stamps the broker's integers into them (``stamp_record``); PULL sends a record's bytes
+with ``commitlog_offset`` spliced in (``delivered``). Both give exactly the bytes
+``encode_record``/``encode_message`` would, without building a Message.
 """
 
 from __future__ import annotations
 
 from delayd.errors import RemoteProtocolError
 from delayd.protocol.codec import (
-    _MSG_INTS,
     MSG_HEAD,
     MSG_KEY,
-    MSG_STORE_MS,
-    _get_message,
-    _new_message,
-    _put_message,
-    _Reader,
+    decode_message,
+    encode_message,
+    message_ints,
+    stamp_message,
+    with_commitlog_offset,
 )
 from delayd.protocol.events import Message
 from storage.framing import FIRST_USER_TYPE
 
 RECORD_TYPE = FIRST_USER_TYPE  # storage record type of a message record
-
-# Setting a slot of a Message we have just built, before anyone else sees it, is how the
-# codec itself builds them (see delayd.protocol.codec._new_message): a frozen dataclass
-# only forbids plain attribute assignment.
 _set_commitlog_offset = Message.commitlog_offset.__set__  # type: ignore[attr-defined]
 
+stamp_record = stamp_message
+"""``stamp_record(data, start, end, store_ms, queue, queue_offset)``: the record payload
+of the received message ``data[start:end]`` (see delayd.protocol.codec.stamp_message)."""
 
-def stored_message(
-    message_id: str,
-    subject: str,
-    key: str | None,
-    properties: dict[str, str],
-    body: bytes,
-    store_ms: int,
-    queue: int,
-    queue_offset: int,
-    due_ms: int | None,
-    dispatched_ms: int | None,
-) -> Message:
-    """The Message a record holds (commitlog_offset still None: set it once appended).
-
-    Built through the codec's slot setter, a third cheaper than Message(...): this is the
-    produce hot path.
-    """
-    return _new_message(
-        [
-            message_id,
-            subject,
-            key,
-            properties,
-            body,
-            None,  # at_ms
-            None,  # delay_ms
-            store_ms,
-            None,  # commitlog_offset
-            queue,
-            queue_offset,
-            due_ms,
-            dispatched_ms,
-        ]
-    )
+delivered = with_commitlog_offset
+"""``delivered(payload, commitlog_offset)``: a record as a consumer receives it."""
 
 
-def encode_record(message: Message) -> bytes:
-    """The record payload for ``message`` (already carrying store_ms, queue, queue_offset).
+def encode_record(message: Message, store_ms: int, queue: int, queue_offset: int) -> bytes:
+    """The record payload for ``message`` stored at ``store_ms`` in ``queue`` at
+    ``queue_offset``, for a message given as a Message (the embedded ``send_batch``);
+    the same bytes as ``stamp_record`` of its encoding.
 
     Raises LocalProtocolError for a message the wire layout cannot carry.
     """
-    out = bytearray()
-    _put_message(out, message)
-    return bytes(out)
-
-
-def set_commitlog_offset(message: Message, offset: int) -> None:
-    """Fill ``commitlog_offset`` of a Message this module's caller built and still owns."""
-    _set_commitlog_offset(message, offset)
+    data = encode_message(message)
+    return stamp_message(data, 0, len(data), store_ms, queue, queue_offset)
 
 
 def decode_record(payload: bytes, commitlog_offset: int) -> Message:
@@ -89,12 +56,12 @@ def decode_record(payload: bytes, commitlog_offset: int) -> Message:
 
     Raises RecordError when the payload is not one well-formed message.
     """
-    reader = _Reader(payload, "record", 0)
     try:
-        message = _get_message(reader)
-        reader.finish()
+        message = decode_message(payload)
     except RemoteProtocolError as exc:
         raise RecordError(f"record at commitlog offset {commitlog_offset}: {exc}") from None
+    # The Message was just built and nobody else holds it: filling one slot of a frozen
+    # dataclass through its descriptor is how the codec builds them in the first place.
     _set_commitlog_offset(message, commitlog_offset)
     return message
 
@@ -121,24 +88,31 @@ def record_identity(payload: bytes) -> tuple[bytes, bytes, bytes | None]:
 def record_summary(payload: bytes) -> tuple[bytes, int]:
     """(message_id as UTF-8 bytes, store_ms) of a record, without decoding the rest.
 
-    The optional integers end the record in the order of their mask bits, so store_ms is
-    found by counting back from the end. Raises RecordError for a payload too short for
-    what its head announces or without store_ms.
+    Raises RecordError for a payload too short for what its head announces or without
+    store_ms.
     """
     message_id, _, _ = record_identity(payload)
-    mask = MSG_HEAD.unpack_from(payload, 0)[0]
-    if not mask & MSG_STORE_MS:
+    try:
+        store_ms = message_ints(payload)[2]
+    except ValueError as exc:
+        raise RecordError(str(exc)) from None
+    if store_ms is None:
         raise RecordError("record without store_ms")
-    after = 0  # bytes of the integers stored after store_ms
-    for bit, _, fmt in reversed(_MSG_INTS):
-        if bit == MSG_STORE_MS:
-            break
-        if mask & bit:
-            after += fmt.size
-    position = len(payload) - after - 8
-    if position < MSG_HEAD.size + len(message_id):
-        raise RecordError("record too short for its integers")
-    return message_id, int.from_bytes(payload[position : position + 8], "little", signed=True)
+    return message_id, store_ms
+
+
+def record_position(payload: bytes) -> tuple[bytes, int | None, int | None]:
+    """(subject as UTF-8 bytes, queue, queue_offset) of a record, reading only its head
+    and its integers: what a consume queue entry pointing at it must agree with.
+
+    Raises RecordError for a payload too short for what its head announces.
+    """
+    _, subject, _ = record_identity(payload)
+    try:
+        ints = message_ints(payload)
+    except ValueError as exc:
+        raise RecordError(str(exc)) from None
+    return subject, ints[4], ints[5]
 
 
 class RecordError(ValueError):

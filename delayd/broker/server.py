@@ -3,10 +3,12 @@
 Per connection: a reader task parses frames and dispatches requests in arrival order; a
 writer task owns the socket's sending side (whole frames from a small channel, so a
 client that stops reading slows only itself). Cheap requests are answered inline.
-SEND_BATCH appends inline — pipelined batches keep their order — and waits for
-durability in a request task, so batches in flight share group-commit fsyncs. PULL runs
-in a request task because it may be held (long polling); answers may leave in any order
-(docs/protocol.md, rule 4). At most MAX_IN_FLIGHT request tasks per connection.
+SEND_BATCH appends inline — pipelined batches keep their order — and leaves its answer
+to the connection's acker task, which waits for durability once for every batch
+appended so far and then answers them in order: batches in flight share group-commit
+fsyncs without a task each. PULL runs in a request task because it may be held (long
+polling); answers may leave in any order (docs/protocol.md, rule 4). At most
+MAX_IN_FLIGHT requests (held PULLs, unacknowledged SEND_BATCHes) per connection.
 
 Bad input never crashes the broker: a protocol violation gets the closing ERROR the
 Connection names and the socket is closed; a bad argument gets ERROR INVALID_REQUEST; an
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections import deque
 from collections.abc import Awaitable, Callable
 
 import trio
@@ -64,8 +67,9 @@ log = logging.getLogger(__name__)
 
 SERVER_NAME = "delayd-broker"
 RECEIVE_BYTES = 256 * 1024
-MAX_IN_FLIGHT = 64  # request tasks (held PULLs, SEND_BATCHes awaiting fsync) per connection
+MAX_IN_FLIGHT = 64  # held PULLs and SEND_BATCHes awaiting fsync, per connection
 OUTBOX_FRAMES = 16
+COALESCE_BYTES = 64 * 1024  # answers queued together are joined up to this, one send
 
 
 async def serve_broker(
@@ -103,6 +107,8 @@ class BrokerConnection:
         self.conn = Connection(SERVER, token=token, max_frame_size=max_frame_size)
         self._outbox, self._outbox_out = trio.open_memory_channel[bytes](OUTBOX_FRAMES)
         self._slots = trio.Semaphore(MAX_IN_FLIGHT)
+        self._unacked: deque[SendBatchResult] = deque()  # appended, not yet answered
+        self._appended = trio.Event()  # set when _unacked gains an entry
         self._cancel = trio.CancelScope()
         try:
             self.peer = "{}:{}".format(*stream.socket.getpeername()[:2])
@@ -115,6 +121,7 @@ class BrokerConnection:
                 async with trio.open_nursery() as outer:
                     outer.start_soon(self._write_loop)
                     async with trio.open_nursery() as requests:
+                        await requests.start(self._ack_loop)
                         final = await self._read_loop(requests)
                         requests.cancel_scope.cancel()
                     if final is not None:
@@ -126,8 +133,21 @@ class BrokerConnection:
                 await self.stream.aclose()
 
     async def _write_loop(self) -> None:
+        outbox = self._outbox_out
         try:
-            async for data in self._outbox_out:
+            async for data in outbox:
+                # Answers queued meanwhile (a group commit acknowledges several batches
+                # at once) join this one in a single send until COALESCE_BYTES is reached
+                # (the last one joined may be large: it costs one copy).
+                if len(data) < COALESCE_BYTES:
+                    parts = [data]
+                    size = len(data)
+                    with contextlib.suppress(trio.WouldBlock, trio.EndOfChannel):
+                        while size < COALESCE_BYTES:
+                            parts.append(outbox.receive_nowait())
+                            size += len(parts[-1])
+                    if len(parts) > 1:
+                        data = b"".join(parts)
                 await self.stream.send_all(data)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             self._cancel.cancel()  # the peer is gone: stop reading and drop answers
@@ -167,11 +187,15 @@ class BrokerConnection:
                     )
                 )
             elif isinstance(event, SendBatch):
-                await broker.store.make_room()
-                results = broker.append_batch(event.messages, broker.clock())
-                await self._spawn(
-                    requests, self._ack_batch, SendBatchResult(results, request_id=rid)
-                )
+                await self._slots.acquire()  # released by the acker once answered
+                try:
+                    await broker.store.make_room()
+                    results = broker.append_batch(event.messages, broker.clock(), event.encoded)
+                except BaseException:
+                    self._slots.release()
+                    raise
+                self._unacked.append(SendBatchResult(results, request_id=rid))
+                self._appended.set()
             elif isinstance(event, Pull):
                 await self._spawn(requests, self._pull, event)
             elif isinstance(event, CommitOffset):
@@ -219,20 +243,39 @@ class BrokerConnection:
 
         requests.start_soon(task)
 
-    async def _ack_batch(self, result: SendBatchResult) -> None:
-        try:
-            await self.broker.store.wait_durable()
-        except StorageError as exc:
-            log.error("commitlog failure, batch from %s not acknowledged: %s", self.peer, exc)
-            await self._answer(
-                Error(ErrorCode.INTERNAL, f"storage failure: {exc}", request_id=result.request_id)
-            )
-            return
-        await self._answer(result)
+    async def _ack_loop(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Answer appended SEND_BATCHes once the flush policy allows, in append order.
+
+        One wait covers every batch appended before it (wait_durable promises exactly
+        that), so a group commit costs one wake-up here, not one task per batch.
+        """
+        task_status.started()
+        unacked = self._unacked
+        while True:
+            if not unacked:
+                await self._appended.wait()
+                self._appended = trio.Event()
+                continue
+            ready = list(unacked)
+            unacked.clear()
+            try:
+                await self.broker.store.wait_durable()
+            except StorageError as exc:
+                log.error("commitlog failure, batches from %s not acknowledged: %s", self.peer, exc)
+                for result in ready:
+                    reason = f"storage failure: {exc}"[: Error.MAX_REASON_LENGTH]
+                    await self._answer(
+                        Error(ErrorCode.INTERNAL, reason, request_id=result.request_id)
+                    )
+                    self._slots.release()
+                continue
+            for result in ready:
+                await self._answer(result)
+                self._slots.release()
 
     async def _pull(self, event: Pull) -> None:
         try:
-            messages = await self.broker.pull(
+            encoded = await self.broker.pull_encoded(
                 event.subject,
                 event.group,
                 event.consumer_id,
@@ -240,7 +283,7 @@ class BrokerConnection:
                 event.wait_ms,
                 self,
             )
-            answer: Event = PullResult(messages, request_id=event.request_id)
+            answer: Event = PullResult(encoded=encoded, request_id=event.request_id)
         except Exception as exc:
             answer = self._error_for(exc, event)
         await self._answer(answer)

@@ -11,8 +11,9 @@ Layout under ``<data>/broker/``::
 The commitlog is the truth; consume queues and index are derived from it by the reput
 (RocketMQ's ReputMessageService), only up to the commitlog's durable offset, so a crash
 never leaves them ahead of it. The append path hands each appended batch to the reput in
-memory (the same Message objects it encoded, so nothing is parsed twice); after a
-restart :meth:`open` re-derives what the checkpoint does not cover from the records.
+memory (the record bytes and what the reput needs of each: queue, index keys), so
+nothing is parsed again; after a restart :meth:`open` re-derives what the checkpoint
+does not cover from the records.
 
 Reput checkpoint (JSON in a crc-checked, atomically replaced blob)::
 
@@ -36,6 +37,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from array import array
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -47,10 +49,10 @@ from delayd.broker.record import (
     RECORD_TYPE,
     RecordError,
     decode_record,
-    encode_record,
+    delivered,
     record_identity,
+    record_position,
     record_summary,
-    set_commitlog_offset,
 )
 from delayd.protocol.events import Message
 from storage.checkpoint import read_checkpoint, write_checkpoint
@@ -66,8 +68,19 @@ log = logging.getLogger(__name__)
 
 CHECKPOINT_NAME = "reput.checkpoint"
 QueueKey = tuple[str, int]  # (subject, queue)
-# Rough bytes a cached Message costs beyond its body (object, strings, dict).
-CACHED_MESSAGE_OVERHEAD = 400
+# Bytes a cached record costs beyond its payload: the bytes object's header (33), its
+# dict entry (~48 at two-thirds load) and key (an int, 32), its commitlog offset in an
+# array (8), with room for over-allocation.
+CACHED_RECORD_OVERHEAD = 128
+# A cache miss reads the commitlog span from the first missing record to the last with
+# one scan when the records wanted make up at least this share of it (other queues'
+# records lie in between), else each record with its own read. The scanned span's
+# records are kept until the next scan (read-ahead): a consumer of several queues of a
+# subject reads the same span for each of them, as its PULLs take the queues in turn.
+MIN_SCAN_DENSITY = 1 / 8
+# What the reput needs of one appended record: its queue, its position there, and its
+# index keys: ((subject, queue), queue offset, id key, business key's key or None).
+Arrival = tuple["QueueKey", int, bytes, "bytes | None"]
 
 
 def id_index_key(message_id: str | bytes) -> bytes:
@@ -108,31 +121,103 @@ class ReputCheckpoint:
             raise CorruptionError(path, 0, len(data), f"bad reput checkpoint: {exc}") from None
 
 
-class RecentMessages:
-    """Decoded messages of the newest records, by commitlog offset, bounded in bytes.
+class _Run:
+    """Consecutive records of one queue: queue offsets ``base`` to ``end - 1``.
 
-    Consumers near the head (the common case: long-polling) are served from here without
-    reading or decoding the commitlog. FIFO eviction.
+    Kept in containers the garbage collector does not walk: a dict of ints to bytes
+    (CPython untracks it) and an array. A list of 270 000 payloads would be walked,
+    element by element, by every full collection (~30 ms each at 64 MiB).
+    """
+
+    __slots__ = ("base", "head", "offsets", "payloads")
+
+    def __init__(self, base: int) -> None:
+        self.base = base
+        self.head = 0  # position of ``base`` in ``offsets``; earlier ones are evicted
+        self.offsets = array("Q")  # commitlog offset of each, from position ``head``
+        self.payloads: dict[int, bytes] = {}  # by queue offset
+
+    @property
+    def end(self) -> int:
+        return self.base + len(self.offsets) - self.head
+
+    def extend(self, offsets: list[int], payloads: list[bytes]) -> None:
+        end = self.end
+        self.payloads.update(zip(range(end, end + len(payloads)), payloads, strict=True))
+        self.offsets.extend(offsets)
+
+    def drop(self, count: int) -> None:
+        """Forget the oldest ``count`` records (evicted array slots are cut in bulk once
+        they are half of it: O(1) per record, not a move of the whole run each time)."""
+        payloads = self.payloads
+        for queue_offset in range(self.base, self.base + count):
+            del payloads[queue_offset]
+        self.base += count
+        self.head += count
+        if self.head * 2 >= len(self.offsets):
+            del self.offsets[: self.head]
+            self.head = 0
+
+    def read(self, start: int, stop: int) -> tuple[list[int], list[bytes]]:
+        stop = min(stop, self.end)
+        i = start - self.base + self.head
+        offsets = self.offsets[i : i + stop - start].tolist()
+        return offsets, list(map(self.payloads.__getitem__, range(start, stop)))
+
+
+class RecentRecords:
+    """The newest records of each queue, by queue offset, bounded in bytes.
+
+    PULLs near the head of a queue (the common case: long-polling consumers) are served
+    from here without reading the consume queue or the commitlog. The reput adds the
+    records of each pass per queue, in queue order, so a queue's cached records are one
+    dense run ending at the queue's end, exactly what its consume queue entries point
+    at: nothing read from here needs checking. Eviction is FIFO across queues, a reput
+    pass's records of one queue at a time.
     """
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
-        self._messages: dict[int, Message] = {}
-        self._bytes = 0
+        self.bytes = 0
+        self._runs: dict[QueueKey, _Run] = {}
+        self._chunks: deque[tuple[_Run, int, int]] = deque()  # (run, records, bytes)
 
-    def get(self, offset: int) -> Message | None:
-        return self._messages.get(offset)
+    def __len__(self) -> int:
+        return sum(run.end - run.base for run in self._runs.values())
 
-    def add(self, offset: int, message: Message) -> None:
+    def extend(
+        self, key: QueueKey, queue_offset: int, offsets: list[int], payloads: list[bytes]
+    ) -> None:
+        """Cache the records of queue ``key`` from ``queue_offset`` on (the next ones)."""
         if not self.max_bytes:
             return
-        self._messages[offset] = message
-        self._bytes += len(message.body) + CACHED_MESSAGE_OVERHEAD
-        messages = self._messages
-        while self._bytes > self.max_bytes and messages:
-            oldest = next(iter(messages))
-            gone = messages.pop(oldest)
-            self._bytes -= len(gone.body) + CACHED_MESSAGE_OVERHEAD
+        run = self._runs.get(key)
+        if run is None or run.end != queue_offset:
+            # A queue's first records this run (a gap cannot happen: the reput adds every
+            # record of a queue, in order; a run left empty by eviction just moves on).
+            assert run is None or run.end == run.base, (key, run.end, queue_offset)
+            run = self._runs[key] = _Run(queue_offset)
+        run.extend(offsets, payloads)
+        size = sum(map(len, payloads)) + CACHED_RECORD_OVERHEAD * len(payloads)
+        self._chunks.append((run, len(payloads), size))
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            run, count, size = self._chunks.popleft()
+            run.drop(count)
+            self.bytes -= size
+
+    def read(self, key: QueueKey, start: int, stop: int) -> tuple[list[int], list[bytes]]:
+        """(commitlog offsets, payloads) of the cached records of ``key`` with queue
+        offsets in [start, stop); empty unless ``start`` is cached."""
+        run = self._runs.get(key)
+        if run is None or not run.base <= start < run.end:
+            return [], []
+        return run.read(start, stop)
+
+    def cached_from(self, key: QueueKey) -> int | None:
+        """The oldest queue offset of ``key`` cached, None when none is."""
+        run = self._runs.get(key)
+        return run.base if run is not None and run.end > run.base else None
 
 
 class BrokerStore:
@@ -147,13 +232,17 @@ class BrokerStore:
         self.index: IndexStore
         self.checkpoint: ReputCheckpoint | None = None  # as found at open
         self.queues: dict[QueueKey, ConsumeQueue] = {}
+        # The queue offset the next record of each queue gets; Broker.append_batch takes
+        # them in the same synchronous step as it appends the records.
         self.next_queue_offset: dict[QueueKey, int] = {}
         self.reput_offset = 0  # every record below it is in its queue and the index
-        self.recent = RecentMessages(config.recent_cache_bytes)
+        self.recent = RecentRecords(config.recent_cache_bytes)
+        self._read_ahead: dict[int, bytes] = {}  # the last span scanned, by offset
         self.last_store_ms = 0  # store_ms of the newest record seen
         self.on_arrival: Callable[[set[QueueKey]], None] = lambda keys: None
         self.messages_stored = 0
-        self._pending: deque[tuple[int, list[int], list[Message], list[int]]] = deque()
+        # Appended batches not yet reput: (end offset, store_ms, offsets, payloads, arrivals)
+        self._pending: deque[tuple[int, int, list[int], list[bytes], list[Arrival]]] = deque()
         self._appended = trio.Event()
 
     # ------------------------------------------------------------------ opening
@@ -295,30 +384,19 @@ class BrokerStore:
 
     # ------------------------------------------------------------------ appending
 
-    def assign_queue_offset(self, subject: str, queue: int) -> int:
-        """The next queue offset of (subject, queue), consumed: the record must be
-        appended in the same synchronous step (see :meth:`append`)."""
-        key = (subject, queue)
-        offset = self.next_queue_offset.get(key, 0)
-        self.next_queue_offset[key] = offset + 1
-        return offset
-
-    def append(self, messages: list[Message]) -> list[int]:
-        """Append records for ``messages`` (built by record.stored_message, with their
-        queue offsets just assigned, in order); returns their commitlog offsets and sets
-        each message's ``commitlog_offset``. Written to the OS, not yet durable: await
+    def append(self, payloads: list[bytes], arrivals: list[Arrival], store_ms: int) -> list[int]:
+        """Append the records ``payloads`` (record.py: their queue offsets just assigned,
+        in order, all stored at ``store_ms``); ``arrivals`` says for each what the reput
+        needs. Returns their commitlog offsets. Written to the OS, not yet durable: await
         :meth:`wait_durable`. Synchronous on purpose: queue offsets and dedupe entries are
         assigned in the same step, so no other task can interleave.
 
         Raises StorageError (the log is then unusable; the broker must stop).
         """
-        payloads = [encode_record(m) for m in messages]
         offsets = self.commitlog.append_batch(payloads, RECORD_TYPE)
-        for message, offset in zip(messages, offsets, strict=True):
-            set_commitlog_offset(message, offset)
-        sizes = [HEADER_SIZE + len(p) for p in payloads]
-        self._pending.append((offsets[-1] + sizes[-1], offsets, messages, sizes))
-        self.messages_stored += len(messages)
+        end = offsets[-1] + HEADER_SIZE + len(payloads[-1])
+        self._pending.append((end, store_ms, offsets, payloads, arrivals))
+        self.messages_stored += len(payloads)
         self._appended.set()
         return offsets
 
@@ -373,26 +451,28 @@ class BrokerStore:
         """One reput pass over the appended batches that are durable now (synchronous)."""
         durable = self.commitlog.durable_offset
         pending = self._pending
-        grown: dict[QueueKey, list[tuple[int, int, int]]] = {}
+        # Per queue: its first queue offset in this pass, queue entries, offsets, payloads.
+        grown: dict[QueueKey, tuple[int, list, list[int], list[bytes]]] = {}
         index_put = self.index.put
-        recent_add = self.recent.add
         while pending and pending[0][0] <= durable:
-            end, offsets, messages, sizes = pending.popleft()
-            for message, offset, size in zip(messages, offsets, sizes, strict=True):
-                key = (message.subject, message.queue)
-                entries = grown.get(key)
-                if entries is None:
-                    entries = grown[key] = []
-                entries.append((offset, size, 0))
-                store_ms = message.store_ms
-                index_put(b"i\x00" + message.message_id.encode(), offset, store_ms)
-                if message.key is not None:
-                    index_put(key_index_key(message.subject, message.key), offset, store_ms)
-                recent_add(offset, message)
+            end, store_ms, offsets, payloads, arrivals = pending.popleft()
+            for (key, queue_offset, id_key, key_key), offset, payload in zip(
+                arrivals, offsets, payloads, strict=True
+            ):
+                group = grown.get(key)
+                if group is None:
+                    group = grown[key] = (queue_offset, [], [], [])
+                group[1].append((offset, HEADER_SIZE + len(payload), 0))
+                group[2].append(offset)
+                group[3].append(payload)
+                index_put(id_key, offset, store_ms)
+                if key_key is not None:
+                    index_put(key_key, offset, store_ms)
             self.reput_offset = end
-        for key, entries in grown.items():
+        for key, (queue_offset, entries, offsets, payloads) in grown.items():
             queue = self.queues.get(key) or self._open_queue(key)
             queue.append_batch(entries)
+            self.recent.extend(key, queue_offset, offsets, payloads)
         if grown:
             self.on_arrival(set(grown))
         return set(grown)
@@ -410,76 +490,136 @@ class BrokerStore:
 
     def read_queue(
         self, subject: str, queue: int, start: int, max_messages: int, max_bytes: int
-    ) -> list[Message]:
-        """Up to ``max_messages`` messages of (subject, queue) from ``start``, stopping
-        after ``max_bytes`` body bytes (always at least one message when any is there).
+    ) -> tuple[int, list[bytes]]:
+        """Up to ``max_messages`` messages of (subject, queue) from ``start``, as delivered
+        (each record's bytes with ``commitlog_offset`` set), stopping once they reach
+        ``max_bytes`` (at least one message when any is there); and the queue offset
+        after the last one (a ``start`` below the queue's oldest entry is moved up).
 
         Raises CorruptionError when a queue entry points at a record of another queue.
         """
-        q = self.queues.get((subject, queue))
+        key = (subject, queue)
+        q = self.queues.get(key)
         if q is None or max_messages <= 0:
-            return []
+            return start, []
         start = max(start, q.min_index)
-        entries = q.read_range(start, max_messages)
-        out: list[Message] = []
+        stop = min(q.end_index, start + max_messages)
+        cached_from = self.recent.cached_from(key)
+        if cached_from is None:
+            cached_from = stop
+        out: list[bytes] = []
         total = 0
-        recent = self.recent._messages
+        if start < cached_from:  # older than the cache: consume queue and commitlog
+            out = self._read_stored(q, subject, queue, start, min(stop, cached_from), max_bytes)
+            total = sum(map(len, out))
+        if total < max_bytes and start + len(out) < stop:
+            offsets, payloads = self.recent.read(key, start + len(out), stop)
+            for offset, payload in zip(offsets, payloads, strict=True):
+                out.append(delivered(payload, offset))
+                total += len(payload)
+                if total >= max_bytes:
+                    break
+        return start + len(out), out
+
+    def _read_stored(
+        self, q: ConsumeQueue, subject: str, queue: int, start: int, stop: int, max_bytes: int
+    ) -> list[bytes]:
+        """The messages of queue offsets [start, stop) read through the consume queue and
+        the commitlog, each checked against its entry, until ``max_bytes``."""
+        entries = q.read_range(start, stop - start)
+        total = 0
+        for count, entry in enumerate(entries, 1):  # entry sizes: the budget, unread
+            total += entry[1]
+            if total >= max_bytes:
+                del entries[count:]
+                break
+        payloads = self._read_records(entries)
+        subject_bytes = subject.encode()
+        out = []
         for index, (offset, _, _) in enumerate(entries, start):
-            message = recent.get(offset)
-            if message is None:
-                message = self._read_message(offset)
-            if (
-                message.queue_offset != index
-                or message.queue != queue
-                or message.subject != subject
-            ):
+            payload = payloads.get(offset)
+            if payload is None:
+                raise CorruptionError(
+                    q.directory,
+                    index,
+                    0,
+                    f"entry {index} of {subject}/{queue} points at "
+                    f"commitlog offset {offset}, where no record starts",
+                )
+            try:
+                position = record_position(payload)
+            except RecordError as exc:
+                raise CorruptionError(self.commitlog.directory, offset, 0, str(exc)) from None
+            if position != (subject_bytes, queue, index):
                 raise CorruptionError(
                     q.directory,
                     index,
                     0,
                     f"entry {index} of {subject}/{queue} points at commitlog offset {offset}, "
-                    f"which holds {message.subject}/{message.queue} offset {message.queue_offset}",
+                    f"which holds {position[0]!r}/{position[1]} offset {position[2]}",
                 )
-            out.append(message)
-            total += len(message.body)
-            if total >= max_bytes:
-                break
+            out.append(delivered(payload, offset))
         return out
 
-    def _read_message(self, offset: int) -> Message:
-        record = self.commitlog.read(offset)
+    def _read_records(self, entries: list) -> dict[int, bytes]:
+        """The payloads of the records ``entries`` point at, by commitlog offset: from the
+        read-ahead, else one scan of their span when dense enough, else one read each."""
+        read_ahead = self._read_ahead
+        payloads = {}
+        unread = []
+        for offset, size, _ in entries:
+            payload = read_ahead.get(offset)
+            if payload is None:
+                unread.append((offset, size))
+            else:
+                payloads[offset] = payload
+        if len(unread) > 1:
+            first = unread[0][0]
+            span_end = unread[-1][0] + unread[-1][1]
+            if sum(size for _, size in unread) >= (span_end - first) * MIN_SCAN_DENSITY:
+                self._read_ahead = read_ahead = {
+                    record.offset: record.payload
+                    for record in self.commitlog.iter_from(first, until=span_end)
+                    if record.type == RECORD_TYPE
+                }
+                for offset, _ in unread:
+                    payload = read_ahead.get(offset)
+                    if payload is not None:
+                        payloads[offset] = payload
+                return payloads
+        for offset, _ in unread:
+            payloads[offset] = self.commitlog.read(offset).payload
+        return payloads
+
+    def _payload_at(self, offset: int) -> bytes | None:
+        """The payload of the message record at ``offset``, or None when no message
+        record starts there (any offset is safe to ask about)."""
         try:
-            return decode_record(record.payload, offset)
-        except RecordError as exc:
-            raise CorruptionError(self.commitlog.directory, offset, 0, str(exc)) from None
+            record = self.commitlog.read(offset)
+        except (ValueError, StorageError):
+            return None
+        return record.payload if record.type == RECORD_TYPE else None
 
     def message_at(self, offset: int) -> Message | None:
         """The message of the record at ``offset``, or None when there is no message
         record starting there (any offset is safe to ask about)."""
-        message = self.recent.get(offset)
-        if message is not None:
-            return message
+        payload = self._payload_at(offset)
+        if payload is None:
+            return None
         try:
-            record = self.commitlog.read(offset)
-            if record.type != RECORD_TYPE:
-                return None
-            return decode_record(record.payload, offset)
-        except (ValueError, StorageError):  # RecordError is a ValueError
+            return decode_record(payload, offset)
+        except RecordError:
             return None
 
     def identity_at(self, offset: int) -> tuple[bytes, bytes, bytes | None] | None:
         """(message_id, subject, key) as bytes of the record at ``offset``, or None when
         no message record starts there. Never raises for a bad offset."""
-        message = self.recent.get(offset)
-        if message is not None:
-            key = None if message.key is None else message.key.encode()
-            return message.message_id.encode(), message.subject.encode(), key
+        payload = self._payload_at(offset)
+        if payload is None:
+            return None
         try:
-            record = self.commitlog.read(offset)
-            if record.type != RECORD_TYPE:
-                return None
-            return record_identity(record.payload)
-        except (ValueError, StorageError):
+            return record_identity(payload)
+        except RecordError:
             return None
 
     def lookup(self, index_key: bytes, matches: Callable[[int], bool], limit: int) -> list[int]:

@@ -80,6 +80,34 @@ class Message:
 
 
 @dataclass(frozen=True, slots=True)
+class EncodedMessages:
+    """Messages in their wire encoding (docs/protocol.md, Message), back to back.
+
+    Message ``i`` is ``data[bounds[i]:bounds[i + 1]]``; there are ``len(bounds) - 1`` of
+    them and ``data`` may hold other bytes before ``bounds[0]`` or after ``bounds[-1]``
+    (a decoded SEND_BATCH keeps its whole frame body). This lets the broker store what a
+    producer sent, and answer a PULL with what it stored, without building Messages.
+    The bytes are trusted to be well-formed: the decoder made them, or the broker.
+    """
+
+    data: bytes
+    bounds: tuple[int, ...]
+
+    def __len__(self) -> int:
+        return len(self.bounds) - 1
+
+    @classmethod
+    def join(cls, parts: list[bytes]) -> EncodedMessages:
+        """One block of the encoded messages ``parts`` (each one message)."""
+        bounds = [0]
+        position = 0
+        for part in parts:
+            position += len(part)
+            bounds.append(position)
+        return cls(b"".join(parts), tuple(bounds))
+
+
+@dataclass(frozen=True, slots=True)
 class SendResult:
     """The outcome of one message of a SEND_BATCH, in the order of the batch.
 
@@ -156,8 +184,16 @@ class HelloOk(Response):
 
 @dataclass(frozen=True, slots=True)
 class SendBatch(Request):
+    """Messages to store, answered by one SendResult each.
+
+    ``encoded`` is set by the decoder: the bytes the messages arrived in, one span per
+    message, so that a broker can store them without encoding them again. Senders leave
+    it None (the encoder ignores it); it takes no part in comparisons.
+    """
+
     command: ClassVar[Command] = Command.SEND_BATCH
     messages: tuple[Message, ...]
+    encoded: EncodedMessages | None = field(default=None, kw_only=True, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         _freeze(self, "messages")
@@ -192,8 +228,16 @@ class Pull(Request):
 
 @dataclass(frozen=True, slots=True)
 class PullResult(Response):
+    """The messages a PULL got, in delivery order.
+
+    A server may give them already encoded instead (``encoded``, ``messages`` left
+    empty): a broker answers with the bytes it stored. A decoded PullResult always has
+    ``messages`` and no ``encoded``.
+    """
+
     command: ClassVar[Command] = Command.PULL_RESULT
-    messages: tuple[Message, ...]
+    messages: tuple[Message, ...] = ()
+    encoded: EncodedMessages | None = field(default=None, kw_only=True, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         _freeze(self, "messages")
@@ -265,8 +309,11 @@ class Query(Request):
 
 @dataclass(frozen=True, slots=True)
 class QueryResult(Response):
+    """The stored messages a QUERY found; ``encoded`` as in PullResult."""
+
     command: ClassVar[Command] = Command.QUERY_RESULT
-    messages: tuple[Message, ...]
+    messages: tuple[Message, ...] = ()
+    encoded: EncodedMessages | None = field(default=None, kw_only=True, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         _freeze(self, "messages")
