@@ -11,16 +11,14 @@ from __future__ import annotations
 import logging
 
 import trio
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from delayd.broker.broker import Broker
+from delayd.metrics_http import serve_metrics as serve_registry
 
 log = logging.getLogger(__name__)
-
-MAX_REQUEST_BYTES = 8192
-REQUEST_TIMEOUT_S = 5.0
 
 
 class BrokerCollector(Collector):
@@ -80,49 +78,8 @@ async def serve_metrics(
     *,
     task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve /metrics and /healthz on host:port until cancelled; reports bound addresses."""
+    """Serve the broker's /metrics and /healthz on host:port until cancelled; reports the
+    bound addresses."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(BrokerCollector(broker))
-    listeners = await trio.open_tcp_listeners(port, host=host)
-    addresses = [listener.socket.getsockname()[:2] for listener in listeners]
-
-    async def handle(stream: trio.SocketStream) -> None:
-        try:
-            with trio.move_on_after(REQUEST_TIMEOUT_S):
-                request = await _read_head(stream)
-                status, content_type, body = _respond(request, registry)
-                head = (
-                    f"HTTP/1.0 {status}\r\nContent-Type: {content_type}\r\n"
-                    f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
-                )
-                await stream.send_all(head.encode() + body)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass
-        finally:
-            await stream.aclose()
-
-    async with trio.open_nursery() as nursery:
-        await nursery.start(trio.serve_listeners, handle, listeners)
-        task_status.started(addresses)
-
-
-async def _read_head(stream: trio.SocketStream) -> bytes:
-    data = b""
-    while b"\r\n\r\n" not in data and b"\n\n" not in data and len(data) < MAX_REQUEST_BYTES:
-        chunk = await stream.receive_some(MAX_REQUEST_BYTES)
-        if not chunk:
-            break
-        data += chunk
-    return data
-
-
-def _respond(request: bytes, registry: CollectorRegistry) -> tuple[str, str, bytes]:
-    parts = request.split(b"\r\n", 1)[0].split()
-    if len(parts) < 2 or parts[0] not in (b"GET", b"HEAD"):
-        return "400 Bad Request", "text/plain", b"GET /metrics or /healthz\n"
-    path = parts[1].split(b"?", 1)[0]
-    if path == b"/metrics":
-        return "200 OK", CONTENT_TYPE_LATEST, generate_latest(registry)
-    if path == b"/healthz":
-        return "200 OK", "text/plain", b"ok\n"
-    return "404 Not Found", "text/plain", b"not found: try /metrics or /healthz\n"
+    await serve_registry(registry, host, port, task_status=task_status)

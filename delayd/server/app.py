@@ -24,13 +24,14 @@ from delayd.broker import Broker
 from delayd.broker.metrics import BrokerCollector
 from delayd.broker.server import serve_broker
 from delayd.logs import layout
+from delayd.metrics_http import serve_metrics
 from delayd.receiver import Receiver
 from delayd.replay import Replayer, open_replayer
 from delayd.server.config import Address, ServeConfig
 from delayd.server.connection import DelayConnection
 from delayd.server.intake import IntakePath
 from delayd.server.listener import IntakeListener
-from delayd.server.metrics import IntakeCollector, serve_metrics
+from delayd.server.metrics import IntakeCollector
 from storage.flusher import FlushMode, LogWriter
 from storage.fs import REAL_FS, FileSystem
 from storage.segmented_log import SegmentedLog
