@@ -230,14 +230,14 @@ def test_refused_subscription_is_a_clear_error(broker: BrokerProcess) -> None:
 def test_async_heartbeats_keep_a_busy_member_and_follow_reassignment(
     tmp_path: Path, backend: str
 ) -> None:
-    """With a 1 s member time-out, a consumer that pulls nothing for 2 s stays a member
+    """With a 2 s member time-out, a consumer that pulls nothing for 3 s stays a member
     (the background heartbeat), and learns of the queues a leaving member gives up."""
 
     async def scenario(broker: BrokerProcess) -> None:
         opts = {"subject": "hb", "group": "g", "heartbeat_interval_s": 0.2}
         async with delayd.open_consumer(broker.addr, **opts) as a:
             assert a.queues == (0, 1, 2, 3)
-            await anyio.sleep(2.0)  # the user's handler is slow; no PULL in this time
+            await anyio.sleep(3.0)  # the user's handler is slow; no PULL in this time
             async with delayd.open_consumer(broker.addr, **opts) as b:
                 assert len(b.queues) == 2, "a is still a member: the queues are split"
                 await anyio.sleep(0.5)
@@ -246,16 +246,16 @@ def test_async_heartbeats_keep_a_busy_member_and_follow_reassignment(
                 while a.queues != (0, 1, 2, 3):  # b left: a heartbeat brings them back
                     await anyio.sleep(0.05)
 
-    with BrokerProcess(tmp_path, heartbeat_timeout_ms=1000) as broker:
+    with BrokerProcess(tmp_path, heartbeat_timeout_ms=2000) as broker:
         anyio.run(scenario, broker, backend=backend)
 
 
 def test_blocking_heartbeat_thread_keeps_a_busy_member(tmp_path: Path) -> None:
-    with BrokerProcess(tmp_path, heartbeat_timeout_ms=1000) as broker:
+    with BrokerProcess(tmp_path, heartbeat_timeout_ms=2000) as broker:
         opts = {"subject": "hb", "group": "g", "heartbeat_interval_s": 0.2}
         with delayd.Consumer(broker.addr, **opts) as a:
             assert a.queues == (0, 1, 2, 3)
-            time.sleep(2.0)  # a slow synchronous handler
+            time.sleep(3.0)  # a slow synchronous handler (longer than the 2 s timeout)
             with delayd.Consumer(broker.addr, **opts) as b:
                 assert len(b.queues) == 2, "a is still a member: the queues are split"
 
