@@ -30,16 +30,13 @@ from delayd.errors import (
     ConnectionClosedError,
     LocalProtocolError,
     RejectedError,
-    RemoteProtocolError,
 )
 from delayd.protocol import (
-    NEED_DATA,
     SERVER,
     Cancel,
     CommitOffset,
     CommitOffsetOk,
     Connection,
-    ConnectionClosed,
     Error,
     ErrorCode,
     Event,
@@ -61,12 +58,12 @@ from delayd.protocol import (
     StatsResult,
 )
 from delayd.protocol.frames import DEFAULT_MAX_FRAME_SIZE
+from delayd.stream_events import read_and_dispatch
 from storage.errors import StorageError
 
 log = logging.getLogger(__name__)
 
 SERVER_NAME = "delayd-broker"
-RECEIVE_BYTES = 256 * 1024
 MAX_IN_FLIGHT = 64  # held PULLs and SEND_BATCHes awaiting fsync, per connection
 OUTBOX_FRAMES = 16
 COALESCE_BYTES = 64 * 1024  # answers queued together are joined up to this, one send
@@ -154,24 +151,11 @@ class BrokerConnection:
 
     async def _read_loop(self, requests: trio.Nursery) -> bytes | None:
         """Parse and dispatch until EOF (None) or a protocol error (the closing frame)."""
-        conn = self.conn
-        while True:
-            try:
-                data = await self.stream.receive_some(RECEIVE_BYTES)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                return None
-            conn.receive_data(data)
-            while True:
-                try:
-                    event = conn.next_event()
-                except RemoteProtocolError as exc:
-                    log.info("closing %s: %s", self.peer, exc)
-                    return conn.send(Error.for_exception(exc))
-                if event is NEED_DATA:
-                    break
-                if isinstance(event, ConnectionClosed):
-                    return None
-                await self._dispatch(event, requests)
+
+        async def dispatch(event: Event) -> None:
+            await self._dispatch(event, requests)
+
+        return await read_and_dispatch(self.stream, self.conn, self.peer, dispatch)
 
     async def _dispatch(self, event: Event, requests: trio.Nursery) -> None:
         broker = self.broker

@@ -29,13 +29,11 @@ from collections.abc import Callable
 
 import trio
 
-from delayd.errors import ConnectionClosedError, LocalProtocolError, RemoteProtocolError
+from delayd.errors import ConnectionClosedError, LocalProtocolError
 from delayd.protocol import (
-    NEED_DATA,
     SERVER,
     Cancel,
     Connection,
-    ConnectionClosed,
     Error,
     ErrorCode,
     Event,
@@ -49,12 +47,12 @@ from delayd.protocol import (
 )
 from delayd.receiver import Intake
 from delayd.server.intake import IntakePath
+from delayd.stream_events import read_and_dispatch
 from storage.errors import StorageError
 
 log = logging.getLogger(__name__)
 
 SERVER_NAME = "delayd-serve"
-RECEIVE_BYTES = 256 * 1024
 MAX_IN_FLIGHT = 64  # SEND_BATCHes awaiting durability per connection
 OUTBOX_FRAMES = 16
 
@@ -117,24 +115,11 @@ class DelayConnection:
 
     async def _read_loop(self, requests: trio.Nursery) -> bytes | None:
         """Parse and dispatch until EOF (None) or a protocol error (the closing frame)."""
-        conn = self.conn
-        while True:
-            try:
-                data = await self.stream.receive_some(RECEIVE_BYTES)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                return None
-            conn.receive_data(data)
-            while True:
-                try:
-                    event = conn.next_event()
-                except RemoteProtocolError as exc:
-                    log.info("closing %s: %s", self.peer, exc)
-                    return conn.send(Error.for_exception(exc))
-                if event is NEED_DATA:
-                    break
-                if isinstance(event, ConnectionClosed):
-                    return None
-                await self._dispatch(event, requests)
+
+        async def dispatch(event: Event) -> None:
+            await self._dispatch(event, requests)
+
+        return await read_and_dispatch(self.stream, self.conn, self.peer, dispatch)
 
     async def _dispatch(self, event: Event, requests: trio.Nursery) -> None:
         rid = event.request_id
