@@ -36,7 +36,7 @@ from delayd.protocol import (
 )
 
 ROOT = Path(__file__).resolve().parent.parent
-DELAYD = [sys.executable, "-c", "import sys; from delayd.cli import main; sys.exit(main())"]
+DELAYD = [sys.executable, "-m", "delayd"]
 READY = re.compile(r"delayd broker listening on (\S+):(\d+)")
 METRICS = re.compile(r"metrics on http://(\S+):(\d+)/metrics")
 START_TIMEOUT_S = 20.0

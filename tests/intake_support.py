@@ -37,7 +37,7 @@ from storage.record_file import RecordFile
 from storage.segmented_log import SegmentedLog
 
 ROOT = Path(__file__).resolve().parent.parent
-DELAYD = [sys.executable, "-c", "import sys; from delayd.cli import main; sys.exit(main())"]
+DELAYD = [sys.executable, "-m", "delayd"]
 READY = re.compile(r"delayd serve listening on (\S+):(\d+)")
 BROKER = re.compile(r"delayd serve broker listening on (\S+):(\d+)")
 METRICS = re.compile(r"delayd serve metrics on http://(\S+):(\d+)/metrics")

@@ -84,15 +84,14 @@ def format_utc(ms: int) -> str:
 
 
 def receipt_json(receipt: Receipt) -> dict[str, Any]:
-    """The printed receipt. The delay server reports a message's sequence in the
-    result's ``queue_offset`` (docs/protocol.md, "SEND_BATCH results")."""
-    sequence = receipt.sequence if receipt.sequence is not None else receipt.queue_offset
+    """The printed receipt (``Receipt`` already reads the delay server's sequence from
+    its result, docs/protocol.md "SEND_BATCH results")."""
     return {
         "message_id": receipt.message_id,
         "code": receipt.code.name,
         "due_ms": receipt.due_ms,
         "due": None if receipt.due_ms is None else format_utc(receipt.due_ms),
-        "sequence": sequence,
+        "sequence": receipt.sequence,
     }
 
 
