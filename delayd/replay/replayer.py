@@ -99,6 +99,10 @@ class Replayer:
         self.replayed_from_tail = 0  # records replayed from memory, not read back
         self.replayed_total = 0  # records appended to schedule_log by this process
         self.checkpoints = 0  # checkpoints written by this process
+        # Held from an append to the end of its on_scheduled calls: whoever reads a
+        # bucket file's length under it (the wheel manager, fixing a bucket's loading
+        # end) knows every record below that length has been offered to the hook.
+        self.append_lock = trio.Lock()
         self._wake = trio.Event()
         self._checkpoint_written = trio.Event()
         self._stopping = False
@@ -314,11 +318,12 @@ class Replayer:
         step = self._collect(self.batch_records)
         if step is None:
             return 0
-        if all(self.buckets.is_open(start) for start in step.groups):
-            offsets = self._append(step.groups)
-        else:
-            offsets = await trio.to_thread.run_sync(self._append, step.groups)
-        self._finish(step, offsets)
+        async with self.append_lock:
+            if all(self.buckets.is_open(start) for start in step.groups):
+                offsets = self._append(step.groups)
+            else:
+                offsets = await trio.to_thread.run_sync(self._append, step.groups)
+            self._finish(step, offsets)
         return step.count
 
     async def wait_checkpointed(self, position: int) -> None:

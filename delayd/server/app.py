@@ -29,6 +29,7 @@ from delayd.receiver import Receiver
 from delayd.replay import Replayer, open_replayer
 from delayd.server.config import Address, ServeConfig
 from delayd.server.connection import DelayConnection
+from delayd.server.delivery import Delivery
 from delayd.server.intake import IntakePath
 from delayd.server.listener import IntakeListener
 from delayd.server.metrics import IntakeCollector
@@ -60,8 +61,10 @@ class DelayServer:
         message_log: SegmentedLog,
         replayer: Replayer,
         broker: Broker,
+        delivery: Delivery,
     ) -> None:
         self.config = config
+        self.delivery = delivery
         self.message_log = message_log
         self.replayer = replayer
         self.broker = broker
@@ -119,7 +122,14 @@ class DelayServer:
             replayer.close()
             message_log.close()
             raise
-        return cls(config, message_log, replayer, broker)
+        try:
+            delivery = Delivery(data_dir, config, replayer, broker, fs=fs)
+        except BaseException:
+            broker.close()
+            replayer.close()
+            message_log.close()
+            raise
+        return cls(config, message_log, replayer, broker, delivery)
 
     def _connection(self, stream: trio.SocketStream) -> DelayConnection:
         return DelayConnection(
@@ -185,18 +195,30 @@ class DelayServer:
                 host, port = config.listen
                 intake_bound = await root.start(self.listener.serve, host, port)
                 task_status.started(BoundAddresses(intake_bound[0], broker_bound, metrics_bound))
+                root.start_soon(self._start_delivery, root, self.message_log.durable_offset)
                 await self._stop.wait()
                 await self._shutdown()
                 root.cancel_scope.cancel()
         finally:
+            self.delivery.close()
             self.replayer.close()
             self.message_log.close()
+
+    async def _start_delivery(self, root: trio.Nursery, replay_target: int) -> None:
+        """Start delivery once the replayer has caught up with what message_log held
+        at start (delayd.server.delivery says why it waits)."""
+        while self.replayer.position < replay_target:
+            await trio.sleep(0.005)
+        await root.start(self.delivery.run)
+        log.info("delivering: replay caught up at message_log offset %d", replay_target)
 
     async def _shutdown(self) -> None:
         log.info("shutting down: no new requests; answering those in flight")
         await self.listener.stop(SHUTDOWN_GRACE_S)
         await self.writer.flush()
         await self.replayer.stop()
+        if self.delivery.running:
+            await self.delivery.stop()
         log.info(
             "replay checkpoint at message_log offset %d (sequence %d)",
             self.replayer.checkpointed_position,

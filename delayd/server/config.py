@@ -19,9 +19,12 @@ from delayd.broker.config import BrokerConfig
 from delayd.logs import message_log, schedule_log
 from delayd.logs.bucket_files import DEFAULT_MAX_OPEN
 from delayd.logs.buckets import DEFAULT_SEGMENT_SCALE, check_segment_scale
+from delayd.logs.dispatch_log import check_group_name
 from delayd.protocol.frames import DEFAULT_MAX_FRAME_SIZE
 from delayd.receiver import IntakeLimits
 from delayd.replay.replayer import DEFAULT_BATCH_RECORDS, DEFAULT_CHECKPOINT_INTERVAL_S
+from delayd.sender.retry import RetryPolicy
+from delayd.sender.sender import SenderConfig
 from storage.flusher import FlushMode, FlushPolicy
 from storage.framing import HEADER_SIZE
 from storage.record_file import DEFAULT_MAX_UNSYNCED_BYTES as BUCKET_MAX_UNSYNCED_BYTES
@@ -34,6 +37,36 @@ Address = tuple[str, int]
 
 class ConfigError(ValueError):
     """A configuration value or key that cannot be used; the message names the key."""
+
+
+EMBEDDED_GROUP = "local"  # the broker group of the embedded broker when none is listed
+
+
+@dataclass(frozen=True, slots=True)
+class BrokerGroupConfig:
+    """One ``[[broker_groups]]`` entry: a broker group the sender delivers to —
+    ``embedded`` (the broker inside this process) or broker processes at
+    ``addresses`` (one group: tried in order) — and its share of keyless messages."""
+
+    name: str
+    addresses: tuple[str, ...] = ()
+    weight: int = 1
+    embedded: bool = False
+
+    def __post_init__(self) -> None:
+        try:
+            check_group_name(self.name)
+        except ValueError as exc:
+            raise ConfigError(f"broker_groups.name: {exc}") from None
+        if self.embedded == bool(self.addresses):
+            raise ConfigError(
+                f"broker_groups: group {self.name!r} needs either embedded = true or "
+                'addresses = ["HOST:PORT", ...], not both'
+            )
+        for address in self.addresses:
+            parse_address(address, f"broker_groups.{self.name}.addresses")
+        if self.weight < 1:
+            raise ConfigError(f"broker_groups.{self.name}.weight must be >= 1")
 
 
 def parse_address(text: str, what: str) -> Address:
@@ -71,8 +104,23 @@ class ServeConfig:
     replay_checkpoint_interval_ms: int = int(DEFAULT_CHECKPOINT_INTERVAL_S * 1000)
     replay_batch_records: int = DEFAULT_BATCH_RECORDS
     broker: BrokerConfig = field(default_factory=BrokerConfig)
+    load_ahead_ms: int | None = None  # None: 2 x the bucket width
+    wheel_tick_ms: int = 1
+    wheel_slots: int = 1024
+    sender: SenderConfig = field(default_factory=SenderConfig)
+    broker_groups: tuple[BrokerGroupConfig, ...] = (
+        BrokerGroupConfig(EMBEDDED_GROUP, embedded=True),
+    )
+    message_log_retention_ms: int = 3_600_000
+    bucket_retention_ms: int = 86_400_000
+    retention_interval_ms: int = 60_000
 
     def __post_init__(self) -> None:
+        if not self.broker_groups:
+            raise ConfigError("broker_groups: list at least one group")
+        names = [g.name for g in self.broker_groups]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"broker_groups: names must be unique, got {names}")
         try:
             check_segment_scale(self.segment_scale_minutes)
         except ValueError as exc:
@@ -143,7 +191,32 @@ _SCHEMA: dict[str, dict[str, tuple[Callable[[Any, str], Any], str]]] = {
         "checkpoint_interval_ms": (_int, "replay_checkpoint_interval_ms"),
         "batch_records": (_int, "replay_batch_records"),
     },
+    "wheel": {
+        "load_ahead_ms": (_int, "load_ahead_ms"),
+        "tick_ms": (_int, "wheel_tick_ms"),
+        "slots": (_int, "wheel_slots"),
+    },
+    "delivery": {
+        "max_batch": (_int, "sender.max_batch"),
+        "max_in_flight": (_int, "sender.max_in_flight"),
+        "group_queue_limit": (_int, "sender.group_queue_limit"),
+        "batches_in_flight": (_int, "sender.batches_in_flight"),
+        "failure_threshold": (_int, "sender.failure_threshold"),
+        "open_ms": (_int, "sender.open_ms"),
+        "max_open_ms": (_int, "sender.max_open_ms"),
+        "dispatch_flush_interval_ms": (_int, "sender.dispatch_flush_interval_ms"),
+        "max_attempts": (_int, "retry.max_attempts"),
+        "retry_base_ms": (_int, "retry.base_ms"),
+        "retry_max_ms": (_int, "retry.max_ms"),
+    },
+    "retention": {
+        "message_log_ms": (_int, "message_log_retention_ms"),
+        "buckets_ms": (_int, "bucket_retention_ms"),
+        "interval_ms": (_int, "retention_interval_ms"),
+    },
 }
+_NESTED = ("limits", "flush", "sender", "retry")
+_GROUP_KEYS = {"name", "addresses", "weight", "embedded"}
 # [broker] takes the embedded broker's BrokerConfig fields of simple types by name.
 _BROKER_KEYS = {
     f.name
@@ -155,12 +228,14 @@ _BROKER_KEYS = {
 def config_from_mapping(document: Mapping[str, Any], *, source: str = "config") -> ServeConfig:
     """A ServeConfig from a parsed TOML document. Raises ConfigError naming the key."""
     values: dict[str, Any] = {}
-    limits: dict[str, Any] = {}
-    flush: dict[str, Any] = {}
+    nested: dict[str, dict[str, Any]] = {prefix: {} for prefix in _NESTED}
     broker: dict[str, Any] = {}
     for table, entries in document.items():
+        if table == "broker_groups":
+            values["broker_groups"] = _broker_groups(entries, source)
+            continue
         if table != "broker" and table not in _SCHEMA:
-            known = ", ".join(sorted([*_SCHEMA, "broker"]))
+            known = ", ".join(sorted([*_SCHEMA, "broker", "broker_groups"]))
             raise ConfigError(f"{source}: unknown table [{table}]; known tables: {known}")
         if not isinstance(entries, Mapping):
             raise ConfigError(f"{source}: {table} must be a table ([{table}])")
@@ -174,17 +249,23 @@ def config_from_mapping(document: Mapping[str, Any], *, source: str = "config") 
                 raise ConfigError(f"{source}: unknown key {name}; keys of [{table}]: {known}")
             check, target = _SCHEMA[table][key]
             checked = check(value, f"{source}: {name}")
-            if target.startswith("limits."):
-                limits[target.removeprefix("limits.")] = checked
-            elif target.startswith("flush."):
-                flush[target.removeprefix("flush.")] = checked
+            prefix, dot, rest = target.partition(".")
+            if dot:
+                nested[prefix][rest] = checked
             else:
                 values[target] = checked
     try:
-        if limits:
-            values["limits"] = IntakeLimits(**limits)
-        if flush:
-            values["flush"] = FlushPolicy(**flush)
+        if nested["limits"]:
+            values["limits"] = IntakeLimits(**nested["limits"])
+        if nested["flush"]:
+            values["flush"] = FlushPolicy(**nested["flush"])
+        sender = nested["sender"]
+        if "dispatch_flush_interval_ms" in sender:
+            sender["dispatch_flush_interval_s"] = sender.pop("dispatch_flush_interval_ms") / 1000
+        if nested["retry"]:
+            sender["retry"] = RetryPolicy(**nested["retry"])
+        if sender:
+            values["sender"] = SenderConfig(**sender)
     except ValueError as exc:
         raise ConfigError(f"{source}: {exc}") from None
     if broker:
@@ -196,6 +277,40 @@ def config_from_mapping(document: Mapping[str, Any], *, source: str = "config") 
         return ServeConfig(**values)
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
+
+
+def _broker_groups(entries: Any, source: str) -> tuple[BrokerGroupConfig, ...]:
+    """``[[broker_groups]]`` tables -> BrokerGroupConfigs. Raises ConfigError."""
+    if not isinstance(entries, list) or not all(isinstance(e, Mapping) for e in entries):
+        raise ConfigError(f"{source}: broker_groups must be an array of tables [[broker_groups]]")
+    groups = []
+    for entry in entries:
+        unknown = set(entry) - _GROUP_KEYS
+        if unknown:
+            raise ConfigError(
+                f"{source}: unknown key broker_groups.{sorted(unknown)[0]}; "
+                f"keys of [[broker_groups]]: {', '.join(sorted(_GROUP_KEYS))}"
+            )
+        name = _str(entry.get("name"), f"{source}: broker_groups.name")
+        addresses = entry.get("addresses", [])
+        if not isinstance(addresses, list):
+            raise ConfigError(f"{source}: broker_groups.{name}.addresses must be a list")
+        embedded = entry.get("embedded", False)
+        if not isinstance(embedded, bool):
+            raise ConfigError(f"{source}: broker_groups.{name}.embedded must be true or false")
+        weight = _int(entry.get("weight", 1), f"{source}: broker_groups.{name}.weight")
+        try:
+            groups.append(
+                BrokerGroupConfig(
+                    name,
+                    tuple(_str(a, f"{source}: broker_groups.{name}.addresses") for a in addresses),
+                    weight,
+                    embedded,
+                )
+            )
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
+    return tuple(groups)
 
 
 def _broker_value(key: str, value: Any, name: str, source: str) -> Any:

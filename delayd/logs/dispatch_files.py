@@ -1,0 +1,75 @@
+"""DispatchFiles: the dispatch_log files of a data directory, for the delivery path.
+
+One RecordFile per bucket, kept in a bounded LRU as schedule_log's (BucketFiles). The
+first time this process touches a bucket its file is opened with ``trusted_end=0``: the
+entries are written with the async flush policy, so after a crash any of the file's tail
+may be torn, and the whole file is checked (it is small: 41 bytes per message). That
+open is also where ``state`` reads what the file says, for recovery.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from delayd.logs.bucket_files import BucketFiles
+from delayd.logs.dispatch_log import (
+    DispatchState,
+    EntryKind,
+    decode_records,
+    encode_entry,
+    read_state,
+)
+from storage.fs import REAL_FS, FileSystem
+
+DEFAULT_MAX_OPEN = 64
+
+
+class DispatchFiles:
+    """Append dispatch_log entries and read a bucket's state; one thread at a time
+    (``flush`` may run in a worker thread while nothing is appended)."""
+
+    def __init__(
+        self, directory: str, *, fs: FileSystem = REAL_FS, max_open: int = DEFAULT_MAX_OPEN
+    ) -> None:
+        self.files = BucketFiles(directory, fs=fs, max_open=max_open)
+        self._checked: set[int] = set()  # buckets whose file this process has scanned
+        self.entries_written = 0
+
+    def _file(self, bucket_ms: int):
+        if bucket_ms in self._checked:
+            return self.files.get(bucket_ms)
+        record_file = self.files.get(bucket_ms, trusted_end=0)
+        self._checked.add(bucket_ms)
+        return record_file
+
+    def state(self, bucket_ms: int) -> DispatchState:
+        """What the bucket's file says (nothing, when it has no file). Raises
+        CorruptionError for damage a crash cannot explain."""
+        if not self.files.exists(bucket_ms) and bucket_ms not in self._checked:
+            return read_state(())
+        record_file = self._file(bucket_ms)
+        return read_state(decode_records(record_file.iter_from(0), record_file.path))
+
+    def record(
+        self, bucket_ms: int, kind: EntryKind, offsets: Sequence[int], at_ms: int, group: bytes
+    ) -> None:
+        """Append one entry per schedule_log offset (durable after ``flush``)."""
+        payloads = [encode_entry(offset, at_ms, group) for offset in offsets]
+        self.files.append_batch(bucket_ms, payloads, kind)
+        self._checked.add(bucket_ms)
+        self.entries_written += len(payloads)
+
+    def mark_complete(self, bucket_ms: int, schedule_size: int, at_ms: int) -> None:
+        """Append the COMPLETE mark: every record below ``schedule_size`` has an entry."""
+        self._file(bucket_ms)
+        self.files.append_batch(bucket_ms, [encode_entry(schedule_size, at_ms)], EntryKind.COMPLETE)
+
+    @property
+    def dirty(self) -> bool:
+        return bool(self.files.dirty)
+
+    def flush(self) -> int:
+        return self.files.flush()
+
+    def close(self) -> None:
+        self.files.close()

@@ -1,0 +1,117 @@
+"""ScheduleReader: read-only access to schedule_log buckets, for the wheel and sender.
+
+The replayer appends to bucket files through its own descriptors (BucketFiles); the
+wheel manager scans buckets for due times and the sender reads records back by offset
+through this reader's own read-only descriptors, kept in a small LRU. pread on a
+separate descriptor needs no coordination with the appending one: a reader only ever
+asks for records the replayer has already appended (it was told of them by the
+on_scheduled hook, or it scans up to a length it read under the replayer's lock).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from delayd.logs import schedule_log
+from delayd.logs.buckets import bucket_name, parse_bucket_name
+from storage.fs import O_READ, REAL_FS, FileSystem
+from storage.scan import BadFrame, read_frame, scan_frames
+
+DEFAULT_MAX_OPEN = 64
+_NO_LIMIT = 2**62  # read_frame's limit when the caller knows the record was appended
+
+
+class ScheduleReader:
+    """Read-only descriptors over ``<data>/delay/schedule_log``; one thread at a time."""
+
+    def __init__(
+        self, directory: str, *, fs: FileSystem = REAL_FS, max_open: int = DEFAULT_MAX_OPEN
+    ) -> None:
+        self.directory = directory
+        self.fs = fs
+        self.max_open = max_open
+        self._fds: OrderedDict[int, int] = OrderedDict()
+
+    def path(self, bucket_ms: int) -> str:
+        return f"{self.directory}/{bucket_name(bucket_ms)}"
+
+    def buckets(self) -> list[int]:
+        """Starts (epoch ms) of every bucket file, ascending."""
+        starts = []
+        for name in self.fs.listdir(self.directory):
+            try:
+                starts.append(parse_bucket_name(name))
+            except ValueError:
+                continue
+        return sorted(starts)
+
+    def size(self, bucket_ms: int) -> int:
+        """The file's length now (0 when the bucket has no file)."""
+        fd = self._fd(bucket_ms)
+        return 0 if fd is None else self.fs.fsize(fd)
+
+    def _fd(self, bucket_ms: int) -> int | None:
+        fd = self._fds.get(bucket_ms)
+        if fd is not None:
+            self._fds.move_to_end(bucket_ms)
+            return fd
+        path = self.path(bucket_ms)
+        if not self.fs.exists(path):
+            return None
+        while len(self._fds) >= self.max_open:
+            self.fs.close(self._fds.popitem(last=False)[1])
+        fd = self._fds[bucket_ms] = self.fs.open(path, O_READ)
+        return fd
+
+    def scan_dues(
+        self, bucket_ms: int, start: int, end: int, max_records: int
+    ) -> tuple[list[int], list[int], int]:
+        """Up to ``max_records`` records from ``start`` (before ``end``): their offsets,
+        their due_ms, and the offset after the last one. Raises CorruptionError."""
+        offsets: list[int] = []
+        dues: list[int] = []
+        fd = self._fd(bucket_ms)
+        if fd is None:
+            if start < end:
+                raise FileNotFoundError(self.path(bucket_ms))
+            return offsets, dues, start
+        path = self.path(bucket_ms)
+        due_ms_of = schedule_log.due_ms_of
+        position = start
+        try:
+            for record in scan_frames(self.fs, fd, path, 0, start, end):
+                schedule_log.check_type(record.type, path, record.offset)
+                offsets.append(record.offset)
+                dues.append(due_ms_of(record.payload))
+                position = record.next_offset
+                if len(offsets) >= max_records:
+                    break
+        except BadFrame as bad:
+            raise bad.corruption() from None
+        return offsets, dues, position
+
+    def read_payloads(self, bucket_ms: int, offsets: Sequence[int]) -> list[bytes]:
+        """The SCHEDULED payloads at ``offsets``. Raises CorruptionError (or
+        FileNotFoundError when the bucket's file is gone)."""
+        fd = self._fd(bucket_ms)
+        if fd is None:
+            raise FileNotFoundError(self.path(bucket_ms))
+        path, fs = self.path(bucket_ms), self.fs
+        out = []
+        try:
+            for offset in offsets:
+                out.append(read_frame(fs, fd, path, 0, offset, _NO_LIMIT).payload)
+        except BadFrame as bad:
+            raise bad.corruption() from None
+        return out
+
+    def forget(self, bucket_ms: int) -> None:
+        """Close the bucket's descriptor (before its file is deleted)."""
+        fd = self._fds.pop(bucket_ms, None)
+        if fd is not None:
+            self.fs.close(fd)
+
+    def close(self) -> None:
+        while self._fds:
+            self.fs.close(self._fds.popitem()[1])

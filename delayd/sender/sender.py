@@ -1,0 +1,417 @@
+"""Sender: hands due wheel entries to broker groups and records them in dispatch_log.
+
+    ticker ─on_due─▶ [due channel, bounded] ─▶ dispatch loop: read records from
+    schedule_log, route each message to a group ─▶ per-group queue ─▶ group loop:
+    SEND_BATCH, up to ``batches_in_flight`` at once ─ack─▶ dispatch_log, manager
+                                              └─fail─▶ retry heap (back-off, another group)
+
+As QMQ's SenderProcessor and SenderGroup, a batch goes to one broker group; unlike QMQ,
+failures are retried on another group with exponential back-off, after
+``max_attempts`` a message is sent to its dead-letter subject (never dropped), each
+group has a circuit breaker, and a slow group cannot hold up the others: its queue is
+its own, and when it is full new messages are routed elsewhere.
+
+Memory is bounded: at most ``max_in_flight`` messages are between the wheel and
+dispatch_log; beyond it the dispatch loop stops taking entries, the due channel fills,
+and the ticker waits in ``on_due`` — due entries stay in the wheel (compact) instead of
+piling up here as messages.
+
+A message is recorded in dispatch_log only after a broker group acknowledged it
+(OK or DUPLICATE). A crash before the record costs a resend after restart, which the
+broker drops as a duplicate: consumers see each message once.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import random
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import trio
+
+from delayd.logs.dispatch_files import DispatchFiles
+from delayd.logs.dispatch_log import EntryKind, check_group_name
+from delayd.logs.message_log import MessageRecord
+from delayd.logs.schedule_log import decode_scheduled
+from delayd.logs.schedule_reader import ScheduleReader
+from delayd.protocol import Message
+from delayd.protocol.codes import ResultCode
+from delayd.sender.circuit import CircuitBreaker, CircuitState
+from delayd.sender.histogram import Histogram
+from delayd.sender.retry import RetryPolicy, dead_letter_subject
+from delayd.sender.routing import GroupWeight, Router
+from delayd.sender.targets import SendTarget, TargetUnavailable
+from delayd.wheel.manager import WheelManager
+from delayd.wheel.timer import OFFSET_BITS, DueEntries
+
+log = logging.getLogger(__name__)
+
+ACKED = (ResultCode.OK, ResultCode.DUPLICATE)
+READ_INLINE_MAX = 64  # entries read on the event loop; more go to a worker thread
+PARKED_RETRY_S = 0.05  # how often messages with no usable group look again
+LATENESS_BOUNDS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 5, 30, 300)
+BATCH_BOUNDS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
+DEAD_LETTER_REASON = "delayd.dead_letter.reason"
+ORIGINAL_SUBJECT = "delayd.original_subject"
+_OFFSET_MASK = (1 << OFFSET_BITS) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class SenderConfig:
+    """How the sender batches, limits and retries (docs/configuration.md, [delivery])."""
+
+    max_batch: int = 512
+    max_in_flight: int = 50_000
+    group_queue_limit: int = 10_000
+    batches_in_flight: int = 4
+    failure_threshold: int = 5
+    open_ms: int = 1_000
+    max_open_ms: int = 30_000
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    dispatch_flush_interval_s: float = 0.2
+
+
+class _Item:
+    """One message between the wheel and dispatch_log."""
+
+    __slots__ = ("attempts", "bucket_id", "bucket_ms", "dead", "offset", "reason", "record")
+
+    def __init__(self, bucket_id: int, bucket_ms: int, offset: int, record: MessageRecord):
+        self.bucket_id = bucket_id
+        self.bucket_ms = bucket_ms
+        self.offset = offset
+        self.record = record
+        self.attempts = 0
+        self.dead = False
+        self.reason = ""
+
+    def message(self, dispatched_ms: int) -> Message:
+        r = self.record
+        if not self.dead:
+            return Message(
+                r.message_id,
+                r.subject,
+                r.key,
+                r.properties,
+                r.body,
+                due_ms=r.due_ms,
+                dispatched_ms=dispatched_ms,
+            )
+        properties = {**r.properties, DEAD_LETTER_REASON: self.reason, ORIGINAL_SUBJECT: r.subject}
+        return Message(
+            r.message_id,
+            dead_letter_subject(r.subject),
+            r.key,
+            properties,
+            r.body,
+            due_ms=r.due_ms,
+            dispatched_ms=dispatched_ms,
+        )
+
+
+@dataclass(slots=True)
+class GroupStatistics:
+    """Counters of one broker group, for metrics (messages, not batches)."""
+
+    name: str
+    circuit: CircuitState
+    queued: int
+    sent: int = 0
+    failed: int = 0
+    retried: int = 0
+    dead_lettered: int = 0
+
+
+class _Group:
+    def __init__(self, target: SendTarget, weight: int, config: SenderConfig) -> None:
+        self.name = target.name
+        self.raw_name = check_group_name(target.name)
+        self.target = target
+        self.weight = weight
+        self.breaker = CircuitBreaker(
+            failure_threshold=config.failure_threshold,
+            open_ms=config.open_ms,
+            max_open_ms=config.max_open_ms,
+        )
+        self.queue: deque[_Item] = deque()
+        self.ready = trio.Event()
+        self.slots = trio.Semaphore(config.batches_in_flight)
+        self.stats = GroupStatistics(self.name, CircuitState.CLOSED, 0)
+
+
+class Sender:
+    """See the module docstring. ``on_due`` is the ticker's callback; ``run`` the task."""
+
+    def __init__(
+        self,
+        groups: Sequence[tuple[SendTarget, int]],
+        manager: WheelManager,
+        reader: ScheduleReader,
+        dispatch: DispatchFiles,
+        dispatch_lock: trio.Lock,
+        *,
+        clock: Callable[[], int],
+        config: SenderConfig | None = None,
+        seed: int | None = None,
+    ) -> None:
+        self.config = config = config or SenderConfig()
+        if not groups:
+            raise ValueError("the sender needs at least one broker group")
+        self._groups = {target.name: _Group(target, weight, config) for target, weight in groups}
+        if len(self._groups) != len(groups):
+            raise ValueError("broker group names must be unique")
+        self._router = Router(
+            [GroupWeight(g.name, g.weight) for g in self._groups.values()], seed=seed
+        )
+        self.manager = manager
+        self.reader = reader
+        self.dispatch = dispatch
+        self.dispatch_lock = dispatch_lock
+        self.clock = clock
+        self._rng = random.Random(seed)
+        self._due_send, self._due_recv = trio.open_memory_channel[tuple](2)
+        self._in_flight = 0
+        self._room = trio.Event()
+        self._retries: list[tuple[int, int, list[_Item], str]] = []  # (ready_ms, n, items, group)
+        self._retry_seq = itertools.count()
+        self._retry_wake = trio.Event()
+        self._parked: list[_Item] = []  # no usable group when routed
+        self._nursery: trio.Nursery | None = None
+        self.lateness_s = Histogram(LATENESS_BOUNDS_S)
+        self.batch_sizes = Histogram(BATCH_BOUNDS)
+
+    # ------------------------------------------------------------------ input
+
+    async def on_due(self, entries: DueEntries, now_ms: int) -> None:
+        """The ticker's callback: queue due entries in chunks of ``max_batch``; waits
+        while the sender is full (back-pressure on the ticker)."""
+        step = self.config.max_batch
+        for i in range(0, len(entries), step):
+            await self._due_send.send((entries.due_ms[i : i + step], entries.ref[i : i + step]))
+
+    # ------------------------------------------------------------------ tasks
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run every sender task until cancelled; errors propagate."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            nursery.start_soon(self._dispatch_loop)
+            nursery.start_soon(self._retry_loop)
+            nursery.start_soon(self._flush_loop)
+            for group in self._groups.values():
+                nursery.start_soon(self._group_loop, group)
+            task_status.started()
+
+    async def _dispatch_loop(self) -> None:
+        async for _due, refs in self._due_recv:
+            while self._in_flight >= self.config.max_in_flight:
+                self._room = trio.Event()
+                await self._room.wait()
+            items = await self._read(refs)
+            self._in_flight += len(items)
+            self._route(items, None)
+
+    async def _read(self, refs) -> list[_Item]:
+        """The records of the wheel refs, grouped per bucket for the reads."""
+        bucket_of_id = self.manager.bucket_of_id
+        wanted: dict[int, list[int]] = {}
+        for ref in refs:
+            wanted.setdefault(ref >> OFFSET_BITS, []).append(ref & _OFFSET_MASK)
+        plan = [
+            (bucket_id, bucket_of_id(bucket_id), offsets) for bucket_id, offsets in wanted.items()
+        ]
+        if len(refs) <= READ_INLINE_MAX:
+            return self._read_plan(plan)
+        return await trio.to_thread.run_sync(self._read_plan, plan)
+
+    def _read_plan(self, plan: list[tuple[int, int, list[int]]]) -> list[_Item]:
+        items = []
+        for bucket_id, bucket_ms, offsets in plan:
+            payloads = self.reader.read_payloads(bucket_ms, offsets)
+            for offset, payload in zip(offsets, payloads, strict=True):
+                record = decode_scheduled(payload).message
+                items.append(_Item(bucket_id, bucket_ms, offset, record))
+        return items
+
+    def _usable(self, name: str) -> bool:
+        group = self._groups[name]
+        breaker = group.breaker
+        state = breaker.state(self.clock())
+        if state is CircuitState.OPEN or (
+            state is CircuitState.HALF_OPEN and breaker.probe_in_flight
+        ):
+            return False
+        return len(group.queue) < self.config.group_queue_limit
+
+    def _route(self, items: list[_Item], failed_group: str | None, *, wake: bool = True) -> None:
+        """Queue each item on a usable group (not ``failed_group`` when another one is
+        usable); items with none wait in the parked list, looked at again by the retry
+        loop every PARKED_RETRY_S (``wake``: tell it there are some)."""
+        choose, usable = self._router.choose, self._usable
+        exclude = () if failed_group is None else (failed_group,)
+        touched = set()
+        for item in items:
+            name = choose(item.record.key, usable, exclude)
+            if name is None and exclude:
+                name = choose(item.record.key, usable)
+            if name is None:
+                self._parked.append(item)
+                continue
+            group = self._groups[name]
+            group.queue.append(item)
+            touched.add(group)
+        for group in touched:
+            group.ready.set()
+        if self._parked and wake:
+            self._retry_wake.set()
+
+    async def _group_loop(self, group: _Group) -> None:
+        nursery = self._nursery
+        assert nursery is not None
+        max_batch = self.config.max_batch
+        while True:
+            if not group.queue:
+                group.ready = trio.Event()
+                await group.ready.wait()
+                continue
+            await group.slots.acquire()
+            if not group.queue or not group.breaker.allow(self.clock()):
+                group.slots.release()
+                if group.queue and group.breaker.state(self.clock()) is CircuitState.OPEN:
+                    # Opened while these waited: send them elsewhere, no attempt spent.
+                    moved = list(group.queue)
+                    group.queue.clear()
+                    self._route(moved, group.name)
+                else:
+                    await trio.sleep(0.001)  # the probe is out; its answer decides
+                continue
+            n = min(len(group.queue), max_batch)
+            batch = [group.queue.popleft() for _ in range(n)]
+            nursery.start_soon(self._send, group, batch)
+
+    async def _send(self, group: _Group, batch: list[_Item]) -> None:
+        now_ms = self.clock()
+        ok = False
+        try:
+            messages = [item.message(now_ms) for item in batch]
+            results = await group.target.send_batch(messages)
+            ok = True
+        except TargetUnavailable as exc:
+            group.stats.failed += len(batch)
+            self._retry(batch, group, str(exc))
+            return
+        finally:
+            if ok:
+                group.breaker.record_success(self.clock())
+            else:
+                group.breaker.record_failure(self.clock())
+            group.slots.release()
+        self.batch_sizes.observe_many((len(batch),))
+        acked, refused = [], []
+        for item, result in zip(batch, results, strict=True):
+            if result.code in ACKED:
+                acked.append(item)
+            else:
+                item.reason = f"{ResultCode(result.code).name}: {result.reason}"
+                refused.append(item)
+        if acked:
+            await self._record(group, acked, now_ms)
+        if refused:
+            group.stats.failed += len(refused)
+            self._retry(refused, group, refused[0].reason)
+
+    async def _record(self, group: _Group, items: list[_Item], at_ms: int) -> None:
+        by_bucket: dict[tuple[int, int, EntryKind], list[int]] = {}
+        dead = 0
+        for item in items:
+            kind = EntryKind.DEAD_LETTERED if item.dead else EntryKind.DISPATCHED
+            dead += item.dead
+            by_bucket.setdefault((item.bucket_ms, item.bucket_id, kind), []).append(item.offset)
+        async with self.dispatch_lock:
+            for (bucket_ms, _, kind), offsets in by_bucket.items():
+                self.dispatch.record(bucket_ms, kind, offsets, at_ms, group.raw_name)
+        for (_, bucket_id, _), offsets in by_bucket.items():
+            self.manager.on_recorded(bucket_id, len(offsets))
+        self.lateness_s.observe_many((at_ms - item.record.due_ms) / 1000 for item in items)
+        group.stats.sent += len(items) - dead
+        group.stats.dead_lettered += dead
+        self._in_flight -= len(items)
+        if self._in_flight < self.config.max_in_flight:
+            self._room.set()
+
+    def _retry(self, items: list[_Item], group: _Group, reason: str) -> None:
+        """Count an attempt for each item and put them back after the back-off; past
+        ``max_attempts`` an item goes to its dead-letter subject instead (and keeps
+        being retried there: never dropped)."""
+        policy = self.config.retry
+        group.stats.retried += len(items)
+        attempts = 0
+        for item in items:
+            item.attempts += 1
+            if not item.dead and policy.exhausted(item.attempts):
+                item.dead = True
+                item.reason = item.reason or reason
+                log.warning(
+                    "message %s: %d attempts failed (%s); sending it to %s",
+                    item.record.message_id,
+                    item.attempts,
+                    item.reason,
+                    dead_letter_subject(item.record.subject),
+                )
+            attempts = max(attempts, item.attempts)
+        ready_ms = self.clock() + policy.delay_ms(attempts, self._rng)
+        heapq.heappush(self._retries, (ready_ms, next(self._retry_seq), items, group.name))
+        self._retry_wake.set()
+
+    async def _retry_loop(self) -> None:
+        while True:
+            self._retry_wake = trio.Event()
+            now_ms = self.clock()
+            while self._retries and self._retries[0][0] <= now_ms:
+                _, _, items, failed_group = heapq.heappop(self._retries)
+                self._route(items, failed_group, wake=False)
+            if self._parked:
+                parked, self._parked = self._parked, []
+                self._route(parked, None, wake=False)
+            timeout_s = float("inf")
+            if self._retries:
+                timeout_s = (self._retries[0][0] - now_ms) / 1000
+            if self._parked:
+                timeout_s = min(timeout_s, PARKED_RETRY_S)
+            with trio.move_on_after(max(0.0, timeout_s)):
+                await self._retry_wake.wait()
+
+    async def _flush_loop(self) -> None:
+        interval = self.config.dispatch_flush_interval_s
+        while True:
+            await trio.sleep(interval)
+            await self.flush()
+
+    async def flush(self) -> None:
+        """Make the dispatch_log entries written so far durable."""
+        async with self.dispatch_lock:
+            if self.dispatch.dirty:
+                await trio.to_thread.run_sync(self.dispatch.flush)
+
+    # ------------------------------------------------------------------ metrics
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    @property
+    def parked(self) -> int:
+        return len(self._parked)
+
+    def group_statistics(self) -> list[GroupStatistics]:
+        now_ms = self.clock()
+        out = []
+        for group in self._groups.values():
+            group.stats.circuit = group.breaker.state(now_ms)
+            group.stats.queued = len(group.queue)
+            out.append(group.stats)
+        return out

@@ -1,0 +1,113 @@
+"""Delivery: the delay server's second half, wired — wheel, ticker, manager, sender.
+
+    replayer ─on_scheduled─▶ WheelManager ─add─▶ Ticker/TimingWheel ─on_due─▶ Sender
+                                                                      ─▶ broker groups
+                                                                      ─▶ dispatch_log
+
+Built while the server opens (blocking), run by the server once replay has caught up
+with what message_log held at start (so records a crashed run had re-appended reach
+the loader, which checks them against dispatch_log, before canAdd could offer them).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import trio
+
+from delayd.broker import Broker
+from delayd.logs import layout
+from delayd.logs.dispatch_files import DispatchFiles
+from delayd.logs.schedule_reader import ScheduleReader
+from delayd.replay import Replayer
+from delayd.sender.sender import Sender
+from delayd.sender.targets import EmbeddedTarget, RemoteTarget, SendTarget
+from delayd.server.config import ServeConfig
+from delayd.wheel.manager import WheelManager
+from delayd.wheel.ticker import Ticker
+from delayd.wheel.timer import TimingWheel
+from storage.checkpoint import write_checkpoint
+from storage.fs import REAL_FS, FileSystem
+
+log = logging.getLogger(__name__)
+
+WHEEL_CHECKPOINT = "wheel"  # <data>/delay/checkpoint/wheel: the cursors, for operators
+
+
+def wall_clock_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class Delivery:
+    """The delivery tasks of one delay server; see the module docstring."""
+
+    def __init__(
+        self,
+        data_dir: str,
+        config: ServeConfig,
+        replayer: Replayer,
+        broker: Broker,
+        *,
+        fs: FileSystem = REAL_FS,
+    ) -> None:
+        self.data_dir = data_dir
+        self.fs = fs
+        schedule_dir = layout.schedule_log_dir(data_dir)
+        wheel = TimingWheel(wall_clock_ms(), tick_ms=config.wheel_tick_ms, slots=config.wheel_slots)
+        self.ticker = Ticker(wheel)
+        self.dispatch = DispatchFiles(layout.dispatch_log_dir(data_dir), fs=fs)
+        self.dispatch_lock = trio.Lock()
+        # One reader each: the manager reads in worker threads, so does the sender.
+        self.manager = WheelManager(
+            self.ticker,
+            ScheduleReader(schedule_dir, fs=fs),
+            self.dispatch,
+            replayer.append_lock,
+            segment_scale=config.segment_scale_minutes,
+            load_ahead_ms=config.load_ahead_ms,
+        )
+        replayer.on_scheduled = self.manager.on_scheduled
+        targets: list[tuple[SendTarget, int]] = []
+        for group in config.broker_groups:
+            target: SendTarget
+            if group.embedded:
+                target = EmbeddedTarget(group.name, broker)
+            else:
+                target = RemoteTarget(group.name, group.addresses, token=config.token)
+            targets.append((target, group.weight))
+        self.sender = Sender(
+            targets,
+            self.manager,
+            ScheduleReader(schedule_dir, fs=fs),
+            self.dispatch,
+            self.dispatch_lock,
+            clock=self.ticker.now_ms,
+            config=config.sender,
+        )
+        self.running = False
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run the sender, the ticker and the manager until cancelled."""
+        # The ticker's epoch ms at trio time 0: the wheel reads time only through it.
+        self.ticker.origin_ms = wall_clock_ms() - round(trio.current_time() * 1000)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.sender.run)
+            await nursery.start(self.ticker.run, self.sender.on_due)
+            await nursery.start(self.manager.run)
+            self.running = True
+            task_status.started()
+
+    async def stop(self) -> None:
+        """Make dispatch_log durable and write the cursors (the tasks are cancelled by
+        the caller afterwards)."""
+        await self.sender.flush()
+        data = self.manager.cursors.to_bytes()
+        path = f"{layout.checkpoint_dir(self.data_dir)}/{WHEEL_CHECKPOINT}"
+        await trio.to_thread.run_sync(write_checkpoint, self.fs, path, data)
+        log.info("wheel cursors: %r", self.manager.cursors)
+
+    def close(self) -> None:
+        self.dispatch.close()
+        self.manager.reader.close()
+        self.sender.reader.close()

@@ -1,0 +1,285 @@
+"""WheelManager: loads schedule_log buckets into the wheel ahead of their time, puts
+records the replayer appends behind the loader straight in (canAdd), and marks a bucket
+complete in dispatch_log once every record of it has an entry.
+
+As QMQ's WheelTickManager, with these differences (docs/delivery.md):
+
+* Restart recovery looks at every bucket that is not marked complete, not only the last
+  two: the loader skips exactly the offsets its dispatch_log lists, and a bucket marked
+  COMPLETE at its current length is not read at all.
+* The loader asks the file's length under the replayer's append lock
+  (``Replayer.append_lock``), so no record can be appended between "the loader fixed the
+  bucket's end" and "the replayer asked canAdd about it" — the race QMQ's loader and
+  replayer threads leave open.
+* Loading is streamed in chunks from a worker thread, advancing the loaded cursor after
+  each chunk, so a failed load resumes where it stopped (LoadCursors.begin).
+
+Every entry the manager puts in the wheel is *outstanding* for its bucket until the
+sender reports it recorded in dispatch_log (``on_recorded``); a bucket whose time has
+passed, that is fully loaded and has nothing outstanding, gets a COMPLETE mark.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import trio
+from sortedcontainers import SortedList
+
+from delayd.logs.buckets import bucket_width_ms
+from delayd.logs.dispatch_files import DispatchFiles
+from delayd.logs.schedule_reader import ScheduleReader
+from delayd.wheel.cursor import LoadCursors
+from delayd.wheel.ticker import Ticker
+from delayd.wheel.timer import MAX_BUCKET
+
+log = logging.getLogger(__name__)
+
+LOAD_CHUNK_RECORDS = 65_536  # records read per worker-thread call while loading
+SWEEP_INTERVAL_S = 1.0  # how often finished buckets are looked at without a wake-up
+
+
+@dataclass(frozen=True, slots=True)
+class ManagerStatistics:
+    """A snapshot for metrics: the cursors, how far ahead the wheel is loaded, entries
+    the manager handed to the wheel and that are not yet recorded, counts."""
+
+    loading_bucket_ms: int
+    loading_offset: int
+    loaded_offset: int
+    loaded_until_ms: int  # end of the last fully loaded bucket (start of loading if not)
+    outstanding: int
+    buckets_loaded: int
+    buckets_completed: int
+    entries_loaded: int
+    entries_added: int  # through canAdd
+    entries_skipped: int  # listed in dispatch_log when loaded (recovery)
+
+
+class WheelManager:
+    """See the module docstring. Build it, pass ``on_scheduled`` to the replayer as its
+    hook, and run ``run`` in the root nursery after replay caught up."""
+
+    def __init__(
+        self,
+        ticker: Ticker,
+        reader: ScheduleReader,
+        dispatch: DispatchFiles,
+        append_lock: trio.Lock,
+        *,
+        segment_scale: int,
+        load_ahead_ms: int | None = None,
+    ) -> None:
+        self.ticker = ticker
+        self.reader = reader
+        self.dispatch = dispatch
+        self.append_lock = append_lock
+        self.width_ms = bucket_width_ms(segment_scale)
+        self.load_ahead_ms = 2 * self.width_ms if load_ahead_ms is None else load_ahead_ms
+        if self.load_ahead_ms < 0:
+            raise ValueError(f"load_ahead_ms must be >= 0, got {self.load_ahead_ms}")
+        self.cursors = LoadCursors()
+        self._ids: dict[int, int] = {}  # bucket start -> wheel bucket id
+        self._starts: dict[int, int] = {}  # wheel bucket id -> bucket start
+        self._free_ids: list[int] = []
+        self._next_id = 0
+        self._outstanding: dict[int, int] = {}  # bucket start -> entries not recorded
+        self._marked: dict[int, int] = {}  # bucket start -> length its COMPLETE covers
+        # Every bucket that has a schedule_log file: listed once here, then told by the
+        # hook (a bucket's file is created by its first append), so the loader never
+        # lists a directory of thousands of buckets again.
+        self._known = SortedList(reader.buckets())
+        self._wake = trio.Event()
+        self.buckets_loaded = 0
+        self.buckets_completed = 0
+        self.entries_loaded = 0
+        self.entries_added = 0
+        self.entries_skipped = 0
+
+    # ------------------------------------------------------------------ bucket ids
+
+    def bucket_of_id(self, bucket_id: int) -> int:
+        """The bucket start (epoch ms) of a wheel bucket id."""
+        return self._starts[bucket_id]
+
+    def _id_for(self, bucket_ms: int) -> int:
+        bucket_id = self._ids.get(bucket_ms)
+        if bucket_id is None:
+            if self._free_ids:
+                bucket_id = self._free_ids.pop()
+            else:
+                if self._next_id > MAX_BUCKET:
+                    raise RuntimeError("more than 2**24 buckets with entries in the wheel")
+                bucket_id, self._next_id = self._next_id, self._next_id + 1
+            self._ids[bucket_ms] = bucket_id
+            self._starts[bucket_id] = bucket_ms
+        return bucket_id
+
+    def _release_id(self, bucket_ms: int) -> None:
+        bucket_id = self._ids.pop(bucket_ms, None)
+        if bucket_id is not None:
+            del self._starts[bucket_id]
+            self._free_ids.append(bucket_id)
+
+    # ------------------------------------------------------------------ the hook
+
+    def on_scheduled(self, bucket_ms: int, offset: int, due_ms: int) -> None:
+        """The replayer's hook (called under its append lock, right after the append):
+        canAdd, or leave the record to the loader and wake it when its bucket is
+        already within the load window."""
+        if offset == 0 and bucket_ms not in self._known:
+            self._known.add(bucket_ms)  # its first record: the file is new
+        if self.cursors.can_add(bucket_ms, offset):
+            self._add(bucket_ms, offset, due_ms)
+            self.entries_added += 1
+        elif bucket_ms <= self.ticker.now_ms() + self.load_ahead_ms:
+            self._wake.set()
+
+    def _add(self, bucket_ms: int, offset: int, due_ms: int) -> None:
+        self.ticker.add(due_ms, self._id_for(bucket_ms), offset)
+        self._outstanding[bucket_ms] = self._outstanding.get(bucket_ms, 0) + 1
+
+    # ------------------------------------------------------------------ the sender's report
+
+    def on_recorded(self, bucket_id: int, count: int) -> None:
+        """``count`` entries of wheel bucket ``bucket_id`` now have dispatch_log entries
+        (dispatched, dead-lettered or cancelled)."""
+        bucket_ms = self._starts[bucket_id]
+        left = self._outstanding[bucket_ms] - count
+        if left < 0:
+            raise RuntimeError(f"bucket {bucket_ms}: more entries recorded than loaded")
+        self._outstanding[bucket_ms] = left
+        if left == 0 and self._fully_loaded(bucket_ms):
+            self._wake.set()  # the loop marks it complete once its time has passed
+
+    def _fully_loaded(self, bucket_ms: int) -> bool:
+        loading = self.cursors.loading.bucket_ms
+        return bucket_ms < loading or (bucket_ms == loading and self.cursors.complete)
+
+    @property
+    def outstanding(self) -> int:
+        return sum(self._outstanding.values())
+
+    # ------------------------------------------------------------------ the task
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Load buckets as they come within ``load_ahead_ms``, mark finished ones
+        complete; runs until cancelled. Raises CorruptionError from a bucket file."""
+        task_status.started()
+        while True:
+            self._wake = trio.Event()
+            if await self._load_next():
+                continue
+            await self._mark_finished()
+            with trio.move_on_at(self._next_wake_s()):
+                await self._wake.wait()
+
+    def _next_wake_s(self) -> float:
+        """Trio time to look again without a wake-up: when the next bucket file comes
+        within the window, but at least every SWEEP_INTERVAL_S (finished buckets)."""
+        now_s = trio.current_time()
+        deadline = now_s + SWEEP_INTERVAL_S
+        later = self._next_known()
+        if later is not None:
+            due = self.ticker.deadline(later - self.load_ahead_ms)
+            deadline = min(deadline, max(now_s, due))
+        return deadline if math.isfinite(deadline) else now_s + SWEEP_INTERVAL_S
+
+    def _next_known(self) -> int | None:
+        """The first bucket with a file above the loading one."""
+        known = self._known
+        index = known.bisect_right(self.cursors.loading.bucket_ms)
+        return known[index] if index < len(known) else None
+
+    async def _load_next(self) -> bool:
+        """Begin (or resume) the next bucket within the window and load it; False when
+        there is none."""
+        async with self.append_lock:
+            cursors = self.cursors
+            if cursors.complete:
+                horizon = self.ticker.now_ms() + self.load_ahead_ms
+                later = self._next_known()
+                if later is None or later > horizon:
+                    return False
+                bucket_ms = later
+            else:
+                bucket_ms = cursors.loading.bucket_ms  # resume a failed load
+            end = self.reader.size(bucket_ms)
+            resumed = bucket_ms == cursors.loading.bucket_ms
+            start = cursors.begin(bucket_ms, end)
+            # Read the dispatch state under the lock too: nothing can be recorded for
+            # records the loader has not handed out yet, so it cannot go stale.
+            state = await trio.to_thread.run_sync(self.dispatch.state, bucket_ms)
+        if state.complete_up_to == end:
+            cursors.advance(end)  # every record has an entry: nothing to read
+            self.entries_skipped += len(state.done)
+        else:
+            await self._load(bucket_ms, start, end, state.done)
+        cursors.finish()
+        # Considered by _mark_finished even when every record was already recorded.
+        self._outstanding.setdefault(bucket_ms, 0)
+        if not resumed:
+            self.buckets_loaded += 1
+        log.debug("loaded bucket %d up to %d", bucket_ms, end)
+        return True
+
+    async def _load(self, bucket_ms: int, start: int, end: int, done: set[int]) -> None:
+        position = start
+        while position < end:
+            offsets, dues, position = await trio.to_thread.run_sync(
+                self.reader.scan_dues, bucket_ms, position, end, LOAD_CHUNK_RECORDS
+            )
+            for offset, due_ms in zip(offsets, dues, strict=True):
+                if offset in done:
+                    self.entries_skipped += 1
+                else:
+                    self._add(bucket_ms, offset, due_ms)
+                    self.entries_loaded += 1
+            self.cursors.advance(position)
+
+    async def _mark_finished(self) -> None:
+        """COMPLETE-mark every bucket whose time has passed, that is fully loaded and
+        has no outstanding entry, unless it is marked at its length already."""
+        now_ms = self.ticker.now_ms()
+        finished = [
+            b
+            for b, left in self._outstanding.items()
+            if left == 0 and b + self.width_ms <= now_ms and self._fully_loaded(b)
+        ]
+        if not finished:
+            return
+        async with self.append_lock:  # lengths read here cover only recorded entries
+            for bucket_ms in finished:
+                if self._outstanding.get(bucket_ms) != 0:
+                    continue  # canAdd put a new entry in while we waited for the lock
+                size = self.reader.size(bucket_ms)
+                if self._marked.get(bucket_ms) != size:
+                    self.dispatch.mark_complete(bucket_ms, size, now_ms)
+                    self._marked[bucket_ms] = size
+                    self.buckets_completed += 1
+                del self._outstanding[bucket_ms]
+                self._release_id(bucket_ms)
+
+    def statistics(self) -> ManagerStatistics:
+        cursors = self.cursors
+        loading = cursors.loading
+        if loading.bucket_ms < 0:
+            loaded_until = self.ticker.now_ms()
+        elif cursors.complete:
+            loaded_until = loading.bucket_ms + self.width_ms
+        else:
+            loaded_until = loading.bucket_ms
+        return ManagerStatistics(
+            loading.bucket_ms,
+            loading.offset,
+            cursors.loaded.offset,
+            loaded_until,
+            self.outstanding,
+            self.buckets_loaded,
+            self.buckets_completed,
+            self.entries_loaded,
+            self.entries_added,
+            self.entries_skipped,
+        )
