@@ -16,6 +16,8 @@ COMMANDS = {
     "broker": "delayd.broker.command",
     "send": "delayd.client.send_command",
     "consume": "delayd.client.consume_command",
+    "top": "delayd.top.command",
+    "inspect": "delayd.inspect.command",
 }
 
 

@@ -1,8 +1,13 @@
-"""The HTTP side of Prometheus metrics: /metrics and /healthz for any registry.
+"""The HTTP side of Prometheus metrics: /metrics, /healthz and /readyz for any registry.
 
 Shared by the broker and the delay server, each of which builds its own registry of
 collectors. A deliberately small HTTP/1.0 responder on trio: one request per connection,
 bounded in size and time, so a slow or hostile scraper cannot hold the server.
+
+``/healthz`` answers 200 whenever the process answers at all (liveness). ``/readyz``
+answers 200 ``ready`` once the process serves, and 503 ``starting: <why>`` before
+(readiness: recovery still running, listeners not up); the process says which through a
+``Readiness`` it updates as it starts.
 """
 
 from __future__ import annotations
@@ -12,6 +17,33 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 MAX_REQUEST_BYTES = 8192
 REQUEST_TIMEOUT_S = 5.0
+USAGE = b"GET /metrics, /healthz or /readyz\n"
+
+
+class Readiness:
+    """Whether the process is ready to serve, and if not, why: what /readyz reports.
+
+    Starts not ready (``reason`` "starting", or the one given); the process calls
+    ``starting("recovering message_log")`` as it moves through its start-up and
+    ``set_ready()`` once it serves. A start-up step running in a worker thread may set
+    it too: /readyz reads the one attribute once per request.
+    """
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str | None = "starting") -> None:
+        self.reason = reason  # None once ready
+
+    @property
+    def ready(self) -> bool:
+        return self.reason is None
+
+    def starting(self, reason: str) -> None:
+        """Not ready (again), because of ``reason`` (shown in the 503 body)."""
+        self.reason = reason
+
+    def set_ready(self) -> None:
+        self.reason = None
 
 
 async def serve_metrics(
@@ -19,9 +51,12 @@ async def serve_metrics(
     host: str,
     port: int,
     *,
+    readiness: Readiness | None = None,
     task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve /metrics and /healthz on host:port until cancelled; reports bound addresses."""
+    """Serve /metrics, /healthz and /readyz on host:port until cancelled; reports the bound
+    addresses. /readyz follows ``readiness``; None means always ready, for a caller that
+    starts serving metrics only once it serves."""
     listeners = await trio.open_tcp_listeners(port, host=host)
     addresses = [listener.socket.getsockname()[:2] for listener in listeners]
 
@@ -29,7 +64,7 @@ async def serve_metrics(
         try:
             with trio.move_on_after(REQUEST_TIMEOUT_S):
                 request = await _read_head(stream)
-                status, content_type, body = _respond(request, registry)
+                status, content_type, body = _respond(request, registry, readiness)
                 head = (
                     f"HTTP/1.0 {status}\r\nContent-Type: {content_type}\r\n"
                     f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
@@ -55,13 +90,20 @@ async def _read_head(stream: trio.SocketStream) -> bytes:
     return data
 
 
-def _respond(request: bytes, registry: CollectorRegistry) -> tuple[str, str, bytes]:
+def _respond(
+    request: bytes, registry: CollectorRegistry, readiness: Readiness | None
+) -> tuple[str, str, bytes]:
     parts = request.split(b"\r\n", 1)[0].split()
     if len(parts) < 2 or parts[0] not in (b"GET", b"HEAD"):
-        return "400 Bad Request", "text/plain", b"GET /metrics or /healthz\n"
+        return "400 Bad Request", "text/plain", USAGE
     path = parts[1].split(b"?", 1)[0]
     if path == b"/metrics":
         return "200 OK", CONTENT_TYPE_LATEST, generate_latest(registry)
     if path == b"/healthz":
         return "200 OK", "text/plain", b"ok\n"
-    return "404 Not Found", "text/plain", b"not found: try /metrics or /healthz\n"
+    if path == b"/readyz":
+        reason = None if readiness is None else readiness.reason
+        if reason is None:
+            return "200 OK", "text/plain", b"ready\n"
+        return "503 Service Unavailable", "text/plain", f"starting: {reason}\n".encode()
+    return "404 Not Found", "text/plain", b"not found: " + USAGE

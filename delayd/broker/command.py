@@ -2,8 +2,9 @@
 
 Prints ``delayd broker listening on HOST:PORT`` on stdout once it accepts connections
 (the actual port when ``--listen`` asks for port 0); everything else goes to the log
-(stderr). Shutdown: stop accepting and close connections, then flush the commitlog,
-checkpoint the consume queues and index, persist offsets, exit 0.
+(stderr, one line each: ``--log-format kv|json``, ``--log-level``; delayd.logsetup).
+Shutdown: stop accepting and close connections, then flush the commitlog, checkpoint
+the consume queues and index, persist offsets, exit 0.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
-import sys
 from functools import partial
 
 import trio
@@ -20,6 +20,7 @@ from delayd.broker.broker import Broker
 from delayd.broker.config import DAY_MS, BrokerConfig, StartFrom
 from delayd.broker.metrics import serve_metrics
 from delayd.broker.server import serve_broker
+from delayd.logsetup import add_logging_arguments, configure_logging
 from storage.flusher import FlushMode, FlushPolicy
 
 log = logging.getLogger("delayd.broker")
@@ -71,7 +72,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         type=parse_optional_address,
         default=DEFAULT_METRICS_LISTEN,
         metavar="HOST:PORT",
-        help=f"Prometheus /metrics and /healthz (default {DEFAULT_METRICS_LISTEN}; 'off')",
+        help=f"/metrics, /healthz and /readyz (default {DEFAULT_METRICS_LISTEN}; 'off')",
     )
     parser.add_argument("--token", default=None, help="shared secret clients must send")
     parser.add_argument(
@@ -102,17 +103,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--dedupe-max-ids", type=positive_int, default=10_000_000, metavar="N", help="idempotency"
     )
-    parser.add_argument(
-        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
-    )
+    add_logging_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(args.log_format, args.log_level)
     try:
         config = BrokerConfig(
             queues_per_subject=args.queues,
@@ -123,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
             dedupe_max_ids=args.dedupe_max_ids,
         )
     except ValueError as exc:
-        print(f"delayd broker: {exc}", file=sys.stderr)
+        log.error("bad configuration: %s", exc)
         return 2
     trio.run(_serve, args, config)
     return 0

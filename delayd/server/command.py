@@ -3,7 +3,8 @@
 Prints ``delayd serve listening on HOST:PORT`` on stdout once it accepts producers (the
 real port when ``--listen`` asks for port 0), preceded by ``delayd serve broker
 listening on HOST:PORT`` and ``delayd serve metrics on http://HOST:PORT/metrics`` when
-those listen. Logs go to stderr. On SIGTERM or SIGINT: stop accepting, answer what is in
+those listen. Logs go to stderr, one line each (``--log-format kv|json``,
+``--log-level``; delayd.logsetup). On SIGTERM or SIGINT: stop accepting, answer what is in
 flight, flush, write the replay checkpoint, exit 0. Exit 2 for a bad configuration, 1
 when the data directory cannot be served (corruption, a changed segment_scale).
 """
@@ -14,11 +15,11 @@ import argparse
 import dataclasses
 import logging
 import signal
-import sys
 
 import trio
 
 from delayd.errors import DelaydError
+from delayd.logsetup import add_logging_arguments, configure_logging
 from delayd.server.app import DelayServer
 from delayd.server.config import (
     ConfigError,
@@ -82,11 +83,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         type=_optional_address,
         default=_UNSET,
         metavar="HOST:PORT",
-        help="Prometheus /metrics and /healthz (default off)",
+        help="Prometheus /metrics, /healthz and /readyz (default off)",
     )
-    parser.add_argument(
-        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
-    )
+    add_logging_arguments(parser)
 
 
 def build_config(args: argparse.Namespace) -> ServeConfig:
@@ -101,15 +100,11 @@ def build_config(args: argparse.Namespace) -> ServeConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(args.log_format, args.log_level)
     try:
         config = build_config(args)
     except ConfigError as exc:
-        print(f"delayd serve: {exc}", file=sys.stderr)
+        log.error("bad configuration: %s", exc)
         return 2
     try:
         trio.run(_serve, args.data, config)
@@ -117,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
         reason = _fatal_reason(exc)
         if reason is None:
             raise
-        print(f"delayd serve: {reason}", file=sys.stderr)
+        log.error("cannot serve %s: %s", args.data, reason)
         return 1
     return 0
 
