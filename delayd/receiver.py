@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from delayd.logs import message_log
 from delayd.protocol import Message, ResultCode, SendResult, validate_subject
 from delayd.protocol.codec import new_send_result
+from delayd.sender.retry import DEAD_LETTER_PREFIX, MAX_DEAD_LETTERED_SUBJECT_LENGTH
 
 MS_PER_DAY = 86_400_000
 DEFAULT_MAX_DELAY_MS = 731 * MS_PER_DAY  # two years, counting a leap day
@@ -211,6 +212,13 @@ class Receiver:
 
     def _check_subject(self, subject: str) -> str | None:
         problem = validate_subject(subject)
+        if problem is None and len(subject) > MAX_DEAD_LETTERED_SUBJECT_LENGTH:
+            # A message that cannot be delivered must still have somewhere to go.
+            problem = (
+                f"subject is {len(subject)} characters long; a delayed message's subject is "
+                f"at most {MAX_DEAD_LETTERED_SUBJECT_LENGTH}, so that its dead-letter "
+                f"subject {DEAD_LETTER_PREFIX}<subject> is valid too"
+            )
         if len(self._subjects) >= _SUBJECT_CACHE_SIZE:
             self._subjects.clear()  # bounded: a client cycling through subjects costs time
         self._subjects[subject] = problem

@@ -74,7 +74,10 @@ subject_queues = { orders = 8 }
         ({"broker": {"queues_per_subject": 0}}, ["broker.queues_per_subject"]),
         ({"broker": {"no_such": 1}}, ["unknown key broker.no_such"]),
         ({"replay": 5}, ["replay must be a table"]),
-        ({"wheel": {}}, ["unknown table [wheel]"]),
+        ({"wheels": {}}, ["unknown table [wheels]"]),
+        ({"broker_groups": [{"name": "a"}]}, ["embedded = true or", "addresses"]),
+        ({"broker_groups": [{"name": "a", "embedded": True, "wieght": 2}]}, ["broker_groups.wieght"]),
+        ({"retention": {"buckets_ms": 0}}, ["retention.buckets_ms"]),
         (
             {"message_log": {"segment_bytes": 65536}},
             ["intake.max_record_bytes", "message_log.segment_bytes"],

@@ -45,6 +45,7 @@ TABLE = [
     (msg(subject="a/b"), ResultCode.INVALID_SUBJECT, ["'/'"], None),
     (msg(subject=".hidden"), ResultCode.INVALID_SUBJECT, ["starts with '.'"], None),
     (msg(subject="x" * 256), ResultCode.INVALID_SUBJECT, ["256 characters"], None),
+    (msg(subject="x" * 252), ResultCode.INVALID_SUBJECT, ["252 characters", "DLQ."], None),
     (msg(body=b"x" * 100), ResultCode.OK, [], NOW),
     (msg(body=b"x" * 101), ResultCode.BODY_TOO_LARGE, ["101 bytes", "max_body_bytes"], None),
     (msg(properties={"k": "v" * 35}), ResultCode.OK, [], NOW),  # 2+1+2+35 = 40 bytes

@@ -413,7 +413,9 @@ def test_changing_segment_scale_or_a_taken_port_is_refused(serve, tmp_path):
         ("[intake]\nmax_delay_ms = -1\n", ["intake.max_delay_ms", "positive integer"]),
         ("[schedule_log]\nsegment_scale_minutes = 90\n", ["segment_scale_minutes", "1..60"]),
         ("[message_log]\nflush = 'sometimes'\n", ["message_log.flush", "sync, async"]),
-        ("[wheel]\ntick_ms = 1\n", ["unknown table [wheel]"]),
+        ("[wheels]\ntick_ms = 1\n", ["unknown table [wheels]"]),
+        ("[delivery]\nmax_batch = 0\n", ["delivery.max_batch", "positive integer"]),
+        ("[[broker_groups]]\nname = 'a b'\nembedded = true\n", ["broker group name"]),
         ("[server\n", ["not valid TOML", "line 1"]),
     ],
 )

@@ -100,6 +100,10 @@ class BucketFiles:
         self._open[start_ms] = record_file
         return record_file
 
+    def size(self, start_ms: int) -> int:
+        """The bucket file's length on disk (0 when it has none)."""
+        return self._size(self.path(start_ms))
+
     def _size(self, path: str) -> int:
         if not self.fs.exists(path):
             return 0

@@ -42,6 +42,12 @@ class DispatchFiles:
         self._checked.add(bucket_ms)
         return record_file
 
+    def size(self, bucket_ms: int) -> int:
+        """The bucket file's length (0 when it has none)."""
+        if self.files.is_open(bucket_ms):
+            return self.files.get(bucket_ms).end_offset
+        return self.files.size(bucket_ms)
+
     def state(self, bucket_ms: int) -> DispatchState:
         """What the bucket's file says (nothing, when it has no file). Raises
         CorruptionError for damage a crash cannot explain."""

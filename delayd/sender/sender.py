@@ -181,6 +181,7 @@ class Sender:
         self._retry_wake = trio.Event()
         self._parked: list[_Item] = []  # no usable group when routed
         self._nursery: trio.Nursery | None = None
+        self._recorded = trio.Event()  # dispatch_log entries written since the flush
         self.lateness_s = Histogram(LATENESS_BOUNDS_S)
         self.batch_sizes = Histogram(BATCH_BOUNDS)
 
@@ -255,9 +256,15 @@ class Sender:
         exclude = () if failed_group is None else (failed_group,)
         touched = set()
         for item in items:
-            name = choose(item.record.key, usable, exclude)
+            # A keyless message is routed by its id rather than at random, so that when
+            # it is sent again after a restart (sent, but not yet in dispatch_log) it goes
+            # to the same group, whose broker drops it as a duplicate: dedupe is per
+            # broker, and another group would store it a second time.
+            record = item.record
+            route_key = record.message_id if record.key is None else record.key
+            name = choose(route_key, usable, exclude)
             if name is None and exclude:
-                name = choose(item.record.key, usable)
+                name = choose(route_key, usable)
             if name is None:
                 self._parked.append(item)
                 continue
@@ -334,6 +341,7 @@ class Sender:
         async with self.dispatch_lock:
             for (bucket_ms, _, kind), offsets in by_bucket.items():
                 self.dispatch.record(bucket_ms, kind, offsets, at_ms, group.raw_name)
+        self._recorded.set()
         for (_, bucket_id, _), offsets in by_bucket.items():
             self.manager.on_recorded(bucket_id, len(offsets))
         self.lateness_s.observe_many((at_ms - item.record.due_ms) / 1000 for item in items)
@@ -386,9 +394,13 @@ class Sender:
                 await self._retry_wake.wait()
 
     async def _flush_loop(self) -> None:
+        """Flush dispatch_log ``dispatch_flush_interval_s`` after the first entry that
+        is not yet durable (so an idle sender does not wake)."""
         interval = self.config.dispatch_flush_interval_s
         while True:
+            await self._recorded.wait()
             await trio.sleep(interval)
+            self._recorded = trio.Event()
             await self.flush()
 
     async def flush(self) -> None:

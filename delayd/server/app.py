@@ -29,7 +29,7 @@ from delayd.receiver import Receiver
 from delayd.replay import Replayer, open_replayer
 from delayd.server.config import Address, ServeConfig
 from delayd.server.connection import DelayConnection
-from delayd.server.delivery import Delivery
+from delayd.server.delivery import Delivery, build_targets
 from delayd.server.intake import IntakePath
 from delayd.server.listener import IntakeListener
 from delayd.server.metrics import IntakeCollector
@@ -123,7 +123,7 @@ class DelayServer:
             message_log.close()
             raise
         try:
-            delivery = Delivery(data_dir, config, replayer, broker, fs=fs)
+            delivery = Delivery(data_dir, config, replayer, build_targets(config, broker), fs=fs)
         except BaseException:
             broker.close()
             replayer.close()

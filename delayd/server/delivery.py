@@ -12,6 +12,7 @@ the loader, which checks them against dispatch_log, before canAdd could offer th
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import trio
@@ -39,6 +40,19 @@ def wall_clock_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
+def build_targets(config: ServeConfig, broker: Broker) -> list[tuple[SendTarget, int]]:
+    """The configured broker groups as send targets, with their weights."""
+    targets: list[tuple[SendTarget, int]] = []
+    for group in config.broker_groups:
+        target: SendTarget
+        if group.embedded:
+            target = EmbeddedTarget(group.name, broker)
+        else:
+            target = RemoteTarget(group.name, group.addresses, token=config.token)
+        targets.append((target, group.weight))
+    return targets
+
+
 class Delivery:
     """The delivery tasks of one delay server; see the module docstring."""
 
@@ -47,7 +61,7 @@ class Delivery:
         data_dir: str,
         config: ServeConfig,
         replayer: Replayer,
-        broker: Broker,
+        targets: list[tuple[SendTarget, int]],
         *,
         fs: FileSystem = REAL_FS,
     ) -> None:
@@ -64,18 +78,11 @@ class Delivery:
             ScheduleReader(schedule_dir, fs=fs),
             self.dispatch,
             replayer.append_lock,
+            self.dispatch_lock,
             segment_scale=config.segment_scale_minutes,
             load_ahead_ms=config.load_ahead_ms,
         )
         replayer.on_scheduled = self.manager.on_scheduled
-        targets: list[tuple[SendTarget, int]] = []
-        for group in config.broker_groups:
-            target: SendTarget
-            if group.embedded:
-                target = EmbeddedTarget(group.name, broker)
-            else:
-                target = RemoteTarget(group.name, group.addresses, token=config.token)
-            targets.append((target, group.weight))
         self.sender = Sender(
             targets,
             self.manager,
@@ -90,7 +97,10 @@ class Delivery:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run the sender, the ticker and the manager until cancelled."""
         # The ticker's epoch ms at trio time 0: the wheel reads time only through it.
-        self.ticker.origin_ms = wall_clock_ms() - round(trio.current_time() * 1000)
+        # Rounded down (floor of the wall clock, ceil of trio's, read after it), so the
+        # ticker never runs ahead of the wall clock: with round() it could be up to
+        # 0.5 ms ahead, and a broker stamped messages with a store_ms 1 ms before due.
+        self.ticker.origin_ms = wall_clock_ms() - math.ceil(trio.current_time() * 1000)
         async with trio.open_nursery() as nursery:
             await nursery.start(self.sender.run)
             await nursery.start(self.ticker.run, self.sender.on_due)

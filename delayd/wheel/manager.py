@@ -38,7 +38,9 @@ from delayd.wheel.timer import MAX_BUCKET
 log = logging.getLogger(__name__)
 
 LOAD_CHUNK_RECORDS = 65_536  # records read per worker-thread call while loading
-SWEEP_INTERVAL_S = 1.0  # how often finished buckets are looked at without a wake-up
+# Less than this is read on the event loop: a thread hop costs more than reading a
+# small bucket, and the many small buckets of a light load then cost no hops at all.
+INLINE_READ_BYTES = 256 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +70,7 @@ class WheelManager:
         reader: ScheduleReader,
         dispatch: DispatchFiles,
         append_lock: trio.Lock,
+        dispatch_lock: trio.Lock,
         *,
         segment_scale: int,
         load_ahead_ms: int | None = None,
@@ -76,6 +79,7 @@ class WheelManager:
         self.reader = reader
         self.dispatch = dispatch
         self.append_lock = append_lock
+        self.dispatch_lock = dispatch_lock  # DispatchFiles is shared with the sender
         self.width_ms = bucket_width_ms(segment_scale)
         self.load_ahead_ms = 2 * self.width_ms if load_ahead_ms is None else load_ahead_ms
         if self.load_ahead_ms < 0:
@@ -178,14 +182,16 @@ class WheelManager:
 
     def _next_wake_s(self) -> float:
         """Trio time to look again without a wake-up: when the next bucket file comes
-        within the window, but at least every SWEEP_INTERVAL_S (finished buckets)."""
-        now_s = trio.current_time()
-        deadline = now_s + SWEEP_INTERVAL_S
+        within the window, or when a finished bucket's time has passed (so that it can
+        be marked). Nothing else: an idle manager does not wake."""
+        deadlines = [math.inf]
         later = self._next_known()
         if later is not None:
-            due = self.ticker.deadline(later - self.load_ahead_ms)
-            deadline = min(deadline, max(now_s, due))
-        return deadline if math.isfinite(deadline) else now_s + SWEEP_INTERVAL_S
+            deadlines.append(self.ticker.deadline(later - self.load_ahead_ms))
+        idle = [b for b, left in self._outstanding.items() if left == 0 and self._fully_loaded(b)]
+        if idle:
+            deadlines.append(self.ticker.deadline(min(idle) + self.width_ms))
+        return max(trio.current_time(), min(deadlines))
 
     def _next_known(self) -> int | None:
         """The first bucket with a file above the loading one."""
@@ -211,7 +217,11 @@ class WheelManager:
             start = cursors.begin(bucket_ms, end)
             # Read the dispatch state under the lock too: nothing can be recorded for
             # records the loader has not handed out yet, so it cannot go stale.
-            state = await trio.to_thread.run_sync(self.dispatch.state, bucket_ms)
+            async with self.dispatch_lock:
+                if self.dispatch.size(bucket_ms) <= INLINE_READ_BYTES:
+                    state = self.dispatch.state(bucket_ms)
+                else:
+                    state = await trio.to_thread.run_sync(self.dispatch.state, bucket_ms)
         if state.complete_up_to == end:
             cursors.advance(end)  # every record has an entry: nothing to read
             self.entries_skipped += len(state.done)
@@ -227,10 +237,14 @@ class WheelManager:
 
     async def _load(self, bucket_ms: int, start: int, end: int, done: set[int]) -> None:
         position = start
+        scan = self.reader.scan_dues
         while position < end:
-            offsets, dues, position = await trio.to_thread.run_sync(
-                self.reader.scan_dues, bucket_ms, position, end, LOAD_CHUNK_RECORDS
-            )
+            if end - position <= INLINE_READ_BYTES:
+                offsets, dues, position = scan(bucket_ms, position, end, LOAD_CHUNK_RECORDS)
+            else:
+                offsets, dues, position = await trio.to_thread.run_sync(
+                    scan, bucket_ms, position, end, LOAD_CHUNK_RECORDS
+                )
             for offset, due_ms in zip(offsets, dues, strict=True):
                 if offset in done:
                     self.entries_skipped += 1
@@ -250,7 +264,8 @@ class WheelManager:
         ]
         if not finished:
             return
-        async with self.append_lock:  # lengths read here cover only recorded entries
+        # Lengths read under the append lock cover only records with entries.
+        async with self.append_lock, self.dispatch_lock:
             for bucket_ms in finished:
                 if self._outstanding.get(bucket_ms) != 0:
                     continue  # canAdd put a new entry in while we waited for the lock

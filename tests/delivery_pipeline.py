@@ -1,0 +1,164 @@
+"""An in-process delay server without sockets, for delivery tests on trio's
+autojump_clock: real message_log, replayer, schedule_log, dispatch_log, wheel manager
+and sender, delivering to in-memory targets that record what they receive (beside the
+real broker targets, which the process tests use)."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import trio
+
+from delayd.logs import layout, message_log
+from delayd.logs.dispatch_log import DispatchEntry, EntryKind, decode_records
+from delayd.logs.message_log import MessageRecord
+from delayd.protocol import Message, SendResult
+from delayd.protocol.codes import ResultCode
+from delayd.replay import open_replayer
+from delayd.sender.targets import TargetUnavailable
+from delayd.server.config import ServeConfig
+from delayd.server.delivery import Delivery
+from storage.fs import O_READ, REAL_FS
+from storage.scan import scan_frames
+from storage.segmented_log import SegmentedLog
+
+# Trio's clock starts at 0; the pipeline's epoch ms at trio time 0 is fixed so tests
+# can name due times exactly.
+T0 = 1_795_341_600_000  # 2026-11-22T10:00:00Z
+
+
+@dataclass
+class Received:
+    at_ms: int  # the pipeline's clock when the target got it
+    message: Message
+
+
+@dataclass
+class RecordingTarget:
+    """A broker group that stores nothing: it records the messages it is sent, and can
+    be told to fail (unavailable), refuse (a result code), or hang."""
+
+    name: str
+    clock: object = None
+    received: list[Received] = field(default_factory=list)
+    unavailable: bool = False
+    refuse: ResultCode | None = None
+    hang: trio.Event | None = None
+    calls: int = 0
+    subjects: list[str] = field(default_factory=list)  # of every message it was sent
+
+    async def send_batch(self, messages):
+        self.calls += 1
+        self.subjects += [m.subject for m in messages]
+        if self.hang is not None:
+            await self.hang.wait()
+        if self.unavailable:
+            raise TargetUnavailable(f"{self.name} is down (test)")
+        await trio.lowlevel.checkpoint()
+        if self.refuse is not None:
+            return [SendResult(self.refuse, "refused (test)") for _ in messages]
+        now = self.clock()
+        self.received.extend(Received(now, m) for m in messages)
+        return [SendResult(ResultCode.OK) for _ in messages]
+
+    async def aclose(self) -> None:
+        pass
+
+
+class Pipeline:
+    """message_log → replayer → schedule_log → wheel → sender → targets, in-process."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, data: str, targets: list[RecordingTarget], **config) -> None:
+        self.data = data
+        self.config = ServeConfig(**config)
+        self.targets = targets
+        self.log = SegmentedLog.open(layout.message_log_dir(data), fs=REAL_FS)
+        self.replayer = open_replayer(
+            data, self.log, segment_scale=self.config.segment_scale_minutes, fs=REAL_FS
+        )
+        self.sequence = self.replayer.recovery.next_sequence - 1
+        self.delivery = Delivery(
+            data, self.config, self.replayer, [(t, 1) for t in targets], fs=REAL_FS
+        )
+        self.delivery.ticker.origin_ms = T0
+        for target in targets:
+            target.clock = self.delivery.ticker.now_ms
+
+    def now_ms(self) -> int:
+        return self.delivery.ticker.now_ms()
+
+    def schedule(self, dues: list[int], *, key: str | None = None) -> list[str]:
+        """Accept messages due at ``dues`` (epoch ms) as intake would; their ids."""
+        payloads, ids = [], []
+        for due in dues:
+            self.sequence += 1
+            message_id = f"m{next(self._ids)}"
+            ids.append(message_id)
+            record = MessageRecord(
+                due_ms=due,
+                sequence=self.sequence,
+                receive_ms=self.now_ms(),
+                message_id=message_id,
+                subject="orders",
+                key=key,
+                body=message_id.encode(),
+            )
+            payloads.append(message_log.encode_record(record))
+        self.log.append_batch(payloads, message_log.TYPE_MESSAGE)
+        self.log.flush()
+        self.replayer.notify(self.sequence)
+        return ids
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """The replayer and the delivery tasks, as the server starts them; but the
+        delivery tasks' origin stays T0 (Delivery.run would read the wall clock)."""
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.replayer.run)
+            # As the server: delivery starts once replay has caught up.
+            while self.replayer.position < self.log.durable_offset:
+                await trio.sleep(0.001)
+            delivery = self.delivery
+            await nursery.start(delivery.sender.run)
+            await nursery.start(delivery.ticker.run, delivery.sender.on_due)
+            await nursery.start(delivery.manager.run)
+            task_status.started()
+
+    async def stop(self) -> None:
+        await self.replayer.stop()
+        await self.delivery.sender.flush()
+
+    def close(self) -> None:
+        self.delivery.close()
+        self.replayer.close()
+        self.log.close()
+
+
+def received_ids(targets: list[RecordingTarget]) -> list[str]:
+    return [r.message.message_id for t in targets for r in t.received]
+
+
+def dispatch_entries(data: str) -> dict[str, list[DispatchEntry]]:
+    """Every dispatch_log entry, by bucket file name."""
+    directory = layout.dispatch_log_dir(data)
+    out = {}
+    for name in sorted(REAL_FS.listdir(directory)):
+        path = f"{directory}/{name}"
+        fd = REAL_FS.open(path, O_READ)
+        try:
+            size = REAL_FS.fsize(fd)
+            out[name] = list(decode_records(scan_frames(REAL_FS, fd, path, 0, 0, size), path))
+        finally:
+            REAL_FS.close(fd)
+    return out
+
+
+def dispatched_offsets(data: str) -> list[tuple[str, int]]:
+    return [
+        (name, e.offset)
+        for name, entries in dispatch_entries(data).items()
+        for e in entries
+        if e.kind is not EntryKind.COMPLETE
+    ]
