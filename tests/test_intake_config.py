@@ -77,7 +77,7 @@ subject_queues = { orders = 8 }
         ({"wheels": {}}, ["unknown table [wheels]"]),
         ({"broker_groups": [{"name": "a"}]}, ["embedded = true or", "addresses"]),
         ({"broker_groups": [{"name": "a", "embedded": True, "wieght": 2}]}, ["broker_groups.wieght"]),
-        ({"retention": {"buckets_ms": 0}}, ["retention.buckets_ms"]),
+        ({"wheel": {"tick_ms": 0}}, ["wheel.tick_ms"]),
         (
             {"message_log": {"segment_bytes": 65536}},
             ["intake.max_record_bytes", "message_log.segment_bytes"],

@@ -24,12 +24,13 @@ from delayd.broker import Broker
 from delayd.broker.metrics import BrokerCollector
 from delayd.broker.server import serve_broker
 from delayd.logs import layout
-from delayd.metrics_http import serve_metrics
+from delayd.metrics_http import Readiness, serve_metrics
 from delayd.receiver import Receiver
 from delayd.replay import Replayer, open_replayer
 from delayd.server.config import Address, ServeConfig
 from delayd.server.connection import DelayConnection
 from delayd.server.delivery import Delivery, build_targets
+from delayd.server.delivery_metrics import DeliveryCollector
 from delayd.server.intake import IntakePath
 from delayd.server.listener import IntakeListener
 from delayd.server.metrics import IntakeCollector
@@ -73,6 +74,9 @@ class DelayServer:
         self.intake = IntakePath(self.receiver, self.writer, replayer)
         self.listener = IntakeListener(self._connection)
         self._stop = trio.Event()
+        # Recovery of the logs is done when the server is built; /readyz turns ready
+        # once replay has caught up and delivery runs.
+        self.readiness = Readiness("replaying message_log before delivery starts")
         self._broker_address: str | None = None
 
     @classmethod
@@ -190,8 +194,10 @@ class DelayServer:
                     registry = CollectorRegistry(auto_describe=False)
                     registry.register(IntakeCollector(self.receiver, self.intake, self.replayer))
                     registry.register(BrokerCollector(self.broker))
+                    registry.register(DeliveryCollector(self.delivery))
                     host, port = config.metrics_listen
-                    metrics_bound = (await root.start(serve_metrics, registry, host, port))[0]
+                    serve = partial(serve_metrics, readiness=self.readiness)
+                    metrics_bound = (await root.start(serve, registry, host, port))[0]
                 host, port = config.listen
                 intake_bound = await root.start(self.listener.serve, host, port)
                 task_status.started(BoundAddresses(intake_bound[0], broker_bound, metrics_bound))
@@ -210,6 +216,7 @@ class DelayServer:
         while self.replayer.position < replay_target:
             await trio.sleep(0.005)
         await root.start(self.delivery.run)
+        self.readiness.set_ready()
         log.info("delivering: replay caught up at message_log offset %d", replay_target)
 
     async def _shutdown(self) -> None:

@@ -111,9 +111,6 @@ class ServeConfig:
     broker_groups: tuple[BrokerGroupConfig, ...] = (
         BrokerGroupConfig(EMBEDDED_GROUP, embedded=True),
     )
-    message_log_retention_ms: int = 3_600_000
-    bucket_retention_ms: int = 86_400_000
-    retention_interval_ms: int = 60_000
 
     def __post_init__(self) -> None:
         if not self.broker_groups:
@@ -208,11 +205,6 @@ _SCHEMA: dict[str, dict[str, tuple[Callable[[Any, str], Any], str]]] = {
         "max_attempts": (_int, "retry.max_attempts"),
         "retry_base_ms": (_int, "retry.base_ms"),
         "retry_max_ms": (_int, "retry.max_ms"),
-    },
-    "retention": {
-        "message_log_ms": (_int, "message_log_retention_ms"),
-        "buckets_ms": (_int, "bucket_retention_ms"),
-        "interval_ms": (_int, "retention_interval_ms"),
     },
 }
 _NESTED = ("limits", "flush", "sender", "retry")
