@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import urllib.error
 import urllib.request
 
 from delayd.protocol import Message
@@ -12,7 +13,15 @@ from tests.test_intake_server import metrics, poll, serve  # noqa: F401  (fixtur
 def test_delivery_metrics_follow_the_workload(serve, tmp_path):  # noqa: F811
     server = serve(None, "--metrics-listen", "127.0.0.1:0")
     url = "http://{}:{}/readyz".format(*server.metrics_address)
-    poll(lambda: urllib.request.urlopen(url, timeout=5).status == 200)
+
+    def ready() -> bool:
+        try:
+            return urllib.request.urlopen(url, timeout=5).status == 200
+        except urllib.error.HTTPError as not_ready:
+            assert not_ready.code == 503
+            return False
+
+    poll(ready)
     client = RawClient(server.address)
     soon = [Message(f"soon-{i}", "orders", delay_ms=200) for i in range(5)]
     later = [Message(f"later-{i}", "orders", delay_ms=7_200_000) for i in range(3)]
