@@ -76,7 +76,10 @@ subject_queues = { orders = 8 }
         ({"replay": 5}, ["replay must be a table"]),
         ({"wheels": {}}, ["unknown table [wheels]"]),
         ({"broker_groups": [{"name": "a"}]}, ["embedded = true or", "addresses"]),
-        ({"broker_groups": [{"name": "a", "embedded": True, "wieght": 2}]}, ["broker_groups.wieght"]),
+        (
+            {"broker_groups": [{"name": "a", "embedded": True, "wieght": 2}]},
+            ["broker_groups.wieght"],
+        ),
         ({"wheel": {"tick_ms": 0}}, ["wheel.tick_ms"]),
         (
             {"message_log": {"segment_bytes": 65536}},
