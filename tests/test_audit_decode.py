@@ -1,0 +1,368 @@
+"""The audit's readers without Spark: bulk decoding to Arrow agrees with the logs' codecs,
+and every kind of damage becomes a problem row naming the file and the byte."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import tempfile
+
+import pyarrow as pa
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from delayd.audit import files
+from delayd.audit.decode_dispatch import dispatch_batches
+from delayd.audit.decode_messages import message_batches, schedule_batches
+from delayd.audit.files import LogFile
+from delayd.audit.kinds import CORRUPT, FORMAT, FULL, TORN_TAIL
+from delayd.audit.schemas import DISPATCH_LOG, MESSAGE_LOG, SCHEDULE_LOG
+from delayd.logs import layout, message_log
+from delayd.logs.dispatch_log import FRAMED_SIZE, EntryKind, decode_entry, encode_entry
+from delayd.logs.message_log import TYPE_MESSAGE, MessageRecord, decode_message, encode_message
+from delayd.logs.schedule_log import decode_scheduled, encode_scheduled
+from storage.framing import HEADER_SIZE, encode_record
+from storage.fs import O_READ, REAL_FS
+from storage.record_file import RecordFile
+from storage.scan import scan_frames
+from storage.segmented_log import SegmentedLog
+from tests.audit_support import T0, DelayData, append_bytes, flip_byte
+
+MESSAGES = st.lists(
+    st.builds(
+        MessageRecord,
+        due_ms=st.integers(T0 - 10**9, T0 + 10**9),
+        sequence=st.integers(1, 2**40),
+        receive_ms=st.integers(T0 - 10**9, T0),
+        message_id=st.text(min_size=1, max_size=20),
+        subject=st.text(min_size=1, max_size=12),
+        key=st.none() | st.text(max_size=8),
+        properties=st.dictionaries(st.text(max_size=5), st.text(max_size=5), max_size=3),
+        body=st.binary(max_size=40),
+    ),
+    min_size=1,
+    max_size=40,
+)
+EXAMPLES = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def only_file(root: str, log: str) -> LogFile:
+    (log_file,) = files.list_files(root, log)
+    return log_file
+
+
+def table(batches) -> pa.Table:
+    batches = list(batches)
+    return pa.Table.from_batches(batches, schema=batches[0].schema)
+
+
+def records(table_: pa.Table) -> list[dict]:
+    return [row for row in table_.to_pylist() if row["problem"] is None]
+
+
+def problems(table_: pa.Table) -> list[tuple]:
+    return [
+        (row["problem"], row["position"] if "position" in row else row["offset"])
+        for row in table_.to_pylist()
+        if row["problem"] is not None
+    ]
+
+
+def scanned(path: str, base: int = 0):
+    fd = REAL_FS.open(path, O_READ)
+    try:
+        yield from scan_frames(REAL_FS, fd, path, base, 0, os.path.getsize(path))
+    finally:
+        REAL_FS.close(fd)
+
+
+def write_messages(root: str, messages: list[MessageRecord]) -> None:
+    """All messages into one schedule_log bucket and one message_log segment."""
+    with DelayData(root) as data:
+        bucket = data.schedule_log
+        for message in messages:
+            payload = message_log.encode_record(message)
+            (offset,) = data.message_log.append_batch([payload], TYPE_MESSAGE)
+            bucket.append_batch(T0, [encode_scheduled(offset, payload)])
+
+
+@EXAMPLES
+@given(MESSAGES)
+def test_schedule_and_message_log_rows_are_what_the_codecs_decode(messages):
+    with tempfile.TemporaryDirectory() as root:
+        write_messages(root, messages)
+        schedule_file = only_file(root, files.SCHEDULE_LOG)
+        fast = table(schedule_batches(schedule_file, "s1", batch_rows=7))
+        assert fast.schema == SCHEDULE_LOG
+        assert fast.equals(table(schedule_batches(schedule_file, "s1", verify=FULL, batch_rows=7)))
+        expected = []
+        for record in scanned(schedule_file.path):
+            decoded = decode_scheduled(record.payload)
+            m = decoded.message
+            head = (record.offset, decoded.message_log_offset, m.due_ms, m.sequence)
+            expected.append((*head, m.receive_ms, m.message_id, m.subject, m.key, len(m.body)))
+        columns = (
+            "offset",
+            "message_log_offset",
+            "due_ms",
+            "sequence",
+            "receive_ms",
+            "message_id",
+            "subject",
+            "key",
+            "body_size",
+        )
+        rows = records(fast)
+        assert [tuple(r[c] for c in columns) for r in rows] == expected
+        assert {(r["server"], r["file"], r["bucket"].timestamp() * 1000) for r in rows} == {
+            ("s1", schedule_file.name, T0)
+        }
+
+        segment = only_file(root, files.MESSAGE_LOG)
+        messages_table = table(message_batches(segment, "s1", batch_rows=5))
+        assert messages_table.schema == MESSAGE_LOG
+        assert messages_table.equals(table(message_batches(segment, "s1", verify=FULL)))
+        assert [
+            (r["offset"], r["message_id"], r["key"], r["body_size"])
+            for r in records(messages_table)
+        ] == [
+            (rec.offset, m.message_id, m.key, len(m.body))
+            for rec in scanned(segment.path)
+            for m in [decode_message(rec.payload)]
+        ]
+
+
+@EXAMPLES
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(list(EntryKind)),
+            st.integers(0, 2**40),
+            st.integers(-(2**40), 2**42),
+            st.sampled_from(["", "default", "g-1", "a.b_c-16-chars_x"]),
+        ),
+        min_size=1,
+        max_size=60,
+    )
+)
+def test_dispatch_log_blocks_are_what_decode_entry_decodes(entries):
+    with tempfile.TemporaryDirectory() as root:
+        path = os.path.join(layout.dispatch_log_dir(root), "202611221000")
+        with RecordFile.open(path) as record_file:
+            for kind, offset, at_ms, group in entries:
+                record_file.append_batch([encode_entry(offset, at_ms, group.encode())], kind)
+        log_file = only_file(root, files.DISPATCH_LOG)
+        fast = table(dispatch_batches(log_file, "s1", batch_rows=4))
+        assert fast.schema == DISPATCH_LOG
+        assert fast.equals(table(dispatch_batches(log_file, "s1", verify=FULL, batch_rows=4)))
+        assert [
+            (r["position"], r["kind"], r["offset"], r["at_ms"], r["group"]) for r in records(fast)
+        ] == [
+            (rec.offset, e.kind.name.lower(), e.offset, e.at_ms, e.group)
+            for rec in scanned(path)
+            for e in [decode_entry(rec.type, rec.payload, path, rec.offset)]
+        ]
+
+
+def schedule_with(root: str, count: int) -> tuple[str, list[int]]:
+    """A bucket of ``count`` messages; its path and the records' offsets."""
+    with DelayData(root) as data:
+        offsets = [data.accept(f"m-{i}", T0 + i).offset for i in range(count)]
+    return os.path.join(layout.schedule_log_dir(root), "202611221000"), offsets
+
+
+def read_schedule(root: str) -> pa.Table:
+    return table(schedule_batches(only_file(root, files.SCHEDULE_LOG), "s1"))
+
+
+def test_a_record_cut_short_at_the_end_is_a_torn_tail(tmp_path):
+    path, offsets = schedule_with(str(tmp_path), 5)
+    size = os.path.getsize(path)
+    whole = encode_record(
+        encode_scheduled(0, encode_message(T0, 9, T0, b"x", b"s", None, b"", b""))
+    )
+    for cut in (1, HEADER_SIZE - 1, HEADER_SIZE, len(whole) - 1):
+        os.truncate(path, size)
+        append_bytes(path, whole[:cut])
+        found = read_schedule(str(tmp_path))
+        assert [r["offset"] for r in records(found)] == offsets
+        assert problems(found) == [(TORN_TAIL, size)]
+
+
+def test_zeros_to_the_end_are_a_torn_tail(tmp_path):
+    path, _ = schedule_with(str(tmp_path), 3)
+    size = os.path.getsize(path)
+    append_bytes(path, bytes(4096))  # a file extended by a crash before its data landed
+    found = read_schedule(str(tmp_path))
+    assert problems(found) == [(TORN_TAIL, size)]
+    assert len(records(found)) == 3
+
+
+def test_a_bad_frame_before_the_end_is_corruption_and_reading_stops_there(tmp_path):
+    path, offsets = schedule_with(str(tmp_path), 6)
+    flip_byte(path, offsets[2] + HEADER_SIZE + 20)
+    found = read_schedule(str(tmp_path))
+    assert [r["offset"] for r in records(found)] == offsets[:2]
+    ((kind, position),) = problems(found)
+    assert (kind, position) == (CORRUPT, offsets[2])
+    assert "crc mismatch" in found.column("detail").to_pylist()[-1]
+
+
+def test_records_the_codec_refuses_are_format_rows_and_reading_goes_on(tmp_path):
+    root = str(tmp_path)
+    path, offsets = schedule_with(root, 2)
+    good = encode_scheduled(7, encode_message(T0, 1, T0, b"ok", b"s", None, b"", b"b"))
+    bad_utf8 = encode_scheduled(8, encode_message(T0, 2, T0, b"\xff\xfe", b"s", None, b"", b""))
+    with RecordFile.open(path) as record_file:
+        unknown_type = record_file.append_batch([good], 9)[0]
+        too_long = record_file.append_batch([good + b"!"])[0]
+        not_utf8 = record_file.append_batch([bad_utf8])[0]
+        after = record_file.append_batch([good])[0]
+    for verify in ("head", FULL):
+        found = table(schedule_batches(only_file(root, files.SCHEDULE_LOG), "s1", verify=verify))
+        assert [r["offset"] for r in records(found)] == [*offsets, after]
+        assert problems(found) == [
+            (FORMAT, unknown_type),
+            (FORMAT, too_long),
+            (FORMAT, not_utf8),
+        ]
+        details = [d for d in found.column("detail").to_pylist() if d]
+        assert "type 9" in details[0]
+        assert "add up" in details[1]
+        assert "message_id is not valid UTF-8" in details[2]
+
+
+def test_bytes_after_the_end_of_segment_marker_are_corruption(tmp_path):
+    directory = layout.message_log_dir(str(tmp_path))
+    payload = encode_message(T0, 1, T0, b"id", b"s", None, b"", b"x" * 100)
+    with SegmentedLog.open(directory, segment_size=1000) as log:  # 6 records a segment
+        offsets = log.append_batch([payload] * 8, TYPE_MESSAGE)
+    first, second = files.list_files(str(tmp_path), files.MESSAGE_LOG)
+    assert second.base > 0
+    append_bytes(first.path, b"junk")
+    first, _ = files.list_files(str(tmp_path), files.MESSAGE_LOG)
+    found = table(message_batches(first, "s1"))
+    assert [r["offset"] for r in records(found)] == [o for o in offsets if o < second.base]
+    assert problems(found) == [(CORRUPT, first.size - 4)]
+    later = table(message_batches(second, "s1"))
+    assert [r["offset"] for r in records(later)] == [o for o in offsets if o >= second.base]
+    assert problems(later) == []
+
+
+def dispatch_file(root: str, count: int) -> str:
+    path = os.path.join(layout.dispatch_log_dir(root), "202611221000")
+    with RecordFile.open(path) as record_file:
+        record_file.append_batch(
+            [encode_entry(i * 100, T0 + i, b"default") for i in range(count)],
+            EntryKind.DISPATCHED,
+        )
+    return path
+
+
+def read_dispatch(root: str, **options) -> pa.Table:
+    return table(dispatch_batches(only_file(root, files.DISPATCH_LOG), "s1", **options))
+
+
+@pytest.mark.parametrize("verify", ["head", FULL])
+def test_dispatch_log_damage(tmp_path, verify):
+    root = str(tmp_path)
+    path = dispatch_file(root, 10)
+    with RecordFile.open(path) as record_file:
+        unknown_kind = record_file.append_batch([encode_entry(1, 2, b"g")], 9)[0]
+        wrong_size = record_file.append_batch([b"x" * 31])[0]
+        not_ascii = record_file.append_batch([encode_entry(1, 2, b"\xe9t\xe9")])[0]
+        after = record_file.append_batch([encode_entry(5000, 3, b"g")])[0]
+    found = read_dispatch(root, verify=verify, batch_rows=4)
+    assert [r["position"] for r in records(found)] == [
+        *range(0, 10 * FRAMED_SIZE, FRAMED_SIZE),
+        after,
+    ]
+    assert problems(found) == [(FORMAT, unknown_kind), (FORMAT, wrong_size), (FORMAT, not_ascii)]
+
+    flip_byte(path, 3 * FRAMED_SIZE + 12)
+    found = read_dispatch(root, verify=verify, batch_rows=4)
+    assert [r["position"] for r in records(found)] == [0, FRAMED_SIZE, 2 * FRAMED_SIZE]
+    assert problems(found) == [(CORRUPT, 3 * FRAMED_SIZE)]
+
+
+def test_dispatch_log_torn_tail(tmp_path):
+    root = str(tmp_path)
+    path = dispatch_file(root, 7)
+    whole = encode_record(encode_entry(1, 2, b"g"), EntryKind.DISPATCHED)
+    for cut in (1, 20, FRAMED_SIZE - 1):
+        os.truncate(path, 7 * FRAMED_SIZE)
+        append_bytes(path, whole[:cut])
+        found = read_dispatch(root)
+        assert len(records(found)) == 7
+        assert problems(found) == [(TORN_TAIL, 7 * FRAMED_SIZE)]
+
+
+def test_listing_takes_only_log_files_and_packs_small_ones(tmp_path):
+    root = str(tmp_path)
+    with DelayData(root) as data:
+        for minute in range(5):
+            data.accept(f"m{minute}", T0 + minute * 60_000, body=b"x" * 1000)
+    directory = layout.schedule_log_dir(root)
+    open(os.path.join(directory, "202611221000.tmp"), "wb").close()
+    open(os.path.join(directory, "notes"), "wb").close()
+    listed = files.list_files(root, files.SCHEDULE_LOG)
+    assert [f.name for f in listed] == [f"2026112210{m:02d}" for m in range(5)]
+    assert [f.bucket_ms for f in listed] == [T0 + m * 60_000 for m in range(5)]
+    assert [f.name for f in files.list_files(root, files.MESSAGE_LOG)] == ["0" * 20]
+    assert files.list_files(root, files.DISPATCH_LOG) == []
+    size = listed[0].size
+    assert [len(group) for group in files.pack(listed, 0)] == [1] * 5
+    assert [len(group) for group in files.pack(listed, 2 * size)] == [2, 2, 1]
+    assert [len(group) for group in files.pack(listed, 1)] == [1] * 5
+    with pytest.raises(FileNotFoundError, match="not a delayd data directory"):
+        files.list_files(str(tmp_path / "nothing"), files.SCHEDULE_LOG)
+
+
+def test_the_delayd_command_loads_without_pyspark_and_pyarrow(tmp_path):
+    """The server's `delayd` must work without the audit extra; `delayd audit` then says
+    what to install."""
+    blocker = (
+        "import sys, importlib.abc\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('pyspark', 'pyarrow'):\n"
+        "            raise ModuleNotFoundError(name=name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "from delayd.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    help_text = subprocess.run(
+        [sys.executable, "-c", blocker, "audit", "--help"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    ).stdout
+    assert "--as-of" in help_text and "--grace" in help_text
+    data_dir = tmp_path / "data"
+    (data_dir / "delay").mkdir(parents=True)
+    refused = subprocess.run(
+        [sys.executable, "-c", blocker, "audit", "--data", str(data_dir), "--out", "o"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert refused.returncode == 2
+    assert "pip install 'delayd[audit]'" in refused.stderr
+
+
+def test_random_bodies_round_trip_through_blocks_of_every_size(tmp_path):
+    """Batch boundaries anywhere: the rows are the same whatever the batch size."""
+    rng = random.Random(7)
+    root = str(tmp_path)
+    with DelayData(root) as data:
+        for i in range(50):
+            data.accept(f"id-{i}", T0 + i, body=rng.randbytes(rng.randrange(0, 300)))
+    schedule_file = only_file(root, files.SCHEDULE_LOG)
+    reference = table(schedule_batches(schedule_file, "s1"))
+    for batch_rows in (1, 2, 3, 49, 50, 51):
+        assert table(schedule_batches(schedule_file, "s1", batch_rows=batch_rows)).equals(reference)
