@@ -18,6 +18,7 @@ COMMANDS = {
     "consume": "delayd.client.consume_command",
     "top": "delayd.top.command",
     "inspect": "delayd.inspect.command",
+    "audit": "delayd.audit.command",
 }
 
 

@@ -1,0 +1,227 @@
+"""The reconciliation: one row per schedule_log record with what became of it.
+
+``(server, bucket, offset)`` names a message for good (docs/replay.md). Each record is
+joined with what dispatch_log says about that offset, and judged. Definitions
+(docs/audit.md has them with examples); ``cutoff = as_of - grace``:
+
+* dispatched: the record has at least one DISPATCHED entry; ``dispatched_ms`` is the
+  first one's time, ``lateness_ms = dispatched_ms - due_ms``.
+* duplicate_dispatch: more than one DISPATCHED entry for the same record.
+* duplicate_id: a message id whose DISPATCHED entries are at more than one record
+  (a producer retry is two records with one id; the delay server does not dedupe, the
+  broker does). The by-id count counts ids with more than one DISPATCHED entry in all,
+  so an id dispatched twice at one record counts there too.
+* overdue: no DISPATCHED, DEAD_LETTERED or CANCELLED entry and due before the cutoff.
+  pending: the same, due at or after the cutoff (not judged yet). unverified: the same
+  as overdue, in a bucket whose dispatch_log file has a problem (its entry may be in the
+  part that could not be read); counted, not listed: the problem row is the finding.
+* early: dispatched before its due time. late: ``lateness_ms > late_ms``.
+* dead_lettered: handled (never overdue) but listed, as a notice.
+* unknown_record: an entry for an offset with no schedule_log record, written before
+  the cutoff (a later one may belong to a record appended after the audit read the
+  bucket), and before the byte where reading the bucket's schedule_log stopped, if it
+  did (past it, records exist that could not be read).
+
+Each log is read once: schedule_log's problem rows travel through the join with its
+records (a torn or corrupt frame sits at a record's offset); dispatch_log's are counted
+per file in the same aggregation as its entries. A message id travels as its 64-bit
+hash; the ids themselves are read again for the few records that need them
+(inputs.py), so ten million strings are never shuffled or cached.
+"""
+
+from __future__ import annotations
+
+from pyspark.sql import Column, DataFrame
+from pyspark.sql import functions as F
+
+from delayd.audit.config import AuditConfig
+from delayd.audit.kinds import CORRUPT, TORN_TAIL
+
+DISPATCHED = "dispatched"
+DEAD_LETTERED = "dead_lettered"
+CANCELLED = "cancelled"
+COMPLETE = "complete"
+
+# Discrepancy kinds. Every kind fails the audit except the notices.
+OVERDUE = "overdue"
+DUPLICATE_DISPATCH = "duplicate_dispatch"
+DUPLICATE_ID = "duplicate_id"
+EARLY = "early"
+LATE = "late"
+UNKNOWN_RECORD = "unknown_record"
+NOT_SCHEDULED = "not_scheduled"
+SCHEDULED_TWICE = "scheduled_twice"
+NOTICES = frozenset({DEAD_LETTERED, TORN_TAIL})
+
+KEY = ["server", "bucket", "offset"]  # names a schedule_log record for good
+DUPLICATES_SCHEMA = (
+    "server string, bucket timestamp, offset long, message_id string, "
+    "id_dispatches long, id_records long"
+)
+IN_SERVER = KEY[1:]
+
+
+def is_record(frame: DataFrame) -> Column:
+    return frame["problem"].isNull()
+
+
+def joined(schedule: DataFrame, dispatch: DataFrame) -> DataFrame:
+    """Every schedule_log row of one server (records, and problem rows at the byte
+    where they are) joined with the entries dispatch_log has for its offset; entries for
+    an offset with no schedule_log row get a row of their own. Not judged yet (judge).
+
+    One server at a time, on (bucket, offset), without a ``server`` column (the job adds
+    it): the aggregation's shuffle then already places the entries where the join needs
+    them, and a cache of the result holds no copy of the server's name per record.
+    """
+    kind = F.col("kind")
+    # dispatch_log's problem rows have no offset: they add up to one row per damaged
+    # file, with a count and no text, so that this stays a hash aggregation; the job
+    # reads those few files again for the details.
+    entries = (
+        dispatch.where(~is_record(dispatch) | (kind != COMPLETE))
+        .groupBy(*IN_SERVER)
+        .agg(
+            F.count_if(kind == DISPATCHED).alias("dispatches"),
+            F.count_if(kind == DEAD_LETTERED).alias("dead_letters"),
+            F.count_if(kind == CANCELLED).alias("cancels"),
+            F.min(F.when(kind == DISPATCHED, F.col("at_ms"))).alias("dispatched_ms"),
+            F.min("at_ms").alias("first_entry_ms"),
+            F.count_if(~is_record(dispatch)).alias("dispatch_problems"),
+        )
+    )
+    # A problem row stands where a record could not be read: entries for that offset
+    # are about that record, so they join it and are not unknown.
+    rows = schedule.select(
+        *IN_SERVER,
+        "message_log_offset",
+        "due_ms",
+        F.xxhash64("message_id").alias("id_hash"),
+        F.col("problem").alias("schedule_problem"),
+        F.col("detail").alias("schedule_detail"),
+    )
+    return rows.join(entries, IN_SERVER, "full_outer")
+
+
+def judge(
+    joined_rows: DataFrame, stops: DataFrame, damaged: DataFrame, config: AuditConfig
+) -> DataFrame:
+    """The rows of ``joined`` with the flags of the module docstring. ``stops`` and
+    ``damaged`` are schedule_stops and damaged_dispatch_logs of those rows (small; the
+    job computes them once)."""
+    judged = joined_rows.join(F.broadcast(stops), ["server", "bucket"], "left").join(
+        F.broadcast(damaged), ["server", "bucket"], "left"
+    )
+    dispatches = F.coalesce(F.col("dispatches"), F.lit(0))
+    dead_letters = F.coalesce(F.col("dead_letters"), F.lit(0))
+    cancels = F.coalesce(F.col("cancels"), F.lit(0))
+    scheduled = F.col("due_ms").isNotNull()
+    known = scheduled | F.col("schedule_problem").isNotNull()
+    handled = (dispatches > 0) | (dead_letters > 0) | (cancels > 0)
+    undone = scheduled & ~handled & (F.col("due_ms") < config.cutoff_ms)
+    damaged = F.coalesce(F.col("dispatch_damaged"), F.lit(False))
+    unread = F.col("schedule_stop").isNotNull() & (F.col("offset") >= F.col("schedule_stop"))
+    lateness = F.col("dispatched_ms") - F.col("due_ms")
+    return judged.select(
+        *KEY,
+        "message_log_offset",
+        "due_ms",
+        "id_hash",
+        dispatches.alias("dispatches"),
+        "dispatched_ms",
+        F.when(scheduled, lateness).alias("lateness_ms"),
+        flag("scheduled", scheduled),
+        flag("dispatched", dispatches > 0),
+        flag("dead_lettered", dead_letters > 0),
+        flag("cancelled", cancels > 0),
+        flag("overdue", undone & ~damaged),
+        flag("unverified", undone & damaged),
+        flag("pending", scheduled & ~handled & (F.col("due_ms") >= config.cutoff_ms)),
+        flag("early", scheduled & (lateness < 0)),
+        flag("late", scheduled & (lateness > config.late_ms)),
+        flag("duplicate_dispatch", scheduled & (dispatches > 1)),
+        flag(
+            "unknown_record",
+            ~known & ~unread & (F.col("first_entry_ms") < config.cutoff_ms),
+        ),
+    )
+
+
+def flag(name: str, condition: Column) -> Column:
+    """A true/false column (never null: a comparison with a missing value is false)."""
+    return F.coalesce(condition, F.lit(False)).alias(name)
+
+
+def schedule_stops(joined_rows: DataFrame) -> DataFrame:
+    """Per bucket, the byte where reading its schedule_log file stopped (torn tail or
+    corruption): entries for offsets from there on are about records that could not be
+    read, not unknown ones."""
+    return (
+        joined_rows.where(F.col("schedule_problem").isin(TORN_TAIL, CORRUPT))
+        .groupBy("server", "bucket")
+        .agg(F.min("offset").alias("schedule_stop"))
+    )
+
+
+def damaged_dispatch_logs(joined_rows: DataFrame) -> DataFrame:
+    """Buckets whose dispatch_log file has a problem: some entries could not be read, so
+    a record there without an entry is ``unverified``, not overdue."""
+    return (
+        joined_rows.where(F.col("dispatch_problems") > 0)
+        .select("server", "bucket", F.lit(True).alias("dispatch_damaged"))
+        .distinct()
+    )
+
+
+def problem_rows(joined_rows: DataFrame) -> DataFrame:
+    """The rows of ``joined`` that stand for problems: schedule_log's problem rows and
+    dispatch_log's per-file counts. Few; schedule_stops, damaged_dispatch_logs and the
+    corrupt_records table are computed from them."""
+    return joined_rows.where(
+        F.col("schedule_problem").isNotNull() | (F.col("dispatch_problems") > 0)
+    ).select(*KEY, "schedule_problem", "schedule_detail", "dispatch_problems")
+
+
+def duplicate_hashes(joined_rows: DataFrame) -> DataFrame:
+    """Message id hashes with more than one DISPATCHED entry over all servers (a
+    superset of the duplicate ids: hashes can collide)."""
+    return (
+        joined_rows.where(F.col("due_ms").isNotNull() & (F.col("dispatches") > 0))
+        .groupBy("id_hash")
+        .agg(F.sum("dispatches").alias("hash_dispatches"))
+        .where(F.col("hash_dispatches") > 1)
+        .select("id_hash")
+    )
+
+
+def duplicate_candidates(joined_rows: DataFrame, hashes: DataFrame) -> DataFrame:
+    """The dispatched records whose id hash is one of ``hashes`` (KEY and
+    ``dispatches``); duplicate_ids decides by the ids themselves."""
+    dispatched = joined_rows.where(F.col("due_ms").isNotNull() & (F.col("dispatches") > 0))
+    return dispatched.join(hashes, "id_hash", "left_semi").select(*KEY, "dispatches")
+
+
+def duplicate_ids(candidates: DataFrame) -> DataFrame:
+    """Of the candidates (with their ``message_id``), the records whose message id has
+    more than one DISPATCHED entry over all servers, with ``id_dispatches`` (entries in
+    all) and ``id_records`` (records dispatched)."""
+    per_id = (
+        candidates.groupBy("message_id")
+        .agg(F.sum("dispatches").alias("id_dispatches"), F.count("*").alias("id_records"))
+        .where(F.col("id_dispatches") > 1)
+    )
+    return candidates.join(per_id, "message_id").select(
+        *KEY, "message_id", "id_dispatches", "id_records"
+    )
+
+
+def with_duplicate_ids(status: DataFrame, duplicates: DataFrame) -> DataFrame:
+    """``status`` plus ``duplicate_by_id`` (the record's id was dispatched more than once)
+    and ``duplicate_id`` (at more than one record), with ``id_records``."""
+    joined = status.join(duplicates.select(*KEY, "id_records"), KEY, "left")
+    return joined.withColumns(
+        {
+            "duplicate_by_id": F.col("id_records").isNotNull(),
+            "duplicate_id": F.coalesce(F.col("id_records"), F.lit(0)) > 1,
+        }
+    )
