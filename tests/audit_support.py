@@ -1,0 +1,161 @@
+"""Data directories for the audit tests, written by the project's own writers.
+
+``DelayData`` appends MESSAGE records to message_log (SegmentedLog), SCHEDULED records
+to schedule_log buckets and entries to dispatch_log buckets (BucketFiles, RecordFile),
+encoded by the logs' codecs — so a test can plant exactly the faults it wants (a
+missing entry, a second entry, a record scheduled twice) in files the audit reads as it
+would read a server's.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import pytest
+
+from delayd.logs import layout
+from delayd.logs.bucket_files import BucketFiles
+from delayd.logs.buckets import bucket_name, bucket_of
+from delayd.logs.dispatch_log import EntryKind, check_group_name, encode_entry
+from delayd.logs.message_log import TYPE_MESSAGE, MessageRecord, encode_record
+from delayd.logs.schedule_log import TYPE_SCHEDULED, encode_scheduled
+from storage.segmented_log import SegmentedLog
+
+T0 = 1_795_341_600_000  # 2026-11-22T10:00:00Z
+MINUTE = 60_000
+
+
+@dataclass(frozen=True)
+class Scheduled:
+    """Where one message ended up: its schedule_log record and message_log record."""
+
+    message_id: str
+    due_ms: int
+    bucket_ms: int
+    offset: int  # in the bucket's schedule_log file
+    message_log_offset: int
+
+    @property
+    def bucket(self) -> str:
+        return bucket_name(self.bucket_ms)
+
+
+class DelayData:
+    """A data directory being written; use as a context manager (closes the files)."""
+
+    def __init__(self, root: str, *, segment_size: int = 1 << 20) -> None:
+        self.root = root
+        self.message_log = SegmentedLog.open(
+            layout.message_log_dir(root), segment_size=segment_size
+        )
+        self.schedule_log = BucketFiles(layout.schedule_log_dir(root))
+        self.dispatch_log = BucketFiles(layout.dispatch_log_dir(root))
+        self.sequence = 0
+
+    def __enter__(self) -> DelayData:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.message_log.close()
+        self.schedule_log.close()
+        self.dispatch_log.close()
+
+    def accept(
+        self,
+        message_id: str,
+        due_ms: int,
+        *,
+        subject: str = "orders.timeout",
+        key: str | None = None,
+        body: bytes = b"body",
+        copies: int = 1,
+    ) -> Scheduled | None:
+        """Append a message to message_log and ``copies`` SCHEDULED records of it to its
+        bucket (1 as the replayer does; 0 or 2 plant a fault). Returns the first."""
+        self.sequence += 1
+        payload = encode_record(
+            MessageRecord(
+                due_ms, self.sequence, due_ms - MINUTE, message_id, subject, key, {}, body
+            )
+        )
+        (message_log_offset,) = self.message_log.append_batch([payload], TYPE_MESSAGE)
+        bucket_ms = bucket_of(due_ms, 1)
+        scheduled = encode_scheduled(message_log_offset, payload)
+        offsets = self.schedule_log.append_batch(bucket_ms, [scheduled] * copies, TYPE_SCHEDULED)
+        if not offsets:
+            return None
+        return Scheduled(message_id, due_ms, bucket_ms, offsets[0], message_log_offset)
+
+    def entry(
+        self,
+        record: Scheduled,
+        at_ms: int,
+        kind: EntryKind = EntryKind.DISPATCHED,
+        group: str = "default",
+    ) -> int:
+        """Append a dispatch_log entry about ``record``; returns its byte position."""
+        group_bytes = b"" if kind is EntryKind.CANCELLED else check_group_name(group)
+        (position,) = self.dispatch_log.append_batch(
+            record.bucket_ms, [encode_entry(record.offset, at_ms, group_bytes)], kind
+        )
+        return position
+
+    def complete(self, bucket_ms: int) -> None:
+        """A COMPLETE mark covering the bucket's schedule_log file as it is now."""
+        length = self.schedule_log.get(bucket_ms).end_offset
+        self.dispatch_log.append_batch(bucket_ms, [encode_entry(length, T0)], EntryKind.COMPLETE)
+
+
+def schedule_path(root: str, bucket_ms: int) -> str:
+    return os.path.join(layout.schedule_log_dir(root), bucket_name(bucket_ms))
+
+
+def dispatch_path(root: str, bucket_ms: int) -> str:
+    return os.path.join(layout.dispatch_log_dir(root), bucket_name(bucket_ms))
+
+
+def flip_byte(path: str, position: int) -> None:
+    """Damage one byte, as bit rot would."""
+    with open(path, "r+b") as file:
+        file.seek(position)
+        byte = file.read(1)
+        file.seek(position)
+        file.write(bytes([byte[0] ^ 0xFF]))
+
+
+def append_bytes(path: str, data: bytes) -> None:
+    """Bytes at the end of a file, as a write cut short by a crash leaves them."""
+    with open(path, "ab") as file:
+        file.write(data)
+
+
+# Tiny inputs: compiling generated code for every query plan would cost more than
+# interpreting it (NO_CODEGEN is Spark's own test setting).
+TEST_CONF = {
+    "spark.sql.shuffle.partitions": "2",
+    "spark.sql.codegen.wholeStage": "false",
+    "spark.sql.codegen.factoryMode": "NO_CODEGEN",
+    "spark.sql.adaptive.enabled": "false",
+}
+
+
+@pytest.fixture(scope="session")
+def spark_session():
+    """One local SparkSession for every audit test module of the run (a JVM start costs
+    seconds); `delayd audit` run in-process finds it and leaves it running."""
+    from delayd.audit.session import local_session
+
+    spark = local_session("local[2]", TEST_CONF)
+    yield spark
+    spark.stop()
+
+
+def read_table(out: str, name: str) -> list[dict]:
+    """The rows of one of the audit's Parquet tables."""
+    import pyarrow.parquet as pq
+
+    return pq.read_table(os.path.join(out, name)).to_pylist()
