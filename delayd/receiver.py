@@ -182,11 +182,7 @@ class Receiver:
             else:
                 due_ms = at_ms if at_ms is not None else now_ms + (delay_ms or 0)
                 if due_ms > latest_ms:
-                    refusal = SendResult(
-                        ResultCode.DELAY_TOO_LONG,
-                        f"due at {_utc(due_ms)}, {_days(due_ms - now_ms)} from now; "
-                        f"max_delay is {_days(limits.max_delay_ms)} (refused, not clamped)",
-                    )
+                    refusal = SendResult(ResultCode.DELAY_TOO_LONG, self._too_long(due_ms, now_ms))
                 elif len(m.body) > max_body:
                     refusal = SendResult(
                         ResultCode.BODY_TOO_LARGE,
@@ -209,6 +205,19 @@ class Receiver:
         self._next_sequence = sequence
         self.accepted_total += len(payloads)
         return Intake(results, payloads, dues, first_sequence)
+
+    def _too_long(self, due_ms: int, now_ms: int) -> str:
+        return (
+            f"due at {_utc(due_ms)}, {_days(due_ms - now_ms)} from now; "
+            f"max_delay is {_days(self.limits.max_delay_ms)} (refused, not clamped)"
+        )
+
+    def due_refusal(self, due_ms: int, now_ms: int) -> str | None:
+        """Why a due time of ``due_ms`` is refused at ``now_ms`` (beyond max_delay: the
+        DELAY_TOO_LONG reason a send gets), or None. A reschedule is checked with it."""
+        if due_ms > now_ms + self.limits.max_delay_ms:
+            return self._too_long(due_ms, now_ms)
+        return None
 
     def _check_subject(self, subject: str) -> str | None:
         problem = validate_subject(subject)

@@ -124,10 +124,12 @@ def test_random_bytes_decode_or_raise_record_format_error(data):
             decode(data)
 
 
-def test_reserved_and_unknown_record_types_are_refused_by_name():
+def test_unknown_record_types_are_refused_by_name():
     message_log.check_type(message_log.TYPE_MESSAGE, "/d/message_log", 0)
-    with pytest.raises(RecordFormatError, match=r"type 3 \(cancel\) is not supported"):
-        message_log.check_type(message_log.TYPE_CANCEL, "/d/message_log", 14)
+    message_log.check_type(message_log.TYPE_CANCEL, "/d/message_log", 0)  # issue 8
+    message_log.check_type(message_log.TYPE_RESCHEDULE, "/d/message_log", 0)
+    with pytest.raises(RecordFormatError, match=r"type 5 \(unknown type 5\) is not supported"):
+        message_log.check_type(5, "/d/message_log", 14)
     with pytest.raises(RecordFormatError, match="type 200"):
         message_log.check_type(200, "/d/message_log", 14)
     with pytest.raises(RecordFormatError, match="schedule_log record of type 3"):

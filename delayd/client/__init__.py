@@ -4,7 +4,8 @@
   managers (async_producer.py, async_consumer.py);
 - ``Producer(addr)`` / ``Consumer(addr, subject=, group=)``: the same for synchronous code
   on plain sockets (blocking_producer.py, blocking_consumer.py);
-- ``Receipt``: what a send returns; consumers yield ``delayd.protocol.Message``.
+- ``Receipt``: what a send returns; consumers yield ``delayd.protocol.Message``;
+  ``CancelReceipt`` / ``RescheduleReceipt``: what ``cancel`` / ``reschedule`` return.
 
 Shared, I/O-free pieces: ``_addr`` (``host:port``), ``_ids`` (message ids), ``_backoff``,
 ``_messages`` (send arguments to Messages, frames), ``_errors`` (ERROR frames to
@@ -19,14 +20,17 @@ from delayd.client.async_consumer import AsyncConsumer, open_consumer
 from delayd.client.async_producer import AsyncProducer, open_producer
 from delayd.client.blocking_consumer import Consumer
 from delayd.client.blocking_producer import Producer
+from delayd.client.cancel_receipt import CancelReceipt, RescheduleReceipt
 from delayd.client.receipt import Receipt
 
 __all__ = [
     "AsyncConsumer",
     "AsyncProducer",
+    "CancelReceipt",
     "Consumer",
     "Producer",
     "Receipt",
+    "RescheduleReceipt",
     "new_message_id",
     "open_consumer",
     "open_producer",

@@ -24,9 +24,25 @@ from delayd.client._async_session import AsyncSession
 from delayd.client._backoff import Backoff
 from delayd.client._messages import build_message, coerce_batch, split_frames
 from delayd.client._task_group import background_task_group
+from delayd.client.cancel_receipt import (
+    CancelReceipt,
+    RescheduleReceipt,
+    check_message_id,
+    reschedule_at_ms,
+)
 from delayd.client.receipt import Receipt
 from delayd.errors import BusyError, ConnectionClosedError, DelaydTimeout, RejectedError
-from delayd.protocol import Message, ResultCode, SendBatch, SendBatchResult
+from delayd.protocol import (
+    Cancel,
+    CancelResult,
+    Message,
+    Reschedule,
+    RescheduleResult,
+    Response,
+    ResultCode,
+    SendBatch,
+    SendBatchResult,
+)
 
 CLIENT_NAME = f"delayd-python-async/{__version__}"
 
@@ -180,6 +196,64 @@ class AsyncProducer:
                 await anyio.sleep(self._busy_backoff.next_delay())
             todo = busy
         return [r for r in receipts if r is not None]
+
+    async def cancel(self, message_id: str) -> CancelReceipt:
+        """Cancel the delayed message ``message_id`` (delay server only).
+
+        Returns once the server's answer is definite and durable: ``outcome`` is
+        CANCELLED (it will not be delivered), ALREADY_DELIVERED (``dispatched_ms`` says
+        when it was handed to a broker) or UNKNOWN. Sent again after a lost connection
+        (a second cancel of a cancelled message answers CANCELLED). Raises
+        DelaydTimeout after ``timeout_s``, ValueError for an empty id.
+        """
+        check_message_id(message_id)
+        result = await self._request(
+            lambda rid: Cancel(message_id, request_id=rid), f"cancelling {message_id!r}"
+        )
+        assert isinstance(result, CancelResult)
+        return CancelReceipt.from_result(message_id, result)
+
+    async def reschedule(
+        self, message_id: str, *, at_ms: int | None = None, delay_ms: int | None = None
+    ) -> RescheduleReceipt:
+        """Move the delayed message ``message_id`` to ``at_ms`` (epoch ms UTC) or to
+        ``delay_ms`` from now (this machine's clock); it keeps its id and body and is
+        delivered at the new time instead of the old one — never both, never neither.
+
+        ``outcome``: RESCHEDULED, ALREADY_DELIVERED (too late; ``dispatched_ms``),
+        UNKNOWN (no pending message with that id), DELAY_TOO_LONG (beyond the server's
+        max_delay: refused, never clamped). A time in the past means "now". Raises
+        ValueError for neither or both of at_ms/delay_ms or a negative delay,
+        DelaydTimeout after ``timeout_s``.
+        """
+        check_message_id(message_id)
+        due_ms = reschedule_at_ms(at_ms, delay_ms)
+        result = await self._request(
+            lambda rid: Reschedule(message_id, due_ms, request_id=rid),
+            f"rescheduling {message_id!r}",
+        )
+        assert isinstance(result, RescheduleResult)
+        return RescheduleReceipt.from_result(message_id, due_ms, result)
+
+    async def _request(self, build, what: str) -> Response:
+        """One request, sent again after a lost connection, within ``timeout_s``."""
+        if self._closed:
+            raise ConnectionClosedError("the producer is closed")
+        with anyio.move_on_after(self.timeout_s):
+            while True:
+                link = await self._session.link()
+                try:
+                    response = await link.request(build)
+                except ConnectionClosedError as exc:
+                    self._session.lost(link, exc)
+                    continue
+                self._session.succeeded()
+                return response
+        self._session.abort()
+        raise DelaydTimeout(
+            f"{what} at {self.addr} took over {self.timeout_s} s "
+            f"({self._session.describe_problem()})"
+        )
 
     async def aclose(self) -> None:
         """Close the connection; later calls raise ConnectionClosedError."""

@@ -28,6 +28,12 @@ from delayd.client._messages import (
     coerce_batch,
     split_frames,
 )
+from delayd.client.cancel_receipt import (
+    CancelReceipt,
+    RescheduleReceipt,
+    check_message_id,
+    reschedule_at_ms,
+)
 from delayd.client.receipt import Receipt
 from delayd.errors import (
     BusyError,
@@ -36,7 +42,17 @@ from delayd.errors import (
     DelaydTimeout,
     RejectedError,
 )
-from delayd.protocol import Message, ResultCode, SendBatch, SendBatchResult
+from delayd.protocol import (
+    Cancel,
+    CancelResult,
+    Message,
+    Reschedule,
+    RescheduleResult,
+    Response,
+    ResultCode,
+    SendBatch,
+    SendBatchResult,
+)
 
 CLIENT_NAME = f"delayd-python-blocking/{__version__}"
 
@@ -147,6 +163,44 @@ class Producer:
         with self._lock:
             self._check_open()
             return self._send(batch, deadline)
+
+    def cancel(self, message_id: str) -> CancelReceipt:
+        """Cancel a delayed message; as ``AsyncProducer.cancel``."""
+        check_message_id(message_id)
+        result = self._request(lambda rid: Cancel(message_id, request_id=rid))
+        assert isinstance(result, CancelResult)
+        return CancelReceipt.from_result(message_id, result)
+
+    def reschedule(
+        self, message_id: str, *, at_ms: int | None = None, delay_ms: int | None = None
+    ) -> RescheduleReceipt:
+        """Move a delayed message to a new time; as ``AsyncProducer.reschedule``."""
+        check_message_id(message_id)
+        due_ms = reschedule_at_ms(at_ms, delay_ms)
+        result = self._request(lambda rid: Reschedule(message_id, due_ms, request_id=rid))
+        assert isinstance(result, RescheduleResult)
+        return RescheduleReceipt.from_result(message_id, due_ms, result)
+
+    def _request(self, build) -> Response:
+        """One request, sent again after a lost connection, within ``timeout_s``."""
+        deadline = time.monotonic() + self.timeout_s
+        with self._lock:
+            self._check_open()
+            while True:
+                link = self._session.link(deadline)
+                try:
+                    response = link.request(build, deadline)
+                except ConnectionClosedError as exc:
+                    self._session.lost(exc)
+                    continue
+                except DelaydTimeout:
+                    self._session.lost(DelaydTimeout("a request timed out"))
+                    raise DelaydTimeout(
+                        f"no answer from {self.addr} within {self.timeout_s} s "
+                        f"({self._session.describe_problem()})"
+                    ) from None
+                self._session.succeeded()
+                return response
 
     def _send(self, batch: list[Message], deadline: float) -> list[Receipt]:
         """Send every frame; again after a lost connection (same ids, so the server

@@ -24,9 +24,16 @@ The frame's type byte says what the entry is:
                       ``at_ms`` (the dispatched_ms consumers see)
     DEAD_LETTERED  3  after max_attempts the record was sent to the dead-letter subject
                       of ``group`` at ``at_ms``
-    CANCELLED      4  the record was cancelled (``group`` empty) at ``at_ms``
+    CANCELLED      4  the record was cancelled (``group`` empty) at ``at_ms``: it is never
+                      delivered (docs/cancel.md)
     COMPLETE       5  every record below ``offset`` (the schedule_log file's length) has
                       an entry; ``group`` empty
+    RESCHEDULED    6  the record was moved away at ``at_ms`` (``group`` empty): a copy
+                      with the new due time was appended to schedule_log, behind the
+                      RESCHEDULE tombstone's message_log offset (docs/cancel.md)
+
+An offset has one entry, except after a crash (an entry repeated by replay, or a resend
+whose DISPATCHED entry was lost): readers take the first entry of an offset as its fate.
 
 ``group`` is the broker group's name in ASCII, NUL-padded (names are at most 16 bytes;
 delayd.server.config checks). The name is stored, not an index into a table, so that
@@ -41,7 +48,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 
 from storage.errors import CorruptionError
-from storage.framing import HEADER_SIZE
+from storage.framing import HEADER_SIZE, crc32c, type_seed
 from storage.fs import O_READ, FileSystem
 from storage.scan import BadFrame, Record, read_frame
 
@@ -59,6 +66,7 @@ class EntryKind(IntEnum):
     DEAD_LETTERED = 3
     CANCELLED = 4
     COMPLETE = 5
+    RESCHEDULED = 6
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +155,40 @@ def read_last_entry(fs: FileSystem, path: str) -> DispatchEntry | None:
     finally:
         fs.close(fd)
     return decode_entry(record.type, record.payload, path, record.offset)
+
+
+_FRAME_HEAD = struct.Struct("<IIB")  # storage frame: length, crc32c, type
+_OFFSET_AT = HEADER_SIZE  # the entry's offset field is the first of its payload
+
+
+def find_entry(fs: FileSystem, path: str, offset: int) -> DispatchEntry | None:
+    """The first entry (not COMPLETE) for schedule_log ``offset`` in a dispatch_log file,
+    or None. Reads the file once and lets ``bytes.find`` look for the offset field, so
+    a bucket of a million entries (41 MB) is searched in C; CRCs are checked on the
+    matches only. A torn tail is ignored. Raises CorruptionError for a matching entry
+    whose CRC holds but whose type is unknown."""
+    if not fs.exists(path):
+        return None
+    fd = fs.open(path, O_READ)
+    try:
+        size = fs.fsize(fd)
+        data = fs.pread(fd, size, 0)
+    finally:
+        fs.close(fd)
+    whole = len(data) - len(data) % FRAMED_SIZE
+    needle = struct.pack("<Q", offset)
+    at = data.find(needle, 0, whole)
+    while at >= 0:
+        start = at - _OFFSET_AT
+        if start % FRAMED_SIZE == 0:
+            length, crc, rtype = _FRAME_HEAD.unpack_from(data, start)
+            payload = data[start + HEADER_SIZE : start + FRAMED_SIZE]
+            if length == ENTRY_SIZE and crc == crc32c(payload, type_seed(rtype)):
+                entry = decode_entry(rtype, payload, path, start)
+                if entry.kind is not EntryKind.COMPLETE:
+                    return entry
+        at = data.find(needle, at + 1, whole)
+    return None
 
 
 def read_state(entries: Iterable[DispatchEntry]) -> DispatchState:

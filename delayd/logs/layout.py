@@ -2,7 +2,8 @@
 
     <data>/delay/message_log/00000000000000000000   SegmentedLog segments
     <data>/delay/schedule_log/202611221530           one RecordFile per UTC bucket
-    <data>/delay/dispatch_log/202611221530           (the delivery issue)
+    <data>/delay/dispatch_log/202611221530           what became of each scheduled record
+    <data>/delay/id_index/00000000000000000000       message id -> schedule_log location
     <data>/delay/checkpoint/meta                     segment_scale the data was made with
     <data>/delay/checkpoint/replay                   the replayer's checkpoint
 
@@ -17,6 +18,7 @@ DELAY = "delay"
 MESSAGE_LOG = "message_log"
 SCHEDULE_LOG = "schedule_log"
 DISPATCH_LOG = "dispatch_log"
+ID_INDEX = "id_index"
 CHECKPOINT = "checkpoint"
 META_CHECKPOINT = "meta"
 REPLAY_CHECKPOINT = "replay"
@@ -36,6 +38,10 @@ def schedule_log_dir(data_dir: str) -> str:
 
 def dispatch_log_dir(data_dir: str) -> str:
     return os.path.join(data_dir, DELAY, DISPATCH_LOG)
+
+
+def id_index_dir(data_dir: str) -> str:
+    return os.path.join(data_dir, DELAY, ID_INDEX)
 
 
 def checkpoint_dir(data_dir: str) -> str:

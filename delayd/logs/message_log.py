@@ -34,9 +34,9 @@ from storage.framing import FIRST_USER_TYPE, HEADER_SIZE
 
 # Record types in message_log (the frame's type byte; storage reserves 0 and 1).
 TYPE_MESSAGE = FIRST_USER_TYPE  # 2: an accepted message, layout above
-TYPE_CANCEL = 3  # reserved: a cancel tombstone (issue 8); never written yet
-TYPE_RESCHEDULE = 4  # reserved: a reschedule record (issue 8); never written yet
-RESERVED_TYPES = {TYPE_CANCEL: "cancel", TYPE_RESCHEDULE: "reschedule"}
+TYPE_CANCEL = 3  # a cancel tombstone: delayd.logs.tombstone, docs/cancel.md
+TYPE_RESCHEDULE = 4  # a reschedule tombstone: delayd.logs.tombstone, docs/cancel.md
+TOMBSTONE_TYPES = {TYPE_CANCEL: "cancel", TYPE_RESCHEDULE: "reschedule"}
 
 HEAD = struct.Struct("<qQqBHHHII")
 HEAD_SIZE = HEAD.size  # 8 + 8 + 8 + 1 + 2 + 2 + 2 + 4 + 4 = 39
@@ -246,12 +246,13 @@ def describe_type(rtype: int) -> str:
     """A name for a message_log record type, for error messages and ``delayd inspect``."""
     if rtype == TYPE_MESSAGE:
         return "message"
-    return RESERVED_TYPES.get(rtype, f"unknown type {rtype}")
+    return TOMBSTONE_TYPES.get(rtype, f"unknown type {rtype}")
 
 
 def check_type(rtype: int, path: str, offset: int) -> None:
-    """Raise RecordFormatError unless ``rtype`` is a record type this version reads."""
-    if rtype != TYPE_MESSAGE:
+    """Raise RecordFormatError unless ``rtype`` is a record type this version reads
+    (a message, or a cancel or reschedule tombstone)."""
+    if rtype != TYPE_MESSAGE and rtype not in TOMBSTONE_TYPES:
         raise RecordFormatError(
             f"{os.path.basename(path) or path}@{offset}: record of type {rtype} "
             f"({describe_type(rtype)}) is not supported by this version of delayd"

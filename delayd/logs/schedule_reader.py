@@ -106,6 +106,25 @@ class ScheduleReader:
             raise bad.corruption() from None
         return out
 
+    def read_untrusted(self, bucket_ms: int, offset: int) -> bytes | None:
+        """The SCHEDULED payload at ``offset`` when a whole valid record starts there,
+        else None (no file, past its end, not a record boundary). For offsets that may
+        be stale (the id index's): the file's length bounds the read, so a stray length
+        field can never ask for gigabytes."""
+        fd = self._fd(bucket_ms)
+        if fd is None:
+            return None
+        size = self.fs.fsize(fd)
+        if not 0 <= offset < size:
+            return None
+        try:
+            record = read_frame(self.fs, fd, self.path(bucket_ms), 0, offset, size)
+        except BadFrame:
+            return None
+        if record.type != schedule_log.TYPE_SCHEDULED:
+            return None
+        return record.payload
+
     def forget(self, bucket_ms: int) -> None:
         """Close the bucket's descriptor (before its file is deleted)."""
         fd = self._fds.pop(bucket_ms, None)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from delayd.logs import layout
 from delayd.logs.bucket_files import DEFAULT_MAX_OPEN, BucketFiles
+from delayd.logs.id_index import IdIndex
+from delayd.logs.schedule_reader import ScheduleReader
 from delayd.replay.recovery import RecoveryReport, recover
 from delayd.replay.replayer import (
     DEFAULT_BATCH_RECORDS,
@@ -49,8 +51,12 @@ def open_replayer(
     checkpoint_interval_s: float = DEFAULT_CHECKPOINT_INTERVAL_S,
     poll_interval_s: float | None = None,
     max_tail_bytes: int = DEFAULT_MAX_TAIL_BYTES,
+    index: bool = True,
 ) -> Replayer:
     """A Replayer for ``data_dir`` whose message_log ``log`` was just opened.
+
+    ``index``: keep the id index (``<data>/delay/id_index``) that cancel and
+    reschedule resolve ids with; off only for tools and tests that never cancel.
 
     Raises SegmentScaleMismatchError when the data was made with another
     segment_scale, CorruptionError when the logs contradict the checkpoint.
@@ -68,6 +74,17 @@ def open_replayer(
     except BaseException:
         buckets.close()
         raise
+    id_index = None
+    if index:
+        try:
+            id_index = IdIndex(
+                layout.id_index_dir(data_dir),
+                ScheduleReader(layout.schedule_log_dir(data_dir), fs=fs),
+                fs=fs,
+            )
+        except BaseException:
+            buckets.close()
+            raise
     return Replayer(
         log,
         buckets,
@@ -77,6 +94,7 @@ def open_replayer(
         checkpoint=checkpoint,
         recovery=report,
         on_scheduled=on_scheduled,
+        index=id_index,
         batch_records=batch_records,
         checkpoint_interval_s=checkpoint_interval_s,
         poll_interval_s=poll_interval_s,

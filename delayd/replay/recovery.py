@@ -10,6 +10,8 @@ message_log offset. Recovery removes them:
 1. Scan message_log from C to its end. Every record there was either replayed after C
    (its schedule record may be on disk, whole, torn or lost) or not yet: the set of
    buckets those records map to contains every bucket that can hold a suffix to cut.
+   A RESCHEDULE tombstone maps to the bucket of its new due time, where its replay
+   appended the moved copy (stamped with the tombstone's offset); a CANCEL to none.
    The same scan finds the last sequence, from which intake numbers on.
 2. For each such bucket that has a file, cut it at the first record whose message_log
    offset is >= C. The checkpoint lists the length of every bucket open when it was
@@ -75,8 +77,13 @@ def recover(
     last_sequence = checkpoint.next_sequence - 1
     for record in log.iter_from(position):
         message_log.check_type(record.type, log.directory, record.offset)
-        touched[bucket_of(message_log.due_ms_of(record.payload), segment_scale)] = None
-        last_sequence = max(last_sequence, message_log.sequence_of(record.payload))
+        if record.type == message_log.TYPE_MESSAGE:
+            touched[bucket_of(message_log.due_ms_of(record.payload), segment_scale)] = None
+            last_sequence = max(last_sequence, message_log.sequence_of(record.payload))
+        elif record.type == message_log.TYPE_RESCHEDULE:
+            # The copy a replayed reschedule appended went to its new due time's bucket;
+            # its due_ms is at the same offset as a message's (delayd.logs.tombstone).
+            touched[bucket_of(message_log.due_ms_of(record.payload), segment_scale)] = None
         report.records_after_checkpoint += 1
     report.bytes_after_checkpoint = log.end_offset - position
     report.next_sequence = last_sequence + 1

@@ -8,6 +8,11 @@ has made durable, writes its checkpoint only after the bucket files it covers ar
 fsynced, and on restart cuts what a crashed run appended past its checkpoint
 (delayd.replay.recovery, docs/replay.md).
 
+Cancel and reschedule tombstones (delayd.logs.tombstone) are replayed in the same
+order: a step holds either messages or tombstones, never both, so a tombstone is handed
+to ``on_tombstones`` after every message before it is in schedule_log and in the id
+index, and before any message after it (docs/cancel.md).
+
 The work is synchronous (``replay_available``, ``checkpoint``) so that tests can drive
 it step by step on the crash simulator; ``run`` is the trio task of the server.
 """
@@ -16,14 +21,15 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
 
 import trio
 
 from delayd.logs import message_log, schedule_log
 from delayd.logs.bucket_files import BucketFiles
-from delayd.logs.buckets import bucket_width_ms
+from delayd.logs.buckets import bucket_of, bucket_width_ms
+from delayd.logs.id_index import IdIndex, scheduled_id
 from delayd.replay.recovery import RecoveryReport
 from delayd.replay.state import ReplayCheckpoint, write_replay_checkpoint
 from storage.framing import HEADER_SIZE
@@ -33,6 +39,12 @@ from storage.segmented_log import SegmentedLog
 
 OnScheduled = Callable[[int, int, int], object]
 """``on_scheduled(bucket_start_ms, offset_in_bucket, due_ms)``, once per appended record."""
+
+TombstoneRecord = tuple[int, int, bytes]  # (message_log offset, record type, payload)
+OnTombstones = Callable[["Replayer", list[TombstoneRecord]], Awaitable[object]]
+"""``await on_tombstones(replayer, records)``: consecutive tombstones, in log order,
+under the append lock; reschedules write their copies with ``replayer.append_copy``."""
+BeforeCheckpoint = Callable[[], Awaitable[object]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,11 +56,19 @@ class _Step:
     position: int  # message_log offset after the last record
     last_sequence: int
     count: int
+    tombstones: list[TombstoneRecord] = field(default_factory=list)  # or these, only
 
 
 DEFAULT_BATCH_RECORDS = 4096  # records per step before yielding to other tasks
 DEFAULT_MAX_TAIL_BYTES = 64 * 1024 * 1024  # offered records kept in memory (see offer)
 DEFAULT_CHECKPOINT_INTERVAL_S = 1.0  # a checkpoint costs an fsync per touched bucket + 2
+
+
+_RECEIVE_AT = schedule_log.PREFIX_SIZE + 8 + 8  # receive_ms: after due_ms and sequence
+
+
+def _receive_ms(scheduled_payload: bytes) -> int:
+    return message_log.DUE_MS.unpack_from(scheduled_payload, _RECEIVE_AT)[0]
 
 
 class Replayer:
@@ -70,6 +90,7 @@ class Replayer:
         checkpoint: ReplayCheckpoint,
         recovery: RecoveryReport,
         on_scheduled: OnScheduled | None = None,
+        index: IdIndex | None = None,
         batch_records: int = DEFAULT_BATCH_RECORDS,
         checkpoint_interval_s: float = DEFAULT_CHECKPOINT_INTERVAL_S,
         poll_interval_s: float | None = None,
@@ -82,6 +103,11 @@ class Replayer:
         self.segment_scale = segment_scale
         self.recovery = recovery
         self.on_scheduled: OnScheduled | None = on_scheduled
+        # Without a handler (offline tools) tombstones are passed over; the server sets
+        # both hooks (delayd.server.delivery).
+        self.on_tombstones: OnTombstones | None = None
+        self.before_checkpoint: BeforeCheckpoint | None = None
+        self.index = index
         self.batch_records = batch_records
         self.checkpoint_interval_s = checkpoint_interval_s
         # None: rely on notify() alone (sync flush: intake notifies after each fsync).
@@ -93,11 +119,13 @@ class Replayer:
         self._replayed_sequence = checkpoint.next_sequence - 1
         self._head_sequence = recovery.next_sequence - 1
         self.max_tail_bytes = max_tail_bytes
-        self._tail: deque[tuple[int, bytes]] = deque()  # (offset, payload) offered
+        self._tail: deque[tuple[int, bytes, int]] = deque()  # (offset, payload, type)
+        self._carry: Record | None = None  # read by a step that ended before it
         self._tail_bytes = 0
         self.tail_overflows = 0  # times the offered tail was dropped for its size
         self.replayed_from_tail = 0  # records replayed from memory, not read back
         self.replayed_total = 0  # records appended to schedule_log by this process
+        self.tombstones_total = 0  # tombstones handed to on_tombstones
         self.checkpoints = 0  # checkpoints written by this process
         # Held from an append to the end of its on_scheduled calls: whoever reads a
         # bucket file's length under it (the wheel manager, fixing a bucket's loading
@@ -153,6 +181,11 @@ class Replayer:
         step = self._collect(max_records)
         if step is None:
             return 0
+        if step.tombstones:
+            if self.on_tombstones is not None:
+                raise RuntimeError("tombstones need the async run loop (on_tombstones is set)")
+            self._finish(step, {})
+            return step.count
         self._finish(step, self._append(step.groups))
         return step.count
 
@@ -174,9 +207,14 @@ class Replayer:
         position = self._position
         count = 0
         last_payload = b""
-        for offset, rtype, payload, next_offset in self._records(position, target):
+        for record in self._records(position, target):
+            offset, rtype, payload, next_offset = record
             if rtype != message_type:
                 message_log.check_type(rtype, self.log.directory, offset)
+                if count:  # messages first: the tombstones are the next step
+                    self._carry = record
+                    break
+                return self._collect_tombstones(record, target, limit)
             (due_ms,) = unpack_due(payload)
             start = due_ms - due_ms % width  # bucket_of, inlined
             group = groups.get(start)
@@ -195,23 +233,47 @@ class Replayer:
             return None
         return _Step(groups, dues, position, message_log.sequence_of(last_payload), count)
 
+    def _collect_tombstones(self, first: Record, target: int, limit: float) -> _Step:
+        """``first`` and the tombstones right after it, up to the next message."""
+        tombstones = [(first.offset, first.type, first.payload)]
+        position = first.next_offset
+        message_type = message_log.TYPE_MESSAGE
+        if len(tombstones) < limit:
+            for record in self._records(position, target):
+                if record.type == message_type:
+                    self._carry = record
+                    break
+                message_log.check_type(record.type, self.log.directory, record.offset)
+                tombstones.append((record.offset, record.type, record.payload))
+                position = record.next_offset
+                if len(tombstones) >= limit:
+                    break
+        return _Step({}, {}, position, self._replayed_sequence, len(tombstones), tombstones)
+
     def offer(self, offsets: list[int], payloads: list[bytes]) -> None:
         """Intake just appended ``payloads`` to message_log at ``offsets`` (every append,
         in order): keep them so that replay need not read back and re-check what it has
         in memory (as RocketMQ's reput reads the commitlog's mapped tail). Bounded by
         ``max_tail_bytes``; past it the tail is dropped and replay reads message_log."""
+        self.offer_typed(offsets, payloads, message_log.TYPE_MESSAGE)
+
+    def offer_typed(self, offsets: list[int], payloads: list[bytes], rtype: int) -> None:
+        """``offer`` for records of type ``rtype`` (tombstones)."""
         size = sum(map(len, payloads))
         if self._tail_bytes + size > self.max_tail_bytes:
             self._tail.clear()
             self._tail_bytes = 0
             self.tail_overflows += 1
             return
-        self._tail.extend(zip(offsets, payloads, strict=True))
+        self._tail.extend(zip(offsets, payloads, [rtype] * len(payloads), strict=True))
         self._tail_bytes += size
 
     def _records(self, position: int, target: int) -> Iterator[Record]:
         """The records from ``position`` up to ``target``: from the offered tail when
         it starts exactly there, else from message_log."""
+        carry, self._carry = self._carry, None
+        if carry is not None and carry.offset == position:
+            return self._with_carry(carry, target)
         tail = self._tail
         while tail and tail[0][0] < position:
             self._tail_bytes -= len(tail.popleft()[1])
@@ -219,21 +281,24 @@ class Replayer:
             return self._from_tail(position, target)
         return self.log.iter_from(position, target)
 
+    def _with_carry(self, carry: Record, target: int) -> Iterator[Record]:
+        yield carry
+        yield from self._records(carry.next_offset, target)
+
     def _from_tail(self, position: int, target: int) -> Iterator[Record]:
         # Only while each offered record starts where the previous one ended: an
         # END_OF_SEGMENT marker between two (a segment roll), or records that were never
         # offered, end the run, and the next step reads message_log from there.
         tail = self._tail
-        message_type = message_log.TYPE_MESSAGE
         while tail and tail[0][0] == position:
-            offset, payload = tail[0]
+            offset, payload, rtype = tail[0]
             end = offset + HEADER_SIZE + len(payload)
             if end > target:
                 return
             tail.popleft()
             self._tail_bytes -= len(payload)
             self.replayed_from_tail += 1
-            yield Record(offset, message_type, payload, end)
+            yield Record(offset, rtype, payload, end)
             position = end
 
     def _append(self, groups: dict[int, list[bytes]]) -> dict[int, list[int]]:
@@ -243,6 +308,11 @@ class Replayer:
         return {start: append(start, p, schedule_log.TYPE_SCHEDULED) for start, p in groups.items()}
 
     def _finish(self, step: _Step, offsets: dict[int, list[int]]) -> None:
+        index = self.index
+        if index is not None:
+            for start, bucket_offsets in offsets.items():
+                for offset, payload in zip(bucket_offsets, step.groups[start], strict=True):
+                    index.put(scheduled_id(payload), start, offset, _receive_ms(payload))
         hook = self.on_scheduled
         if hook is not None:
             for start, bucket_offsets in offsets.items():
@@ -251,7 +321,25 @@ class Replayer:
         self._position = step.position
         self._replayed_sequence = step.last_sequence
         self._head_sequence = max(self._head_sequence, step.last_sequence)
-        self.replayed_total += step.count
+        if not step.tombstones:
+            self.replayed_total += step.count
+
+    def append_copy(self, message_log_offset: int, message_payload: bytes) -> tuple[int, int]:
+        """Append a SCHEDULED record for ``message_payload`` (a MESSAGE payload, e.g. a
+        rescheduled copy with its new due time) on behalf of the message_log record at
+        ``message_log_offset`` — the tombstone being replayed, so that the bucket's
+        records stay in message_log order and recovery cuts the copy with the tombstone.
+        Indexes it and offers it to on_scheduled. Call from ``on_tombstones`` only
+        (under the append lock). Returns (bucket start ms, offset)."""
+        due_ms = message_log.due_ms_of(message_payload)
+        start = bucket_of(due_ms, self.segment_scale)
+        payload = schedule_log.encode_scheduled(message_log_offset, message_payload)
+        (offset,) = self.buckets.append_batch(start, [payload], schedule_log.TYPE_SCHEDULED)
+        if self.index is not None:
+            self.index.put(scheduled_id(payload), start, offset, _receive_ms(payload))
+        if self.on_scheduled is not None:
+            self.on_scheduled(start, offset, due_ms)
+        return start, offset
 
     def checkpoint(self) -> bool:
         """Make the replayed records durable and record the position; returns whether a
@@ -263,6 +351,8 @@ class Replayer:
             return False
         position, next_sequence = self._position, self._replayed_sequence + 1
         self.buckets.flush()
+        if self.index is not None:
+            self.index.flush()  # every record below the checkpoint is indexed durably
         write_replay_checkpoint(
             self.fs,
             self.data_dir,
@@ -285,13 +375,18 @@ class Replayer:
                 replayed = await self._replay_step()
                 if replayed:
                     await trio.lowlevel.checkpoint()  # let intake run between batches
-                    if replayed == self.batch_records:
+                    # A full step, or one cut short by a tombstone: there is more.
+                    if self._position < self.log.durable_offset:
                         continue
                 pending = self._position != self._checkpointed
                 if pending and (
                     self._stopping
                     or trio.current_time() - last_checkpoint >= self.checkpoint_interval_s
                 ):
+                    if self.before_checkpoint is not None:
+                        # What tombstones below the checkpoint decided (dispatch_log
+                        # entries) must be durable before replay can pass them for good.
+                        await self.before_checkpoint()
                     await trio.to_thread.run_sync(self.checkpoint)
                     last_checkpoint = trio.current_time()
                     self._checkpoint_written.set()
@@ -318,6 +413,13 @@ class Replayer:
         step = self._collect(self.batch_records)
         if step is None:
             return 0
+        if step.tombstones:
+            async with self.append_lock:
+                if self.on_tombstones is not None:
+                    await self.on_tombstones(self, step.tombstones)
+                self.tombstones_total += len(step.tombstones)
+                self._finish(step, {})
+            return step.count
         async with self.append_lock:
             if all(self.buckets.is_open(start) for start in step.groups):
                 offsets = self._append(step.groups)
@@ -339,5 +441,11 @@ class Replayer:
         await self._stopped.wait()
 
     def close(self) -> None:
-        """Flush and close the bucket files (does not write a checkpoint)."""
-        self.buckets.close()
+        """Flush and close the bucket files and the id index (does not write a
+        checkpoint)."""
+        try:
+            self.buckets.close()
+        finally:
+            if self.index is not None:
+                self.index.close()
+                self.index.reader.close()

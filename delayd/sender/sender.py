@@ -19,10 +19,19 @@ piling up here as messages.
 A message is recorded in dispatch_log only after a broker group acknowledged it
 (OK or DUPLICATE). A crash before the record costs a resend after restart, which the
 broker drops as a duplicate: consumers see each message once.
+
+Cancel (docs/cancel.md): every entry the wheel releases is *held* here, by its wheel
+ref, from ``on_due`` until its dispatch_log entry. ``withdraw`` takes a held message
+back unless a broker may already have it: one in a send batch whose answer has not
+come, or one whose earlier batch failed without an answer (the broker may have stored
+it). For those the canceller ``watch``es the outcome instead: acknowledged → already
+delivered; refused by the broker (it answered, and stored nothing) → a watcher that
+asked for it withdraws the message there and then, instead of retrying it.
 """
 
 from __future__ import annotations
 
+import enum
 import heapq
 import itertools
 import logging
@@ -75,10 +84,35 @@ class SenderConfig:
     dispatch_flush_interval_s: float = 0.2
 
 
+Watcher = Callable[[EntryKind, int], object]
+"""``watcher(kind, at_ms)``: the fate of a watched message, once its entry is written
+(DISPATCHED, DEAD_LETTERED, or CANCELLED when a watcher withdrew it on a refusal)."""
+
+
+class Withdrawal(enum.Enum):
+    """What ``Sender.withdraw`` did."""
+
+    NOT_HELD = "not held"  # not between the wheel and dispatch_log
+    WITHDRAWN = "withdrawn"  # taken back: the caller records it and tells the manager
+    IN_DOUBT = "in doubt"  # a broker may have it: watch the outcome
+
+
 class _Item:
     """One message between the wheel and dispatch_log."""
 
-    __slots__ = ("attempts", "bucket_id", "bucket_ms", "dead", "offset", "reason", "record")
+    __slots__ = (
+        "attempts",
+        "bucket_id",
+        "bucket_ms",
+        "dead",
+        "maybe_sent",
+        "offset",
+        "reason",
+        "record",
+        "sending",
+        "watchers",
+        "withdrawn",
+    )
 
     def __init__(self, bucket_id: int, bucket_ms: int, offset: int, record: MessageRecord):
         self.bucket_id = bucket_id
@@ -88,6 +122,14 @@ class _Item:
         self.attempts = 0
         self.dead = False
         self.reason = ""
+        self.sending = False  # in a send batch not yet answered
+        self.maybe_sent = False  # a batch holding it failed unanswered: a broker may have it
+        self.withdrawn = False  # cancelled or moved: skipped wherever it still sits
+        self.watchers: list[tuple[bool, Watcher]] | None = None  # (withdraw on refusal, cb)
+
+    @property
+    def ref(self) -> int:
+        return self.bucket_id << OFFSET_BITS | self.offset
 
     def message(self, dispatched_ms: int) -> Message:
         r = self.record
@@ -182,6 +224,11 @@ class Sender:
         self._parked: list[_Item] = []  # no usable group when routed
         self._nursery: trio.Nursery | None = None
         self._recorded = trio.Event()  # dispatch_log entries written since the flush
+        # Wheel ref -> its item (None until read) for every entry released by the wheel
+        # and not yet recorded; bounded by max_in_flight plus the due channel.
+        self._held: dict[int, _Item | None] = {}
+        self._withdrawn_unread: set[int] = set()  # refs withdrawn before they were read
+        self.withdrawn_total = 0
         self.lateness_s = Histogram(LATENESS_BOUNDS_S)
         self.batch_sizes = Histogram(BATCH_BOUNDS)
 
@@ -190,6 +237,8 @@ class Sender:
     async def on_due(self, entries: DueEntries, now_ms: int) -> None:
         """The ticker's callback: queue due entries in chunks of ``max_batch``; waits
         while the sender is full (back-pressure on the ticker)."""
+        # Held from here, before any await: nothing can be released and not held.
+        self._held.update(dict.fromkeys(entries.ref))
         step = self.config.max_batch
         for i in range(0, len(entries), step):
             await self._due_send.send((entries.due_ms[i : i + step], entries.ref[i : i + step]))
@@ -213,6 +262,19 @@ class Sender:
                 self._room = trio.Event()
                 await self._room.wait()
             items = await self._read(refs)
+            withdrawn = self._withdrawn_unread
+            if withdrawn:
+                kept = []
+                for item in items:
+                    ref = item.ref
+                    if ref in withdrawn:
+                        withdrawn.discard(ref)
+                    else:
+                        kept.append(item)
+                items = kept
+            held = self._held
+            for item in items:
+                held[item.ref] = item
             self._in_flight += len(items)
             self._route(items, None)
 
@@ -256,6 +318,8 @@ class Sender:
         exclude = () if failed_group is None else (failed_group,)
         touched = set()
         for item in items:
+            if item.withdrawn:
+                continue  # cancelled while it waited for a retry or a usable group
             # A keyless message is routed by its id rather than at random, so that when
             # it is sent again after a restart (sent, but not yet in dispatch_log) it goes
             # to the same group, whose broker drops it as a duplicate: dedupe is per
@@ -296,8 +360,15 @@ class Sender:
                 else:
                     await trio.sleep(0.001)  # the probe is out; its answer decides
                 continue
-            n = min(len(group.queue), max_batch)
-            batch = [group.queue.popleft() for _ in range(n)]
+            queue, batch = group.queue, []
+            while queue and len(batch) < max_batch:
+                item = queue.popleft()
+                if not item.withdrawn:
+                    item.sending = True
+                    batch.append(item)
+            if not batch:
+                group.slots.release()
+                continue
             nursery.start_soon(self._send, group, batch)
 
     async def _send(self, group: _Group, batch: list[_Item]) -> None:
@@ -309,6 +380,9 @@ class Sender:
             ok = True
         except TargetUnavailable as exc:
             group.stats.failed += len(batch)
+            for item in batch:
+                item.sending = False
+                item.maybe_sent = True  # unanswered: the broker may have stored it
             self._retry(batch, group, str(exc))
             return
         finally:
@@ -318,15 +392,21 @@ class Sender:
                 group.breaker.record_failure(self.clock())
             group.slots.release()
         self.batch_sizes.observe_many((len(batch),))
-        acked, refused = [], []
+        acked, refused, withdraw = [], [], []
         for item, result in zip(batch, results, strict=True):
+            item.sending = False
             if result.code in ACKED:
                 acked.append(item)
             else:
                 item.reason = f"{ResultCode(result.code).name}: {result.reason}"
-                refused.append(item)
+                if item.watchers and not item.maybe_sent and any(w for w, _ in item.watchers):
+                    withdraw.append(item)  # refused, so stored nowhere: the cancel wins
+                else:
+                    refused.append(item)
         if acked:
             await self._record(group, acked, now_ms)
+        if withdraw:
+            await self._withdraw_refused(withdraw)
         if refused:
             group.stats.failed += len(refused)
             self._retry(refused, group, refused[0].reason)
@@ -341,6 +421,15 @@ class Sender:
         async with self.dispatch_lock:
             for (bucket_ms, _, kind), offsets in by_bucket.items():
                 self.dispatch.record(bucket_ms, kind, offsets, at_ms, group.raw_name)
+            # Under the lock with the entries: a canceller that holds it sees either a
+            # held message or its entry, never neither.
+            held = self._held
+            for item in items:
+                held.pop(item.ref, None)
+                if item.watchers:
+                    kind = EntryKind.DEAD_LETTERED if item.dead else EntryKind.DISPATCHED
+                    for _, watcher in item.watchers:
+                        watcher(kind, at_ms)
         self._recorded.set()
         for (_, bucket_id, _), offsets in by_bucket.items():
             self.manager.on_recorded(bucket_id, len(offsets))
@@ -350,6 +439,55 @@ class Sender:
         self._in_flight -= len(items)
         if self._in_flight < self.config.max_in_flight:
             self._room.set()
+
+    async def _withdraw_refused(self, items: list[_Item]) -> None:
+        """Record as CANCELLED watched items a broker refused (see the module
+        docstring), instead of retrying them."""
+        now_ms = self.clock()
+        async with self.dispatch_lock:
+            for item in items:
+                self.dispatch.record(
+                    item.bucket_ms, EntryKind.CANCELLED, [item.offset], now_ms, b""
+                )
+                self._held.pop(item.ref, None)
+                item.withdrawn = True
+                for _, watcher in item.watchers or ():
+                    watcher(EntryKind.CANCELLED, now_ms)
+        self._recorded.set()
+        for item in items:
+            self.manager.on_recorded(item.bucket_id, 1)
+        self.withdrawn_total += len(items)
+        self._in_flight -= len(items)
+        self._room.set()
+
+    # ------------------------------------------------------------------ cancel
+
+    def withdraw(self, ref: int) -> Withdrawal:
+        """Take the message of wheel ``ref`` back, if it is held and no broker may have
+        it. Synchronous; call with the dispatch lock held. WITHDRAWN: the caller writes
+        its entry and calls ``manager.on_recorded``; it is never sent."""
+        if ref not in self._held:
+            return Withdrawal.NOT_HELD
+        item = self._held[ref]
+        if item is None:  # released by the wheel, not read yet: dropped once read
+            self._withdrawn_unread.add(ref)
+        elif item.sending or item.maybe_sent:
+            return Withdrawal.IN_DOUBT
+        else:
+            item.withdrawn = True  # skipped where it waits (group queue, retries, parked)
+            self._in_flight -= 1
+            self._room.set()
+        del self._held[ref]
+        self.withdrawn_total += 1
+        return Withdrawal.WITHDRAWN
+
+    def watch(self, ref: int, watcher: Watcher, *, withdraw_on_refusal: bool) -> None:
+        """Call ``watcher`` with the fate of the held, IN_DOUBT message of ``ref``."""
+        item = self._held[ref]
+        assert item is not None
+        if item.watchers is None:
+            item.watchers = []
+        item.watchers.append((withdraw_on_refusal, watcher))
 
     def _retry(self, items: list[_Item], group: _Group, reason: str) -> None:
         """Count an attempt for each item and put them back after the back-off; past

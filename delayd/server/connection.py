@@ -33,6 +33,7 @@ from delayd.errors import ConnectionClosedError, LocalProtocolError
 from delayd.protocol import (
     SERVER,
     Cancel,
+    CancelResult,
     Connection,
     Error,
     ErrorCode,
@@ -40,12 +41,15 @@ from delayd.protocol import (
     Hello,
     HelloOk,
     Reschedule,
+    RescheduleOutcome,
+    RescheduleResult,
     SendBatch,
     SendBatchResult,
     Stats,
     StatsResult,
 )
 from delayd.receiver import Intake
+from delayd.server.cancels import Answer
 from delayd.server.intake import IntakePath
 from delayd.stream_events import read_and_dispatch
 from storage.errors import StorageError
@@ -138,14 +142,16 @@ class DelayConnection:
                 hello_ok = HelloOk(version, SERVER_NAME, self.conn.max_frame_size, request_id=rid)
                 await self._answer(hello_ok)
             elif isinstance(event, Stats):
-                await self._answer(StatsResult(self.stats(), request_id=rid))
+                stats = self.stats()
+                if self.intake.canceller is not None:
+                    stats = {**stats, **self.intake.canceller.stats()}
+                await self._answer(StatsResult(stats, request_id=rid))
             elif isinstance(event, (Cancel, Reschedule)):
-                reason = f"the delay server does not implement {event.command.name} yet"
-                await self._answer(Error(ErrorCode.UNSUPPORTED, reason, request_id=rid))
+                await self._tombstone(event, requests)
             else:
                 where = f" at {self.broker_address}" if self.broker_address else ""
                 reason = (
-                    f"this is the delay server: it takes SEND_BATCH and STATS; "
+                    f"this is the delay server: it takes SEND_BATCH, CANCEL, RESCHEDULE and STATS; "
                     f"{event.command.name} goes to its broker{where}"
                 )
                 await self._answer(Error(ErrorCode.UNSUPPORTED, reason, request_id=rid))
@@ -155,6 +161,46 @@ class DelayConnection:
             log.exception("internal error serving %s from %s", type(event).__name__, self.peer)
             reason = f"internal error: {type(exc).__name__}: {exc}"[: Error.MAX_REASON_LENGTH]
             await self._answer(Error(ErrorCode.INTERNAL, reason, request_id=rid))
+
+    async def _tombstone(self, event: Cancel | Reschedule, requests: trio.Nursery) -> None:
+        """Append the tombstone on the reader (in order with this connection's sends:
+        a cancel sent after a send's ack always finds it), answer once it is durable
+        and resolved (docs/cancel.md)."""
+        rid = event.request_id
+        if not event.message_id:
+            reason = "message_id is empty: name the message to cancel or reschedule"
+            await self._answer(Error(ErrorCode.INVALID_REQUEST, reason, request_id=rid))
+            return
+        due_ms = None
+        if isinstance(event, Reschedule):
+            due_ms, refusal = self.intake.reschedule_due_ms(event.at_ms)
+            if due_ms is None:
+                # Answered like a send past max_delay: refused, never clamped.
+                log.info("reschedule of %r refused: %s", event.message_id, refusal)
+                too_long = RescheduleResult(RescheduleOutcome.DELAY_TOO_LONG, request_id=rid)
+                await self._answer(too_long)
+                return
+        await self._slots.acquire()
+        try:
+            await self.intake.make_room()
+            answer = self.intake.append_tombstone(event.message_id, due_ms)
+        except BaseException:
+            self._slots.release()
+            raise
+        requests.start_soon(self._settle, answer, rid)
+
+    async def _settle(self, answer: Answer, request_id: int) -> None:
+        try:
+            await self.intake.settle(answer)
+        finally:
+            self._slots.release()
+        if answer.is_cancel:
+            result: Event = CancelResult(
+                answer.outcome, answer.dispatched_ms, request_id=request_id
+            )  # type: ignore[arg-type]
+        else:
+            result = RescheduleResult(answer.outcome, answer.dispatched_ms, request_id=request_id)  # type: ignore[arg-type]
+        await self._answer(result)
 
     async def _acknowledge(self, intake: Intake, request_id: int) -> None:
         try:

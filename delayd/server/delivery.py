@@ -24,6 +24,7 @@ from delayd.logs.schedule_reader import ScheduleReader
 from delayd.replay import Replayer
 from delayd.sender.sender import Sender
 from delayd.sender.targets import EmbeddedTarget, RemoteTarget, SendTarget
+from delayd.server.cancels import Canceller
 from delayd.server.config import ServeConfig
 from delayd.wheel.manager import WheelManager
 from delayd.wheel.ticker import Ticker
@@ -92,7 +93,23 @@ class Delivery:
             clock=self.ticker.now_ms,
             config=config.sender,
         )
+        # Tombstones are resolved as they are replayed, also before delivery runs (the
+        # manager then has loaded nothing: dispatch_log decides; docs/cancel.md).
+        self.canceller = Canceller(
+            self.manager,
+            self.sender,
+            self.dispatch,
+            self.dispatch_lock,
+            clock=self.now_ms,
+        )
+        replayer.on_tombstones = self.canceller.on_tombstones
+        replayer.before_checkpoint = self.canceller.before_checkpoint
         self.running = False
+
+    def now_ms(self) -> int:
+        """The ticker's clock once ``run`` has set its origin; the wall clock before
+        (the canceller runs during the start-up replay, before delivery)."""
+        return self.ticker.now_ms() if self.ticker.origin_ms else wall_clock_ms()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run the sender, the ticker and the manager until cancelled."""

@@ -18,12 +18,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
+from delayd.logs import tombstone
 from delayd.logs.message_log import TYPE_MESSAGE
 from delayd.protocol import Message, SendResult
 from delayd.receiver import Intake, Receiver
 from delayd.replay import Replayer
 from storage.flusher import FlushMode, LogWriter
+
+if TYPE_CHECKING:
+    from delayd.server.cancels import Answer, Canceller
 
 
 def wall_ms() -> int:
@@ -48,6 +53,8 @@ class IntakePath:
         self.replayer = replayer
         self.clock = clock
         self.pending_acks = 0  # records appended whose batch is not answered yet
+        # Set by the server once delivery is built: it resolves cancel and reschedule.
+        self.canceller: Canceller | None = None
 
     async def make_room(self) -> None:
         """Wait while message_log's unsynced bytes are over half its window (as
@@ -90,3 +97,38 @@ class IntakePath:
         """Both halves at once, for callers that need no pipelining order (tests)."""
         await self.make_room()
         return await self.acknowledge(self.append(messages))
+
+    # ------------------------------------------------------------------ cancel, reschedule
+
+    def append_tombstone(self, message_id: str, due_ms: int | None = None) -> Answer:
+        """Append a cancel (``due_ms`` None) or reschedule tombstone for ``message_id``
+        to message_log, in order with the sends of the connection (call ``make_room``
+        just before); returns the Answer its replay will fill. ``due_ms`` must already
+        be checked against max_delay (``reschedule_due_ms``). Raises ValueError for an
+        empty or oversized id, StorageError when message_log cannot be written."""
+        if self.canceller is None:
+            raise RuntimeError("cancel and reschedule need delivery (no canceller)")
+        stone = tombstone.Tombstone(message_id, self.clock(), due_ms)
+        payload = tombstone.encode(stone)
+        (offset,) = self.log.append_batch([payload], stone.rtype)
+        self.replayer.offer_typed([offset], [payload], stone.rtype)
+        return self.canceller.expect(offset, is_cancel=stone.is_cancel)
+
+    def reschedule_due_ms(self, at_ms: int) -> tuple[int | None, str]:
+        """The due time a reschedule to ``at_ms`` gets, as a send's would: a past time
+        is due at once; beyond max_delay it is refused — (None, the reason)."""
+        now_ms = self.clock()
+        refusal = self.receiver.due_refusal(at_ms, now_ms)
+        if refusal is not None:
+            if self.canceller is not None:
+                self.canceller.refuse_reschedule()
+            return None, refusal
+        return max(at_ms, now_ms), ""
+
+    async def settle(self, answer: Answer) -> Answer:
+        """Wait until the tombstone is durable (flush policy) and resolved."""
+        if self.writer.policy.mode is FlushMode.SYNC:
+            await self.writer.flush()
+        self.replayer.notify(0)
+        assert self.canceller is not None
+        return await self.canceller.wait(answer)

@@ -21,6 +21,7 @@ passed, that is fully loaded and has nothing outstanding, gets a COMPLETE mark.
 
 from __future__ import annotations
 
+import enum
 import logging
 import math
 from dataclasses import dataclass
@@ -36,6 +37,16 @@ from delayd.wheel.ticker import Ticker
 from delayd.wheel.timer import MAX_BUCKET
 
 log = logging.getLogger(__name__)
+
+
+class Whereabouts(enum.Enum):
+    """Where ``WheelManager.withdraw`` found a schedule_log record."""
+
+    REMOVED = "removed from the wheel"  # it had not fired: now it never will
+    SKIPPED = "the loader will skip it"  # its bucket is being loaded, not this record yet
+    NOT_LOADED = "its bucket is not loaded"  # dispatch_log decides what the loader skips
+    TAKEN = "not in the wheel"  # loaded and fired (the sender has it, or it is recorded)
+
 
 LOAD_CHUNK_RECORDS = 65_536  # records read per worker-thread call while loading
 # Less than this is read on the event loop: a thread hop costs more than reading a
@@ -91,6 +102,9 @@ class WheelManager:
         self._next_id = 0
         self._outstanding: dict[int, int] = {}  # bucket start -> entries not recorded
         self._marked: dict[int, int] = {}  # bucket start -> length its COMPLETE covers
+        # Offsets of the loading bucket withdrawn after it began, before the loader
+        # reached them: the dispatch state it read at begin does not list them.
+        self._skip: set[int] = set()
         # Every bucket that has a schedule_log file: listed once here, then told by the
         # hook (a bucket's file is created by its first append), so the loader never
         # lists a directory of thousands of buckets again.
@@ -121,6 +135,10 @@ class WheelManager:
             self._starts[bucket_id] = bucket_ms
         return bucket_id
 
+    def bucket_id(self, bucket_ms: int) -> int | None:
+        """The wheel bucket id of a bucket with entries in flight, or None."""
+        return self._ids.get(bucket_ms)
+
     def _release_id(self, bucket_ms: int) -> None:
         bucket_id = self._ids.pop(bucket_ms, None)
         if bucket_id is not None:
@@ -144,6 +162,31 @@ class WheelManager:
     def _add(self, bucket_ms: int, offset: int, due_ms: int) -> None:
         self.ticker.add(due_ms, self._id_for(bucket_ms), offset)
         self._outstanding[bucket_ms] = self._outstanding.get(bucket_ms, 0) + 1
+
+    # ------------------------------------------------------------------ cancel
+
+    def withdraw(self, bucket_ms: int, offset: int, due_ms: int) -> Whereabouts:
+        """Take the record at (bucket, offset), due at ``due_ms``, out of the loading
+        path if it is still there; says where it was. Synchronous: call it with the
+        append lock held (no loader step may begin a bucket meanwhile) and the dispatch
+        lock held (the caller records the entry before anything else runs).
+
+        REMOVED: the caller records it and calls ``on_recorded``. SKIPPED: the caller
+        records it (it was never outstanding). NOT_LOADED: its fate is whatever its
+        dispatch_log says; an entry the caller appends now is read when the bucket
+        begins. TAKEN: the sender has it or it has an entry.
+        """
+        bucket_id = self._ids.get(bucket_ms)
+        if bucket_id is not None and self.ticker.remove(due_ms, bucket_id, offset):
+            return Whereabouts.REMOVED
+        cursors = self.cursors
+        loading = cursors.loading
+        if bucket_ms > loading.bucket_ms:
+            return Whereabouts.NOT_LOADED
+        if bucket_ms == loading.bucket_ms and cursors.loaded.offset <= offset < loading.offset:
+            self._skip.add(offset)
+            return Whereabouts.SKIPPED
+        return Whereabouts.TAKEN
 
     # ------------------------------------------------------------------ the sender's report
 
@@ -215,6 +258,8 @@ class WheelManager:
             end = self.reader.size(bucket_ms)
             resumed = bucket_ms == cursors.loading.bucket_ms
             start = cursors.begin(bucket_ms, end)
+            if not resumed:
+                self._skip = set()
             # Read the dispatch state under the lock too: nothing can be recorded for
             # records the loader has not handed out yet, so it cannot go stale.
             async with self.dispatch_lock:
@@ -245,8 +290,9 @@ class WheelManager:
                 offsets, dues, position = await trio.to_thread.run_sync(
                     scan, bucket_ms, position, end, LOAD_CHUNK_RECORDS
                 )
+            skip = self._skip
             for offset, due_ms in zip(offsets, dues, strict=True):
-                if offset in done:
+                if offset in done or offset in skip:
                     self.entries_skipped += 1
                 else:
                     self._add(bucket_ms, offset, due_ms)

@@ -1,0 +1,74 @@
+"""What cancel and reschedule return, and the one place their arguments are checked.
+
+Shared by the async and blocking producers (I/O-free). A cancel's answer is exactly one
+of CANCELLED (it will not be delivered), ALREADY_DELIVERED (with ``dispatched_ms``) or
+UNKNOWN (no message with that id); never "maybe" (docs/cancel.md).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from delayd.protocol import CancelOutcome, CancelResult, RescheduleOutcome, RescheduleResult
+
+
+@dataclass(frozen=True, slots=True)
+class CancelReceipt:
+    """The answer to ``cancel``. ``dispatched_ms`` (epoch ms) is set when the message
+    had already been handed to a broker."""
+
+    message_id: str
+    outcome: CancelOutcome
+    dispatched_ms: int | None = None
+
+    @property
+    def cancelled(self) -> bool:
+        return self.outcome is CancelOutcome.CANCELLED
+
+    @classmethod
+    def from_result(cls, message_id: str, result: CancelResult) -> CancelReceipt:
+        return cls(message_id, CancelOutcome(result.outcome), result.dispatched_ms)
+
+
+@dataclass(frozen=True, slots=True)
+class RescheduleReceipt:
+    """The answer to ``reschedule``: RESCHEDULED (due at ``at_ms`` now),
+    ALREADY_DELIVERED (``dispatched_ms`` set), UNKNOWN (no pending message with that
+    id: never sent, or cancelled), or DELAY_TOO_LONG (past the server's max_delay:
+    refused, never clamped; the message keeps its old time)."""
+
+    message_id: str
+    outcome: RescheduleOutcome
+    at_ms: int
+    dispatched_ms: int | None = None
+
+    @property
+    def rescheduled(self) -> bool:
+        return self.outcome is RescheduleOutcome.RESCHEDULED
+
+    @classmethod
+    def from_result(
+        cls, message_id: str, at_ms: int, result: RescheduleResult
+    ) -> RescheduleReceipt:
+        return cls(message_id, RescheduleOutcome(result.outcome), at_ms, result.dispatched_ms)
+
+
+def check_message_id(message_id: str) -> None:
+    """Raise ValueError for an id no message can have."""
+    if not isinstance(message_id, str) or not message_id:
+        raise ValueError("message_id must be a non-empty string")
+
+
+def reschedule_at_ms(at_ms: int | None, delay_ms: int | None) -> int:
+    """The absolute time (epoch ms) to send for ``reschedule``: ``at_ms``, or now +
+    ``delay_ms`` by this machine's clock (RESCHEDULE carries an absolute time). Raises
+    ValueError for neither or both, or a negative delay — the checks a send makes."""
+    if (at_ms is None) == (delay_ms is None):
+        raise ValueError("give exactly one of at_ms and delay_ms")
+    if delay_ms is not None:
+        if delay_ms < 0:
+            raise ValueError(f"delay_ms is {delay_ms}; a delay cannot be negative")
+        return time.time_ns() // 1_000_000 + delay_ms
+    assert at_ms is not None
+    return at_ms
