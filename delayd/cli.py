@@ -15,6 +15,8 @@ COMMANDS = {
     "serve": "delayd.server.command",
     "broker": "delayd.broker.command",
     "send": "delayd.client.send_command",
+    "cancel": "delayd.client.cancel_command",
+    "reschedule": "delayd.client.reschedule_command",
     "consume": "delayd.client.consume_command",
     "top": "delayd.top.command",
     "inspect": "delayd.inspect.command",

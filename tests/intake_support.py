@@ -58,9 +58,20 @@ class ServeProcess:
     (the fixture calls it) makes sure no process outlives its test.
     """
 
-    def __init__(self, data_dir: Path, *extra: str, log_path: Path | None = None) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        *extra: str,
+        log_path: Path | None = None,
+        metrics_listen: str | None = "127.0.0.1:0",
+        env: dict[str, str] | None = None,
+    ) -> None:
+        """``metrics_listen``: the flag's value; None passes no flag (the configured
+        default applies). ``env``: variables added to the child's environment."""
         self.data_dir = data_dir
         self.extra = list(extra)
+        self.metrics_listen = metrics_listen
+        self.env = {**_env(), **(env or {})}
         self.log_path = log_path or data_dir.parent / f"{data_dir.name}-serve.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.address: tuple[str, int] | None = None
@@ -79,11 +90,15 @@ class ServeProcess:
             "127.0.0.1:0",
             "--broker-listen",
             "127.0.0.1:0",
-            *self.extra,
         ]
+        if self.metrics_listen is not None:
+            # Its own free port: the default (127.0.0.1:20880) would collide between
+            # test servers. ``extra`` may name another (the last flag wins).
+            args += ["--metrics-listen", self.metrics_listen]
+        args += self.extra
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                args, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, env=_env()
+                args, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, env=self.env
             )
         self.stdout = ""
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -113,9 +128,12 @@ class ServeProcess:
     def run_to_exit(self, timeout_s: float = 30.0) -> tuple[int, str]:
         """Start without waiting for readiness (for starts that must fail): the exit
         code and the log."""
-        args = [*DELAYD, "serve", "--data", str(self.data_dir), *self.extra]
+        args = [*DELAYD, "serve", "--data", str(self.data_dir)]
+        if self.metrics_listen is not None:
+            args += ["--metrics-listen", "off"]
+        args += self.extra
         done = subprocess.run(
-            args, cwd=ROOT, capture_output=True, env=_env(), timeout=timeout_s, check=False
+            args, cwd=ROOT, capture_output=True, env=self.env, timeout=timeout_s, check=False
         )
         return done.returncode, done.stderr.decode(errors="replace")
 

@@ -100,7 +100,7 @@ def test_defaults():
     config = ServeConfig()
     assert config.listen == ("127.0.0.1", 20801)
     assert config.broker_listen == ("127.0.0.1", 20811)
-    assert config.metrics_listen is None
+    assert config.metrics_listen == ("127.0.0.1", 20880)
     assert config.segment_scale_minutes == 1 and config.flush.mode is FlushMode.SYNC
 
 

@@ -101,6 +101,7 @@ async def test_delay_server_in_process_with_the_public_producer(tmp_path):
     config = ServeConfig(
         listen=("127.0.0.1", 0),
         broker_listen=None,
+        metrics_listen=None,
         flush=FlushPolicy(FlushMode.ASYNC, interval_ms=20),
     )
     server = await trio.to_thread.run_sync(DelayServer.open, str(tmp_path), config)

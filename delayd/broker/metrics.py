@@ -16,9 +16,38 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from delayd.broker.broker import Broker
+from delayd.broker.config import StartFrom
 from delayd.metrics_http import serve_metrics as serve_registry
+from delayd.store_metrics import StoreCollector, StoreSizes, broker_directories
 
 log = logging.getLogger(__name__)
+
+
+def subject_lags(broker: Broker) -> dict[tuple[str, str], int]:
+    """Per (group, subject) — every group with a committed offset or a live member —
+    the messages of all the subject's queues it has not committed. A queue without a
+    committed offset counts from where the group would start reading it, as the
+    broker's start_from says (earliest: the queue's oldest entry; latest: its end)."""
+    store = broker.store
+    committed: dict[tuple[str, str, int], int] = {
+        key: offset for key, offset in broker.offsets.items()
+    }
+    keys = {(group, subject) for group, subject, _ in committed} | set(broker.groups.keys())
+    queues_of: dict[str, list[int]] = {}
+    for subject, queue in store.queues:
+        queues_of.setdefault(subject, []).append(queue)
+    latest = broker.config.start_from is StartFrom.LATEST
+    out = {}
+    for group, subject in keys:
+        behind = 0
+        for queue in queues_of.get(subject, ()):
+            end = store.queue_end(subject, queue)
+            start = committed.get((group, subject, queue))
+            if start is None:
+                start = end if latest else store.queue_min(subject, queue)
+            behind += max(0, end - start)
+        out[group, subject] = behind
+    return out
 
 
 class BrokerCollector(Collector):
@@ -69,6 +98,15 @@ class BrokerCollector(Collector):
         for group, subject, queue, behind in broker.lags():
             lag.add_metric([group, subject, str(queue)], behind)
         yield lag
+        by_subject = GaugeMetricFamily(
+            "delayd_broker_subject_consumer_lag",
+            "Messages of a subject a consumer group has not committed, over all its queues "
+            "(a queue the group never committed counts from where it would start).",
+            labels=["group", "subject"],
+        )
+        for (group, subject), behind in sorted(subject_lags(broker).items()):
+            by_subject.add_metric([group, subject], behind)
+        yield by_subject
 
 
 async def serve_metrics(
@@ -79,7 +117,11 @@ async def serve_metrics(
     task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the broker's /metrics and /healthz on host:port until cancelled; reports the
-    bound addresses."""
+    bound addresses. The sizes of the broker's files are walked in the background."""
+    sizes = StoreSizes(broker_directories(broker.store.directory))
     registry = CollectorRegistry(auto_describe=False)
     registry.register(BrokerCollector(broker))
-    await serve_registry(registry, host, port, task_status=task_status)
+    registry.register(StoreCollector(sizes))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sizes.run)
+        await serve_registry(registry, host, port, task_status=task_status)

@@ -501,10 +501,12 @@ OVERDUE = "overdue"  # in schedule_log, due time passed, no dispatch_log entry
 DISPATCHED = "dispatched"
 DEAD_LETTERED = "dead_lettered"
 CANCELLED = "cancelled"
+RESCHEDULED = "rescheduled"  # moved: a copy with the new due time is in another record
 _STATUS_OF_KIND = (
     (EntryKind.DISPATCHED, DISPATCHED),
     (EntryKind.DEAD_LETTERED, DEAD_LETTERED),
     (EntryKind.CANCELLED, CANCELLED),
+    (EntryKind.RESCHEDULED, RESCHEDULED),
 )
 
 

@@ -13,6 +13,7 @@ from delayd.inspect.report import (
     DISPATCHED,
     NOT_REPLAYED,
     OVERDUE,
+    RESCHEDULED,
     WAITING,
     CheckpointInfo,
     DispatchReport,
@@ -35,6 +36,7 @@ KIND_WORDS = {
     EntryKind.DEAD_LETTERED: "dead-lettered",
     EntryKind.CANCELLED: "cancelled",
     EntryKind.COMPLETE: "complete",
+    EntryKind.RESCHEDULED: "rescheduled",
 }
 
 
@@ -306,7 +308,7 @@ def _found_lines(f: FoundMessage, now_ms: int) -> list[str]:
     elif f.status == OVERDUE:
         lines.append(f"  NOT DISPATCHED, overdue by {duration_ms(now_ms - m.due_ms)}")
     else:
-        assert f.status in (DISPATCHED, DEAD_LETTERED, CANCELLED)
+        assert f.status in (DISPATCHED, DEAD_LETTERED, CANCELLED, RESCHEDULED)
         lines.extend(fit("  " + _entry_line(e, m.due_ms)) for e in f.dispatch)
     return lines
 

@@ -34,6 +34,8 @@ from delayd.server.delivery_metrics import DeliveryCollector
 from delayd.server.intake import IntakePath
 from delayd.server.listener import IntakeListener
 from delayd.server.metrics import IntakeCollector
+from delayd.server.pending_metrics import PendingCollector, PendingTracker, chained
+from delayd.store_metrics import StoreCollector, StoreSizes, broker_directories
 from storage.flusher import FlushMode, LogWriter
 from storage.fs import REAL_FS, FileSystem
 from storage.segmented_log import SegmentedLog
@@ -42,6 +44,7 @@ log = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_S = 5.0  # in-flight batches get this long to be acknowledged
 ASYNC_POLL_INTERVAL_S = 0.01  # replayer's look at message_log under the async policy
+PROGRESS_INTERVAL_S = 2.0  # a long replay catch-up at start logs a line this often
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,12 +75,38 @@ class DelayServer:
         self.writer = LogWriter(message_log, config.flush)
         self.receiver = Receiver(config.limits, replayer.recovery.next_sequence)
         self.intake = IntakePath(self.receiver, self.writer, replayer)
+        self.intake.canceller = delivery.canceller  # cancel/reschedule (docs/cancel.md)
         self.listener = IntakeListener(self._connection)
         self._stop = trio.Event()
         # Recovery of the logs is done when the server is built; /readyz turns ready
         # once replay has caught up and delivery runs.
         self.readiness = Readiness("replaying message_log before delivery starts")
         self._broker_address: str | None = None
+        # Metrics that read the logs, only when someone can scrape them: the pending
+        # count adds a call per replayed record and a start-up count.
+        self.pending: PendingTracker | None = None
+        self.store_sizes: StoreSizes | None = None
+        if config.metrics_listen is not None:
+            self.pending = self._pending_tracker(delivery)
+            replayer.on_scheduled = chained(replayer.on_scheduled, self.pending.on_scheduled)
+            data_dir = delivery.data_dir
+            self.store_sizes = StoreSizes(
+                {
+                    "message_log": layout.message_log_dir(data_dir),
+                    "schedule_log": layout.schedule_log_dir(data_dir),
+                    "dispatch_log": layout.dispatch_log_dir(data_dir),
+                    "id_index": layout.id_index_dir(data_dir),
+                    **broker_directories(broker.store.directory),
+                }
+            )
+
+    @staticmethod
+    def _pending_tracker(delivery: Delivery) -> PendingTracker:
+        """Built before the replayer runs: it takes every bucket file's length now."""
+        manager = delivery.manager
+        # Buckets the wheel may have loaded, whose dispatch_log the sender appends to.
+        active_ahead_ms = manager.load_ahead_ms + manager.width_ms
+        return PendingTracker(delivery.data_dir, delivery.fs, active_ahead_ms=active_ahead_ms)
 
     @classmethod
     def open(cls, data_dir: str, config: ServeConfig, *, fs: FileSystem = REAL_FS) -> DelayServer:
@@ -191,10 +220,15 @@ class DelayServer:
                     self._broker_address = "{}:{}".format(*broker_bound)
                 metrics_bound = None
                 if config.metrics_listen is not None:
+                    assert self.pending is not None and self.store_sizes is not None
+                    await root.start(self.pending.run)
+                    await root.start(self.store_sizes.run)
                     registry = CollectorRegistry(auto_describe=False)
                     registry.register(IntakeCollector(self.receiver, self.intake, self.replayer))
                     registry.register(BrokerCollector(self.broker))
                     registry.register(DeliveryCollector(self.delivery))
+                    registry.register(PendingCollector(self.pending))
+                    registry.register(StoreCollector(self.store_sizes))
                     host, port = config.metrics_listen
                     serve = partial(serve_metrics, readiness=self.readiness)
                     metrics_bound = (await root.start(serve, registry, host, port))[0]
@@ -212,9 +246,23 @@ class DelayServer:
 
     async def _start_delivery(self, root: trio.Nursery, replay_target: int) -> None:
         """Start delivery once the replayer has caught up with what message_log held
-        at start (delayd.server.delivery says why it waits)."""
-        while self.replayer.position < replay_target:
+        at start (delayd.server.delivery says why it waits). A catch-up that takes
+        long logs its progress every PROGRESS_INTERVAL_S."""
+        replayer = self.replayer
+        started = last_report = trio.current_time()
+        first, records_before = replayer.position, replayer.replayed_total
+        while replayer.position < replay_target:
             await trio.sleep(0.005)
+            now = trio.current_time()
+            if now - last_report >= PROGRESS_INTERVAL_S:
+                last_report = now
+                log.info(
+                    "replay catch-up: %d of %d bytes of message_log, %d records (%.0f s)",
+                    replayer.position - first,
+                    replay_target - first,
+                    replayer.replayed_total - records_before,
+                    now - started,
+                )
         await root.start(self.delivery.run)
         self.readiness.set_ready()
         log.info("delivering: replay caught up at message_log offset %d", replay_target)

@@ -3,10 +3,15 @@
 Prints ``delayd serve listening on HOST:PORT`` on stdout once it accepts producers (the
 real port when ``--listen`` asks for port 0), preceded by ``delayd serve broker
 listening on HOST:PORT`` and ``delayd serve metrics on http://HOST:PORT/metrics`` when
-those listen. Logs go to stderr, one line each (``--log-format kv|json``,
-``--log-level``; delayd.logsetup). On SIGTERM or SIGINT: stop accepting, answer what is in
+those listen (metrics: 127.0.0.1:20880 unless configured otherwise). Logs go to
+stderr, one line each (``--log-format kv|json``, ``--log-level``, or ``[log]`` of the
+configuration; delayd.logsetup). On SIGTERM or SIGINT: stop accepting, answer what is in
 flight, flush, write the replay checkpoint, exit 0. Exit 2 for a bad configuration, 1
 when the data directory cannot be served (corruption, a changed segment_scale).
+
+The configuration is the defaults, then ``--config``, then ``DELAYD_<TABLE>_<KEY>``
+variables, then the flags (docs/configuration.md); ``--print-config`` prints it as
+TOML and exits.
 """
 
 from __future__ import annotations
@@ -14,21 +19,30 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import signal
+import sys
+from collections.abc import Mapping
 
 import trio
 
 from delayd.errors import DelaydError
-from delayd.logsetup import add_logging_arguments, configure_logging
+from delayd.logsetup import (
+    DEFAULT_LOG_FORMAT,
+    DEFAULT_LOG_LEVEL,
+    add_logging_arguments,
+    configure_logging,
+)
 from delayd.server.app import DelayServer
 from delayd.server.config import (
     ConfigError,
     ServeConfig,
-    load_config,
     parse_address,
     parse_optional_address,
     with_overrides,
 )
+from delayd.server.config_env import load_effective_config
+from delayd.server.config_print import config_to_toml
 from storage.errors import StorageError
 
 log = logging.getLogger("delayd.serve")
@@ -61,9 +75,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "into time buckets; an embedded broker runs in the same process."
         ),
     )
-    parser.add_argument("--data", required=True, metavar="DIR", help="data directory")
+    parser.add_argument("--data", metavar="DIR", help="data directory (required to serve)")
     parser.add_argument(
         "--config", metavar="FILE", help="TOML configuration (docs/configuration.md)"
+    )
+    parser.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the effective configuration (defaults, file, DELAYD_* environment, "
+        "flags) as TOML and exit",
     )
     parser.add_argument(
         "--listen",
@@ -83,15 +103,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         type=_optional_address,
         default=_UNSET,
         metavar="HOST:PORT",
-        help="Prometheus /metrics, /healthz and /readyz (default off)",
+        help="Prometheus /metrics, /healthz and /readyz (default 127.0.0.1:20880; 'off')",
     )
     add_logging_arguments(parser)
+    # None: not given, so that [log] of the file (or DELAYD_LOG_*) applies.
+    parser.set_defaults(log_format=None, log_level=None)
 
 
-def build_config(args: argparse.Namespace) -> ServeConfig:
-    """The configuration: defaults, then ``--config``, then the flags. Raises ConfigError."""
-    config = load_config(args.config) if args.config else ServeConfig()
-    config = with_overrides(config, listen=args.listen)
+def build_config(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> ServeConfig:
+    """The configuration: defaults, then ``--config``, then ``DELAYD_*`` variables of
+    ``environ`` (the process environment), then the flags. Raises ConfigError."""
+    environ = os.environ if environ is None else environ
+    config = load_effective_config(args.config, environ)
+    config = with_overrides(
+        config, listen=args.listen, log_format=args.log_format, log_level=args.log_level
+    )
     for name in ("broker_listen", "metrics_listen"):
         value = getattr(args, name)
         if value is not _UNSET:
@@ -100,11 +126,19 @@ def build_config(args: argparse.Namespace) -> ServeConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    configure_logging(args.log_format, args.log_level)
+    # The flags' logging until the configuration is read: its errors are logged too.
+    configure_logging(args.log_format or DEFAULT_LOG_FORMAT, args.log_level or DEFAULT_LOG_LEVEL)
     try:
         config = build_config(args)
     except ConfigError as exc:
         log.error("bad configuration: %s", exc)
+        return 2
+    configure_logging(config.log_format, config.log_level)
+    if args.print_config:
+        sys.stdout.write(config_to_toml(config))
+        return 0
+    if args.data is None:
+        log.error("bad configuration: --data DIR is required to serve")
         return 2
     try:
         trio.run(_serve, args.data, config)
@@ -130,8 +164,29 @@ def _fatal_reason(exc: BaseException) -> str | None:
     return None
 
 
+RECOVERY_REPORT_INTERVAL_S = 2.0
+
+
+async def _open(data_dir: str, config: ServeConfig) -> DelayServer:
+    """DelayServer.open in a worker thread; while it takes long (recovery of big logs),
+    a line every RECOVERY_REPORT_INTERVAL_S says it is still at it, so that a slow
+    start does not look like a hung one."""
+
+    async def report(started: float) -> None:
+        while True:
+            await trio.sleep(RECOVERY_REPORT_INTERVAL_S)
+            elapsed = trio.current_time() - started
+            log.info("recovering %s: %.0f s so far", data_dir, elapsed)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(report, trio.current_time())
+        server = await trio.to_thread.run_sync(DelayServer.open, data_dir, config)
+        nursery.cancel_scope.cancel()
+    return server
+
+
 async def _serve(data_dir: str, config: ServeConfig) -> None:
-    server = await trio.to_thread.run_sync(DelayServer.open, data_dir, config)
+    server = await _open(data_dir, config)
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
             bound = await nursery.start(server.run)

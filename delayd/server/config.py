@@ -20,6 +20,12 @@ from delayd.logs import message_log, schedule_log
 from delayd.logs.bucket_files import DEFAULT_MAX_OPEN
 from delayd.logs.buckets import DEFAULT_SEGMENT_SCALE, check_segment_scale
 from delayd.logs.dispatch_log import check_group_name
+from delayd.logsetup import (
+    DEFAULT_LOG_FORMAT,
+    DEFAULT_LOG_LEVEL,
+    LOG_FORMATS,
+    LOG_LEVELS,
+)
 from delayd.protocol.frames import DEFAULT_MAX_FRAME_SIZE
 from delayd.receiver import IntakeLimits
 from delayd.replay.replayer import DEFAULT_BATCH_RECORDS, DEFAULT_CHECKPOINT_INTERVAL_S
@@ -32,6 +38,7 @@ from storage.segmented_log import DEFAULT_MAX_UNSYNCED_BYTES, DEFAULT_SEGMENT_SI
 
 DEFAULT_LISTEN = ("127.0.0.1", 20801)
 DEFAULT_BROKER_LISTEN = ("127.0.0.1", 20811)
+DEFAULT_METRICS_LISTEN = ("127.0.0.1", 20880)  # the issue's port; loopback: not exposed
 Address = tuple[str, int]
 
 
@@ -93,7 +100,7 @@ class ServeConfig:
 
     listen: Address = DEFAULT_LISTEN
     broker_listen: Address | None = DEFAULT_BROKER_LISTEN  # None: embedded broker, no port
-    metrics_listen: Address | None = None  # None: no /metrics endpoint
+    metrics_listen: Address | None = DEFAULT_METRICS_LISTEN  # None: no /metrics endpoint
     token: str | None = field(default=None, repr=False)
     max_frame_bytes: int = DEFAULT_MAX_FRAME_SIZE
     limits: IntakeLimits = field(default_factory=IntakeLimits)
@@ -111,6 +118,8 @@ class ServeConfig:
     broker_groups: tuple[BrokerGroupConfig, ...] = (
         BrokerGroupConfig(EMBEDDED_GROUP, embedded=True),
     )
+    log_format: str = DEFAULT_LOG_FORMAT
+    log_level: str = DEFAULT_LOG_LEVEL
 
     def __post_init__(self) -> None:
         if not self.broker_groups:
@@ -174,6 +183,10 @@ _SCHEMA: dict[str, dict[str, tuple[Callable[[Any, str], Any], str]]] = {
         "token": (_str, "token"),
         "max_frame_bytes": (_int, "max_frame_bytes"),
     },
+    "log": {
+        "format": (_choice(*LOG_FORMATS), "log_format"),
+        "level": (_choice(*LOG_LEVELS), "log_level"),
+    },
     "intake": {name: (_int, f"limits.{name}") for name in IntakeLimits.__dataclass_fields__},
     "message_log": {
         "flush": (_choice(*(m.value for m in FlushMode)), "flush.mode"),
@@ -217,8 +230,64 @@ _BROKER_KEYS = {
 }
 
 
-def config_from_mapping(document: Mapping[str, Any], *, source: str = "config") -> ServeConfig:
-    """A ServeConfig from a parsed TOML document. Raises ConfigError naming the key."""
+def table_keys() -> dict[str, frozenset[str]]:
+    """Every table with a fixed set of keys (not ``[[broker_groups]]``), and its keys."""
+    tables = {table: frozenset(keys) for table, keys in _SCHEMA.items()}
+    tables["broker"] = frozenset([*_BROKER_KEYS, "flush", "subject_queues"])
+    return tables
+
+
+def key_targets() -> dict[str, dict[str, str]]:
+    """For every key of a fixed table except [broker]: the ServeConfig field its value
+    goes to (``limits.x``: a field of ``limits``; ``retry.x``: of ``sender.retry``)."""
+    return {
+        table: {key: target for key, (_, target) in keys.items()} for table, keys in _SCHEMA.items()
+    }
+
+
+def string_keys() -> frozenset[str]:
+    """``table.key`` of every key whose value is a string (an address, a name, a choice)."""
+    fixed = {
+        "server.listen",
+        "server.broker_listen",
+        "server.metrics_listen",
+        "server.token",
+        "message_log.flush",
+        "log.format",
+        "log.level",
+        "broker.flush",
+    }
+    enums = {
+        f"broker.{f.name}"
+        for f in dataclasses.fields(BrokerConfig)
+        if isinstance(f.default, enum.Enum)
+    }
+    return frozenset(fixed | enums)
+
+
+def read_toml(path: str) -> dict[str, Any]:
+    """The parsed TOML file at ``path``. Raises ConfigError (also for a file that cannot
+    be read or parsed, with the parser's line and column)."""
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path} is not valid TOML: {exc}") from None
+
+
+def config_from_mapping(
+    document: Mapping[str, Any],
+    *,
+    source: str = "config",
+    labels: Mapping[str, str] | None = None,
+) -> ServeConfig:
+    """A ServeConfig from a parsed TOML document. Raises ConfigError naming the key.
+
+    An error about key ``table.key`` begins with ``labels[table.key]`` when given (an
+    environment override names its variable), else with ``source: table.key``."""
+    labels = labels or {}
     values: dict[str, Any] = {}
     nested: dict[str, dict[str, Any]] = {prefix: {} for prefix in _NESTED}
     broker: dict[str, Any] = {}
@@ -233,14 +302,18 @@ def config_from_mapping(document: Mapping[str, Any], *, source: str = "config") 
             raise ConfigError(f"{source}: {table} must be a table ([{table}])")
         for key, value in entries.items():
             name = f"{table}.{key}"
+            label = labels.get(name, f"{source}: {name}")
             if table == "broker":
-                broker[key] = _broker_value(key, value, name, source)
+                if key not in _BROKER_KEYS and key not in ("flush", "subject_queues"):
+                    known = ", ".join(sorted([*_BROKER_KEYS, "flush", "subject_queues"]))
+                    raise ConfigError(f"{source}: unknown key {name}; keys of [broker]: {known}")
+                broker[key] = _broker_value(key, value, label)
                 continue
             if key not in _SCHEMA[table]:
                 known = ", ".join(sorted(_SCHEMA[table]))
                 raise ConfigError(f"{source}: unknown key {name}; keys of [{table}]: {known}")
             check, target = _SCHEMA[table][key]
-            checked = check(value, f"{source}: {name}")
+            checked = check(value, label)
             prefix, dot, rest = target.partition(".")
             if dot:
                 nested[prefix][rest] = checked
@@ -305,36 +378,28 @@ def _broker_groups(entries: Any, source: str) -> tuple[BrokerGroupConfig, ...]:
     return tuple(groups)
 
 
-def _broker_value(key: str, value: Any, name: str, source: str) -> Any:
+def _broker_value(key: str, value: Any, label: str) -> Any:
+    """A value of a known [broker] key, checked; ``label`` starts every error (it names
+    the key)."""
     if key == "flush":
-        mode = _choice(*(m.value for m in FlushMode))(value, f"{source}: {name}")
+        mode = _choice(*(m.value for m in FlushMode))(value, label)
         return FlushPolicy(FlushMode(mode))
     if key == "subject_queues":
         if not isinstance(value, Mapping):
-            raise ConfigError(f"{source}: {name} must be a table of subject = queues")
-        return {str(s): _int(n, f"{source}: {name}.{s}") for s, n in value.items()}
-    if key not in _BROKER_KEYS:
-        known = ", ".join(sorted([*_BROKER_KEYS, "flush", "subject_queues"]))
-        raise ConfigError(f"{source}: unknown key {name}; keys of [broker]: {known}")
+            raise ConfigError(f"{label} must be a table of subject = queues")
+        return {str(s): _int(n, f"{label}.{s}") for s, n in value.items()}
     default = BrokerConfig.__dataclass_fields__[key].default
     if isinstance(default, enum.Enum):
-        return _str(value, f"{source}: {name}")
+        return _str(value, label)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{source}: {name} must be an integer, got {value!r}")
+        raise ConfigError(f"{label} must be an integer, got {value!r}")
     return value
 
 
 def load_config(path: str) -> ServeConfig:
     """The ServeConfig of the TOML file at ``path``. Raises ConfigError (also for a file
     that cannot be read or parsed, with the parser's line and column)."""
-    try:
-        with open(path, "rb") as f:
-            document = tomllib.load(f)
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path} is not valid TOML: {exc}") from None
-    return config_from_mapping(document, source=path)
+    return config_from_mapping(read_toml(path), source=path)
 
 
 def with_overrides(config: ServeConfig, **overrides: Any) -> ServeConfig:

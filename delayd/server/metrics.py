@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from delayd.protocol import ResultCode
+from delayd.protocol import CancelOutcome, RescheduleOutcome, ResultCode
 from delayd.receiver import Receiver
 from delayd.replay import Replayer
 from delayd.server.intake import IntakePath
@@ -80,6 +80,24 @@ class IntakeCollector(Collector):
             "Logical end offset of message_log.",
             value=replayer.log.end_offset,
         )
+        canceller = self.intake.canceller
+        if canceller is not None:
+            cancels = CounterMetricFamily(
+                "delayd_cancels_total",
+                "CANCEL requests resolved since the server started, by outcome.",
+                labels=["outcome"],
+            )
+            for outcome in CancelOutcome:
+                cancels.add_metric([outcome.name.lower()], canceller.cancels[outcome])
+            yield cancels
+            reschedules = CounterMetricFamily(
+                "delayd_reschedules_total",
+                "RESCHEDULE requests answered since the server started, by outcome.",
+                labels=["outcome"],
+            )
+            for r_outcome in RescheduleOutcome:
+                reschedules.add_metric([r_outcome.name.lower()], canceller.reschedules[r_outcome])
+            yield reschedules
         yield GaugeMetricFamily(
             "delayd_schedule_log_open_files",
             "schedule_log bucket files currently open (bounded by max_open_files).",

@@ -38,6 +38,9 @@ NEXT_KEYS = frozenset("\tnj")
 PREVIOUS_KEYS = frozenset("pk")
 
 
+DEFAULT_TARGET = "127.0.0.1:20880"  # delayd serve's default metrics_listen
+
+
 def _target(text: str) -> Target:
     try:
         return parse_target(text)
@@ -68,10 +71,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "targets",
-        nargs="+",
+        nargs="*",
         type=_target,
         metavar="HOST:PORT",
-        help="a server's metrics listener (or an http:// URL of its metrics page)",
+        help="a server's metrics listener (or an http:// URL of its metrics page); "
+        f"default {DEFAULT_TARGET}, where delayd serve listens by default",
     )
     parser.add_argument(
         "--interval",
@@ -206,7 +210,7 @@ async def _live(watcher: Watcher, interval_s: float, console: Console) -> None:
 
 def run(args: argparse.Namespace) -> int:
     timeout_s = args.timeout or min(args.interval, MAX_DEFAULT_TIMEOUT_S)
-    watcher = Watcher(args.targets, timeout_s)
+    watcher = Watcher(args.targets or [parse_target(DEFAULT_TARGET)], timeout_s)
     console = Console()
     main = _once if args.once else _live
     try:

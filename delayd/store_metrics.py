@@ -1,0 +1,119 @@
+"""Bytes and files of each log on disk, for ``delayd serve`` and ``delayd broker``.
+
+The directories are walked (scandir + stat) in a worker thread, never at scrape time:
+a data directory can hold one schedule_log file per minute of two years. A walk runs
+every ``min_interval_s`` at most, and at least 20 walk-durations apart, so that a huge
+directory costs at most about 5 % of a core; a scrape reads the last walk's result.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import trio
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+MIN_INTERVAL_S = 5.0
+COST_FACTOR = 20  # sleep at least this many times as long as the last walk took
+
+
+@dataclass(frozen=True, slots=True)
+class DirectorySize:
+    """What a walk found under one directory: segments (files named by digits: 20-digit
+    base offsets, 12-digit buckets) and the bytes of every file (checkpoints too)."""
+
+    segments: int
+    bytes: int
+
+
+def directory_size(path: str) -> DirectorySize:
+    """Segments under ``path`` (recursively) and the apparent size of all its regular
+    files; a missing directory is empty. Files that vanish during the walk are skipped."""
+    segments = size = 0
+    stack = [path]
+    while stack:
+        try:
+            entries = list(os.scandir(stack.pop()))
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for entry in entries:
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append(entry.path)
+                elif entry.is_file(follow_symlinks=False):
+                    size += entry.stat(follow_symlinks=False).st_size
+                    segments += entry.name.isascii() and entry.name.isdigit()
+            except FileNotFoundError:
+                continue
+    return DirectorySize(segments, size)
+
+
+class StoreSizes:
+    """The sizes of named directories (``{"message_log": path, ...}``), refreshed by
+    ``run``; ``sizes`` is None until the first walk is done."""
+
+    def __init__(self, directories: Mapping[str, str], *, min_interval_s: float = MIN_INTERVAL_S):
+        self.directories = dict(directories)
+        self.min_interval_s = min_interval_s
+        self.sizes: dict[str, DirectorySize] | None = None
+        self.walks = 0
+
+    def walk(self) -> dict[str, DirectorySize]:
+        """Walk every directory now (blocking)."""
+        return {name: directory_size(path) for name, path in self.directories.items()}
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Walk in a worker thread, then sleep (see the module docstring); until cancelled."""
+        task_status.started()
+        while True:
+            self.sizes, took = await trio.to_thread.run_sync(self._timed_walk)
+            self.walks += 1
+            await trio.sleep(max(self.min_interval_s, COST_FACTOR * took))
+
+    def _timed_walk(self) -> tuple[dict[str, DirectorySize], float]:
+        # The walk's real duration (its cost), not trio's clock, which a test may mock.
+        started = time.perf_counter()
+        sizes = self.walk()
+        return sizes, time.perf_counter() - started
+
+
+class StoreCollector(Collector):
+    """``delayd_store_bytes{log}`` and ``delayd_store_segments{log}``."""
+
+    def __init__(self, sizes: StoreSizes) -> None:
+        self.sizes = sizes
+
+    def collect(self) -> Iterator[Metric]:
+        sizes = self.sizes.sizes
+        if sizes is None:
+            return
+        size = GaugeMetricFamily(
+            "delayd_store_bytes",
+            "Bytes of all files of each log (apparent size; checkpoints included), as of "
+            "the last walk.",
+            labels=["log"],
+        )
+        segments = GaugeMetricFamily(
+            "delayd_store_segments",
+            "Segment files of each log (one per bucket for schedule_log and dispatch_log), "
+            "as of the last walk.",
+            labels=["log"],
+        )
+        for name, found in sorted(sizes.items()):
+            size.add_metric([name], found.bytes)
+            segments.add_metric([name], found.segments)
+        yield size
+        yield segments
+
+
+def broker_directories(broker_dir: str) -> dict[str, str]:
+    """The broker's logs under ``<data>/broker`` (delayd.broker.store's layout)."""
+    return {
+        "broker_commitlog": os.path.join(broker_dir, "commitlog"),
+        "broker_consumequeue": os.path.join(broker_dir, "consumequeue"),
+        "broker_index": os.path.join(broker_dir, "index"),
+    }
