@@ -1,25 +1,26 @@
 """Data directories for the audit tests, written by the project's own writers.
 
-``DelayData`` appends MESSAGE records to message_log (SegmentedLog), SCHEDULED records
-to schedule_log buckets and entries to dispatch_log buckets (BucketFiles, RecordFile),
-encoded by the logs' codecs — so a test can plant exactly the faults it wants (a
-missing entry, a second entry, a record scheduled twice) in files the audit reads as it
-would read a server's.
+``DelayData`` appends MESSAGE records and cancel / reschedule tombstones to message_log
+(SegmentedLog), SCHEDULED records to schedule_log buckets and entries to dispatch_log
+buckets (BucketFiles, RecordFile), encoded by the logs' codecs — so a test can plant
+exactly the faults it wants (a missing entry, a second entry, a record scheduled twice,
+a reschedule without its copy) in files the audit reads as it would read a server's.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 
-from delayd.logs import layout
+from delayd.logs import layout, message_log, tombstone
 from delayd.logs.bucket_files import BucketFiles
 from delayd.logs.buckets import bucket_name, bucket_of
 from delayd.logs.dispatch_log import EntryKind, check_group_name, encode_entry
 from delayd.logs.message_log import TYPE_MESSAGE, MessageRecord, encode_record
 from delayd.logs.schedule_log import TYPE_SCHEDULED, encode_scheduled
+from delayd.logs.tombstone import Tombstone
 from storage.segmented_log import SegmentedLog
 
 T0 = 1_795_341_600_000  # 2026-11-22T10:00:00Z
@@ -28,13 +29,15 @@ MINUTE = 60_000
 
 @dataclass(frozen=True)
 class Scheduled:
-    """Where one message ended up: its schedule_log record and message_log record."""
+    """Where one message ended up: its schedule_log record and the message_log record
+    that record names (a rescheduled copy names the RESCHEDULE tombstone)."""
 
     message_id: str
     due_ms: int
     bucket_ms: int
     offset: int  # in the bucket's schedule_log file
     message_log_offset: int
+    payload: bytes = field(default=b"", repr=False)  # the MESSAGE payload it holds
 
     @property
     def bucket(self) -> str:
@@ -88,7 +91,40 @@ class DelayData:
         offsets = self.schedule_log.append_batch(bucket_ms, [scheduled] * copies, TYPE_SCHEDULED)
         if not offsets:
             return None
-        return Scheduled(message_id, due_ms, bucket_ms, offsets[0], message_log_offset)
+        return Scheduled(message_id, due_ms, bucket_ms, offsets[0], message_log_offset, payload)
+
+    def tombstone(self, message_id: str, receive_ms: int, due_ms: int | None = None) -> int:
+        """Append a CANCEL tombstone (``due_ms`` None) or a RESCHEDULE to ``due_ms`` to
+        message_log, and nothing else; returns its message_log offset."""
+        stone = Tombstone(message_id, receive_ms, due_ms)
+        (offset,) = self.message_log.append_batch([tombstone.encode(stone)], stone.rtype)
+        return offset
+
+    def cancel(self, record: Scheduled, at_ms: int) -> int:
+        """A cancel of a pending message as the server records it: the tombstone, then a
+        CANCELLED entry for the record. Returns the tombstone's offset."""
+        offset = self.tombstone(record.message_id, at_ms)
+        self.entry(record, at_ms, EntryKind.CANCELLED)
+        return offset
+
+    def reschedule(
+        self, record: Scheduled, due_ms: int, at_ms: int, *, copies: int = 1
+    ) -> Scheduled | None:
+        """A reschedule of a pending message as the server records it (docs/cancel.md):
+        the RESCHEDULE tombstone, a RESCHEDULED entry for the record, and ``copies``
+        copies of it (1 as the server does; 0 or 2 plant a fault) — the MESSAGE payload
+        with the new due time, behind the tombstone's message_log offset. Returns the
+        first copy."""
+        offset = self.tombstone(record.message_id, at_ms, due_ms)
+        self.entry(record, at_ms, EntryKind.RESCHEDULED)
+        # As delayd.server.cancels builds it: due_ms is the payload's first field.
+        moved = message_log.DUE_MS.pack(due_ms) + record.payload[message_log.DUE_MS.size :]
+        bucket_ms = bucket_of(due_ms, 1)
+        scheduled = encode_scheduled(offset, moved)
+        offsets = self.schedule_log.append_batch(bucket_ms, [scheduled] * copies, TYPE_SCHEDULED)
+        if not offsets:
+            return None
+        return Scheduled(record.message_id, due_ms, bucket_ms, offsets[0], offset, moved)
 
     def entry(
         self,
@@ -98,7 +134,8 @@ class DelayData:
         group: str = "default",
     ) -> int:
         """Append a dispatch_log entry about ``record``; returns its byte position."""
-        group_bytes = b"" if kind is EntryKind.CANCELLED else check_group_name(group)
+        withdrawn = kind in (EntryKind.CANCELLED, EntryKind.RESCHEDULED)
+        group_bytes = b"" if withdrawn else check_group_name(group)
         (position,) = self.dispatch_log.append_batch(
             record.bucket_ms, [encode_entry(record.offset, at_ms, group_bytes)], kind
         )

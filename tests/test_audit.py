@@ -70,9 +70,25 @@ def test_planted_faults_are_found_exactly(spark, tmp_path, capsys):
         # Handled or not yet due: never overdue.
         dead = data.accept("dead-1", T0 + 2 * MINUTE + 1)
         data.entry(dead, dead.due_ms + 100, EntryKind.DEAD_LETTERED)
-        cancelled = data.accept("cancelled-1", T0 + 2 * MINUTE + 2)
-        data.entry(cancelled, T0, EntryKind.CANCELLED)
+        cancelled = data.accept("cancelled-1", T0 + 2 * MINUTE + 2)  # due long ago
+        data.cancel(cancelled, T0)
+        data.entry(cancelled, T0 + 5, EntryKind.CANCELLED)  # a replayed cancel: harmless
         data.accept("pending-1", AS_OF - 30_000)  # due after as_of - grace
+        # Moved once, and twice (each copy in a later bucket); the last copy dispatched.
+        moved = data.accept("moved-1", T0 + 30_000)
+        copy = data.reschedule(moved, T0 + 3 * MINUTE, at_ms=T0)
+        data.entry(copy, copy.due_ms + 3)
+        moved_twice = data.accept("moved-2", T0 + 2 * MINUTE + 30_000)
+        first_copy = data.reschedule(moved_twice, T0 + 3 * MINUTE + 10_000, at_ms=T0)
+        second_copy = data.reschedule(first_copy, T0 + 4 * MINUTE, at_ms=T0 + 1)
+        data.entry(second_copy, second_copy.due_ms + 1)
+        # Cancelled, then sent all the same, 10 minutes late: a finding, not lateness.
+        cancelled_sent = data.accept("cancelled-sent-1", T0 + 2 * MINUTE + 40_000)
+        data.cancel(cancelled_sent, T0)
+        data.entry(cancelled_sent, cancelled_sent.due_ms + 10 * MINUTE)
+        # Moved, its copy not found — but reading schedule_log stopped early (the
+        # corrupt record): the copy may be there, so it is unverified, not a finding.
+        data.reschedule(data.accept("moved-lost-1", T0 + 2 * MINUTE + 50_000), AS_OF, T0, copies=0)
         data.complete(T0)
     flip_byte(schedule_path(root, corrupt.bucket_ms), corrupt.offset + 30)
 
@@ -84,6 +100,7 @@ def test_planted_faults_are_found_exactly(spark, tmp_path, capsys):
         ("duplicate_dispatch", ERROR, "s1", "double-1"),
         ("late", ERROR, "s1", "late-1"),
         ("dead_lettered", NOTICE, "s1", "dead-1"),
+        ("dispatched_after_cancel", ERROR, "s1", "cancelled-sent-1"),
     }
     (overdue,) = [r for r in read_table(out, "discrepancies") if r["kind"] == "overdue"]
     assert (overdue["offset"], overdue["due_ms"]) == (missing.offset, missing.due_ms)
@@ -93,41 +110,61 @@ def test_planted_faults_are_found_exactly(spark, tmp_path, capsys):
     ] == [("s1", "schedule_log", corrupt.bucket, corrupt.offset, "corrupt", ERROR)]
     overall = totals(out)
     assert {k: overall[k] for k in COUNTS} == {
-        "scheduled": 21,  # 23 accepted, 2 unreadable past the corrupt record
-        "dispatched": 17,
-        "dispatch_entries": 20,  # the unreadable records' entries are there too
+        # 27 accepted, 2 unreadable past the corrupt record; 3 copies (moved-1 once,
+        # moved-2 twice)
+        "scheduled": 28,
+        "dispatched": 19,  # not cancelled-sent-1
+        "dispatch_entries": 23,  # the unreadable records' entries are there too
         "duplicate_dispatch": 1,
         "duplicate_by_id": 1,
         "dead_lettered": 1,
-        "cancelled": 1,
+        "cancelled": 2,  # cancelled-1 (its second entry counts once), cancelled-sent-1
+        "rescheduled": 4,  # moved-1, moved-2 and its first copy, moved-lost-1
         "pending": 1,
         "overdue": 1,
-        "unverified": 0,
+        "unverified": 1,  # moved-lost-1's copy
         "early": 0,
         "late": 1,
         "unknown_record": 0,
-        "message_log_records": 23,
+        "dispatched_after_cancel": 1,
+        "cancelled_after_dispatch": 0,
+        "copy_missing": 0,
+        "message_log_records": 27,
+        "message_log_cancels": 2,
+        "message_log_reschedules": 4,
         "not_scheduled": 0,
         "scheduled_twice": 0,
         "message_unverified": 2,  # in message_log; their bucket's file stopped early
     }
-    # Lateness of the 17 dispatched records: 0..4 ms three times each, 5 and 30000 ms;
-    # nearest rank: p50 is the 9th smallest, p99 the 17th.
+    # Lateness of the 19 dispatched records: 0..4 ms three times each, 1, 3, 5 and
+    # 30000 ms (cancelled-sent-1's 10 minutes are not lateness); nearest rank: p50 is
+    # the 10th smallest, p99 the 19th.
     assert (overall["lateness_p50_ms"], overall["lateness_p99_ms"]) == (2, 30_000)
     assert overall["lateness_max_ms"] == 30_000
     per_bucket = {
         r["bucket"].strftime("%H:%M"): r for r in read_table(out, "summary") if r["bucket"]
     }
     assert {b: r["scheduled"] for b, r in per_bucket.items()} == {
-        "10:00": 6,
+        "10:00": 7,
         "10:01": 6,
-        "10:02": 8,
+        "10:02": 11,
+        "10:03": 2,
+        "10:04": 1,
         "10:59": 1,
     }
     assert per_bucket["10:02"]["lateness_p99_ms"] == 30_000
+    assert {b: (r["cancelled"], r["rescheduled"]) for b, r in per_bucket.items()} == {
+        "10:00": (0, 1),
+        "10:01": (0, 0),
+        "10:02": (2, 2),
+        "10:03": (0, 1),
+        "10:04": (0, 0),
+        "10:59": (0, 0),
+    }
+    assert (per_bucket["10:03"]["dispatched"], per_bucket["10:04"]["dispatched"]) == (1, 1)
 
     printed = capsys.readouterr().out
-    assert "RESULT: 4 discrepancies" in printed
+    assert "RESULT: 5 discrepancies" in printed
     assert "missing-1" in printed and "crc mismatch" in printed
     with open(os.path.join(out, "report.html"), encoding="utf-8") as page:
         html = page.read()
@@ -143,13 +180,19 @@ COUNTS = (
     "duplicate_by_id",
     "dead_lettered",
     "cancelled",
+    "rescheduled",
     "pending",
     "overdue",
     "unverified",
     "early",
     "late",
     "unknown_record",
+    "dispatched_after_cancel",
+    "cancelled_after_dispatch",
+    "copy_missing",
     "message_log_records",
+    "message_log_cancels",
+    "message_log_reschedules",
     "not_scheduled",
     "scheduled_twice",
     "message_unverified",
@@ -170,6 +213,18 @@ def test_several_servers_message_log_ids_and_torn_tails(spark, tmp_path):
         a.accept("lost-1", T0 + 4_000, copies=0)  # in message_log, never in schedule_log
         a.accept("fresh-1", AS_OF + 10 * MINUTE, copies=0)  # received after the cutoff
         a.accept("twice-1", AS_OF + 5 * MINUTE, copies=2)  # pending, but in it twice
+        # Reschedules and cancels that went wrong, and some that did nothing.
+        a.reschedule(a.accept("moved-lost-a", T0 + 5_000), AS_OF, T0, copies=0)
+        sent_cancelled = a.accept("sent-cancelled-a", T0 + 6_000)
+        a.entry(sent_cancelled, sent_cancelled.due_ms + 2)
+        a.cancel(sent_cancelled, sent_cancelled.due_ms + 10)  # the server answers
+        # ALREADY_DELIVERED and writes nothing: this entry must not be there
+        moved_fresh = a.accept("moved-fresh-a", AS_OF + 20 * MINUTE)
+        a.reschedule(moved_fresh, AS_OF + 30 * MINUTE, AS_OF - 10_000, copies=0)  # too recent
+        moved_twice = a.accept("moved-twice-a", AS_OF + 5 * MINUTE)
+        a.reschedule(moved_twice, AS_OF + 6 * MINUTE, T0, copies=2)  # a copy appended twice
+        a.tombstone("a-first", T0 + 20_000, AS_OF)  # already delivered: nothing to move
+        a.tombstone("never-sent", T0)  # a cancel of an unknown id: nothing to write
     with DelayData(b_root) as b:
         b_first = b.accept("b-first", T0 + 1_000)  # same bucket and offset as a-first
         assert (b_first.bucket_ms, b_first.offset) == (first.bucket_ms, first.offset)
@@ -194,7 +249,12 @@ def test_several_servers_message_log_ids_and_torn_tails(spark, tmp_path):
         ("duplicate_id", ERROR, "a", "retry-1"),
         ("duplicate_id", ERROR, "b", "retry-1"),
         ("overdue", ERROR, "b", "b-first"),
+        ("copy_missing", ERROR, "a", "moved-lost-a"),
+        ("cancelled_after_dispatch", ERROR, "a", "sent-cancelled-a"),
+        ("scheduled_twice", ERROR, "a", "moved-twice-a"),
     }
+    (twice,) = [r for r in read_table(out, "discrepancies") if r["message_id"] == "moved-twice-a"]
+    assert twice["detail"] == "reschedule in schedule_log 2 times"
     assert [
         (r["server"], r["file"], r["position"], r["problem"], r["severity"])
         for r in read_table(out, "corrupt_records")
@@ -204,9 +264,11 @@ def test_several_servers_message_log_ids_and_torn_tails(spark, tmp_path):
     servers = {r["server"]: r for r in read_table(out, "summary") if r["bucket"] is None}
     assert servers["b"]["unverified"] == 1 and servers["a"]["unverified"] == 0
     assert servers["b"]["overdue"] == 1 and servers["a"]["overdue"] == 0
-    assert servers["a"]["message_log_records"] == 6
+    assert servers["a"]["message_log_records"] == 10
+    assert (servers["a"]["message_log_cancels"], servers["a"]["message_log_reschedules"]) == (2, 4)
+    assert (servers["a"]["rescheduled"], servers["a"]["cancelled"]) == (3, 0)
     assert servers[None]["duplicate_by_id"] == 1  # one id, dispatched at two records
-    assert result.errors == 7 and not result.clean
+    assert result.errors == 10 and not result.clean
     assert {kind for kind, _ in result.counts} == {
         "early",
         "unknown_record",
@@ -214,6 +276,8 @@ def test_several_servers_message_log_ids_and_torn_tails(spark, tmp_path):
         "scheduled_twice",
         "duplicate_id",
         "overdue",
+        "copy_missing",
+        "cancelled_after_dispatch",
     }
 
 

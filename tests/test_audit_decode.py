@@ -20,10 +20,11 @@ from delayd.audit.decode_messages import message_batches, schedule_batches
 from delayd.audit.files import LogFile
 from delayd.audit.kinds import CORRUPT, FORMAT, FULL, TORN_TAIL
 from delayd.audit.schemas import DISPATCH_LOG, MESSAGE_LOG, SCHEDULE_LOG
-from delayd.logs import layout, message_log
+from delayd.logs import layout, message_log, tombstone
 from delayd.logs.dispatch_log import FRAMED_SIZE, EntryKind, decode_entry, encode_entry
 from delayd.logs.message_log import TYPE_MESSAGE, MessageRecord, decode_message, encode_message
 from delayd.logs.schedule_log import decode_scheduled, encode_scheduled
+from delayd.logs.tombstone import Tombstone
 from storage.framing import HEADER_SIZE, encode_record
 from storage.fs import O_READ, REAL_FS
 from storage.record_file import RecordFile
@@ -45,6 +46,15 @@ MESSAGES = st.lists(
     ),
     min_size=1,
     max_size=40,
+)
+TOMBSTONES = st.lists(
+    st.builds(
+        Tombstone,
+        message_id=st.text(min_size=1, max_size=20),
+        receive_ms=st.integers(T0 - 10**9, T0),
+        due_ms=st.none() | st.integers(T0 - 10**9, T0 + 10**9),
+    ),
+    max_size=10,
 )
 EXAMPLES = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -79,21 +89,38 @@ def scanned(path: str, base: int = 0):
         REAL_FS.close(fd)
 
 
-def write_messages(root: str, messages: list[MessageRecord]) -> None:
-    """All messages into one schedule_log bucket and one message_log segment."""
+def write_messages(
+    root: str, messages: list[MessageRecord], tombstones: list[Tombstone] = ()
+) -> None:
+    """All messages into one schedule_log bucket and one message_log segment, the i-th
+    tombstone after the i-th message."""
     with DelayData(root) as data:
         bucket = data.schedule_log
-        for message in messages:
+        for i, message in enumerate(messages):
             payload = message_log.encode_record(message)
             (offset,) = data.message_log.append_batch([payload], TYPE_MESSAGE)
             bucket.append_batch(T0, [encode_scheduled(offset, payload)])
+            if i < len(tombstones):
+                stone = tombstones[i]
+                data.message_log.append_batch([tombstone.encode(stone)], stone.rtype)
+
+
+def message_log_row(rtype: int, payload: bytes) -> tuple:
+    """kind, message_id, due_ms, sequence, receive_ms, key, body_size of a message_log
+    record, as its codec decodes it."""
+    if rtype == TYPE_MESSAGE:
+        m = decode_message(payload)
+        return ("message", m.message_id, m.due_ms, m.sequence, m.receive_ms, m.key, len(m.body))
+    stone = tombstone.decode(rtype, payload)
+    kind = "cancel" if stone.is_cancel else "reschedule"
+    return (kind, stone.message_id, stone.due_ms, None, stone.receive_ms, None, None)
 
 
 @EXAMPLES
-@given(MESSAGES)
-def test_schedule_and_message_log_rows_are_what_the_codecs_decode(messages):
+@given(MESSAGES, TOMBSTONES)
+def test_schedule_and_message_log_rows_are_what_the_codecs_decode(messages, tombstones):
     with tempfile.TemporaryDirectory() as root:
-        write_messages(root, messages)
+        write_messages(root, messages, tombstones)
         schedule_file = only_file(root, files.SCHEDULE_LOG)
         fast = table(schedule_batches(schedule_file, "s1", batch_rows=7))
         assert fast.schema == SCHEDULE_LOG
@@ -125,14 +152,12 @@ def test_schedule_and_message_log_rows_are_what_the_codecs_decode(messages):
         messages_table = table(message_batches(segment, "s1", batch_rows=5))
         assert messages_table.schema == MESSAGE_LOG
         assert messages_table.equals(table(message_batches(segment, "s1", verify=FULL)))
-        assert [
-            (r["offset"], r["message_id"], r["key"], r["body_size"])
-            for r in records(messages_table)
-        ] == [
-            (rec.offset, m.message_id, m.key, len(m.body))
-            for rec in scanned(segment.path)
-            for m in [decode_message(rec.payload)]
+        columns = ("kind", "message_id", "due_ms", "sequence", "receive_ms", "key", "body_size")
+        expected = [
+            (rec.offset, *message_log_row(rec.type, rec.payload)) for rec in scanned(segment.path)
         ]
+        found = [(r["offset"], *(r[c] for c in columns)) for r in records(messages_table)]
+        assert found == expected
 
 
 @EXAMPLES
@@ -233,6 +258,32 @@ def test_records_the_codec_refuses_are_format_rows_and_reading_goes_on(tmp_path)
         assert "type 9" in details[0]
         assert "add up" in details[1]
         assert "message_id is not valid UTF-8" in details[2]
+
+
+def test_message_log_tombstones_the_codec_refuses_are_format_rows(tmp_path):
+    directory = layout.message_log_dir(str(tmp_path))
+    message = encode_message(T0, 1, T0, b"m-1", b"s", None, b"", b"")
+    cancel = tombstone.encode(Tombstone("m-1", T0))
+    with SegmentedLog.open(directory) as log:
+        (first,) = log.append_batch([message], TYPE_MESSAGE)
+        (good,) = log.append_batch([cancel], message_log.TYPE_CANCEL)
+        (short,) = log.append_batch([cancel[:-1]], message_log.TYPE_CANCEL)  # id_len says 3
+        (bad_utf8,) = log.append_batch([cancel[:-3] + b"\xff\xfe\xfd"], message_log.TYPE_CANCEL)
+        (unknown,) = log.append_batch([cancel], 9)
+        (after,) = log.append_batch([message], TYPE_MESSAGE)
+    for verify in ("head", FULL):
+        segment = only_file(str(tmp_path), files.MESSAGE_LOG)
+        found = table(message_batches(segment, "s1", verify=verify))
+        assert [(r["offset"], r["kind"]) for r in records(found)] == [
+            (first, "message"),
+            (good, "cancel"),
+            (after, "message"),
+        ], verify
+        assert problems(found) == [(FORMAT, short), (FORMAT, bad_utf8), (FORMAT, unknown)]
+        details = [d for d in found.column("detail").to_pylist() if d]
+        assert "id_len is 3" in details[0]
+        assert "not valid UTF-8" in details[1]
+        assert "type 9" in details[2]
 
 
 def test_bytes_after_the_end_of_segment_marker_are_corruption(tmp_path):

@@ -7,6 +7,11 @@ checked, via frames.FileScan); the message head is read with the codec's own str
 are taken: offsets, times, sequence, id, subject, key and the body's size. Properties
 and bodies are not decoded.
 
+message_log also holds cancel and reschedule tombstones (docs/cancel.md). Each goes
+through its codec (delayd.logs.tombstone), one at a time, into a row whose ``kind``
+says what it is (``cancel``, ``reschedule``; a message's is ``message``) and whose
+sequence, subject, key and body_size are null.
+
 Two modes, option ``verify``:
 
 * ``head`` (default): the loop checks what the codec checks of the head — known flags,
@@ -30,14 +35,22 @@ from delayd.audit.files import LogFile
 from delayd.audit.frames import FileScan, Problem
 from delayd.audit.kinds import FORMAT, HEAD, VERIFY_MODES
 from delayd.audit.schemas import MESSAGE_LOG, SCHEDULE_LOG, select
-from delayd.logs import message_log, schedule_log
+from delayd.logs import message_log, schedule_log, tombstone
 from delayd.logs.message_log import FLAG_KEY, KNOWN_FLAGS, MessageRecord, RecordFormatError
+from delayd.logs.tombstone import Tombstone
 from storage.scan import BadFrame
 
 # The head of each record as one struct, composed from the codecs' own formats.
 _SCHEDULED_HEAD = struct.Struct("<" + schedule_log.PREFIX.format[1:] + message_log.HEAD.format[1:])
 assert _SCHEDULED_HEAD.size == schedule_log.HEAD_SIZE
 _MESSAGE_HEAD = message_log.HEAD
+# message_log's ``kind`` column, indexed by the frame's type byte (for Arrow's take()).
+_KIND_TYPES = (message_log.TYPE_MESSAGE, *message_log.TOMBSTONE_TYPES)
+_KIND_NAMES = pa.array(
+    [message_log.describe_type(t) if t in _KIND_TYPES else None for t in range(256)], pa.string()
+)
+
+Decoded = tuple[int | None, MessageRecord | Tombstone]  # message_log_offset (None), record
 
 
 class _Shape:
@@ -49,7 +62,7 @@ class _Shape:
         rtype: int,
         head: struct.Struct,
         prefixed: bool,
-        decode: Callable[[bytes], tuple[int | None, MessageRecord]],
+        decode: Callable[[int, bytes], Decoded],
         check_type: Callable[[int, str, int], None],
     ) -> None:
         self.rtype = rtype
@@ -59,12 +72,14 @@ class _Shape:
         self.check_type = check_type
 
 
-def _decode_scheduled(payload: bytes) -> tuple[int | None, MessageRecord]:
+def _decode_scheduled(rtype: int, payload: bytes) -> Decoded:
     record = schedule_log.decode_scheduled(payload)
     return record.message_log_offset, record.message
 
 
-def _decode_message(payload: bytes) -> tuple[int | None, MessageRecord]:
+def _decode_message(rtype: int, payload: bytes) -> Decoded:
+    if rtype in message_log.TOMBSTONE_TYPES:
+        return None, tombstone.decode(rtype, payload)
     return None, message_log.decode_message(payload)
 
 
@@ -105,14 +120,15 @@ def message_batches(
     batch_rows: int = BATCH_ROWS,
     columns: Sequence[str] | None = None,
 ) -> Iterator[pa.RecordBatch]:
-    """The MESSAGE records of one message_log segment (MESSAGE_LOG schema, or its
-    ``columns``), then one row per problem found."""
+    """The records of one message_log segment — messages and tombstones (MESSAGE_LOG
+    schema, or its ``columns``), then one row per problem found."""
     return _batches(MESSAGE, file, server, verify, batch_rows, select(MESSAGE_LOG, columns))
 
 
-# A record collected for a batch: offset, head tuple, id, subject and key bytes (key
-# None when absent), and the payload (kept for the codec when a text is not UTF-8).
-_Row = tuple[int, tuple, bytes, bytes, bytes | None, bytes]
+# A record collected for a batch: offset, frame type, head tuple, id, subject and key
+# bytes (key None when absent; subject None for a tombstone), and the payload (kept for
+# the codec when a text is not UTF-8).
+_Row = tuple[int, int, tuple, bytes, bytes | None, bytes | None, bytes]
 
 
 def _batches(
@@ -158,6 +174,7 @@ def _batches(
                     append(
                         (
                             offset,
+                            record_type,
                             head,
                             payload[head_size:subject_at],
                             payload[subject_at:key_at],
@@ -195,9 +212,13 @@ def _slow(
     ``problems`` (a ``format`` problem) when the codec refuses it."""
     try:
         shape.check_type(rtype, file.path, offset)
-        message_log_offset, message = shape.decode(payload)
+        message_log_offset, message = shape.decode(rtype, payload)
     except RecordFormatError as exc:
         problems.append(Problem(FORMAT, offset - file.base, exc.reason))
+        return
+    if isinstance(message, Tombstone):  # message_log only; no sequence, no body
+        head = (message.due_ms, None, message.receive_ms, 0, 0, 0, 0, 0, None)
+        rows.append((offset, rtype, head, message.message_id.encode(), None, None, payload))
         return
     # A head tuple as the fast path unpacks it; of flags and lengths only body_len
     # (the last) is read back.
@@ -205,7 +226,9 @@ def _slow(
     if shape.prefixed:
         head = (message_log_offset, *head)
     key = None if message.key is None else message.key.encode()
-    rows.append((offset, head, message.message_id.encode(), message.subject.encode(), key, payload))
+    rows.append(
+        (offset, rtype, head, message.message_id.encode(), message.subject.encode(), key, payload)
+    )
 
 
 def _emit(
@@ -218,20 +241,22 @@ def _emit(
 ) -> Iterator[pa.RecordBatch]:
     """The batch of ``rows``. When a text is not UTF-8, Arrow refuses the column; the
     records then go through the codec one by one, which names the bad ones."""
-    offsets, heads, ids, subjects, keys, payloads = zip(*rows, strict=True)
+    offsets, rtypes, heads, ids, subjects, keys, payloads = zip(*rows, strict=True)
     try:
         texts = [
             pa.array(values, pa.binary()).cast(pa.string()) for values in (ids, subjects, keys)
         ]
     except pa.ArrowInvalid:
         retry: list[_Row] = []
-        for offset, payload in zip(offsets, payloads, strict=True):
-            _slow(shape, file, shape.rtype, offset, payload, retry, problems)
+        for offset, rtype, payload in zip(offsets, rtypes, payloads, strict=True):
+            _slow(shape, file, rtype, offset, payload, retry, problems)
         if retry:
             yield from _emit(shape, schema, retry, where, problems, file)
         return
     values = dict(where)
     values["offset"] = offsets
+    if "kind" in schema.names:
+        values["kind"] = _KIND_NAMES.take(pa.array(rtypes, pa.uint8()))
     first = 1 if shape.prefixed else 0  # where due_ms is in the head tuple
     fields = {"due_ms": first, "sequence": first + 1, "receive_ms": first + 2, "body_size": -1}
     if shape.prefixed:

@@ -8,7 +8,10 @@ from pyspark.sql import functions as F
 
 from delayd.audit.kinds import TORN_TAIL
 from delayd.audit.reconcile import (
+    CANCELLED_AFTER_DISPATCH,
+    COPY_MISSING,
     DEAD_LETTERED,
+    DISPATCHED_AFTER_CANCEL,
     DUPLICATE_DISPATCH,
     DUPLICATE_ID,
     EARLY,
@@ -43,6 +46,9 @@ RECORD_KINDS = (
     LATE,
     DEAD_LETTERED,
     UNKNOWN_RECORD,
+    DISPATCHED_AFTER_CANCEL,
+    CANCELLED_AFTER_DISPATCH,
+    COPY_MISSING,
 )
 
 
@@ -61,6 +67,9 @@ def record_findings(status: DataFrame) -> DataFrame:
         .when(kind == DUPLICATE_ID, F.format_string("id dispatched at %d records", "id_records"))
         .when(kind.isin(EARLY, LATE), F.format_string("%+d ms", "lateness_ms"))
         .when(kind == UNKNOWN_RECORD, F.lit("dispatch_log entry for an offset with no record"))
+        .when(kind == DISPATCHED_AFTER_CANCEL, F.lit("withdrawn (cancelled or moved), then sent"))
+        .when(kind == CANCELLED_AFTER_DISPATCH, F.lit("sent, then cancelled or moved"))
+        .when(kind == COPY_MISSING, F.lit("rescheduled, but no later record of its id"))
     )
     return (
         status.withColumn("kind", F.explode(_kinds(*RECORD_KINDS)))
@@ -72,13 +81,14 @@ def record_findings(status: DataFrame) -> DataFrame:
 
 
 def message_findings(checked: DataFrame) -> DataFrame:
-    """One row per message_log record not in schedule_log, or in it more than once."""
+    """One row per message_log record not in schedule_log, or in it more often than it
+    can be."""
     return (
         checked.withColumn("kind", F.explode(_kinds(NOT_SCHEDULED, SCHEDULED_TWICE)))
         .withColumns(
             {
                 "severity": F.lit(ERROR),
-                "detail": F.format_string("in schedule_log %d times", "copies"),
+                "detail": F.format_string("%s in schedule_log %d times", "record_kind", "copies"),
                 "bucket": F.lit(None).cast("timestamp"),
                 "offset": F.lit(None).cast("long"),
                 "dispatched_ms": F.lit(None).cast("long"),

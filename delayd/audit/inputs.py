@@ -22,8 +22,8 @@ from delayd.audit.sources import SOURCES, spark_schema
 # What the one pass reads of each log. dispatch_log's problems are only counted there
 # (reconcile.joined), so their position and text are left for the reread.
 SCHEDULE_COLUMNS = ["bucket", "offset", "message_log_offset", "due_ms", "message_id", "detail"]
-DISPATCH_COLUMNS = ["bucket", "kind", "offset", "at_ms"]
-MESSAGE_COLUMNS = ["file", "offset", "message_id", "due_ms", "receive_ms", "detail"]
+DISPATCH_COLUMNS = ["bucket", "position", "kind", "offset", "at_ms"]  # position: entry order
+MESSAGE_COLUMNS = ["file", "offset", "kind", "message_id", "due_ms", "receive_ms", "detail"]
 
 
 def bucket_file() -> Column:

@@ -25,7 +25,7 @@ from pyspark.sql import functions as F
 
 from delayd.audit import files, findings, inputs, reconcile
 from delayd.audit.config import AuditConfig
-from delayd.audit.message_check import message_check
+from delayd.audit.message_check import CANCEL, MESSAGE, RESCHEDULE, message_check
 from delayd.audit.result import ERROR, REPORT_ROWS, AuditResult
 from delayd.audit.session import prepare
 from delayd.audit.summary import bucket_summary
@@ -71,9 +71,11 @@ def run(spark: SparkSession, config: AuditConfig) -> AuditResult:
             )
         )
     duplicates = _duplicates(spark, config, joined)
-    full = reconcile.with_duplicate_ids(reconcile.judge(joined, stops, damaged, config), duplicates)
+    copies = _missing_copies(spark, config, joined, marks)
+    judged = reconcile.judge(joined, stops, damaged, config)
+    full = reconcile.with_copies(reconcile.with_duplicate_ids(judged, duplicates), copies)
     found = findings.record_findings(full).persist(LEVEL)
-    cached += [duplicates, found]
+    cached += [duplicates, copies, found]
     found = inputs.with_message_ids(spark, config, found)
     if checked is not None:
         found = found.unionByName(findings.message_findings(checked))
@@ -157,6 +159,26 @@ def _duplicates(spark: SparkSession, config: AuditConfig, joined: DataFrame) -> 
     return reconcile.duplicate_ids(named).persist(LEVEL)
 
 
+def _missing_copies(
+    spark: SparkSession, config: AuditConfig, joined: DataFrame, marks: DataFrame
+) -> DataFrame:
+    """reconcile.missing_copies: held on the driver and broadcast when there are few
+    moved records (so that joining it to the records shuffles nothing), else cached.
+    The records of moved messages are looked for only when there are moved records.
+    Counting them costs little: the filter is on the cached ``fate`` byte, and the
+    cache's per-batch statistics skip every batch without a RESCHEDULED fate, so an
+    audit without reschedules reads next to nothing."""
+    moved = reconcile.moved(joined)
+    count = moved.count()
+    if count == 0:
+        return spark.createDataFrame([], reconcile.COPIES_SCHEMA)
+    unread = marks.where(F.col("schedule_problem").isNotNull()).select("server")
+    if count > BROADCAST_ROWS:
+        return reconcile.missing_copies(joined, moved, unread, config).persist(LEVEL)
+    moved = F.broadcast(_local(spark, moved))
+    return F.broadcast(_local(spark, reconcile.missing_copies(joined, moved, unread, config)))
+
+
 def _dispatch_problems(
     spark: SparkSession, config: AuditConfig, damaged: DataFrame
 ) -> list[DataFrame]:
@@ -199,16 +221,26 @@ def _spark_conf(spark: SparkSession, key: str, value: str) -> Iterator[None]:
 def _with_message_counts(summary: DataFrame, checked: DataFrame | None) -> DataFrame:
     """The summary with message_log counts on its server and overall rows (null on
     bucket rows, and everywhere when no message_log was left to check)."""
-    names = ["message_log_records", "not_scheduled", "scheduled_twice", "message_unverified"]
+    names = [
+        "message_log_records",
+        "message_log_cancels",
+        "message_log_reschedules",
+        "not_scheduled",
+        "scheduled_twice",
+        "message_unverified",
+    ]
     if checked is None:
         return summary.withColumns({name: F.lit(None).cast("long") for name in names})
+    record_kind = F.col("record_kind")
     counts = (
         checked.rollup("server")
         .agg(
-            F.count("*").alias(names[0]),
-            F.count_if(F.col("not_scheduled")).alias(names[1]),
-            F.count_if(F.col("scheduled_twice")).alias(names[2]),
-            F.count_if(F.col("unverified")).alias(names[3]),
+            F.count_if(record_kind == MESSAGE).alias(names[0]),
+            F.count_if(record_kind == CANCEL).alias(names[1]),
+            F.count_if(record_kind == RESCHEDULE).alias(names[2]),
+            F.count_if(F.col("not_scheduled")).alias(names[3]),
+            F.count_if(F.col("scheduled_twice")).alias(names[4]),
+            F.count_if(F.col("unverified")).alias(names[5]),
         )
         .withColumnRenamed("server", "message_server")
     )

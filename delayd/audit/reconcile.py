@@ -1,17 +1,33 @@
 """The reconciliation: one row per schedule_log record with what became of it.
 
 ``(server, bucket, offset)`` names a message for good (docs/replay.md). Each record is
-joined with what dispatch_log says about that offset, and judged. Definitions
-(docs/audit.md has them with examples); ``cutoff = as_of - grace``:
+joined with what dispatch_log says about that offset, and judged. The first entry of an
+offset (in file order) is its *fate* (delayd.logs.dispatch_log); a CANCELLED or
+RESCHEDULED fate *withdraws* the record (docs/cancel.md): it is settled, never overdue,
+never in the lateness figures. Definitions (docs/audit.md has them with examples);
+``cutoff = as_of - grace``:
 
-* dispatched: the record has at least one DISPATCHED entry; ``dispatched_ms`` is the
-  first one's time, ``lateness_ms = dispatched_ms - due_ms``.
+* dispatched: the record has at least one DISPATCHED entry and was not withdrawn;
+  ``dispatched_ms`` is the first one's time, ``lateness_ms = dispatched_ms - due_ms``.
+* cancelled / rescheduled: the fate is CANCELLED / RESCHEDULED (the record was moved
+  away: a copy with the new due time is a record of its own). A cancel replayed after a
+  crash may repeat CANCELLED: the first entry counts, the others are harmless.
+* dispatched_after_cancel: withdrawn, and yet a DISPATCHED or DEAD_LETTERED entry
+  follows — a cancelled (or moved) message was delivered.
+* cancelled_after_dispatch: the fate is DISPATCHED or DEAD_LETTERED and a CANCELLED or
+  RESCHEDULED entry follows — a cancel or reschedule was told "done" for a message
+  already delivered (the server answers ALREADY_DELIVERED and writes nothing).
+* copy_missing: withdrawn by RESCHEDULED, written before the cutoff, and no record of
+  the same message id (by hash) with a higher message_log offset exists on that server:
+  the copy a reschedule appends in the same step is not there (missing_copies). Where
+  a schedule_log file of the server could not be read whole, the copy may be in the
+  part that was not read: counted as unverified instead.
 * duplicate_dispatch: more than one DISPATCHED entry for the same record.
 * duplicate_id: a message id whose DISPATCHED entries are at more than one record
   (a producer retry is two records with one id; the delay server does not dedupe, the
   broker does). The by-id count counts ids with more than one DISPATCHED entry in all,
   so an id dispatched twice at one record counts there too.
-* overdue: no DISPATCHED, DEAD_LETTERED or CANCELLED entry and due before the cutoff.
+* overdue: no entry at all (no fate) and due before the cutoff.
   pending: the same, due at or after the cutoff (not judged yet). unverified: the same
   as overdue, in a bucket whose dispatch_log file has a problem (its entry may be in the
   part that could not be read); counted, not listed: the problem row is the finding.
@@ -36,11 +52,21 @@ from pyspark.sql import functions as F
 
 from delayd.audit.config import AuditConfig
 from delayd.audit.kinds import CORRUPT, TORN_TAIL
+from delayd.logs.dispatch_log import EntryKind
 
-DISPATCHED = "dispatched"
-DEAD_LETTERED = "dead_lettered"
-CANCELLED = "cancelled"
-COMPLETE = "complete"
+
+def _name(kind: EntryKind) -> str:
+    """The ``kind`` column's name of an entry kind (decode_dispatch writes these)."""
+    return kind.name.lower()
+
+
+DISPATCHED = _name(EntryKind.DISPATCHED)
+DEAD_LETTERED = _name(EntryKind.DEAD_LETTERED)
+CANCELLED = _name(EntryKind.CANCELLED)
+COMPLETE = _name(EntryKind.COMPLETE)
+RESCHEDULED = _name(EntryKind.RESCHEDULED)
+WITHDRAWN = (EntryKind.CANCELLED.value, EntryKind.RESCHEDULED.value)  # fates: settled
+DELIVERED = (EntryKind.DISPATCHED.value, EntryKind.DEAD_LETTERED.value)  # fates
 
 # Discrepancy kinds. Every kind fails the audit except the notices.
 OVERDUE = "overdue"
@@ -49,6 +75,9 @@ DUPLICATE_ID = "duplicate_id"
 EARLY = "early"
 LATE = "late"
 UNKNOWN_RECORD = "unknown_record"
+DISPATCHED_AFTER_CANCEL = "dispatched_after_cancel"
+CANCELLED_AFTER_DISPATCH = "cancelled_after_dispatch"
+COPY_MISSING = "copy_missing"
 NOT_SCHEDULED = "not_scheduled"
 SCHEDULED_TWICE = "scheduled_twice"
 NOTICES = frozenset({DEAD_LETTERED, TORN_TAIL})
@@ -57,6 +86,9 @@ KEY = ["server", "bucket", "offset"]  # names a schedule_log record for good
 DUPLICATES_SCHEMA = (
     "server string, bucket timestamp, offset long, message_id string, "
     "id_dispatches long, id_records long"
+)
+COPIES_SCHEMA = (
+    "server string, bucket timestamp, offset long, copy_missing boolean, copy_unverified boolean"
 )
 IN_SERVER = KEY[1:]
 
@@ -75,6 +107,8 @@ def joined(schedule: DataFrame, dispatch: DataFrame) -> DataFrame:
     them, and a cache of the result holds no copy of the server's name per record.
     """
     kind = F.col("kind")
+    # The fate travels as the EntryKind value (a byte in the cache, not a string).
+    code = F.coalesce(*(F.when(kind == _name(k), F.lit(k.value)) for k in EntryKind))
     # dispatch_log's problem rows have no offset: they add up to one row per damaged
     # file, with a count and no text, so that this stays a hash aggregation; the job
     # reads those few files again for the details.
@@ -84,7 +118,10 @@ def joined(schedule: DataFrame, dispatch: DataFrame) -> DataFrame:
         .agg(
             F.count_if(kind == DISPATCHED).alias("dispatches"),
             F.count_if(kind == DEAD_LETTERED).alias("dead_letters"),
-            F.count_if(kind == CANCELLED).alias("cancels"),
+            F.count_if(kind.isin(CANCELLED, RESCHEDULED)).alias("withdrawals"),
+            F.min_by(code, F.when(is_record(dispatch), F.col("position")))
+            .cast("tinyint")
+            .alias("fate"),
             F.min(F.when(kind == DISPATCHED, F.col("at_ms"))).alias("dispatched_ms"),
             F.min("at_ms").alias("first_entry_ms"),
             F.count_if(~is_record(dispatch)).alias("dispatch_problems"),
@@ -114,14 +151,19 @@ def judge(
     )
     dispatches = F.coalesce(F.col("dispatches"), F.lit(0))
     dead_letters = F.coalesce(F.col("dead_letters"), F.lit(0))
-    cancels = F.coalesce(F.col("cancels"), F.lit(0))
+    withdrawals = F.coalesce(F.col("withdrawals"), F.lit(0))
+    fate = F.col("fate")
+    withdrawn = F.coalesce(fate.isin(*WITHDRAWN), F.lit(False))
+    delivered_first = F.coalesce(fate.isin(*DELIVERED), F.lit(False))
     scheduled = F.col("due_ms").isNotNull()
     known = scheduled | F.col("schedule_problem").isNotNull()
-    handled = (dispatches > 0) | (dead_letters > 0) | (cancels > 0)
+    handled = fate.isNotNull()
     undone = scheduled & ~handled & (F.col("due_ms") < config.cutoff_ms)
     damaged = F.coalesce(F.col("dispatch_damaged"), F.lit(False))
     unread = F.col("schedule_stop").isNotNull() & (F.col("offset") >= F.col("schedule_stop"))
-    lateness = F.col("dispatched_ms") - F.col("due_ms")
+    # A withdrawn record has no lateness: it was not to be sent (if it was, that is
+    # dispatched_after_cancel, not lateness).
+    lateness = F.when(scheduled & ~withdrawn, F.col("dispatched_ms") - F.col("due_ms"))
     return judged.select(
         *KEY,
         "message_log_offset",
@@ -129,17 +171,20 @@ def judge(
         "id_hash",
         dispatches.alias("dispatches"),
         "dispatched_ms",
-        F.when(scheduled, lateness).alias("lateness_ms"),
+        lateness.alias("lateness_ms"),
         flag("scheduled", scheduled),
-        flag("dispatched", dispatches > 0),
-        flag("dead_lettered", dead_letters > 0),
-        flag("cancelled", cancels > 0),
+        flag("dispatched", (dispatches > 0) & ~withdrawn),
+        flag("dead_lettered", (dead_letters > 0) & ~withdrawn),
+        flag("cancelled", fate == EntryKind.CANCELLED.value),
+        flag("rescheduled", fate == EntryKind.RESCHEDULED.value),
         flag("overdue", undone & ~damaged),
         flag("unverified", undone & damaged),
         flag("pending", scheduled & ~handled & (F.col("due_ms") >= config.cutoff_ms)),
-        flag("early", scheduled & (lateness < 0)),
-        flag("late", scheduled & (lateness > config.late_ms)),
+        flag("early", lateness < 0),
+        flag("late", lateness > config.late_ms),
         flag("duplicate_dispatch", scheduled & (dispatches > 1)),
+        flag("dispatched_after_cancel", scheduled & withdrawn & (dispatches + dead_letters > 0)),
+        flag("cancelled_after_dispatch", scheduled & delivered_first & (withdrawals > 0)),
         flag(
             "unknown_record",
             ~known & ~unread & (F.col("first_entry_ms") < config.cutoff_ms),
@@ -213,6 +258,60 @@ def duplicate_ids(candidates: DataFrame) -> DataFrame:
     return candidates.join(per_id, "message_id").select(
         *KEY, "message_id", "id_dispatches", "id_records"
     )
+
+
+def moved(joined_rows: DataFrame) -> DataFrame:
+    """The records whose fate is RESCHEDULED (KEY, ``message_log_offset``, ``id_hash``,
+    ``first_entry_ms``): each should have a copy (missing_copies)."""
+    return joined_rows.where(
+        F.col("due_ms").isNotNull() & (F.col("fate") == EntryKind.RESCHEDULED.value)
+    ).select(*KEY, "message_log_offset", "id_hash", "first_entry_ms")
+
+
+def missing_copies(
+    joined_rows: DataFrame, moved_rows: DataFrame, unread: DataFrame, config: AuditConfig
+) -> DataFrame:
+    """Of ``moved_rows`` (moved's output; the job broadcasts it when small), those with no
+    record of the same id hash and a higher message_log offset on their server, moved
+    before the cutoff (a live server appends the copy right after the entry; the audit
+    may have read the bucket the copy went to before). ``unread``: the servers (column
+    ``server``) with a schedule_log problem row, where the copy may be the record that
+    could not be read: ``copy_unverified`` there, ``copy_missing`` elsewhere.
+
+    A reschedule appends its copy behind the RESCHEDULE tombstone's message_log offset,
+    which is higher than the moved record's; the server finds the current record of an
+    id the same way (the highest message_log offset, delayd.server.cancels). A later
+    message reusing the id would hide a missing copy: ids are meant to be unique
+    (docs/cancel.md, Limits)."""
+    later = joined_rows.where(F.col("due_ms").isNotNull()).select(
+        "server", "id_hash", F.col("message_log_offset").alias("later_offset")
+    )
+    followed = (
+        later.join(moved_rows, ["server", "id_hash"])
+        .where(F.col("later_offset") > F.col("message_log_offset"))
+        .select(*KEY)
+        .distinct()
+    )
+    lost = moved_rows.join(followed, KEY, "left_anti").where(
+        F.col("first_entry_ms") < config.cutoff_ms
+    )
+    unread = unread.select("server", F.lit(True).alias("schedule_unread")).distinct()
+    maybe = F.coalesce(F.col("schedule_unread"), F.lit(False))
+    return lost.join(F.broadcast(unread), "server", "left").select(
+        *KEY, (~maybe).alias("copy_missing"), maybe.alias("copy_unverified")
+    )
+
+
+def with_copies(status: DataFrame, copies: DataFrame) -> DataFrame:
+    """``status`` plus ``copy_missing`` (missing_copies' rows), with ``unverified`` also
+    true where a copy could not be verified."""
+    joined = status.join(copies, KEY, "left")
+    return joined.withColumns(
+        {
+            "copy_missing": F.coalesce(F.col("copy_missing"), F.lit(False)),
+            "unverified": F.col("unverified") | F.coalesce(F.col("copy_unverified"), F.lit(False)),
+        }
+    ).drop("copy_unverified")
 
 
 def with_duplicate_ids(status: DataFrame, duplicates: DataFrame) -> DataFrame:

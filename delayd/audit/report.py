@@ -30,8 +30,12 @@ COLUMNS = [
     ("late", "late", "late"),
     ("early", "early", "early"),
     ("unknown_record", "unkn", "unknown record"),
+    ("dispatched_after_cancel", "sentcanc", "sent after cancel"),
+    ("cancelled_after_dispatch", "cancsent", "cancelled after sent"),
+    ("copy_missing", "nocopy", "moved, copy missing"),
     ("dead_lettered", "dead", "dead-lettered"),
     ("cancelled", "canc", "cancelled"),
+    ("rescheduled", "moved", "rescheduled (moved away)"),
     ("pending", "pend", "pending"),
     ("lateness_p50_ms", "p50ms", "lateness p50 ms"),
     ("lateness_p99_ms", "p99ms", "lateness p99 ms"),
@@ -45,6 +49,9 @@ FINDING_COLUMNS = (
     "late",
     "early",
     "unknown_record",
+    "dispatched_after_cancel",
+    "cancelled_after_dispatch",
+    "copy_missing",
 )
 
 
@@ -87,11 +94,13 @@ def headline(result: AuditResult) -> str:
 
 
 def verdict(result: AuditResult) -> str:
-    total = result.total_row()
-    if result.clean and not (total and total["scheduled"]):
+    total = result.total_row() or {}
+    if result.clean and not total.get("scheduled"):
         return "RESULT: clean - no scheduled messages were found"
     if result.clean:
-        return "RESULT: clean - every scheduled message judged was dispatched once, on time"
+        withdrawn = (total.get("cancelled") or 0) + (total.get("rescheduled") or 0)
+        also = " or withdrawn (cancelled, moved) and not sent" if withdrawn else ""
+        return f"RESULT: clean - every scheduled message judged was dispatched once, on time{also}"
     return f"RESULT: {result.errors} discrepancies (see {result.config.out})"
 
 
@@ -107,9 +116,11 @@ def _findings_text(result: AuditResult) -> list[str]:
     total = result.total_row() or {}
     if result.message_log_checked:
         lines.append(
-            f"message_log: {total.get('message_log_records') or 0} records checked, "
+            f"message_log: {total.get('message_log_records') or 0} messages checked "
+            f"(and {total.get('message_log_cancels') or 0} cancel, "
+            f"{total.get('message_log_reschedules') or 0} reschedule tombstones), "
             f"{total.get('not_scheduled') or 0} not in schedule_log, "
-            f"{total.get('scheduled_twice') or 0} in it more than once, "
+            f"{total.get('scheduled_twice') or 0} in it more often than they can be, "
             f"{total.get('message_unverified') or 0} unverified"
         )
     else:
@@ -153,7 +164,7 @@ def console(result: AuditResult) -> str:
                 else f"{d['server']} message_log @{d['message_log_offset']}"
             )
             lines.append(
-                f"  {d['kind']:<18} {where}  id={d['message_id']}  "
+                f"  {d['kind']:<24} {where}  id={d['message_id']}  "
                 f"due {utc(d['due_ms'], seconds=True)}  {d['detail'] or ''}".rstrip()
             )
     if result.problems:

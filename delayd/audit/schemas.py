@@ -48,10 +48,13 @@ SCHEDULE_LOG = pa.schema(
     ]
 )
 
-# dispatch_log: one row per entry. ``position`` is the entry's byte offset in the
-# dispatch_log file; ``offset`` the schedule_log offset it is about (for a ``complete``
-# mark: the schedule_log length it covers); ``at_ms`` the time of the event (for a
-# ``dispatched`` entry, the dispatched_ms the broker acknowledged).
+# dispatch_log: one row per entry. ``kind`` is its EntryKind in lower case
+# (``dispatched``, ``dead_lettered``, ``cancelled``, ``complete``, ``rescheduled``);
+# ``position`` the entry's byte offset in the dispatch_log file (entries about one
+# offset are in the order written: the first is its fate); ``offset`` the schedule_log
+# offset it is about (for a ``complete`` mark: the schedule_log length it covers);
+# ``at_ms`` the time of the event (for a ``dispatched`` entry, the dispatched_ms the
+# broker acknowledged).
 DISPATCH_LOG = pa.schema(
     [
         *_WHERE,
@@ -65,12 +68,16 @@ DISPATCH_LOG = pa.schema(
     ]
 )
 
-# message_log: one row per MESSAGE record; offset is its logical message_log offset
-# (what schedule_log's message_log_offset points at).
+# message_log: one row per record; offset is its logical message_log offset (what
+# schedule_log's message_log_offset points at). ``kind`` is the record's type as
+# message_log.describe_type names it: ``message``, or a ``cancel`` / ``reschedule``
+# tombstone (docs/cancel.md), whose row has ``message_id``, ``receive_ms`` and, for a
+# reschedule, the new ``due_ms``; its other message columns are null.
 MESSAGE_LOG = pa.schema(
     [
         *_WHERE,
         pa.field("offset", pa.int64()),
+        pa.field("kind", pa.string()),
         *_MESSAGE,
         *_PROBLEM,
     ]

@@ -165,7 +165,7 @@ class DispatchLogSource(_LogSource):
 
 
 class MessageLogSource(_LogSource):
-    """``delayd.message_log``: one row per MESSAGE record (schemas.MESSAGE_LOG)."""
+    """``delayd.message_log``: one row per record, message or tombstone (schemas.MESSAGE_LOG)."""
 
     log = files.MESSAGE_LOG
     arrow_schema = schemas.MESSAGE_LOG

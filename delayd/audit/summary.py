@@ -23,12 +23,16 @@ FLAGS = (  # counted as they are
     "duplicate_dispatch",
     "dead_lettered",
     "cancelled",
+    "rescheduled",
     "pending",
     "overdue",
     "unverified",
     "early",
     "late",
     "unknown_record",
+    "dispatched_after_cancel",
+    "cancelled_after_dispatch",
+    "copy_missing",
 )
 COUNTS = ("dispatched", "dispatch_entries", *FLAGS)
 
