@@ -23,6 +23,8 @@ import contextlib
 import math
 import threading
 import time
+from collections.abc import Callable
+from functools import partial
 from types import TracebackType
 
 from delayd import __version__
@@ -40,6 +42,7 @@ from delayd.errors import (
 )
 from delayd.protocol import (
     CommitOffset,
+    CommitOffsetOk,
     ErrorCode,
     Heartbeat,
     HeartbeatResult,
@@ -48,6 +51,8 @@ from delayd.protocol import (
     Message,
     Pull,
     PullResult,
+    Request,
+    Response,
 )
 
 CLIENT_NAME = f"delayd-python-blocking/{__version__}"
@@ -174,8 +179,8 @@ class Consumer:
                         self._flush_commits(time.monotonic() + self.timeout_s, retry=False)
                     return message
                 # Nothing prefetched: the offsets processed so far go to the broker now,
-                # before this consumer possibly waits a long time.
-                self._flush_commits(time.monotonic() + self.timeout_s, retry=False)
+                # before this consumer possibly waits a long time — in the same write as
+                # the PULL (_pull), so that committing costs no round trip of its own.
                 remaining_ms = (deadline - time.monotonic()) * 1000
                 if remaining_ms <= 0:
                     return None
@@ -260,37 +265,62 @@ class Consumer:
             return link
 
     def _pull(self, wait_ms: int, deadline: float) -> None:
-        """One PULL into the prefetch buffer; connection trouble is retried by the caller."""
+        """One PULL into the prefetch buffer, preceded on the wire by the commits due;
+        connection trouble is retried by the caller (the commits stay due)."""
         joins_before = self._joins
         link = self._member_link(deadline)
         self._last_sent = time.monotonic()
+        due = self._state.commits_due()
+        builds: list[Callable[[int], Request]] = [
+            partial(self._commit_request, queue, offset) for queue, offset in due
+        ]
+        builds.append(partial(self._pull_request, wait_ms))
+        answers: dict[int, Response | DelaydError] = {}
         try:
-            result = link.request(
-                lambda rid: Pull(
-                    self.subject,
-                    self.group,
-                    self.consumer_id,
-                    max_messages=self.max_messages,
-                    wait_ms=wait_ms,
-                    request_id=rid,
-                ),
+            link.pipeline(
+                builds,
                 time.monotonic() + wait_ms / 1000 + self.timeout_s,
+                on_answer=answers.__setitem__,
+                window=len(builds),
             )
         except (ConnectionClosedError, DelaydTimeout) as exc:
             self._session.lost(exc)
             return
-        except RejectedError as exc:
-            if exc.code == ErrorCode.INVALID_REQUEST and self._joins == joins_before:
-                self._joined = None  # dropped from the group: join again
-                return
-            raise
-        except BusyError as exc:
-            self._session.last_problem = exc
+        finally:
+            for index, (queue, offset) in enumerate(due):
+                if isinstance(answers.get(index), CommitOffsetOk):
+                    self._state.committed(queue, offset)
+            self._state.flushed(time.monotonic())
+        result = answers[len(due)]
+        if isinstance(result, PullResult):
+            self._session.succeeded()
+            self._state.add_pulled(result.messages)
+        elif isinstance(result, RejectedError):
+            if result.code != ErrorCode.INVALID_REQUEST or self._joins != joins_before:
+                raise result
+            self._joined = None  # dropped from the group: join again
+        elif isinstance(result, BusyError):
+            self._session.last_problem = result
             time.sleep(self._busy_backoff.next_delay())
-            return
-        assert isinstance(result, PullResult)
-        self._session.succeeded()
-        self._state.add_pulled(result.messages)
+        elif isinstance(result, DelaydError):
+            raise result
+        # A refused commit is an answer about the subscription: raised like a refused pull.
+        for index in range(len(due)):
+            if isinstance(answers.get(index), DelaydError):
+                raise answers[index]
+
+    def _commit_request(self, queue: int, offset: int, request_id: int) -> CommitOffset:
+        return CommitOffset(self.group, self.subject, queue, offset, request_id=request_id)
+
+    def _pull_request(self, wait_ms: int, request_id: int) -> Pull:
+        return Pull(
+            self.subject,
+            self.group,
+            self.consumer_id,
+            max_messages=self.max_messages,
+            wait_ms=wait_ms,
+            request_id=request_id,
+        )
 
     # --- heartbeats -------------------------------------------------------------------
 
