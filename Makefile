@@ -21,10 +21,13 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/delayd serve --data $(DATA)
 
+# Two workers, whole files each (--dist loadfile): most tests wait on real processes,
+# sockets and fsyncs, so two halve the wall time on a 2-core machine, and a module's
+# fixtures (one SparkSession per audit module) stay in one worker.
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/pytest
+	$(BIN)/pytest -n 2 --dist loadfile
 
 format: $(STAMP)
 	$(BIN)/ruff format .
