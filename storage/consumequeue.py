@@ -57,8 +57,9 @@ import operator
 import os
 import struct
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import xxhash
@@ -284,6 +285,17 @@ class ConsumeQueue:
             view = view[take:]
         self._covered_end = covered
         return first
+
+    def append_records(
+        self, commitlog_offsets: Sequence[int], sizes: Sequence[int], tag_hash: int = 0
+    ) -> int:
+        """:meth:`append_batch` of ``(commitlog_offsets[i], sizes[i], tag_hash)`` for every
+        ``i``: the same entries, without a tuple per entry. Returns the index of the first.
+        Raises ValueError as append_batch does, and when the sequences differ in length.
+        """
+        if len(commitlog_offsets) != len(sizes):
+            raise ValueError(f"{len(commitlog_offsets)} offsets but {len(sizes)} sizes")
+        return self.append_batch(zip(commitlog_offsets, sizes, repeat(tag_hash)))
 
     @staticmethod
     def _bad_entry(commitlog_offset: int, size: int, covered: int) -> ValueError:

@@ -34,13 +34,18 @@ MAX_TYPE = 255
 crc32c = _crc32c.crc32c
 
 
+_TYPE_SEEDS = tuple(crc32c(bytes((rtype,))) for rtype in range(MAX_TYPE + 1))
+
+
 def type_seed(rtype: int) -> int:
     """The crc32c of the type byte alone.
 
     ``crc32c(payload, type_seed(t)) == crc32c(bytes([t]) + payload)``: a batch computes
     the seed once and then one crc call per payload, without copying the payload.
     """
-    return crc32c(bytes((rtype,)))
+    if not 0 <= rtype <= MAX_TYPE:
+        raise ValueError(f"record type {rtype} is not a byte")
+    return _TYPE_SEEDS[rtype]
 
 
 def record_crc(rtype: int, payload: bytes | bytearray | memoryview) -> int:

@@ -58,7 +58,8 @@ import struct
 import sys
 import threading
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from itertools import repeat
 from typing import NamedTuple
 
 import xxhash
@@ -89,7 +90,7 @@ DEFAULT_SLOT_COUNT = 1_000_003  # a prime; 1_000_003 * 4 B = ~3.8 MiB of slots
 DEFAULT_MAX_ENTRIES = 4_000_000  # 4_000_000 * 20 B = 80 MB of entries per file
 MAX_TIME_DELTA_MS = U32_MAX  # 2**32 - 1 ms ~ 49.7 days
 DEFAULT_MAX_RESULTS = 64
-SLOT_RUN_GAP = 1024  # dirty slots less than 4 KiB apart are written with one pwrite
+SLOT_PAGE_BITS = 10  # dirty slots are tracked per page of 2**10 slots (4 KiB of slots)
 REPLAY_CHUNK = 65536  # entries per pread when replaying (65536 * 20 B = 1.25 MiB)
 FILE_NAME_DIGITS = 20
 TEMP_SUFFIX = ".tmp"
@@ -106,6 +107,8 @@ def default_hash(key: bytes) -> int:
 
 
 def _key_bytes(key: bytes | str) -> bytes:
+    if type(key) is bytes:  # the common case: no copy
+        return key
     return key.encode() if isinstance(key, str) else bytes(key)
 
 
@@ -185,7 +188,9 @@ class IndexFile:
         self._flushed = header.entry_count  # entries on disk and committed by the header
         self._pending = bytearray()  # packed entries _flushed + 1 .. _count
         self._slots: array | None = None  # in memory while active
-        self._dirty_slots: set[int] = set()
+        # One byte per page of slots, 1 = a slot of the page changed since the last flush
+        # (a set of slot numbers cost a hash insert per put and a sort per flush).
+        self._dirty_pages = bytearray((self.slot_count >> SLOT_PAGE_BITS) + 1)
         self._header_dirty = False
         self._lock = threading.Lock()  # state, vs a flush in a worker thread
         self._flush_lock = threading.Lock()  # one flush at a time
@@ -400,7 +405,7 @@ class IndexFile:
             self._pending += ENTRY.pack(key_hash, commitlog_offset, max(0, delta), slots[slot])
             self._count = count + 1
             slots[slot] = count + 1
-            self._dirty_slots.add(slot)
+            self._dirty_pages[slot >> SLOT_PAGE_BITS] = 1
             if commitlog_offset < self.begin_offset:
                 self.begin_offset = commitlog_offset
             if commitlog_offset > self.end_offset:
@@ -408,6 +413,83 @@ class IndexFile:
             if timestamp_ms > self.end_timestamp_ms:
                 self.end_timestamp_ms = timestamp_ms
         return True
+
+    def put_batch(
+        self, keys: Sequence[bytes], offsets: Sequence[int], timestamps_ms: int | Sequence[int]
+    ) -> int:
+        """:meth:`put` of ``keys[i] -> offsets[i]`` for every ``i``, in order: the same
+        entries, with one lock and one loop for the batch. ``timestamps_ms`` is one
+        timestamp for every key, or one per key.
+
+        Returns how many were put: all, or the first ones when the file filled up or a
+        timestamp is more than MAX_TIME_DELTA_MS past the file's begin timestamp (0 when
+        the first is); the caller rolls to a new file for the rest. Raises as ``put``
+        does (nothing put), and ValueError when the sequences differ in length.
+        """
+        self._check_usable()
+        n = len(keys)
+        per_key = not isinstance(timestamps_ms, int)
+        if len(offsets) != n or (per_key and len(timestamps_ms) != n):  # type: ignore[arg-type]
+            raise ValueError(f"{n} keys, {len(offsets)} offsets: one each, and timestamps")
+        if not n:
+            return 0
+        low, high = min(offsets), max(offsets)
+        if low < 0 or high > U64_MAX:
+            raise ValueError(f"commitlog offset {low if low < 0 else high} is outside a u64")
+        hashes = list(map(self._hash, keys))
+        slot_count = self.slot_count
+        with self._lock:
+            slots = self._slots
+            if slots is None:
+                raise StorageError(f"index file {self.path} is sealed")
+            count = self._count
+            n = min(n, self.max_entries - count)
+            if n <= 0:
+                return 0
+            first_ms = timestamps_ms[0] if per_key else timestamps_ms  # type: ignore[index]
+            if count == 0:
+                self.begin_offset = self.end_offset = offsets[0]
+                self.begin_timestamp_ms = self.end_timestamp_ms = first_ms
+            begin_ms = self.begin_timestamp_ms
+            if per_key:
+                stamps = timestamps_ms[:n]  # type: ignore[index]
+                deltas = [stamp - begin_ms for stamp in stamps]
+                if max(deltas) > MAX_TIME_DELTA_MS:  # stop before the first that overflows
+                    n = next(i for i, d in enumerate(deltas) if d > MAX_TIME_DELTA_MS)
+                    if not n:
+                        return 0
+                    stamps, deltas = stamps[:n], deltas[:n]
+                deltas = [d if d > 0 else 0 for d in deltas]
+                last_ms = max(stamps)
+            else:
+                delta = first_ms - begin_ms
+                if delta > MAX_TIME_DELTA_MS:
+                    return 0
+                deltas = repeat(max(0, delta))  # type: ignore[assignment]
+                last_ms = first_ms
+            if n < len(offsets):
+                offsets = offsets[:n]
+                low, high = min(offsets), max(offsets)
+            pending = self._pending
+            position = len(pending)
+            pending += bytes(n * ENTRY_SIZE)
+            pack_into, dirty = ENTRY.pack_into, self._dirty_pages
+            for key_hash, offset, delta in zip(hashes, offsets, deltas):  # noqa: B905  # cut to n
+                key_hash &= U32_MAX
+                slot = key_hash % slot_count
+                pack_into(pending, position, key_hash, offset, delta, slots[slot])
+                position += ENTRY_SIZE
+                count += 1
+                slots[slot] = count
+                dirty[slot >> SLOT_PAGE_BITS] = 1
+            self._count = count
+            if low < self.begin_offset:
+                self.begin_offset = low
+            if high > self.end_offset:
+                self.end_offset = high
+            if last_ms > self.end_timestamp_ms:
+                self.end_timestamp_ms = last_ms
+        return n
 
     def candidates(self, key: bytes) -> Iterator[int]:
         """Commitlog offsets whose entry has ``key``'s 32-bit hash, newest first. These are
@@ -463,7 +545,8 @@ class IndexFile:
     def _flush_locked(self) -> None:
         slots = self._slots
         with self._lock:
-            if not self._pending and not self._dirty_slots and not self._header_dirty:
+            dirty = self._dirty_pages
+            if not self._pending and not self._header_dirty and dirty.find(1) < 0:
                 return
             data = bytes(self._pending)
             position = self._entries_start + self._flushed * ENTRY_SIZE
@@ -471,7 +554,7 @@ class IndexFile:
             if slots is not None:
                 # Slicing copies, so later puts cannot change what this flush writes.
                 runs = [(start, _slot_bytes(slots[start:stop])) for start, stop in self._runs()]
-            self._dirty_slots.clear()
+            dirty[:] = bytes(len(dirty))
             self._header_dirty = False
             header = self._header()
         try:
@@ -489,13 +572,16 @@ class IndexFile:
             self._flushed += len(data) // ENTRY_SIZE
 
     def _runs(self) -> list[tuple[int, int]]:
-        """Dirty slots as [start, stop) runs, merging neighbours less than a page apart."""
+        """The dirty pages as [start, stop) slot runs, neighbouring pages merged."""
+        pages = self._dirty_pages
         runs: list[tuple[int, int]] = []
-        for slot in sorted(self._dirty_slots):
-            if runs and slot - runs[-1][1] < SLOT_RUN_GAP:
-                runs[-1] = (runs[-1][0], slot + 1)
-            else:
-                runs.append((slot, slot + 1))
+        page = pages.find(1)
+        while page >= 0:
+            end = pages.find(0, page)
+            if end < 0:
+                end = len(pages)
+            runs.append((page << SLOT_PAGE_BITS, min(end << SLOT_PAGE_BITS, self.slot_count)))
+            page = pages.find(1, end)
         return runs
 
     # ------------------------------------------------------------------ truncation, closing
@@ -526,7 +612,7 @@ class IndexFile:
                     )
                 with self._lock:
                     slots[slot] = prev
-                    self._dirty_slots.add(slot)
+                    self._dirty_pages[slot >> SLOT_PAGE_BITS] = 1
                 number -= 1
             if number == count:
                 return 0
@@ -658,6 +744,35 @@ class IndexStore:
             active = self._roll(commitlog_offset)
             if not active.put(data, commitlog_offset, timestamp_ms):
                 raise StorageError(f"a new index file refused a put ({active.path})")
+
+    def put_batch(
+        self, keys: Sequence[bytes], offsets: Sequence[int], timestamps_ms: int | Sequence[int]
+    ) -> None:
+        """:meth:`put` of ``keys[i]`` (bytes) -> ``offsets[i]`` for every ``i``, in order,
+        stored at ``timestamps_ms`` (one for all, or one per key): the same entries as
+        one put each (rolling where put would), a fraction of the time per key. Raises
+        ValueError when the sequences differ in length or an offset is outside a u64."""
+        total = len(keys)
+        per_key = not isinstance(timestamps_ms, int)
+        if len(offsets) != total or (per_key and len(timestamps_ms) != total):  # type: ignore[arg-type]
+            raise ValueError(f"{total} keys, {len(offsets)} offsets: one each, and timestamps")
+        done = 0
+        active = self._files[-1] if self._files else None
+        fresh = False  # active was created for this batch
+        while done < total:
+            put = 0
+            if active is not None:
+                if done:
+                    stamps = timestamps_ms[done:] if per_key else timestamps_ms  # type: ignore[index]
+                    put = active.put_batch(keys[done:], offsets[done:], stamps)
+                else:
+                    put = active.put_batch(keys, offsets, timestamps_ms)
+            if not put and fresh:
+                raise StorageError(f"a new index file refused a put ({active.path})")  # type: ignore[union-attr]
+            done += put
+            if done < total:
+                active = self._roll(offsets[done])
+                fresh = True
 
     def _roll(self, commitlog_offset: int) -> IndexFile:
         name = commitlog_offset

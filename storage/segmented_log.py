@@ -293,13 +293,14 @@ class SegmentedLog:
         if not TYPE_DATA <= rtype <= MAX_TYPE:
             raise ValueError(f"record type {rtype} is reserved; use {TYPE_DATA}..{MAX_TYPE}")
         limit = min(self.segment_size - EOS_SIZE, self.max_unsynced_bytes)
-        for payload in payloads:
-            if HEADER_SIZE + len(payload) > limit:
-                raise RecordTooLargeError(
-                    f"record of {len(payload)} bytes does not fit: the limit is "
-                    f"{limit - HEADER_SIZE} bytes (segment_size={self.segment_size}, "
-                    f"max_unsynced_bytes={self.max_unsynced_bytes})"
-                )
+        sizes = list(map(len, payloads))
+        largest = max(sizes, default=0)
+        if HEADER_SIZE + largest > limit:
+            raise RecordTooLargeError(
+                f"record of {largest} bytes does not fit: the limit is "
+                f"{limit - HEADER_SIZE} bytes (segment_size={self.segment_size}, "
+                f"max_unsynced_bytes={self.max_unsynced_bytes})"
+            )
         offsets: list[int] = []
         seg = self._active_segment()
         seed = type_seed(rtype)
@@ -308,6 +309,17 @@ class SegmentedLog:
         pending = 0
         room = min(self.segment_size - EOS_SIZE - seg.size, self.max_unsynced_bytes)
         try:
+            if sum(sizes) + HEADER_SIZE * len(sizes) <= room:
+                # The whole batch fits in the segment (the usual case): one write, no
+                # per-record check.
+                position = seg.base + seg.size
+                for payload, size in zip(payloads, sizes):  # noqa: B905  # same length
+                    offsets.append(position)
+                    parts.append(pack(size, crc32c(payload, seed), rtype))
+                    parts.append(payload)
+                    position += HEADER_SIZE + size
+                self._write(seg, b"".join(parts))
+                return offsets
             for payload in payloads:
                 need = HEADER_SIZE + len(payload)
                 if pending + need > room:

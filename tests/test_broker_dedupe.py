@@ -140,7 +140,9 @@ def test_add_batch_is_add_of_each(batches):
         ids = [b"%d" % n for n in ids]
         for message_id in ids:
             one.add(message_id, log_one.store(message_id), now)
-        many.add_batch(ids, [log_many.store(m) for m in ids], now)
+        # As the append path does: look the batch up, then add it with the fingerprints.
+        fps, _ = many.find_batch(ids)
+        many.add_batch(ids, [log_many.store(m) for m in ids], now, fps)
         one.expire(now)
         many.expire(now)
         assert len(one) == len(many)
@@ -148,3 +150,7 @@ def test_add_batch_is_add_of_each(batches):
         assert list(one._marks) == list(many._marks)
         for n in range(41):
             assert one.find(b"%d" % n) == many.find(b"%d" % n)
+        probe = [b"%d" % n for n in range(41)]
+        fps, found = one.find_batch(probe)
+        assert fps == [n % 7 for n in range(41)]
+        assert found == {n: one.find(m) for n, m in enumerate(probe) if one.find(m) is not None}

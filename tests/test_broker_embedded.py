@@ -93,6 +93,30 @@ async def test_delay_server_fields_survive_and_keys_keep_order(tmp_path):
         ]
 
 
+async def test_a_batch_mixing_keys_dedupes_and_indexes_every_message(tmp_path):
+    # Keyed messages after unkeyed ones in one batch (the reput's index keys switch from
+    # one per record to id and key per record mid-batch), an in-batch copy, a resend.
+    async with open_broker(str(tmp_path), CONFIG) as broker:
+        first = await broker.send_batch([Message("old", "orders")])
+        sent = [*batch("u", 3), Message("k-0", "orders", key="A"), Message("u-1", "orders")]
+        sent += [Message("k-1", "orders", key="B"), Message("old", "orders")]
+        results = await broker.send_batch(sent)
+        assert [r.code for r in results] == [ResultCode.OK] * 4 + [
+            ResultCode.DUPLICATE,
+            ResultCode.OK,
+            ResultCode.DUPLICATE,
+        ]
+        assert results[4].commitlog_offset == results[1].commitlog_offset
+        assert results[6].commitlog_offset == first[0].commitlog_offset
+        for message_id in ["u-0", "u-1", "u-2", "k-0", "k-1", "old"]:
+            assert [m.message_id for m in broker.query("orders", message_id=message_id)] == [
+                message_id
+            ]
+        assert [m.message_id for m in broker.query("orders", key="A")] == ["k-0"]
+        assert [m.message_id for m in broker.query("orders", key="B")] == ["k-1"]
+        assert len(await drain(broker, "g")) == 6
+
+
 async def test_restart_rebuilds_queues_and_index_from_the_commitlog(tmp_path):
     async with open_broker(str(tmp_path), CONFIG) as broker:
         for n in range(5):  # enough index entries to roll index files (max 50 each)

@@ -145,6 +145,53 @@ def test_timestamps_too_far_apart_roll(tmp_path):
         assert [store.lookup(k, always) for k in "abc"] == [[0], [100], [200]]
 
 
+def _store_bytes(directory: Path) -> dict[str, bytes]:
+    return {name: (directory / name).read_bytes() for name in index_files(directory)}
+
+
+@pytest.mark.parametrize("per_key", [False, True])
+@pytest.mark.parametrize("max_entries", [1, 8, 50])
+def test_put_batch_writes_exactly_what_one_put_each_writes(tmp_path, per_key, max_entries):
+    """Batches of every size, across full files, negative and overflowing time deltas:
+    the files are byte for byte those of one put per key."""
+    rng = random.Random(max_entries * 2 + per_key)
+    batches = []
+    offset, base_ms = 0, 10_000
+    for size in [1, 3, 0, 7, 20, 2, 13, 1, 30]:
+        keys = [b"k%d" % rng.randrange(12) for _ in range(size)]
+        offsets = [offset + 100 * i for i in range(size)]
+        offset += 100 * size
+        if size == 13:
+            base_ms += 2**32  # this batch no longer fits the file's time range
+        stamps = [base_ms + rng.randrange(-50, 50) for _ in range(size)]
+        batches.append((keys, offsets, stamps if per_key else base_ms))
+    one, many = tmp_path / "one", tmp_path / "many"
+    with IndexStore.open(str(one), slot_count=5, max_entries=max_entries) as store:
+        for keys, offsets, stamps in batches:
+            for i, (key, at) in enumerate(zip(keys, offsets, strict=True)):
+                store.put(key, at, stamps[i] if per_key else stamps)
+    with IndexStore.open(str(many), slot_count=5, max_entries=max_entries) as store:
+        for keys, offsets, stamps in batches:
+            store.put_batch(keys, offsets, stamps)
+        lookups = {k: store.lookup(b"k%d" % k, always) for k in range(12)}
+    assert len(_store_bytes(many)) > 1
+    assert _store_bytes(many) == _store_bytes(one)
+    with IndexStore.open(str(one), slot_count=5, max_entries=max_entries) as store:
+        assert {k: store.lookup(b"k%d" % k, always) for k in range(12)} == lookups
+
+
+def test_put_batch_refuses_mismatched_lengths_and_bad_offsets(tmp_path):
+    with IndexStore.open(str(tmp_path), **SMALL) as store:
+        with pytest.raises(ValueError):
+            store.put_batch([b"a", b"b"], [1], 5)
+        with pytest.raises(ValueError):
+            store.put_batch([b"a"], [1], [5, 6])
+        with pytest.raises(ValueError):
+            store.put_batch([b"a", b"b"], [1, -1], 5)
+        store.put_batch([b"a"], [1], 5)
+        assert store.lookup(b"a", always) == [1]
+
+
 def test_lookup_dedupes_offsets_put_twice(tmp_path):
     """The broker's reput re-puts from its checkpoint after a crash, so the same key and
     offset can be in the index twice, even in two files."""

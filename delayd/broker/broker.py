@@ -35,9 +35,9 @@ from delayd.broker.config import BrokerConfig, StartFrom
 from delayd.broker.dedupe import IdWindow
 from delayd.broker.groups import GroupKey, GroupRegistry
 from delayd.broker.offsets import OffsetStore
-from delayd.broker.record import encode_record, stamp_record
-from delayd.broker.routing import QueueSelector
-from delayd.broker.store import Arrival, BrokerStore, QueueKey, id_index_key, key_index_key
+from delayd.broker.record import encode_record, stamp_records
+from delayd.broker.routing import QueueSelector, key_hash
+from delayd.broker.store import BrokerStore, QueueKey, id_index_key, key_index_key
 from delayd.errors import RejectedError
 from delayd.protocol.codec import MAX_STR_BYTES, decode_message, new_send_result
 from delayd.protocol.codes import ErrorCode, ResultCode
@@ -252,34 +252,34 @@ class Broker:
         window.expire(now_ms)
         store_ms = max(now_ms, store.last_store_ms)
         results: list[SendResult | None] = [None] * len(messages)  # by message index
-        payloads: list[bytes] = []
-        arrivals: list[Arrival] = []
-        ids: list[bytes] = []  # of the stored messages
-        # Per stored message: (message index, (subject, queue), queue offset, due_ms).
-        stored: list[tuple[int, QueueKey, int, int | None]] = []
+        # Per stored message, in order (columns, not a tuple each): its index in the
+        # batch, (subject, queue), queue, queue offset, id and id fingerprint.
+        indices: list[int] = []
+        queue_keys: list[QueueKey] = []
+        queues_of: list[int] = []
+        queue_offsets: list[int] = []
+        ids: list[bytes] = []
+        stored_fps: list[int] = []
+        index_keys: list[bytes] = []  # the reput's index keys, in put order
+        key_records: list[int] | None = None  # record of each index key, once a key is seen
         copies: list[tuple[int, int]] = []  # (message index, message index of first copy)
-        first_of: dict[str, int] = {}  # message id -> message index of its first copy
+        first_of: dict[bytes, int] = {}  # message id -> message index of its first copy
         valid_subjects = self._valid_subjects
         max_body = config.max_body_bytes
-        if encoded is not None:
-            data, bounds = encoded.data, encoded.bounds
         next_offset = store.next_queue_offset
-        select, find = self.selector.select, window.find
-        add_payload, add_arrival, add_id, add_stored = (
-            payloads.append,
-            arrivals.append,
-            ids.append,
-            stored.append,
-        )
+        turns = self.selector.turns
         try:
+            # (an empty or missing id is refused below, as EMPTY_ID)
+            all_ids = [m.message_id.encode() if m.message_id else b"" for m in messages]
+            fps, found = window.find_batch(all_ids)
             for i, m in enumerate(messages):
-                message_id, subject, key = m.message_id, m.subject, m.key
+                subject, key = m.subject, m.key
                 queues = valid_subjects.get(subject)
                 # The common message passes these cheap checks; anything else gets the
                 # full explanation from _refusal.
                 if (
                     queues is None
-                    or not message_id
+                    or not m.message_id
                     or m.at_ms is not None
                     or m.delay_ms is not None
                     or len(m.body) > max_body
@@ -293,45 +293,73 @@ class Broker:
                     queues = config.queues_for(subject)
                     if len(valid_subjects) < MAX_CACHED_SUBJECTS:
                         valid_subjects[subject] = queues
-                earlier = first_of.get(message_id)
+                id_bytes = all_ids[i]
+                earlier = first_of.get(id_bytes)
                 if earlier is not None:
                     copies.append((i, earlier))
                     continue
-                id_bytes = message_id.encode()
-                stored_at = find(id_bytes)
-                if stored_at is not None:
+                if found and i in found:
                     self.duplicates += 1
-                    results[i] = self._duplicate_result(stored_at)
+                    results[i] = self._duplicate_result(found[i])
                     continue
-                first_of[message_id] = i
-                queue = select(subject, key, queues)
+                first_of[id_bytes] = i
+                if key is None:  # QueueSelector.select's round robin, inlined
+                    turn = turns.get(subject, 0)
+                    turns[subject] = turn + 1
+                    queue = turn % queues
+                else:
+                    queue = key_hash(key) % queues
+                    if key_records is None:  # until now one index key per record
+                        key_records = list(range(len(index_keys)))
                 queue_key = (subject, queue)
                 queue_offset = next_offset.get(queue_key, 0)
                 next_offset[queue_key] = queue_offset + 1
-                if encoded is None:
-                    add_payload(encode_record(m, store_ms, queue, queue_offset))
-                else:
-                    add_payload(
-                        stamp_record(data, bounds[i], bounds[i + 1], store_ms, queue, queue_offset)
-                    )
-                key_key = None if key is None else key_index_key(subject, key)
                 # b"i\0" + id is id_index_key(id_bytes), spelled out on this hot path.
-                add_arrival((queue_key, queue_offset, b"i\x00" + id_bytes, key_key))
-                add_id(id_bytes)
-                add_stored((i, queue_key, queue_offset, m.due_ms))
-            offsets = store.append(payloads, arrivals, store_ms) if payloads else []
+                index_keys.append(b"i\x00" + id_bytes)
+                if key_records is not None:
+                    key_records.append(len(ids))
+                    if key is not None:
+                        index_keys.append(key_index_key(subject, key))
+                        key_records.append(len(ids))
+                indices.append(i)
+                queue_keys.append(queue_key)
+                queues_of.append(queue)
+                queue_offsets.append(queue_offset)
+                ids.append(id_bytes)
+                stored_fps.append(fps[i])
+            if ids:
+                if encoded is None:
+                    payloads = [
+                        encode_record(messages[i], store_ms, queue, queue_offset)
+                        for i, queue, queue_offset in zip(
+                            indices, queues_of, queue_offsets, strict=True
+                        )
+                    ]
+                else:
+                    payloads = stamp_records(
+                        encoded.data, encoded.bounds, indices, store_ms, queues_of, queue_offsets
+                    )
+                offsets = store.append(
+                    payloads, queue_keys, queue_offsets, index_keys, key_records, store_ms
+                )
         except BaseException:
             # Nothing of the batch is stored (or the log is failed): give the queue
             # offsets back so the queues stay dense (each queue to the first it gave).
-            for _, queue_key, queue_offset, _ in reversed(stored):
+            for queue_key, queue_offset in zip(
+                reversed(queue_keys), reversed(queue_offsets), strict=True
+            ):
                 next_offset[queue_key] = queue_offset
             raise
-        if payloads:
+        if ids:
             store.last_store_ms = store_ms
-            window.add_batch(ids, offsets, store_ms)
+            window.add_batch(ids, offsets, store_ms, stored_fps)
             ok = ResultCode.OK
-            for (i, (_, queue), queue_offset, due_ms), offset in zip(stored, offsets, strict=True):
-                results[i] = new_send_result(ok, "", store_ms, offset, queue, queue_offset, due_ms)
+            for i, queue, queue_offset, offset in zip(
+                indices, queues_of, queue_offsets, offsets, strict=True
+            ):
+                results[i] = new_send_result(
+                    ok, "", store_ms, offset, queue, queue_offset, messages[i].due_ms
+                )
         for slot, earlier in copies:
             first = results[earlier]
             assert first is not None

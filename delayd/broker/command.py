@@ -20,6 +20,7 @@ from delayd.broker.broker import Broker
 from delayd.broker.config import DAY_MS, BrokerConfig, StartFrom
 from delayd.broker.metrics import serve_metrics
 from delayd.broker.server import serve_broker
+from delayd.gcsetup import tune_gc_for_serving
 from delayd.logsetup import add_logging_arguments, configure_logging
 from storage.flusher import FlushMode, FlushPolicy
 
@@ -126,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
 
 async def _serve(args: argparse.Namespace, config: BrokerConfig) -> None:
     broker = await trio.to_thread.run_sync(partial(Broker.open, args.data, config))
+    tune_gc_for_serving()
     async with trio.open_nursery() as root:
         await root.start(broker.run)
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from array import array
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import xxhash
 
@@ -114,7 +114,23 @@ class IdWindow:
         Every fingerprint hit is verified with ``read_id``; None is exact for ids in the
         window.
         """
-        fp = self._fingerprint(message_id)
+        return self._probe(message_id, self._fingerprint(message_id))
+
+    def find_batch(self, message_ids: Sequence[bytes]) -> tuple[list[int], dict[int, int]]:
+        """:meth:`find` of every id, in one call: (the ids' fingerprints, for
+        :meth:`add_batch`; {position in ``message_ids``: commitlog offset} of the ids
+        stored). The append path looks up every id of a batch before adding any."""
+        fps = list(map(self._fingerprint, message_ids))
+        table, mask = self._table, self._mask
+        hits: dict[int, int] = {}
+        for i, fp in enumerate(fps):
+            if table[fp & mask]:  # an empty home slot is a miss without probing
+                offset = self._probe(message_ids[i], fp)
+                if offset is not None:
+                    hits[i] = offset
+        return fps, hits
+
+    def _probe(self, message_id: bytes, fp: int) -> int | None:
         table, fps, mask = self._table, self._fps, self._mask
         slot = fp & mask
         while True:
@@ -158,23 +174,33 @@ class IdWindow:
         table[slot] = position + 1
         self._head = seq + 1
 
-    def add_batch(self, message_ids: list[bytes], offsets: list[int], store_ms: int) -> None:
+    def add_batch(
+        self,
+        message_ids: Sequence[bytes],
+        offsets: Sequence[int],
+        store_ms: int,
+        fingerprints: Sequence[int] | None = None,
+    ) -> None:
         """``add`` of each id at its offset, all stored at ``store_ms``: the same result,
-        with the per-id work in one loop (the append path adds every stored id)."""
+        with the per-id work in one loop (the append path adds every stored id).
+        ``fingerprints``, when given, are the ids' (from :meth:`find_batch`)."""
         if not message_ids:
             return
+        if fingerprints is None:
+            fingerprints = list(map(self._fingerprint, message_ids))
+        elif len(fingerprints) != len(message_ids):
+            raise ValueError(f"{len(fingerprints)} fingerprints for {len(message_ids)} ids")
         marks = self._marks
         if not marks or store_ms >= marks[-1][1] + MARK_MS:
             marks.append((self._head, store_ms))
-        max_ids, fingerprint = self.max_ids, self._fingerprint
+        max_ids = self.max_ids
         table, mask, fps, ring_offsets = self._table, self._mask, self._fps, self._offsets
         seq = self._head
-        for message_id, offset in zip(message_ids, offsets, strict=True):
+        for fp, offset in zip(fingerprints, offsets, strict=True):
             if seq - self._tail >= max_ids:
                 self._head = seq
                 self._evict_one()
             position = seq % max_ids
-            fp = fingerprint(message_id)
             if position == len(fps):
                 fps.append(fp)
                 ring_offsets.append(offset)

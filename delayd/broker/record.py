@@ -24,6 +24,7 @@ from delayd.protocol.codec import (
     encode_message,
     message_ints,
     stamp_message,
+    stamp_messages,
     with_commitlog_offset,
 )
 from delayd.protocol.events import Message
@@ -35,6 +36,10 @@ _set_commitlog_offset = Message.commitlog_offset.__set__  # type: ignore[attr-de
 stamp_record = stamp_message
 """``stamp_record(data, start, end, store_ms, queue, queue_offset)``: the record payload
 of the received message ``data[start:end]`` (see delayd.protocol.codec.stamp_message)."""
+
+stamp_records = stamp_messages
+"""``stamp_records(data, bounds, indices, store_ms, queues, queue_offsets)``: the record
+payloads of several received messages at once (delayd.protocol.codec.stamp_messages)."""
 
 delivered = with_commitlog_offset
 """``delivered(payload, commitlog_offset)``: a record as a consumer receives it."""

@@ -20,12 +20,14 @@ class QueueSelector:
     """Round-robin counters per subject; keyed messages need no state."""
 
     def __init__(self) -> None:
-        self._next: dict[str, int] = {}
+        # subject -> the round-robin turn of its next keyless message (Broker.append_batch
+        # inlines select's keyless branch on these)
+        self.turns: dict[str, int] = {}
 
     def select(self, subject: str, key: str | None, queues: int) -> int:
         """The queue in ``range(queues)`` for a message of ``subject`` with ``key``."""
         if key is not None:
             return key_hash(key) % queues
-        turn = self._next.get(subject, 0)
-        self._next[subject] = turn + 1
+        turn = self.turns.get(subject, 0)
+        self.turns[subject] = turn + 1
         return turn % queues

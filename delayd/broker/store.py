@@ -41,6 +41,7 @@ from array import array
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import trio
 
@@ -78,9 +79,6 @@ CACHED_RECORD_OVERHEAD = 128
 # records are kept until the next scan (read-ahead): a consumer of several queues of a
 # subject reads the same span for each of them, as its PULLs take the queues in turn.
 MIN_SCAN_DENSITY = 1 / 8
-# What the reput needs of one appended record: its queue, its position there, and its
-# index keys: ((subject, queue), queue offset, id key, business key's key or None).
-Arrival = tuple["QueueKey", int, bytes, "bytes | None"]
 
 
 def id_index_key(message_id: str | bytes) -> bytes:
@@ -119,6 +117,19 @@ class ReputCheckpoint:
             )
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise CorruptionError(path, 0, len(data), f"bad reput checkpoint: {exc}") from None
+
+
+class _Appended(NamedTuple):
+    """One appended batch, until the reput has moved it into queues and the index."""
+
+    end: int  # commitlog offset after its last record
+    store_ms: int
+    offsets: list[int]  # commitlog offset of each record
+    payloads: list[bytes]
+    queue_keys: list[QueueKey]  # (subject, queue) of each record
+    queue_offsets: list[int]
+    index_keys: list[bytes]  # in put order
+    key_records: list[int] | None  # record of each index key; None: one key per record
 
 
 class _Run:
@@ -241,8 +252,8 @@ class BrokerStore:
         self.last_store_ms = 0  # store_ms of the newest record seen
         self.on_arrival: Callable[[set[QueueKey]], None] = lambda keys: None
         self.messages_stored = 0
-        # Appended batches not yet reput: (end offset, store_ms, offsets, payloads, arrivals)
-        self._pending: deque[tuple[int, int, list[int], list[bytes], list[Arrival]]] = deque()
+        # Appended batches not yet reput, each an _Appended.
+        self._pending: deque[_Appended] = deque()
         self._appended = trio.Event()
 
     # ------------------------------------------------------------------ opening
@@ -384,10 +395,20 @@ class BrokerStore:
 
     # ------------------------------------------------------------------ appending
 
-    def append(self, payloads: list[bytes], arrivals: list[Arrival], store_ms: int) -> list[int]:
-        """Append the records ``payloads`` (record.py: their queue offsets just assigned,
-        in order, all stored at ``store_ms``); ``arrivals`` says for each what the reput
-        needs. Returns their commitlog offsets. Written to the OS, not yet durable: await
+    def append(
+        self,
+        payloads: list[bytes],
+        queue_keys: list[QueueKey],
+        queue_offsets: list[int],
+        index_keys: list[bytes],
+        key_records: list[int] | None,
+        store_ms: int,
+    ) -> list[int]:
+        """Append the records ``payloads`` (record.py), all stored at ``store_ms``, and
+        hand the reput what it needs of them: each one's queue and queue offset (just
+        assigned, in order), and the index keys to put, in order — one per record when
+        ``key_records`` is None, else ``key_records[j]`` is the record of key ``j``.
+        Returns their commitlog offsets. Written to the OS, not yet durable: await
         :meth:`wait_durable`. Synchronous on purpose: queue offsets and dedupe entries are
         assigned in the same step, so no other task can interleave.
 
@@ -395,7 +416,18 @@ class BrokerStore:
         """
         offsets = self.commitlog.append_batch(payloads, RECORD_TYPE)
         end = offsets[-1] + HEADER_SIZE + len(payloads[-1])
-        self._pending.append((end, store_ms, offsets, payloads, arrivals))
+        self._pending.append(
+            _Appended(
+                end,
+                store_ms,
+                offsets,
+                payloads,
+                queue_keys,
+                queue_offsets,
+                index_keys,
+                key_records,
+            )
+        )
         self.messages_stored += len(payloads)
         self._appended.set()
         return offsets
@@ -451,27 +483,30 @@ class BrokerStore:
         """One reput pass over the appended batches that are durable now (synchronous)."""
         durable = self.commitlog.durable_offset
         pending = self._pending
-        # Per queue: its first queue offset in this pass, queue entries, offsets, payloads.
-        grown: dict[QueueKey, tuple[int, list, list[int], list[bytes]]] = {}
-        index_put = self.index.put
-        while pending and pending[0][0] <= durable:
-            end, store_ms, offsets, payloads, arrivals = pending.popleft()
-            for (key, queue_offset, id_key, key_key), offset, payload in zip(
-                arrivals, offsets, payloads, strict=True
+        # Per queue: its first queue offset in this pass, offsets, payloads.
+        grown: dict[QueueKey, tuple[int, list[int], list[bytes]]] = {}
+        index_put_batch = self.index.put_batch
+        while pending and pending[0].end <= durable:
+            batch = pending.popleft()
+            offsets = batch.offsets
+            key_records = batch.key_records
+            index_put_batch(
+                batch.index_keys,
+                offsets if key_records is None else [offsets[j] for j in key_records],
+                batch.store_ms,
+            )
+            for key, queue_offset, offset, payload in zip(
+                batch.queue_keys, batch.queue_offsets, offsets, batch.payloads, strict=True
             ):
                 group = grown.get(key)
                 if group is None:
-                    group = grown[key] = (queue_offset, [], [], [])
-                group[1].append((offset, HEADER_SIZE + len(payload), 0))
-                group[2].append(offset)
-                group[3].append(payload)
-                index_put(id_key, offset, store_ms)
-                if key_key is not None:
-                    index_put(key_key, offset, store_ms)
-            self.reput_offset = end
-        for key, (queue_offset, entries, offsets, payloads) in grown.items():
+                    group = grown[key] = (queue_offset, [], [])
+                group[1].append(offset)
+                group[2].append(payload)
+            self.reput_offset = batch.end
+        for key, (queue_offset, offsets, payloads) in grown.items():
             queue = self.queues.get(key) or self._open_queue(key)
-            queue.append_batch(entries)
+            queue.append_records(offsets, [HEADER_SIZE + len(p) for p in payloads])
             self.recent.extend(key, queue_offset, offsets, payloads)
         if grown:
             self.on_arrival(set(grown))
