@@ -189,13 +189,17 @@ def run_client(mode: str, addr: str, messages: int, in_flight: int = 1) -> dict:
 # ----------------------------------------------------------------------------- servers
 
 
-def start_delayd(data: str) -> tuple[subprocess.Popen, str]:
+def start_delayd(data: str, repo: Path = ROOT) -> tuple[subprocess.Popen, str]:
+    """``delayd serve`` from checkout ``repo``, pinned to SERVER_CPU; (process, address)."""
     config = Path(data) / "bench.toml"
     config.write_text("[intake]\nmax_pending_acks = 1000000\nmax_replay_lag_records = 10000000\n")
     args = [sys.executable, "-m", "delayd.cli", "serve", "--data", str(Path(data) / "d"),
             "--config", str(config), "--listen", "127.0.0.1:0", "--broker-listen", "off",
             "--log-level", "warning"]  # fmt: skip
-    proc = subprocess.Popen(pinned(SERVER_CPU, args), cwd=ROOT, stdout=subprocess.PIPE)
+    if "--metrics-listen" in _serve_help(repo):
+        args[-2:-2] = ["--metrics-listen", "off"]  # the default port may be taken
+    env = dict(os.environ, PYTHONPATH=str(repo))
+    proc = subprocess.Popen(pinned(SERVER_CPU, args), cwd=repo, stdout=subprocess.PIPE, env=env)
     out = ""
     deadline = time.monotonic() + 30
     while (match := READY.search(out)) is None:
@@ -203,13 +207,24 @@ def start_delayd(data: str) -> tuple[subprocess.Popen, str]:
         if not ready:
             proc.kill()
             raise RuntimeError(f"delayd serve did not start: {out!r}")
-        out += os.read(proc.stdout.fileno(), 65536).decode()
+        data = os.read(proc.stdout.fileno(), 65536)
+        if not data:
+            proc.wait()
+            raise RuntimeError(f"delayd serve exited ({proc.returncode}) before listening: {out!r}")
+        out += data.decode()
     return proc, f"{match.group(1)}:{match.group(2)}"
 
 
-def bench_delayd(messages: int, in_flight_cases: list[tuple[int, int]]) -> None:
+def _serve_help(repo: Path) -> str:
+    """``delayd serve --help`` of checkout ``repo`` (older checkouts lack some flags)."""
+    env = dict(os.environ, PYTHONPATH=str(repo))
+    args = [sys.executable, "-m", "delayd.cli", "serve", "--help"]
+    return subprocess.run(args, cwd=repo, env=env, capture_output=True, text=True).stdout
+
+
+def bench_delayd(messages: int, in_flight_cases: list[tuple[int, int]], repo: Path = ROOT) -> None:
     with tempfile.TemporaryDirectory(prefix="bench-intake-") as data:
-        proc, addr = start_delayd(data)
+        proc, addr = start_delayd(data, repo)
         try:
             for in_flight, count in [(16, messages), *in_flight_cases]:
                 cpu_before = cpu_seconds(proc.pid)
@@ -279,6 +294,16 @@ def main() -> None:
     parser.add_argument("--addr", help=argparse.SUPPRESS)
     parser.add_argument("--messages", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--in-flight", type=int, default=16, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--repo",
+        type=Path,
+        default=ROOT,
+        help="run the server from this checkout (before/after comparisons)",
+    )
+    parser.add_argument("--no-redis", action="store_true", help="skip the Redis comparison")
+    parser.add_argument(
+        "--only-16", action="store_true", help="only the 16-in-flight case (A/B runs)"
+    )
     args = parser.parse_args()
     if args.mode == "client":
         client_main(args)
@@ -286,12 +311,12 @@ def main() -> None:
     if args.mode == "redis-client":
         redis_client_main(args)
         return
+    messages, cases, redis_messages = 2_000_000, [(1, 100_000), (4, 300_000)], 300_000
     if args.quick:
-        bench_delayd(300_000, [(1, 30_000)])
-        bench_redis(50_000)
-    else:
-        bench_delayd(2_000_000, [(1, 100_000), (4, 300_000)])
-        bench_redis(300_000)
+        messages, cases, redis_messages = 300_000, [(1, 30_000)], 50_000
+    bench_delayd(messages, [] if args.only_16 else cases, args.repo)
+    if not args.no_redis:
+        bench_redis(redis_messages)
 
 
 if __name__ == "__main__":
