@@ -279,6 +279,33 @@ def test_decoded_send_results_are_ordinary_send_results():
     )
 
 
+def test_the_delay_servers_results_take_their_own_fast_path_both_ways():
+    # Accepted by a delay server: the sequence in queue_offset and due_ms, nothing else.
+    results = [p.SendResult(ResultCode.OK, "", None, None, None, 7, 1_700_000_000_000)]
+    results.append(p.SendResult(ResultCode.DUPLICATE, "", None, None, None, 2**64 - 1, -5))
+    results.append(p.SendResult(ResultCode.OK, "", None, None, None, 8, None))  # general path
+    frame = encode_event(p.SendBatchResult(results, request_id=1))
+    # code, mask (queue_offset | due_ms), reason length 0, queue_offset u64, due_ms i64
+    assert struct.pack("<BBHQq", ResultCode.DUPLICATE, 0x18, 0, 2**64 - 1, -5) in frame
+    decoded = decode_all([frame])[0].results
+    assert list(decoded) == results and repr(decoded[0]) == repr(results[0])
+
+
+@settings(max_examples=100, deadline=None)
+@given(batch=message_lists.filter(bool), store_ms=i64, data=st.data())
+def test_stamp_messages_is_stamp_message_of_each(batch, store_ms, data):
+    (decoded,) = decode_all([encode_event(p.SendBatch(batch, request_id=1))])
+    spans = decoded.encoded
+    indices = sorted(data.draw(st.sets(st.integers(0, len(batch) - 1))))
+    queues = [data.draw(u32) for _ in indices]
+    offsets = [data.draw(u64) for _ in indices]
+    stamped = p.codec.stamp_messages(spans.data, spans.bounds, indices, store_ms, queues, offsets)
+    assert stamped == [
+        p.codec.stamp_message(spans.data, spans.bounds[i], spans.bounds[i + 1], store_ms, q, o)
+        for i, q, o in zip(indices, queues, offsets, strict=True)
+    ]
+
+
 # --- message bytes: what the broker stores and delivers without re-encoding -----------
 
 

@@ -38,6 +38,8 @@ from delayd.protocol.codes import (
 )
 from delayd.protocol.events import (
     Cancel,
+    CancelBatch,
+    CancelBatchResult,
     CancelResult,
     CommitOffset,
     CommitOffsetOk,
@@ -131,6 +133,7 @@ _NONE = (None,)
 _STAMP_BITS = MSG_STORE_MS | MSG_QUEUE | MSG_QUEUE_OFFSET
 _STAMP = struct.Struct("<qIQ")  # store_ms, queue, queue_offset
 _STAMP_KEEPS = MSG_KEY | MSG_DUE_MS | MSG_DISPATCHED_MS
+_MASK_BYTES = [U16.pack(mask) for mask in range(MSG_KNOWN + 1)]  # a head's first 2 bytes
 # Integers that follow commitlog_offset (queue, queue_offset, due_ms, dispatched_ms).
 _AFTER_COMMITLOG_OFFSET = MSG_INT_BITS & ~(2 * MSG_COMMITLOG_OFFSET - 1)
 assert _STAMP.size == 8 + 4 + 8
@@ -155,6 +158,11 @@ _RES_STORED = RES_STORE_MS | RES_COMMITLOG_OFFSET | RES_QUEUE | RES_QUEUE_OFFSET
 _STORED_RESULT = struct.Struct("<BBHqQIQ")
 _STORED_DUE_RESULT = struct.Struct("<BBHqQIQq")
 assert _STORED_RESULT.size == 1 + 1 + 2 + 8 + 8 + 4 + 8
+# The delay server's accepted message: code, mask, reason length 0, queue_offset (its
+# sequence), due_ms.
+_RES_SCHEDULED = RES_QUEUE_OFFSET | RES_DUE_MS
+_SCHEDULED_RESULT = struct.Struct("<BBHQq")
+assert _SCHEDULED_RESULT.size == 1 + 1 + 2 + 8 + 8
 
 QUERY_BY_MESSAGE_ID = 1
 QUERY_BY_KEY = 2
@@ -299,6 +307,32 @@ def stamp_message(
     )
 
 
+def stamp_messages(
+    data: bytes,
+    bounds: tuple[int, ...],
+    indices: list[int],
+    store_ms: int,
+    queues: list[int],
+    queue_offsets: list[int],
+) -> list[bytes]:
+    """``stamp_message`` of message ``indices[j]`` of ``data`` (its span is
+    ``bounds[indices[j]]:bounds[indices[j] + 1]``, as in EncodedMessages) into
+    ``queues[j]`` at ``queue_offsets[j]``, for every ``j``, all at ``store_ms``: the
+    records of a SEND_BATCH in one call (the broker's produce path)."""
+    out: list[bytes] = []
+    append, pack, join = out.append, _STAMP.pack, b"".join
+    for i, queue, queue_offset in zip(indices, queues, queue_offsets, strict=True):
+        start = bounds[i]
+        end = bounds[i + 1]
+        mask = data[start] | data[start + 1] << 8
+        if mask & MSG_INT_BITS:
+            append(stamp_message(data, start, end, store_ms, queue, queue_offset))
+        else:  # a plain message: the integers go at the very end
+            stamp = pack(store_ms, queue, queue_offset)
+            append(join((_MASK_BYTES[mask | _STAMP_BITS], data[start + 2 : end], stamp)))
+    return out
+
+
 def with_commitlog_offset(data: bytes, commitlog_offset: int) -> bytes:
     """The message encoded in ``data`` (exactly one, well-formed: a stored record) with
     ``commitlog_offset`` set: what a consumer receives. Copies, never re-encodes."""
@@ -356,27 +390,25 @@ def _enc_send_batch(out: bytearray, e: SendBatch) -> None:
 def _enc_send_batch_result(out: bytearray, e: SendBatchResult) -> None:
     out += U32.pack(len(e.results))
     stored, stored_due = _STORED_RESULT.pack, _STORED_DUE_RESULT.pack
+    scheduled = _SCHEDULED_RESULT.pack
     for r in e.results:
-        store_ms, offset, queue, queue_offset = (
-            r.store_ms,
-            r.commitlog_offset,
-            r.queue,
-            r.queue_offset,
-        )
-        if (
-            not r.reason
-            and store_ms is not None
-            and offset is not None
-            and queue is not None
-            and queue_offset is not None
-        ):
-            # The common result, a stored message: one struct call.
-            if r.due_ms is None:
-                out += stored(r.code, _RES_STORED, 0, store_ms, offset, queue, queue_offset)
-            else:
-                mask = _RES_STORED | RES_DUE_MS
-                out += stored_due(r.code, mask, 0, store_ms, offset, queue, queue_offset, r.due_ms)
-            continue
+        store_ms, queue_offset, due_ms = r.store_ms, r.queue_offset, r.due_ms
+        if not r.reason and queue_offset is not None:
+            # The common results in one struct call each: a message the broker stored,
+            # or one the delay server accepted (sequence and due time only).
+            offset, queue = r.commitlog_offset, r.queue
+            if store_ms is not None and offset is not None and queue is not None:
+                if due_ms is None:
+                    out += stored(r.code, _RES_STORED, 0, store_ms, offset, queue, queue_offset)
+                else:
+                    mask = _RES_STORED | RES_DUE_MS
+                    out += stored_due(
+                        r.code, mask, 0, store_ms, offset, queue, queue_offset, due_ms
+                    )
+                continue
+            if store_ms is None and offset is None and queue is None and due_ms is not None:
+                out += scheduled(r.code, _RES_SCHEDULED, 0, queue_offset, due_ms)
+                continue
         mask = 0
         for bit, name, _ in _RES_INTS:
             if getattr(r, name) is not None:
@@ -467,6 +499,27 @@ def _enc_cancel(out: bytearray, e: Cancel) -> None:
     _put_str(out, e.message_id, "message_id")
 
 
+def _enc_cancel_batch(out: bytearray, e: CancelBatch) -> None:
+    if len(e.message_ids) > MAX_COUNT_U16:
+        raise LocalProtocolError(
+            f"CANCEL_BATCH of {len(e.message_ids)} ids; the wire allows at most {MAX_COUNT_U16}"
+        )
+    out += U16.pack(len(e.message_ids))
+    for message_id in e.message_ids:
+        _put_str(out, message_id, "message_id")
+
+
+def _enc_cancel_batch_result(out: bytearray, e: CancelBatchResult) -> None:
+    if len(e.results) > MAX_COUNT_U16:
+        raise LocalProtocolError(
+            f"CANCEL_BATCH_RESULT of {len(e.results)}; the wire allows at most {MAX_COUNT_U16}"
+        )
+    out += U16.pack(len(e.results))
+    for outcome, dispatched_ms in e.results:
+        out.append(outcome)
+        _put_opt_i64(out, dispatched_ms)
+
+
 def _enc_outcome(out: bytearray, e: CancelResult | RescheduleResult) -> None:
     out += U8.pack(e.outcome)
     _put_opt_i64(out, e.dispatched_ms)
@@ -501,6 +554,8 @@ _ENCODERS: dict[type[Event], Callable[[bytearray, Event], None]] = {
     StatsResult: _enc_stats_result,
     Cancel: _enc_cancel,
     CancelResult: _enc_outcome,
+    CancelBatch: _enc_cancel_batch,
+    CancelBatchResult: _enc_cancel_batch_result,
     Reschedule: _enc_reschedule,
     RescheduleResult: _enc_outcome,
     Error: _enc_error,
@@ -838,9 +893,11 @@ def _dec_send_batch_result(r: _Reader) -> SendBatchResult:
     results = []
     body, end = r.body, r.end
     stored, size = _STORED_RESULT, _STORED_RESULT.size
+    scheduled, scheduled_size = _SCHEDULED_RESULT, _SCHEDULED_RESULT.size
     for _ in range(count):
         pos = r.pos
-        # The common result (stored, no reason, no due_ms) in one struct call.
+        # The common results (stored by a broker, or accepted by a delay server; no
+        # reason) in one struct call each.
         if end - pos >= size and body[pos + 1] == _RES_STORED and body[pos] in _RESULT_CODES:
             code, _, reason_len, store_ms, offset, queue, queue_offset = stored.unpack_from(
                 body, pos
@@ -850,6 +907,20 @@ def _dec_send_batch_result(r: _Reader) -> SendBatchResult:
                 results.append(
                     _SendResultBuilder(
                         _RESULT_CODES[code], "", store_ms, offset, queue, queue_offset, None
+                    )
+                )
+                continue
+        if (
+            end - pos >= scheduled_size
+            and body[pos + 1] == _RES_SCHEDULED
+            and body[pos] in _RESULT_CODES
+        ):
+            code, _, reason_len, queue_offset, due_ms = scheduled.unpack_from(body, pos)
+            if not reason_len:
+                r.pos = pos + scheduled_size
+                results.append(
+                    _SendResultBuilder(
+                        _RESULT_CODES[code], "", None, None, None, queue_offset, due_ms
                     )
                 )
                 continue
@@ -953,6 +1024,21 @@ def _dec_cancel_result(r: _Reader) -> CancelResult:
     return CancelResult(outcome, dispatched_ms, request_id=r.request_id)  # type: ignore[arg-type]
 
 
+def _dec_cancel_batch(r: _Reader) -> CancelBatch:
+    count = r.fixed(U16, "id count")
+    ids = tuple([r.text("message_id") for _ in range(count)])
+    return CancelBatch(ids, request_id=r.request_id)
+
+
+def _dec_cancel_batch_result(r: _Reader) -> CancelBatchResult:
+    count = r.fixed(U16, "result count")
+    results = []
+    for _ in range(count):
+        outcome = r.enum(_CANCEL_OUTCOMES, r.u8("outcome"), "cancel outcome")
+        results.append((outcome, r.opt_i64("dispatched_ms")))
+    return CancelBatchResult(tuple(results), request_id=r.request_id)  # type: ignore[arg-type]
+
+
 def _dec_reschedule(r: _Reader) -> Reschedule:
     message_id = r.text("message_id")
     return Reschedule(message_id, r.fixed(I64, "at_ms"), request_id=r.request_id)
@@ -988,6 +1074,8 @@ _DECODERS: dict[Command, Callable[[_Reader], Event]] = {
     Command.STATS_RESULT: _dec_stats_result,
     Command.CANCEL: _dec_cancel,
     Command.CANCEL_RESULT: _dec_cancel_result,
+    Command.CANCEL_BATCH: _dec_cancel_batch,
+    Command.CANCEL_BATCH_RESULT: _dec_cancel_batch_result,
     Command.RESCHEDULE: _dec_reschedule,
     Command.RESCHEDULE_RESULT: _dec_reschedule_result,
     Command.ERROR: _dec_error,

@@ -23,6 +23,7 @@ class Command(enum.IntEnum):
     STATS = 0x08
     CANCEL = 0x09  # reserved: the codes are fixed now, the server implements them later
     RESCHEDULE = 0x0A  # reserved, as CANCEL
+    CANCEL_BATCH = 0x0B  # many CANCELs in one frame (throughput)
 
     HELLO_OK = 0x81
     SEND_BATCH_RESULT = 0x82
@@ -34,6 +35,7 @@ class Command(enum.IntEnum):
     STATS_RESULT = 0x88
     CANCEL_RESULT = 0x89
     RESCHEDULE_RESULT = 0x8A
+    CANCEL_BATCH_RESULT = 0x8B
 
     ERROR = 0xFF  # answers any request, or none (request id 0: the whole connection)
 

@@ -350,6 +350,30 @@ class CancelResult(Response):
 
 
 @dataclass(frozen=True, slots=True)
+class CancelBatch(Request):
+    """Cancel several delayed messages: the CANCELs of ``message_ids`` in one frame,
+    answered together by one CANCEL_BATCH_RESULT."""
+
+    command: ClassVar[Command] = Command.CANCEL_BATCH
+    message_ids: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        _freeze(self, "message_ids")
+
+
+@dataclass(frozen=True, slots=True)
+class CancelBatchResult(Response):
+    """One (outcome, dispatched_ms) per id of the CANCEL_BATCH, in its order;
+    ``dispatched_ms`` (epoch ms) is set when the outcome is ALREADY_DELIVERED."""
+
+    command: ClassVar[Command] = Command.CANCEL_BATCH_RESULT
+    results: tuple[tuple[CancelOutcome, int | None], ...]
+
+    def __post_init__(self) -> None:
+        _freeze(self, "results")
+
+
+@dataclass(frozen=True, slots=True)
 class Reschedule(Request):
     """Reserved: move a pending delayed message to ``at_ms`` (epoch ms)."""
 
