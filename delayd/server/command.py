@@ -27,6 +27,7 @@ from collections.abc import Mapping
 import trio
 
 from delayd.errors import DelaydError
+from delayd.gcsetup import tune_gc_for_serving
 from delayd.logsetup import (
     DEFAULT_LOG_FORMAT,
     DEFAULT_LOG_LEVEL,
@@ -187,6 +188,7 @@ async def _open(data_dir: str, config: ServeConfig) -> DelayServer:
 
 async def _serve(data_dir: str, config: ServeConfig) -> None:
     server = await _open(data_dir, config)
+    tune_gc_for_serving()  # after recovery: what it built is frozen (delayd/gcsetup.py)
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
             bound = await nursery.start(server.run)
