@@ -75,7 +75,11 @@ class Pipeline:
         self.data = data
         self.config = ServeConfig(**config)
         self.targets = targets
-        self.log = SegmentedLog.open(layout.message_log_dir(data), fs=REAL_FS)
+        self.log = SegmentedLog.open(
+            layout.message_log_dir(data),
+            fs=REAL_FS,
+            segment_size=self.config.message_log_segment_bytes,
+        )
         self.replayer = open_replayer(
             data, self.log, segment_scale=self.config.segment_scale_minutes, fs=REAL_FS
         )

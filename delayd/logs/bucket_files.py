@@ -118,6 +118,16 @@ class BucketFiles:
         self._dirty.discard(start_ms)
         record_file.close()  # flushes: an evicted file holds nothing unsynced
 
+    def close_bucket(self, start_ms: int) -> bool:
+        """Flush and close the bucket's file if it is open (before retention deletes
+        it); returns whether it was. A later ``get`` opens it again."""
+        record_file = self._open.pop(start_ms, None)
+        if record_file is None:
+            return False
+        self._dirty.discard(start_ms)
+        record_file.close()
+        return True
+
     def append_batch(
         self, start_ms: int, payloads: Sequence[bytes], rtype: int = TYPE_DATA
     ) -> list[int]:

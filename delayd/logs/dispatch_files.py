@@ -70,6 +70,12 @@ class DispatchFiles:
         self._file(bucket_ms)
         self.files.append_batch(bucket_ms, [encode_entry(schedule_size, at_ms)], EntryKind.COMPLETE)
 
+    def forget(self, bucket_ms: int) -> None:
+        """Flush and close the bucket's file (before retention deletes it) and forget
+        that it was checked: a file of that name created later is new."""
+        self.files.close_bucket(bucket_ms)
+        self._checked.discard(bucket_ms)
+
     @property
     def dirty(self) -> bool:
         return bool(self.files.dirty)

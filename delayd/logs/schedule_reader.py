@@ -6,10 +6,17 @@ through this reader's own read-only descriptors, kept in a small LRU. pread on a
 separate descriptor needs no coordination with the appending one: a reader only ever
 asks for records the replayer has already appended (it was told of them by the
 on_scheduled hook, or it scans up to a length it read under the replayer's lock).
+
+Retention closes the descriptor of a bucket it deletes (``forget``) from the event loop
+while a worker thread may be reading *another* bucket through the same reader (the
+wheel manager's loader, the sender's large reads): the descriptor table is guarded by a
+lock, and no one reads a bucket that retention deletes (it is complete, and older than
+the loading cursor).
 """
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -32,6 +39,7 @@ class ScheduleReader:
         self.fs = fs
         self.max_open = max_open
         self._fds: OrderedDict[int, int] = OrderedDict()
+        self._lock = threading.Lock()  # the table only; see the module docstring
 
     def path(self, bucket_ms: int) -> str:
         return f"{self.directory}/{bucket_name(bucket_ms)}"
@@ -52,17 +60,18 @@ class ScheduleReader:
         return 0 if fd is None else self.fs.fsize(fd)
 
     def _fd(self, bucket_ms: int) -> int | None:
-        fd = self._fds.get(bucket_ms)
-        if fd is not None:
-            self._fds.move_to_end(bucket_ms)
+        with self._lock:
+            fd = self._fds.get(bucket_ms)
+            if fd is not None:
+                self._fds.move_to_end(bucket_ms)
+                return fd
+            path = self.path(bucket_ms)
+            if not self.fs.exists(path):
+                return None
+            while len(self._fds) >= self.max_open:
+                self.fs.close(self._fds.popitem(last=False)[1])
+            fd = self._fds[bucket_ms] = self.fs.open(path, O_READ)
             return fd
-        path = self.path(bucket_ms)
-        if not self.fs.exists(path):
-            return None
-        while len(self._fds) >= self.max_open:
-            self.fs.close(self._fds.popitem(last=False)[1])
-        fd = self._fds[bucket_ms] = self.fs.open(path, O_READ)
-        return fd
 
     def scan_dues(
         self, bucket_ms: int, start: int, end: int, max_records: int
@@ -118,7 +127,9 @@ class ScheduleReader:
         if not 0 <= offset < size:
             return None
         try:
-            record = read_frame(self.fs, fd, self.path(bucket_ms), 0, offset, size)
+            # The path only names a BadFrame, which is dropped here: not formatted per
+            # lookup (the id index calls this once per cancel).
+            record = read_frame(self.fs, fd, self.directory, 0, offset, size)
         except BadFrame:
             return None
         if record.type != schedule_log.TYPE_SCHEDULED:
@@ -126,11 +137,14 @@ class ScheduleReader:
         return record.payload
 
     def forget(self, bucket_ms: int) -> None:
-        """Close the bucket's descriptor (before its file is deleted)."""
-        fd = self._fds.pop(bucket_ms, None)
-        if fd is not None:
-            self.fs.close(fd)
+        """Close the bucket's descriptor (before its file is deleted): a file of that
+        name created later is opened anew."""
+        with self._lock:
+            fd = self._fds.pop(bucket_ms, None)
+            if fd is not None:
+                self.fs.close(fd)
 
     def close(self) -> None:
-        while self._fds:
-            self.fs.close(self._fds.popitem()[1])
+        with self._lock:
+            while self._fds:
+                self.fs.close(self._fds.popitem()[1])

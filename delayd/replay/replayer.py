@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import trio
 
@@ -45,6 +46,7 @@ OnTombstones = Callable[["Replayer", list[TombstoneRecord]], Awaitable[object]]
 """``await on_tombstones(replayer, records)``: consecutive tombstones, in log order,
 under the append lock; reschedules write their copies with ``replayer.append_copy``."""
 BeforeCheckpoint = Callable[[], Awaitable[object]]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +133,12 @@ class Replayer:
         # bucket file's length under it (the wheel manager, fixing a bucket's loading
         # end) knows every record below that length has been offered to the hook.
         self.append_lock = trio.Lock()
+        # Retention (delayd.server.retention): buckets to close at the next checkpoint,
+        # the buckets the last checkpoint lists (recovery trusts their lengths, so their
+        # files must not be deleted), and a pause of message_log reads.
+        self._retiring: frozenset[int] = frozenset()
+        self.listed_buckets: frozenset[int] = frozenset(checkpoint.bucket_sizes)
+        self._reads_paused: trio.Event | None = None
         self._wake = trio.Event()
         self._checkpoint_written = trio.Event()
         self._stopping = False
@@ -347,17 +355,20 @@ class Replayer:
 
         Order is the idempotency argument: bucket files first, checkpoint second.
         """
-        if self._position == self._checkpointed and not self.buckets.dirty:
+        if self._position == self._checkpointed and not self.buckets.dirty and not self._retiring:
             return False
         position, next_sequence = self._position, self._replayed_sequence + 1
         self.buckets.flush()
+        retiring, self._retiring = self._retiring, frozenset()
+        for start_ms in retiring:
+            self.buckets.close_bucket(start_ms)  # flushed just above: a cheap close
         if self.index is not None:
             self.index.flush()  # every record below the checkpoint is indexed durably
+        sizes = self.buckets.open_sizes()
         write_replay_checkpoint(
-            self.fs,
-            self.data_dir,
-            ReplayCheckpoint(position, next_sequence, self.buckets.open_sizes()),
+            self.fs, self.data_dir, ReplayCheckpoint(position, next_sequence, sizes)
         )
+        self.listed_buckets = frozenset(sizes)
         self._checkpointed = position
         self.checkpoints += 1
         return True
@@ -378,7 +389,7 @@ class Replayer:
                     # A full step, or one cut short by a tombstone: there is more.
                     if self._position < self.log.durable_offset:
                         continue
-                pending = self._position != self._checkpointed
+                pending = self._position != self._checkpointed or bool(self._retiring)
                 if pending and (
                     self._stopping
                     or trio.current_time() - last_checkpoint >= self.checkpoint_interval_s
@@ -410,6 +421,8 @@ class Replayer:
         a directory fsync; evict one: an fdatasync) runs them in a worker thread so
         that intake is not held up — as happens all the time when delays are spread
         over more buckets than ``max_open_files``."""
+        while self._reads_paused is not None:
+            await self._reads_paused.wait()
         step = self._collect(self.batch_records)
         if step is None:
             return 0
@@ -427,6 +440,29 @@ class Replayer:
                 offsets = await trio.to_thread.run_sync(self._append, step.groups)
             self._finish(step, offsets)
         return step.count
+
+    # ------------------------------------------------------------------ retention
+
+    def retire_buckets(self, starts: Iterable[int]) -> None:
+        """Close these bucket files at the next checkpoint, which then no longer lists
+        them (``listed_buckets``): only then may retention delete them, because
+        recovery takes a listed bucket's length on trust. An append meanwhile simply
+        opens the file again."""
+        # Replaced, never changed in place: checkpoint() takes it in a worker thread.
+        self._retiring = self._retiring | frozenset(starts)
+        self._wake.set()
+
+    async def without_log_reads(self, work: Callable[[], T]) -> T:
+        """Run ``work`` in a worker thread while this replayer reads nothing from
+        message_log: storage's SegmentedLog lets a worker thread flush while the event
+        loop appends, but not delete segments while the event loop reads (its segment
+        list is not locked for readers)."""
+        paused = self._reads_paused = trio.Event()
+        try:
+            return await trio.to_thread.run_sync(work)
+        finally:
+            self._reads_paused = None
+            paused.set()
 
     async def wait_checkpointed(self, position: int) -> None:
         """Wait until ``run`` wrote a checkpoint at or past message_log ``position``."""

@@ -35,6 +35,8 @@ from delayd.server.intake import IntakePath
 from delayd.server.listener import IntakeListener
 from delayd.server.metrics import IntakeCollector
 from delayd.server.pending_metrics import PendingCollector, PendingTracker, chained
+from delayd.server.retention import Retention, remove_orphans
+from delayd.server.retention_metrics import RetentionCollector
 from delayd.store_metrics import StoreCollector, StoreSizes, broker_directories
 from storage.flusher import FlushMode, LogWriter
 from storage.fs import REAL_FS, FileSystem
@@ -99,6 +101,13 @@ class DelayServer:
                     **broker_directories(broker.store.directory),
                 }
             )
+        # Deletes replayed message_log segments and delivered buckets once they are old
+        # enough (docs/operations.md, "Retention"); runs once delivery does.
+        self.retention: Retention | None = None
+        if config.retention.enabled:
+            self.retention = Retention(
+                config.retention, message_log, replayer, delivery, pending=self.pending
+            )
 
     @staticmethod
     def _pending_tracker(delivery: Delivery) -> PendingTracker:
@@ -136,6 +145,14 @@ class DelayServer:
                 poll_interval_s=ASYNC_POLL_INTERVAL_S if async_flush else None,
             )
         except BaseException:
+            message_log.close()
+            raise
+        try:
+            # A bucket deletion a crash cut short leaves dispatch_log files without
+            # their schedule_log file: gone before the replayer can append.
+            remove_orphans(data_dir, fs)
+        except BaseException:
+            replayer.close()
             message_log.close()
             raise
         report = replayer.recovery
@@ -229,6 +246,8 @@ class DelayServer:
                     registry.register(DeliveryCollector(self.delivery))
                     registry.register(PendingCollector(self.pending))
                     registry.register(StoreCollector(self.store_sizes))
+                    if self.retention is not None:
+                        registry.register(RetentionCollector(self.retention))
                     host, port = config.metrics_listen
                     serve = partial(serve_metrics, readiness=self.readiness)
                     metrics_bound = (await root.start(serve, registry, host, port))[0]
@@ -264,6 +283,8 @@ class DelayServer:
                     now - started,
                 )
         await root.start(self.delivery.run)
+        if self.retention is not None:
+            await root.start(self.retention.run)
         self.readiness.set_ready()
         log.info("delivering: replay caught up at message_log offset %d", replay_target)
 

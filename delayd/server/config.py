@@ -48,6 +48,33 @@ class ConfigError(ValueError):
 
 EMBEDDED_GROUP = "local"  # the broker group of the embedded broker when none is listed
 
+DAY_MS = 86_400_000
+
+
+@dataclass(frozen=True, slots=True)
+class RetentionConfig:
+    """``[retention]``: when replayed message_log segments and finished buckets are
+    deleted (delayd.server.retention, docs/operations.md). Ages are in milliseconds;
+    0 deletes as soon as it is safe."""
+
+    enabled: bool = True
+    interval_ms: int = 60_000  # a pass this often
+    # message_log is not needed for delivery once replayed (schedule_log holds every
+    # byte); it is kept a day for `delayd inspect find` and the audit's message_log
+    # check, and shorter than buckets so that the audit does not look for the schedule
+    # records of a message_log record in a bucket already deleted.
+    message_log_ms: int = DAY_MS
+    # Delivered buckets are kept three days: the audit (docs/audit.md) and `delayd
+    # inspect` can still reconcile and explain recent history (a weekend included).
+    bucket_ms: int = 3 * DAY_MS
+
+    def __post_init__(self) -> None:
+        for name in ("message_log_ms", "bucket_ms"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"retention.{name} must be >= 0")
+        if self.interval_ms <= 0:
+            raise ValueError("retention.interval_ms must be > 0")
+
 
 @dataclass(frozen=True, slots=True)
 class BrokerGroupConfig:
@@ -115,6 +142,7 @@ class ServeConfig:
     wheel_tick_ms: int = 1
     wheel_slots: int = 1024
     sender: SenderConfig = field(default_factory=SenderConfig)
+    retention: RetentionConfig = field(default_factory=RetentionConfig)
     broker_groups: tuple[BrokerGroupConfig, ...] = (
         BrokerGroupConfig(EMBEDDED_GROUP, embedded=True),
     )
@@ -156,6 +184,18 @@ class ServeConfig:
 def _int(value: Any, key: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigError(f"{key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _non_negative(value: Any, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{key} must be an integer >= 0, got {value!r}")
+    return value
+
+
+def _bool(value: Any, key: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key} must be true or false, got {value!r}")
     return value
 
 
@@ -219,8 +259,14 @@ _SCHEMA: dict[str, dict[str, tuple[Callable[[Any, str], Any], str]]] = {
         "retry_base_ms": (_int, "retry.base_ms"),
         "retry_max_ms": (_int, "retry.max_ms"),
     },
+    "retention": {
+        "enabled": (_bool, "retention.enabled"),
+        "interval_ms": (_int, "retention.interval_ms"),
+        "message_log_ms": (_non_negative, "retention.message_log_ms"),
+        "bucket_ms": (_non_negative, "retention.bucket_ms"),
+    },
 }
-_NESTED = ("limits", "flush", "sender", "retry")
+_NESTED = ("limits", "flush", "sender", "retry", "retention")
 _GROUP_KEYS = {"name", "addresses", "weight", "embedded"}
 # [broker] takes the embedded broker's BrokerConfig fields of simple types by name.
 _BROKER_KEYS = {
@@ -331,6 +377,8 @@ def config_from_mapping(
             sender["retry"] = RetryPolicy(**nested["retry"])
         if sender:
             values["sender"] = SenderConfig(**sender)
+        if nested["retention"]:
+            values["retention"] = RetentionConfig(**nested["retention"])
     except ValueError as exc:
         raise ConfigError(f"{source}: {exc}") from None
     if broker:

@@ -90,7 +90,9 @@ class PendingCounts:
     def set_counted(self, bucket_ms: int, old_records: int, old_complete: bool) -> None:
         """The start-up count of an ``expect``-ed bucket: ``old_records`` records below
         its base, or ``old_complete`` when a COMPLETE mark covers the base."""
-        counts = self._buckets[bucket_ms]
+        counts = self._buckets.get(bucket_ms)
+        if counts is None:
+            return  # deleted by retention while it was being counted
         if counts.old_records is not None:
             raise ValueError(f"bucket {bucket_ms} counted twice")
         before = counts.pending
@@ -135,6 +137,17 @@ class PendingCounts:
             elif not counts.old_complete:
                 counts.done_old += 1
         self._changed(bucket_ms, counts, before)
+
+    def forget(self, bucket_ms: int) -> None:
+        """Retention deleted the bucket's files: drop what is known of it. A record
+        appended later starts a new bucket of that name (``on_scheduled``)."""
+        counts = self._buckets.pop(bucket_ms, None)
+        if counts is None:
+            return
+        self.total -= counts.pending
+        if counts.old_records is None:
+            self._uncounted -= 1
+        self._live.pop(bucket_ms, None)
 
     def _changed(self, bucket_ms: int, counts: BucketCounts, before: int) -> None:
         after = counts.pending

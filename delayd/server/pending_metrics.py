@@ -99,6 +99,7 @@ class PendingTracker:
         self.on_scheduled = self.counts.on_scheduled
         self._positions: dict[int, int] = {}  # bucket start -> dispatch_log bytes read
         self._sweep_from = -1  # the last later bucket read by the sweep
+        self._forgotten: set[int] = set()  # deleted by retention during this pass
         self._bases: list[tuple[int, int]] = []
         for name in sorted(fs.listdir(self.schedule_dir)):
             try:
@@ -132,12 +133,21 @@ class PendingTracker:
 
     async def refresh(self) -> None:
         """One pass over dispatch_log (see the module docstring)."""
+        self._forgotten = set()
         wanted = self._to_read(self.clock())
         if not wanted:
             return
         for read in await trio.to_thread.run_sync(self._read_entries, wanted):
+            if read.bucket_ms in self._forgotten:
+                continue
             self._positions[read.bucket_ms] = read.position
             self.counts.add_entries(read.bucket_ms, read.entries)
+
+    def forget(self, bucket_ms: int) -> None:
+        """Retention deleted the bucket's files (delayd.server.retention)."""
+        self.counts.forget(bucket_ms)
+        self._positions.pop(bucket_ms, None)
+        self._forgotten.add(bucket_ms)  # a read in flight must not bring it back
 
     def _to_read(self, now_ms: int) -> list[tuple[int, int]]:
         """(bucket, position) of the buckets this pass reads: the live ones up to

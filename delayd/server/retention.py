@@ -1,0 +1,372 @@
+"""Retention: delete what delivery no longer needs, never what it still does.
+
+A trio task of ``delayd serve`` (started once delivery runs) makes a pass every
+``retention.interval_ms``, skipped while the replayer is behind. Each pass deletes:
+
+* **message_log segments** whose records all lie below the replayer's *checkpointed*
+  position (every one of them is durably in schedule_log, which holds every byte
+  delivery needs) and that were sealed more than ``message_log_ms`` ago — a segment is
+  sealed when the first record of the next one arrives, so its age is that record's
+  receive time. Never the segment being written (storage's ``delete_before``).
+* **buckets** — the schedule_log file and the dispatch_log file of a time bucket —
+  whose end is more than ``bucket_ms`` ago, that lie below the wheel's loading bucket,
+  and whose dispatch_log ends with a COMPLETE mark covering the schedule_log file's
+  whole length: every record has its fate (dispatched, dead-lettered, cancelled,
+  moved). A bucket without that mark is kept however old (undelivered data).
+* **id index files** whose entries all point into buckets older than the oldest bucket
+  left (lookups there would find no record anyway).
+
+Why a bucket deletion races nothing (docs/operations.md, "Retention"):
+
+* The COMPLETE check and the unlinks run under the replayer's append lock and the
+  delivery dispatch lock: no schedule record can be appended and no dispatch_log entry
+  written meanwhile, so "COMPLETE at the current length" stays true until the files
+  are gone, and no cancel decision (taken under both) sees half a bucket.
+* Every descriptor of the bucket is closed first: the replayer's (at a checkpoint —
+  ``Replayer.retire_buckets`` — because recovery trusts the length of every bucket the
+  last checkpoint lists, so a listed bucket is never deleted), the wheel manager's
+  (``WheelManager.retire``, which refuses a bucket it still loads or has entries of),
+  the sender's and the id index's readers, DispatchFiles', the pending tracker's.
+* A record that arrives for a deleted bucket later (due times in the past are stored
+  as the receipt time, so only a clock set back, or an age of 0, can make one) creates
+  a new file of that name; it is below the loading bucket, so canAdd puts it straight
+  into the wheel, and it is delivered as any other.
+* Order on disk: schedule_log files first (directory fsynced), dispatch_log files
+  second. A crash in between leaves dispatch_log files without a schedule_log file,
+  which ``remove_orphans`` deletes at the next start before anything is appended — a
+  schedule_log file is never left without the dispatch_log that says it was delivered
+  (which would send it all again).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import trio
+
+from delayd.logs import layout, message_log, tombstone
+from delayd.logs.buckets import bucket_name, parse_bucket_name
+from delayd.logs.dispatch_log import EntryKind, read_last_entry
+from delayd.logs.id_index import MAX_MINUTE, MINUTE_MS, pack_location
+from delayd.replay import Replayer
+from delayd.server.config import RetentionConfig
+from delayd.server.delivery import Delivery
+from delayd.server.pending_metrics import PendingTracker
+from storage.errors import CorruptionError
+from storage.fs import O_READ, FileSystem
+from storage.segmented_log import SegmentedLog, is_segment_name
+
+log = logging.getLogger(__name__)
+
+LOGS = ("message_log", "schedule_log", "dispatch_log", "id_index")
+MAX_LAG_RECORDS = 10_000  # a pass is skipped while the replayer is further behind
+BATCH_BUCKETS = 64  # buckets deleted per hold of the locks (replay waits meanwhile)
+
+
+@dataclass(frozen=True, slots=True)
+class _Bucket:
+    start_ms: int
+    schedule_bytes: int
+    dispatch_bytes: int
+
+
+def receive_ms_of(rtype: int, payload: bytes) -> int:
+    """The receive time of a message_log record (message or tombstone)."""
+    if rtype == message_log.TYPE_MESSAGE:
+        return message_log.HEAD.unpack_from(payload)[2]
+    return tombstone.decode(rtype, payload).receive_ms
+
+
+def _file_size(fs: FileSystem, path: str) -> int | None:
+    try:
+        fd = fs.open(path, O_READ)
+    except FileNotFoundError:
+        return None
+    try:
+        return fs.fsize(fd)
+    finally:
+        fs.close(fd)
+
+
+def _unlink(fs: FileSystem, path: str) -> None:
+    # Gone already: a pass cut short by a crash, or an operator.
+    with contextlib.suppress(FileNotFoundError):
+        fs.unlink(path)
+
+
+def _bucket_starts(fs: FileSystem, directory: str) -> list[int]:
+    starts = []
+    for name in fs.listdir(directory):
+        try:
+            starts.append(parse_bucket_name(name))
+        except ValueError:
+            continue
+    return sorted(starts)
+
+
+def remove_orphans(data_dir: str, fs: FileSystem) -> list[str]:
+    """Delete the dispatch_log files that have no schedule_log file — what a crash
+    between the two halves of a bucket deletion leaves — and return their names. Call
+    at start, before the replayer appends (blocking). Such a file describes records
+    that are gone; kept, it would make the loader skip the records of a new file of
+    the same name."""
+    schedule_dir = layout.schedule_log_dir(data_dir)
+    dispatch_dir = layout.dispatch_log_dir(data_dir)
+    if not fs.exists(dispatch_dir):
+        return []
+    scheduled = set(_bucket_starts(fs, schedule_dir)) if fs.exists(schedule_dir) else set()
+    orphans = [b for b in _bucket_starts(fs, dispatch_dir) if b not in scheduled]
+    for start_ms in orphans:
+        _unlink(fs, os.path.join(dispatch_dir, bucket_name(start_ms)))
+    if orphans:
+        fs.fsync_dir(dispatch_dir)
+        log.warning(
+            "retention: removed %d dispatch_log file(s) whose schedule_log file was "
+            "already deleted (a deletion cut short): %s",
+            len(orphans),
+            ", ".join(bucket_name(b) for b in orphans),
+        )
+    return [bucket_name(b) for b in orphans]
+
+
+class Retention:
+    """The retention task of one delay server; see the module docstring. Build it
+    after the server opened, run ``run`` once delivery runs; ``run_pass`` is one pass
+    (for tests). Counters for metrics: ``deleted_files``, ``deleted_bytes`` (by log),
+    ``passes``, ``skipped_passes``, ``last_pass_ms``."""
+
+    def __init__(
+        self,
+        config: RetentionConfig,
+        message_log: SegmentedLog,
+        replayer: Replayer,
+        delivery: Delivery,
+        *,
+        pending: PendingTracker | None = None,
+        clock: Callable[[], int] | None = None,
+    ) -> None:
+        self.config = config
+        self.message_log = message_log
+        self.replayer = replayer
+        self.delivery = delivery
+        self.pending = pending
+        self.clock = clock or delivery.now_ms
+        self.fs = delivery.fs
+        self.schedule_dir = layout.schedule_log_dir(delivery.data_dir)
+        self.dispatch_dir = layout.dispatch_log_dir(delivery.data_dir)
+        self.width_ms = delivery.manager.width_ms
+        self.deleted_files: Counter[str] = Counter({name: 0 for name in LOGS})
+        self.deleted_bytes: Counter[str] = Counter({name: 0 for name in LOGS})
+        self.passes = 0
+        self.skipped_passes = 0  # the replayer was behind
+        self.last_pass_ms: int | None = None
+        self._sealed_ms: dict[int, int] = {}  # segment base -> when it was sealed
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """A pass every ``interval_ms`` until cancelled. Raises what a deletion raises
+        (a StorageError, an OSError other than a file already gone)."""
+        task_status.started()
+        while True:
+            await trio.sleep(self.config.interval_ms / 1000)
+            if self.replayer.lag_records > MAX_LAG_RECORDS:
+                self.skipped_passes += 1
+                continue
+            await self.run_pass()
+
+    async def run_pass(self) -> None:
+        """Delete what is due for deletion now (see the module docstring)."""
+        now_ms = self.clock()
+        await self._trim_message_log(now_ms)
+        await self._trim_buckets(now_ms)
+        self.passes += 1
+        self.last_pass_ms = now_ms
+
+    # ------------------------------------------------------------------ message_log
+
+    async def _trim_message_log(self, now_ms: int) -> None:
+        log_ = self.message_log
+        limit = self.replayer.checkpointed_position
+        names = await trio.to_thread.run_sync(self.fs.listdir, log_.directory)
+        bases = sorted(int(n) for n in names if is_segment_name(n))
+        cut = None
+        # bases[-1] is the segment being written: never a candidate.
+        for next_base in bases[1:]:
+            if next_base > limit:
+                break
+            if self.config.message_log_ms and (
+                self._segment_sealed_ms(next_base) > now_ms - self.config.message_log_ms
+            ):
+                break
+            cut = next_base
+        if cut is None:
+            return
+        deleted = await self.replayer.without_log_reads(partial(log_.delete_before, cut))
+        if not deleted:
+            return
+        freed = cut - bases[0]  # offsets are dense: a sealed segment's bytes
+        self._sealed_ms = {b: ms for b, ms in self._sealed_ms.items() if b > cut}
+        self.deleted_files["message_log"] += deleted
+        self.deleted_bytes["message_log"] += freed
+        log.info(
+            "retention: deleted %d message_log segment(s) below offset %d (%d bytes); "
+            "replay checkpoint at %d",
+            deleted,
+            cut,
+            freed,
+            limit,
+        )
+
+    def _segment_sealed_ms(self, next_base: int) -> int:
+        """When the segment before ``next_base`` was sealed: the receive time of the
+        first record after it (read once per segment, on the event loop, where the log
+        is read)."""
+        sealed = self._sealed_ms.get(next_base)
+        if sealed is None and next_base >= self.message_log.end_offset:
+            return self.clock()  # no record after it yet (an empty segment a crash left)
+        if sealed is None:
+            record = self.message_log.read(next_base)
+            sealed = self._sealed_ms[next_base] = receive_ms_of(record.type, record.payload)
+        return sealed
+
+    # ------------------------------------------------------------------ buckets
+
+    async def _trim_buckets(self, now_ms: int) -> None:
+        manager = self.delivery.manager
+        # A bucket ends at start + width; it is old enough once that is bucket_ms ago.
+        newest = min(
+            now_ms - self.width_ms - self.config.bucket_ms,
+            manager.cursors.loading.bucket_ms - 1,
+        )
+        candidates = await trio.to_thread.run_sync(self._complete_buckets, newest)
+        replayer = self.replayer
+        held = [
+            c.start_ms
+            for c in candidates
+            if replayer.buckets.is_open(c.start_ms) or c.start_ms in replayer.listed_buckets
+        ]
+        if held:
+            replayer.retire_buckets(held)  # closed at its next checkpoint: a later pass
+        skip = set(held)
+        ready = [c for c in candidates if c.start_ms not in skip]
+        deleted = 0
+        for index in range(0, len(ready), BATCH_BUCKETS):
+            deleted += await self._delete_buckets(ready[index : index + BATCH_BUCKETS])
+        if deleted:  # the oldest bucket left may have moved: index files may go
+            await self._trim_id_index()
+
+    def _complete_buckets(self, newest_ms: int) -> list[_Bucket]:
+        """Buckets starting at or before ``newest_ms`` whose dispatch_log ends with a
+        COMPLETE mark at their schedule_log file's length (worker thread; a hint only:
+        checked again under the locks)."""
+        out = []
+        for start_ms in _bucket_starts(self.fs, self.schedule_dir):
+            if start_ms > newest_ms:
+                break
+            bucket = self._complete(start_ms)
+            if bucket is not None:
+                out.append(bucket)
+        return out
+
+    def _complete(self, start_ms: int) -> _Bucket | None:
+        name = bucket_name(start_ms)
+        schedule_bytes = _file_size(self.fs, os.path.join(self.schedule_dir, name))
+        if schedule_bytes is None:
+            return None
+        dispatch_path = os.path.join(self.dispatch_dir, name)
+        try:
+            last = read_last_entry(self.fs, dispatch_path)
+        except CorruptionError:
+            return None  # the server reports damage when it reads the file; keep it
+        if last is None or last.kind is not EntryKind.COMPLETE or last.offset != schedule_bytes:
+            return None
+        dispatch_bytes = _file_size(self.fs, dispatch_path)
+        if dispatch_bytes is None:
+            return None
+        return _Bucket(start_ms, schedule_bytes, dispatch_bytes)
+
+    async def _delete_buckets(self, batch: list[_Bucket]) -> int:
+        replayer, delivery = self.replayer, self.delivery
+        async with replayer.append_lock, delivery.dispatch_lock:
+            chosen = [
+                c
+                for c in batch
+                if not replayer.buckets.is_open(c.start_ms)
+                and c.start_ms not in replayer.listed_buckets
+                and delivery.manager.retire(c.start_ms)
+            ]
+            for c in chosen:
+                delivery.sender.reader.forget(c.start_ms)
+                if replayer.index is not None:
+                    replayer.index.reader.forget(c.start_ms)
+            deleted = await trio.to_thread.run_sync(self._unlink_buckets, chosen)
+            if self.pending is not None:
+                for c in deleted:
+                    self.pending.forget(c.start_ms)
+        if not deleted:
+            return 0
+        schedule_bytes = sum(c.schedule_bytes for c in deleted)
+        dispatch_bytes = sum(c.dispatch_bytes for c in deleted)
+        self.deleted_files["schedule_log"] += len(deleted)
+        self.deleted_files["dispatch_log"] += len(deleted)
+        self.deleted_bytes["schedule_log"] += schedule_bytes
+        self.deleted_bytes["dispatch_log"] += dispatch_bytes
+        log.info(
+            "retention: deleted %d complete bucket(s) %s..%s (schedule_log %d bytes, "
+            "dispatch_log %d bytes)",
+            len(deleted),
+            bucket_name(deleted[0].start_ms),
+            bucket_name(deleted[-1].start_ms),
+            schedule_bytes,
+            dispatch_bytes,
+        )
+        return len(deleted)
+
+    def _unlink_buckets(self, chosen: list[_Bucket]) -> list[_Bucket]:
+        """Check each bucket again (nothing can append while the caller holds both
+        locks) and delete the complete ones: schedule_log files, a directory fsync,
+        then dispatch_log files (the module docstring says why in this order)."""
+        fs = self.fs
+        deleted = [c for c in chosen if self._complete(c.start_ms) == c]
+        for c in deleted:
+            self.delivery.dispatch.forget(c.start_ms)  # flushes and closes its descriptor
+        for c in deleted:
+            _unlink(fs, os.path.join(self.schedule_dir, bucket_name(c.start_ms)))
+        if deleted:
+            fs.fsync_dir(self.schedule_dir)
+        for c in deleted:
+            _unlink(fs, os.path.join(self.dispatch_dir, bucket_name(c.start_ms)))
+        if deleted:
+            fs.fsync_dir(self.dispatch_dir)
+        return deleted
+
+    # ------------------------------------------------------------------ id index
+
+    async def _trim_id_index(self) -> None:
+        index = self.replayer.index
+        if index is None:
+            return
+        async with self.replayer.append_lock:  # no put, no lookup meanwhile
+            files, freed = await trio.to_thread.run_sync(self._unlink_index_files)
+        if files:
+            self.deleted_files["id_index"] += files
+            self.deleted_bytes["id_index"] += freed
+            log.info("retention: deleted %d id_index file(s) (%d bytes)", files, freed)
+
+    def _unlink_index_files(self) -> tuple[int, int]:
+        """Delete the index files whose entries all point below the oldest bucket left
+        (worker thread, append lock held by the caller); (files, bytes)."""
+        assert self.replayer.index is not None
+        store = self.replayer.index.store
+        remaining = _bucket_starts(self.fs, self.schedule_dir)
+        oldest_minute = remaining[0] // MINUTE_MS if remaining else MAX_MINUTE
+        cutoff = pack_location(max(0, oldest_minute) * MINUTE_MS, 0)
+        before = {path: _file_size(self.fs, path) or 0 for path in store.files}
+        files = store.delete_before(cutoff)
+        kept = set(store.files)
+        return files, sum(size for path, size in before.items() if path not in kept)
