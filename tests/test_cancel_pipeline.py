@@ -6,17 +6,29 @@ dispatch_log, wheel and sender; in-memory broker targets."""
 
 from __future__ import annotations
 
+import os
+import threading
 from collections import Counter
+from dataclasses import dataclass, field
 
 import pytest
 import trio
 import trio.testing
 
-from delayd.logs import tombstone
+from delayd.logs import layout, tombstone
 from delayd.logs.dispatch_log import EntryKind
+from delayd.protocol import SendResult
 from delayd.protocol.codes import CancelOutcome, RescheduleOutcome, ResultCode
+from delayd.sender.sender import SenderConfig
 from delayd.server.cancels import Answer
-from tests.delivery_pipeline import T0, Pipeline, RecordingTarget, dispatch_entries, received_ids
+from tests.delivery_pipeline import (
+    T0,
+    Pipeline,
+    Received,
+    RecordingTarget,
+    dispatch_entries,
+    received_ids,
+)
 
 MINUTE = 60_000
 
@@ -44,6 +56,45 @@ async def cancel(pipeline: Pipeline, message_id: str) -> Answer:
 async def reschedule(pipeline: Pipeline, message_id: str, due_ms: int) -> Answer:
     answer = append_tombstone(pipeline, message_id, due_ms)
     return await pipeline.delivery.canceller.wait(answer)
+
+
+@dataclass
+class DedupingTarget(RecordingTarget):
+    """A broker group that stores each message id once, as a broker's dedupe does:
+    a copy is answered DUPLICATE and not stored (``received`` is what consumers see).
+    Give two runs the same ``stored`` for one broker across a restart."""
+
+    stored: set[str] = field(default_factory=set)
+    duplicates: int = 0
+
+    async def send_batch(self, messages):
+        self.calls += 1
+        if self.hang is not None:
+            await self.hang.wait()
+        await trio.lowlevel.checkpoint()
+        results = []
+        for message in messages:
+            if message.message_id in self.stored:
+                self.duplicates += 1
+                results.append(SendResult(ResultCode.DUPLICATE))
+            else:
+                self.stored.add(message.message_id)
+                self.received.append(Received(self.clock(), message))
+                results.append(SendResult(ResultCode.OK))
+        return results
+
+
+def lose_dispatch_log(data: str) -> None:
+    """What a machine crash can leave of dispatch_log files never fsynced (it is
+    flushed lazily): nothing."""
+    directory = layout.dispatch_log_dir(data)
+    for name in os.listdir(directory):
+        os.truncate(os.path.join(directory, name), 0)
+
+
+async def wait_for(condition) -> None:
+    while not condition():
+        await trio.sleep(0.001)
 
 
 def kinds(data: str) -> Counter:
@@ -150,7 +201,7 @@ async def test_cancel_waits_for_an_in_flight_batch_that_succeeds(tmp_path, clock
         assert target.calls == 1  # the batch is at the broker, unanswered
         answer = append_tombstone(pipeline, message_id)
         await trio.sleep(3)
-        assert not answer.done.is_set()  # never "maybe": it waits for the outcome
+        assert not answer.decided  # never "maybe": it waits for the outcome
         hang.set()
         await pipeline.delivery.canceller.wait(answer)
         nursery.cancel_scope.cancel()
@@ -171,7 +222,7 @@ async def test_cancel_of_an_in_flight_batch_the_broker_refuses_is_not_retried(tm
         await trio.sleep_until(1.5)
         answer = append_tombstone(pipeline, doomed)
         await trio.sleep(1)
-        assert not answer.done.is_set()
+        assert not answer.decided
         hang.set()  # the batch in flight is refused: stored nowhere
         await pipeline.delivery.canceller.wait(answer)
         target.hang, target.refuse = None, None  # from now on it stores
@@ -299,4 +350,225 @@ async def test_a_restart_keeps_cancels_and_moves(tmp_path, clock):
         [(kept, T0 + 4 * MINUTE), (moved, T0 + 5 * MINUTE + 7)]
     )
     assert again.delivery.canceller.cancels[CancelOutcome.CANCELLED] == 1  # replayed
+    again.close()
+
+
+async def test_a_restart_mid_bucket_answers_from_the_entries_the_loader_skips(
+    tmp_path, clock, monkeypatch
+):
+    """After a restart the loader skips the offsets its bucket's dispatch_log lists.
+    A cancel or reschedule of one of them, arriving while the loader is in the middle
+    of that bucket and has not reached it, is answered from its entry: delivered by the
+    previous run → ALREADY_DELIVERED; cancelled by it → a reschedule must not bring it
+    back (UNKNOWN), and it is never delivered."""
+    target = RecordingTarget("a")
+    pipeline = Pipeline(str(tmp_path), [target])
+    # One bucket [T0, T0 + 1 min): the first record is pending, the others are settled
+    # in the first run.
+    first, delivered, cancelled = pipeline.schedule([T0 + 50_000, T0 + 5000, T0 + 55_000])
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pipeline.run)
+        await trio.sleep_until(10)
+        assert (await cancel(pipeline, cancelled)).outcome is CancelOutcome.CANCELLED
+        await pipeline.stop()
+        nursery.cancel_scope.cancel()
+    assert received_ids([target]) == [delivered]
+    pipeline.close()
+
+    # The second run loads the bucket one record per worker-thread chunk, and the
+    # chunks after the first wait for the gate: the loader stops mid-bucket.
+    monkeypatch.setattr("delayd.wheel.manager.INLINE_READ_BYTES", 0)
+    monkeypatch.setattr("delayd.wheel.manager.LOAD_CHUNK_RECORDS", 1)
+    gate, blocked = threading.Event(), threading.Event()
+    second = RecordingTarget("a")
+    again = Pipeline(str(tmp_path), [second])
+    scan = again.delivery.manager.reader.scan_dues
+
+    def gated_scan(bucket_ms, position, end, limit):
+        if position > 0:
+            blocked.set()
+            gate.wait(30)
+        return scan(bucket_ms, position, end, limit)
+
+    again.delivery.manager.reader.scan_dues = gated_scan
+    async with trio.open_nursery() as nursery:
+        await trio.sleep_until(12)
+        await nursery.start(again.run)
+        try:
+            while not blocked.is_set():
+                await trio.sleep(0.01)
+            cursors = again.delivery.manager.cursors
+            assert cursors.loading.bucket_ms == T0 and cursors.loaded.offset > 0
+            assert not cursors.complete
+            with trio.fail_after(30):
+                answer = await cancel(again, delivered)
+                moved = await reschedule(again, cancelled, T0 + 90_000)
+        finally:
+            gate.set()
+        await trio.sleep_until(3 * MINUTE / 1000)
+        await again.stop()
+        nursery.cancel_scope.cancel()
+    assert answer.outcome is CancelOutcome.ALREADY_DELIVERED
+    assert answer.dispatched_ms == T0 + 5000
+    assert moved.outcome is RescheduleOutcome.UNKNOWN
+    assert received_ids([second]) == [first]  # not the delivered one, not the cancelled
+    counted = kinds(str(tmp_path))
+    assert counted[EntryKind.RESCHEDULED] == 0 and counted[EntryKind.DISPATCHED] == 2
+    again.close()
+
+
+async def test_a_cancel_while_an_acknowledged_batch_waits_for_the_dispatch_lock(tmp_path, clock):
+    """The broker acknowledged the batch; before the sender could take the dispatch
+    lock to record it, a cancel took the lock. The message is not withdrawable: it
+    was acknowledged, so the answer is ALREADY_DELIVERED."""
+    hang = trio.Event()
+    target = RecordingTarget("slow", hang=hang)
+    pipeline = Pipeline(str(tmp_path), [target])
+    (message_id,) = pipeline.schedule([T0 + 1000])
+    lock = pipeline.delivery.dispatch_lock
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pipeline.run)
+        await trio.sleep_until(1.5)
+        assert target.calls == 1
+        async with lock:
+            answer = append_tombstone(pipeline, message_id)
+            await wait_for(lambda: lock.statistics().tasks_waiting == 1)  # the canceller
+            hang.set()  # acknowledged; the sender queues for the lock behind it
+            await wait_for(lambda: lock.statistics().tasks_waiting == 2)
+        await pipeline.delivery.canceller.wait(answer)
+        await trio.sleep(5)
+        await pipeline.stop()
+        nursery.cancel_scope.cancel()
+    assert answer.outcome is CancelOutcome.ALREADY_DELIVERED
+    assert answer.dispatched_ms == T0 + 1000
+    assert received_ids([target]) == [message_id]
+    counted = kinds(str(tmp_path))
+    assert counted[EntryKind.DISPATCHED] == 1 and counted[EntryKind.CANCELLED] == 0
+    pipeline.close()
+
+
+async def deliver_then_lose_the_entries(data: str, dues: list[int], until_s: float):
+    """A first run delivers ``dues`` (those due by ``until_s``) to a deduping broker;
+    then its dispatch_log is lost. Returns (ids, the broker)."""
+    broker = DedupingTarget("a")
+    pipeline = Pipeline(data, [broker])
+    ids = pipeline.schedule(dues)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pipeline.run)
+        await trio.sleep_until(until_s)
+        await pipeline.stop()
+        nursery.cancel_scope.cancel()
+    pipeline.close()
+    lose_dispatch_log(data)
+    return ids, broker
+
+
+async def test_a_restart_that_lost_dispatch_entries_answers_from_the_resend(tmp_path, clock):
+    """The first run delivered two messages but its dispatch_log entries were lost: the
+    restart sends them again (the broker answers DUPLICATE; consumers saw them once).
+    Tombstones replayed on restart, before delivery starts, find no entry: the messages
+    are in doubt from the earlier run, so they are not withdrawn — the answers wait
+    for the resend: ALREADY_DELIVERED. A third message, due while the server was down
+    and never sent, is in the same doubt: it is delivered now, and the cancel says so."""
+    data = str(tmp_path)
+    (first, moved, overdue), broker = await deliver_then_lose_the_entries(
+        data, [T0 + 1000, T0 + 2000, T0 + 7000], until_s=5
+    )
+    assert received_ids([broker]) == [first, moved]
+
+    again = Pipeline(data, [DedupingTarget("a", stored=broker.stored)])
+    (target,) = again.targets
+    await trio.sleep_until(8)
+    answers = [
+        append_tombstone(again, first),
+        append_tombstone(again, moved, T0 + 4 * MINUTE),
+        append_tombstone(again, overdue),
+    ]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(again.run)
+        with trio.fail_after(30):
+            for answer in answers:
+                await again.delivery.canceller.wait(answer)
+        await trio.sleep_until(6 * MINUTE / 1000)
+        await again.stop()
+        nursery.cancel_scope.cancel()
+    assert [a.outcome for a in answers] == [
+        CancelOutcome.ALREADY_DELIVERED,
+        RescheduleOutcome.ALREADY_DELIVERED,
+        CancelOutcome.ALREADY_DELIVERED,
+    ]
+    for answer in answers:  # the resend's time: the earlier copy was delivered before it
+        assert T0 + 8000 <= answer.dispatched_ms < T0 + 9000
+    assert target.duplicates == 2
+    assert received_ids([broker, target]) == [first, moved, overdue]  # each once
+    counted = kinds(data)
+    assert counted[EntryKind.DISPATCHED] == 3
+    assert counted[EntryKind.CANCELLED] == counted[EntryKind.RESCHEDULED] == 0
+    again.close()
+
+
+@pytest.mark.parametrize("is_cancel", [True, False])
+async def test_a_restart_that_lost_dispatch_entries_keeps_a_held_message_in_doubt(
+    tmp_path, clock, is_cancel
+):
+    """As above, with the cancel (or reschedule) arriving after delivery started: the
+    message waits in the sender's queue behind a batch in flight, not yet sent by this
+    run — but maybe by the last one. It is not withdrawn; it is sent, and the answer is
+    ALREADY_DELIVERED."""
+    data = str(tmp_path)
+    (_, second), broker = await deliver_then_lose_the_entries(
+        data, [T0 + 1000, T0 + 2000], until_s=5
+    )
+    hang = trio.Event()
+    target = DedupingTarget("a", stored=broker.stored, hang=hang)
+    again = Pipeline(data, [target], sender=SenderConfig(max_batch=1, batches_in_flight=1))
+    await trio.sleep_until(8)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(again.run)
+        sender = again.delivery.sender
+        await wait_for(lambda: target.calls == 1 and sender.in_flight == 2)  # second: queued
+        answer = append_tombstone(again, second, None if is_cancel else T0 + 4 * MINUTE)
+        await trio.sleep(1)
+        assert not answer.decided  # never "maybe": it waits for the send
+        hang.set()
+        with trio.fail_after(30):
+            await again.delivery.canceller.wait(answer)
+        await trio.sleep_until(6 * MINUTE / 1000)
+        await again.stop()
+        nursery.cancel_scope.cancel()
+    delivered = CancelOutcome if is_cancel else RescheduleOutcome
+    assert answer.outcome is delivered.ALREADY_DELIVERED
+    assert answer.dispatched_ms >= T0 + 8000
+    assert target.received == [] and target.duplicates == 2
+    assert kinds(data)[EntryKind.DISPATCHED] == 2
+    again.close()
+
+
+async def test_a_cancel_answered_before_a_restart_stays_cancelled_once_due(tmp_path, clock):
+    """The other side of the doubt: a message cancelled (and answered) while it was
+    pending, whose due time passed while the server was down, is found CANCELLED by
+    the replayed tombstone (its entry was durable before the answer) — not sent."""
+    target = RecordingTarget("a")
+    pipeline = Pipeline(str(tmp_path), [target])
+    pipeline.replayer.checkpoint_interval_s = 3600.0  # the tombstone is replayed again
+    (doomed,) = pipeline.schedule([T0 + 7000])
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pipeline.run)
+        assert (await cancel(pipeline, doomed)).outcome is CancelOutcome.CANCELLED
+        nursery.cancel_scope.cancel()
+    pipeline.close()
+
+    second = RecordingTarget("a")
+    again = Pipeline(str(tmp_path), [second])
+    async with trio.open_nursery() as nursery:
+        await trio.sleep_until(10)
+        await nursery.start(again.run)
+        with trio.fail_after(30):  # a wrong turn waits for a send that never comes
+            answer = await cancel(again, doomed)
+        await trio.sleep_until(3 * MINUTE / 1000)
+        await again.stop()
+        nursery.cancel_scope.cancel()
+    assert answer.outcome is CancelOutcome.CANCELLED
+    assert again.delivery.canceller.cancels[CancelOutcome.CANCELLED] == 2  # replayed, new
+    assert second.received == [] and target.received == []
     again.close()

@@ -41,6 +41,8 @@ from bench_delivery import (
 import delayd
 from delayd.protocol import Cancel, CancelOutcome, CancelResult
 
+CANCELLED = CancelOutcome.CANCELLED
+
 WINDOW = 512  # CANCEL requests in flight per connection
 
 
@@ -49,28 +51,34 @@ def emit(metric: str, value: float, unit: str, **extra: object) -> None:
     print(json.dumps({**row, **extra}), flush=True)
 
 
-def cancel_all(addr: str, ids: list[str]) -> float:
-    """Cancel every id, pipelined; returns the seconds it took. Raises unless every
-    answer is CANCELLED."""
+def cancel_all(addr: str, ids: list[str], *, single: bool = False) -> float:
+    """Cancel every id; returns the seconds it took. Raises unless every answer is
+    CANCELLED. By default with ``Producer.cancel_many`` (CANCEL_BATCH frames of 1024
+    ids, pipelined); ``single``: one CANCEL frame per id, a window of WINDOW pipelined
+    (as SEND_BATCH frames are pipelined in tools/bench_intake.py)."""
     bad: list[object] = []
-
-    def on_answer(index: int, answer: object) -> None:
-        if not isinstance(answer, CancelResult) or answer.outcome is not CancelOutcome.CANCELLED:
-            bad.append((ids[index], answer))
-
     with delayd.Producer(addr, timeout_s=600) as producer:
-        deadline = time.monotonic() + 600
-        link = producer._session.link(deadline)  # the bench drives the pipeline itself
-        builds = [lambda rid, m=m: Cancel(m, request_id=rid) for m in ids]
         started = time.perf_counter()
-        link.pipeline(builds, deadline, on_answer=on_answer, window=WINDOW)
+        if single:
+
+            def on_answer(index: int, answer: object) -> None:
+                if not isinstance(answer, CancelResult) or answer.outcome is not CANCELLED:
+                    bad.append((ids[index], answer))
+
+            deadline = time.monotonic() + 600
+            link = producer._session.link(deadline)  # the bench drives the pipeline itself
+            builds = [lambda rid, m=m: Cancel(m, request_id=rid) for m in ids]
+            link.pipeline(builds, deadline, on_answer=on_answer, window=WINDOW)
+        else:
+            receipts = producer.cancel_many(ids)
+            bad = [r for r in receipts if r.outcome is not CANCELLED]
         seconds = time.perf_counter() - started
     if bad:
         raise RuntimeError(f"{len(bad)} cancels not CANCELLED, first: {bad[0]}")
     return seconds
 
 
-def bench_throughput(count: int) -> None:
+def bench_throughput(count: int, *, single: bool) -> None:
     with tempfile.TemporaryDirectory(prefix="bench-cancel-") as data:
         server = Server(data)
         server.start()
@@ -78,9 +86,13 @@ def bench_throughput(count: int) -> None:
             base = int(now_ms()) + 3_600_000
             send_all(server.intake, range(count), lambda i: base + i % 600_000, "c")
             server.wait_replayed()
-            seconds = cancel_all(server.intake, [f"c-{i}" for i in range(count)])
+            load = load_average()
+            ids = [f"c-{i}" for i in range(count)]
+            log(f"throughput: cancelling {count:,} (server pid {server.pid})")
+            seconds = cancel_all(server.intake, ids, single=single)
             emit("cancel_throughput", count / seconds, "cancels/s", target=">= 50000",
-                 cancels=count, flush="sync", load_average=load_average())  # fmt: skip
+                 cancels=count, flush="sync", frames="CANCEL" if single else "CANCEL_BATCH",
+                 load_average=load)  # fmt: skip
         finally:
             server.stop()
 
@@ -117,13 +129,14 @@ def main() -> None:
     parser.add_argument("--only", default="throughput,memory", help="throughput,memory")
     parser.add_argument("--cancels", type=int, help="messages for the throughput case")
     parser.add_argument("--pending", type=int, help="pending messages for the memory case")
+    parser.add_argument("--single", action="store_true", help="one CANCEL frame per id")
     args = parser.parse_args()
     parts = set(args.only.split(","))
     if hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > CLIENT_CPU:
         os.sched_setaffinity(0, {CLIENT_CPU})
     log(f"load average {load_average()}")
     if "throughput" in parts:
-        bench_throughput(args.cancels or (20_000 if args.quick else 200_000))
+        bench_throughput(args.cancels or (20_000 if args.quick else 200_000), single=args.single)
     if "memory" in parts:
         bench_memory(args.pending or (100_000 if args.quick else 10_000_000), 10_000)
 

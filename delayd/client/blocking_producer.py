@@ -29,9 +29,12 @@ from delayd.client._messages import (
     split_frames,
 )
 from delayd.client.cancel_receipt import (
+    CANCEL_BATCH_IDS,
     CancelReceipt,
     RescheduleReceipt,
+    batch_receipts,
     check_message_id,
+    check_message_ids,
     reschedule_at_ms,
 )
 from delayd.client.receipt import Receipt
@@ -44,6 +47,8 @@ from delayd.errors import (
 )
 from delayd.protocol import (
     Cancel,
+    CancelBatch,
+    CancelBatchResult,
     CancelResult,
     Message,
     Reschedule,
@@ -170,6 +175,43 @@ class Producer:
         result = self._request(lambda rid: Cancel(message_id, request_id=rid))
         assert isinstance(result, CancelResult)
         return CancelReceipt.from_result(message_id, result)
+
+    def cancel_many(self, message_ids: Iterable[str]) -> list[CancelReceipt]:
+        """Cancel several delayed messages; as ``AsyncProducer.cancel_many`` (frames
+        pipelined, ``max_in_flight`` at a time)."""
+        ids = check_message_ids(message_ids)
+        step = CANCEL_BATCH_IDS
+        frames = [tuple(ids[i : i + step]) for i in range(0, len(ids), step)]
+        answers: dict[int, list[CancelReceipt]] = {}
+
+        def on_answer(index: int, answer: object) -> None:
+            if isinstance(answer, DelaydError):
+                raise answer
+            assert isinstance(answer, CancelBatchResult)
+            answers[todo[index]] = batch_receipts(frames[todo[index]], answer)
+
+        deadline = time.monotonic() + self.timeout_s
+        todo = list(range(len(frames)))
+        with self._lock:
+            self._check_open()
+            while todo:
+                link = self._session.link(deadline)
+                builds = [lambda rid, f=frames[i]: CancelBatch(f, request_id=rid) for i in todo]
+                try:
+                    link.pipeline(builds, deadline, on_answer=on_answer, window=self.max_in_flight)
+                except ConnectionClosedError as exc:
+                    self._session.lost(exc)  # send the unanswered frames again
+                    todo = [i for i in todo if i not in answers]
+                    continue
+                except DelaydTimeout:
+                    self._session.lost(DelaydTimeout("a cancel timed out"))
+                    raise DelaydTimeout(
+                        f"cancelling {len(ids)} message(s) at {self.addr} took over "
+                        f"{self.timeout_s} s ({self._session.describe_problem()})"
+                    ) from None
+                self._session.succeeded()
+                todo = []
+        return [receipt for index in range(len(frames)) for receipt in answers[index]]
 
     def reschedule(
         self, message_id: str, *, at_ms: int | None = None, delay_ms: int | None = None

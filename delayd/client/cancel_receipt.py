@@ -10,7 +10,16 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from delayd.protocol import CancelOutcome, CancelResult, RescheduleOutcome, RescheduleResult
+from delayd.errors import RemoteProtocolError
+from delayd.protocol import (
+    CancelBatchResult,
+    CancelOutcome,
+    CancelResult,
+    RescheduleOutcome,
+    RescheduleResult,
+)
+
+CANCEL_BATCH_IDS = 1024  # ids per CANCEL_BATCH frame that cancel_many sends
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,3 +81,26 @@ def reschedule_at_ms(at_ms: int | None, delay_ms: int | None) -> int:
         return time.time_ns() // 1_000_000 + delay_ms
     assert at_ms is not None
     return at_ms
+
+
+def check_message_ids(message_ids: object) -> list[str]:
+    """The ids of a ``cancel_many`` argument, as a list; ValueError for a bad one."""
+    if isinstance(message_ids, str):
+        raise ValueError("cancel_many takes an iterable of ids, not one id")
+    ids = list(message_ids)  # type: ignore[call-overload]
+    for message_id in ids:
+        check_message_id(message_id)
+    return ids
+
+
+def batch_receipts(ids: tuple[str, ...], result: CancelBatchResult) -> list[CancelReceipt]:
+    """The receipts of one CANCEL_BATCH frame; RemoteProtocolError when the server
+    answered another number of results than ids."""
+    if len(result.results) != len(ids):
+        raise RemoteProtocolError(
+            f"CANCEL_BATCH of {len(ids)} ids answered with {len(result.results)} results"
+        )
+    return [
+        CancelReceipt(message_id, CancelOutcome(outcome), dispatched_ms)
+        for message_id, (outcome, dispatched_ms) in zip(ids, result.results, strict=True)
+    ]

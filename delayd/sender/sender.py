@@ -27,6 +27,12 @@ come, or one whose earlier batch failed without an answer (the broker may have s
 it). For those the canceller ``watch``es the outcome instead: acknowledged → already
 delivered; refused by the broker (it answered, and stored nothing) → a watcher that
 asked for it withdraws the message there and then, instead of retrying it.
+
+A message that an earlier run may have sent (due before this sender started, with no
+dispatch_log entry: its entry may have been lost with the unflushed tail, or its batch
+was in flight at the crash) is in doubt wherever it is: ``watch_earlier`` watches it
+held, or, when it is still in the wheel or not loaded yet, from the moment it is read
+(it is overdue, so that comes soon). It is sent as usual and never withdrawn.
 """
 
 from __future__ import annotations
@@ -122,7 +128,7 @@ class _Item:
         self.attempts = 0
         self.dead = False
         self.reason = ""
-        self.sending = False  # in a send batch not yet answered
+        self.sending = False  # in a send batch whose outcome is not recorded yet
         self.maybe_sent = False  # a batch holding it failed unanswered: a broker may have it
         self.withdrawn = False  # cancelled or moved: skipped wherever it still sits
         self.watchers: list[tuple[bool, Watcher]] | None = None  # (withdraw on refusal, cb)
@@ -224,10 +230,17 @@ class Sender:
         self._parked: list[_Item] = []  # no usable group when routed
         self._nursery: trio.Nursery | None = None
         self._recorded = trio.Event()  # dispatch_log entries written since the flush
+        self._flushes_started = 0  # flush() group commit: numbered in order of start
+        self._flushes_done = 0
+        self._flush_running: trio.Event | None = None
         # Wheel ref -> its item (None until read) for every entry released by the wheel
         # and not yet recorded; bounded by max_in_flight plus the due channel.
         self._held: dict[int, _Item | None] = {}
         self._withdrawn_unread: set[int] = set()  # refs withdrawn before they were read
+        # (bucket start, offset) -> watchers of messages in doubt from an earlier run
+        # that this sender has not read yet (see watch_earlier).
+        self._earlier: dict[tuple[int, int], list[tuple[bool, Watcher]]] = {}
+        self.started_ms: int | None = None  # this run sent nothing due at or after it
         self.withdrawn_total = 0
         self.lateness_s = Histogram(LATENESS_BOUNDS_S)
         self.batch_sizes = Histogram(BATCH_BOUNDS)
@@ -247,6 +260,7 @@ class Sender:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run every sender task until cancelled; errors propagate."""
+        self.started_ms = self.clock()
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             nursery.start_soon(self._dispatch_loop)
@@ -275,6 +289,8 @@ class Sender:
             held = self._held
             for item in items:
                 held[item.ref] = item
+            if self._earlier:
+                self._adopt_earlier(items)
             self._in_flight += len(items)
             self._route(items, None)
 
@@ -392,9 +408,12 @@ class Sender:
                 group.breaker.record_failure(self.clock())
             group.slots.release()
         self.batch_sizes.observe_many((len(batch),))
+        # Acknowledged items (and refused ones a watcher withdraws) stay ``sending``
+        # until their entries are written under the dispatch lock: a cancel that takes
+        # the lock while _record waits for it must see them in doubt, not withdraw a
+        # message a broker has just acknowledged.
         acked, refused, withdraw = [], [], []
         for item, result in zip(batch, results, strict=True):
-            item.sending = False
             if result.code in ACKED:
                 acked.append(item)
             else:
@@ -402,6 +421,7 @@ class Sender:
                 if item.watchers and not item.maybe_sent and any(w for w, _ in item.watchers):
                     withdraw.append(item)  # refused, so stored nowhere: the cancel wins
                 else:
+                    item.sending = False  # stored nowhere: it may be withdrawn now
                     refused.append(item)
         if acked:
             await self._record(group, acked, now_ms)
@@ -489,6 +509,34 @@ class Sender:
             item.watchers = []
         item.watchers.append((withdraw_on_refusal, watcher))
 
+    def holds(self, ref: int) -> bool:
+        """Whether the message of wheel ``ref`` is between the wheel and dispatch_log."""
+        return ref in self._held
+
+    def watch_earlier(self, bucket_ms: int, offset: int, ref: int | None, watcher: Watcher) -> None:
+        """Call ``watcher`` with the fate of the message at (bucket, offset) — wheel
+        ``ref``, None when its bucket has no wheel id — which an earlier run may have
+        sent: it is marked as maybe sent (a refusal then does not prove it is stored
+        nowhere), held or from the moment it is read. Synchronous; call with the
+        dispatch lock held, for a message that has no dispatch_log entry and is due
+        (the wheel releases it at once, or the loader loads it soon and then it is)."""
+        item = self._held.get(ref) if ref is not None else None
+        if item is None:  # in the wheel, not loaded, or released and not read yet
+            self._earlier.setdefault((bucket_ms, offset), []).append((False, watcher))
+            return
+        item.maybe_sent = True
+        if item.watchers is None:
+            item.watchers = []
+        item.watchers.append((False, watcher))
+
+    def _adopt_earlier(self, items: list[_Item]) -> None:
+        earlier = self._earlier
+        for item in items:
+            watchers = earlier.pop((item.bucket_ms, item.offset), None)
+            if watchers is not None:
+                item.maybe_sent = True
+                item.watchers = [*(item.watchers or ()), *watchers]
+
     def _retry(self, items: list[_Item], group: _Group, reason: str) -> None:
         """Count an attempt for each item and put them back after the back-off; past
         ``max_attempts`` an item goes to its dead-letter subject instead (and keeps
@@ -542,10 +590,26 @@ class Sender:
             await self.flush()
 
     async def flush(self) -> None:
-        """Make the dispatch_log entries written so far durable."""
-        async with self.dispatch_lock:
-            if self.dispatch.dirty:
-                await trio.to_thread.run_sync(self.dispatch.flush)
+        """Make the dispatch_log entries written so far durable. Group commit: every
+        caller that comes while a flush runs shares the next one (a flush that began
+        before the call may miss its entries), so a thousand cancels waiting for their
+        entries cost one fsync per file, not a thousand."""
+        ticket = self._flushes_started
+        while self._flushes_done <= ticket:  # no flush begun after the call is done
+            if self._flush_running is not None:
+                await self._flush_running.wait()
+                continue
+            self._flushes_started += 1
+            number = self._flushes_started
+            running = self._flush_running = trio.Event()
+            try:
+                async with self.dispatch_lock:
+                    if self.dispatch.dirty:
+                        await trio.to_thread.run_sync(self.dispatch.flush)
+                self._flushes_done = number
+            finally:
+                self._flush_running = None
+                running.set()
 
     # ------------------------------------------------------------------ metrics
 

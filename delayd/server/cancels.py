@@ -21,13 +21,13 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import trio
 
 from delayd.logs import message_log, schedule_log, tombstone
 from delayd.logs.dispatch_files import DispatchFiles
-from delayd.logs.dispatch_log import EntryKind, find_entry
+from delayd.logs.dispatch_log import DispatchEntry, EntryKind, find_entry
 from delayd.logs.id_index import IdIndex, Location
 from delayd.protocol.codes import CancelOutcome, RescheduleOutcome
 from delayd.replay.replayer import Replayer, TombstoneRecord
@@ -40,14 +40,35 @@ log = logging.getLogger(__name__)
 DELIVERED = (EntryKind.DISPATCHED, EntryKind.DEAD_LETTERED)
 
 
+class Waiter:
+    """The answers one request waits for (a CANCEL's one, a CANCEL_BATCH's many):
+    ``done`` is set when the last of them is decided."""
+
+    __slots__ = ("done", "left")
+
+    def __init__(self, count: int) -> None:
+        self.left = count
+        self.done = trio.Event()
+
+    def decided_one(self) -> None:
+        self.left -= 1
+        if not self.left:
+            self.done.set()
+
+
 @dataclass(slots=True)
 class Answer:
-    """The outcome of one tombstone, for the connection that is waiting for it."""
+    """The outcome of one tombstone, for the connection that is waiting for it
+    (``waiter`` None: a tombstone replayed after a restart, which nobody waits for)."""
 
     is_cancel: bool
-    done: trio.Event = field(default_factory=trio.Event)
+    waiter: Waiter | None = None
     outcome: CancelOutcome | RescheduleOutcome | None = None
     dispatched_ms: int | None = None
+
+    @property
+    def decided(self) -> bool:
+        return self.outcome is not None
 
 
 class Canceller:
@@ -62,28 +83,50 @@ class Canceller:
         dispatch_lock: trio.Lock,
         *,
         clock: Callable[[], int],
+        earlier_end: int,
     ) -> None:
         self.manager = manager
         self.sender = sender
         self.dispatch = dispatch
         self.dispatch_lock = dispatch_lock
         self.clock = clock
+        # message_log's end when this process started: records below it were there
+        # for an earlier run, which may have sent them (_earlier_may_have_sent).
+        self.earlier_end = earlier_end
         self._waiting: dict[int, Answer] = {}  # tombstone's message_log offset -> answer
+        # Entries decided in this on_tombstones call, written together: (bucket, kind,
+        # at_ms) -> offsets. One append per bucket instead of one per tombstone.
+        self._unwritten: dict[tuple[int, EntryKind, int], list[int]] = {}
         self.cancels: Counter[CancelOutcome] = Counter()
         self.reschedules: Counter[RescheduleOutcome] = Counter()
 
     def expect(self, offset: int, *, is_cancel: bool) -> Answer:
         """The Answer the tombstone appended at message_log ``offset`` will get."""
-        answer = self._waiting[offset] = Answer(is_cancel)
-        return answer
+        return self.expect_many([offset], is_cancel=is_cancel)[0]
+
+    def expect_many(self, offsets: list[int], *, is_cancel: bool) -> list[Answer]:
+        """The Answers of the tombstones at ``offsets``, awaited together."""
+        waiter = Waiter(len(offsets))
+        answers = [Answer(is_cancel, waiter) for _ in offsets]
+        self._waiting.update(zip(offsets, answers, strict=True))
+        return answers
 
     async def wait(self, answer: Answer) -> Answer:
-        """Wait for ``answer``. ALREADY_DELIVERED waits for dispatch_log to be durable
-        too, so that a restart re-replaying the tombstone finds the same answer."""
-        await answer.done.wait()
-        if answer.dispatched_ms is not None:
-            await self.sender.flush()
+        """``wait_all`` for one answer."""
+        await self.wait_all([answer])
         return answer
+
+    async def wait_all(self, answers: list[Answer]) -> None:
+        """Wait until every one of ``answers`` is decided, then for dispatch_log to be
+        durable: the entry that decided each (written or read) survives any crash, so
+        a restart that replays the tombstone again finds the same answer. Without its
+        entry a restart could not tell a message this tombstone cancelled from one an
+        earlier run sent (docs/cancel.md, "Durability and recovery"). One fsync for
+        the lot (and for every other request waiting at that moment)."""
+        waiters = {id(a.waiter): a.waiter for a in answers if a.waiter is not None}
+        for waiter in waiters.values():
+            await waiter.done.wait()
+        await self.sender.flush()
 
     def stats(self) -> dict[str, str | int | float]:
         """STATS values: cancels and reschedules by outcome (units in the names)."""
@@ -103,8 +146,11 @@ class Canceller:
     async def on_tombstones(self, replayer: Replayer, records: list[TombstoneRecord]) -> None:
         """The replayer's hook: resolve ``records`` in order (append lock held)."""
         async with self.dispatch_lock:
-            for offset, rtype, payload in records:
-                self._resolve(replayer, offset, tombstone.decode(rtype, payload))
+            try:
+                for offset, rtype, payload in records:
+                    self._resolve(replayer, offset, tombstone.decode(rtype, payload))
+            finally:
+                self._write_entries()
 
     async def before_checkpoint(self) -> None:
         """The replayer's: entries tombstones wrote are durable before it checkpoints."""
@@ -137,8 +183,8 @@ class Canceller:
     @staticmethod
     def _current(index: IdIndex, message_id: str) -> Location | None:
         locations = index.lookup(message_id)
-        if not locations:
-            return None
+        if len(locations) <= 1:  # the usual case: one record, never moved
+            return locations[0] if locations else None
         return max(locations, key=lambda location: location.message_log_offset)
 
     def _withdraw(
@@ -151,14 +197,29 @@ class Canceller:
         """
         now_ms = self.clock()
         kind = EntryKind.CANCELLED if is_cancel else EntryKind.RESCHEDULED
+        withdrawn = kind if kind is EntryKind.RESCHEDULED else (kind, now_ms)
         bucket_ms, offset = at.bucket_ms, at.offset
         bucket_id = self.manager.bucket_id(bucket_ms)
-        if bucket_id is not None:
-            ref = pack_ref(bucket_id, offset)
+        ref = None if bucket_id is None else pack_ref(bucket_id, offset)
+        if self._earlier_may_have_sent(at, now_ms):
+            if ref is None or not self.sender.holds(ref):  # held: no entry yet
+                entry = self._entry(bucket_ms, offset)
+                if entry is not None and entry.kind is not EntryKind.RESCHEDULED:
+                    return entry.kind, entry.at_ms  # delivered or cancelled: decided
+                if entry is not None:
+                    # Moved by an earlier replay of this very tombstone: withdrawn
+                    # then, never sent, skipped by the loader. Still to be moved.
+                    self._record(bucket_ms, offset, kind, now_ms, None)
+                    return withdrawn
+            # No entry: in doubt from an earlier run. It is due, so it is sent soon;
+            # the answer is that send's outcome, never a withdrawal.
+            self.sender.watch_earlier(bucket_ms, offset, ref, self._watcher(answer))
+            return None
+        if ref is not None:
             withdrawal = self.sender.withdraw(ref)
             if withdrawal is Withdrawal.WITHDRAWN:
                 self._record(bucket_ms, offset, kind, now_ms, bucket_id)
-                return kind if kind is EntryKind.RESCHEDULED else (kind, now_ms)
+                return withdrawn
             if withdrawal is Withdrawal.IN_DOUBT:
                 self.sender.watch(ref, self._watcher(answer), withdraw_on_refusal=is_cancel)
                 return None
@@ -175,27 +236,55 @@ class Canceller:
             # cancelled message must not come back.
             self._record(bucket_ms, offset, kind, now_ms, None)
         else:
-            files = self.dispatch.files  # reads see unflushed entries: they are pwritten
-            entry = find_entry(files.fs, files.path(bucket_ms), offset)
-            if entry is not None and entry.kind in DELIVERED:
-                return entry.kind, entry.at_ms
-            if entry is not None and entry.kind is EntryKind.CANCELLED:
-                return EntryKind.CANCELLED, entry.at_ms
-            if where is Whereabouts.TAKEN and entry is None:
+            entry = self._entry(bucket_ms, offset)
+            if entry is not None and entry.kind is not EntryKind.RESCHEDULED:
+                return entry.kind, entry.at_ms  # delivered or cancelled: decided
+            if where in (Whereabouts.TAKEN, Whereabouts.RECORDED) and entry is None:
                 # Fired, not held, no entry: cannot happen (the sender holds a message
-                # from the wheel until its entry). Recorded, so no restart sends it.
+                # from the wheel until its entry; the loader skips only listed ones).
+                # Recorded, so no restart sends it.
                 log.error("cancel: %s@%d is nowhere; recording it", bucket_ms, offset)
             # No entry (not loaded since the last start), or RESCHEDULED by this very
             # tombstone before a crash (replay repeats it): still pending.
             self._record(bucket_ms, offset, kind, now_ms, None)
-        return kind if kind is EntryKind.RESCHEDULED else (kind, now_ms)
+        return withdrawn
+
+    def _earlier_may_have_sent(self, at: Location, now_ms: int) -> bool:
+        """Whether a run before this one may have sent the record at ``at``: it was in
+        message_log when this process started (a reschedule's copy counts from its
+        tombstone) and it fell due before this process could send anything (before
+        the sender started; before now while it has not — the earlier run ended
+        before now, and nothing is sent early). Its dispatch_log entry may then have
+        been lost with the unflushed tail, or the crash came while its batch was at a
+        broker (docs/cancel.md)."""
+        if at.message_log_offset >= self.earlier_end:
+            return False
+        started_ms = self.sender.started_ms
+        return at.due_ms < (now_ms if started_ms is None else started_ms)
+
+    def _entry(self, bucket_ms: int, offset: int) -> DispatchEntry | None:
+        """The first dispatch_log entry of (bucket, offset): its fate, if it has one."""
+        self._write_entries()  # an earlier tombstone of this step may have decided it
+        files = self.dispatch.files  # reads see unflushed entries: they are pwritten
+        return find_entry(files.fs, files.path(bucket_ms), offset)
 
     def _record(
         self, bucket_ms: int, offset: int, kind: EntryKind, at_ms: int, bucket_id: int | None
     ) -> None:
-        self.dispatch.record(bucket_ms, kind, [offset], at_ms, b"")
+        offsets = self._unwritten.get((bucket_ms, kind, at_ms))
+        if offsets is None:
+            self._unwritten[(bucket_ms, kind, at_ms)] = [offset]
+        else:
+            offsets.append(offset)
         if bucket_id is not None:
             self.manager.on_recorded(bucket_id, 1)
+
+    def _write_entries(self) -> None:
+        """Append the entries ``_record`` collected (dispatch lock held)."""
+        if self._unwritten:
+            unwritten, self._unwritten = self._unwritten, {}
+            for (bucket_ms, kind, at_ms), offsets in unwritten.items():
+                self.dispatch.record(bucket_ms, kind, offsets, at_ms, b"")
 
     def _watcher(self, answer: Answer) -> Callable[[EntryKind, int], None]:
         def watcher(kind: EntryKind, at_ms: int) -> None:
@@ -225,4 +314,5 @@ class Canceller:
         answer.outcome = outcome
         if kind in DELIVERED:
             answer.dispatched_ms = at_ms
-        answer.done.set()
+        if answer.waiter is not None:
+            answer.waiter.decided_one()

@@ -33,6 +33,8 @@ from delayd.errors import ConnectionClosedError, LocalProtocolError
 from delayd.protocol import (
     SERVER,
     Cancel,
+    CancelBatch,
+    CancelBatchResult,
     CancelResult,
     Connection,
     Error,
@@ -57,7 +59,10 @@ from storage.errors import StorageError
 log = logging.getLogger(__name__)
 
 SERVER_NAME = "delayd-serve"
-MAX_IN_FLIGHT = 64  # SEND_BATCHes awaiting durability per connection
+MAX_IN_FLIGHT = 64  # SEND_BATCHes (and CANCEL_BATCHes) awaiting durability per connection
+# Single CANCEL / RESCHEDULE frames awaiting their answer per connection: tiny, and each
+# waits for two group-commit fsyncs, so a pipelining client needs many in flight.
+MAX_TOMBSTONES_IN_FLIGHT = 1024
 OUTBOX_FRAMES = 16
 
 
@@ -81,6 +86,7 @@ class DelayConnection:
         self.broker_address = broker_address
         self._outbox, self._outbox_out = trio.open_memory_channel[bytes](OUTBOX_FRAMES)
         self._slots = trio.Semaphore(MAX_IN_FLIGHT)
+        self._tombstone_slots = trio.Semaphore(MAX_TOMBSTONES_IN_FLIGHT)
         self._read_scope = trio.CancelScope()
         self._stopping = False
         try:
@@ -148,10 +154,13 @@ class DelayConnection:
                 await self._answer(StatsResult(stats, request_id=rid))
             elif isinstance(event, (Cancel, Reschedule)):
                 await self._tombstone(event, requests)
+            elif isinstance(event, CancelBatch):
+                await self._cancel_batch(event, requests)
             else:
                 where = f" at {self.broker_address}" if self.broker_address else ""
                 reason = (
-                    f"this is the delay server: it takes SEND_BATCH, CANCEL, RESCHEDULE and STATS; "
+                    "this is the delay server: it takes SEND_BATCH, CANCEL, CANCEL_BATCH, "
+                    f"RESCHEDULE and STATS; "
                     f"{event.command.name} goes to its broker{where}"
                 )
                 await self._answer(Error(ErrorCode.UNSUPPORTED, reason, request_id=rid))
@@ -180,20 +189,49 @@ class DelayConnection:
                 too_long = RescheduleResult(RescheduleOutcome.DELAY_TOO_LONG, request_id=rid)
                 await self._answer(too_long)
                 return
-        await self._slots.acquire()
+        await self._tombstone_slots.acquire()
         try:
             await self.intake.make_room()
             answer = self.intake.append_tombstone(event.message_id, due_ms)
         except BaseException:
-            self._slots.release()
+            self._tombstone_slots.release()
             raise
         requests.start_soon(self._settle, answer, rid)
+
+    async def _cancel_batch(self, event: CancelBatch, requests: trio.Nursery) -> None:
+        """CANCEL for each id, in one message_log append and one answer frame (the
+        same tombstones, decisions and durability as single CANCELs)."""
+        rid = event.request_id
+        ids = event.message_ids
+        if not ids:
+            await self._answer(CancelBatchResult((), request_id=rid))
+            return
+        if not all(ids):
+            reason = f"message_id {ids.index('')} is empty: name every message to cancel"
+            await self._answer(Error(ErrorCode.INVALID_REQUEST, reason, request_id=rid))
+            return
+        await self._slots.acquire()
+        try:
+            await self.intake.make_room()
+            answers = self.intake.append_tombstones(ids)
+        except BaseException:
+            self._slots.release()
+            raise
+        requests.start_soon(self._settle_batch, answers, rid)
+
+    async def _settle_batch(self, answers: list[Answer], request_id: int) -> None:
+        try:
+            await self.intake.settle_all(answers)
+        finally:
+            self._slots.release()
+        results = tuple((a.outcome, a.dispatched_ms) for a in answers)
+        await self._answer(CancelBatchResult(results, request_id=request_id))  # type: ignore[arg-type]
 
     async def _settle(self, answer: Answer, request_id: int) -> None:
         try:
             await self.intake.settle(answer)
         finally:
-            self._slots.release()
+            self._tombstone_slots.release()
         if answer.is_cancel:
             result: Event = CancelResult(
                 answer.outcome, answer.dispatched_ms, request_id=request_id

@@ -101,6 +101,7 @@ class Delivery:
             self.dispatch,
             self.dispatch_lock,
             clock=self.now_ms,
+            earlier_end=replayer.log.end_offset,  # built before intake takes anything
         )
         replayer.on_tombstones = self.canceller.on_tombstones
         replayer.before_checkpoint = self.canceller.before_checkpoint

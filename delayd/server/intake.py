@@ -106,13 +106,23 @@ class IntakePath:
         just before); returns the Answer its replay will fill. ``due_ms`` must already
         be checked against max_delay (``reschedule_due_ms``). Raises ValueError for an
         empty or oversized id, StorageError when message_log cannot be written."""
+        (answer,) = self.append_tombstones([message_id], due_ms)
+        return answer
+
+    def append_tombstones(
+        self, message_ids: Sequence[str], due_ms: int | None = None
+    ) -> list[Answer]:
+        """``append_tombstone`` for several ids in one append (a CANCEL_BATCH): all or
+        none — ValueError for an empty or oversized id appends nothing."""
         if self.canceller is None:
             raise RuntimeError("cancel and reschedule need delivery (no canceller)")
-        stone = tombstone.Tombstone(message_id, self.clock(), due_ms)
-        payload = tombstone.encode(stone)
-        (offset,) = self.log.append_batch([payload], stone.rtype)
-        self.replayer.offer_typed([offset], [payload], stone.rtype)
-        return self.canceller.expect(offset, is_cancel=stone.is_cancel)
+        receive_ms = self.clock()
+        stones = [tombstone.Tombstone(m, receive_ms, due_ms) for m in message_ids]
+        payloads = [tombstone.encode(stone) for stone in stones]
+        rtype = stones[0].rtype
+        offsets = self.log.append_batch(payloads, rtype)
+        self.replayer.offer_typed(offsets, payloads, rtype)
+        return self.canceller.expect_many(offsets, is_cancel=due_ms is None)
 
     def reschedule_due_ms(self, at_ms: int) -> tuple[int | None, str]:
         """The due time a reschedule to ``at_ms`` gets, as a send's would: a past time
@@ -127,8 +137,13 @@ class IntakePath:
 
     async def settle(self, answer: Answer) -> Answer:
         """Wait until the tombstone is durable (flush policy) and resolved."""
+        await self.settle_all([answer])
+        return answer
+
+    async def settle_all(self, answers: list[Answer]) -> None:
+        """``settle`` for the answers of one ``append_tombstones``."""
         if self.writer.policy.mode is FlushMode.SYNC:
             await self.writer.flush()
         self.replayer.notify(0)
         assert self.canceller is not None
-        return await self.canceller.wait(answer)
+        await self.canceller.wait_all(answers)

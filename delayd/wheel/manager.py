@@ -44,6 +44,9 @@ class Whereabouts(enum.Enum):
 
     REMOVED = "removed from the wheel"  # it had not fired: now it never will
     SKIPPED = "the loader will skip it"  # its bucket is being loaded, not this record yet
+    # Its bucket is being loaded and the loader read an entry for it at begin (a restart
+    # loads only what dispatch_log does not list): that entry is its fate, not SKIPPED.
+    RECORDED = "listed in its dispatch_log"
     NOT_LOADED = "its bucket is not loaded"  # dispatch_log decides what the loader skips
     TAKEN = "not in the wheel"  # loaded and fired (the sender has it, or it is recorded)
 
@@ -105,6 +108,9 @@ class WheelManager:
         # Offsets of the loading bucket withdrawn after it began, before the loader
         # reached them: the dispatch state it read at begin does not list them.
         self._skip: set[int] = set()
+        # Offsets of the loading bucket its dispatch_log listed at begin (delivered,
+        # dead-lettered, cancelled or moved, by this run or an earlier one).
+        self._done: set[int] = set()
         # Every bucket that has a schedule_log file: listed once here, then told by the
         # hook (a bucket's file is created by its first append), so the loader never
         # lists a directory of thousands of buckets again.
@@ -174,7 +180,8 @@ class WheelManager:
         REMOVED: the caller records it and calls ``on_recorded``. SKIPPED: the caller
         records it (it was never outstanding). NOT_LOADED: its fate is whatever its
         dispatch_log says; an entry the caller appends now is read when the bucket
-        begins. TAKEN: the sender has it or it has an entry.
+        begins. RECORDED: its dispatch_log entry (read when the bucket began) is its
+        fate. TAKEN: the sender has it or it has an entry.
         """
         bucket_id = self._ids.get(bucket_ms)
         if bucket_id is not None and self.ticker.remove(due_ms, bucket_id, offset):
@@ -184,9 +191,33 @@ class WheelManager:
         if bucket_ms > loading.bucket_ms:
             return Whereabouts.NOT_LOADED
         if bucket_ms == loading.bucket_ms and cursors.loaded.offset <= offset < loading.offset:
+            if offset in self._done:
+                # Not pending: delivered (maybe by the run before a restart, which is
+                # why the loader skips it), cancelled or moved. Calling it SKIPPED
+                # would answer CANCELLED for a delivered message, or let a reschedule
+                # bring back a cancelled one.
+                return Whereabouts.RECORDED
             self._skip.add(offset)
             return Whereabouts.SKIPPED
         return Whereabouts.TAKEN
+
+    # ------------------------------------------------------------------ retention
+
+    def retire(self, bucket_ms: int) -> bool:
+        """Forget a bucket whose files retention is about to delete, closing this
+        manager's descriptor of it; False (and nothing forgotten) while the manager
+        still has business with it: not below the loading bucket, entries outstanding
+        or a COMPLETE mark still to write. Call with the append and dispatch locks held.
+
+        A record appended to the bucket later (a file of the same name, new) is below
+        the loading bucket, so canAdd puts it straight into the wheel."""
+        if bucket_ms >= self.cursors.loading.bucket_ms or bucket_ms in self._outstanding:
+            return False
+        if bucket_ms in self._known:
+            self._known.remove(bucket_ms)
+        self._marked.pop(bucket_ms, None)
+        self.reader.forget(bucket_ms)
+        return True
 
     # ------------------------------------------------------------------ the sender's report
 
@@ -267,6 +298,7 @@ class WheelManager:
                     state = self.dispatch.state(bucket_ms)
                 else:
                     state = await trio.to_thread.run_sync(self.dispatch.state, bucket_ms)
+            self._done = state.done
         if state.complete_up_to == end:
             cursors.advance(end)  # every record has an entry: nothing to read
             self.entries_skipped += len(state.done)
