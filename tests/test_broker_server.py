@@ -13,6 +13,8 @@ import urllib.request
 import pytest
 
 from delayd.protocol import (
+    Cancel,
+    CancelBatch,
     CommitOffset,
     Error,
     ErrorCode,
@@ -20,6 +22,7 @@ from delayd.protocol import (
     Hello,
     Message,
     Pull,
+    Reschedule,
     ResultCode,
     SendBatch,
     Stats,
@@ -341,3 +344,14 @@ def test_invalid_arguments_name_the_flag(tmp_path):
         )
         assert done.returncode == 2
         assert f"argument {flag}" in done.stderr
+
+
+def test_cancel_and_reschedule_sent_to_the_broker_say_where_they_belong(brokers):
+    broker = brokers().start()
+    with broker.client() as c:
+        for request in (Cancel("m-1"), CancelBatch(("m-1", "m-2")), Reschedule("m-1", 1)):
+            answer = c.request(request)
+            assert isinstance(answer, Error), request
+            assert answer.code == ErrorCode.UNSUPPORTED
+            assert f"does not implement {request.command.name}" in answer.reason
+            assert "send it to the delay server" in answer.reason

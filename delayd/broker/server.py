@@ -34,6 +34,7 @@ from delayd.errors import (
 from delayd.protocol import (
     SERVER,
     Cancel,
+    CancelBatch,
     CommitOffset,
     CommitOffsetOk,
     Connection,
@@ -198,7 +199,7 @@ class BrokerConnection:
                 await self._answer(QueryResult(found, request_id=rid))
             elif isinstance(event, Stats):
                 await self._answer(StatsResult(broker.stats(), request_id=rid))
-            elif isinstance(event, (Cancel, Reschedule)):
+            elif isinstance(event, (Cancel, CancelBatch, Reschedule)):
                 await self._answer(
                     Error(
                         ErrorCode.UNSUPPORTED,
