@@ -319,8 +319,13 @@ class Replayer:
         index = self.index
         if index is not None:
             for start, bucket_offsets in offsets.items():
-                for offset, payload in zip(bucket_offsets, step.groups[start], strict=True):
-                    index.put(scheduled_id(payload), start, offset, _receive_ms(payload))
+                payloads = step.groups[start]
+                index.put_batch(
+                    [scheduled_id(p) for p in payloads],
+                    start,
+                    bucket_offsets,
+                    [_receive_ms(p) for p in payloads],
+                )
         hook = self.on_scheduled
         if hook is not None:
             for start, bucket_offsets in offsets.items():
