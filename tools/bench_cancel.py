@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_delivery import (
     CLIENT_CPU,
-    DAY_MS,
     Server,
+    fill_far_pending,
     load_average,
     log,
     now_ms,
@@ -103,13 +103,7 @@ def bench_memory(pending: int, cancels: int) -> None:
         server.start()
         try:
             rss_empty = rss_mb(server.pid)
-            base = int(now_ms()) + 2 * DAY_MS
-            spread = 6 * 3_600_000
-            seconds = send_all(server.intake, range(pending),
-                               lambda i: base + i * spread // pending, "far")  # fmt: skip
-            log(f"memory: sent {pending:,} in {seconds:.1f} s")
-            server.wait_replayed()
-            time.sleep(1)
+            fill_far_pending(server, pending)
             rss = rss_mb(server.pid)
             emit("rss_with_pending", rss, "MB", pending=pending,
                  rss_empty_mb=round(rss_empty, 1), load_average=load_average())  # fmt: skip

@@ -369,20 +369,27 @@ def bench_burst(count: int) -> None:
     emit("burst_send_rate", count / seconds, "msg/s", **common)
 
 
+def fill_far_pending(server: Server, count: int) -> tuple[int, float]:
+    """Send ``count`` messages (ids ``far-<i>``) due two days out, spread over 6 hours:
+    far beyond the wheel's load window. Returns (first due ms, seconds to send), once
+    replay has caught up and the manager's first look at the cursors has settled."""
+    base = int(now_ms()) + 2 * DAY_MS
+    spread = 6 * 3_600_000
+    seconds = send_all(server.intake, range(count),
+                       lambda i: base + i * spread // count, "far")  # fmt: skip
+    log(f"memory: sent {count:,} in {seconds:.1f} s ({count / seconds:,.0f} msg/s)")
+    server.wait_replayed()
+    time.sleep(1)
+    return base, seconds
+
+
 def bench_memory_restart(count: int, parts: set[str]) -> None:
     with tempfile.TemporaryDirectory(prefix="bench-delivery-") as data:
         server = Server(data)
         server.start()
         try:
             rss_empty = rss_mb(server.pid)
-            # Two days out, spread over 6 hours: far beyond the wheel's load window.
-            base = int(now_ms()) + 2 * DAY_MS
-            spread = 6 * 3_600_000
-            seconds = send_all(server.intake, range(count),
-                               lambda i: base + i * spread // count, "far")  # fmt: skip
-            log(f"memory: sent {count:,} in {seconds:.1f} s ({count / seconds:,.0f} msg/s)")
-            server.wait_replayed()
-            time.sleep(1)  # let the manager's first look at the cursors settle
+            base, seconds = fill_far_pending(server, count)
             rss = rss_mb(server.pid)
             load = load_average()
             if "memory" in parts:
