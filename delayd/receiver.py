@@ -77,6 +77,8 @@ class Intake:
     payloads: list[bytes] = field(default_factory=list)
     due_ms: list[int] = field(default_factory=list)
     first_sequence: int = 0
+    message_ids: list[bytes] = field(default_factory=list)  # UTF-8, of each payload
+    receive_ms: int = 0
 
     @property
     def last_sequence(self) -> int:
@@ -153,6 +155,7 @@ class Receiver:
         results: list[SendResult | None] = []
         payloads: list[bytes] = []
         dues: list[int] = []
+        ids: list[bytes] = []
         sequence = first_sequence = self._next_sequence
         for m in messages:
             refusal = None
@@ -192,11 +195,12 @@ class Receiver:
                     past_due = due_ms < now_ms
                     if past_due:
                         due_ms = now_ms  # delivered at once; the receipt says when that is
-                    refusal, record = self._encode(m, due_ms, now_ms, sequence)
+                    refusal, record, message_id = self._encode(m, due_ms, now_ms, sequence)
                     if refusal is None:
                         self.past_due_total += past_due
                         payloads.append(record)
                         dues.append(due_ms)
+                        ids.append(message_id)
                         sequence += 1
                         results.append(None)
                         continue
@@ -204,7 +208,7 @@ class Receiver:
             results.append(refusal)
         self._next_sequence = sequence
         self.accepted_total += len(payloads)
-        return Intake(results, payloads, dues, first_sequence)
+        return Intake(results, payloads, dues, first_sequence, ids, now_ms)
 
     def _too_long(self, due_ms: int, now_ms: int) -> str:
         return (
@@ -235,20 +239,25 @@ class Receiver:
 
     def _encode(
         self, m: Message, due_ms: int, now_ms: int, sequence: int
-    ) -> tuple[SendResult | None, bytes]:
-        """The message_log payload of ``m``, or the refusal of its properties or size."""
+    ) -> tuple[SendResult | None, bytes, bytes]:
+        """The message_log payload of ``m`` and its id's bytes, or the refusal of its
+        properties or size."""
         limits = self.limits
         if m.properties:
             try:
                 properties = message_log.encode_properties(m.properties)
             except ValueError as exc:
-                return SendResult(ResultCode.PROPERTIES_TOO_LARGE, str(exc)), b""
+                return SendResult(ResultCode.PROPERTIES_TOO_LARGE, str(exc)), b"", b""
             if len(properties) > limits.max_properties_bytes:
-                return SendResult(
-                    ResultCode.PROPERTIES_TOO_LARGE,
-                    f"properties take {len(properties):,} bytes encoded, more than "
-                    f"max_properties_bytes ({limits.max_properties_bytes:,})",
-                ), b""
+                return (
+                    SendResult(
+                        ResultCode.PROPERTIES_TOO_LARGE,
+                        f"properties take {len(properties):,} bytes encoded, more than "
+                        f"max_properties_bytes ({limits.max_properties_bytes:,})",
+                    ),
+                    b"",
+                    b"",
+                )
         else:
             properties = b""
         message_id = m.message_id.encode()
@@ -263,16 +272,20 @@ class Receiver:
             len(body),
         )
         if size > limits.max_record_bytes:
-            return SendResult(
-                ResultCode.BODY_TOO_LARGE,
-                f"the message takes {size:,} bytes as a record (id, subject, key, "
-                f"properties and body), more than max_record_bytes "
-                f"({limits.max_record_bytes:,})",
-            ), b""
+            return (
+                SendResult(
+                    ResultCode.BODY_TOO_LARGE,
+                    f"the message takes {size:,} bytes as a record (id, subject, key, "
+                    f"properties and body), more than max_record_bytes "
+                    f"({limits.max_record_bytes:,})",
+                ),
+                b"",
+                b"",
+            )
         record = message_log.encode_message(
             due_ms, sequence, now_ms, message_id, subject, key, properties, body
         )
-        return None, record
+        return None, record, message_id
 
     def acknowledge(self, intake: Intake) -> list[SendResult]:
         """The SEND_BATCH answer for ``intake`` once its payloads are durable.

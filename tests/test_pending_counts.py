@@ -30,7 +30,7 @@ DISPATCHED, DEAD, CANCELLED, COMPLETE = (
 
 def schedule(counts: PendingCounts, bucket_ms: int, n: int, first_offset: int = 0) -> None:
     for i in range(n):
-        counts.on_scheduled(bucket_ms, first_offset + 100 * i, bucket_ms + 1)
+        counts.on_scheduled(bucket_ms, [first_offset + 100 * i], [bucket_ms + 1])
 
 
 def test_bands_by_bucket_start_and_later_as_the_rest():
@@ -136,7 +136,7 @@ async def test_tracker_counts_the_logs_at_start_then_follows_hook_and_dispatch_l
     assert tracker.counts.bands(NOW) == {"1m": 1, "10m": 3, "1h": 0, "1d": 0, "later": 0}
     assert tracker.counts.oldest_pending_bucket() == c
     a_size = os.path.getsize(f"{layout.schedule_log_dir(data)}/{bucket_name(a)}")
-    tracker.on_scheduled(a, a_size, a + 7)  # as the replayer's hook would
+    tracker.on_scheduled(a, [a_size], [a + 7])  # as the replayer's hook would
     dispatch.record(c, EntryKind.DISPATCHED, c_offsets[1:], NOW, b"local")
     dispatch.flush()
     await tracker.refresh()

@@ -44,10 +44,15 @@ class World:
             self.log,
             segment_scale=self.scale,
             fs=self.fs,
-            on_scheduled=lambda *call: self.calls.append(call),
+            on_scheduled=self.record_calls,
             **self.options,
         )
         self.sequence = self.replayer.recovery.next_sequence - 1
+
+    def record_calls(self, bucket: int, offsets: list[int], dues: list[int]) -> None:
+        """The hook: one (bucket, offset, due_ms) per record it was told about."""
+        assert offsets == sorted(offsets) and len(offsets) == len(dues)
+        self.calls.extend((bucket, offset, due) for offset, due in zip(offsets, dues, strict=True))
 
     def append(self, dues: list[int], flush: bool = True, offer: bool = False) -> list[int]:
         """message_log records due at ``dues``, numbered on; returns their offsets.
@@ -291,8 +296,8 @@ async def test_run_loop_replays_on_notify_and_checkpoints_on_its_interval(tmp_pa
     replayer = world.replayer
     scheduled = trio.Event()
 
-    def hook(bucket, offset, due):
-        world.calls.append((bucket, offset, due))
+    def hook(bucket, offsets, dues):
+        world.record_calls(bucket, offsets, dues)
         if len(world.calls) == 100:
             scheduled.set()
 

@@ -23,6 +23,7 @@ import math
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import TypeVar
 
 import trio
@@ -38,8 +39,9 @@ from storage.fs import FileSystem
 from storage.scan import Record
 from storage.segmented_log import SegmentedLog
 
-OnScheduled = Callable[[int, int, int], object]
-"""``on_scheduled(bucket_start_ms, offset_in_bucket, due_ms)``, once per appended record."""
+OnScheduled = Callable[[int, list[int], list[int]], object]
+"""``on_scheduled(bucket_start_ms, offsets_in_bucket, dues_ms)``: records just appended
+to the bucket, in order, with their due times; once per bucket per append."""
 
 TombstoneRecord = tuple[int, int, bytes]  # (message_log offset, record type, payload)
 OnTombstones = Callable[["Replayer", list[TombstoneRecord]], Awaitable[object]]
@@ -49,12 +51,27 @@ BeforeCheckpoint = Callable[[], Awaitable[object]]
 T = TypeVar("T")
 
 
+_Entry = tuple[int, int, bytes, int, int, bytes, int]
+"""A message_log record on its way to schedule_log: (offset, record type, payload,
+next offset, and for a MESSAGE its due_ms, message id bytes and receive_ms — what intake
+already knew when it offered the record, or what one unpack of the head gives)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Group:
+    """One bucket's records in a replay step, in message_log order."""
+
+    payloads: list[bytes] = field(default_factory=list)  # schedule payloads
+    dues: list[int] = field(default_factory=list)  # for the hook
+    ids: list[bytes] = field(default_factory=list)  # for the id index
+    receive_ms: list[int] = field(default_factory=list)  # dates the id index entries
+
+
 @dataclass(frozen=True, slots=True)
 class _Step:
     """Records read from message_log for one replay step, not appended yet."""
 
-    groups: dict[int, list[bytes]]  # bucket start ms -> schedule payloads, in order
-    dues: dict[int, list[int]]  # bucket start ms -> due_ms of each (for the hook)
+    groups: dict[int, _Group]  # by bucket start ms
     position: int  # message_log offset after the last record
     last_sequence: int
     count: int
@@ -67,10 +84,24 @@ DEFAULT_CHECKPOINT_INTERVAL_S = 1.0  # a checkpoint costs an fsync per touched b
 
 
 _RECEIVE_AT = schedule_log.PREFIX_SIZE + 8 + 8  # receive_ms: after due_ms and sequence
+_ID_AT = message_log.HEAD_SIZE
 
 
 def _receive_ms(scheduled_payload: bytes) -> int:
     return message_log.DUE_MS.unpack_from(scheduled_payload, _RECEIVE_AT)[0]
+
+
+def _entries(records: Iterable[Record]) -> Iterator[_Entry]:
+    """Records read back from message_log as entries (one unpack of a MESSAGE's head)."""
+    unpack_head = message_log.HEAD.unpack_from
+    message_type = message_log.TYPE_MESSAGE
+    for offset, rtype, payload, next_offset in records:
+        if rtype != message_type:  # a tombstone
+            yield offset, rtype, payload, next_offset, 0, b"", 0
+            continue
+        due_ms, _, receive_ms, _, id_len, *_ = unpack_head(payload)
+        message_id = payload[_ID_AT : _ID_AT + id_len]
+        yield offset, rtype, payload, next_offset, due_ms, message_id, receive_ms
 
 
 class Replayer:
@@ -121,8 +152,8 @@ class Replayer:
         self._replayed_sequence = checkpoint.next_sequence - 1
         self._head_sequence = recovery.next_sequence - 1
         self.max_tail_bytes = max_tail_bytes
-        self._tail: deque[tuple[int, bytes, int]] = deque()  # (offset, payload, type)
-        self._carry: Record | None = None  # read by a step that ended before it
+        self._tail: deque[_Entry] = deque()
+        self._carry: _Entry | None = None  # read by a step that ended before it
         self._tail_bytes = 0
         self.tail_overflows = 0  # times the offered tail was dropped for its size
         self.replayed_from_tail = 0  # records replayed from memory, not read back
@@ -206,32 +237,28 @@ class Replayer:
         width = bucket_width_ms(self.segment_scale)
         # The codecs, inlined for the once-per-record path: message_log.due_ms_of is
         # the unpack at offset 0, schedule_log.encode_scheduled the prefix + payload.
-        unpack_due = message_log.DUE_MS.unpack_from
         pack_prefix = schedule_log.PREFIX.pack
         message_type = message_log.TYPE_MESSAGE
-        with_dues = self.on_scheduled is not None
-        groups: dict[int, list[bytes]] = {}
-        dues: dict[int, list[int]] = {}  # filled only for a hook
+        groups: dict[int, _Group] = {}
         position = self._position
         count = 0
         last_payload = b""
-        for record in self._records(position, target):
-            offset, rtype, payload, next_offset = record
+        for entry in self._records(position, target):
+            offset, rtype, payload, next_offset, due_ms, message_id, receive_ms = entry
             if rtype != message_type:
                 message_log.check_type(rtype, self.log.directory, offset)
                 if count:  # messages first: the tombstones are the next step
-                    self._carry = record
+                    self._carry = entry
                     break
-                return self._collect_tombstones(record, target, limit)
-            (due_ms,) = unpack_due(payload)
+                return self._collect_tombstones(entry, target, limit)
             start = due_ms - due_ms % width  # bucket_of, inlined
             group = groups.get(start)
             if group is None:
-                group = groups[start] = []
-                dues[start] = []
-            group.append(pack_prefix(offset) + payload)
-            if with_dues:
-                dues[start].append(due_ms)
+                group = groups[start] = _Group()
+            group.payloads.append(pack_prefix(offset) + payload)
+            group.dues.append(due_ms)
+            group.ids.append(message_id)
+            group.receive_ms.append(receive_ms)
             position = next_offset
             last_payload = payload
             count += 1
@@ -239,98 +266,129 @@ class Replayer:
                 break
         if not count:
             return None
-        return _Step(groups, dues, position, message_log.sequence_of(last_payload), count)
+        return _Step(groups, position, message_log.sequence_of(last_payload), count)
 
-    def _collect_tombstones(self, first: Record, target: int, limit: float) -> _Step:
+    def _collect_tombstones(self, first: _Entry, target: int, limit: float) -> _Step:
         """``first`` and the tombstones right after it, up to the next message."""
-        tombstones = [(first.offset, first.type, first.payload)]
-        position = first.next_offset
+        tombstones = [(first[0], first[1], first[2])]
+        position = first[3]
         message_type = message_log.TYPE_MESSAGE
         if len(tombstones) < limit:
-            for record in self._records(position, target):
-                if record.type == message_type:
-                    self._carry = record
+            for entry in self._records(position, target):
+                offset, rtype, payload, next_offset = entry[:4]
+                if rtype == message_type:
+                    self._carry = entry
                     break
-                message_log.check_type(record.type, self.log.directory, record.offset)
-                tombstones.append((record.offset, record.type, record.payload))
-                position = record.next_offset
+                message_log.check_type(rtype, self.log.directory, offset)
+                tombstones.append((offset, rtype, payload))
+                position = next_offset
                 if len(tombstones) >= limit:
                     break
-        return _Step({}, {}, position, self._replayed_sequence, len(tombstones), tombstones)
+        return _Step({}, position, self._replayed_sequence, len(tombstones), tombstones)
 
-    def offer(self, offsets: list[int], payloads: list[bytes]) -> None:
-        """Intake just appended ``payloads`` to message_log at ``offsets`` (every append,
-        in order): keep them so that replay need not read back and re-check what it has
-        in memory (as RocketMQ's reput reads the commitlog's mapped tail). Bounded by
-        ``max_tail_bytes``; past it the tail is dropped and replay reads message_log."""
-        self.offer_typed(offsets, payloads, message_log.TYPE_MESSAGE)
+    def offer(
+        self,
+        offsets: list[int],
+        payloads: list[bytes],
+        known: tuple[list[int], list[bytes], int] | None = None,
+    ) -> None:
+        """Intake just appended MESSAGE ``payloads`` to message_log at ``offsets`` (every
+        append, in order): keep them so that replay need not read back and re-check what
+        it has in memory (as RocketMQ's reput reads the commitlog's mapped tail). Bounded
+        by ``max_tail_bytes``; past it the tail is dropped and replay reads message_log.
+
+        ``known``: (due_ms of each, message id bytes of each, the batch's receive_ms),
+        which intake had at hand — replay then need not unpack them again."""
+        if not self._room_for(payloads):
+            return
+        if known is None:
+            # The next offset of a tail entry is never read (_from_tail works it out).
+            records = map(Record, offsets, repeat(message_log.TYPE_MESSAGE), payloads, offsets)
+            self._tail.extend(_entries(records))
+            return
+        dues, ids, receive_ms = known
+        message_type = message_log.TYPE_MESSAGE
+        self._tail.extend(
+            [
+                (offset, message_type, payload, 0, due_ms, message_id, receive_ms)
+                for offset, payload, due_ms, message_id in zip(
+                    offsets, payloads, dues, ids, strict=True
+                )
+            ]
+        )
 
     def offer_typed(self, offsets: list[int], payloads: list[bytes], rtype: int) -> None:
         """``offer`` for records of type ``rtype`` (tombstones)."""
+        if self._room_for(payloads):
+            entries = zip(offsets, repeat(rtype), payloads, repeat(0), repeat(0), repeat(b""))
+            self._tail.extend((*entry, 0) for entry in entries)
+
+    def _room_for(self, payloads: list[bytes]) -> bool:
         size = sum(map(len, payloads))
         if self._tail_bytes + size > self.max_tail_bytes:
             self._tail.clear()
             self._tail_bytes = 0
             self.tail_overflows += 1
-            return
-        self._tail.extend(zip(offsets, payloads, [rtype] * len(payloads), strict=True))
+            return False
         self._tail_bytes += size
+        return True
 
-    def _records(self, position: int, target: int) -> Iterator[Record]:
+    def _records(self, position: int, target: int) -> Iterator[_Entry]:
         """The records from ``position`` up to ``target``: from the offered tail when
         it starts exactly there, else from message_log."""
         carry, self._carry = self._carry, None
-        if carry is not None and carry.offset == position:
+        if carry is not None and carry[0] == position:
             return self._with_carry(carry, target)
         tail = self._tail
         while tail and tail[0][0] < position:
-            self._tail_bytes -= len(tail.popleft()[1])
+            self._tail_bytes -= len(tail.popleft()[2])
         if tail and tail[0][0] == position:
             return self._from_tail(position, target)
-        return self.log.iter_from(position, target)
+        return _entries(self.log.iter_from(position, target))
 
-    def _with_carry(self, carry: Record, target: int) -> Iterator[Record]:
+    def _with_carry(self, carry: _Entry, target: int) -> Iterator[_Entry]:
         yield carry
-        yield from self._records(carry.next_offset, target)
+        yield from self._records(carry[3], target)
 
-    def _from_tail(self, position: int, target: int) -> Iterator[Record]:
+    def _from_tail(self, position: int, target: int) -> Iterator[_Entry]:
         # Only while each offered record starts where the previous one ended: an
         # END_OF_SEGMENT marker between two (a segment roll), or records that were never
         # offered, end the run, and the next step reads message_log from there.
         tail = self._tail
-        while tail and tail[0][0] == position:
-            offset, payload, rtype = tail[0]
-            end = offset + HEADER_SIZE + len(payload)
-            if end > target:
-                return
-            tail.popleft()
-            self._tail_bytes -= len(payload)
-            self.replayed_from_tail += 1
-            yield Record(offset, rtype, payload, end)
-            position = end
+        popleft = tail.popleft
+        taken = 0
+        try:
+            while tail:
+                offset, rtype, payload, _, due_ms, message_id, receive_ms = tail[0]
+                if offset != position:
+                    return
+                end = offset + HEADER_SIZE + len(payload)
+                if end > target:
+                    return
+                popleft()
+                self._tail_bytes -= len(payload)
+                taken += 1
+                yield offset, rtype, payload, end, due_ms, message_id, receive_ms
+                position = end
+        finally:
+            self.replayed_from_tail += taken
 
-    def _append(self, groups: dict[int, list[bytes]]) -> dict[int, list[int]]:
+    def _append(self, groups: dict[int, _Group]) -> dict[int, list[int]]:
         """Append each group to its bucket file; the offsets, by bucket. Touches only
         the bucket files, so ``run`` may call it in a worker thread."""
-        append = self.buckets.append_batch
-        return {start: append(start, p, schedule_log.TYPE_SCHEDULED) for start, p in groups.items()}
+        append, rtype = self.buckets.append_batch, schedule_log.TYPE_SCHEDULED
+        return {start: append(start, group.payloads, rtype) for start, group in groups.items()}
 
     def _finish(self, step: _Step, offsets: dict[int, list[int]]) -> None:
         index = self.index
         if index is not None:
             for start, bucket_offsets in offsets.items():
-                payloads = step.groups[start]
-                index.put_batch(
-                    [scheduled_id(p) for p in payloads],
-                    start,
-                    bucket_offsets,
-                    [_receive_ms(p) for p in payloads],
-                )
+                group = step.groups[start]
+                index.put_batch(group.ids, start, bucket_offsets, group.receive_ms)
         hook = self.on_scheduled
         if hook is not None:
             for start, bucket_offsets in offsets.items():
-                for offset, due_ms in zip(bucket_offsets, step.dues[start], strict=True):
-                    hook(start, offset, due_ms)
+                hook(start, bucket_offsets, step.groups[start].dues)
         self._position = step.position
         self._replayed_sequence = step.last_sequence
         self._head_sequence = max(self._head_sequence, step.last_sequence)
@@ -351,7 +409,7 @@ class Replayer:
         if self.index is not None:
             self.index.put(scheduled_id(payload), start, offset, _receive_ms(payload))
         if self.on_scheduled is not None:
-            self.on_scheduled(start, offset, due_ms)
+            self.on_scheduled(start, [offset], [due_ms])
         return start, offset
 
     def checkpoint(self) -> bool:

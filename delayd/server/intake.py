@@ -76,7 +76,8 @@ class IntakePath:
         )
         if intake.payloads:
             offsets = self.log.append_batch(intake.payloads, TYPE_MESSAGE)
-            self.replayer.offer(offsets, intake.payloads)
+            known = (intake.due_ms, intake.message_ids, intake.receive_ms)
+            self.replayer.offer(offsets, intake.payloads, known)
             self.pending_acks += len(intake.payloads)
         return intake
 

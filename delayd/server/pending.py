@@ -110,15 +110,14 @@ class PendingCounts:
 
     # ------------------------------------------------------------------ updates
 
-    def on_scheduled(self, bucket_ms: int, offset: int, due_ms: int) -> None:
-        """The replayer appended a record to the bucket (its on_scheduled hook). Called
-        once per record on the replay path, so it does as little as it can."""
+    def on_scheduled(self, bucket_ms: int, offsets: list[int], dues: list[int]) -> None:
+        """The replayer appended records to the bucket (its on_scheduled hook)."""
         counts = self._buckets.get(bucket_ms)
         if counts is None:
             # A bucket without a file at start: everything in it is new.
             counts = self._buckets[bucket_ms] = BucketCounts(0, 0, False)
-        counts.new_records += 1
-        self.total += 1
+        counts.new_records += len(offsets)
+        self.total += len(offsets)
         if bucket_ms not in self._live:
             self._live[bucket_ms] = counts
 

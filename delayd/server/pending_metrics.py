@@ -9,7 +9,7 @@ Three sources feed PendingCounts:
   entry) settles it without touching schedule_log; otherwise its SCHEDULED records
   below base are counted with the store's frame scanner. The cost is proportional to
   what is not yet delivered, read once; it logs progress when it takes long.
-* **The replayer's hook**: one call per record appended (``on_scheduled``).
+* **The replayer's hook**: one call per bucket per append (``on_scheduled``).
 * **dispatch_log, incrementally**: every REFRESH_INTERVAL_S a worker thread reads the
   entries appended since the last pass to the bucket files of the live buckets due
   soon (the ones the wheel loads and the sender records into), plus a few later ones
@@ -56,9 +56,9 @@ def chained(first: OnScheduled | None, second: OnScheduled) -> OnScheduled:
     if first is None:
         return second
 
-    def both(bucket_ms: int, offset: int, due_ms: int) -> None:
-        first(bucket_ms, offset, due_ms)
-        second(bucket_ms, offset, due_ms)
+    def both(bucket_ms: int, offsets: list[int], dues: list[int]) -> None:
+        first(bucket_ms, offsets, dues)
+        second(bucket_ms, offsets, dues)
 
     return both
 

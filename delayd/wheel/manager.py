@@ -153,17 +153,24 @@ class WheelManager:
 
     # ------------------------------------------------------------------ the hook
 
-    def on_scheduled(self, bucket_ms: int, offset: int, due_ms: int) -> None:
-        """The replayer's hook (called under its append lock, right after the append):
-        canAdd, or leave the record to the loader and wake it when its bucket is
-        already within the load window."""
-        if offset == 0 and bucket_ms not in self._known:
+    def on_scheduled(self, bucket_ms: int, offsets: list[int], dues: list[int]) -> None:
+        """The replayer's hook (called under its append lock, right after the append of
+        records at ``offsets``, due at ``dues``, to the bucket): canAdd each, or leave
+        it to the loader and wake that when the bucket is already in the load window."""
+        if offsets[0] == 0 and bucket_ms not in self._known:
             self._known.add(bucket_ms)  # its first record: the file is new
-        if self.cursors.can_add(bucket_ms, offset):
-            self._add(bucket_ms, offset, due_ms)
-            self.entries_added += 1
-        elif bucket_ms <= self.ticker.now_ms() + self.load_ahead_ms:
-            self._wake.set()
+        cursors = self.cursors
+        if bucket_ms > cursors.loading.bucket_ms:  # canAdd says no to all (the usual case)
+            if bucket_ms <= self.ticker.now_ms() + self.load_ahead_ms:
+                self._wake.set()
+            return
+        can_add = cursors.can_add
+        for offset, due_ms in zip(offsets, dues, strict=True):
+            if can_add(bucket_ms, offset):
+                self._add(bucket_ms, offset, due_ms)
+                self.entries_added += 1
+            elif bucket_ms <= self.ticker.now_ms() + self.load_ahead_ms:
+                self._wake.set()
 
     def _add(self, bucket_ms: int, offset: int, due_ms: int) -> None:
         self.ticker.add(due_ms, self._id_for(bucket_ms), offset)
