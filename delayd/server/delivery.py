@@ -70,7 +70,7 @@ class Delivery:
         self.fs = fs
         schedule_dir = layout.schedule_log_dir(data_dir)
         wheel = TimingWheel(wall_clock_ms(), tick_ms=config.wheel_tick_ms, slots=config.wheel_slots)
-        self.ticker = Ticker(wheel)
+        self.ticker = Ticker(wheel, precise=True)  # trio's real clock: see precise.py
         self.dispatch = DispatchFiles(layout.dispatch_log_dir(data_dir), fs=fs)
         self.dispatch_lock = trio.Lock()
         # One reader each: the manager reads in worker threads, so does the sender.

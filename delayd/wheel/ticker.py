@@ -10,8 +10,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import trio
+import trio.testing
 
+from delayd.wheel.precise import PreciseTimer
 from delayd.wheel.timer import DueEntries, TimingWheel
+
+PRECISE_SAFETY_S = 0.002  # trio's own deadline behind the timerfd, should it fail to fire
 
 OnDue = Callable[[DueEntries, int], Awaitable[object]]
 """``await on_due(entries, now_ms)``: hand released entries over (e.g. to the sender's
@@ -40,12 +44,18 @@ class Ticker:
     ``origin_ms + floor(trio.current_time() * 1000)``, where ``origin_ms`` is the epoch
     ms at trio time 0 (the server measures it once at start). Add and remove through
     the ticker while it runs, so that it learns about earlier entries.
+
+    ``precise``: sleep on a timerfd (precise.py) instead of trio's deadline, which
+    wakes up to 1 ms late (the server sets it; ignored under trio's MockClock, whose
+    time is not real). trio's deadline stays as a safety net, 2 ms after.
     """
 
-    def __init__(self, wheel: TimingWheel, *, origin_ms: int = 0) -> None:
+    def __init__(self, wheel: TimingWheel, *, origin_ms: int = 0, precise: bool = False) -> None:
         self.wheel = wheel
         self.origin_ms = origin_ms
-        self._wake = trio.Event()
+        self.precise = precise
+        self._sleep: trio.CancelScope | None = None  # the ticker's sleep, while it sleeps
+        self._added_earlier = False
         self._sleeping_until_ms: float | None = None
         self._timer_wakeups = 0
         self._add_wakeups = 0
@@ -76,7 +86,9 @@ class Ticker:
         sleeps towards. Raises as TimingWheel.add."""
         self.wheel.add(due_ms, bucket, offset)
         if self._sleeping_until_ms is not None and due_ms < self._sleeping_until_ms:
-            self._wake.set()
+            self._added_earlier = True
+            if self._sleep is not None:
+                self._sleep.cancel()
 
     def remove(self, due_ms: int, bucket: int, offset: int) -> bool:
         """``TimingWheel.remove``. The ticker may still wake at the removed entry's due
@@ -93,7 +105,17 @@ class Ticker:
     ) -> None:
         """Run until cancelled. Exceptions from ``on_due`` propagate (the entries it was
         given are then not retried here: the sender owns them once handed over)."""
+        # A MockClock (tests) is not real time: a timer in real time cannot serve it.
+        real_clock = not isinstance(trio.lowlevel.current_clock(), trio.testing.MockClock)
+        timer = PreciseTimer.open() if self.precise and real_clock else None
         task_status.started()
+        try:
+            await self._run(on_due, timer)
+        finally:
+            if timer is not None:
+                timer.close()
+
+    async def _run(self, on_due: OnDue, timer: PreciseTimer | None) -> None:
         while True:
             now_ms = self.now_ms()
             due = self.wheel.expire(now_ms)
@@ -105,17 +127,23 @@ class Ticker:
                 await trio.lowlevel.checkpoint()
                 continue
             next_ms = self.wheel.next_due_ms()
-            self._wake = trio.Event()
+            self._added_earlier = False
             if next_ms is None:
                 self._sleeping_until_ms = math.inf
                 deadline = math.inf
             else:
                 self._sleeping_until_ms = next_ms
                 deadline = self.deadline(next_ms)
-            with trio.move_on_at(deadline) as sleep:
-                await self._wake.wait()
+            with trio.CancelScope(deadline=deadline) as self._sleep:
+                left_s = deadline - trio.current_time()
+                if timer is not None and 0 < left_s < math.inf:
+                    self._sleep.deadline = deadline + PRECISE_SAFETY_S
+                    await timer.sleep(left_s)
+                else:
+                    await trio.sleep_forever()
+            self._sleep = None
             self._sleeping_until_ms = None
-            if sleep.cancelled_caught:
-                self._timer_wakeups += 1
-            else:
+            if self._added_earlier:
                 self._add_wakeups += 1
+            else:
+                self._timer_wakeups += 1
