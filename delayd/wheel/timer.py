@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import sys
 from array import array
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -94,6 +94,14 @@ class _Slot:
             self.ordered = False
         due.append(due_ms)
         self.ref.append(ref)
+
+    def extend(self, due: array, ref: array) -> None:
+        """Append parallel columns whose due times are in order (a run of a sorted round)."""
+        mine = self.due
+        if self.ordered and mine and due and due[0] < mine[-1]:
+            self.ordered = False
+        mine += due
+        self.ref += ref
 
     def pending(self) -> int:
         return len(self.due) - self.pos
@@ -446,17 +454,27 @@ class TimingWheel:
         """Move one overflow round's entries into the (empty) wheel, each into its slot.
 
         As Kafka's TimingWheel re-inserting an expired overflow bucket: the one place an
-        entry is touched twice. The ordered set is built once at the end.
+        entry is touched twice. The round is put in due order first (stable: ties keep
+        their insertion order), so each slot's entries are one run of it, moved as two
+        array slices found by bisection: the cost is O(log n) per slot in use plus the
+        copies in C, not a Python step per entry. The ordered set is built once at the end.
         """
+        if not round_slot.ordered:
+            round_slot.sort()
         slots, base, tick_ms = self._slots, self._base, self._tick_ms
+        due, ref = round_slot.due, round_slot.ref
         created = []
-        for due_ms, ref in zip(round_slot.due, round_slot.ref, strict=True):
-            index = due_ms // tick_ms - base
+        start, end = round_slot.pos, len(due)
+        while start < end:
+            tick = due[start] // tick_ms
+            stop = bisect_left(due, (tick + 1) * tick_ms, start, end)
+            index = tick - base
             slot = slots[index]
             if slot is None:
                 slot = slots[index] = _Slot()
                 created.append(index)
-            slot.append(due_ms, ref)
+            slot.extend(due[start:stop], ref[start:stop])
+            start = stop
         self._busy.update(created)
 
     # ------------------------------------------------------------------ metrics
