@@ -39,7 +39,18 @@ from delayd.broker.record import encode_record, stamp_records
 from delayd.broker.routing import QueueSelector, key_hash
 from delayd.broker.store import BrokerStore, QueueKey, id_index_key, key_index_key
 from delayd.errors import RejectedError
-from delayd.protocol.codec import MAX_STR_BYTES, decode_message, new_send_result
+from delayd.protocol.codec import (
+    I64,
+    MAX_STR_BYTES,
+    MSG_AT_MS,
+    MSG_DELAY_MS,
+    MSG_DISPATCHED_MS,
+    MSG_DUE_MS,
+    MSG_HEAD,
+    MSG_KEY,
+    decode_message,
+    new_send_result,
+)
 from delayd.protocol.codes import ErrorCode, ResultCode
 from delayd.protocol.events import EncodedMessages, Message, SendResult, validate_subject
 from storage.fs import REAL_FS, FileSystem
@@ -51,6 +62,7 @@ REFUSE_DELAYED = "this is the broker; send delayed messages (at_ms/delay_ms) to 
 
 
 MAX_CACHED_SUBJECTS = 10_000  # subjects known valid, to skip the regex per message
+_DELAY_BITS = MSG_AT_MS | MSG_DELAY_MS  # the broker refuses delayed messages
 
 
 def wall_ms() -> int:
@@ -98,6 +110,7 @@ class Broker:
         # Subjects already validated -> their number of queues (skips the regex and the
         # config lookup per message).
         self._valid_subjects: dict[str, int] = {}
+        self._subject_names: dict[bytes, str] = {}  # UTF-8 -> str, for encoded heads
         self.refused = 0
         # (group, subject) -> queue -> [owner consumer_id, next offset to hand out]
         self._cursors: dict[GroupKey, dict[int, list]] = {}
@@ -229,9 +242,19 @@ class Broker:
         await self.store.wait_durable()
         return results
 
+    async def send_encoded(self, encoded: EncodedMessages) -> list[SendResult]:
+        """:meth:`send_batch` of messages given only in their wire encoding (the embedded
+        delay server's sender builds them from its schedule_log records): no Message is
+        built on the way to the commitlog. ``encoded`` must be well-formed
+        (EncodedMessages promises it). Raises as send_batch."""
+        await self.store.make_room()
+        results = self.append_batch(None, self.clock(), encoded)
+        await self.store.wait_durable()
+        return results
+
     def append_batch(
         self,
-        messages: Sequence[Message],
+        messages: Sequence[Message] | None,
         now_ms: int,
         encoded: EncodedMessages | None = None,
     ) -> list[SendResult]:
@@ -243,15 +266,44 @@ class Broker:
         ``encoded``, when given, holds the messages as they arrived (``SendBatch.encoded``,
         one span each): their records are then those bytes with the broker's integers
         stamped in, instead of the Messages encoded again — the same bytes, 0.3 µs per
-        message instead of 1.3. Raises ValueError when it does not hold one span per
-        message.
+        message instead of 1.3. ``messages`` may then be None: what the checks need is
+        read from the encoded heads, and a Message is decoded only to explain a refusal.
+        Raises ValueError when ``encoded`` does not hold one span per message.
         """
-        if encoded is not None and len(encoded) != len(messages):
-            raise ValueError(f"{len(encoded)} encoded spans for {len(messages)} messages")
+        if messages is None:
+            if encoded is None:
+                raise ValueError("give the messages, their encoding, or both")
+            heads = self._encoded_heads(encoded)
+            data, bounds = encoded.data, encoded.bounds
+
+            def message_at(i: int) -> Message:
+                return decode_message(data, bounds[i], bounds[i + 1])
+
+        else:
+            if encoded is not None and len(encoded) != len(messages):
+                raise ValueError(f"{len(encoded)} encoded spans for {len(messages)} messages")
+            max_body = self.config.max_body_bytes
+            heads = [
+                (
+                    m.message_id.encode() if m.message_id else b"",
+                    m.subject,
+                    m.key,
+                    # The common message passes these cheap checks; anything else gets
+                    # the full explanation from _refusal.
+                    bool(m.message_id)
+                    and m.at_ms is None
+                    and m.delay_ms is None
+                    and len(m.body) <= max_body
+                    and not m.properties,
+                    m.due_ms,
+                )
+                for m in messages
+            ]
+            message_at = messages.__getitem__
         store, window, config = self.store, self.window, self.config
         window.expire(now_ms)
         store_ms = max(now_ms, store.last_store_ms)
-        results: list[SendResult | None] = [None] * len(messages)  # by message index
+        results: list[SendResult | None] = [None] * len(heads)  # by message index
         # Per stored message, in order (columns, not a tuple each): its index in the
         # batch, (subject, queue), queue, queue offset, id and id fingerprint.
         indices: list[int] = []
@@ -265,27 +317,16 @@ class Broker:
         copies: list[tuple[int, int]] = []  # (message index, message index of first copy)
         first_of: dict[bytes, int] = {}  # message id -> message index of its first copy
         valid_subjects = self._valid_subjects
-        max_body = config.max_body_bytes
         next_offset = store.next_queue_offset
         turns = self.selector.turns
         try:
             # (an empty or missing id is refused below, as EMPTY_ID)
-            all_ids = [m.message_id.encode() if m.message_id else b"" for m in messages]
+            all_ids = [head[0] for head in heads]
             fps, found = window.find_batch(all_ids)
-            for i, m in enumerate(messages):
-                subject, key = m.subject, m.key
+            for i, (id_bytes, subject, key, plain, _) in enumerate(heads):
                 queues = valid_subjects.get(subject)
-                # The common message passes these cheap checks; anything else gets the
-                # full explanation from _refusal.
-                if (
-                    queues is None
-                    or not m.message_id
-                    or m.at_ms is not None
-                    or m.delay_ms is not None
-                    or len(m.body) > max_body
-                    or m.properties
-                ):
-                    code, reason = self._refusal(m)
+                if queues is None or not plain:
+                    code, reason = self._refusal(message_at(i))
                     if code is not None:
                         self.refused += 1
                         results[i] = new_send_result(code, reason)
@@ -293,7 +334,6 @@ class Broker:
                     queues = config.queues_for(subject)
                     if len(valid_subjects) < MAX_CACHED_SUBJECTS:
                         valid_subjects[subject] = queues
-                id_bytes = all_ids[i]
                 earlier = first_of.get(id_bytes)
                 if earlier is not None:
                     copies.append((i, earlier))
@@ -329,6 +369,7 @@ class Broker:
                 stored_fps.append(fps[i])
             if ids:
                 if encoded is None:
+                    assert messages is not None
                     payloads = [
                         encode_record(messages[i], store_ms, queue, queue_offset)
                         for i, queue, queue_offset in zip(
@@ -358,7 +399,7 @@ class Broker:
                 indices, queues_of, queue_offsets, offsets, strict=True
             ):
                 results[i] = new_send_result(
-                    ok, "", store_ms, offset, queue, queue_offset, messages[i].due_ms
+                    ok, "", store_ms, offset, queue, queue_offset, heads[i][4]
                 )
         for slot, earlier in copies:
             first = results[earlier]
@@ -374,6 +415,38 @@ class Broker:
                 due_ms=first.due_ms,
             )
         return results  # type: ignore[return-value]
+
+    def _encoded_heads(
+        self, encoded: EncodedMessages
+    ) -> list[tuple[bytes, str, str | None, bool, int | None]]:
+        """Per encoded message: (id bytes, subject, key, passes the cheap checks,
+        due_ms), read from its head (docs/protocol.md, Message) without decoding it."""
+        data, bounds = encoded.data, encoded.bounds
+        unpack_head, unpack_i64 = MSG_HEAD.unpack_from, I64.unpack_from
+        names = self._subject_names
+        max_body = self.config.max_body_bytes
+        out = []
+        for i in range(len(bounds) - 1):
+            start, end = bounds[i], bounds[i + 1]
+            mask, id_len, subject_len, key_len, count, body_len = unpack_head(data, start)
+            at = start + MSG_HEAD.size
+            message_id = data[at : at + id_len]
+            at += id_len
+            raw_subject = data[at : at + subject_len]
+            subject = names.get(raw_subject)
+            if subject is None:
+                subject = raw_subject.decode()
+                if len(names) < MAX_CACHED_SUBJECTS:
+                    names[raw_subject] = subject
+            at += subject_len
+            key = data[at : at + key_len].decode() if mask & MSG_KEY else None
+            # due_ms and dispatched_ms are the last two integers of the wire order.
+            due_ms = None
+            if mask & MSG_DUE_MS:
+                due_ms = unpack_i64(data, end - (16 if mask & MSG_DISPATCHED_MS else 8))[0]
+            plain = id_len > 0 and not mask & _DELAY_BITS and not count and body_len <= max_body
+            out.append((message_id, subject, key, plain, due_ms))
+        return out
 
     def _refusal(self, m: Message) -> tuple[ResultCode | None, str]:
         config = self.config
@@ -550,21 +623,46 @@ class Broker:
     ) -> EncodedMessages:
         """:meth:`pull`, with the messages as the wire carries them (what PullResult's
         ``encoded`` takes): the stored bytes, never decoded."""
+        deadline = trio.current_time() + min(wait_ms, self.config.max_wait_ms) / 1000
+        while True:
+            encoded, queues = self._pull_now(subject, group, consumer_id, max_messages, connection)
+            if encoded is not None or trio.current_time() >= deadline:
+                return encoded or EncodedMessages.join([])
+            keys: list[Hashable] = [(subject, q) for q in queues]
+            keys.append(("group", group, subject))
+            await self.hub.wait(keys, deadline)
+
+    def pull_ready(
+        self,
+        subject: str,
+        group: str,
+        consumer_id: str,
+        max_messages: int,
+        connection: Hashable = None,
+    ) -> EncodedMessages | None:
+        """The PULL answered at once, synchronously: its messages when there are some,
+        None when it would wait (then call :meth:`pull_encoded`, which looks again). The
+        TCP server answers most PULLs of a busy subject this way, without a task and
+        the scheduling step it costs. Raises as pull_encoded."""
+        return self._pull_now(subject, group, consumer_id, max_messages, connection)[0]
+
+    def _pull_now(
+        self,
+        subject: str,
+        group: str,
+        consumer_id: str,
+        max_messages: int,
+        connection: Hashable,
+    ) -> tuple[EncodedMessages | None, Sequence[int]]:
         _check_subject(subject)
         if max_messages <= 0:
             raise RejectedError(ErrorCode.INVALID_REQUEST, "max_messages must be at least 1")
         max_messages = min(max_messages, self.config.max_pull_messages)
-        deadline = trio.current_time() + min(wait_ms, self.config.max_wait_ms) / 1000
-        while True:
-            queues = self.groups.touch(group, subject, consumer_id, connection, self.monotonic_ms())
-            if queues is None:
-                raise RejectedError(ErrorCode.INVALID_REQUEST, "join the group first")
-            parts = self._take(group, subject, consumer_id, queues, max_messages)
-            if parts or trio.current_time() >= deadline:
-                return EncodedMessages.join(parts)
-            keys: list[Hashable] = [(subject, q) for q in queues]
-            keys.append(("group", group, subject))
-            await self.hub.wait(keys, deadline)
+        queues = self.groups.touch(group, subject, consumer_id, connection, self.monotonic_ms())
+        if queues is None:
+            raise RejectedError(ErrorCode.INVALID_REQUEST, "join the group first")
+        parts = self._take(group, subject, consumer_id, queues, max_messages)
+        return (EncodedMessages.join(parts) if parts else None), queues
 
     def _take(
         self, group: str, subject: str, consumer_id: str, queues: Sequence[int], limit: int

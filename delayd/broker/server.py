@@ -6,8 +6,9 @@ client that stops reading slows only itself). Cheap requests are answered inline
 SEND_BATCH appends inline — pipelined batches keep their order — and leaves its answer
 to the connection's acker task, which waits for durability once for every batch
 appended so far and then answers them in order: batches in flight share group-commit
-fsyncs without a task each. PULL runs in a request task because it may be held (long
-polling); answers may leave in any order (docs/protocol.md, rule 4). At most
+fsyncs without a task each. A PULL that finds messages is answered inline as well; one
+that has to wait runs in a request task, because it may be held (long polling); answers
+may leave in any order (docs/protocol.md, rule 4). At most
 MAX_IN_FLIGHT requests (held PULLs, unacknowledged SEND_BATCHes) per connection.
 
 Bad input never crashes the broker: a protocol violation gets the closing ERROR the
@@ -182,7 +183,14 @@ class BrokerConnection:
                 self._unacked.append(SendBatchResult(results, request_id=rid))
                 self._appended.set()
             elif isinstance(event, Pull):
-                await self._spawn(requests, self._pull, event)
+                # Messages waiting: answered here, a scheduling step sooner than a task.
+                encoded = broker.pull_ready(
+                    event.subject, event.group, event.consumer_id, event.max_messages, self
+                )
+                if encoded is not None:
+                    await self._answer(PullResult(encoded=encoded, request_id=rid))
+                else:
+                    await self._spawn(requests, self._pull, event)
             elif isinstance(event, CommitOffset):
                 broker.commit(event.group, event.subject, event.queue, event.offset)
                 await self._answer(CommitOffsetOk(request_id=rid))
