@@ -258,3 +258,71 @@ async def test_key_affinity_keeps_a_key_on_one_group(tmp_path, clock, scale):
     assert sorted(received_ids([a, b])) == sorted(ids)
     assert {len(a.received), len(b.received)} == {0, len(ids)}
     pipeline.close()
+
+
+async def test_a_half_open_group_waits_for_its_probe_and_logs_the_transitions(
+    tmp_path, clock, caplog
+):
+    # One group, max_batch 2: after its circuit opened, the probe takes two messages
+    # and the group loop, with more queued, waits for the probe's answer — on an event,
+    # not polling the breaker every millisecond while the probe hangs.
+    target = RecordingTarget("a", unavailable=True)
+    config = SenderConfig(
+        max_batch=2, failure_threshold=1, open_ms=1000, retry=RetryPolicy(base_ms=10)
+    )
+    pipeline = Pipeline(str(tmp_path), [target], sender=config)
+    first = pipeline.schedule([T0 + 100])
+    group = pipeline.delivery.sender._groups["a"]
+    allowed = []
+    allow = group.breaker.allow
+    group.breaker.allow = lambda now_ms: allowed.append(now_ms) or allow(now_ms)
+    caplog.set_level("INFO", logger="delayd.sender.sender")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pipeline.run)
+        await trio.sleep_until(0.5)  # the first send failed: open until ~T0 + 1100
+        assert target.calls == 1 and int(group.breaker.state(pipeline.now_ms())) == 2
+        target.unavailable = False
+        target.hang = trio.Event()
+        rest = pipeline.schedule([T0 + 600] * 5)
+        await trio.sleep_until(1.3)  # half-open since ~1.1 s: the probe is out, hanging
+        assert target.calls == 2 and group.breaker.probe_in_flight
+        calls_before = len(allowed)
+        await trio.sleep_until(3.3)  # two seconds of a hanging probe
+        assert len(allowed) - calls_before <= 1
+        target.hang.set()
+        target.hang = None
+        await trio.sleep_until(3.5)
+        await pipeline.stop()
+        nursery.cancel_scope.cancel()
+    counts = Counter(received_ids([target]))
+    assert set(counts) == set(first + rest) and max(counts.values()) == 1
+    assert int(group.breaker.state(pipeline.now_ms())) == 0
+    messages = [r.getMessage() for r in caplog.records]
+    opened = [m for m in messages if "circuit open" in m]
+    assert opened and "broker group a" in opened[0] and "a is down (test)" in opened[0]
+    assert any("broker group a: circuit half-open" in m for m in messages)
+    assert any("broker group a: circuit closed: the probe batch succeeded" in m for m in messages)
+    levels = {r.levelname for r in caplog.records if "circuit open" in r.getMessage()}
+    assert levels == {"WARNING"}
+    pipeline.close()
+
+
+async def test_a_failed_probe_reopens_the_circuit_and_says_so(tmp_path, clock, caplog):
+    target = RecordingTarget("a", unavailable=True)
+    config = SenderConfig(failure_threshold=2, open_ms=200, retry=RetryPolicy(base_ms=10))
+    pipeline = Pipeline(str(tmp_path), [target], sender=config)
+    ids = pipeline.schedule([T0 + 100, T0 + 100, T0 + 101])
+    caplog.set_level("INFO", logger="delayd.sender.sender")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pipeline.run)
+        await trio.sleep_until(0.7)  # opened, probe failed at least once
+        target.unavailable = False
+        await trio.sleep_until(3)
+        await pipeline.stop()
+        nursery.cancel_scope.cancel()
+    assert sorted(received_ids([target])) == sorted(ids)
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("failed in a row" in m for m in messages)  # closed -> open
+    assert any("circuit open" in m and "the probe batch failed" in m for m in messages)
+    assert any("circuit closed" in m for m in messages)
+    pipeline.close()

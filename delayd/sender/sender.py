@@ -45,6 +45,7 @@ import random
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 
 import trio
 
@@ -53,13 +54,15 @@ from delayd.logs.dispatch_log import EntryKind, check_group_name
 from delayd.logs.message_log import MessageRecord
 from delayd.logs.schedule_log import decode_scheduled
 from delayd.logs.schedule_reader import ScheduleReader
-from delayd.protocol import Message
+from delayd.protocol import EncodedMessages, Message
+from delayd.protocol.codec import encode_message
 from delayd.protocol.codes import ResultCode
 from delayd.sender.circuit import CircuitBreaker, CircuitState
 from delayd.sender.histogram import Histogram
 from delayd.sender.retry import RetryPolicy, dead_letter_subject
 from delayd.sender.routing import GroupWeight, Router
 from delayd.sender.targets import SendTarget, TargetUnavailable
+from delayd.sender.wire import TAIL, TEXT_AT, ScheduledHead, read_head
 from delayd.wheel.manager import WheelManager
 from delayd.wheel.timer import OFFSET_BITS, DueEntries
 
@@ -104,27 +107,45 @@ class Withdrawal(enum.Enum):
 
 
 class _Item:
-    """One message between the wheel and dispatch_log."""
+    """One message between the wheel and dispatch_log: its schedule_log payload and what
+    routing and sending read of it (the full record is decoded only when needed)."""
 
     __slots__ = (
+        "_record",
         "attempts",
         "bucket_id",
         "bucket_ms",
         "dead",
+        "due_ms",
+        "key",
         "maybe_sent",
+        "message_id",
         "offset",
+        "payload",
         "reason",
-        "record",
         "sending",
+        "subject",
         "watchers",
+        "wire_head",
         "withdrawn",
     )
 
-    def __init__(self, bucket_id: int, bucket_ms: int, offset: int, record: MessageRecord):
+    def __init__(self, bucket_id: int, bucket_ms: int, offset: int, payload: bytes):
+        """Raises RecordFormatError when ``payload`` is not a SCHEDULED payload."""
         self.bucket_id = bucket_id
         self.bucket_ms = bucket_ms
         self.offset = offset
-        self.record = record
+        self.payload = payload
+        head = read_head(payload)
+        if head is None:  # malformed: the full decode raises and says why
+            record = decode_scheduled(payload).message
+            head = ScheduledHead(record.due_ms, record.message_id, record.subject, record.key, None)
+        self._record: MessageRecord | None = None
+        self.due_ms = head.due_ms
+        self.message_id = head.message_id
+        self.subject = head.subject
+        self.key = head.key
+        self.wire_head = head.wire_head  # None: encode it from a Message
         self.attempts = 0
         self.dead = False
         self.reason = ""
@@ -136,6 +157,13 @@ class _Item:
     @property
     def ref(self) -> int:
         return self.bucket_id << OFFSET_BITS | self.offset
+
+    @property
+    def record(self) -> MessageRecord:
+        """The decoded message_log record (decoded on first use)."""
+        if self._record is None:
+            self._record = decode_scheduled(self.payload).message
+        return self._record
 
     def message(self, dispatched_ms: int) -> Message:
         r = self.record
@@ -185,8 +213,11 @@ class _Group:
             open_ms=config.open_ms,
             max_open_ms=config.max_open_ms,
         )
+        # The embedded broker takes batches in their wire encoding: no Messages built.
+        self.send_encoded = getattr(target, "send_encoded", None)
         self.queue: deque[_Item] = deque()
         self.ready = trio.Event()
+        self.answered = trio.Event()  # set whenever a batch's outcome is recorded
         self.slots = trio.Semaphore(config.batches_in_flight)
         self.stats = GroupStatistics(self.name, CircuitState.CLOSED, 0)
 
@@ -311,26 +342,36 @@ class Sender:
         items = []
         for bucket_id, bucket_ms, offsets in plan:
             payloads = self.reader.read_payloads(bucket_ms, offsets)
-            for offset, payload in zip(offsets, payloads, strict=True):
-                record = decode_scheduled(payload).message
-                items.append(_Item(bucket_id, bucket_ms, offset, record))
+            items += map(_Item, repeat(bucket_id), repeat(bucket_ms), offsets, payloads)
         return items
 
-    def _usable(self, name: str) -> bool:
-        group = self._groups[name]
-        breaker = group.breaker
-        state = breaker.state(self.clock())
-        if state is CircuitState.OPEN or (
-            state is CircuitState.HALF_OPEN and breaker.probe_in_flight
-        ):
-            return False
-        return len(group.queue) < self.config.group_queue_limit
+    def _usable_now(self) -> Callable[[str], bool]:
+        """``usable(name)`` for the routing of one batch: each breaker's state is read
+        once (it changes only when the loop runs other tasks), the queue's length every
+        time (it grows as the batch is routed)."""
+        now_ms = self.clock()
+        limit = self.config.group_queue_limit
+        queues = {}
+        for name, group in self._groups.items():
+            breaker = group.breaker
+            state = breaker.state(now_ms)
+            if not (
+                state is CircuitState.OPEN
+                or (state is CircuitState.HALF_OPEN and breaker.probe_in_flight)
+            ):
+                queues[name] = group.queue
+
+        def usable(name: str) -> bool:
+            queue = queues.get(name)
+            return queue is not None and len(queue) < limit
+
+        return usable
 
     def _route(self, items: list[_Item], failed_group: str | None, *, wake: bool = True) -> None:
         """Queue each item on a usable group (not ``failed_group`` when another one is
         usable); items with none wait in the parked list, looked at again by the retry
         loop every PARKED_RETRY_S (``wake``: tell it there are some)."""
-        choose, usable = self._router.choose, self._usable
+        choose, usable = self._router.choose, self._usable_now()
         exclude = () if failed_group is None else (failed_group,)
         touched = set()
         for item in items:
@@ -340,8 +381,7 @@ class Sender:
             # it is sent again after a restart (sent, but not yet in dispatch_log) it goes
             # to the same group, whose broker drops it as a duplicate: dedupe is per
             # broker, and another group would store it a second time.
-            record = item.record
-            route_key = record.message_id if record.key is None else record.key
+            route_key = item.message_id if item.key is None else item.key
             name = choose(route_key, usable, exclude)
             if name is None and exclude:
                 name = choose(route_key, usable)
@@ -366,16 +406,27 @@ class Sender:
                 await group.ready.wait()
                 continue
             await group.slots.acquire()
-            if not group.queue or not group.breaker.allow(self.clock()):
+            breaker = group.breaker
+            was = breaker.state(self.clock())
+            if not group.queue or not breaker.allow(self.clock()):
                 group.slots.release()
-                if group.queue and group.breaker.state(self.clock()) is CircuitState.OPEN:
+                if group.queue and breaker.state(self.clock()) is CircuitState.OPEN:
                     # Opened while these waited: send them elsewhere, no attempt spent.
                     moved = list(group.queue)
                     group.queue.clear()
                     self._route(moved, group.name)
-                else:
-                    await trio.sleep(0.001)  # the probe is out; its answer decides
+                elif group.queue:
+                    # Half-open with the probe out: its answer decides (closed: send
+                    # these; open again: move them elsewhere).
+                    group.answered = trio.Event()
+                    await group.answered.wait()
                 continue
+            if was is CircuitState.HALF_OPEN:
+                log.info(
+                    "broker group %s: circuit half-open after %d ms open; sending one probe batch",
+                    group.name,
+                    breaker.open_ms,
+                )
             queue, batch = group.queue, []
             while queue and len(batch) < max_batch:
                 item = queue.popleft()
@@ -390,22 +441,24 @@ class Sender:
     async def _send(self, group: _Group, batch: list[_Item]) -> None:
         now_ms = self.clock()
         ok = False
+        failure = "the send was cancelled or failed"
         try:
-            messages = [item.message(now_ms) for item in batch]
-            results = await group.target.send_batch(messages)
+            if group.send_encoded is not None:
+                results = await group.send_encoded(self._encode(batch, now_ms))
+            else:
+                messages = [item.message(now_ms) for item in batch]
+                results = await group.target.send_batch(messages)
             ok = True
         except TargetUnavailable as exc:
+            failure = str(exc)
             group.stats.failed += len(batch)
             for item in batch:
                 item.sending = False
                 item.maybe_sent = True  # unanswered: the broker may have stored it
-            self._retry(batch, group, str(exc))
+            self._retry(batch, group, failure)
             return
         finally:
-            if ok:
-                group.breaker.record_success(self.clock())
-            else:
-                group.breaker.record_failure(self.clock())
+            self._record_outcome(group, ok, failure)
             group.slots.release()
         self.batch_sizes.observe_many((len(batch),))
         # Acknowledged items (and refused ones a watcher withdraws) stay ``sending``
@@ -431,6 +484,52 @@ class Sender:
             group.stats.failed += len(refused)
             self._retry(refused, group, refused[0].reason)
 
+    @staticmethod
+    def _encode(batch: list[_Item], dispatched_ms: int) -> EncodedMessages:
+        """The batch in the wire encoding, as ``encode_message`` of each item's Message
+        would give it, mostly copied from the schedule_log payloads (wire.py)."""
+        out = bytearray()
+        bounds = [0]
+        tail = TAIL.pack
+        for item in batch:
+            head = item.wire_head
+            if head is None or item.dead:
+                out += encode_message(item.message(dispatched_ms))
+            else:
+                out += head
+                out += memoryview(item.payload)[TEXT_AT:]
+                out += tail(item.due_ms, dispatched_ms)
+            bounds.append(len(out))
+        return EncodedMessages(bytes(out), tuple(bounds))
+
+    def _record_outcome(self, group: _Group, ok: bool, failure: str) -> None:
+        """Tell the group's breaker how a batch went, log the circuit's transitions, and
+        wake a group loop waiting for a probe's answer."""
+        breaker = group.breaker
+        now_ms = self.clock()
+        was_open = breaker.state(now_ms) is not CircuitState.CLOSED
+        probe = breaker.probe_in_flight
+        opened = breaker.opened_total
+        if ok:
+            breaker.record_success(now_ms)
+            if was_open:
+                what = "the probe batch" if probe else "a batch"
+                log.info("broker group %s: circuit closed: %s succeeded", group.name, what)
+        else:
+            breaker.record_failure(now_ms)
+            if breaker.opened_total != opened:
+                if probe:
+                    why = f"the probe batch failed: {failure}"
+                else:
+                    why = f"{breaker.consecutive_failures} batches failed in a row, last: {failure}"
+                log.warning(
+                    "broker group %s: circuit open for %d ms: %s",
+                    group.name,
+                    breaker.open_ms,
+                    why,
+                )
+        group.answered.set()
+
     async def _record(self, group: _Group, items: list[_Item], at_ms: int) -> None:
         by_bucket: dict[tuple[int, int, EntryKind], list[int]] = {}
         dead = 0
@@ -453,7 +552,7 @@ class Sender:
         self._recorded.set()
         for (_, bucket_id, _), offsets in by_bucket.items():
             self.manager.on_recorded(bucket_id, len(offsets))
-        self.lateness_s.observe_many((at_ms - item.record.due_ms) / 1000 for item in items)
+        self.lateness_s.observe_many((at_ms - item.due_ms) / 1000 for item in items)
         group.stats.sent += len(items) - dead
         group.stats.dead_lettered += dead
         self._in_flight -= len(items)
@@ -551,10 +650,10 @@ class Sender:
                 item.reason = item.reason or reason
                 log.warning(
                     "message %s: %d attempts failed (%s); sending it to %s",
-                    item.record.message_id,
+                    item.message_id,
                     item.attempts,
                     item.reason,
-                    dead_letter_subject(item.record.subject),
+                    dead_letter_subject(item.subject),
                 )
             attempts = max(attempts, item.attempts)
         ready_ms = self.clock() + policy.delay_ms(attempts, self._rng)

@@ -28,6 +28,7 @@ from delayd.protocol import (
     NEED_DATA,
     Connection,
     ConnectionClosed,
+    EncodedMessages,
     Error,
     ErrorCode,
     Hello,
@@ -76,9 +77,10 @@ class SendTarget(Protocol):
 class EmbeddedTarget:
     """The broker running in this process (``delayd serve`` without broker groups).
 
-    Calls Broker.send_batch directly: no socket, no encoding. It raises what that raises
-    — a StorageError means the broker's commitlog failed and the process cannot go on,
-    which is not a group being unavailable. The broker belongs to whoever opened it;
+    Calls Broker.send_batch (or, from the sender, Broker.send_encoded) directly: no
+    socket, no decoding. It raises what that raises — a StorageError means the broker's
+    commitlog failed and the process cannot go on, which is not a group being
+    unavailable. The broker belongs to whoever opened it;
     ``aclose`` leaves it open.
     """
 
@@ -93,6 +95,13 @@ class EmbeddedTarget:
         if not messages:
             return []
         return await self.broker.send_batch(messages)
+
+    async def send_encoded(self, encoded: EncodedMessages) -> list[SendResult]:
+        """send_batch of messages in their wire encoding (the sender's fast path: no
+        Message is built on either side; Broker.send_encoded)."""
+        if not len(encoded):
+            return []
+        return await self.broker.send_encoded(encoded)
 
     async def aclose(self) -> None:
         await trio.lowlevel.checkpoint()
