@@ -12,7 +12,10 @@ the user wants a message and none is prefetched, or ahead of time when fewer tha
 a PULL's worth (``max_messages``) is left. The PULL runs in its own task so that a
 ``receive`` that times out or is cancelled does not throw its answer away: the broker
 has already moved its delivered cursor past those messages, so they would otherwise not
-come again until the queue is reassigned.
+come again until the queue is reassigned. Commits due when a PULL starts go out in a
+task of their own at the same time, so a consumer whose prefetch ran dry does not wait
+a commit round trip before it pulls (that made it slower than the blocking consumer,
+which writes them with the PULL).
 """
 
 from __future__ import annotations
@@ -90,6 +93,7 @@ class AsyncConsumer:
         self._join_lock = anyio.Lock()
         self._joins = 0  # JOINs done so far
         self._pulling = False
+        self._committing = False  # a _commit_in_background task is running
         self._prefetch_low = max_messages // 2  # pull ahead below this many buffered
         self._arrived = anyio.Event()
         self._pull_error: DelaydError | None = None
@@ -141,10 +145,8 @@ class AsyncConsumer:
                 raise error
             with anyio.move_on_at(deadline):
                 # Nothing prefetched: the offsets processed so far go to the broker now,
-                # before this consumer possibly waits a long time.
-                await self._flush_commits()
-                if self._state.buffered or self._pull_error is not None:
-                    continue  # a PULL answered while the commits were under way
+                # before this consumer possibly waits a long time — alongside the PULL
+                # (_pull_once), not as a round trip before it.
                 if not self._pulling:
                     self._start_pull()
                 await self._arrived.wait()
@@ -171,6 +173,17 @@ class AsyncConsumer:
                 f"commit to {self.addr} took over {self.timeout_s} s "
                 f"({self._session.describe_problem()})"
             )
+
+    async def _commit_in_background(self) -> None:
+        """_flush_commits as a task of its own, next to a PULL (one at a time)."""
+        self._committing = True
+        try:
+            await self._flush_commits()
+        except DelaydError as exc:  # e.g. a refused commit: receive() raises it
+            if self._pull_error is None:
+                self._pull_error = exc
+        finally:
+            self._committing = False
 
     async def _flush_commits(self, *, retry: bool = False) -> None:
         """Send the due COMMIT_OFFSETs; with ``retry``, until they are confirmed.
@@ -239,6 +252,8 @@ class AsyncConsumer:
         except DelaydError as exc:  # JOIN refused, or not the protocol: not retried
             self._pull_error = exc
             return
+        if self._state.commits_due() and not self._committing:
+            self._task_group.start_soon(self._commit_in_background)
         try:
             with anyio.move_on_after(self.pull_wait_ms / 1000 + self.timeout_s) as scope:
                 result = await link.request(
