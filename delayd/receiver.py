@@ -30,8 +30,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from delayd.logs import message_log
-from delayd.protocol import Message, ResultCode, SendResult, validate_subject
-from delayd.protocol.codec import new_send_result
+from delayd.protocol import EncodedMessages, Message, ResultCode, SendResult, validate_subject
+from delayd.protocol.codec import MSG_HEAD, MSG_KEY, new_send_result
 from delayd.sender.retry import DEAD_LETTER_PREFIX, MAX_DEAD_LETTERED_SUBJECT_LENGTH
 
 MS_PER_DAY = 86_400_000
@@ -141,9 +141,14 @@ class Receiver:
         *,
         pending_acks: int = 0,
         replay_lag_records: int = 0,
+        encoded: EncodedMessages | None = None,
     ) -> Intake:
         """Validate ``messages`` received at ``now_ms`` (epoch ms) and encode the
-        accepted ones as message_log payloads, numbered from the next sequence."""
+        accepted ones as message_log payloads, numbered from the next sequence.
+
+        ``encoded``: the messages as they arrived (``SendBatch.encoded``); a message
+        without properties then becomes its payload by one slice of those bytes, whose
+        id, subject, key and body are laid out as message_log lays them out."""
         busy = self.busy_reason(pending_acks=pending_acks, replay_lag_records=replay_lag_records)
         if busy is not None:
             self.refused_total[ResultCode.BUSY] += len(messages)
@@ -157,7 +162,9 @@ class Receiver:
         dues: list[int] = []
         ids: list[bytes] = []
         sequence = first_sequence = self._next_sequence
-        for m in messages:
+        wire = None if encoded is None else encoded.data
+        bounds = () if encoded is None else encoded.bounds
+        for i, m in enumerate(messages):
             refusal = None
             subject_problem = subjects.get(m.subject, "")
             if subject_problem == "":
@@ -195,7 +202,12 @@ class Receiver:
                     past_due = due_ms < now_ms
                     if past_due:
                         due_ms = now_ms  # delivered at once; the receipt says when that is
-                    refusal, record, message_id = self._encode(m, due_ms, now_ms, sequence)
+                    if wire is not None and not m.properties:
+                        refusal, record, message_id = self._encode_wire(
+                            wire, bounds[i], due_ms, now_ms, sequence
+                        )
+                    else:
+                        refusal, record, message_id = self._encode(m, due_ms, now_ms, sequence)
                     if refusal is None:
                         self.past_due_total += past_due
                         payloads.append(record)
@@ -272,20 +284,44 @@ class Receiver:
             len(body),
         )
         if size > limits.max_record_bytes:
-            return (
-                SendResult(
-                    ResultCode.BODY_TOO_LARGE,
-                    f"the message takes {size:,} bytes as a record (id, subject, key, "
-                    f"properties and body), more than max_record_bytes "
-                    f"({limits.max_record_bytes:,})",
-                ),
-                b"",
-                b"",
-            )
+            return self._record_too_large(size), b"", b""
         record = message_log.encode_message(
             due_ms, sequence, now_ms, message_id, subject, key, properties, body
         )
         return None, record, message_id
+
+    def _encode_wire(
+        self, wire: bytes, start: int, due_ms: int, now_ms: int, sequence: int
+    ) -> tuple[SendResult | None, bytes, bytes]:
+        """``_encode`` of the message without properties encoded at ``wire[start:]``
+        (the decoder checked it): its id, subject, key and body are already back to
+        back there, as in a message_log payload after the head."""
+        mask, id_len, subject_len, key_len, _, body_len = MSG_HEAD.unpack_from(wire, start)
+        text_at = start + MSG_HEAD.size
+        size = message_log.HEAD_SIZE + id_len + subject_len + key_len + body_len
+        if size > self.limits.max_record_bytes:
+            return self._record_too_large(size), b"", b""
+        head = message_log.HEAD.pack(
+            due_ms,
+            sequence,
+            now_ms,
+            message_log.FLAG_KEY if mask & MSG_KEY else 0,
+            id_len,
+            subject_len,
+            key_len,
+            0,
+            body_len,
+        )
+        end = text_at + size - message_log.HEAD_SIZE
+        return None, head + wire[text_at:end], wire[text_at : text_at + id_len]
+
+    def _record_too_large(self, size: int) -> SendResult:
+        return SendResult(
+            ResultCode.BODY_TOO_LARGE,
+            f"the message takes {size:,} bytes as a record (id, subject, key, "
+            f"properties and body), more than max_record_bytes "
+            f"({self.limits.max_record_bytes:,})",
+        )
 
     def acknowledge(self, intake: Intake) -> list[SendResult]:
         """The SEND_BATCH answer for ``intake`` once its payloads are durable.

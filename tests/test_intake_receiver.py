@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 
 from delayd.logs import message_log
-from delayd.protocol import Message, ResultCode, SendResult
+from delayd.protocol import Message, ResultCode, SendBatch, SendResult
+from delayd.protocol.codec import decode_event, encode_event
+from delayd.protocol.frames import HEADER_SIZE
 from delayd.receiver import DEFAULT_MAX_DELAY_MS, Intake, IntakeLimits, Receiver
 
 NOW = 1_795_341_600_000  # 2026-11-22T10:00:00Z
@@ -64,13 +66,35 @@ TABLE = [
         None,
     ),
     (msg(key="k" * 60, properties={"k": "v" * 35}, body=b"x" * 54), ResultCode.OK, [], NOW),
+    # Without properties: 39 head + 1 id + 6 subject + 100 key + 55 body = 201 > 200
+    (msg(key="k" * 100, body=b"x" * 55), ResultCode.BODY_TOO_LARGE, ["201 bytes"], None),
+    (msg(key="k" * 100, body=b"x" * 54), ResultCode.OK, [], NOW),
+    (msg(message_id="заказ-1", key="ключ-订单", delay_ms=1), ResultCode.OK, [], NOW + 1),
+]
+# As received from a SEND_BATCH frame too, except what no frame can carry (the encoder
+# refuses a property value over 65,535 bytes before it is sent).
+CASES = [pytest.param(*row, False, id=f"{i}-messages") for i, row in enumerate(TABLE)] + [
+    pytest.param(*row, True, id=f"{i}-wire") for i, row in enumerate(TABLE) if "65535" not in row[2]
 ]
 
 
-@pytest.mark.parametrize(("message", "code", "words", "due_ms"), TABLE)
-def test_validation_table(message, code, words, due_ms):
+def as_received(messages: list[Message]) -> SendBatch:
+    """``messages`` as a server decodes them from a SEND_BATCH frame (with ``encoded``)."""
+    frame = encode_event(SendBatch(messages, request_id=5))
+    command, flags, request_id = SendBatch.command, 0, 5
+    return decode_event(command, flags, request_id, frame[HEADER_SIZE:])  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize(("message", "code", "words", "due_ms", "from_wire"), CASES)
+def test_validation_table(message, code, words, due_ms, from_wire):
+    """The same answers and records whether the receiver encodes each message or
+    slices it from the bytes it arrived in."""
     receiver = Receiver(LIMITS, next_sequence=7)
-    intake = receiver.accept([message], NOW)
+    if from_wire:
+        batch = as_received([message])
+        intake = receiver.accept(batch.messages, NOW, encoded=batch.encoded)
+    else:
+        intake = receiver.accept([message], NOW)
     (result,) = receiver.acknowledge(intake)
     assert result.code is code, result.reason
     for word in words:
@@ -86,6 +110,8 @@ def test_validation_table(message, code, words, due_ms):
             message.body,
         )
         assert (record.key, record.properties) == (message.key, message.properties)
+        assert intake.message_ids == [message.message_id.encode()]
+        assert intake.receive_ms == NOW
         assert receiver.accepted_total == 1 and not receiver.refused_total
     else:
         assert result.reason and result.due_ms is None and result.queue_offset is None

@@ -106,7 +106,7 @@ def run_once(messages: int, in_flight: int, profile: cProfile.Profile | None) ->
             server.receive_data(frame)
             batch = server.next_event()
             t1 = clock()
-            intake = receiver.accept(batch.messages, int(time.time() * 1000))
+            intake = receiver.accept(batch.messages, int(time.time() * 1000), encoded=batch.encoded)
             t2 = clock()
             offsets = log.append_batch(intake.payloads, TYPE_MESSAGE)
             known = (intake.due_ms, intake.message_ids, intake.receive_ms)

@@ -107,7 +107,13 @@ class IdIndex:
     ) -> None:
         """``put`` of ``message_ids[i]`` -> (bucket, ``offsets[i]``) at ``timestamps_ms[i]``
         for every ``i``: the same entries, with one IndexStore call for the batch."""
-        values = [pack_location(bucket_ms, offset) for offset in offsets]
+        if not offsets:
+            return
+        # pack_location's checks once for the batch, not once per offset.
+        base = pack_location(bucket_ms, 0)
+        if min(offsets) < 0 or max(offsets) > MAX_OFFSET:
+            pack_location(bucket_ms, min(offsets) if min(offsets) < 0 else max(offsets))
+        values = [base | offset for offset in offsets]
         self.store.put_batch(message_ids, values, timestamps_ms)
         self.puts += len(message_ids)
 

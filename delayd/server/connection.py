@@ -138,7 +138,7 @@ class DelayConnection:
                 await self._slots.acquire()
                 try:
                     await self.intake.make_room()
-                    intake = self.intake.append(event.messages)
+                    intake = self.intake.append(event.messages, event.encoded)
                 except BaseException:
                     self._slots.release()
                     raise

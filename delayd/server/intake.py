@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from delayd.logs import tombstone
 from delayd.logs.message_log import TYPE_MESSAGE
-from delayd.protocol import Message, SendResult
+from delayd.protocol import EncodedMessages, Message, SendResult
 from delayd.receiver import Intake, Receiver
 from delayd.replay import Replayer
 from storage.flusher import FlushMode, LogWriter
@@ -63,8 +63,9 @@ class IntakePath:
         while log.unsynced_bytes > log.max_unsynced_bytes // 2:
             await self.writer.flush()
 
-    def append(self, messages: Sequence[Message]) -> Intake:
-        """Validate and append ``messages``; call ``make_room`` just before.
+    def append(self, messages: Sequence[Message], encoded: EncodedMessages | None = None) -> Intake:
+        """Validate and append ``messages`` (``encoded``: as they arrived, which saves
+        encoding them again); call ``make_room`` just before.
 
         Raises StorageError when message_log cannot be written (the server stops).
         """
@@ -73,6 +74,7 @@ class IntakePath:
             self.clock(),
             pending_acks=self.pending_acks,
             replay_lag_records=self.replayer.lag_records,
+            encoded=encoded,
         )
         if intake.payloads:
             offsets = self.log.append_batch(intake.payloads, TYPE_MESSAGE)
