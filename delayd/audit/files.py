@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 from delayd.logs import layout
 from delayd.logs.buckets import parse_bucket_name
@@ -78,7 +79,15 @@ def list_files(data_dir: str, log: str) -> list[LogFile]:
     return files
 
 
-def pack(log_files: list[LogFile], target_bytes: int) -> list[list[LogFile]]:
+class _Sized(Protocol):
+    @property
+    def size(self) -> int: ...
+
+
+Part = TypeVar("Part", bound=_Sized)  # a LogFile, or a bucket's pair of them (pairs.py)
+
+
+def pack(log_files: list[Part], target_bytes: int) -> list[list[Part]]:
     """Group consecutive files into partitions of about ``target_bytes`` (a file is
     never split; a bigger file is a partition of its own). 0 gives one partition per
     file.
@@ -90,8 +99,8 @@ def pack(log_files: list[LogFile], target_bytes: int) -> list[list[LogFile]]:
     """
     if target_bytes <= 0:
         return [[file] for file in log_files]
-    groups: list[list[LogFile]] = []
-    current: list[LogFile] = []
+    groups: list[list[Part]] = []
+    current: list[Part] = []
     current_bytes = 0
     for file in log_files:
         if current and current_bytes + file.size > target_bytes:

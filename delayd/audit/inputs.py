@@ -1,10 +1,11 @@
 """What the audit job reads of the logs, through the data sources of sources.py.
 
 The job reads each log once, in narrow form: the columns the reconciliation needs, and
-a message id only as its hash. The few files that turn out to matter later — buckets
-holding findings, dispatch_log files with problems — are read again, alone (the
-sources' ``files`` option), for what the narrow pass left out: message ids, and the
-text of each problem.
+a message id only as its hash; schedule_log and dispatch_log together, each bucket's
+two files joined where they are read (pairs.py). The few files that turn out to matter
+later — buckets holding findings, dispatch_log files with problems — are read again,
+alone (the sources' ``files`` option), for what the narrow pass left out: message ids,
+and the text of each problem.
 """
 
 from __future__ import annotations
@@ -17,12 +18,11 @@ from pyspark.sql import functions as F
 from delayd.audit import files
 from delayd.audit.config import AuditConfig, Server
 from delayd.audit.schemas import select
-from delayd.audit.sources import SOURCES, spark_schema
+from delayd.audit.sources import SOURCES, PairedSource, spark_schema
 
-# What the one pass reads of each log. dispatch_log's problems are only counted there
-# (reconcile.joined), so their position and text are left for the reread.
-SCHEDULE_COLUMNS = ["bucket", "offset", "message_log_offset", "due_ms", "message_id", "detail"]
-DISPATCH_COLUMNS = ["bucket", "position", "kind", "offset", "at_ms"]  # position: entry order
+# What the one pass reads of message_log. schedule_log and dispatch_log are read
+# together, paired per bucket (read_paired); dispatch_log's problems are only counted
+# there, so their position and text are left for the reread.
 MESSAGE_COLUMNS = ["file", "offset", "kind", "message_id", "due_ms", "receive_ms", "detail"]
 
 
@@ -51,6 +51,17 @@ def read_log(
     if only is not None:
         reader = reader.option("files", ",".join(only))
     return reader.load(server.data_dir)
+
+
+def read_paired(spark: SparkSession, server: Server, config: AuditConfig) -> DataFrame:
+    """One server's schedule_log records paired with their dispatch_log entries
+    (``delayd.paired``: pairs.py)."""
+    return (
+        spark.read.format(PairedSource.name())
+        .option("verify", config.verify)
+        .option("partitionBytes", str(config.partition_bytes))
+        .load(server.data_dir)
+    )
 
 
 def has_message_log(config: AuditConfig) -> bool:

@@ -5,9 +5,10 @@ Output (``--out``): ``summary/`` (per bucket, per server, overall), ``discrepanc
 (one row per finding, with message ids), ``corrupt_records/`` (file, position, kind),
 all Parquet; the report (report.py) adds ``report.html`` and ``report.txt``.
 
-Each log is decoded once: schedule_log and dispatch_log meet in one join whose result
-is cached (reconcile.py says how the problem rows travel with it), message_log in one
-check whose result is cached; every table is computed from those two.
+Each log is decoded once: schedule_log and dispatch_log are joined bucket by bucket
+as they are read (pairs.py) and the result is cached (reconcile.py says how the
+problem rows travel with it), message_log in one check whose result is cached; every
+table is computed from those two.
 """
 
 from __future__ import annotations
@@ -103,23 +104,16 @@ def _join_logs(
     per server; the union of them with a ``server`` column; and its problem rows
     (reconcile.problem_rows), held on the driver."""
     per_server = [
-        reconcile.joined(
-            inputs.read_log(spark, files.SCHEDULE_LOG, server, config, inputs.SCHEDULE_COLUMNS),
-            inputs.read_log(spark, files.DISPATCH_LOG, server, config, inputs.DISPATCH_COLUMNS),
-        ).persist(LEVEL)
+        reconcile.joined(inputs.read_paired(spark, server, config)).persist(LEVEL)
         for server in config.servers
     ]
     named = [
         rows.select(F.lit(server.name).alias("server"), "*")
         for server, rows in zip(config.servers, per_server, strict=True)
     ]
-    # Fetching the problem rows is what computes (and caches) each server's rows. Every
-    # (bucket, offset) is distinct: a partial aggregation before the shuffle would only
-    # add work. (The summary's grouping, millions of records into thousands of groups,
-    # keeps it.)
-    with _spark_conf(spark, BYPASS_PARTIAL_AGGREGATION, "true"):
-        marks = [reconcile.problem_rows(rows) for rows in named]
-        tables = [frame.toArrow() for frame in marks]
+    # Fetching the problem rows is what computes (and caches) each server's rows.
+    marks = [reconcile.problem_rows(rows) for rows in named]
+    tables = [frame.toArrow() for frame in marks]
     marks_schema = marks[0].schema
     local_marks = spark.createDataFrame(pa.concat_tables(tables), schema=marks_schema)
     return reduce(DataFrame.unionByName, named), per_server, local_marks

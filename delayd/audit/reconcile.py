@@ -38,11 +38,12 @@ never in the lateness figures. Definitions (docs/audit.md has them with examples
   bucket), and before the byte where reading the bucket's schedule_log stopped, if it
   did (past it, records exist that could not be read).
 
-Each log is read once: schedule_log's problem rows travel through the join with its
-records (a torn or corrupt frame sits at a record's offset); dispatch_log's are counted
-per file in the same aggregation as its entries. A message id travels as its 64-bit
-hash; the ids themselves are read again for the few records that need them
-(inputs.py), so ten million strings are never shuffled or cached.
+Each log is read once, a bucket's two files together, joined where they are read
+(pairs.py): schedule_log's problem rows travel through the join with its records (a
+torn or corrupt frame sits at a record's offset); dispatch_log's are counted per file.
+A message id travels as its 64-bit hash; the ids themselves are read again for the
+few records that need them (inputs.py), so ten million strings are never shuffled or
+cached.
 """
 
 from __future__ import annotations
@@ -54,21 +55,11 @@ from delayd.audit.config import AuditConfig
 from delayd.audit.kinds import CORRUPT, TORN_TAIL
 from delayd.logs.dispatch_log import EntryKind
 
-
-def _name(kind: EntryKind) -> str:
-    """The ``kind`` column's name of an entry kind (decode_dispatch writes these)."""
-    return kind.name.lower()
-
-
-DISPATCHED = _name(EntryKind.DISPATCHED)
-DEAD_LETTERED = _name(EntryKind.DEAD_LETTERED)
-CANCELLED = _name(EntryKind.CANCELLED)
-COMPLETE = _name(EntryKind.COMPLETE)
-RESCHEDULED = _name(EntryKind.RESCHEDULED)
 WITHDRAWN = (EntryKind.CANCELLED.value, EntryKind.RESCHEDULED.value)  # fates: settled
 DELIVERED = (EntryKind.DISPATCHED.value, EntryKind.DEAD_LETTERED.value)  # fates
 
 # Discrepancy kinds. Every kind fails the audit except the notices.
+DEAD_LETTERED = EntryKind.DEAD_LETTERED.name.lower()  # as dispatch_log's kind column
 OVERDUE = "overdue"
 DUPLICATE_DISPATCH = "duplicate_dispatch"
 DUPLICATE_ID = "duplicate_id"
@@ -97,47 +88,29 @@ def is_record(frame: DataFrame) -> Column:
     return frame["problem"].isNull()
 
 
-def joined(schedule: DataFrame, dispatch: DataFrame) -> DataFrame:
-    """Every schedule_log row of one server (records, and problem rows at the byte
-    where they are) joined with the entries dispatch_log has for its offset; entries for
-    an offset with no schedule_log row get a row of their own. Not judged yet (judge).
-
-    One server at a time, on (bucket, offset), without a ``server`` column (the job adds
-    it): the aggregation's shuffle then already places the entries where the join needs
-    them, and a cache of the result holds no copy of the server's name per record.
-    """
-    kind = F.col("kind")
-    # The fate travels as the EntryKind value (a byte in the cache, not a string).
-    code = F.coalesce(*(F.when(kind == _name(k), F.lit(k.value)) for k in EntryKind))
-    # dispatch_log's problem rows have no offset: they add up to one row per damaged
-    # file, with a count and no text, so that this stays a hash aggregation; the job
-    # reads those few files again for the details.
-    entries = (
-        dispatch.where(~is_record(dispatch) | (kind != COMPLETE))
-        .groupBy(*IN_SERVER)
-        .agg(
-            F.count_if(kind == DISPATCHED).alias("dispatches"),
-            F.count_if(kind == DEAD_LETTERED).alias("dead_letters"),
-            F.count_if(kind.isin(CANCELLED, RESCHEDULED)).alias("withdrawals"),
-            F.min_by(code, F.when(is_record(dispatch), F.col("position")))
-            .cast("tinyint")
-            .alias("fate"),
-            F.min(F.when(kind == DISPATCHED, F.col("at_ms"))).alias("dispatched_ms"),
-            F.min("at_ms").alias("first_entry_ms"),
-            F.count_if(~is_record(dispatch)).alias("dispatch_problems"),
-        )
-    )
-    # A problem row stands where a record could not be read: entries for that offset
-    # are about that record, so they join it and are not unknown.
-    rows = schedule.select(
+def joined(paired: DataFrame) -> DataFrame:
+    """One server's ``delayd.paired`` rows (pairs.py: every schedule_log row, problem
+    rows included, with what dispatch_log says about its offset; entries for an offset
+    with no schedule_log row; a count per damaged dispatch_log file), the message id
+    replaced by its 64-bit hash ``id_hash`` (null where there is no id). Not judged yet
+    (judge); no ``server`` column (the job adds it, so that a cache of these rows holds
+    no copy of the server's name per record)."""
+    message_id = F.col("message_id")
+    return paired.select(
         *IN_SERVER,
         "message_log_offset",
         "due_ms",
-        F.xxhash64("message_id").alias("id_hash"),
-        F.col("problem").alias("schedule_problem"),
-        F.col("detail").alias("schedule_detail"),
+        F.when(message_id.isNotNull(), F.xxhash64(message_id)).alias("id_hash"),
+        "schedule_problem",
+        "schedule_detail",
+        "dispatches",
+        "dead_letters",
+        "withdrawals",
+        "fate",
+        "dispatched_ms",
+        "first_entry_ms",
+        "dispatch_problems",
     )
-    return rows.join(entries, IN_SERVER, "full_outer")
 
 
 def judge(

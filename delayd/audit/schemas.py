@@ -84,6 +84,29 @@ MESSAGE_LOG = pa.schema(
 )
 
 
+# delayd.paired (pairs.py): one row per schedule_log row of a bucket, with what that
+# bucket's dispatch_log file says about its offset; also one row per offset with
+# entries and no schedule_log row, and one per dispatch_log file with problems.
+PAIRED = pa.schema(
+    [
+        pa.field("bucket", BUCKET_TYPE),
+        pa.field("offset", pa.int64()),  # null on a dispatch_log file's problem count
+        pa.field("message_log_offset", pa.int64()),
+        pa.field("due_ms", pa.int64()),
+        pa.field("message_id", pa.string()),
+        pa.field("schedule_problem", pa.string()),
+        pa.field("schedule_detail", pa.string()),
+        pa.field("dispatches", pa.int64()),  # DISPATCHED entries
+        pa.field("dead_letters", pa.int64()),  # DEAD_LETTERED entries
+        pa.field("withdrawals", pa.int64()),  # CANCELLED and RESCHEDULED entries
+        pa.field("fate", pa.int8()),  # the first entry's EntryKind value
+        pa.field("dispatched_ms", pa.int64()),  # the first DISPATCHED entry's at_ms
+        pa.field("first_entry_ms", pa.int64()),
+        pa.field("dispatch_problems", pa.int64()),
+    ]
+)
+
+
 def select(schema: pa.Schema, columns: Sequence[str] | None) -> pa.Schema:
     """The fields of ``schema`` named in ``columns``, in that order (all when None): what
     a reader yields when Spark is given a narrower schema (``.schema(...)``), so that

@@ -3,6 +3,7 @@
     spark.read.format("delayd.schedule_log").load("/var/lib/delayd")
     spark.read.format("delayd.dispatch_log").option("server", "eu-1").load(path)
     spark.read.format("delayd.message_log").load(path)
+    spark.read.format("delayd.paired").load(path)
 
 ``path`` is a data directory (the ``--data`` of ``delayd serve``). Each file — a
 schedule_log or dispatch_log bucket, a message_log segment — is read whole by one task,
@@ -23,6 +24,11 @@ several data directories can be read into one table; ``verify`` is ``head`` (def
 or ``full`` (decode every record with the codec, properties included; slower);
 ``partitionBytes`` as above; ``files``, comma-separated file names, reads only those
 files of the log (the audit rereads the few files it found problems in).
+
+``delayd.paired`` is what the audit job reads (pairs.py): each bucket's schedule_log
+and dispatch_log files read by one task and joined there, one row per record with what
+dispatch_log says about it (schemas.PAIRED; no narrower schema). Its options: ``verify``,
+``partitionBytes`` (a bucket's two files count together), ``files`` (bucket names).
 
 The files are read with plain file I/O where the tasks run: on a cluster every
 executor must see the data directories at the same path (a shared mount), and have
@@ -45,14 +51,16 @@ from delayd.audit.decode_dispatch import dispatch_batches
 from delayd.audit.decode_messages import message_batches, schedule_batches
 from delayd.audit.files import LogFile
 from delayd.audit.kinds import HEAD, VERIFY_MODES
+from delayd.audit.pairs import BucketFiles, bucket_pairs, paired_batches
 
 FORMAT_PREFIX = "delayd."
 
 
 class FilesPartition(InputPartition):
-    """Log files read by one task, with the sizes they had when the query was planned."""
+    """Log files (or buckets' pairs of them) read by one task, with the sizes they had
+    when the query was planned."""
 
-    def __init__(self, log_files: list[LogFile]) -> None:
+    def __init__(self, log_files: list[LogFile] | list[BucketFiles]) -> None:
         super().__init__(log_files)
         self.files = log_files
 
@@ -177,12 +185,53 @@ SOURCES = {
 }
 
 
+class _PairedReader(DataSourceReader):
+    """Pairs the two logs' files by bucket on the driver; reads and joins each pair on
+    the executors."""
+
+    def __init__(self, options: _Options) -> None:
+        self.options = options
+
+    def partitions(self) -> list[InputPartition]:
+        data_dir = self.options.data_dir
+        buckets = bucket_pairs(
+            files.list_files(data_dir, files.SCHEDULE_LOG),
+            files.list_files(data_dir, files.DISPATCH_LOG),
+        )
+        if self.options.only is not None:
+            buckets = [b for b in buckets if b.name in self.options.only]
+        return [
+            FilesPartition(group) for group in files.pack(buckets, self.options.partition_bytes)
+        ]
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        # Spark runs one empty partition when there are no files.
+        yield from paired_batches(getattr(partition, "files", []), verify=self.options.verify)
+
+
+class PairedSource(DataSource):
+    """``delayd.paired``: schedule_log records with their dispatch_log entries, joined
+    per bucket where they are read (pairs.py; schemas.PAIRED)."""
+
+    @classmethod
+    def name(cls) -> str:
+        return FORMAT_PREFIX + "paired"
+
+    def schema(self) -> StructType:
+        return spark_schema(schemas.PAIRED)
+
+    def reader(self, schema: StructType) -> DataSourceReader:
+        if schema != self.schema():
+            raise ValueError(f"{self.name()}: takes no schema of its own")
+        return _PairedReader(_Options.parse(self.name(), self.options, schema.fieldNames()))
+
+
 def spark_schema(arrow_schema: pa.Schema) -> StructType:
     """The Spark schema of a source (TimestampType for the UTC bucket timestamp)."""
     return from_arrow_schema(arrow_schema, prefer_timestamp_ntz=False)
 
 
 def register(spark: SparkSession) -> None:
-    """Make the three formats available to ``spark.read.format(...)``."""
-    for source in SOURCES.values():
+    """Make the formats available to ``spark.read.format(...)``."""
+    for source in (*SOURCES.values(), PairedSource):
         spark.dataSource.register(source)
