@@ -15,6 +15,7 @@ tile the time line from the epoch.
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 
 MS_PER_MINUTE = 60_000
 MIN_SEGMENT_SCALE = 1  # minutes
@@ -57,6 +58,7 @@ def bucket_of(due_ms: int, segment_scale: int) -> int:
     return due_ms - due_ms % bucket_width_ms(segment_scale)
 
 
+@functools.lru_cache(maxsize=4096)  # the sender and the replayer name a bucket per batch
 def bucket_name(start_ms: int) -> str:
     """The file name of the bucket starting at ``start_ms``: its UTC ``yyyyMMddHHmm``.
 

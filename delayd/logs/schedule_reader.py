@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from delayd.logs import schedule_log
 from delayd.logs.buckets import bucket_name, parse_bucket_name
 from storage.fs import O_READ, REAL_FS, FileSystem
-from storage.scan import BadFrame, read_frame, scan_frames
+from storage.scan import BadFrame, read_frame, read_frames, scan_frames
 
 DEFAULT_MAX_OPEN = 64
 _NO_LIMIT = 2**62  # read_frame's limit when the caller knows the record was appended
@@ -106,14 +106,11 @@ class ScheduleReader:
         fd = self._fd(bucket_ms)
         if fd is None:
             raise FileNotFoundError(self.path(bucket_ms))
-        path, fs = self.path(bucket_ms), self.fs
-        out = []
         try:
-            for offset in offsets:
-                out.append(read_frame(fs, fd, path, 0, offset, _NO_LIMIT).payload)
+            records = read_frames(self.fs, fd, self.path(bucket_ms), 0, offsets, _NO_LIMIT)
         except BadFrame as bad:
             raise bad.corruption() from None
-        return out
+        return [record.payload for record in records]
 
     def read_untrusted(self, bucket_ms: int, offset: int) -> bytes | None:
         """The SCHEDULED payload at ``offset`` when a whole valid record starts there,
