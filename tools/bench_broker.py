@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import json
 import math
 import os
 import pstats
@@ -40,6 +39,7 @@ import time
 from pathlib import Path
 
 import anyio
+import bench_common
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -52,13 +52,7 @@ BODY = b"b" * 100
 FRAME = 100  # messages per SEND_BATCH
 
 
-def emit(metric: str, value: float, unit: str, **extra: object) -> None:
-    print(
-        json.dumps(
-            {"bench": "broker", "metric": metric, "value": round(value, 3), "unit": unit, **extra}
-        ),
-        flush=True,
-    )
+emit = bench_common.emitter("broker")
 
 
 def free_port() -> int:
@@ -283,6 +277,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smaller runs, under a minute")
     parser.add_argument("--profile", action="store_true", help="cProfile the client side")
     args = parser.parse_args()
+    bench_common.emit_host_speed(emit)
     n = 200_000 if args.quick else 1_000_000
     latency_s = 3 if args.quick else 10
     pinned = pin_client()

@@ -17,13 +17,14 @@ under a minute. The server runs on CPU 0, this client on CPU 1 (taskset).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import bench_common
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -46,9 +47,7 @@ CANCELLED = CancelOutcome.CANCELLED
 WINDOW = 512  # CANCEL requests in flight per connection
 
 
-def emit(metric: str, value: float, unit: str, **extra: object) -> None:
-    row = {"bench": "cancel", "metric": metric, "value": round(value, 3), "unit": unit}
-    print(json.dumps({**row, **extra}), flush=True)
+emit = bench_common.emitter("cancel")
 
 
 def cancel_all(addr: str, ids: list[str], *, single: bool = False) -> float:
@@ -125,6 +124,7 @@ def main() -> None:
     parser.add_argument("--pending", type=int, help="pending messages for the memory case")
     parser.add_argument("--single", action="store_true", help="one CANCEL frame per id")
     args = parser.parse_args()
+    bench_common.emit_host_speed(emit)
     parts = set(args.only.split(","))
     if hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > CLIENT_CPU:
         os.sched_setaffinity(0, {CLIENT_CPU})

@@ -33,7 +33,6 @@ the public blocking ``delayd.Producer`` (``send_batch``), the consumer the block
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import select
@@ -46,6 +45,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+import bench_common
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -83,9 +84,7 @@ def log(text: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
 
 
-def emit(metric: str, value: float, unit: str, **extra: object) -> None:
-    record = {"bench": "delivery", "metric": metric, "value": round(value, 3), "unit": unit}
-    print(json.dumps({**record, **extra}), flush=True)
+emit = bench_common.emitter("delivery")
 
 
 def now_ms() -> float:
@@ -420,6 +419,7 @@ def main() -> None:
                         help="the lateness case's consumer")  # fmt: skip
     parser.add_argument("--pending", type=int, help="messages for memory/restart")
     args = parser.parse_args()
+    bench_common.emit_host_speed(emit)
     parts = set(args.only.split(","))
     unknown = parts - {"lateness", "burst", "memory", "restart"}
     if unknown:

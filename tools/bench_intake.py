@@ -34,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import bench_common
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -61,9 +63,7 @@ READY = re.compile(r"delayd serve listening on (\S+):(\d+)")
 HOUR_MS = 3_600_000
 
 
-def emit(metric: str, value: float, unit: str, **extra: object) -> None:
-    record = {"bench": "intake", "metric": metric, "value": round(value, 3), "unit": unit}
-    print(json.dumps({**record, **extra}), flush=True)
+emit = bench_common.emitter("intake")
 
 
 def cpu_seconds(pid: int) -> float:
@@ -311,6 +311,7 @@ def main() -> None:
     if args.mode == "redis-client":
         redis_client_main(args)
         return
+    bench_common.emit_host_speed(emit)
     messages, cases, redis_messages = 2_000_000, [(1, 100_000), (4, 300_000)], 300_000
     if args.quick:
         messages, cases, redis_messages = 300_000, [(1, 30_000)], 50_000

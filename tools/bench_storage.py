@@ -10,7 +10,6 @@ Prints one JSON object per figure on stdout:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import signal
@@ -19,6 +18,7 @@ import sys
 import tempfile
 import time
 
+import bench_common
 import trio
 
 from storage.flusher import FlushMode, FlushPolicy, LogWriter
@@ -28,13 +28,7 @@ PAYLOAD = b"p" * 100
 BATCH = [PAYLOAD] * 100
 
 
-def emit(metric: str, value: float, unit: str, **extra: object) -> None:
-    print(
-        json.dumps(
-            {"bench": "storage", "metric": metric, "value": round(value, 3), "unit": unit, **extra}
-        ),
-        flush=True,
-    )
+emit = bench_common.emitter("storage")
 
 
 async def append_with_policy(
@@ -95,6 +89,7 @@ def bench_appends(root: str, records: int) -> None:
 
 WRITER = r"""
 import sys
+
 from storage.segmented_log import SegmentedLog
 directory, total, segment_size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 log = SegmentedLog.open(directory, segment_size=segment_size)
@@ -151,6 +146,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smaller cases, under a minute")
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     args = parser.parse_args()
+    bench_common.emit_host_speed(emit)
     root = tempfile.mkdtemp(prefix="bench-storage-", dir=args.dir)
     try:
         bench_appends(root, 500_000 if args.quick else 3_000_000)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import os
 import sys
@@ -37,6 +36,8 @@ import time
 import tracemalloc
 from array import array
 from pathlib import Path
+
+import bench_common
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -48,13 +49,7 @@ WINDOW_MS = 2 * 3_600_000
 BUCKETS = 120  # distinct bucket ids, as a 2 h window of 1-minute buckets
 
 
-def emit(metric: str, value: float, unit: str, **extra: object) -> None:
-    print(
-        json.dumps(
-            {"bench": "wheel", "metric": metric, "value": round(value, 3), "unit": unit, **extra}
-        ),
-        flush=True,
-    )
+emit = bench_common.emitter("wheel")
 
 
 def rss_bytes() -> int:
@@ -216,6 +211,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="1,000,000 entries")
     parser.add_argument("--entries", type=int, help="entries (default 10,000,000)")
     args = parser.parse_args()
+    bench_common.emit_host_speed(emit)
     count = args.entries or (1_000_000 if args.quick else 10_000_000)
     bench_window(count)
     bench_round(count)
