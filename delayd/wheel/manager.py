@@ -309,6 +309,7 @@ class WheelManager:
         if state.complete_up_to == end:
             cursors.advance(end)  # every record has an entry: nothing to read
             self.entries_skipped += len(state.done)
+            self._marked[bucket_ms] = end  # and its mark is there: not written again
         else:
             await self._load(bucket_ms, start, end, state.done)
         cursors.finish()
