@@ -80,6 +80,20 @@ async def sleep_until_ms(epoch_ms: int) -> None:
     await trio.sleep_until((epoch_ms - T0) / 1000)
 
 
+async def within(seconds: float, done, step=None) -> None:
+    """Wait until ``done()``, at most ``seconds`` of virtual time, awaiting ``step()``
+    (e.g. a retention pass) every virtual second. Not a fixed sleep: the autojump clock
+    moves on whenever the tasks look idle, including while a worker thread (an fsync, a
+    checkpoint) still runs — on a loaded machine the work a fixed sleep waited for may
+    not have finished when it ends."""
+    deadline = trio.current_time() + seconds
+    while not done():
+        assert trio.current_time() < deadline, f"not done within {seconds} s"
+        if step is not None:
+            await step()
+        await trio.sleep(1)
+
+
 def name_of(due_ms: int) -> str:
     return bucket_name(bucket_of(due_ms, 1))
 
@@ -114,10 +128,10 @@ async def test_delivered_buckets_and_replayed_segments_go_once_old_enough(tmp_pa
         assert pipeline.log.min_offset == before[-1]
         # Buckets: 10 minutes after their end (T0+2min, T0+3min) each goes in turn.
         await sleep_until_ms(T0 + 12 * MINUTE + 1)
-        await retention.run_pass()  # the first bucket's file is open in the replayer
-        await trio.sleep(2)  # its next checkpoint closes it and lists it no more
-        await retention.run_pass()
-        assert buckets(data) == [name_of(T0 + 2 * MINUTE), name_of(late[0])]
+        # The first pass finds the first bucket's file open in the replayer; its next
+        # checkpoint closes it and lists it no more, and a later pass deletes it.
+        kept = [name_of(T0 + 2 * MINUTE), name_of(late[0])]
+        await within(10, lambda: buckets(data) == kept, retention.run_pass)
         assert dispatch_files(data) == [name_of(T0 + 2 * MINUTE)]
         # Old enough, but the bucket the wheel loaded last: a record appended to a new
         # file of its name would be left to a loader that has moved on. It goes once
@@ -128,8 +142,7 @@ async def test_delivered_buckets_and_replayed_segments_go_once_old_enough(tmp_pa
         await retention.run_pass()
         assert buckets(data) == [name_of(T0 + 2 * MINUTE), name_of(late[0])]
         await sleep_until_ms(T0 + 29 * MINUTE)
-        await retention.run_pass()
-        await trio.sleep(2)
+        await within(10, lambda: buckets(data) == [name_of(late[0])], retention.run_pass)
         await retention.run_pass()
         assert buckets(data) == [name_of(late[0])]  # pending: kept
         assert dispatch_files(data) == []
@@ -186,13 +199,14 @@ async def test_a_bucket_that_is_not_complete_is_never_deleted(tmp_path, fast_clo
         assert received_ids([target]) == []
         # The group comes back: delivered, COMPLETE, and then deleted.
         target.unavailable = False
-        await trio.sleep(15)
+
+        def completed() -> bool:
+            entries = dispatch_entries(data).get(name_of(T0), [])
+            return bool(entries) and entries[-1].kind is EntryKind.COMPLETE
+
+        await within(60, completed)
         assert set(ids[:2]) <= set(received_ids([target]))
-        assert dispatch_entries(data)[name_of(T0)][-1].kind is EntryKind.COMPLETE
-        await retention.run_pass()
-        await trio.sleep(2)
-        await retention.run_pass()
-        assert buckets(data) == [name_of(T0 + 6 * MINUTE)]
+        await within(10, lambda: buckets(data) == [name_of(T0 + 6 * MINUTE)], retention.run_pass)
         assert name_of(T0) not in dispatch_files(data)
         await pipeline.stop()
         nursery.cancel_scope.cancel()
@@ -234,10 +248,7 @@ async def test_a_record_filed_into_a_deleted_bucket_is_delivered(tmp_path, clock
     async with trio.open_nursery() as nursery:
         await nursery.start(pipeline.run)
         await sleep_until_ms(T0 + 2 * MINUTE)
-        await retention.run_pass()
-        await trio.sleep(2)
-        await retention.run_pass()
-        assert name_of(T0) not in buckets(data)
+        await within(10, lambda: name_of(T0) not in buckets(data), retention.run_pass)
         assert retention.deleted_files["schedule_log"] == 1
         # A cancel for a message of the deleted bucket: its id is forgotten.
         canceller = pipeline.delivery.canceller
@@ -257,10 +268,7 @@ async def test_a_record_filed_into_a_deleted_bucket_is_delivered(tmp_path, clock
         assert (entries[0].kind, entries[0].offset) == (EntryKind.DISPATCHED, 0)
         # Its new bucket is marked COMPLETE and deleted in turn.
         await trio.sleep(60)
-        await retention.run_pass()
-        await trio.sleep(2)
-        await retention.run_pass()
-        assert name_of(T0) not in buckets(data)
+        await within(10, lambda: name_of(T0) not in buckets(data), retention.run_pass)
         await pipeline.stop()
         nursery.cancel_scope.cancel()
     pipeline.close()
@@ -338,9 +346,7 @@ async def test_inspect_reads_a_directory_retention_has_thinned(tmp_path, clock, 
     async with trio.open_nursery() as nursery:
         await nursery.start(pipeline.run)
         await sleep_until_ms(T0 + 2 * MINUTE)
-        await retention.run_pass()
-        await trio.sleep(2)
-        await retention.run_pass()
+        await within(10, lambda: name_of(T0) not in buckets(data), retention.run_pass)
         await pipeline.stop()
         await pipeline.delivery.stop()  # writes the wheel checkpoint
         nursery.cancel_scope.cancel()
