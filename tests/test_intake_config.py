@@ -85,6 +85,14 @@ subject_queues = { orders = 8 }
             {"message_log": {"segment_bytes": 65536}},
             ["intake.max_record_bytes", "message_log.segment_bytes"],
         ),
+        (
+            {"broker": {"max_body_bytes": 1000}},
+            ["intake.max_body_bytes (4,194,304)", "broker.max_body_bytes (1,000)", "never"],
+        ),
+        (
+            {"intake": {"max_properties_bytes": 100_000}},
+            ["intake.max_properties_bytes (100,000)", "broker.max_properties_bytes (65,536)"],
+        ),
     ],
 )
 def test_refusals_name_the_key(document, words):
@@ -94,6 +102,13 @@ def test_refusals_name_the_key(document, words):
     assert message.startswith("delayd.toml: ")
     for word in words:
         assert word in message
+
+
+def test_remote_broker_groups_are_not_held_to_the_embedded_brokers_limits():
+    # The embedded broker is not a delivery target here: its limits do not matter.
+    groups = [{"name": "eu", "addresses": ["10.0.0.1:20811"]}]
+    document = {"broker": {"max_body_bytes": 1000}, "broker_groups": groups}
+    assert config_from_mapping(document, source="t").broker.max_body_bytes == 1000
 
 
 def test_defaults():

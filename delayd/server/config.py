@@ -175,6 +175,21 @@ class ServeConfig:
         smallest = message_log.HEAD_SIZE + 2
         if self.limits.max_record_bytes < smallest:
             raise ConfigError(f"intake.max_record_bytes must be at least {smallest}")
+        if any(group.embedded for group in self.broker_groups):
+            self._check_embedded_broker_takes_what_intake_accepts()
+
+    def _check_embedded_broker_takes_what_intake_accepts(self) -> None:
+        """A message intake accepts and the embedded broker (the only group, usually)
+        refuses would be retried for ever, its dead-letter copy refused as well: never
+        delivered, its bucket never complete. Refuse such a configuration at start."""
+        for key in ("max_body_bytes", "max_properties_bytes"):
+            accepted, taken = getattr(self.limits, key), getattr(self.broker, key)
+            if accepted > taken:
+                raise ConfigError(
+                    f"intake.{key} ({accepted:,}) is more than broker.{key} ({taken:,}) of "
+                    f"the embedded broker: a message accepted between the two could never "
+                    f"be delivered; raise broker.{key} or lower intake.{key}"
+                )
 
     @property
     def replay_checkpoint_interval_s(self) -> float:
