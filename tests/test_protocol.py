@@ -306,6 +306,33 @@ def test_stamp_messages_is_stamp_message_of_each(batch, store_ms, data):
     ]
 
 
+def test_stamp_messages_of_a_delay_servers_deliveries():
+    # Only due_ms and dispatched_ms set (or one of them), with and without a key: the
+    # broker's inlined path for what the delay server's sender sends.
+    batch = tuple(
+        Message(f"id-{i}", "orders", key, {}, b"body" * i, due_ms=due, dispatched_ms=sent)
+        for i, (key, due, sent) in enumerate(
+            [(None, 5, 7), ("k", -1, 2**62), (None, 5, None), ("", None, 9), ("k", 1, 2)]
+        )
+    )
+    (decoded,) = decode_all([encode_event(p.SendBatch(batch, request_id=1))])
+    spans = decoded.encoded
+    indices = list(range(len(batch)))
+    queues, offsets = [3] * len(batch), [10 + i for i in indices]
+    stamped = p.codec.stamp_messages(spans.data, spans.bounds, indices, 99, queues, offsets)
+    for i, record in enumerate(stamped):
+        stored = p.codec.decode_message(record)
+        assert (stored.store_ms, stored.queue, stored.queue_offset) == (99, 3, 10 + i)
+        assert (stored.due_ms, stored.dispatched_ms, stored.key) == (
+            batch[i].due_ms,
+            batch[i].dispatched_ms,
+            batch[i].key,
+        )
+        assert record == p.codec.stamp_message(
+            spans.data, spans.bounds[i], spans.bounds[i + 1], 99, 3, 10 + i
+        )
+
+
 # --- message bytes: what the broker stores and delivers without re-encoding -----------
 
 

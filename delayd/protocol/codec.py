@@ -325,11 +325,21 @@ def stamp_messages(
         start = bounds[i]
         end = bounds[i + 1]
         mask = data[start] | data[start + 1] << 8
-        if mask & MSG_INT_BITS:
-            append(stamp_message(data, start, end, store_ms, queue, queue_offset))
-        else:  # a plain message: the integers go at the very end
+        if not mask & MSG_INT_BITS:  # a plain message: the integers go at the very end
             stamp = pack(store_ms, queue, queue_offset)
             append(join((_MASK_BYTES[mask | _STAMP_BITS], data[start + 2 : end], stamp)))
+        elif mask & _STAMP_KEEPS == mask:
+            # Only due_ms and dispatched_ms (a delay server's delivery): they stay last,
+            # the stamp goes before them — stamp_message's work without the call.
+            tail = end - _INT_LAYOUTS[(mask & MSG_INT_BITS) >> 1].size
+            stamp = pack(store_ms, queue, queue_offset)
+            append(
+                join(
+                    (_MASK_BYTES[mask | _STAMP_BITS], data[start + 2 : tail], stamp, data[tail:end])
+                )
+            )
+        else:
+            append(stamp_message(data, start, end, store_ms, queue, queue_offset))
     return out
 
 
