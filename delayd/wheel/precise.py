@@ -17,7 +17,6 @@ MockClock do not.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import ctypes.util
 import os
@@ -65,8 +64,13 @@ class PreciseTimer:
 
     async def sleep(self, seconds: float) -> None:
         """Sleep ``seconds`` (> 0). Cancellable like any trio sleep; raises OSError if
-        the kernel refuses to arm the timer."""
-        self._clear()
+        the kernel refuses to arm the timer.
+
+        The expiration is never read: arming the timer resets its count of unread
+        expirations (``timerfd_setup`` sets ``ticks = 0`` in the kernel; the tests check
+        it), so an earlier sleep that fired, or was cancelled after it fired, cannot
+        make this one readable early. That saves a read — and, before a sleep, an
+        exception from reading an empty timer — on every wake-up of the ticker."""
         nanoseconds = max(1, int(seconds * 1e9))  # 0 would disarm the timer
         value = self._spec.it_value
         value.tv_sec, value.tv_nsec = divmod(nanoseconds, 1_000_000_000)
@@ -74,12 +78,6 @@ class PreciseTimer:
             errno = ctypes.get_errno()
             raise OSError(errno, f"timerfd_settime: {os.strerror(errno)}")
         await trio.lowlevel.wait_readable(self.fd)
-        self._clear()
-
-    def _clear(self) -> None:
-        """Consume an expiration that was not read (the sleep was cancelled after it)."""
-        with contextlib.suppress(BlockingIOError):
-            os.read(self.fd, 8)
 
     def close(self) -> None:
         trio.lowlevel.notify_closing(self.fd)
