@@ -123,7 +123,12 @@ def test_served_retention_deletes_delivers_and_restarts(procs, tmp_path):
         30,
         "old buckets deleted",
     )
-    assert not {delivered_bucket, undelivered_bucket} & set(names(dispatch_dir))
+    # dispatch_log's files go second (after schedule_log's unlink is durable).
+    poll(
+        lambda: not {delivered_bucket, undelivered_bucket} & set(names(dispatch_dir)),
+        30,
+        "their dispatch_log files deleted",
+    )
     poll(
         lambda: len(names(layout.message_log_dir(str(data)))) == 1,
         30,
