@@ -6,11 +6,11 @@ The wheel (timer.py) never reads a clock; this is the only place of the wheel th
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import trio
-import trio.testing
 
 from delayd.wheel.precise import PreciseTimer
 from delayd.wheel.timer import DueEntries, TimingWheel
@@ -106,7 +106,7 @@ class Ticker:
         """Run until cancelled. Exceptions from ``on_due`` propagate (the entries it was
         given are then not retried here: the sender owns them once handed over)."""
         # A MockClock (tests) is not real time: a timer in real time cannot serve it.
-        real_clock = not isinstance(trio.lowlevel.current_clock(), trio.testing.MockClock)
+        real_clock = not _is_mock_clock(trio.lowlevel.current_clock())
         timer = PreciseTimer.open() if self.precise and real_clock else None
         task_status.started()
         try:
@@ -147,3 +147,11 @@ class Ticker:
                 self._add_wakeups += 1
             else:
                 self._timer_wakeups += 1
+
+
+def _is_mock_clock(clock: trio.abc.Clock) -> bool:
+    """Whether ``clock`` is trio's MockClock — without importing trio.testing, which
+    imports pytest (a sixth of the server's start-up). A MockClock exists only once
+    trio.testing has been imported."""
+    testing = sys.modules.get("trio.testing")
+    return testing is not None and isinstance(clock, testing.MockClock)
