@@ -110,6 +110,7 @@ def validate_frames(
             return done.value
 
 
+FRAME_GUESS = 1024  # read_frame: bytes read with the header (most records fit)
 SPAN_READ = 1 << 20  # read_frames: bytes of nearby records one pread may cover
 SPAN_SLACK = 4096  # read_frames: bytes read past the last position, for its record
 
@@ -158,14 +159,20 @@ def read_frames(
 
 
 def read_frame(fs: FileSystem, fd: int, path: str, base: int, position: int, limit: int) -> Record:
-    """The one record at byte ``position`` (not END_OF_SEGMENT). Raises BadFrame."""
-    header = fs.pread(fd, HEADER_SIZE, position)
-    if len(header) < HEADER_SIZE:
-        raise BadFrame(path, position, len(header), "partial record header")
-    length, crc, rtype = HEADER.unpack(header)
+    """The one record at byte ``position`` (not END_OF_SEGMENT). Raises BadFrame.
+
+    One pread of up to FRAME_GUESS bytes brings the header and, for most records, the
+    whole record; a longer one takes a second pread."""
+    first = fs.pread(fd, max(HEADER_SIZE, min(FRAME_GUESS, limit - position)), position)
+    if len(first) < HEADER_SIZE:
+        raise BadFrame(path, position, len(first), "partial record header")
+    length, crc, rtype = HEADER.unpack_from(first)
     if position + HEADER_SIZE + length > limit:
         raise BadFrame(path, position, limit - position, "record runs past the end")
-    body = fs.pread(fd, length + 1, position + HEADER_SIZE - 1)
+    if HEADER_SIZE + length <= len(first):
+        body = first[HEADER_SIZE - 1 : HEADER_SIZE + length]
+    else:
+        body = fs.pread(fd, length + 1, position + HEADER_SIZE - 1)
     if rtype == 0 or crc32c(body) != crc:
         raise BadFrame(path, position, HEADER_SIZE + length, "no valid record at this offset")
     if rtype == TYPE_END_OF_SEGMENT:

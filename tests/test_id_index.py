@@ -6,7 +6,11 @@ import os
 
 import pytest
 
+from delayd.logs import message_log, schedule_log
+from delayd.logs.bucket_files import BucketFiles
 from delayd.logs.id_index import MAX_OFFSET, IdIndex, pack_location, unpack_location
+from delayd.logs.message_log import MessageRecord
+from delayd.logs.schedule_reader import ScheduleReader
 
 BUCKET = 1_790_000_000_000 - 1_790_000_000_000 % 60_000
 
@@ -48,3 +52,34 @@ def test_put_batch_refuses_what_put_refuses(tmp_path, bucket_ms, offsets):
 def test_locations_round_trip_at_the_edges():
     for bucket_ms, offset in [(0, 0), (BUCKET, MAX_OFFSET), (BUCKET, 12345)]:
         assert unpack_location(pack_location(bucket_ms, offset)) == (bucket_ms, offset)
+
+
+def test_lookup_finds_records_appended_after_an_earlier_lookup(tmp_path):
+    """The reader remembers a bucket's length between lookups; a record appended since
+    is still found (the canceller looks up ids whose records were just replayed), and
+    an offset that is no record boundary is not."""
+    buckets = BucketFiles(str(tmp_path / "schedule_log"))
+    reader = ScheduleReader(str(tmp_path / "schedule_log"))
+    index = IdIndex(str(tmp_path / "index"), reader)
+
+    def schedule(message_id: str) -> int:
+        payload = scheduled_payload(message_id)
+        (offset,) = buckets.append_batch(BUCKET, [payload], schedule_log.TYPE_SCHEDULED)
+        buckets.flush()
+        index.put(message_id.encode(), BUCKET, offset, BUCKET)
+        return offset
+
+    first = schedule("a")
+    assert [loc.offset for loc in index.lookup("a")] == [first]
+    later = [schedule(f"b{i}") for i in range(3)]  # the file grew past the length seen
+    assert [loc.offset for loc in index.lookup("b2")] == [later[2]]
+    assert reader.read_untrusted(BUCKET, later[1] + 3) is None
+    assert reader.read_untrusted(BUCKET, 10**9) is None
+    index.close()
+    reader.close()
+    buckets.close()
+
+
+def scheduled_payload(message_id: str) -> bytes:
+    record = MessageRecord(BUCKET + 5, 1, BUCKET, message_id, "orders", None, {}, b"body")
+    return schedule_log.encode_scheduled(0, message_log.encode_record(record))
