@@ -119,39 +119,27 @@ def read_frames(
     fs: FileSystem, fd: int, path: str, base: int, positions: Sequence[int], limit: int
 ) -> list[Record]:
     """The records at ``positions``, in that order, each exactly as ``read_frame`` gives
-    it, with one pread per window of nearby positions (SPAN_READ bytes) instead of two
-    per record: the sender reads the due records of a bucket this way, and they are
-    mostly close together. A record that does not end inside its window's read is read
-    alone by read_frame. Raises BadFrame as read_frame."""
+    it, with one pread per window of nearby positions (SPAN_READ bytes) instead of one
+    or two per record: the sender reads the due records of a bucket this way, and they
+    are mostly close together. A record that does not end inside its window's read is
+    read alone by read_frame. Raises BadFrame as read_frame."""
     found: dict[int, Record] = {}
     ordered = sorted(set(positions))
     unpack_from = HEADER.unpack_from
-    new_record = tuple.__new__
     i, n = 0, len(ordered)
     while i < n:
         start = ordered[i]
         j = bisect_left(ordered, start + SPAN_READ, i + 1)
         size = min(ordered[j - 1] + SPAN_SLACK, limit) - start
-        chunk = fs.pread(fd, size, start) if size > HEADER_SIZE else b""
-        view, have = memoryview(chunk), len(chunk)
+        chunk = memoryview(fs.pread(fd, size, start) if size > HEADER_SIZE else b"")
         for position in ordered[i:j]:
             at = position - start
-            if at + HEADER_SIZE <= have:
+            if at + HEADER_SIZE <= len(chunk):
                 length, crc, rtype = unpack_from(chunk, at)
                 end = at + HEADER_SIZE + length
-                if end <= have and start + end <= limit:
-                    if rtype == 0 or crc32c(view[at + HEADER_SIZE - 1 : end]) != crc:
-                        raise BadFrame(
-                            path, position, HEADER_SIZE + length, "no valid record at this offset"
-                        )
-                    if rtype == TYPE_END_OF_SEGMENT:
-                        raise BadFrame(
-                            path, position, HEADER_SIZE, "an end-of-segment marker, not a record"
-                        )
-                    found[position] = new_record(
-                        Record,
-                        (base + position, rtype, chunk[at + HEADER_SIZE : end], base + start + end),
-                    )
+                if end <= len(chunk) and start + end <= limit:
+                    framed = chunk[at + HEADER_SIZE - 1 : end]
+                    found[position] = _checked(path, base, position, length, crc, rtype, framed)
                     continue
             found[position] = read_frame(fs, fd, path, base, position, limit)
         i = j
@@ -170,11 +158,20 @@ def read_frame(fs: FileSystem, fd: int, path: str, base: int, position: int, lim
     if position + HEADER_SIZE + length > limit:
         raise BadFrame(path, position, limit - position, "record runs past the end")
     if HEADER_SIZE + length <= len(first):
-        body = first[HEADER_SIZE - 1 : HEADER_SIZE + length]
+        framed = memoryview(first)[HEADER_SIZE - 1 : HEADER_SIZE + length]
     else:
-        body = fs.pread(fd, length + 1, position + HEADER_SIZE - 1)
-    if rtype == 0 or crc32c(body) != crc:
+        framed = memoryview(fs.pread(fd, length + 1, position + HEADER_SIZE - 1))
+    return _checked(path, base, position, length, crc, rtype, framed)
+
+
+def _checked(
+    path: str, base: int, position: int, length: int, crc: int, rtype: int, framed: memoryview
+) -> Record:
+    """The record at ``position`` whose header says ``length``, ``crc`` and ``rtype``,
+    from ``framed``: its type byte and payload as read (short when the file is).
+    Raises BadFrame."""
+    if rtype == 0 or crc32c(framed) != crc:
         raise BadFrame(path, position, HEADER_SIZE + length, "no valid record at this offset")
     if rtype == TYPE_END_OF_SEGMENT:
         raise BadFrame(path, position, HEADER_SIZE, "an end-of-segment marker, not a record")
-    return Record(base + position, rtype, body[1:], base + position + HEADER_SIZE + length)
+    return Record(base + position, rtype, bytes(framed[1:]), base + position + HEADER_SIZE + length)
