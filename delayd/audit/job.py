@@ -1,14 +1,15 @@
 """One audit run on a SparkSession: read the logs of every server once, reconcile,
 write the Parquet tables, and hand back what the report shows.
 
-Each bucket's two files are reconciled where they are read (reconciled.py). What is
-left is one narrow row per record, cached, and small tables — a row per bucket, the
-runs' lateness histograms, the problems met — fetched at once with the few records
-whose copy must be looked for, and held on the driver. On the cached records the job
-finds what crosses buckets (reconcile.py; message_check.py), adds up the summary on
-the driver (summary.py) and writes the tables (outputs.py). A clean audit of servers
-without message_log runs three Spark jobs: the one pass over the logs, the duplicate
-id hashes, and writing the findings. Queries are Spark SQL text (queries.py says why).
+Each bucket's two files are reconciled where they are read (reconciled.py), which
+leaves few rows: per bucket its counts, per task the findings, the problems, the moved
+records, and what crosses buckets packed by id hash range. They are cached; the small
+tables among them are fetched at once and held on the driver. Then the ranges are added
+up (reconcile.py), message_log is checked if there is one (message_check.py), the
+summary is added up on the driver (summary.py) and the tables are written
+(outputs.py). A clean audit of servers without message_log runs three Spark jobs: the
+one pass over the logs, and the two stages that move and add up the id ranges.
+Queries are DataFrame methods with SQL text (queries.py says why).
 """
 
 from __future__ import annotations
@@ -28,12 +29,11 @@ from delayd.audit.kinds import CORRUPT, TORN_TAIL
 from delayd.audit.queries import fetch, literal
 from delayd.audit.reconciled import NONE, OFFSETS
 from delayd.audit.result import AuditResult
-from delayd.audit.schemas import BUCKET_TYPE, SIDE_TABLES
+from delayd.audit.schemas import SIDE_TABLES
 from delayd.audit.session import prepare
 from delayd.logs.buckets import parse_bucket_name
 
 LEVEL = StorageLevel.MEMORY_AND_DISK
-US_PER_MS = 1000
 _SIDE = ["summary", "lateness", "problem", "moved"]  # fetched to the driver at once
 _MAP_SIDE_FINDINGS = [
     "server" if f.name == "server" else f"finding.{f.name}" for f in DISCREPANCIES
@@ -121,31 +121,27 @@ def _check_message_log(
     )
     stopped = _of_log(problems, files.SCHEDULE_LOG)
     stopped = stopped.filter(pc.is_in(stopped["problem"], pa.array([TORN_TAIL, CORRUPT])))
-    starts_ms = [parse_bucket_name(name) for name in stopped["file"].to_pylist()]
-    stops = pa.table(
-        {
-            "server": stopped["server"],
-            "bucket": pa.array([ms * US_PER_MS for ms in starts_ms], BUCKET_TYPE),
-        }
-    )
+    stops = [
+        (server, parse_bucket_name(name))
+        for server, name in zip(
+            stopped["server"].to_pylist(), stopped["file"].to_pylist(), strict=True
+        )
+    ]
     scheduled = rows.where("scheduled_offset IS NOT NULL").selectExpr(
         "server", "scheduled_offset AS message_log_offset"
     )
     return message_check.message_check(scheduled, stops, messages, config).persist(LEVEL)
 
 
-def _message_counts(
-    checked: DataFrame,
-) -> tuple[dict[str | None, dict[str, int]], pa.Table]:
+def _message_counts(checked: DataFrame) -> tuple[dict[str | None, dict[str, int]], pa.Table]:
     """message_check's counts per server and overall (None), and its problem rows as
     corrupt_records rows, in one Spark job."""
     fetched = message_check.counts_and_problems(checked)
     counts: dict[str | None, dict[str, int]] = {}
     for row in fetched.drop_columns(["problems"]).to_pylist():
         counts[row.pop("server")] = row
-    counts[None] = {
-        name: sum(row[name] for row in list(counts.values())) for name in summary.MESSAGE_COUNTS
-    }
+    servers = list(counts.values())
+    counts[None] = {name: sum(row[name] for row in servers) for name in summary.MESSAGE_COUNTS}
     listed = fetched.select(["server", "problems"]).to_pylist()
     rows = [{"server": row["server"], **problem} for row in listed for problem in row["problems"]]
     return counts, pa.Table.from_pylist(rows, schema=CORRUPT_RECORDS)

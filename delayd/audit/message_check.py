@@ -34,7 +34,6 @@ from delayd.logs.message_log import TYPE_CANCEL, TYPE_MESSAGE, TYPE_RESCHEDULE, 
 MESSAGE = describe_type(TYPE_MESSAGE)
 CANCEL = describe_type(TYPE_CANCEL)
 RESCHEDULE = describe_type(TYPE_RESCHEDULE)
-US_PER_MS = 1000
 MESSAGE_LOG = "message_log"
 # What message_check keeps of a message_log row.
 _COLUMNS = [
@@ -51,7 +50,7 @@ _COLUMNS = [
 
 def message_check(
     records: DataFrame,
-    stops: pa.Table,
+    stops: list[tuple[str, int]],
     messages: DataFrame,
     config: AuditConfig,
 ) -> DataFrame:
@@ -62,8 +61,8 @@ def message_check(
     often than it can be: a message or a reschedule more than once, a cancel at all),
     ``unverified`` (not found, but maybe in a part that could not be read).
     ``records`` are the schedule_log records (server, message_log_offset) of every
-    server; ``stops`` (server, bucket) the buckets where reading schedule_log stopped
-    early (few: each is a torn or corrupt file)."""
+    server; ``stops`` (server, the bucket's start in ms) the buckets where reading
+    schedule_log stopped early (few: each is a torn or corrupt file)."""
     copies = records.groupBy("server", "message_log_offset").agg(F.expr("count(*) AS copies"))
     rows = messages.selectExpr(
         "server",
@@ -79,11 +78,7 @@ def message_check(
     widest_ms = bucket_width_ms(MAX_SEGMENT_SCALE)
     in_stopped = [
         f"(server = {literal(server)} AND due_ms >= {start_ms} AND due_ms < {start_ms + widest_ms})"
-        for server, start_ms in zip(
-            stops["server"].to_pylist(),
-            (us // US_PER_MS for us in stops["bucket"].cast(pa.int64()).to_pylist()),
-            strict=True,
-        )
+        for server, start_ms in stops
     ]
     judged = rows.selectExpr(*_COLUMNS, "receive_ms", "coalesce(copies, 0) AS copies")
     missing = (
