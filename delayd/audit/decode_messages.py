@@ -42,7 +42,7 @@ from delayd.audit.schemas import MESSAGE_LOG, SCHEDULE_LOG, select
 from delayd.logs import message_log, schedule_log, tombstone
 from delayd.logs.message_log import FLAG_KEY, KNOWN_FLAGS, MessageRecord, RecordFormatError
 from delayd.logs.tombstone import Tombstone
-from storage.scan import BadFrame
+from storage.scan import BadFrame, Record
 
 # The head of each record as one struct, composed from the codecs' own formats, and the
 # names of its fields in that order (as decode_message unpacks message_log.HEAD).
@@ -66,8 +66,8 @@ _KIND_TYPES = (message_log.TYPE_MESSAGE, *message_log.TOMBSTONE_TYPES)
 _KIND_NAMES = pa.array(
     [message_log.describe_type(t) if t in _KIND_TYPES else None for t in range(256)], pa.string()
 )
-# A batch is cut short once its payloads reach this many bytes: they are held in memory
-# until it is built, end to end in one buffer with int32 offsets (fields.cut).
+# A batch is cut short once its frames reach this many bytes: the payloads are held in
+# memory until it is built, end to end in one buffer with int32 offsets (fields.cut).
 _BATCH_BYTES = 64 << 20
 
 Decoded = tuple[int | None, MessageRecord | Tombstone]  # message_log_offset (None), record
@@ -158,16 +158,18 @@ def message_batches(
 
 
 class _Batch:
-    """The records of one batch as the scan finds them: those for the column-at-a-time
-    path (offsets and payloads), and those the codec decoded, one at a time."""
+    """The records of one batch: the frames as the scan finds them, and those the codec
+    decoded, one at a time."""
 
-    def __init__(self, shape: _Shape, file: LogFile, schema: pa.Schema, where: dict) -> None:
+    def __init__(
+        self, shape: _Shape, file: LogFile, schema: pa.Schema, where: dict, fast: bool
+    ) -> None:
         self.shape = shape
         self.file = file
         self.schema = schema
         self.where = where
-        self.offsets: list[int] = []
-        self.payloads: list[bytes] = []
+        self.fast = fast  # verify=head: the records of the shape's type column at a time
+        self.frames: list[Record] = []
         self.decoded: list[_Row] = []
 
     def slow(self, rtype: int, offset: int, payload: bytes, problems: list[Problem]) -> None:
@@ -189,14 +191,25 @@ class _Batch:
         self.decoded.append((offset, rtype, (*values, *texts, len(message.body))))
 
     def emit(self, problems: list[Problem]) -> pa.RecordBatch | None:
-        """The batch of the records collected (None for none), in file order; records
-        the column checks refuse go to the codec first."""
+        """The batch of the frames collected (None for none), in file order: those of
+        the shape's record type a column at a time (when ``fast``), the others — and
+        those the column checks refuse — through the codec."""
         parts = []
-        if self.payloads:
-            parts.append(self._columns(problems))
+        if self.frames:
+            offsets, rtypes, payloads, _ = zip(*self.frames, strict=True)
+            rtype = self.shape.rtype
+            if not self.fast or rtypes.count(rtype) != len(rtypes):
+                kept = [frame for frame in self.frames if self.fast and frame.type == rtype]
+                for frame in self.frames:
+                    if not self.fast or frame.type != rtype:
+                        self.slow(frame.type, frame.offset, frame.payload, problems)
+                offsets = [frame.offset for frame in kept]
+                payloads = [frame.payload for frame in kept]
+            if payloads:
+                parts.append(self._columns(offsets, payloads, problems))
         if self.decoded:
             parts.append(self._decoded())
-        self.offsets, self.payloads, self.decoded = [], [], []
+        self.frames, self.decoded = [], []
         parts = [part for part in parts if part.num_rows]
         if not parts:
             return None
@@ -205,13 +218,15 @@ class _Batch:
         both = pa.concat_batches(parts)
         return both.take(pc.sort_indices(both["offset"]))
 
-    def _columns(self, problems: list[Problem]) -> pa.RecordBatch:
-        """The batch of the column-at-a-time records; those it cannot vouch for are
-        decoded by ``slow`` instead."""
+    def _columns(
+        self, offsets: Sequence[int], payloads: Sequence[bytes], problems: list[Problem]
+    ) -> pa.RecordBatch:
+        """The batch of the records at ``offsets`` decoded a column at a time; those the
+        columns cannot vouch for are decoded by ``slow`` instead."""
         shape = self.shape
         head_size = shape.head.size
-        column = pa.array(self.payloads, pa.binary())
-        offsets = pa.array(self.offsets, pa.int64())
+        column = pa.array(payloads, pa.binary())
+        offsets = pa.array(offsets, pa.int64())
         whole = pc.greater_equal(pc.binary_length(column), head_size)
         column, offsets = self._keep(whole, column, offsets, problems)
         head = fields.heads(column, head_size)
@@ -297,34 +312,27 @@ def _batches(
     if shape is SCHEDULE:
         where["bucket"] = bucket_value(file.bucket_ms)
     problems: list[Problem] = []
-    batch = _Batch(shape, file, schema, where)
-    fast = verify == HEAD
-    rtype = shape.rtype
-    offsets, payloads = batch.offsets, batch.payloads
-    room, room_bytes = batch_rows, _BATCH_BYTES
+    batch = _Batch(shape, file, schema, where, verify == HEAD)
+    append = batch.frames.append
+    room, start = batch_rows, file.base
+    frame = None
     with FileScan(file) as scan:
-        next_offset = file.base
         try:
-            # Once per record of every file audited: locals only, one append each.
-            # (next_offset is read after the loop: where the scan ran out.)
-            for offset, record_type, payload, next_offset in scan.frames:  # noqa: B007
-                if fast and record_type == rtype:
-                    offsets.append(offset)
-                    payloads.append(payload)
-                    room_bytes -= len(payload)
-                else:
-                    batch.slow(record_type, offset, payload, problems)
+            # Once per record of every file audited: one append (a batch ends at
+            # batch_rows records, or once its frames reach _BATCH_BYTES).
+            for frame in scan.frames:  # the last one is read after the loop
+                append(frame)
                 room -= 1
-                if not room or room_bytes <= 0:
+                if not room or frame[3] - start >= _BATCH_BYTES:
                     emitted = batch.emit(problems)
                     if emitted is not None:
                         yield emitted
-                    offsets, payloads = batch.offsets, batch.payloads
-                    room, room_bytes = batch_rows, _BATCH_BYTES
+                    append = batch.frames.append
+                    room, start = batch_rows, frame[3]
         except BadFrame as bad:
             stop = scan.stopped(bad)
         else:
-            stop = scan.finished(next_offset)
+            stop = scan.finished(file.base if frame is None else frame.next_offset)
     emitted = batch.emit(problems)
     if emitted is not None:
         yield emitted

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from delayd.audit import files
 from delayd.audit.kinds import (
     CANCELLED_AFTER_DISPATCH,
     COPY_MISSING,
@@ -49,8 +50,6 @@ RECORD_KINDS = {
 DISCREPANCIES = pa.schema([*list(FINDING)[:2], pa.field("server", pa.string()), *list(FINDING)[2:]])
 CORRUPT_RECORDS = pa.schema([pa.field("server", pa.string()), *PROBLEM])
 MESSAGE_KINDS = (NOT_SCHEDULED, SCHEDULED_TWICE)  # message_check.py's
-SCHEDULE_LOG = "schedule_log"
-DISPATCH_LOG = "dispatch_log"
 US_PER_MS = 1000
 
 
@@ -132,9 +131,9 @@ def problems(judged: pa.Table, dispatch_problems: pa.Table) -> pa.Table:
         ["bucket", "offset", "schedule_problem", "schedule_detail"]
     )
     parts = [
-        _problem_rows(SCHEDULE_LOG, *schedule.columns),
+        _problem_rows(files.SCHEDULE_LOG, *schedule.columns),
         _problem_rows(
-            DISPATCH_LOG,
+            files.DISPATCH_LOG,
             *dispatch_problems.select(["bucket", "position", "problem", "detail"]).columns,
         ),
     ]

@@ -128,7 +128,7 @@ def judge(paired: pa.Table, dispatch_problems: pa.Table, cutoff_ms: int, late_ms
     return judged
 
 
-def stops(paired: pa.Table) -> pa.Table:
+def _stops(paired: pa.Table) -> pa.Table:
     """Per bucket (``bucket``), the byte where reading its schedule_log file stopped
     (``stop``: a torn tail or corruption); only buckets where it did."""
     stopped = paired.filter(pc.is_in(paired["schedule_problem"], _STOPS))
@@ -139,7 +139,7 @@ def stops(paired: pa.Table) -> pa.Table:
 def _unread(paired: pa.Table) -> pa.BooleanArray:
     """Rows at or after the byte where reading their bucket's schedule_log stopped."""
     unread = pa.repeat(False, paired.num_rows)
-    for bucket, stop in zip(*stops(paired).select(["bucket", "stop"]).columns, strict=True):
+    for bucket, stop in zip(*_stops(paired).select(["bucket", "stop"]).columns, strict=True):
         here = pc.and_(pc.equal(paired["bucket"], bucket), pc.greater_equal(paired["offset"], stop))
         unread = pc.or_(unread, _true(here))
     return unread

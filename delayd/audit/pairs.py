@@ -4,10 +4,10 @@ in the task that reads the two logs' files of the same buckets.
 A record and its entries always sit in bucket files of the same name (the server
 appends an entry to the dispatch_log file of the record's bucket), so pairing them
 needs no shuffle: a task reads both files of a run of buckets and joins them there
-(Arrow's group_by and hash join, in C++), and hands Spark one row per record. Joining
-in Spark instead meant sending both logs to the JVM, aggregating the entries, shuffling
-both sides and sorting them for a full outer join: more than half of the audit's time
-(docs/benchmarks.md, "Audit").
+(Arrow's group_by and hash join, in C++), one row per record, which the same task then
+judges (reconciled.py). Joining in Spark instead meant sending both logs to the JVM,
+aggregating the entries, shuffling both sides and sorting them for a full outer join:
+more than half of the audit's time (docs/benchmarks.md, "Audit").
 
 Per (bucket, offset), of the entries that are records and not COMPLETE marks:
 ``dispatches``, ``dead_letters``, ``withdrawals`` (CANCELLED or RESCHEDULED), ``fate``
@@ -17,7 +17,7 @@ earliest of all). Every schedule_log row meets the entries of its offset — its
 rows too (``schedule_problem``, ``schedule_detail``): a problem row stands where a
 record could not be read, so entries for that offset are about that record. Entries for
 an offset with no schedule_log row get a row of their own. dispatch_log's problem rows
-are handed over beside the pairs (``Run.dispatch_problems``). judge.py judges the rows.
+are handed over beside the pairs (``Run.dispatch_problems``).
 
 Buckets are paired a run at a time, about BATCH_ROWS records: Arrow's joins cost
 ~1 ms each to set up, more than pairing a quiet bucket. Memory: a task holds one run,

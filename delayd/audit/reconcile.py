@@ -39,7 +39,6 @@ from delayd.audit.config import AuditConfig
 from delayd.audit.queries import fetch, where_in
 from delayd.audit.schemas import BUCKET_TYPE, RECORD
 
-KEY = ["server", "bucket", "offset"]  # names a schedule_log record for good
 SHOWN = ["server", *RECORD.names]  # what a finding shows of a record, and its id hash
 SHOWN_SCHEMA = pa.schema([pa.field("server", pa.string()), *RECORD])
 US_PER_MS = 1000
@@ -60,9 +59,9 @@ def cross_buckets(
     schedule_log problem row."""
     keys = frozenset(zip(moved["server"].to_pylist(), moved["id_hash"].to_pylist(), strict=True))
     ranges = rows.where("ids IS NOT NULL").selectExpr("server", "ids.range", "ids.blob")
-    # A range's blobs go to one task, which adds them all up (ids.merge); two tasks per
-    # core share the ranges.
-    tasks = min(ids.RANGES, 2 * spark.sparkContext.defaultParallelism)
+    # A range's blobs go to one task, which adds them all up (ids.merge). Ranges are
+    # spread over the tasks by a hash: several tasks per core even out what lands where.
+    tasks = min(ids.RANGES, 8 * spark.sparkContext.defaultParallelism)
     merge = partial(_merge, moved=keys)
     found = ranges.repartition(tasks, "range").rdd.mapPartitions(merge).collect()
     candidates = [(server, value) for kind, server, _, value in found if kind == ids.CANDIDATE]
