@@ -72,9 +72,7 @@ def cross_buckets(
             for kind, server, id_hash, value in found
             if kind == ids.LATEST
         ],
-        schema=pa.schema(
-            [("server", pa.string()), ("id_hash", pa.int64()), ("latest", pa.int64())]
-        ),
+        schema=_LATEST,
     )
     return duplicates(spark, config, candidates, hashes), missing_copies(moved, latest, unread)
 

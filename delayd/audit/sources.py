@@ -22,7 +22,7 @@ Options: ``server`` (default: the path as given) fills the ``server`` column, so
 several data directories can be read into one table; ``verify`` is ``head`` (default)
 or ``full`` (decode every record with the codec, properties included; slower);
 ``partitionBytes`` as above; ``files``, comma-separated file names, reads only those
-files of the log (the audit rereads the few files it found problems in).
+files of the log.
 
 ``delayd.reconciled`` is what the audit job reads (reconciled.py): each bucket's
 schedule_log and dispatch_log files read by one task and reconciled there: the buckets'
@@ -30,7 +30,8 @@ counts, findings and problems, and what crosses buckets (schemas.RECONCILED; no 
 schema). Its options: ``cutoffMs`` and ``lateMs`` (required: what is judged
 and what is late, config.AuditConfig), ``records`` (rows per record too:
 reconciled.RECORD_MODES), ``verify``, ``partitionBytes`` (a bucket's two files count
-together), ``files`` (bucket names).
+together), ``files`` (bucket names: the audit reads again the few buckets that hold
+candidates of duplicate ids).
 
 The files are read with plain file I/O where the tasks run: on a cluster every
 executor must see the data directories at the same path (a shared mount), and have
