@@ -65,49 +65,39 @@ def record_findings(judged: pa.Table) -> pa.Table:
         rows = judged.filter(judged[kind])
         if not rows.num_rows:
             continue
-        count = rows.num_rows
-        detail = _detail(kind, rows) if text is None else pa.repeat(pa.scalar(text), count)
-        columns = {
-            "kind": pa.repeat(pa.scalar(kind), count),
-            "severity": pa.repeat(pa.scalar(severity(kind)), count),
-            "detail": detail,
-        }
-        parts.append(
-            pa.Table.from_arrays(
-                [columns[f.name] if f.name in columns else rows[f.name] for f in FINDING],
-                schema=pa.schema(list(FINDING)),
-            )
-        )
+        detail = _detail(kind, rows) if text is None else pa.repeat(text, rows.num_rows)
+        parts.append(_findings(kind, rows, detail, pa.schema(list(FINDING))))
     return _concat(parts, FINDING)
 
 
 def duplicate_id_findings(duplicates: pa.Table) -> pa.Table:
     """DISCREPANCIES rows of the records whose id was dispatched at more than one
-    record (reconcile.duplicate_ids' rows)."""
+    record (reconcile.duplicates' rows)."""
     rows = duplicates.filter(pc.greater(duplicates["id_records"], 1))
     records = rows["id_records"].cast(pa.string())
     detail = pc.binary_join_element_wise("id dispatched at ", records, " records", "")
-    return _discrepancies(DUPLICATE_ID, rows, detail)
+    return _findings(DUPLICATE_ID, rows, detail, DISCREPANCIES)
 
 
 def copy_findings(copies: pa.Table) -> pa.Table:
     """DISCREPANCIES rows of the moved records whose copy is missing
     (reconcile.missing_copies' rows)."""
     rows = copies.filter(copies["copy_missing"])
-    detail = pa.repeat(pa.scalar("rescheduled, but no later record of its id"), rows.num_rows)
-    return _discrepancies(COPY_MISSING, rows, detail)
+    detail = pa.repeat("rescheduled, but no later record of its id", rows.num_rows)
+    return _findings(COPY_MISSING, rows, detail, DISCREPANCIES)
 
 
-def _discrepancies(kind: str, rows: pa.Table, detail: pa.Array) -> pa.Table:
+def _findings(kind: str, rows: pa.Table, detail: pa.Array, schema: pa.Schema) -> pa.Table:
+    """``rows`` (records with what a finding shows) as findings of ``kind`` in
+    ``schema`` (FINDING's fields, or DISCREPANCIES)."""
     count = rows.num_rows
     columns = {
-        "kind": pa.repeat(pa.scalar(kind), count),
-        "severity": pa.repeat(pa.scalar(severity(kind)), count),
+        "kind": pa.repeat(kind, count),
+        "severity": pa.repeat(severity(kind), count),
         "detail": detail,
     }
     return pa.Table.from_arrays(
-        [columns[f.name] if f.name in columns else rows[f.name] for f in DISCREPANCIES],
-        schema=DISCREPANCIES,
+        [columns[f.name] if f.name in columns else rows[f.name] for f in schema], schema=schema
     )
 
 

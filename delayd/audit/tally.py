@@ -21,6 +21,7 @@ import pyarrow.compute as pc
 from delayd.audit.schemas import BUCKET_SUMMARY, COUNTS, LATENESS, PERCENTILES
 
 PERCENT = (50, 99)  # lateness_p50_ms, lateness_p99_ms; then lateness_max_ms
+_NOT_FLAGS = ("dispatched", "dispatch_entries")  # counts that are not judge.py's flags
 
 
 def rank(percent: int, count: int) -> int:
@@ -32,10 +33,11 @@ def bucket_counts(judged: pa.Table, buckets: pa.Array) -> pa.Table:
     """One row (BUCKET_SUMMARY's fields) per bucket of ``buckets`` — the run's, also
     those with no judged rows (all counts 0) — from judge.judge's rows: the COUNTS and
     the bucket's exact PERCENTILES (null when nothing was dispatched)."""
+    # Each count is the flag of the same name, but ``dispatched`` counts records (the
+    # flag is set on entries with no record too) and ``dispatch_entries`` entries.
     dispatched = pc.and_(judged["scheduled"], judged["dispatched"])
-    counted = {name: judged[name] for name in COUNTS if name in judged.column_names}
-    counted["dispatched"] = dispatched
-    counted["dispatch_entries"] = judged["dispatches"]
+    counted = {name: judged[name] for name in COUNTS if name not in _NOT_FLAGS}
+    counted.update(dispatched=dispatched, dispatch_entries=judged["dispatches"])
     flags = pa.table({"bucket": judged["bucket"], **counted})
     sums = flags.group_by("bucket", use_threads=False).aggregate([(name, "sum") for name in COUNTS])
     everything = pa.table({"bucket": pc.unique(buckets)})
@@ -68,7 +70,7 @@ def _percentiles(dispatched: pa.Table) -> pa.Table:
     starts = pa.concat_arrays([pa.array([0], pa.int64()), ends.slice(0, len(ends) - 1)])
     count = pc.subtract(ends, starts)
     columns = {"bucket": runs.values}
-    for name, percent in zip(PERCENTILES, PERCENT, strict=False):
+    for name, percent in zip(PERCENTILES[:2], PERCENT, strict=True):
         at = pc.add(starts, pc.subtract(_rank(percent, count), 1))
         columns[name] = lateness.take(at)
     columns[PERCENTILES[-1]] = lateness.take(pc.subtract(ends, 1))
@@ -103,7 +105,7 @@ def percentiles(histogram_rows: Iterable[tuple[int, int]]) -> dict[str, int | No
     if not total:
         return result
     wanted = [
-        (name, rank(percent, total)) for name, percent in zip(PERCENTILES, PERCENT, strict=False)
+        (name, rank(percent, total)) for name, percent in zip(PERCENTILES[:2], PERCENT, strict=True)
     ]
     below = 0
     for lateness in sorted(merged):
