@@ -61,7 +61,7 @@ def summary(
     ``buckets``: server and schemas.BUCKET_SUMMARY's fields, a row per server and
     bucket; ``histograms``: server, lateness_ms, records (tally.histogram's, of every
     run); ``duplicates``: server, bucket, message_id of the records whose id was
-    dispatched more than once (reconcile.duplicate_ids); ``copies``: server, bucket,
+    dispatched more than once (reconcile.duplicates); ``copies``: server, bucket,
     copy_missing, copy_unverified of the moved records whose copy was not found
     (reconcile.missing_copies); ``messages``: MESSAGE_COUNTS per server and overall
     (key None), or None when no message_log was left to check (they stay null).
