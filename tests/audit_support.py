@@ -171,19 +171,23 @@ def append_bytes(path: str, data: bytes) -> None:
 
 
 # Tiny inputs: compiling generated code for every query plan would cost more than
-# interpreting it (NO_CODEGEN is Spark's own test setting).
+# interpreting it (NO_CODEGEN is Spark's own test setting); and a JVM that lives for a
+# minute gains nothing from the optimising JIT compiler (C2), whose compiling competes
+# with the tests for the cores — C1 alone starts Spark ~20% faster (measured).
 TEST_CONF = {
     "spark.sql.shuffle.partitions": "2",
     "spark.sql.codegen.wholeStage": "false",
     "spark.sql.codegen.factoryMode": "NO_CODEGEN",
     "spark.sql.adaptive.enabled": "false",
+    "spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1",
 }
 
 
 @pytest.fixture(scope="session")
 def spark_session():
-    """One local SparkSession for every audit test module of the run (a JVM start costs
-    seconds); `delayd audit` run in-process finds it and leaves it running."""
+    """One local SparkSession for the audit tests of a run (a JVM start costs seconds;
+    they are all in tests/test_audit.py); `delayd audit` run in-process finds it and
+    leaves it running."""
     from delayd.audit.session import local_session
 
     spark = local_session("local[2]", TEST_CONF)

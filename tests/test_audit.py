@@ -1,20 +1,28 @@
 """The audit on a real local SparkSession: planted faults in data written by the
 project's own log writers are found exactly — no fewer, no more — and reported in the
-Parquet tables, the console, the HTML page and the exit status."""
+Parquet tables, the console, the HTML page and the exit status; and a data directory
+written by a real `delayd serve` audits clean.
+
+Every test that needs Spark is in this module, so that one JVM serves them all (pytest
+-n 2 --dist loadfile runs each module in one worker)."""
 
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
-from delayd.audit import job
+import delayd
+from delayd.audit import files, job
 from delayd.audit.config import AuditConfig, Server
+from delayd.audit.decode_dispatch import dispatch_batches
 from delayd.audit.result import ERROR, NOTICE
 from delayd.audit.schemas import DISPATCH_LOG, SCHEDULE_LOG
 from delayd.audit.sources import spark_schema
 from delayd.cli import main
 from delayd.logs.dispatch_log import FRAMED_SIZE, EntryKind, encode_entry
+from delayd.protocol.codes import CancelOutcome, RescheduleOutcome
 from storage.framing import encode_record
 from tests.audit_support import (
     MINUTE,
@@ -28,9 +36,12 @@ from tests.audit_support import (
     schedule_path,
     spark_session,  # noqa: F401 - the shared session fixture
 )
+from tests.intake_support import ServeProcess
 
 AS_OF = T0 + 60 * MINUTE  # 11:00; grace 60 s, so due before 10:59 is judged
 AS_OF_TEXT = "2026-11-22T11:00:00Z"
+MESSAGES = 30  # sent to the real server
+DELIVERY_TIMEOUT_S = 30.0
 
 
 @pytest.fixture(scope="module")
@@ -320,3 +331,73 @@ def test_the_formats_read_as_spark_tables(spark, tmp_path):
     ]
     with pytest.raises(Exception, match="must keep the problem column"):
         spark.read.format("delayd.schedule_log").schema("offset long").load(root).collect()
+
+
+@pytest.fixture
+def server(tmp_path):
+    process = ServeProcess(tmp_path / "data")
+    yield process
+    process.close()
+
+
+def dispatched_entries(data_dir: str) -> int:
+    """DISPATCHED entries in the data directory's dispatch_log, read as the audit reads."""
+    return sum(
+        batch.column("kind").to_pylist().count("dispatched")
+        for log_file in files.list_files(data_dir, files.DISPATCH_LOG)
+        for batch in dispatch_batches(log_file, "probe")
+    )
+
+
+@pytest.mark.slow
+def test_a_served_data_directory_audits_clean(spark, server, tmp_path, capsys):
+    data_dir, out = str(tmp_path / "data"), str(tmp_path / "out")
+    server.start()
+    host, port = server.address
+    with delayd.Producer(f"{host}:{port}") as producer:
+        for i in range(MESSAGES):
+            producer.send(
+                "orders.timeout",
+                f"order {i}".encode(),
+                delay_ms=300 + 40 * i,  # due over ~1.5 s, several per bucket
+                key=f"order-{i}" if i % 2 else None,
+            )
+        paid = producer.send("orders.timeout", b"paid", delay_ms=120_000).message_id
+        extended = producer.send("auction.end", b"extended", delay_ms=120_000).message_id
+        assert producer.cancel(paid).outcome is CancelOutcome.CANCELLED
+        moved = producer.reschedule(extended, delay_ms=500)
+        assert moved.outcome is RescheduleOutcome.RESCHEDULED
+    deadline = time.monotonic() + DELIVERY_TIMEOUT_S
+    while dispatched_entries(data_dir) < MESSAGES + 1:  # and the moved one
+        assert time.monotonic() < deadline, f"not delivered in time:\n{server.log_tail()}"
+        time.sleep(0.2)
+    assert server.stop() == 0
+
+    # No grace: everything written before now is judged (the server has stopped), the
+    # reschedule's copy too.
+    status = main(["audit", "--data", data_dir, "--out", out, "--grace", "0s"])
+
+    printed = capsys.readouterr().out
+    assert status == 0, printed
+    assert "RESULT: clean" in printed
+    assert read_table(out, "discrepancies") == []
+    assert read_table(out, "corrupt_records") == []
+    (overall,) = [r for r in read_table(out, "summary") if r["server"] is None]
+    # Records: the messages, the cancelled one, the moved one and its copy.
+    assert overall["scheduled"] == MESSAGES + 3
+    assert overall["dispatched"] == overall["dispatch_entries"] == MESSAGES + 1
+    assert (overall["cancelled"], overall["rescheduled"]) == (1, 1)
+    assert overall["message_log_records"] == MESSAGES + 2
+    assert (overall["message_log_cancels"], overall["message_log_reschedules"]) == (1, 1)
+    for count in (
+        "overdue",
+        "pending",
+        "unverified",
+        "not_scheduled",
+        "duplicate_by_id",
+        "dispatched_after_cancel",
+        "cancelled_after_dispatch",
+        "copy_missing",
+    ):
+        assert overall[count] == 0, count
+    assert 0 <= overall["lateness_max_ms"] < 5_000

@@ -1,5 +1,7 @@
 """Audit benchmark: `delayd audit` over 10,000,000 scheduled and 10,000,000 dispatched
-records on local[2], and the records/s of the data sources alone.
+records on local[2], and the records/s of the data sources alone — the public ones, and
+delayd.reconciled, which is what the audit reads (both logs, paired and judged per
+bucket).
 
 Prints one JSON object per figure on stdout:
     {"bench": "audit", "metric": ..., "value": ..., "unit": ...}
@@ -81,15 +83,25 @@ def generate(data_dir: str, records: int, buckets: int) -> int:
     )
 
 
-def source_throughput(data_dir: str, records: int, master: str, warm_up: bool) -> None:
+def source_throughput(
+    data_dir: str, records: int, master: str, warm_up: bool, as_of_ms: int
+) -> None:
     """Each data source alone, every column, into Spark's noop sink: decode, Arrow, JVM,
-    nothing else."""
+    nothing else. delayd.reconciled reads both logs: its records/s are schedule_log
+    records (each with its dispatch_log entry) judged."""
+    from delayd.audit.config import DEFAULT_GRACE_MS, DEFAULT_LATE_MS
     from delayd.audit.session import local_session
 
     spark = local_session(master)
+    readers = {log: spark.read.format(f"delayd.{log}") for log in ("schedule_log", "dispatch_log")}
+    readers["reconciled"] = (
+        spark.read.format("delayd.reconciled")
+        .option("cutoffMs", str(as_of_ms - DEFAULT_GRACE_MS))
+        .option("lateMs", str(DEFAULT_LATE_MS))
+    )
     try:
-        for log in ("schedule_log", "dispatch_log"):
-            frame = spark.read.format(f"delayd.{log}").load(data_dir)
+        for log, reader in readers.items():
+            frame = reader.load(data_dir)
             if warm_up:
                 frame.write.format("noop").mode("overwrite").save()
             started = time.monotonic()
@@ -155,7 +167,7 @@ def main() -> None:
         emit("data_bytes", size, "bytes")
         as_of_ms = T0 + (buckets + 60) * MINUTE
         end_to_end(data_dir, out, args.master, as_of_ms)
-        source_throughput(data_dir, records, args.master, warm_up=not args.quick)
+        source_throughput(data_dir, records, args.master, not args.quick, as_of_ms)
         decode_throughput(data_dir, records)
     finally:
         if args.keep:

@@ -1,14 +1,15 @@
 """dispatch_log files as Arrow batches, a block of fixed-width entries at a time.
 
-Every entry is FRAMED_SIZE (41) bytes, so a block of entries is unpacked by one
-``struct.iter_unpack`` with the frame header and the entry composed from the codecs'
-own structs (``storage.framing.HEADER`` + ``dispatch_log.ENTRY``). A block is taken
-as it is only when every entry in it has the entry length, a known kind and a CRC that
-matches (crc32c per entry: the C crc32c package, over the same bytes scan_frames
-checks). At the first entry that fails, reading goes one frame at a time through the
-server's code — ``storage.scan.read_frame`` and ``dispatch_log.decode_entry`` — which
-decides what it is: a bad frame ends the file (torn tail or corruption, frames.py), an
-entry the codec refuses is a ``format`` row; then block reading resumes.
+Every entry is FRAMED_SIZE (41) bytes, so a block of entries is one Arrow column of
+fixed-size values, and its fields — at the positions of the codecs' own structs,
+``storage.framing.HEADER`` + ``dispatch_log.ENTRY`` — are cut out by Arrow's kernels
+(fields.py). A block is taken as it is only when every entry in it has the entry
+length, a known kind and a CRC that matches (crc32c per entry: the C crc32c package,
+over the same bytes scan_frames checks). At the first entry that fails, reading goes
+one frame at a time through the server's code — ``storage.scan.read_frame`` and
+``dispatch_log.decode_entry`` — which decides what it is: a bad frame ends the file
+(torn tail or corruption, frames.py), an entry the codec refuses is a ``format`` row;
+then block reading resumes.
 
 Option ``verify=full`` reads every entry the slow way; the tests check both agree.
 """
@@ -19,7 +20,9 @@ import struct
 from collections.abc import Iterator, Sequence
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
+from delayd.audit import fields
 from delayd.audit.batches import BATCH_ROWS, bucket_value, build, problems_batch
 from delayd.audit.files import LogFile
 from delayd.audit.frames import Problem, verdict
@@ -34,8 +37,10 @@ from storage.scan import BadFrame, read_frame
 # One entry, frame header included: length, crc, type, offset, at_ms, group.
 _FRAMED_ENTRY = struct.Struct("<" + HEADER.format[1:] + ENTRY.format[1:])
 assert _FRAMED_ENTRY.size == FRAMED_SIZE
+_FRAMED_FIELDS = fields.layout(_FRAMED_ENTRY)
 _CRC_FROM = HEADER_SIZE - 1  # the CRC covers the type byte and the payload
 _KINDS = frozenset(kind.value for kind in EntryKind)
+_KIND_VALUES = pa.array(sorted(_KINDS), pa.uint8())
 # Kind names indexed by the frame's type byte, for Arrow's take().
 _KIND_NAMES = pa.array(
     [EntryKind(t).name.lower() if t in _KINDS else None for t in range(256)], pa.string()
@@ -102,51 +107,33 @@ def _read_block(
     """The whole, known, CRC-valid entries at the start of ``block`` (``count`` entries
     long), stopping before the first that is not — or whose group is not ASCII, which
     decode_entry would refuse: how many, and their batch (None for none)."""
+    entries = pa.Array.from_buffers(pa.binary(FRAMED_SIZE), count, [None, pa.py_buffer(block)])
+    length, crc, rtype, offset, at_ms, group = (fields.field(entries, *at) for at in _FRAMED_FIELDS)
     view = memoryview(block)
-    lengths, crcs, types, offsets, at_ms, groups = zip(
-        *_FRAMED_ENTRY.iter_unpack(block), strict=True
-    )
     computed = [
         crc32c(view[i : i + ENTRY_SIZE + 1])
         for i in range(_CRC_FROM, count * FRAMED_SIZE, FRAMED_SIZE)
     ]
-    bad_groups = {group for group in set(groups) if not group.isascii()}
-    good = count
-    if not (
-        computed == list(crcs)
-        and lengths.count(ENTRY_SIZE) == count
-        and _KINDS.issuperset(types)
-        and not bad_groups
-    ):
-        good = next(
-            i
-            for i in range(count + 1)
-            if i == count
-            or lengths[i] != ENTRY_SIZE
-            or crcs[i] != computed[i]
-            or types[i] not in _KINDS
-            or groups[i] in bad_groups
-        )
-        if not good:
-            return 0, None
+    groups = group.dictionary_encode()  # a file names few groups: each is looked at once
+    raw = groups.dictionary.to_pylist()
+    ascii_group = pa.array([name.isascii() for name in raw], pa.bool_()).take(groups.indices)
+    valid = pc.and_(
+        pc.and_(pc.equal(length, ENTRY_SIZE), pc.equal(crc, pa.array(computed, pa.uint32()))),
+        pc.and_(pc.is_in(rtype, _KIND_VALUES), ascii_group),
+    )
+    good = count if pc.all(valid).as_py() else pc.index(valid, False).as_py()
+    if not good:
+        return 0, None
     values = dict(where)
-    values["position"] = range(position, position + good * FRAMED_SIZE, FRAMED_SIZE)
-    type_bytes = block[_CRC_FROM : good * FRAMED_SIZE : FRAMED_SIZE]  # the type byte of each
-    type_column = pa.Array.from_buffers(pa.uint8(), good, [None, pa.py_buffer(type_bytes)])
-    values["kind"] = _KIND_NAMES.take(type_column)
-    values["offset"] = offsets[:good]
-    values["at_ms"] = at_ms[:good]
+    values["position"] = pc.add(pc.multiply(fields.counting(good), FRAMED_SIZE), position)
+    values["kind"] = _KIND_NAMES.take(rtype.slice(0, good))
+    values["offset"] = offset.slice(0, good).cast(pa.int64())
+    values["at_ms"] = at_ms.slice(0, good)
     if "group" in schema.names:
-        values["group"] = _group_names(groups[:good])
+        # As the codec reads a name: NUL padding removed.
+        names = [name.rstrip(b"\0").decode("ascii") if name.isascii() else None for name in raw]
+        values["group"] = pa.array(names, pa.string()).take(groups.indices.slice(0, good))
     return good, build(schema, good, values)
-
-
-def _group_names(groups: tuple[bytes, ...]) -> pa.Array:
-    """Group names as the codec reads them (NUL padding removed), decoded once per
-    distinct value: a file names few groups."""
-    encoded = pa.array(groups, pa.binary()).dictionary_encode()
-    names = [raw.rstrip(b"\0").decode("ascii") for raw in encoded.dictionary.to_pylist()]
-    return pa.array(names, pa.string()).take(encoded.indices)
 
 
 def _rows_batch(schema: pa.Schema, rows: list[tuple[int, tuple]], where: dict) -> pa.RecordBatch:

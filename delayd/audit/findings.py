@@ -1,13 +1,20 @@
-"""The findings tables: discrepancies (one row per finding and record, with the message
-id) and corrupt records (one row per problem a reader met)."""
+"""The rows of the findings tables that a run of buckets yields, in Arrow: one
+discrepancy per finding and record (a record late and dispatched twice has two), and
+one corrupt record per problem a reader met.
+
+Every finding about one record alone is made here, where the record was judged, with
+its message id at hand. The ones that take other buckets — ``duplicate_id``,
+``copy_missing``, and the message_log check's — are the job's (reconcile.py,
+message_check.py), in the same columns (schemas.FINDING, plus the server).
+"""
 
 from __future__ import annotations
 
-from pyspark.sql import Column, DataFrame
-from pyspark.sql import functions as F
+import pyarrow as pa
+import pyarrow.compute as pc
 
-from delayd.audit.kinds import TORN_TAIL
-from delayd.audit.reconcile import (
+from delayd.audit import files
+from delayd.audit.kinds import (
     CANCELLED_AFTER_DISPATCH,
     COPY_MISSING,
     DEAD_LETTERED,
@@ -15,103 +22,139 @@ from delayd.audit.reconcile import (
     DUPLICATE_DISPATCH,
     DUPLICATE_ID,
     EARLY,
+    ERROR,
     LATE,
     NOT_SCHEDULED,
+    NOTICE,
     NOTICES,
     OVERDUE,
     SCHEDULED_TWICE,
     UNKNOWN_RECORD,
 )
-from delayd.audit.result import ERROR, NOTICE
+from delayd.audit.schemas import FINDING, PROBLEM
+from delayd.logs.buckets import bucket_name
 
-DISCREPANCY_COLUMNS = [
-    "kind",
-    "severity",
-    "server",
-    "bucket",
-    "offset",
-    "message_log_offset",
-    "message_id",
-    "due_ms",
-    "dispatched_ms",
-    "dispatches",
-    "lateness_ms",
-    "detail",
-]
-RECORD_KINDS = (
-    OVERDUE,
-    DUPLICATE_DISPATCH,
-    DUPLICATE_ID,
-    EARLY,
-    LATE,
-    DEAD_LETTERED,
-    UNKNOWN_RECORD,
-    DISPATCHED_AFTER_CANCEL,
-    CANCELLED_AFTER_DISPATCH,
-    COPY_MISSING,
-)
+# The findings a record's own bucket decides (judge.py has a flag of the same name for
+# each), and what their ``detail`` says: a text, or None.
+RECORD_KINDS = {
+    OVERDUE: None,
+    DUPLICATE_DISPATCH: None,  # how many times: _detail()
+    EARLY: None,  # by how much: _detail()
+    LATE: None,
+    DEAD_LETTERED: None,
+    UNKNOWN_RECORD: "dispatch_log entry for an offset with no record",
+    DISPATCHED_AFTER_CANCEL: "withdrawn (cancelled or moved), then sent",
+    CANCELLED_AFTER_DISPATCH: "sent, then cancelled or moved",
+}
+# discrepancies/ and corrupt_records/: the structs with the server's name.
+DISCREPANCIES = pa.schema([*list(FINDING)[:2], pa.field("server", pa.string()), *list(FINDING)[2:]])
+CORRUPT_RECORDS = pa.schema([pa.field("server", pa.string()), *PROBLEM])
+MESSAGE_KINDS = (NOT_SCHEDULED, SCHEDULED_TWICE)  # message_check.py's
+US_PER_MS = 1000
 
 
-def _kinds(*kinds: str) -> Column:
-    """The kinds whose flag column (same name) is true, as an array."""
-    return F.array_compact(F.array(*(F.when(F.col(kind), F.lit(kind)) for kind in kinds)))
+def severity(kind: str) -> str:
+    """``notice`` for the kinds that do not fail the audit, ``error`` for the others."""
+    return NOTICE if kind in NOTICES else ERROR
 
 
-def record_findings(status: DataFrame) -> DataFrame:
-    """One row per finding and schedule_log record (a record late and dispatched twice
-    has two rows); notices (dead_lettered) included, marked by severity. ``status`` is
-    with_duplicate_ids' output. No message ids yet: inputs.with_message_ids adds them."""
-    kind = F.col("kind")
-    detail = (
-        F.when(kind == DUPLICATE_DISPATCH, F.format_string("dispatched %d times", "dispatches"))
-        .when(kind == DUPLICATE_ID, F.format_string("id dispatched at %d records", "id_records"))
-        .when(kind.isin(EARLY, LATE), F.format_string("%+d ms", "lateness_ms"))
-        .when(kind == UNKNOWN_RECORD, F.lit("dispatch_log entry for an offset with no record"))
-        .when(kind == DISPATCHED_AFTER_CANCEL, F.lit("withdrawn (cancelled or moved), then sent"))
-        .when(kind == CANCELLED_AFTER_DISPATCH, F.lit("sent, then cancelled or moved"))
-        .when(kind == COPY_MISSING, F.lit("rescheduled, but no later record of its id"))
-    )
-    return (
-        status.withColumn("kind", F.explode(_kinds(*RECORD_KINDS)))
-        .withColumns(
-            {"severity": F.when(kind.isin(*NOTICES), NOTICE).otherwise(ERROR), "detail": detail}
-        )
-        .select(*(c for c in DISCREPANCY_COLUMNS if c != "message_id"))
-    )
+def record_findings(judged: pa.Table) -> pa.Table:
+    """The FINDING rows of judge.judge's rows, kind by kind (RECORD_KINDS)."""
+    parts = []
+    for kind, text in RECORD_KINDS.items():
+        rows = judged.filter(judged[kind])
+        if not rows.num_rows:
+            continue
+        detail = _detail(kind, rows) if text is None else pa.repeat(text, rows.num_rows)
+        parts.append(_findings(kind, rows, detail, pa.schema(list(FINDING))))
+    return _concat(parts, FINDING)
 
 
-def message_findings(checked: DataFrame) -> DataFrame:
-    """One row per message_log record not in schedule_log, or in it more often than it
-    can be."""
-    return (
-        checked.withColumn("kind", F.explode(_kinds(NOT_SCHEDULED, SCHEDULED_TWICE)))
-        .withColumns(
-            {
-                "severity": F.lit(ERROR),
-                "detail": F.format_string("%s in schedule_log %d times", "record_kind", "copies"),
-                "bucket": F.lit(None).cast("timestamp"),
-                "offset": F.lit(None).cast("long"),
-                "dispatched_ms": F.lit(None).cast("long"),
-                "dispatches": F.lit(None).cast("long"),
-                "lateness_ms": F.lit(None).cast("long"),
-            }
-        )
-        .select(*DISCREPANCY_COLUMNS)
+def duplicate_id_findings(duplicates: pa.Table) -> pa.Table:
+    """DISCREPANCIES rows of the records whose id was dispatched at more than one
+    record (reconcile.duplicates' rows)."""
+    rows = duplicates.filter(pc.greater(duplicates["id_records"], 1))
+    records = rows["id_records"].cast(pa.string())
+    detail = pc.binary_join_element_wise("id dispatched at ", records, " records", "")
+    return _findings(DUPLICATE_ID, rows, detail, DISCREPANCIES)
+
+
+def copy_findings(copies: pa.Table) -> pa.Table:
+    """DISCREPANCIES rows of the moved records whose copy is missing
+    (reconcile.missing_copies' rows)."""
+    rows = copies.filter(copies["copy_missing"])
+    detail = pa.repeat("rescheduled, but no later record of its id", rows.num_rows)
+    return _findings(COPY_MISSING, rows, detail, DISCREPANCIES)
+
+
+def _findings(kind: str, rows: pa.Table, detail: pa.Array, schema: pa.Schema) -> pa.Table:
+    """``rows`` (records with what a finding shows) as findings of ``kind`` in
+    ``schema`` (FINDING's fields, or DISCREPANCIES)."""
+    count = rows.num_rows
+    columns = {
+        "kind": pa.repeat(kind, count),
+        "severity": pa.repeat(severity(kind), count),
+        "detail": detail,
+    }
+    return pa.Table.from_arrays(
+        [columns[f.name] if f.name in columns else rows[f.name] for f in schema], schema=schema
     )
 
 
-def problems(
-    log: str, frame: DataFrame, file: Column, position: Column, problem: str, detail: str
-) -> DataFrame:
-    """The problem rows of ``frame`` (those whose column ``problem`` is set), as rows of
-    the corrupt_records table."""
-    kind = F.col(problem)
-    return frame.where(kind.isNotNull()).select(
-        "server",
-        F.lit(log).alias("log"),
-        file.alias("file"),
-        position.alias("position"),
-        kind.alias("problem"),
-        F.when(kind == TORN_TAIL, NOTICE).otherwise(ERROR).alias("severity"),
-        F.col(detail).alias("detail"),
+def _detail(kind: str, rows: pa.Table) -> pa.Array:
+    """The detail of the kinds whose text depends on the record: how many dispatches, or
+    the lateness with its sign (``%+d ms``); null for the others."""
+    if kind == DUPLICATE_DISPATCH:
+        times = rows["dispatches"].cast(pa.string())
+        return pc.binary_join_element_wise("dispatched ", times, " times", "")
+    if kind in (EARLY, LATE):
+        lateness = rows["lateness_ms"]
+        sign = pc.if_else(pc.greater_equal(lateness, 0), "+", "")
+        return pc.binary_join_element_wise(sign, lateness.cast(pa.string()), " ms", "")
+    return pa.nulls(rows.num_rows, pa.string())
+
+
+def problems(judged: pa.Table, dispatch_problems: pa.Table) -> pa.Table:
+    """The PROBLEM rows of a run: schedule_log's problem rows (in judge.judge's rows,
+    at the byte where each is) and its dispatch_log files' (pairs.DISPATCH_PROBLEMS)."""
+    schedule = judged.filter(pc.is_valid(judged["schedule_problem"])).select(
+        ["bucket", "offset", "schedule_problem", "schedule_detail"]
     )
+    parts = [
+        _problem_rows(files.SCHEDULE_LOG, *schedule.columns),
+        _problem_rows(
+            files.DISPATCH_LOG,
+            *dispatch_problems.select(["bucket", "position", "problem", "detail"]).columns,
+        ),
+    ]
+    return _concat(parts, PROBLEM)
+
+
+def _problem_rows(
+    log: str,
+    bucket: pa.ChunkedArray,
+    position: pa.ChunkedArray,
+    problem: pa.ChunkedArray,
+    detail: pa.ChunkedArray,
+) -> pa.Table:
+    """PROBLEM rows of ``log``'s bucket files (few: a file's reading stops at its first
+    bad frame)."""
+    count = len(bucket)
+    names = [bucket_name(us // US_PER_MS) for us in bucket.cast(pa.int64()).to_pylist()]
+    kinds = problem.to_pylist()
+    return pa.Table.from_arrays(
+        [
+            pa.repeat(pa.scalar(log), count),
+            pa.array(names, pa.string()),
+            position,
+            problem,
+            pa.array([severity(kind) for kind in kinds], pa.string()),
+            detail,
+        ],
+        schema=pa.schema(list(PROBLEM)),
+    )
+
+
+def _concat(parts: list[pa.Table], struct: pa.StructType) -> pa.Table:
+    schema = pa.schema(list(struct))
+    return pa.concat_tables(parts) if parts else schema.empty_table()

@@ -1,34 +1,31 @@
 """What the audit job reads of the logs, through the data sources of sources.py.
 
-The job reads each log once, in narrow form: the columns the reconciliation needs, and
-a message id only as its hash; schedule_log and dispatch_log together, each bucket's
-two files joined where they are read (pairs.py). The few files that turn out to matter
-later — buckets holding findings, dispatch_log files with problems — are read again,
-alone (the sources' ``files`` option), for what the narrow pass left out: message ids,
-and the text of each problem.
+Per server, schedule_log and dispatch_log are read once, together: each bucket's two
+files reconciled where they are read (``delayd.reconciled``: reconciled.py), which
+leaves a few rows per bucket and per task. message_log, when it is still there, is read
+once in narrow form. The few buckets that hold records whose id is
+in question (reconcile.py) are read again, alone (the sources' ``files`` option), for
+those records.
 """
 
 from __future__ import annotations
 
 from functools import reduce
 
-from pyspark.sql import Column, DataFrame, SparkSession
-from pyspark.sql import functions as F
+import pyarrow as pa
+from pyspark.sql import DataFrame, SparkSession
 
 from delayd.audit import files
 from delayd.audit.config import AuditConfig, Server
+from delayd.audit.queries import literal
+from delayd.audit.reconciled import ALL
 from delayd.audit.schemas import select
-from delayd.audit.sources import SOURCES, PairedSource, spark_schema
+from delayd.audit.sources import SOURCES, ReconciledSource, spark_schema
+from delayd.logs.buckets import bucket_name
 
-# What the one pass reads of message_log. schedule_log and dispatch_log are read
-# together, paired per bucket (read_paired); dispatch_log's problems are only counted
-# there, so their position and text are left for the reread.
+# What the one pass reads of message_log.
 MESSAGE_COLUMNS = ["file", "offset", "kind", "message_id", "due_ms", "receive_ms", "detail"]
-
-
-def bucket_file() -> Column:
-    """The name of a bucket's file (``yyyyMMddHHmm``, UTC) from its ``bucket`` column."""
-    return F.date_format("bucket", "yyyyMMddHHmm")
+US_PER_MS = 1000
 
 
 def read_log(
@@ -53,15 +50,27 @@ def read_log(
     return reader.load(server.data_dir)
 
 
-def read_paired(spark: SparkSession, server: Server, config: AuditConfig) -> DataFrame:
-    """One server's schedule_log records paired with their dispatch_log entries
-    (``delayd.paired``: pairs.py)."""
-    return (
-        spark.read.format(PairedSource.name())
+def read_reconciled(
+    spark: SparkSession,
+    server: Server,
+    config: AuditConfig,
+    records: str,
+    only: list[str] | None = None,
+) -> DataFrame:
+    """One server's buckets (those named in ``only``, if given) reconciled where they
+    are read (``delayd.reconciled``: reconciled.py), with the rows per record
+    ``records`` asks for (reconciled.RECORD_MODES)."""
+    reader = (
+        spark.read.format(ReconciledSource.name())
+        .option("cutoffMs", str(config.cutoff_ms))
+        .option("lateMs", str(config.late_ms))
+        .option("records", records)
         .option("verify", config.verify)
         .option("partitionBytes", str(config.partition_bytes))
-        .load(server.data_dir)
     )
+    if only is not None:
+        reader = reader.option("files", ",".join(only))
+    return reader.load(server.data_dir)
 
 
 def has_message_log(config: AuditConfig) -> bool:
@@ -70,37 +79,19 @@ def has_message_log(config: AuditConfig) -> bool:
     return any(files.list_files(s.data_dir, files.MESSAGE_LOG) for s in config.servers)
 
 
-def _files_of(keys: DataFrame) -> dict[str, list[str]]:
-    """The bucket files named by the (server, bucket) of ``keys``, per server."""
-    found: dict[str, set[str]] = {}
-    for row in keys.select("server", bucket_file().alias("file")).distinct().collect():
-        found.setdefault(row["server"], set()).add(row["file"])
-    return {server: sorted(names) for server, names in found.items()}
-
-
-def reread(
-    spark: SparkSession, config: AuditConfig, log: str, keys: DataFrame, columns: list[str]
-) -> DataFrame | None:
-    """``columns`` of the files of ``log`` that the (server, bucket) of ``keys`` name,
-    with a ``server`` column; None when ``keys`` names none."""
-    wanted = _files_of(keys)
+def records(spark: SparkSession, config: AuditConfig, buckets: pa.Table) -> DataFrame:
+    """Every schedule_log record of ``buckets`` (server, bucket), read again with what a
+    finding shows of it (schemas.RECORD) and ``server``."""
+    wanted: dict[str, set[str]] = {}
+    for server, bucket_us in zip(
+        buckets["server"].to_pylist(), buckets["bucket"].cast(pa.int64()).to_pylist(), strict=True
+    ):
+        wanted.setdefault(server, set()).add(bucket_name(bucket_us // US_PER_MS))
     frames = [
-        read_log(spark, log, server, config, columns, wanted[server.name]).withColumn(
-            "server", F.lit(server.name)
-        )
+        read_reconciled(spark, server, config, ALL, sorted(wanted[server.name]))
+        .where("record IS NOT NULL")
+        .selectExpr(f"{literal(server.name)} AS server", "record.*")
         for server in config.servers
         if server.name in wanted
     ]
-    return reduce(DataFrame.unionByName, frames) if frames else None
-
-
-def with_message_ids(spark: SparkSession, config: AuditConfig, rows: DataFrame) -> DataFrame:
-    """``rows`` (keyed by server, bucket, offset) with the ``message_id`` of the
-    schedule_log record at their key (null where there is none), read from only the
-    buckets ``rows`` name."""
-    key = ["server", "bucket", "offset"]
-    names = reread(spark, config, files.SCHEDULE_LOG, rows, ["bucket", "offset", "message_id"])
-    if names is None:
-        return rows.withColumn("message_id", F.lit(None).cast("string"))
-    names = names.where(F.col("problem").isNull()).select(*key, "message_id")
-    return rows.join(names, key, "left")
+    return reduce(DataFrame.unionByName, frames)

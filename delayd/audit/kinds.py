@@ -13,3 +13,22 @@ PROBLEMS = (TORN_TAIL, CORRUPT, FORMAT)
 HEAD = "head"  # what the audit needs, head checked as the codec checks it
 FULL = "full"  # every record through the codec, properties included
 VERIFY_MODES = (HEAD, FULL)
+
+# What a finding is (the ``kind`` column of discrepancies/; docs/audit.md defines each).
+DEAD_LETTERED = "dead_lettered"  # as dispatch_log's kind column names DEAD_LETTERED
+OVERDUE = "overdue"
+DUPLICATE_DISPATCH = "duplicate_dispatch"
+DUPLICATE_ID = "duplicate_id"
+EARLY = "early"
+LATE = "late"
+UNKNOWN_RECORD = "unknown_record"
+DISPATCHED_AFTER_CANCEL = "dispatched_after_cancel"
+CANCELLED_AFTER_DISPATCH = "cancelled_after_dispatch"
+COPY_MISSING = "copy_missing"
+NOT_SCHEDULED = "not_scheduled"
+SCHEDULED_TWICE = "scheduled_twice"
+NOTICES = frozenset({DEAD_LETTERED, TORN_TAIL})  # listed; every other kind fails the audit
+
+# A finding's or a corrupt record's ``severity``.
+ERROR = "error"  # fails the audit
+NOTICE = "notice"  # reported, does not fail it (dead-lettered, torn tail)

@@ -4,10 +4,10 @@ in the task that reads the two logs' files of the same buckets.
 A record and its entries always sit in bucket files of the same name (the server
 appends an entry to the dispatch_log file of the record's bucket), so pairing them
 needs no shuffle: a task reads both files of a run of buckets and joins them there
-(Arrow's group_by and hash join, in C++), and hands Spark one row per record. Joining
-in Spark instead meant sending both logs to the JVM, aggregating the entries, shuffling
-both sides and sorting them for a full outer join: more than half of the audit's time
-(docs/benchmarks.md, "Audit").
+(Arrow's group_by and hash join, in C++), one row per record, which the same task then
+judges (reconciled.py). Joining in Spark instead meant sending both logs to the JVM,
+aggregating the entries, shuffling both sides and sorting them for a full outer join:
+more than half of the audit's time (docs/benchmarks.md, "Audit").
 
 Per (bucket, offset), of the entries that are records and not COMPLETE marks:
 ``dispatches``, ``dead_letters``, ``withdrawals`` (CANCELLED or RESCHEDULED), ``fate``
@@ -16,10 +16,8 @@ Per (bucket, offset), of the entries that are records and not COMPLETE marks:
 earliest of all). Every schedule_log row meets the entries of its offset — its problem
 rows too (``schedule_problem``, ``schedule_detail``): a problem row stands where a
 record could not be read, so entries for that offset are about that record. Entries for
-an offset with no schedule_log row get a row of their own. A dispatch_log file with
-problems adds one row (offset null) counting them in ``dispatch_problems`` (0 on entry
-rows, null on records without entries); the job reads those files again for the
-details. reconcile.py judges the rows.
+an offset with no schedule_log row get a row of their own. dispatch_log's problem rows
+are handed over beside the pairs (``Run.dispatch_problems``).
 
 Buckets are paired a run at a time, about BATCH_ROWS records: Arrow's joins cost
 ~1 ms each to set up, more than pairing a quiet bucket. Memory: a task holds one run,
@@ -48,7 +46,11 @@ _SCHEDULE = select(
     SCHEDULE_LOG,
     ["bucket", "offset", "message_log_offset", "due_ms", "message_id", "problem", "detail"],
 )
-_DISPATCH = select(DISPATCH_LOG, ["bucket", "position", "kind", "offset", "at_ms", "problem"])
+_DISPATCH = select(
+    DISPATCH_LOG, ["bucket", "position", "kind", "offset", "at_ms", "problem", "detail"]
+)
+# dispatch_log's problem rows of a run (Run.dispatch_problems).
+DISPATCH_PROBLEMS = select(DISPATCH_LOG, ["bucket", "position", "problem", "detail"])
 _KEY = ["bucket", "offset"]
 
 
@@ -102,11 +104,20 @@ def bucket_pairs(schedule: list[LogFile], dispatch: list[LogFile]) -> list[Bucke
     return [BucketFiles(*by_name[name]) for name in sorted(by_name)]
 
 
-def paired_batches(
+@dataclass(frozen=True, slots=True)
+class Run:
+    """A run of buckets paired: ``paired`` (PAIRED rows, one chunk) and the problem rows
+    of their dispatch_log files (DISPATCH_PROBLEMS)."""
+
+    paired: pa.Table
+    dispatch_problems: pa.Table
+
+
+def paired_runs(
     buckets: list[BucketFiles], *, verify: str = HEAD, batch_rows: int = BATCH_ROWS
-) -> Iterator[pa.RecordBatch]:
-    """The PAIRED rows of ``buckets`` (the module docstring says what they hold), in
-    batches of up to ``batch_rows``."""
+) -> Iterator[Run]:
+    """``buckets`` paired a run at a time: consecutive buckets of about ``batch_rows``
+    records in all (a bigger bucket is a run of its own)."""
     records: list[pa.RecordBatch] = []
     entries: list[pa.RecordBatch] = []
     rows = 0
@@ -117,34 +128,31 @@ def paired_batches(
             entries += dispatch_batches(bucket.dispatch, "", verify=verify, columns=_DISPATCH.names)
         rows = sum(batch.num_rows for batch in records)
         if rows >= batch_rows:
-            yield from pair(records, entries).to_batches(max_chunksize=batch_rows)
+            yield pair(records, entries)
             records, entries = [], []
     if records or entries:
-        yield from pair(records, entries).to_batches(max_chunksize=batch_rows)
+        yield pair(records, entries)
 
 
-def pair(records: list[pa.RecordBatch], entries: list[pa.RecordBatch]) -> pa.Table:
-    """The PAIRED rows of whole files: ``records`` of schedule_log files and ``entries``
-    of the dispatch_log files of the same buckets (as the readers yield them, with
-    ``_SCHEDULE``'s and ``_DISPATCH``'s columns), in one chunk."""
+def pair(records: list[pa.RecordBatch], entries: list[pa.RecordBatch]) -> Run:
+    """The Run of whole files: ``records`` of schedule_log files and ``entries`` of the
+    dispatch_log files of the same buckets (as the readers yield them, with
+    ``_SCHEDULE``'s and ``_DISPATCH``'s columns)."""
     schedule = pa.Table.from_batches(records, schema=_SCHEDULE).rename_columns(
         {"problem": "schedule_problem", "detail": "schedule_detail"}
     )
     dispatch = pa.Table.from_batches(entries, schema=_DISPATCH)
-    is_record = pc.is_null(dispatch["problem"])
+    is_entry = pc.is_null(dispatch["problem"])
     counted = dispatch.filter(
-        pc.and_(is_record, pc.not_equal(dispatch["kind"], _name(EntryKind.COMPLETE)))
+        pc.and_(is_entry, pc.not_equal(dispatch["kind"], _name(EntryKind.COMPLETE)))
     )
-    parts = [
-        schedule.join(_per_offset(counted), _KEY, join_type="full outer", use_threads=False),
-        _problem_counts(dispatch.filter(pc.invert(is_record))),
-    ]
-    return pa.concat_tables([_conform(part) for part in parts]).combine_chunks()
+    paired = schedule.join(_per_offset(counted), _KEY, join_type="full outer", use_threads=False)
+    problems = dispatch.filter(pc.invert(is_entry)).select(DISPATCH_PROBLEMS.names)
+    return Run(_conform(paired).combine_chunks(), problems.combine_chunks())
 
 
 def _per_offset(entries: pa.Table) -> pa.Table:
-    """The entries (records, no COMPLETE marks) added up per (bucket, offset), with
-    ``dispatch_problems`` 0."""
+    """The entries (records, no COMPLETE marks) added up per (bucket, offset)."""
     # The decoder's slow path may yield entries out of order.
     entries = entries.sort_by([("bucket", "ascending"), ("position", "ascending")])
     kind = entries["kind"]
@@ -165,24 +173,7 @@ def _per_offset(entries: pa.Table) -> pa.Table:
     columns = {name: grouped[name] for name in _KEY}
     for (column, aggregation), name in _PER_OFFSET.items():
         columns[name] = grouped[f"{column}_{aggregation}"]
-    columns["dispatch_problems"] = pa.repeat(pa.scalar(0, pa.int64()), grouped.num_rows)
     return pa.table(columns)
-
-
-def _problem_counts(problems: pa.Table) -> pa.Table:
-    """One row per dispatch_log file (bucket) with problems: how many, no offset, and
-    no entries counted."""
-    counts = problems.group_by("bucket", use_threads=False).aggregate([("bucket", "count")])
-    zeros = pa.repeat(pa.scalar(0, pa.int64()), counts.num_rows)
-    return pa.table(
-        {
-            "bucket": counts["bucket"],
-            "dispatches": zeros,
-            "dead_letters": zeros,
-            "withdrawals": zeros,
-            "dispatch_problems": counts["bucket_count"],
-        }
-    )
 
 
 def _conform(part: pa.Table) -> pa.Table:

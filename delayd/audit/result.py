@@ -10,10 +10,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from delayd.audit.config import AuditConfig
+from delayd.audit.kinds import ERROR, NOTICE  # noqa: F401 - the severities, re-exported
 
 REPORT_ROWS = 50  # findings and corrupt records listed in the report
-ERROR = "error"  # a finding that fails the audit
-NOTICE = "notice"  # reported, does not fail it (dead-lettered, torn tail)
 
 
 @dataclass

@@ -84,13 +84,13 @@ MESSAGE_LOG = pa.schema(
 )
 
 
-# delayd.paired (pairs.py): one row per schedule_log row of a bucket, with what that
-# bucket's dispatch_log file says about its offset; also one row per offset with
-# entries and no schedule_log row, and one per dispatch_log file with problems.
+# pairs.py: one row per schedule_log row of a bucket, with what that bucket's
+# dispatch_log file says about its offset; also one row per offset with entries and no
+# schedule_log row.
 PAIRED = pa.schema(
     [
         pa.field("bucket", BUCKET_TYPE),
-        pa.field("offset", pa.int64()),  # null on a dispatch_log file's problem count
+        pa.field("offset", pa.int64()),
         pa.field("message_log_offset", pa.int64()),
         pa.field("due_ms", pa.int64()),
         pa.field("message_id", pa.string()),
@@ -102,7 +102,98 @@ PAIRED = pa.schema(
         pa.field("fate", pa.int8()),  # the first entry's EntryKind value
         pa.field("dispatched_ms", pa.int64()),  # the first DISPATCHED entry's at_ms
         pa.field("first_entry_ms", pa.int64()),
-        pa.field("dispatch_problems", pa.int64()),
+    ]
+)
+
+
+# What a run of buckets hands the job (delayd.reconciled, reconciled.py). Times are epoch
+# ms; counts are records. Each row is one of:
+#
+# * a bucket's counts (``summary``), a lateness value and how many dispatched records of
+#   the run have it (``lateness``), a finding (``finding``), a problem a reader met
+#   (``problem``), a record moved before the cutoff (``moved``: its copy is looked for),
+#   or the run's records of one id hash range (``ids``: ids.py) — one struct set,
+#   every other column null;
+# * when asked (option ``records``): a schedule_log record (``record``) — the records of
+#   a few buckets read again — or only its message_log offset (``scheduled_offset``),
+#   for the message_log check.
+COUNTS = (
+    "scheduled",
+    "dispatched",
+    "dispatch_entries",
+    "duplicate_dispatch",
+    "dead_lettered",
+    "cancelled",
+    "rescheduled",
+    "pending",
+    "overdue",
+    "unverified",
+    "early",
+    "late",
+    "unknown_record",
+    "dispatched_after_cancel",
+    "cancelled_after_dispatch",
+)
+PERCENTILES = ("lateness_p50_ms", "lateness_p99_ms", "lateness_max_ms")
+BUCKET_SUMMARY = pa.struct(
+    [
+        pa.field("bucket", BUCKET_TYPE),
+        *(pa.field(name, pa.int64()) for name in (*COUNTS, *PERCENTILES)),
+    ]
+)
+LATENESS = pa.struct([pa.field("lateness_ms", pa.int64()), pa.field("records", pa.int64())])
+FINDING = pa.struct(  # a row of discrepancies/, but its server
+    [
+        pa.field("kind", pa.string()),
+        pa.field("severity", pa.string()),
+        pa.field("bucket", BUCKET_TYPE),
+        pa.field("offset", pa.int64()),
+        pa.field("message_log_offset", pa.int64()),
+        pa.field("message_id", pa.string()),
+        pa.field("due_ms", pa.int64()),
+        pa.field("dispatched_ms", pa.int64()),
+        pa.field("dispatches", pa.int64()),
+        pa.field("lateness_ms", pa.int64()),
+        pa.field("detail", pa.string()),
+    ]
+)
+PROBLEM = pa.struct(  # a row of corrupt_records/, but its server
+    [
+        pa.field("log", pa.string()),
+        pa.field("file", pa.string()),
+        pa.field("position", pa.int64()),  # the byte in the file
+        pa.field("problem", pa.string()),
+        pa.field("severity", pa.string()),
+        pa.field("detail", pa.string()),
+    ]
+)
+RECORD = pa.struct(  # what a finding about a record shows, and its id's hash
+    [
+        pa.field("bucket", BUCKET_TYPE),
+        pa.field("offset", pa.int64()),
+        pa.field("message_log_offset", pa.int64()),
+        pa.field("message_id", pa.string()),
+        pa.field("id_hash", pa.int64()),  # ids.id_hashes
+        pa.field("due_ms", pa.int64()),
+        pa.field("dispatched_ms", pa.int64()),  # the first DISPATCHED entry's at_ms
+        pa.field("dispatches", pa.int64()),  # DISPATCHED entries
+        pa.field("lateness_ms", pa.int64()),  # null when withdrawn (judge.py)
+    ]
+)
+ID_RANGE = pa.struct([pa.field("range", pa.int32()), pa.field("blob", pa.binary())])
+SIDE_TABLES = {
+    "summary": BUCKET_SUMMARY,
+    "lateness": LATENESS,
+    "finding": FINDING,
+    "problem": PROBLEM,
+    "moved": RECORD,
+    "ids": ID_RANGE,
+}
+RECONCILED = pa.schema(
+    [
+        *(pa.field(name, type_) for name, type_ in SIDE_TABLES.items()),
+        pa.field("record", RECORD),
+        pa.field("scheduled_offset", pa.int64()),
     ]
 )
 

@@ -3,7 +3,6 @@
     spark.read.format("delayd.schedule_log").load("/var/lib/delayd")
     spark.read.format("delayd.dispatch_log").option("server", "eu-1").load(path)
     spark.read.format("delayd.message_log").load(path)
-    spark.read.format("delayd.paired").load(path)
 
 ``path`` is a data directory (the ``--data`` of ``delayd serve``). Each file — a
 schedule_log or dispatch_log bucket, a message_log segment — is read whole by one task,
@@ -23,12 +22,16 @@ Options: ``server`` (default: the path as given) fills the ``server`` column, so
 several data directories can be read into one table; ``verify`` is ``head`` (default)
 or ``full`` (decode every record with the codec, properties included; slower);
 ``partitionBytes`` as above; ``files``, comma-separated file names, reads only those
-files of the log (the audit rereads the few files it found problems in).
+files of the log.
 
-``delayd.paired`` is what the audit job reads (pairs.py): each bucket's schedule_log
-and dispatch_log files read by one task and joined there, one row per record with what
-dispatch_log says about it (schemas.PAIRED; no narrower schema). Its options: ``verify``,
-``partitionBytes`` (a bucket's two files count together), ``files`` (bucket names).
+``delayd.reconciled`` is what the audit job reads (reconciled.py): each bucket's
+schedule_log and dispatch_log files read by one task and reconciled there: the buckets'
+counts, findings and problems, and what crosses buckets (schemas.RECONCILED; no narrower
+schema). Its options: ``cutoffMs`` and ``lateMs`` (required: what is judged
+and what is late, config.AuditConfig), ``records`` (rows per record too:
+reconciled.RECORD_MODES), ``verify``, ``partitionBytes`` (a bucket's two files count
+together), ``files`` (bucket names: the audit reads again the few buckets that hold
+candidates of duplicate ids).
 
 The files are read with plain file I/O where the tasks run: on a cluster every
 executor must see the data directories at the same path (a shared mount), and have
@@ -51,7 +54,8 @@ from delayd.audit.decode_dispatch import dispatch_batches
 from delayd.audit.decode_messages import message_batches, schedule_batches
 from delayd.audit.files import LogFile
 from delayd.audit.kinds import HEAD, VERIFY_MODES
-from delayd.audit.pairs import BucketFiles, bucket_pairs, paired_batches
+from delayd.audit.pairs import BucketFiles, bucket_pairs
+from delayd.audit.reconciled import NONE, RECORD_MODES, reconciled_batches
 
 FORMAT_PREFIX = "delayd."
 
@@ -185,12 +189,15 @@ SOURCES = {
 }
 
 
-class _PairedReader(DataSourceReader):
-    """Pairs the two logs' files by bucket on the driver; reads and joins each pair on
-    the executors."""
+class _ReconciledReader(DataSourceReader):
+    """Pairs the two logs' files by bucket on the driver; reads and reconciles each run
+    of buckets on the executors."""
 
-    def __init__(self, options: _Options) -> None:
+    def __init__(self, options: _Options, cutoff_ms: int, late_ms: int, records: str) -> None:
         self.options = options
+        self.cutoff_ms = cutoff_ms
+        self.late_ms = late_ms
+        self.records = records
 
     def partitions(self) -> list[InputPartition]:
         data_dir = self.options.data_dir
@@ -206,24 +213,38 @@ class _PairedReader(DataSourceReader):
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         # Spark runs one empty partition when there are no files.
-        yield from paired_batches(getattr(partition, "files", []), verify=self.options.verify)
+        yield from reconciled_batches(
+            getattr(partition, "files", []),
+            cutoff_ms=self.cutoff_ms,
+            late_ms=self.late_ms,
+            verify=self.options.verify,
+            records=self.records,
+        )
 
 
-class PairedSource(DataSource):
-    """``delayd.paired``: schedule_log records with their dispatch_log entries, joined
-    per bucket where they are read (pairs.py; schemas.PAIRED)."""
+class ReconciledSource(DataSource):
+    """``delayd.reconciled``: every bucket's records judged where its two files are read
+    (reconciled.py; schemas.RECONCILED)."""
 
     @classmethod
     def name(cls) -> str:
-        return FORMAT_PREFIX + "paired"
+        return FORMAT_PREFIX + "reconciled"
 
     def schema(self) -> StructType:
-        return spark_schema(schemas.PAIRED)
+        return spark_schema(schemas.RECONCILED)
 
     def reader(self, schema: StructType) -> DataSourceReader:
         if schema != self.schema():
             raise ValueError(f"{self.name()}: takes no schema of its own")
-        return _PairedReader(_Options.parse(self.name(), self.options, schema.fieldNames()))
+        options = _Options.parse(self.name(), self.options, schema.fieldNames())
+        try:
+            cutoff_ms, late_ms = (int(self.options[name]) for name in ("cutoffMs", "lateMs"))
+        except (KeyError, ValueError):
+            raise ValueError(f"{self.name()}: give cutoffMs and lateMs, in ms") from None
+        records = self.options.get("records", NONE)
+        if records not in RECORD_MODES:
+            raise ValueError(f"{self.name()}: records must be one of {', '.join(RECORD_MODES)}")
+        return _ReconciledReader(options, cutoff_ms, late_ms, records)
 
 
 def spark_schema(arrow_schema: pa.Schema) -> StructType:
@@ -233,5 +254,5 @@ def spark_schema(arrow_schema: pa.Schema) -> StructType:
 
 def register(spark: SparkSession) -> None:
     """Make the formats available to ``spark.read.format(...)``."""
-    for source in (*SOURCES.values(), PairedSource):
+    for source in (*SOURCES.values(), ReconciledSource):
         spark.dataSource.register(source)

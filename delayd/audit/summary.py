@@ -1,101 +1,117 @@
 """The summary table: counts per (server, bucket), per server and overall, with exact
-lateness percentiles — from one pass over the per-record status.
+lateness percentiles — added up on the driver from the small tables the tasks hand over.
 
-That pass groups the records by (server, bucket, lateness_ms) and counts each flag:
-lateness is a whole number of milliseconds, and a bucket's dispatches take few distinct
-values, so the result is small (thousands of rows for millions of records). Every level
-is then added up from it: the counts by summing, the percentiles by reading p50 and p99
-off the cumulative counts of each level's lateness histogram — exactly, by nearest
-rank: the smallest lateness with at least ``ceil(p * n)`` of the level's ``n``
-dispatched records at or below it. (``percentile_approx`` per server and overall folds
-millions of values into one sketch each, which cost more than the rest of the summary.)
+Each bucket's counts and percentiles were made where it was read (tally.py). What
+crosses buckets is added here: ids dispatched more than once (``duplicate_by_id``: the
+distinct ids among a bucket's, a server's or all records), moved records whose copy is
+missing (``copy_missing``; ``unverified`` instead where the copy may be in a file that
+could not be read whole), and message_log's counts (on server and overall rows). A
+server's and the overall percentiles come from the runs' lateness histograms added up
+(tally.percentiles): percentiles of buckets do not add.
 """
 
 from __future__ import annotations
 
-from pyspark import StorageLevel
-from pyspark.sql import Column, DataFrame, Window
-from pyspark.sql import functions as F
+from typing import Any
 
-LEVELS = ["server", "bucket"]
-FLAGS = (  # counted as they are
-    "scheduled",
-    "duplicate_dispatch",
-    "dead_lettered",
-    "cancelled",
-    "rescheduled",
-    "pending",
-    "overdue",
-    "unverified",
-    "early",
-    "late",
-    "unknown_record",
-    "dispatched_after_cancel",
-    "cancelled_after_dispatch",
-    "copy_missing",
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from delayd.audit import tally
+from delayd.audit.schemas import BUCKET_TYPE, COUNTS, PERCENTILES
+
+MESSAGE_COUNTS = (
+    "message_log_records",
+    "message_log_cancels",
+    "message_log_reschedules",
+    "not_scheduled",
+    "scheduled_twice",
+    "message_unverified",
 )
-COUNTS = ("dispatched", "dispatch_entries", *FLAGS)
+_KEY = ["server", "bucket"]
+SUMMARY = pa.schema(
+    [
+        pa.field("server", pa.string()),
+        pa.field("bucket", BUCKET_TYPE),
+        *(
+            pa.field(name, pa.int64())
+            for name in (
+                *COUNTS[:4],  # scheduled, dispatched, dispatch_entries, duplicate_dispatch
+                "duplicate_by_id",
+                *COUNTS[4:],
+                "copy_missing",
+                *PERCENTILES,
+                *MESSAGE_COUNTS,
+            )
+        ),
+    ]
+)
 
 
-def _attach(table: DataFrame, extra: DataFrame) -> DataFrame:
-    """``table`` with the columns of ``extra``, matched on (server, bucket) where null
-    means "all" on both sides."""
-    extra = extra.withColumnsRenamed({"server": "_server", "bucket": "_bucket"})
-    on = table["server"].eqNullSafe(extra["_server"]) & table["bucket"].eqNullSafe(extra["_bucket"])
-    return table.join(extra, on, "left").drop("_server", "_bucket")
+def summary(
+    buckets: pa.Table,
+    histograms: pa.Table,
+    duplicates: pa.Table,
+    copies: pa.Table,
+    messages: dict[str | None, dict[str, int]] | None,
+) -> pa.Table:
+    """The SUMMARY rows: per (server, bucket) in that order, then per server (bucket
+    null), then overall (both null).
+
+    ``buckets``: server and schemas.BUCKET_SUMMARY's fields, a row per server and
+    bucket; ``histograms``: server, lateness_ms, records (tally.histogram's, of every
+    run); ``duplicates``: server, bucket, message_id of the records whose id was
+    dispatched more than once (reconcile.duplicates); ``copies``: server, bucket,
+    copy_missing, copy_unverified of the moved records whose copy was not found
+    (reconcile.missing_copies); ``messages``: MESSAGE_COUNTS per server and overall
+    (key None), or None when no message_log was left to check (they stay null).
+    """
+    parts = [_bucket_rows(buckets, duplicates, copies)]
+    servers = sorted(set(buckets["server"].to_pylist()))
+    for server in [*servers, None]:
+        row: dict[str, Any] = {"server": server, "bucket": None}
+        mine = _of(buckets, server)
+        row.update({name: pc.sum(mine[name]).as_py() or 0 for name in COUNTS})
+        moved = _of(copies, server)
+        row["unverified"] += pc.sum(moved["copy_unverified"]).as_py() or 0
+        row["copy_missing"] = pc.sum(moved["copy_missing"]).as_py() or 0
+        row["duplicate_by_id"] = len(pc.unique(_of(duplicates, server)["message_id"]))
+        lateness = _of(histograms, server)
+        values = lateness["lateness_ms"].to_pylist(), lateness["records"].to_pylist()
+        row.update(tally.percentiles(zip(*values, strict=True)))
+        if messages is not None:
+            row.update(messages.get(server, dict.fromkeys(MESSAGE_COUNTS, 0)))
+        parts.append(pa.Table.from_pylist([row], schema=SUMMARY))
+    return pa.concat_tables(parts)
 
 
-def bucket_summary(status: DataFrame, duplicates: DataFrame) -> DataFrame:
-    """Rows per (server, bucket), per server (bucket null) and overall (both null).
-    ``status`` is with_duplicate_ids' output, ``duplicates`` duplicate_ids'."""
-    grouped = (
-        status.groupBy(*LEVELS, "lateness_ms")
-        .agg(
-            F.count_if(F.col("scheduled") & F.col("dispatched")).alias("dispatched"),
-            F.sum("dispatches").alias("dispatch_entries"),
-            *(F.count_if(F.col(flag)).alias(flag) for flag in FLAGS),
-        )
-        .persist(StorageLevel.MEMORY_AND_DISK)
+def _bucket_rows(buckets: pa.Table, duplicates: pa.Table, copies: pa.Table) -> pa.Table:
+    """The rows of each server and bucket, in that order."""
+    by_id = duplicates.group_by(_KEY, use_threads=False).aggregate(
+        [("message_id", "count_distinct")]
     )
-    counts = grouped.rollup(*LEVELS).agg(*(F.sum(c).alias(c) for c in COUNTS))
-    by_id = duplicates.rollup(*LEVELS).agg(F.count_distinct("message_id").alias("duplicate_by_id"))
-    table = _attach(_attach(counts, by_id), lateness_percentiles(grouped))
-    return table.select(
-        *LEVELS,
-        "scheduled",
-        "dispatched",
-        "dispatch_entries",
-        "duplicate_dispatch",
-        F.coalesce("duplicate_by_id", F.lit(0)).alias("duplicate_by_id"),
-        *(flag for flag in FLAGS if flag not in ("scheduled", "duplicate_dispatch")),
-        "lateness_p50_ms",
-        "lateness_p99_ms",
-        "lateness_max_ms",
+    moved = copies.group_by(_KEY, use_threads=False).aggregate(
+        [("copy_missing", "sum"), ("copy_unverified", "sum")]
     )
+    table = buckets.join(by_id, _KEY, use_threads=False).join(moved, _KEY, use_threads=False)
+    columns = {name: table[name] for name in table.column_names}
+    columns["duplicate_by_id"] = _zero(table["message_id_count_distinct"])
+    columns["copy_missing"] = _zero(table["copy_missing_sum"])
+    columns["unverified"] = pc.add(table["unverified"], _zero(table["copy_unverified_sum"]))
+    rows = pa.table(
+        [
+            columns[f.name] if f.name in columns else pa.nulls(table.num_rows, f.type)
+            for f in SUMMARY
+        ],
+        schema=SUMMARY,
+    )
+    return rows.sort_by([("server", "ascending"), ("bucket", "ascending")])
 
 
-def lateness_percentiles(grouped: DataFrame) -> DataFrame:
-    """p50, p99 and max lateness of the dispatched records per (server, bucket), per
-    server and overall, from bucket_summary's grouped counts."""
-    per_bucket = grouped.where(F.col("dispatched") > 0).select(
-        *LEVELS, "lateness_ms", F.col("dispatched").alias("n")
-    )
-    per_server = per_bucket.groupBy("server", "lateness_ms").agg(F.sum("n").alias("n"))
-    overall = per_bucket.groupBy("lateness_ms").agg(F.sum("n").alias("n"))
-    histograms = per_bucket.unionByName(per_server, allowMissingColumns=True).unionByName(
-        overall, allowMissingColumns=True
-    )
-    level = Window.partitionBy(*LEVELS)
-    running = level.orderBy("lateness_ms").rowsBetween(Window.unboundedPreceding, 0)
-    ranked = histograms.withColumns(
-        {"below": F.sum("n").over(running), "total": F.sum("n").over(level)}
-    )
+def _of(table: pa.Table, server: str | None) -> pa.Table:
+    """The rows of ``server``; all of them for None."""
+    return table if server is None else table.filter(pc.equal(table["server"], server))
 
-    def at(p: float) -> Column:
-        return F.min(F.when(F.col("below") >= F.ceil(F.col("total") * p), F.col("lateness_ms")))
 
-    return ranked.groupBy(*LEVELS).agg(
-        at(0.5).alias("lateness_p50_ms"),
-        at(0.99).alias("lateness_p99_ms"),
-        F.max("lateness_ms").alias("lateness_max_ms"),
-    )
+def _zero(counts: pa.ChunkedArray) -> pa.ChunkedArray:
+    return pc.fill_null(counts.cast(pa.int64()), 0)

@@ -1,0 +1,275 @@
+"""What the audit decides where a bucket is read, without Spark: the flags of every
+record (judge.py), each bucket's counts and percentiles and the histograms that add up
+across buckets (tally.py), and the hash ranges that find one id across buckets and
+servers (ids.py) — each against a plain, row-by-row reading of docs/audit.md."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pyarrow as pa
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from delayd.audit import ids, tally
+from delayd.audit.judge import FLAGS, judge
+from delayd.audit.kinds import CORRUPT, FORMAT, TORN_TAIL
+from delayd.audit.pairs import DISPATCH_PROBLEMS
+from delayd.audit.schemas import PAIRED
+from delayd.logs.dispatch_log import EntryKind
+from tests.audit_support import MINUTE, T0
+
+EXAMPLES = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+CUTOFF_MS = T0 + 30 * MINUTE
+LATE_MS = 5_000
+US_PER_MS = 1000
+BUCKETS = [T0 + i * MINUTE for i in range(3)]
+
+# A PAIRED row: a record, a schedule_log problem row, or entries with no record. Times
+# cluster around the boundaries the definitions draw.
+COUNT = st.none() | st.integers(0, 3)
+NEAR_CUTOFF = st.sampled_from([CUTOFF_MS - 1, CUTOFF_MS, CUTOFF_MS + 1])
+LATENESS = st.sampled_from([-1, 0, 1, LATE_MS - 1, LATE_MS, LATE_MS + 1])
+ROWS = st.lists(
+    st.fixed_dictionaries(
+        {
+            "bucket": st.sampled_from(BUCKETS),
+            "offset": st.integers(0, 50).map(lambda i: i * 100),
+            "due_ms": st.none() | NEAR_CUTOFF | st.integers(CUTOFF_MS - MINUTE, CUTOFF_MS + MINUTE),
+            "schedule_problem": st.none() | st.sampled_from([TORN_TAIL, CORRUPT, FORMAT]),
+            "dispatches": COUNT,
+            "dead_letters": COUNT,
+            "withdrawals": COUNT,
+            "fate": st.none() | st.sampled_from([kind.value for kind in EntryKind]),
+            "lateness": st.none() | LATENESS | st.integers(-1_000, 10_000),
+            "first_entry_ms": st.none() | NEAR_CUTOFF,
+        }
+    ),
+    max_size=40,
+)
+
+
+def paired_table(rows: list[dict]) -> pa.Table:
+    """PAIRED rows; a problem row has no record columns."""
+    columns: dict[str, list] = {field.name: [] for field in PAIRED}
+    for row in rows:
+        record = row["due_ms"] is not None and row["schedule_problem"] is None
+        values = {
+            "bucket": row["bucket"] * US_PER_MS,
+            "offset": row["offset"],
+            "message_log_offset": row["offset"] + 7 if record else None,
+            "due_ms": row["due_ms"] if record else None,
+            "message_id": f"m-{row['offset']}" if record else None,
+            "schedule_problem": row["schedule_problem"],
+            "schedule_detail": row["schedule_problem"],
+            "dispatches": row["dispatches"],
+            "dead_letters": row["dead_letters"],
+            "withdrawals": row["withdrawals"],
+            "fate": row["fate"],
+            "dispatched_ms": None,
+            "first_entry_ms": row["first_entry_ms"],
+        }
+        if record and row["lateness"] is not None and row["dispatches"]:
+            values["dispatched_ms"] = row["due_ms"] + row["lateness"]
+        for name, value in values.items():
+            columns[name].append(value)
+    return pa.table(columns, schema=PAIRED)
+
+
+def expected_flags(row: dict, stops: dict[int, int], damaged: set[int]) -> dict[str, bool]:
+    """docs/audit.md's definitions, one row at a time."""
+    dispatches = row["dispatches"] or 0
+    dead_letters = row["dead_letters"] or 0
+    fate = row["fate"]
+    withdrawn = fate in (EntryKind.CANCELLED, EntryKind.RESCHEDULED)
+    due_ms = row["due_ms"]
+    scheduled = due_ms is not None
+    handled = fate is not None
+    undone = scheduled and not handled and due_ms < CUTOFF_MS
+    lateness = None
+    if scheduled and not withdrawn and row["dispatched_ms"] is not None:
+        lateness = row["dispatched_ms"] - due_ms
+    stop = stops.get(row["bucket"])
+    unread = stop is not None and row["offset"] >= stop
+    first_before = row["first_entry_ms"] is not None and row["first_entry_ms"] < CUTOFF_MS
+    delivered_first = fate in (EntryKind.DISPATCHED, EntryKind.DEAD_LETTERED)
+    return {
+        "scheduled": scheduled,
+        "dispatched": dispatches > 0 and not withdrawn,
+        "dead_lettered": dead_letters > 0 and not withdrawn,
+        "cancelled": fate == EntryKind.CANCELLED,
+        "rescheduled": fate == EntryKind.RESCHEDULED,
+        "overdue": undone and row["bucket"] not in damaged,
+        "unverified": undone and row["bucket"] in damaged,
+        "pending": scheduled and not handled and due_ms >= CUTOFF_MS,
+        "early": lateness is not None and lateness < 0,
+        "late": lateness is not None and lateness > LATE_MS,
+        "duplicate_dispatch": scheduled and dispatches > 1,
+        "dispatched_after_cancel": scheduled and withdrawn and dispatches + dead_letters > 0,
+        "cancelled_after_dispatch": scheduled and delivered_first and (row["withdrawals"] or 0) > 0,
+        "unknown_record": not scheduled
+        and row["schedule_problem"] is None
+        and not unread
+        and first_before,
+        "moved": scheduled and fate == EntryKind.RESCHEDULED and first_before,
+    }
+
+
+@EXAMPLES
+@given(ROWS, st.sets(st.sampled_from(BUCKETS)))
+def test_every_flag_is_what_the_definitions_say(rows, damaged):
+    paired = paired_table(rows)
+    problems = pa.table(
+        {
+            "bucket": pa.array(
+                [b * US_PER_MS for b in sorted(damaged)], PAIRED.field("bucket").type
+            ),
+            "position": pa.array([0] * len(damaged), pa.int64()),
+            "problem": pa.array([CORRUPT] * len(damaged)),
+            "detail": pa.array(["bad"] * len(damaged)),
+        },
+        schema=DISPATCH_PROBLEMS,
+    )
+
+    judged = judge(paired, problems, CUTOFF_MS, LATE_MS).to_pylist()
+
+    stops: dict[int, int] = {}
+    for row in paired.to_pylist():
+        if row["schedule_problem"] in (TORN_TAIL, CORRUPT):
+            bucket = int(row["bucket"].timestamp() * 1000)
+            stops[bucket] = min(stops.get(bucket, row["offset"]), row["offset"])
+    for row, got in zip(paired.to_pylist(), judged, strict=True):
+        row["bucket"] = int(row["bucket"].timestamp() * 1000)
+        assert {flag: got[flag] for flag in FLAGS} == expected_flags(row, stops, damaged), row
+        assert got["dispatches"] == (row["dispatches"] or 0)
+
+
+def nearest_rank(values: list[int], percent: int) -> int:
+    """The smallest value with at least ceil(p * n) of the n values at or below it."""
+    ordered = sorted(values)
+    return ordered[math.ceil(percent / 100 * len(ordered)) - 1]
+
+
+@EXAMPLES
+@given(
+    st.lists(
+        st.lists(st.integers(-50, 10**6), min_size=1, max_size=150, unique=True),
+        min_size=1,
+        max_size=3,
+    ),
+    st.integers(1, 5),
+)
+def test_bucket_percentiles_are_exact_and_histograms_add_up(per_bucket, runs):
+    lateness = [(BUCKETS[b], ms) for b, values in enumerate(per_bucket) for ms in values]
+    judged = pa.table(
+        {
+            "bucket": pa.array([b * US_PER_MS for b, _ in lateness], PAIRED.field("bucket").type),
+            "lateness_ms": pa.array([ms for _, ms in lateness], pa.int64()),
+            "dispatches": pa.array([1] * len(lateness), pa.int64()),
+            **{name: [name in ("scheduled", "dispatched")] * len(lateness) for name in FLAGS},
+        }
+    )
+
+    counts = tally.bucket_counts(judged, judged["bucket"]).to_pylist()
+
+    assert len(counts) == len(per_bucket)
+    for row, mine in zip(counts, per_bucket, strict=True):
+        assert row["dispatched"] == len(mine)
+        assert row["lateness_p50_ms"] == nearest_rank(mine, 50)
+        assert row["lateness_p99_ms"] == nearest_rank(mine, 99)
+        assert row["lateness_max_ms"] == max(mine)
+    # Histograms of any split into runs add up to the percentiles of all.
+    cut = sorted(random.Random(runs).sample(range(len(lateness) + 1), min(runs, len(lateness) + 1)))
+    pieces = [judged.slice(a, b - a) for a, b in zip([0, *cut], [*cut, len(lateness)], strict=True)]
+    pairs = [
+        (row["lateness_ms"], row["records"])
+        for piece in pieces
+        for row in tally.histogram(piece).to_pylist()
+    ]
+    everything = [ms for _, ms in lateness]
+    assert tally.percentiles(pairs) == {
+        "lateness_p50_ms": nearest_rank(everything, 50),
+        "lateness_p99_ms": nearest_rank(everything, 99),
+        "lateness_max_ms": max(everything),
+    }
+
+
+def test_nearest_rank_at_every_bucket_size():
+    """Bucket i holds the lateness values 0..i-1 in a shuffled order: its p50 and p99
+    are the ranks ceil(p * i), whatever i is; and so are those of its histogram."""
+    rng = random.Random(7)
+    rows = []
+    for size in range(1, 201):
+        values = list(range(size))
+        rng.shuffle(values)
+        rows += [(T0 + size * MINUTE, ms) for ms in values]
+    judged = pa.table(
+        {
+            "bucket": pa.array([b * US_PER_MS for b, _ in rows], PAIRED.field("bucket").type),
+            "lateness_ms": pa.array([ms for _, ms in rows], pa.int64()),
+            "dispatches": pa.array([1] * len(rows), pa.int64()),
+            **{name: [name in ("scheduled", "dispatched")] * len(rows) for name in FLAGS},
+        }
+    )
+
+    counts = tally.bucket_counts(judged, judged["bucket"]).to_pylist()
+
+    expected = [(math.ceil(size / 2) - 1, math.ceil(0.99 * size) - 1) for size in range(1, 201)]
+    assert [(r["lateness_p50_ms"], r["lateness_p99_ms"]) for r in counts] == expected
+    merged = [tally.percentiles((ms, 1) for ms in range(size)) for size in range(1, 201)]
+    assert [(p["lateness_p50_ms"], p["lateness_p99_ms"]) for p in merged] == expected
+
+
+@EXAMPLES
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["a", "b"]),  # server
+            st.integers(0, 12),  # which id
+            st.integers(0, 2),  # DISPATCHED entries
+            st.sampled_from(BUCKETS),
+        ),
+        max_size=80,
+    ),
+    st.integers(1, 4),
+)
+def test_hash_ranges_find_every_repeated_id_and_the_latest_offset(records, tasks):
+    """However the records are spread over tasks, the ranges find exactly the ids
+    dispatched more than once (with the buckets that hold them) and the highest
+    message_log offset of each moved id."""
+    id_hash = ids.id_hashes(pa.array([f"id-{i}" for _, i, _, _ in records], pa.string()))
+    rows = [
+        (*record, h, offset)
+        for offset, (record, h) in enumerate(zip(records, id_hash.to_pylist(), strict=True))
+    ]
+    moved = frozenset((server, h) for server, i, _, _, h, _ in rows if i % 3 == 0 and server == "a")
+    blobs: list[tuple[int, str, bytes]] = []
+    for task in range(tasks):
+        for server in ("a", "b"):
+            mine = [r for n, r in enumerate(rows) if n % tasks == task and r[0] == server]
+            part = ids.part(
+                pa.array([r[4] for r in mine], pa.int64()),
+                pa.array([r[2] for r in mine], pa.int64()),
+                pa.array([r[3] * US_PER_MS for r in mine], PAIRED.field("bucket").type),
+                pa.array([r[5] for r in mine], pa.int64()),
+            )
+            blobs += [(range_, server, blob) for range_, blob in ids.blobs([part])]
+
+    found = set()
+    for range_ in {range_ for range_, _, _ in blobs}:
+        mine = [(server, blob) for r, server, blob in blobs if r == range_]
+        found |= set(ids.merge(mine, moved))
+
+    dispatches: dict[int, int] = {}
+    for _, _, times, _, h, _ in rows:
+        dispatches[h] = dispatches.get(h, 0) + times
+    expected = {
+        (ids.CANDIDATE, server, h, bucket)
+        for server, _, times, bucket, h, _ in rows
+        if times and dispatches[h] > 1
+    }
+    for server, h in moved:
+        offsets = [offset for s, _, _, _, g, offset in rows if (s, g) == (server, h)]
+        expected.add((ids.LATEST, server, h, max(offsets)))
+    assert found == expected
