@@ -2,9 +2,19 @@
 
 schedule_log (and later dispatch_log) is one file per UTC bucket. Messages due far
 apart touch many buckets, so files are kept open in an LRU of at most ``max_open``;
-the least recently used is flushed and closed when another must open. QMQ keeps every
+the least recently used is closed when another must open. QMQ keeps every
 DelaySegment mapped instead, which costs a file handle and address space per bucket
 for as long as the process runs.
+
+An evicted file that still holds unsynced appends is not fsynced on the spot: it is
+*retired*, its descriptor kept until the next ``flush`` syncs and closes it with the
+others (at most ``max_retired`` wait so, by default ``max_open``; past that the oldest
+is synced and closed at once). Eviction happens in the caller's thread, often the
+event loop, and work that touches many buckets between two flushes (cancels of
+messages due over hours, a restart delivering many overdue buckets) would otherwise
+pay one fdatasync per bucket per eviction instead of one per bucket per flush.
+Syncing through the descriptor that wrote is deliberate: a new descriptor would not
+report a write-back error that happened before it was opened.
 
 Opening a file for append needs a record boundary the caller knows to be durable
 (RecordFile's ``trusted_end``): the scan for a torn tail starts there. By default it is
@@ -40,6 +50,7 @@ class BucketFiles:
         *,
         fs: FileSystem = REAL_FS,
         max_open: int = DEFAULT_MAX_OPEN,
+        max_retired: int | None = None,
         max_unsynced_bytes: int = DEFAULT_MAX_UNSYNCED_BYTES,
     ) -> None:
         if max_open < 1:
@@ -47,9 +58,12 @@ class BucketFiles:
         self.directory = directory
         self.fs = fs
         self.max_open = max_open
+        self.max_retired = max_open if max_retired is None else max_retired
         self.max_unsynced_bytes = max_unsynced_bytes
         self._open: OrderedDict[int, RecordFile] = OrderedDict()  # least recently used first
         self._dirty: set[int] = set()  # open buckets appended to since their last flush
+        # Evicted with unsynced appends, oldest first: synced and closed by ``flush``.
+        self._retired: OrderedDict[int, RecordFile] = OrderedDict()
         self.opens = 0  # files opened so far (LRU misses), for tests and metrics
         # Also fsyncs the directory itself: bucket files a killed process created may
         # have names only in the page cache; this adopts them all at once (files created
@@ -60,11 +74,12 @@ class BucketFiles:
         return os.path.join(self.directory, bucket_name(start_ms))
 
     def is_open(self, start_ms: int) -> bool:
-        """Whether the bucket's file is open (appending to it opens and evicts nothing)."""
-        return start_ms in self._open
+        """Whether the bucket's file is open, in the LRU or retired (appending to it opens
+        no file)."""
+        return start_ms in self._open or start_ms in self._retired
 
     def exists(self, start_ms: int) -> bool:
-        return start_ms in self._open or self.fs.exists(self.path(start_ms))
+        return self.is_open(start_ms) or self.fs.exists(self.path(start_ms))
 
     def buckets(self) -> list[int]:
         """Starts (epoch ms) of every bucket file in the directory, ascending."""
@@ -90,6 +105,11 @@ class BucketFiles:
             return record_file
         while len(self._open) >= self.max_open:
             self._evict()
+        record_file = self._retired.pop(start_ms, None)
+        if record_file is not None:  # back from retirement, still unsynced
+            self._open[start_ms] = record_file
+            self._dirty.add(start_ms)
+            return record_file
         path = self.path(start_ms)
         if trusted_end is None:
             trusted_end = self._size(path)
@@ -115,13 +135,24 @@ class BucketFiles:
 
     def _evict(self) -> None:
         start_ms, record_file = self._open.popitem(last=False)
+        if start_ms not in self._dirty:
+            record_file.close()  # nothing unsynced: no fdatasync
+            return
         self._dirty.discard(start_ms)
-        record_file.close()  # flushes: an evicted file holds nothing unsynced
+        if len(self._retired) >= self.max_retired:
+            if not self._retired:
+                record_file.close()  # no retirement at all: flushes now
+                return
+            _, oldest = self._retired.popitem(last=False)
+            oldest.close()  # flushes: too many wait already
+        self._retired[start_ms] = record_file
 
     def close_bucket(self, start_ms: int) -> bool:
         """Flush and close the bucket's file if it is open (before retention deletes
         it); returns whether it was. A later ``get`` opens it again."""
         record_file = self._open.pop(start_ms, None)
+        if record_file is None:
+            record_file = self._retired.pop(start_ms, None)
         if record_file is None:
             return False
         self._dirty.discard(start_ms)
@@ -138,11 +169,12 @@ class BucketFiles:
 
     @property
     def dirty(self) -> frozenset[int]:
-        """Open buckets holding appends not flushed yet."""
-        return frozenset(self._dirty)
+        """Buckets holding appends not flushed yet (open or retired)."""
+        return frozenset(self._dirty.union(self._retired))
 
     def flush(self) -> int:
-        """fdatasync every bucket appended to since its last flush; returns how many."""
+        """fdatasync every bucket appended to since its last flush, and close the retired
+        ones; returns how many were synced."""
         dirty, self._dirty = self._dirty, set()
         try:
             for start_ms in sorted(dirty):
@@ -150,7 +182,14 @@ class BucketFiles:
         except BaseException:
             self._dirty |= dirty  # unknown which made it: flush them all again next time
             raise
-        return len(dirty)
+        retired = self._retired
+        synced = len(dirty) + len(retired)
+        while retired:
+            start_ms, record_file = next(iter(retired.items()))
+            record_file.flush()  # a failure leaves it retired: the next flush tries again
+            record_file.close()
+            del retired[start_ms]
+        return synced
 
     def open_sizes(self) -> dict[int, int]:
         """End offset (bytes) of every open bucket file, by bucket start."""
@@ -158,13 +197,16 @@ class BucketFiles:
 
     @property
     def open_count(self) -> int:
-        return len(self._open)
+        """Descriptors held: the LRU's and the retired files' (max_open + max_retired)."""
+        return len(self._open) + len(self._retired)
 
     def close(self) -> None:
         """Flush and close every open file."""
         try:
-            while self._open:
-                self._evict()
+            for files in (self._retired, self._open):
+                while files:
+                    _, record_file = files.popitem(last=False)
+                    record_file.close()
         finally:
             self._dirty.clear()
 

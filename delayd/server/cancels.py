@@ -150,7 +150,8 @@ class Canceller:
                 for offset, rtype, payload in records:
                     self._resolve(replayer, offset, tombstone.decode(rtype, payload))
             finally:
-                self._write_entries()
+                with trio.CancelScope(shield=True):  # decided entries are written
+                    await self._write_entries_off_loop()
 
     async def before_checkpoint(self) -> None:
         """The replayer's: entries tombstones wrote are durable before it checkpoints."""
@@ -278,6 +279,16 @@ class Canceller:
             offsets.append(offset)
         if bucket_id is not None:
             self.manager.on_recorded(bucket_id, 1)
+
+    async def _write_entries_off_loop(self) -> None:
+        """``_write_entries``, in a worker thread when it must open a file (create one:
+        a directory fsync; first read of one: a scan of it): cancels of messages due
+        over hours touch a file per bucket, which must not stall the event loop."""
+        files = self.dispatch.files
+        if all(files.is_open(bucket_ms) for bucket_ms, _, _ in self._unwritten):
+            self._write_entries()
+        else:
+            await trio.to_thread.run_sync(self._write_entries)
 
     def _write_entries(self) -> None:
         """Append the entries ``_record`` collected (dispatch lock held)."""

@@ -100,6 +100,6 @@ class IntakeCollector(Collector):
             yield reschedules
         yield GaugeMetricFamily(
             "delayd_schedule_log_open_files",
-            "schedule_log bucket files currently open (bounded by max_open_files).",
+            "schedule_log bucket files currently open (at most 2 x max_open_files).",
             value=replayer.buckets.open_count,
         )
