@@ -20,6 +20,7 @@ from delayd.broker.broker import Broker
 from delayd.broker.config import DAY_MS, BrokerConfig, StartFrom
 from delayd.broker.metrics import serve_metrics
 from delayd.broker.server import serve_broker
+from delayd.fdlimit import raise_descriptor_limit
 from delayd.gcsetup import tune_gc_for_serving
 from delayd.logsetup import add_logging_arguments, configure_logging
 from storage.flusher import FlushMode, FlushPolicy
@@ -121,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         log.error("bad configuration: %s", exc)
         return 2
+    raise_descriptor_limit()
     trio.run(_serve, args, config)
     return 0
 

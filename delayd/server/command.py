@@ -27,6 +27,7 @@ from collections.abc import Mapping
 import trio
 
 from delayd.errors import DelaydError
+from delayd.fdlimit import raise_descriptor_limit
 from delayd.gcsetup import tune_gc_for_serving
 from delayd.logsetup import (
     DEFAULT_LOG_FORMAT,
@@ -141,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
     if args.data is None:
         log.error("bad configuration: --data DIR is required to serve")
         return 2
+    raise_descriptor_limit()  # before anything sizes itself by it (DispatchFiles)
     try:
         trio.run(_serve, args.data, config)
     except BaseException as exc:

@@ -1,0 +1,34 @@
+"""The descriptor limit of the long-running servers (``delayd serve``, ``delayd broker``).
+
+A server holds descriptors for bucket files (an LRU per log, plus evicted files waiting
+for their group commit: delayd.logs.bucket_files), readers, segments, index files and
+every client connection. Distributions start processes with a soft ``RLIMIT_NOFILE``
+of 1,024 and a hard one far above; running out mid-run fails an append or an accept.
+Like the JVM (``-XX:+MaxFDLimit``, on by default) and Go's runtime, the servers raise
+the soft limit to the hard one at start, capped at MAX_DESCRIPTORS; they never lower it.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+
+log = logging.getLogger(__name__)
+
+MAX_DESCRIPTORS = 1 << 20
+
+
+def raise_descriptor_limit() -> int:
+    """Raise the soft RLIMIT_NOFILE toward the hard limit; returns the soft limit now.
+    A refusal (a container that forbids it) leaves the limit as it was, logged."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = MAX_DESCRIPTORS if hard == resource.RLIM_INFINITY else min(hard, MAX_DESCRIPTORS)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+        except (ValueError, OSError) as exc:
+            log.warning("descriptor limit stays %d (raising it to %d: %s)", soft, wanted, exc)
+            return soft
+        log.debug("descriptor limit raised from %d to %d", soft, wanted)
+        return wanted
+    return soft
