@@ -110,6 +110,42 @@ def validate_frames(
             return done.value
 
 
+def count_frames(
+    fs: FileSystem, fd: int, path: str, position: int, limit: int, rtype: int
+) -> tuple[int, BadFrame | None]:
+    """How many records of type ``rtype`` lie between ``position`` and ``limit``, found
+    by hopping from header to header: no crc is checked and no payload copied, about a
+    third of ``scan_frames``'s cost. Only for figures (a gauge), where bytes damaged
+    after they were written cost a wrong count, never a wrong record: whoever reads
+    the records themselves checks them. Returns (the count up to the first frame that
+    cannot be walked, that frame's BadFrame or None when the walk reached ``limit``)."""
+    unpack_from = HEADER.unpack_from
+    count = 0
+    while position < limit:
+        chunk = fs.pread(fd, min(READ_CHUNK, limit - position), position)
+        i, n = 0, len(chunk)
+        while i + HEADER_SIZE <= n:
+            length, _, frame_type = unpack_from(chunk, i)
+            end = i + HEADER_SIZE + length
+            if end > n:
+                break
+            if frame_type == 0:
+                return count, BadFrame(path, position + i, end - i, "record of type 0")
+            count += frame_type == rtype
+            i = end
+        if i == 0:  # a record bigger than READ_CHUNK, or one cut short by ``limit``
+            if n < HEADER_SIZE:
+                return count, BadFrame(path, position, limit - position, "partial record header")
+            length, _, frame_type = unpack_from(chunk, 0)
+            if position + HEADER_SIZE + length > limit:
+                reason = f"record of {length} bytes runs past the end"
+                return count, BadFrame(path, position, limit - position, reason)
+            count += frame_type == rtype
+            i = HEADER_SIZE + length
+        position += i
+    return count, None
+
+
 FRAME_GUESS = 1024  # read_frame: bytes read with the header (most records fit)
 SPAN_READ = 1 << 20  # read_frames: bytes of nearby records one pread may cover
 SPAN_SLACK = 4096  # read_frames: bytes read past the last position, for its record
