@@ -18,6 +18,13 @@ log = logging.getLogger(__name__)
 MAX_DESCRIPTORS = 1 << 20
 
 
+def soft_descriptor_limit() -> int:
+    """This process's soft RLIMIT_NOFILE (MAX_DESCRIPTORS when unlimited), for whatever
+    sizes a pool of descriptors by it."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return MAX_DESCRIPTORS if soft == resource.RLIM_INFINITY else soft
+
+
 def raise_descriptor_limit() -> int:
     """Raise the soft RLIMIT_NOFILE toward the hard limit; returns the soft limit now.
     A refusal (a container that forbids it) leaves the limit as it was, logged."""

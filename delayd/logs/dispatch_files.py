@@ -9,9 +9,9 @@ open is also where ``state`` reads what the file says, for recovery.
 
 from __future__ import annotations
 
-import resource
 from collections.abc import Sequence
 
+from delayd.fdlimit import soft_descriptor_limit
 from delayd.logs.bucket_files import BucketFiles
 from delayd.logs.dispatch_log import (
     DispatchState,
@@ -32,10 +32,7 @@ MAX_RETIRED = 1024
 
 def retired_budget() -> int:
     """How many evicted files may wait for the flush under this process's ``ulimit -n``."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        return MAX_RETIRED
-    return max(1, min(MAX_RETIRED, soft // 8))
+    return max(1, min(MAX_RETIRED, soft_descriptor_limit() // 8))
 
 
 class DispatchFiles:
