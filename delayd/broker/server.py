@@ -61,6 +61,7 @@ from delayd.protocol import (
 )
 from delayd.protocol.frames import DEFAULT_MAX_FRAME_SIZE
 from delayd.stream_events import read_and_dispatch
+from delayd.stream_writer import FrameWriter
 from storage.errors import StorageError
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,6 @@ log = logging.getLogger(__name__)
 SERVER_NAME = "delayd-broker"
 MAX_IN_FLIGHT = 64  # held PULLs and SEND_BATCHes awaiting fsync, per connection
 OUTBOX_FRAMES = 16
-COALESCE_BYTES = 64 * 1024  # answers queued together are joined up to this, one send
 
 
 async def serve_broker(
@@ -104,7 +104,7 @@ class BrokerConnection:
         self.broker = broker
         self.stream = stream
         self.conn = Connection(SERVER, token=token, max_frame_size=max_frame_size)
-        self._outbox, self._outbox_out = trio.open_memory_channel[bytes](OUTBOX_FRAMES)
+        self._writer = FrameWriter(stream, OUTBOX_FRAMES)
         self._slots = trio.Semaphore(MAX_IN_FLIGHT)
         self._unacked: deque[SendBatchResult] = deque()  # appended, not yet answered
         self._appended = trio.Event()  # set when _unacked gains an entry
@@ -124,31 +124,17 @@ class BrokerConnection:
                         final = await self._read_loop(requests)
                         requests.cancel_scope.cancel()
                     if final is not None:
-                        await self._outbox.send(final)
-                    await self._outbox.aclose()
+                        with contextlib.suppress(trio.BrokenResourceError):
+                            await self._writer.send(final)
+                    self._writer.close()
         finally:
             self.broker.connection_closed(self)
             with trio.CancelScope(shield=True):
                 await self.stream.aclose()
 
     async def _write_loop(self) -> None:
-        outbox = self._outbox_out
-        try:
-            async for data in outbox:
-                # Answers queued meanwhile (a group commit acknowledges several batches
-                # at once) join this one in a single send until COALESCE_BYTES is reached
-                # (the last one joined may be large: it costs one copy).
-                if len(data) < COALESCE_BYTES:
-                    parts = [data]
-                    size = len(data)
-                    with contextlib.suppress(trio.WouldBlock, trio.EndOfChannel):
-                        while size < COALESCE_BYTES:
-                            parts.append(outbox.receive_nowait())
-                            size += len(parts[-1])
-                    if len(parts) > 1:
-                        data = b"".join(parts)
-                await self.stream.send_all(data)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
+        await self._writer.run()
+        if self._writer.broken:
             self._cancel.cancel()  # the peer is gone: stop reading and drop answers
 
     async def _read_loop(self, requests: trio.Nursery) -> bytes | None:
@@ -313,4 +299,4 @@ class BrokerConnection:
             except (ConnectionClosedError, LocalProtocolError):
                 return
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-            await self._outbox.send(data)
+            await self._writer.send(data)

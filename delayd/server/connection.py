@@ -54,6 +54,7 @@ from delayd.receiver import Intake
 from delayd.server.cancels import Answer
 from delayd.server.intake import IntakePath
 from delayd.stream_events import read_and_dispatch
+from delayd.stream_writer import FrameWriter
 from storage.errors import StorageError
 
 log = logging.getLogger(__name__)
@@ -84,7 +85,7 @@ class DelayConnection:
         self.conn = Connection(SERVER, token=token, max_frame_size=max_frame_size)
         self.stats = stats
         self.broker_address = broker_address
-        self._outbox, self._outbox_out = trio.open_memory_channel[bytes](OUTBOX_FRAMES)
+        self._writer = FrameWriter(stream, OUTBOX_FRAMES)
         self._slots = trio.Semaphore(MAX_IN_FLIGHT)
         self._tombstone_slots = trio.Semaphore(MAX_TOMBSTONES_IN_FLIGHT)
         self._read_scope = trio.CancelScope()
@@ -105,8 +106,9 @@ class DelayConnection:
                     if not self._stopping:
                         requests.cancel_scope.cancel()
                 if final is not None:
-                    await self._outbox.send(final)
-                await self._outbox.aclose()
+                    with contextlib.suppress(trio.BrokenResourceError):
+                        await self._writer.send(final)
+                self._writer.close()
         finally:
             with trio.CancelScope(shield=True):
                 await self.stream.aclose()
@@ -117,10 +119,8 @@ class DelayConnection:
         self._read_scope.cancel()
 
     async def _write_loop(self, connection_scope: trio.CancelScope) -> None:
-        try:
-            async for data in self._outbox_out:
-                await self.stream.send_all(data)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
+        await self._writer.run()
+        if self._writer.broken:
             connection_scope.cancel()  # the peer is gone: stop reading, drop answers
 
     async def _read_loop(self, requests: trio.Nursery) -> bytes | None:
@@ -257,4 +257,4 @@ class DelayConnection:
             log.error("cannot send %s to %s: %s", type(event).__name__, self.peer, exc)
             return
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-            await self._outbox.send(data)
+            await self._writer.send(data)
