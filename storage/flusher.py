@@ -16,7 +16,7 @@ event loop itself.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import trio
@@ -50,11 +50,23 @@ class LogWriter:
 
     Start ``run`` in a nursery (``await nursery.start(writer.run)``) before appending;
     cancelling it stops the flusher (call ``log.close()`` afterwards to flush the rest).
+
+    ``on_durable``, when given, is called on the event loop after every fsync, before
+    the tasks waiting for it wake: work that follows durability (e.g. a broker's reput)
+    runs in the flusher's scheduling step instead of a task of its own. If it raises,
+    the writer stops with that error.
     """
 
-    def __init__(self, log: SegmentedLog, policy: FlushPolicy = SYNC) -> None:
+    def __init__(
+        self,
+        log: SegmentedLog,
+        policy: FlushPolicy = SYNC,
+        *,
+        on_durable: Callable[[], object] | None = None,
+    ) -> None:
         self.log = log
         self.policy = policy
+        self.on_durable = on_durable
         self._flush_wanted = trio.Event()
         self._flush_done = trio.Event()
         self._error: BaseException | None = None
@@ -77,6 +89,10 @@ class LogWriter:
 
     async def append(self, payload: bytes, rtype: int = TYPE_DATA) -> int:
         return (await self.append_batch((payload,), rtype))[0]
+
+    def request_flush(self) -> None:
+        """Ask for an fsync soon, without waiting for it (``flush`` waits)."""
+        self._flush_wanted.set()
 
     async def flush(self) -> int:
         """Make everything appended so far durable, whatever the policy."""
@@ -122,6 +138,8 @@ class LogWriter:
             if self.log.durable_offset < self.log.end_offset:
                 await trio.to_thread.run_sync(self.log.flush)
                 self.fsyncs += 1
+            if self.on_durable is not None:
+                self.on_durable()
         except BaseException as exc:
             self._error = exc
             raise

@@ -43,6 +43,44 @@ async def test_sync_acks_only_durable_records_and_shares_fsyncs(tmp_path):
     log.close()
 
 
+async def test_on_durable_runs_after_the_fsync_before_its_waiters_wake(tmp_path):
+    log = SegmentedLog.open(str(tmp_path))
+    seen: list[tuple[int, int]] = []  # (durable offset, acks so far) at each call
+    acks: list[int] = []
+    writer = LogWriter(log, on_durable=lambda: seen.append((log.durable_offset, len(acks))))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(writer.run)
+        offsets = await writer.append_batch([b"x" * 10] * 3)
+        acks.append(offsets[-1])
+        # Asked for without waiting: the flusher still syncs, and calls the hook.
+        log.append_batch([b"y"])
+        end = log.end_offset
+        writer.request_flush()
+        while log.durable_offset < end:
+            await trio.sleep(0.001)
+        while len(seen) < 2:  # durable before the hook runs, in the flusher's next step
+            await trio.sleep(0.001)
+        nursery.cancel_scope.cancel()
+    assert seen[0][0] > acks[0] and seen[0][1] == 0  # before the append's ack
+    assert seen[-1][0] == end
+    log.close()
+
+
+async def test_a_failing_on_durable_stops_the_writer_and_fails_its_waiters(tmp_path):
+    log = SegmentedLog.open(str(tmp_path))
+
+    def broken() -> None:
+        raise RuntimeError("reput broke")
+
+    writer = LogWriter(log, on_durable=broken)
+    with pytest.RaisesGroup(pytest.RaisesExc(RuntimeError, match="reput broke")):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(writer.run)
+            with pytest.raises(StorageError, match="reput broke"):
+                await writer.append_batch([b"x"])
+    log.close()
+
+
 async def test_async_policy_acks_at_once_and_syncs_within_the_interval(tmp_path, autojump_clock):
     log = SegmentedLog.open(str(tmp_path))
     writer = LogWriter(log, FlushPolicy(FlushMode.ASYNC, interval_ms=50))

@@ -164,12 +164,11 @@ class Broker:
         return broker
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED):
-        """Run the background tasks (flusher, reput, checkpoints, heartbeat expiry) until
+        """Run the background tasks (flusher and reput, checkpoints, heartbeat expiry) until
         cancelled; then flush, checkpoint, persist offsets and close the files."""
         try:
             async with trio.open_nursery() as nursery:
-                await nursery.start(self.store.writer.run)
-                await nursery.start(self.store.run_reput)
+                await nursery.start(self.store.writer.run)  # fsyncs, then reputs
                 await nursery.start(self._checkpoint_loop)
                 await nursery.start(self._expiry_loop)
                 task_status.started()

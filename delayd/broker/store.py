@@ -254,7 +254,6 @@ class BrokerStore:
         self.messages_stored = 0
         # Appended batches not yet reput, each an _Appended.
         self._pending: deque[_Appended] = deque()
-        self._appended = trio.Event()
 
     # ------------------------------------------------------------------ opening
 
@@ -274,7 +273,8 @@ class BrokerStore:
         except BaseException:
             store.commitlog.close()
             raise
-        store.writer = LogWriter(store.commitlog, config.flush)
+        # The reput runs in the flusher's step, right after each fsync (reput_durable).
+        store.writer = LogWriter(store.commitlog, config.flush, on_durable=store.reput_durable)
         return store
 
     def _recover(self) -> None:
@@ -429,7 +429,10 @@ class BrokerStore:
             )
         )
         self.messages_stored += len(payloads)
-        self._appended.set()
+        # Every append asks for an fsync at once, in either flush mode: the reput that
+        # follows it makes the records visible (in ``async`` mode, one fsync after the
+        # append rather than one flush interval; acks there still do not wait).
+        self.writer.request_flush()
         return offsets
 
     async def _flush(self) -> None:
@@ -452,10 +455,9 @@ class BrokerStore:
         """Return once everything appended so far may be acknowledged under the flush
         policy: durable for ``sync``, at once for ``async``.
 
-        In ``sync`` mode it also runs the reput pass for what just became durable, so an
-        acknowledged message is already visible to PULL and QUERY (and the first task
-        woken after a group commit does the reput for all of them, sooner than the
-        reput task would be scheduled).
+        The flusher runs the reput pass right after each fsync, before its waiters wake
+        (``on_durable``), so an acknowledged message is already visible to PULL and
+        QUERY; the pass here covers records made durable by a flush outside the writer.
         """
         if self.config.flush.mode is FlushMode.SYNC:
             await self._flush()
@@ -463,24 +465,11 @@ class BrokerStore:
 
     # ------------------------------------------------------------------ reput
 
-    async def run_reput(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED):
-        """The reput task: moves durable appended records into their consume queues and
-        the index, then calls ``on_arrival`` with the queues that grew (which wakes held
-        PULLs: RocketMQ's messageArrivingListener). Never ahead of ``durable_offset``.
-
-        In ``sync`` mode its flush request joins the producers' group commit; in
-        ``async`` mode it asks for an fsync once per pass, so consumers see a message
-        within one fsync of its append instead of one flush interval.
-        """
-        task_status.started()
-        while True:
-            await self._appended.wait()
-            self._appended = trio.Event()
-            await self._flush()
-            self.reput_durable()
-
     def reput_durable(self) -> set[QueueKey]:
-        """One reput pass over the appended batches that are durable now (synchronous)."""
+        """One reput pass over the appended batches that are durable now (synchronous):
+        moves them into their consume queues and the index, then calls ``on_arrival``
+        with the queues that grew (which wakes held PULLs: RocketMQ's
+        messageArrivingListener). Never ahead of ``durable_offset``."""
         durable = self.commitlog.durable_offset
         pending = self._pending
         # Per queue: its first queue offset in this pass, offsets, payloads.
