@@ -45,6 +45,7 @@ class RecordingTarget:
     unavailable: bool = False
     refuse: ResultCode | None = None
     hang: trio.Event | None = None
+    send_s: float = 0  # how long each send takes (trio time)
     calls: int = 0
     subjects: list[str] = field(default_factory=list)  # of every message it was sent
 
@@ -55,7 +56,7 @@ class RecordingTarget:
             await self.hang.wait()
         if self.unavailable:
             raise TargetUnavailable(f"{self.name} is down (test)")
-        await trio.lowlevel.checkpoint()
+        await trio.sleep(self.send_s)
         if self.refuse is not None:
             return [SendResult(self.refuse, "refused (test)") for _ in messages]
         now = self.clock()

@@ -160,10 +160,15 @@ async def test_cancel_of_an_unknown_id(tmp_path, clock):
 async def test_cancel_in_the_due_millisecond_is_exact(tmp_path, clock):
     """Each message is cancelled in the very millisecond it falls due: whichever way
     the race goes, the answer says what happened — CANCELLED and never received, or
-    ALREADY_DELIVERED and received once, at the dispatched_ms the answer names."""
-    target = RecordingTarget("a")
-    pipeline = Pipeline(str(tmp_path), [target])
-    dues = [T0 + 3000 + 37 * i for i in range(40)]
+    ALREADY_DELIVERED and received once, at the dispatched_ms the answer names.
+
+    The wheel releases a message at the start of its millisecond and the sender starts
+    its batch at once, before a cancel in that millisecond is resolved: to run the race
+    both ways, messages come in pairs one ms apart to a group that sends one batch at a
+    time, slowly, so the second of a pair waits in the group's queue (cancellable)."""
+    target = RecordingTarget("a", send_s=0.005)
+    pipeline = Pipeline(str(tmp_path), [target], sender=SenderConfig(batches_in_flight=1))
+    dues = [T0 + 3000 + 37 * (i // 2) + i % 2 for i in range(40)]
     ids = pipeline.schedule(dues)
     answers: dict[str, Answer] = {}
     async with trio.open_nursery() as nursery:
@@ -187,6 +192,7 @@ async def test_cancel_in_the_due_millisecond_is_exact(tmp_path, clock):
             assert got[message_id].dispatched_ms == answer.dispatched_ms
     outcomes = Counter(a.outcome for a in answers.values())
     assert outcomes[CancelOutcome.CANCELLED] > 0  # the race really was run both ways
+    assert outcomes[CancelOutcome.ALREADY_DELIVERED] > 0
     pipeline.close()
 
 

@@ -253,6 +253,7 @@ class Sender:
         self.clock = clock
         self._rng = random.Random(seed)
         self._due_send, self._due_recv = trio.open_memory_channel[tuple](2)
+        self._dispatching = False  # the dispatch loop is between a chunk and its routing
         self._in_flight = 0
         self._room = trio.Event()
         self._retries: list[tuple[int, int, list[_Item], str]] = []  # (ready_ms, n, items, group)
@@ -280,9 +281,23 @@ class Sender:
 
     async def on_due(self, entries: DueEntries, now_ms: int) -> None:
         """The ticker's callback: queue due entries in chunks of ``max_batch``; waits
-        while the sender is full (back-pressure on the ticker)."""
+        while the sender is full (back-pressure on the ticker).
+
+        A few entries, while the dispatch loop is idle and the sender has room, are
+        read and routed here and then, and their send batches started: the common case
+        of a steady trickle of due messages then costs no hop through the dispatch and
+        group loops (each a scheduling step of the whole event loop)."""
         # Held from here, before any await: nothing can be released and not held.
         self._held.update(dict.fromkeys(entries.ref))
+        if (
+            len(entries) <= READ_INLINE_MAX
+            and not self._dispatching
+            and self._in_flight < self.config.max_in_flight
+            and self._due_send.statistics().current_buffer_used == 0
+            and self._nursery is not None
+        ):
+            self._take(self._read_plan(self._plan(entries.ref)))
+            return
         step = self.config.max_batch
         for i in range(0, len(entries), step):
             await self._due_send.send((entries.due_ms[i : i + step], entries.ref[i : i + step]))
@@ -303,40 +318,50 @@ class Sender:
 
     async def _dispatch_loop(self) -> None:
         async for _due, refs in self._due_recv:
+            self._dispatching = True  # on_due queues behind this chunk, keeping order
             while self._in_flight >= self.config.max_in_flight:
                 self._room = trio.Event()
                 await self._room.wait()
-            items = await self._read(refs)
-            withdrawn = self._withdrawn_unread
-            if withdrawn:
-                kept = []
-                for item in items:
-                    ref = item.ref
-                    if ref in withdrawn:
-                        withdrawn.discard(ref)
-                    else:
-                        kept.append(item)
-                items = kept
-            held = self._held
+            self._take(await self._read(refs))
+            self._dispatching = False
+
+    def _take(self, items: list[_Item]) -> None:
+        """Hold the items read for released entries (except those withdrawn meanwhile)
+        and route them."""
+        withdrawn = self._withdrawn_unread
+        if withdrawn:
+            kept = []
             for item in items:
-                held[item.ref] = item
-            if self._earlier:
-                self._adopt_earlier(items)
-            self._in_flight += len(items)
-            self._route(items, None)
+                ref = item.ref
+                if ref in withdrawn:
+                    withdrawn.discard(ref)
+                else:
+                    kept.append(item)
+            items = kept
+        held = self._held
+        for item in items:
+            held[item.ref] = item
+        if self._earlier:
+            self._adopt_earlier(items)
+        self._in_flight += len(items)
+        self._route(items, None)
 
     async def _read(self, refs) -> list[_Item]:
-        """The records of the wheel refs, grouped per bucket for the reads."""
+        """The records of the wheel refs; many are read in a worker thread."""
+        plan = self._plan(refs)
+        if len(refs) <= READ_INLINE_MAX:
+            return self._read_plan(plan)
+        return await trio.to_thread.run_sync(self._read_plan, plan)
+
+    def _plan(self, refs) -> list[tuple[int, int, list[int]]]:
+        """The wheel refs grouped per bucket for the reads: (bucket id, start, offsets)."""
         bucket_of_id = self.manager.bucket_of_id
         wanted: dict[int, list[int]] = {}
         for ref in refs:
             wanted.setdefault(ref >> OFFSET_BITS, []).append(ref & _OFFSET_MASK)
-        plan = [
+        return [
             (bucket_id, bucket_of_id(bucket_id), offsets) for bucket_id, offsets in wanted.items()
         ]
-        if len(refs) <= READ_INLINE_MAX:
-            return self._read_plan(plan)
-        return await trio.to_thread.run_sync(self._read_plan, plan)
 
     def _read_plan(self, plan: list[tuple[int, int, list[int]]]) -> list[_Item]:
         items = []
@@ -392,6 +417,7 @@ class Sender:
             group.queue.append(item)
             touched.add(group)
         for group in touched:
+            self._start_ready_batches(group)
             group.ready.set()
         if self._parked and wake:
             self._retry_wake.set()
@@ -427,16 +453,33 @@ class Sender:
                     group.name,
                     breaker.open_ms,
                 )
-            queue, batch = group.queue, []
-            while queue and len(batch) < max_batch:
-                item = queue.popleft()
-                if not item.withdrawn:
-                    item.sending = True
-                    batch.append(item)
-            if not batch:
-                group.slots.release()
-                continue
-            nursery.start_soon(self._send, group, batch)
+            self._start_batch(group, nursery, max_batch)
+
+    def _start_ready_batches(self, group: _Group) -> None:
+        """Start send batches of a group whose circuit is closed, while it has free
+        slots: what its loop would do next, without the hop (the loop still handles
+        everything else: no free slot, an open or half-open circuit)."""
+        nursery = self._nursery
+        if nursery is None or group.breaker.state(self.clock()) is not CircuitState.CLOSED:
+            return
+        slots, max_batch = group.slots, self.config.max_batch
+        while group.queue and slots.value > 0:  # a free slot: no task waits for one
+            slots.acquire_nowait()
+            self._start_batch(group, nursery, max_batch)
+
+    def _start_batch(self, group: _Group, nursery: trio.Nursery, max_batch: int) -> None:
+        """With a slot of ``group`` taken and its breaker's allow: send the next batch
+        from its queue (the slot is released when there is nothing to send)."""
+        queue, batch = group.queue, []
+        while queue and len(batch) < max_batch:
+            item = queue.popleft()
+            if not item.withdrawn:
+                item.sending = True
+                batch.append(item)
+        if not batch:
+            group.slots.release()
+            return
+        nursery.start_soon(self._send, group, batch)
 
     async def _send(self, group: _Group, batch: list[_Item]) -> None:
         now_ms = self.clock()

@@ -122,11 +122,15 @@ class Ticker:
             if due:
                 self._fired += len(due)
                 await on_due(due, now_ms)
-                # on_due may not have yielded; under a steady stream of due entries
-                # this loop would otherwise never let other tasks run.
-                await trio.lowlevel.checkpoint()
-                continue
-            next_ms = self.wheel.next_due_ms()
+                next_ms = self.wheel.next_due_ms()
+                if next_ms is not None and next_ms <= self.now_ms():
+                    # on_due may not have yielded; under a steady stream of due entries
+                    # this loop would otherwise never let other tasks run. (Otherwise
+                    # the sleep below yields, a scheduling step sooner.)
+                    await trio.lowlevel.checkpoint()
+                    continue
+            else:
+                next_ms = self.wheel.next_due_ms()
             self._added_earlier = False
             if next_ms is None:
                 self._sleeping_until_ms = math.inf
