@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections import deque
 from collections.abc import Callable
 
 import trio
@@ -87,6 +88,9 @@ class DelayConnection:
         self.broker_address = broker_address
         self._writer = FrameWriter(stream, OUTBOX_FRAMES)
         self._slots = trio.Semaphore(MAX_IN_FLIGHT)
+        self._unacked: deque[tuple[Intake, int]] = deque()  # appended, not yet answered
+        self._appended = trio.Event()  # set when _unacked gains an entry
+        self._reading_done = False
         self._tombstone_slots = trio.Semaphore(MAX_TOMBSTONES_IN_FLIGHT)
         self._read_scope = trio.CancelScope()
         self._stopping = False
@@ -100,9 +104,12 @@ class DelayConnection:
             async with trio.open_nursery() as outer:
                 outer.start_soon(self._write_loop, outer.cancel_scope)
                 async with trio.open_nursery() as requests:
+                    await requests.start(self._ack_loop)
                     final = None
                     with self._read_scope:
                         final = await self._read_loop(requests)
+                    self._reading_done = True  # the acker ends once all are answered
+                    self._appended.set()
                     if not self._stopping:
                         requests.cancel_scope.cancel()
                 if final is not None:
@@ -142,7 +149,8 @@ class DelayConnection:
                 except BaseException:
                     self._slots.release()
                     raise
-                requests.start_soon(self._acknowledge, intake, rid)
+                self._unacked.append((intake, rid))
+                self._appended.set()
             elif isinstance(event, Hello):
                 version = self.conn.protocol_version or 1
                 hello_ok = HelloOk(version, SERVER_NAME, self.conn.max_frame_size, request_id=rid)
@@ -240,12 +248,31 @@ class DelayConnection:
             result = RescheduleResult(answer.outcome, answer.dispatched_ms, request_id=request_id)  # type: ignore[arg-type]
         await self._answer(result)
 
-    async def _acknowledge(self, intake: Intake, request_id: int) -> None:
-        try:
-            results = await self.intake.acknowledge(intake)
-        finally:
-            self._slots.release()
-        await self._answer(SendBatchResult(results, request_id=request_id))
+    async def _ack_loop(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Answer appended SEND_BATCHes once the flush policy allows, in append order.
+
+        One wait covers every batch appended before it, so a group commit costs one
+        wake-up here, not a task per batch (a task costs scheduling steps, and on a
+        busy event loop those are most of the cost of a small batch).
+        """
+        task_status.started()
+        unacked = self._unacked
+        while True:
+            if not unacked:
+                if self._reading_done:
+                    return
+                self._appended = trio.Event()
+                await self._appended.wait()
+                continue
+            ready = list(unacked)
+            unacked.clear()
+            try:
+                answers = await self.intake.acknowledge_all([intake for intake, _ in ready])
+            finally:
+                for _ in ready:
+                    self._slots.release()
+            for (_, request_id), results in zip(ready, answers, strict=True):
+                await self._answer(SendBatchResult(results, request_id=request_id))
 
     async def _answer(self, event: Event) -> None:
         """Encode and queue one answer; dropped when the connection is already closed."""

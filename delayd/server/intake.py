@@ -86,15 +86,20 @@ class IntakePath:
     async def acknowledge(self, intake: Intake) -> list[SendResult]:
         """The answer for ``intake``, once its records are as durable as the flush
         policy promises. Raises StorageError when the flush fails."""
-        count = len(intake.payloads)
+        return (await self.acknowledge_all([intake]))[0]
+
+    async def acknowledge_all(self, intakes: Sequence[Intake]) -> list[list[SendResult]]:
+        """``acknowledge`` of each of ``intakes``, with one wait: the flush it waits for
+        covers every record appended before the call (group commit)."""
+        count = sum(len(intake.payloads) for intake in intakes)
         if count:
             try:
                 if self.writer.policy.mode is FlushMode.SYNC:
                     await self.writer.flush()
             finally:
                 self.pending_acks -= count
-            self.replayer.notify(intake.last_sequence)
-        return self.receiver.acknowledge(intake)
+            self.replayer.notify(max(i.last_sequence for i in intakes if i.payloads))
+        return [self.receiver.acknowledge(intake) for intake in intakes]
 
     async def send_batch(self, messages: Sequence[Message]) -> list[SendResult]:
         """Both halves at once, for callers that need no pipelining order (tests)."""
