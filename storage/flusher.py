@@ -7,23 +7,28 @@
             background task fsyncs every ``interval_ms``. A crash of the machine may
             lose the last interval; ``kill -9`` of the process loses nothing.
 
-fsync runs in a worker thread (``trio.to_thread``); the log's own locks make that safe
-while the event loop keeps appending. Either policy keeps the unsynced bytes well under
-the log's ``max_unsynced_bytes`` by flushing early, so the log never has to fsync on the
-event loop itself.
+fsync runs in a worker thread (``trio.lowlevel.start_thread_soon``); the log's own locks
+make that safe while the event loop keeps appending. Either policy keeps the unsynced
+bytes well under the log's ``max_unsynced_bytes`` by flushing early, so the log never
+has to fsync on the event loop itself.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import trio
 
 from storage.errors import StorageError
 from storage.framing import TYPE_DATA
 from storage.segmented_log import SegmentedLog
+
+if TYPE_CHECKING:
+    import outcome
 
 
 class FlushMode(enum.StrEnum):
@@ -67,10 +72,14 @@ class LogWriter:
         self.log = log
         self.policy = policy
         self.on_durable = on_durable
-        self._flush_wanted = trio.Event()
-        self._flush_done = trio.Event()
+        self._wanted = False  # an fsync was asked for since the last one started
+        self._syncing = False  # an fsync runs in a worker thread
+        self._synced = trio.Event()  # set when an fsync ends (run waits for it to stop)
+        self._flush_done = trio.Event()  # set when the next fsync to start has ended
+        self._failed = trio.Event()
         self._error: BaseException | None = None
         self._running = False
+        self._token: trio.lowlevel.TrioToken | None = None
         self.fsyncs = 0  # flushes performed: with group commit, fewer than appends
 
     async def append_batch(self, payloads: Sequence[bytes], rtype: int = TYPE_DATA) -> list[int]:
@@ -91,8 +100,10 @@ class LogWriter:
         return (await self.append_batch((payload,), rtype))[0]
 
     def request_flush(self) -> None:
-        """Ask for an fsync soon, without waiting for it (``flush`` waits)."""
-        self._flush_wanted.set()
+        """Ask for an fsync soon, without waiting for it (``flush`` waits). It starts at
+        once when none is running, else right after the running one."""
+        self._wanted = True
+        self._start_fsync()
 
     async def flush(self) -> int:
         """Make everything appended so far durable, whatever the policy."""
@@ -104,44 +115,80 @@ class LogWriter:
     async def _wait_for_flush(self) -> None:
         if self._error is not None:
             raise StorageError(f"flush failed: {self._error!r}") from self._error
+        # Everyone who asked before an fsync starts is covered by it; later askers wait
+        # for the next one (group commit).
         done = self._flush_done
-        self._flush_wanted.set()
+        self.request_flush()
         await done.wait()
         if self._error is not None:
             raise StorageError(f"flush failed: {self._error!r}") from self._error
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """The flusher task. Raises the log's error if an fsync fails."""
+        """Own the flusher until cancelled. Raises the log's error if an fsync fails.
+
+        The fsyncs themselves are not steps of this task: a request starts one in a
+        worker thread, and its end is handled in the event loop's next step (waiters
+        woken, ``on_durable`` called, the next fsync started if one was asked for
+        meanwhile). A task that woke for every fsync would cost two more scheduling
+        steps each; with group commit under load they are most of its cost.
+        """
+        self._token = trio.lowlevel.current_trio_token()
         self._running = True
         task_status.started()
         try:
-            while True:
-                if self.policy.mode is FlushMode.SYNC:
-                    await self._flush_wanted.wait()
-                else:
+            self._start_fsync()  # asked for before run started
+            if self.policy.mode is FlushMode.SYNC:
+                await self._failed.wait()
+            else:
+                while not self._failed.is_set():
                     with trio.move_on_after(self.policy.interval_ms / 1000):
-                        await self._flush_wanted.wait()
-                await self._flush_once()
+                        await self._failed.wait()
+                    self.request_flush()
+            assert self._error is not None
+            raise self._error
         finally:
             self._running = False
+            with trio.CancelScope(shield=True):
+                while self._syncing:  # never leave an fsync running under a closing log
+                    self._synced = trio.Event()
+                    await self._synced.wait()
             # Wake anyone still waiting so they fail instead of hanging.
             if self._error is None:
                 self._error = StorageError("the log writer stopped")
             self._flush_done.set()
 
-    async def _flush_once(self) -> None:
-        # Everyone who asked before this point is covered by this fsync; later askers
-        # wait for the next one (group commit).
-        self._flush_wanted = trio.Event()
+    def _start_fsync(self) -> None:
+        """Start the fsync asked for, in a worker thread, unless one runs already."""
+        if self._syncing or not self._wanted or not self._running or self._error is not None:
+            return
+        self._wanted = False
         done, self._flush_done = self._flush_done, trio.Event()
+        if self.log.durable_offset >= self.log.end_offset:
+            done.set()  # nothing to sync
+            return
+        self._syncing = True
+        token = self._token
+        assert token is not None
+
+        def deliver(result: outcome.Outcome[object]) -> None:  # in the worker thread
+            with contextlib.suppress(trio.RunFinishedError):
+                token.run_sync_soon(self._fsync_ended, result, done)
+
+        trio.lowlevel.start_thread_soon(self.log.flush, deliver, name="delayd fsync")
+
+    def _fsync_ended(self, result: outcome.Outcome[object], done: trio.Event) -> None:
+        """In the event loop: the fsync started with ``done`` ended. Must not raise
+        (it runs as a trio callback): an error is kept for the run task to raise."""
+        self._syncing = False
+        self._synced.set()
         try:
-            if self.log.durable_offset < self.log.end_offset:
-                await trio.to_thread.run_sync(self.log.flush)
-                self.fsyncs += 1
+            result.unwrap()
+            self.fsyncs += 1
             if self.on_durable is not None:
                 self.on_durable()
         except BaseException as exc:
             self._error = exc
-            raise
+            self._failed.set()
         finally:
             done.set()
+        self._start_fsync()  # appends made during this one
