@@ -4,8 +4,10 @@ Producers here are raw protocol clients (tests.intake_support.RawClient)."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 import re
+import signal
 import socket
 import struct
 import threading
@@ -28,6 +30,7 @@ from delayd.protocol import (
     ResultCode,
     SendBatch,
     SendBatchResult,
+    SendResult,
     Stats,
     StatsResult,
     encode_event,
@@ -426,3 +429,42 @@ def test_bad_configuration_is_refused_naming_the_key(tmp_path, text, words):
     for word in words:
         assert word in log
     assert not (tmp_path / "data").exists()  # refused before touching the data
+
+
+def test_a_graceful_stop_answers_every_batch_it_appended(serve, tmp_path):
+    """SIGTERM while a client has 40 SEND_BATCHes pipelined: every batch the server
+    appended is answered (OK) before the connection closes — none is left appended and
+    unanswered — and every OK message is in schedule_log after the restart."""
+    server = serve(tmp_path / "data")
+    client = RawClient(server.address)
+    due = int(time.time() * 1000) + 3_600_000
+    batches = [
+        [Message(f"g{b}-{i}", "orders", body=b"x" * 100, at_ms=due) for i in range(100)]
+        for b in range(40)
+    ]
+    rids = [client.send(lambda rid, m=m: SendBatch(m, request_id=rid)) for m in batches[:20]]
+    assert server.proc is not None
+    server.proc.send_signal(signal.SIGTERM)
+    for messages in batches[20:]:
+        try:
+            rids.append(client.send(lambda rid, m=messages: SendBatch(m, request_id=rid)))
+        except OSError:
+            break  # the server stopped reading and closed
+    answered: dict[int, list[SendResult]] = {}
+    with contextlib.suppress(OSError, ProtocolError):
+        while len(answered) < len(rids):
+            event = client.receive()
+            if isinstance(event, ConnectionClosed):
+                break
+            assert isinstance(event, SendBatchResult), event
+            answered[event.request_id] = ok(list(event.results))
+    client.close()
+    assert server.proc.wait(30) == 0
+    assert answered, "not even the first batch was answered before the stop"
+    server.start()
+    terminate(server)
+    scheduled = check_exactly_once(tmp_path / "data", 1)
+    acked = {f"g{b}-{i}" for b, rid in enumerate(rids) if rid in answered for i in range(100)}
+    assert acked <= set(scheduled)
+    # Appended but never answered would show as scheduled ids of unanswered batches.
+    assert set(scheduled) == acked, sorted(set(scheduled) - acked)[:5]
