@@ -418,7 +418,8 @@ class Sender:
             touched.add(group)
         for group in touched:
             self._start_ready_batches(group)
-            group.ready.set()
+            if group.queue:  # what is left waits for its loop
+                group.ready.set()
         if self._parked and wake:
             self._retry_wake.set()
 
