@@ -32,6 +32,7 @@ from delayd.errors import (
     LocalProtocolError,
     RejectedError,
 )
+from delayd.nowait import acquire
 from delayd.protocol import (
     SERVER,
     Cancel,
@@ -159,7 +160,7 @@ class BrokerConnection:
                     )
                 )
             elif isinstance(event, SendBatch):
-                await self._slots.acquire()  # released by the acker once answered
+                await acquire(self._slots)  # released by the acker once answered
                 try:
                     await broker.store.make_room()
                     results = broker.append_batch(event.messages, broker.clock(), event.encoded)
@@ -212,7 +213,7 @@ class BrokerConnection:
     async def _spawn(
         self, requests: trio.Nursery, fn: Callable[..., Awaitable[None]], *args: object
     ) -> None:
-        await self._slots.acquire()
+        await acquire(self._slots)
 
         async def task() -> None:
             try:

@@ -32,6 +32,7 @@ from delayd.logs import message_log, schedule_log
 from delayd.logs.bucket_files import BucketFiles
 from delayd.logs.buckets import bucket_of, bucket_width_ms
 from delayd.logs.id_index import IdIndex, scheduled_id
+from delayd.nowait import holding
 from delayd.replay.recovery import RecoveryReport
 from delayd.replay.state import ReplayCheckpoint, write_replay_checkpoint
 from storage.framing import HEADER_SIZE
@@ -490,13 +491,13 @@ class Replayer:
         if step is None:
             return 0
         if step.tombstones:
-            async with self.append_lock:
+            async with holding(self.append_lock):
                 if self.on_tombstones is not None:
                     await self.on_tombstones(self, step.tombstones)
                 self.tombstones_total += len(step.tombstones)
                 self._finish(step, {})
             return step.count
-        async with self.append_lock:
+        async with holding(self.append_lock):
             if all(self.buckets.is_open(start) for start in step.groups):
                 offsets = self._append(step.groups)
             else:

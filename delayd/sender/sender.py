@@ -54,6 +54,7 @@ from delayd.logs.dispatch_log import EntryKind, check_group_name
 from delayd.logs.message_log import MessageRecord
 from delayd.logs.schedule_log import decode_scheduled
 from delayd.logs.schedule_reader import ScheduleReader
+from delayd.nowait import holding
 from delayd.protocol import EncodedMessages, Message
 from delayd.protocol.codec import encode_message
 from delayd.protocol.codes import ResultCode
@@ -581,7 +582,7 @@ class Sender:
             kind = EntryKind.DEAD_LETTERED if item.dead else EntryKind.DISPATCHED
             dead += item.dead
             by_bucket.setdefault((item.bucket_ms, item.bucket_id, kind), []).append(item.offset)
-        async with self.dispatch_lock:
+        async with holding(self.dispatch_lock):
             for (bucket_ms, _, kind), offsets in by_bucket.items():
                 self.dispatch.record(bucket_ms, kind, offsets, at_ms, group.raw_name)
             # Under the lock with the entries: a canceller that holds it sees either a
@@ -607,7 +608,7 @@ class Sender:
         """Record as CANCELLED watched items a broker refused (see the module
         docstring), instead of retrying them."""
         now_ms = self.clock()
-        async with self.dispatch_lock:
+        async with holding(self.dispatch_lock):
             for item in items:
                 self.dispatch.record(
                     item.bucket_ms, EntryKind.CANCELLED, [item.offset], now_ms, b""

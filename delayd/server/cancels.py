@@ -29,6 +29,7 @@ from delayd.logs import message_log, schedule_log, tombstone
 from delayd.logs.dispatch_files import DispatchFiles
 from delayd.logs.dispatch_log import DispatchEntry, EntryKind, find_entry
 from delayd.logs.id_index import IdIndex, Location
+from delayd.nowait import holding
 from delayd.protocol.codes import CancelOutcome, RescheduleOutcome
 from delayd.replay.replayer import Replayer, TombstoneRecord
 from delayd.sender.sender import Sender, Withdrawal
@@ -145,7 +146,7 @@ class Canceller:
 
     async def on_tombstones(self, replayer: Replayer, records: list[TombstoneRecord]) -> None:
         """The replayer's hook: resolve ``records`` in order (append lock held)."""
-        async with self.dispatch_lock:
+        async with holding(self.dispatch_lock):
             try:
                 for offset, rtype, payload in records:
                     self._resolve(replayer, offset, tombstone.decode(rtype, payload))

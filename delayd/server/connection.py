@@ -31,6 +31,7 @@ from collections.abc import Callable
 import trio
 
 from delayd.errors import ConnectionClosedError, LocalProtocolError
+from delayd.nowait import acquire
 from delayd.protocol import (
     SERVER,
     Cancel,
@@ -142,7 +143,7 @@ class DelayConnection:
         rid = event.request_id
         try:
             if isinstance(event, SendBatch):
-                await self._slots.acquire()
+                await acquire(self._slots)
                 try:
                     await self.intake.make_room()
                     intake = self.intake.append(event.messages, event.encoded)
@@ -197,7 +198,7 @@ class DelayConnection:
                 too_long = RescheduleResult(RescheduleOutcome.DELAY_TOO_LONG, request_id=rid)
                 await self._answer(too_long)
                 return
-        await self._tombstone_slots.acquire()
+        await acquire(self._tombstone_slots)
         try:
             await self.intake.make_room()
             answer = self.intake.append_tombstone(event.message_id, due_ms)
@@ -218,7 +219,7 @@ class DelayConnection:
             reason = f"message_id {ids.index('')} is empty: name every message to cancel"
             await self._answer(Error(ErrorCode.INVALID_REQUEST, reason, request_id=rid))
             return
-        await self._slots.acquire()
+        await acquire(self._slots)
         try:
             await self.intake.make_room()
             answers = self.intake.append_tombstones(ids)
