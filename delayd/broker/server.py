@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections import deque
 from collections.abc import Awaitable, Callable
 
 import trio
 
+from delayd.answer_queue import AnswerQueue
 from delayd.broker.broker import Broker
 from delayd.errors import (
     ConnectionClosedError,
@@ -107,8 +107,7 @@ class BrokerConnection:
         self.conn = Connection(SERVER, token=token, max_frame_size=max_frame_size)
         self._writer = FrameWriter(stream, OUTBOX_FRAMES)
         self._slots = trio.Semaphore(MAX_IN_FLIGHT)
-        self._unacked: deque[SendBatchResult] = deque()  # appended, not yet answered
-        self._appended = trio.Event()  # set when _unacked gains an entry
+        self._unacked: AnswerQueue[SendBatchResult] = AnswerQueue()  # appended, not answered
         self._cancel = trio.CancelScope()
         try:
             self.peer = "{}:{}".format(*stream.socket.getpeername()[:2])
@@ -168,7 +167,6 @@ class BrokerConnection:
                     self._slots.release()
                     raise
                 self._unacked.append(SendBatchResult(results, request_id=rid))
-                self._appended.set()
             elif isinstance(event, Pull):
                 # Messages waiting: answered here, a scheduling step sooner than a task.
                 encoded = broker.pull_ready(
@@ -230,14 +228,7 @@ class BrokerConnection:
         that), so a group commit costs one wake-up here, not one task per batch.
         """
         task_status.started()
-        unacked = self._unacked
-        while True:
-            if not unacked:
-                await self._appended.wait()
-                self._appended = trio.Event()
-                continue
-            ready = list(unacked)
-            unacked.clear()
+        while (ready := await self._unacked.take_all()) is not None:
             try:
                 await self.broker.store.wait_durable()
             except StorageError as exc:

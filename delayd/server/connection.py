@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections import deque
 from collections.abc import Callable
 
 import trio
 
+from delayd.answer_queue import AnswerQueue
 from delayd.errors import ConnectionClosedError, LocalProtocolError
 from delayd.nowait import acquire
 from delayd.protocol import (
@@ -89,9 +89,7 @@ class DelayConnection:
         self.broker_address = broker_address
         self._writer = FrameWriter(stream, OUTBOX_FRAMES)
         self._slots = trio.Semaphore(MAX_IN_FLIGHT)
-        self._unacked: deque[tuple[Intake, int]] = deque()  # appended, not yet answered
-        self._appended = trio.Event()  # set when _unacked gains an entry
-        self._reading_done = False
+        self._unacked: AnswerQueue[tuple[Intake, int]] = AnswerQueue()  # (intake, request id)
         self._tombstone_slots = trio.Semaphore(MAX_TOMBSTONES_IN_FLIGHT)
         self._read_scope = trio.CancelScope()
         self._stopping = False
@@ -109,8 +107,7 @@ class DelayConnection:
                     final = None
                     with self._read_scope:
                         final = await self._read_loop(requests)
-                    self._reading_done = True  # the acker ends once all are answered
-                    self._appended.set()
+                    self._unacked.close()  # the acker ends once all are answered
                     if not self._stopping:
                         requests.cancel_scope.cancel()
                 if final is not None:
@@ -151,7 +148,6 @@ class DelayConnection:
                     self._slots.release()
                     raise
                 self._unacked.append((intake, rid))
-                self._appended.set()
             elif isinstance(event, Hello):
                 version = self.conn.protocol_version or 1
                 hello_ok = HelloOk(version, SERVER_NAME, self.conn.max_frame_size, request_id=rid)
@@ -257,16 +253,7 @@ class DelayConnection:
         busy event loop those are most of the cost of a small batch).
         """
         task_status.started()
-        unacked = self._unacked
-        while True:
-            if not unacked:
-                if self._reading_done:
-                    return
-                self._appended = trio.Event()
-                await self._appended.wait()
-                continue
-            ready = list(unacked)
-            unacked.clear()
+        while (ready := await self._unacked.take_all()) is not None:
             try:
                 answers = await self.intake.acknowledge_all([intake for intake, _ in ready])
             finally:
