@@ -66,7 +66,7 @@ import xxhash
 
 from storage.errors import CorruptionError, LogClosedError, StorageError
 from storage.framing import HEADER_SIZE
-from storage.fs import O_READ, O_WRITE, REAL_FS, FileSystem, create_dirs_durably
+from storage.fs import O_READ, O_WRITE, REAL_FS, FileSystem, create_dirs_durably, dirs_up_to
 
 if TYPE_CHECKING:
     from storage.segmented_log import Record
@@ -148,6 +148,7 @@ class ConsumeQueue:
         self._covered_end = 0  # commitlog_offset + size of the last entry, 0 when empty
         self._dirty = False  # the last segment was written since the last flush
         self._dir_dirty = False  # a segment was created since the last directory fsync
+        self._dirs_to_sync: list[str] = []  # created by open, made durable by flush
         self._flush_lock = threading.Lock()  # flush vs roll / truncate / close
         self._failed: BaseException | None = None
         self._closed = False
@@ -162,6 +163,7 @@ class ConsumeQueue:
         fs: FileSystem = REAL_FS,
         entries_per_segment: int = DEFAULT_ENTRIES_PER_SEGMENT,
         first_index: int = 0,
+        durable_ancestor: str | None = None,
     ) -> ConsumeQueue:
         """Open (creating if missing) the queue in ``directory`` and recover its tail.
 
@@ -169,11 +171,21 @@ class ConsumeQueue:
         re-created after its commitlog was trimmed keeps its consumers' indexes); it is
         ignored when the directory already holds segments. Raises CorruptionError when a
         segment other than the last is short, which no crash can explain.
+
+        The directory chain is made durable up to the root before this returns, unless
+        ``durable_ancestor`` names a parent already durable (a store's own directory,
+        made durable when the store opened): then only the directories from
+        ``directory`` up to it are fsynced, and by the first :meth:`flush`, so a queue
+        created while serving costs its caller a ``mkdir`` instead of a chain of fsyncs.
         """
         if first_index < 0:
             raise ValueError(f"first_index must be >= 0, got {first_index}")
         queue = cls(directory, fs, entries_per_segment)
-        create_dirs_durably(fs, directory)
+        if durable_ancestor is None:
+            create_dirs_durably(fs, directory)
+        else:
+            queue._dirs_to_sync = dirs_up_to(directory, durable_ancestor)
+            fs.mkdir(directory)
         queue._recover(first_index)
         return queue
 
@@ -356,11 +368,14 @@ class ConsumeQueue:
             durable = self.end_index
             dirty, self._dirty = self._dirty, False
             dir_dirty, self._dir_dirty = self._dir_dirty, False
+            dirs, self._dirs_to_sync = self._dirs_to_sync, []
+            if dir_dirty and not dirs:
+                dirs = [self.directory]
             try:
                 if dirty:
                     self.fs.fsync(self._write_fd)
-                if dir_dirty:
-                    self.fs.fsync_dir(self.directory)
+                for directory in dirs:  # the queue's own directory first
+                    self.fs.fsync_dir(directory)
             except BaseException as exc:
                 self._failed = exc
                 raise

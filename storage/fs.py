@@ -108,9 +108,22 @@ def create_dirs_durably(fs: FileSystem, directory: str) -> None:
     """
     path = os.path.normpath(os.path.abspath(directory))
     fs.mkdir(path)
-    while True:
-        fs.fsync_dir(path)
+    for each in dirs_up_to(path, os.path.abspath(os.sep)):
+        fs.fsync_dir(each)
+
+
+def dirs_up_to(directory: str, ancestor: str) -> list[str]:
+    """``directory``, its parent, ... up to and including ``ancestor``: what to fsync
+    after a ``mkdir -p`` of ``directory`` when ``ancestor``'s own entry is known to be
+    durable already. Raises ValueError when ``ancestor`` is not ``directory`` or one of
+    its parents."""
+    path = os.path.normpath(os.path.abspath(directory))
+    top = os.path.normpath(os.path.abspath(ancestor))
+    chain = [path]
+    while path != top:
         parent = os.path.dirname(path)
         if parent == path:
-            return
+            raise ValueError(f"{ancestor!r} is not {directory!r} or one of its parents")
+        chain.append(parent)
         path = parent
+    return chain

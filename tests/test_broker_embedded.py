@@ -17,6 +17,7 @@ from delayd.protocol import Command, Message, ResultCode, SendBatch, decode_even
 from delayd.protocol.frames import HEADER_SIZE
 from storage import framing
 from storage.consumequeue import ENTRY
+from storage.indexfile import file_name
 
 CONFIG = BrokerConfig(index_slot_count=1009, index_max_entries=50, dedupe_max_ids=1000)
 
@@ -149,6 +150,16 @@ async def test_restart_rebuilds_queues_and_index_from_the_commitlog(tmp_path):
         assert [m.message_id for m in broker.query("orders", key="K")] == ["keyed"]
         dup = await broker.send_batch([Message("r0-0", "orders")])
         assert dup[0].code is ResultCode.DUPLICATE
+
+
+async def test_the_index_file_is_created_when_the_broker_opens_not_by_the_first_send(tmp_path):
+    # Creating one allocates a slot table and fsyncs twice: not in a delivery's step.
+    index_dir = tmp_path / "broker" / "index"
+    async with open_broker(str(tmp_path), CONFIG) as broker:
+        assert sorted(n for n in os.listdir(index_dir) if n.isdigit()) == [file_name(0)]
+        await broker.send_batch(batch("first", 3))
+        assert sorted(n for n in os.listdir(index_dir) if n.isdigit()) == [file_name(0)]
+        assert [m.message_id for m in broker.query("orders", message_id="first-2")] == ["first-2"]
 
 
 async def test_long_poll_is_woken_by_the_reput_not_by_a_timer(tmp_path):

@@ -25,6 +25,7 @@ from storage.consumequeue import (
 from storage.crashfs import MODES, CrashSimFileSystem, crash_points, run_to_crash
 from storage.errors import CorruptionError, LogClosedError
 from storage.framing import HEADER_SIZE
+from storage.fs import create_dirs_durably
 from storage.segmented_log import Record, SegmentedLog
 
 
@@ -227,6 +228,43 @@ def test_cut_at_open_is_durable_before_new_appends(tmp_path):
         fs.materialize(str(root), "pages", random.Random(seed))
         with open_queue(root / "q") as reopened:
             assert reopened.read_range(0, 10) in (good, [*good, replacement]), f"seed {seed}"
+
+
+class DirSyncSpy(CrashSimFileSystem):
+    """The crash simulator, noting every directory fsync."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dir_syncs: list[str] = []
+
+    def fsync_dir(self, path: str) -> None:
+        self.dir_syncs.append(path)
+        super().fsync_dir(path)
+
+
+def test_a_queue_created_below_a_durable_directory_syncs_its_directories_in_flush(tmp_path):
+    """A broker creating a queue while it serves: open only makes the directories, the
+    first flush (a worker thread's) fsyncs them up to the store's directory — and a power
+    loss after that flush keeps the queue and its entries."""
+    fs = DirSyncSpy()
+    create_dirs_durably(fs, "/store")
+    fs.dir_syncs.clear()
+    queue = ConsumeQueue.open("/store/consumequeue/due/3", fs=fs, durable_ancestor="/store")
+    assert fs.dir_syncs == []
+    queue.append_batch(entries_for(3))
+    queue.flush()
+    chain = ["/store/consumequeue/due/3", "/store/consumequeue/due", "/store/consumequeue"]
+    assert fs.dir_syncs == [*chain, "/store"]
+    queue.flush()
+    assert len(fs.dir_syncs) == 4  # once
+    fs.materialize(str(tmp_path), "pages", random.Random(1))
+    with open_queue(tmp_path / "store/consumequeue/due/3") as reopened:
+        assert reopened.read_range(0, 10) == entries_for(3)
+
+
+def test_durable_ancestor_must_be_a_parent():
+    with pytest.raises(ValueError, match="is not '/store/q' or one of its parents"):
+        ConsumeQueue.open("/store/q", fs=CrashSimFileSystem(), durable_ancestor="/other")
 
 
 def overwrite(path: Path, position: int, data: bytes) -> None:

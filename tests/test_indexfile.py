@@ -126,6 +126,20 @@ def test_full_file_rolls_to_a_new_file_named_by_its_first_offset(tmp_path):
             assert store.lookup(f"k{k}", truth.key_matches) == truth.expected(f"k{k}", order)
 
 
+def test_prepare_creates_the_first_file_at_open_and_puts_fill_it(tmp_path):
+    truth = Truth()
+    with IndexStore.open(str(tmp_path), **SMALL) as store:
+        assert store.files == []
+        store.prepare(500)
+        assert index_files(tmp_path) == [file_name(500)]
+        order = fill(store, truth, 3, keys=2, start=5)  # offsets 500, 600, 700
+        store.prepare(900)  # there is a file: nothing to do
+        assert index_files(tmp_path) == [file_name(500)]
+        assert store.lookup("k1", truth.key_matches) == truth.expected("k1", order)
+    with IndexStore.open(str(tmp_path), **SMALL) as store:
+        assert store.lookup("k0", truth.key_matches) == truth.expected("k0", order) == [600]
+
+
 def test_two_keys_of_one_record_straddling_a_roll_get_distinct_names(tmp_path):
     with IndexStore.open(str(tmp_path), slot_count=3, max_entries=1) as store:
         store.put("message-id", 500, 1)

@@ -314,6 +314,7 @@ class BrokerStore:
         if index_from < start:
             for record in commitlog.iter_from(index_from, until=start):
                 self._index_record(record.offset, record.payload)
+        self.index.prepare(commitlog.end_offset)
         last_offset: dict[QueueKey, int] = {}
 
         def queue_for(record: Record) -> tuple[ConsumeQueue, int]:
@@ -373,10 +374,10 @@ class BrokerStore:
                     keys.append((subject, int(queue)))
         return keys
 
-    def _open_queue(self, key: QueueKey) -> ConsumeQueue:
+    def _open_queue(self, key: QueueKey, durable_ancestor: str | None = None) -> ConsumeQueue:
         subject, queue_id = key
         path = os.path.join(self.directory, "consumequeue", subject, str(queue_id))
-        queue = ConsumeQueue.open(path, fs=self.fs)
+        queue = ConsumeQueue.open(path, fs=self.fs, durable_ancestor=durable_ancestor)
         self.queues[key] = queue
         return queue
 
@@ -494,7 +495,9 @@ class BrokerStore:
                 group[2].append(payload)
             self.reput_offset = batch.end
         for key, (queue_offset, offsets, payloads) in grown.items():
-            queue = self.queues.get(key) or self._open_queue(key)
+            # A queue new while serving: its directories are fsynced by the next
+            # flush_derived (before the checkpoint that covers it), not on the event loop.
+            queue = self.queues.get(key) or self._open_queue(key, durable_ancestor=self.directory)
             queue.append_records(offsets, [HEADER_SIZE + len(p) for p in payloads])
             self.recent.extend(key, queue_offset, offsets, payloads)
         if grown:
