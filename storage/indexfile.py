@@ -24,21 +24,25 @@ Differences from RocketMQ, and why
       record and compares, so a collision (forced in the tests) never returns a wrong
       message. RocketMQ compares the 32-bit hash only and leaves the rest to the client.
     * Writes are pwrites, batched: the slot table lives in memory, new entries in a buffer
-      (lookups see both); ``flush()`` writes the buffered entries with one pwrite and the
-      dirty slots in runs, fsyncs, then commits a header and fsyncs again.
+      (lookups see both); ``flush()`` writes the buffered entries with one pwrite and,
+      every SLOT_WRITE_ENTRIES puts (and when sealing, truncating, closing), the dirty
+      slots in runs; it fsyncs, then commits a header and fsyncs again.
     * The header exists twice, written alternately (LMDB's meta pages): a torn header write
       leaves the previous copy. Each copy carries its crc32c, a sequence number, the entry
-      count and the crc32c of the slot table it commits.
+      count, the crc32c of the slot table it commits and how many entries that table
+      reflects.
     * Time deltas are milliseconds (RocketMQ: seconds); a put whose delta would overflow the
       u32 (~49.7 days after the file began) rolls to a new file like a full one.
 
 Recovery
     The committed header names how many entries and which slot table are durable. On
     opening the newest file, entries past the committed count are cut (a flush that did
-    not finish), and when the slot table's crc32c disagrees with the header (slot writes of
-    an unfinished flush) or the file is shorter than the committed count (torn), the slot
-    table is rebuilt by replaying the entries, each of whose ``prev`` must equal the slot
-    value the replay has reached; the first that does not ends the file. Older files were
+    not finish) and the entries the slot table does not reflect yet are replayed into
+    it. When the slot table's crc32c disagrees with the header (slot writes of an
+    unfinished flush), the file is shorter than the committed count (torn) or that tail
+    does not link up, the slot table is rebuilt by replaying every entry, each of whose
+    ``prev`` must equal the slot value the replay has reached; the first that does not
+    ends the file. Older files were
     sealed by a complete flush before the next file was created, so they get only the
     length check. The index is derived data: the broker flushes it before it saves its
     reput checkpoint and re-puts from that checkpoint on start, which refills a cut tail
@@ -69,14 +73,15 @@ from storage.framing import crc32c
 from storage.fs import O_WRITE, REAL_FS, FileSystem, create_dirs_durably
 
 MAGIC = b"DIDX"
-VERSION = 1
-HEADER = struct.Struct("<4sIQQQQQIIII")
-# 4 + 4 + 8 + 8 + 8 + 8 + 8 + 4 + 4 + 4 + 4 = 64: magic, version, seq, begin offset, end
-# offset, begin timestamp ms, end timestamp ms, slot count, max entries, entry count,
-# crc32c of the slot table
-assert HEADER.size == 64
-HEADER_CRC = struct.Struct("<I")  # crc32c of the 64 header bytes, right after them
-HEADER_COPY_SIZE = 128  # 64 + 4 = 68 bytes used, the rest zero (room to grow)
+VERSION = 2
+HEADER = struct.Struct("<4sIQQQQQIIIII")
+# 4 + 4 + 8 + 8 + 8 + 8 + 8 + 4 + 4 + 4 + 4 + 4 = 68: magic, version, seq, begin offset,
+# end offset, begin timestamp ms, end timestamp ms, slot count, max entries, entry count,
+# crc32c of the slot table, the entry count that slot table reflects
+assert HEADER.size == 68
+HEADER_V1 = struct.Struct("<4sIQQQQQIIII")  # version 1: the same without the last field
+HEADER_CRC = struct.Struct("<I")  # crc32c of the header bytes, right after them
+HEADER_COPY_SIZE = 128  # 68 + 4 = 72 bytes used, the rest zero (room to grow)
 HEADER_REGION_SIZE = 2 * HEADER_COPY_SIZE  # copy seq % 2 is the one a flush writes
 SLOT = struct.Struct("<I")
 SLOT_SIZE = SLOT.size  # 4: entry number u32
@@ -91,6 +96,11 @@ DEFAULT_MAX_ENTRIES = 4_000_000  # 4_000_000 * 20 B = 80 MB of entries per file
 MAX_TIME_DELTA_MS = U32_MAX  # 2**32 - 1 ms ~ 49.7 days
 DEFAULT_MAX_RESULTS = 64
 SLOT_PAGE_BITS = 10  # dirty slots are tracked per page of 2**10 slots (4 KiB of slots)
+# A flush writes the dirty slots only once this many entries were put since the slots
+# were last written (and always when sealing, truncating or closing): a few thousand
+# random puts dirty most pages of a 4 MB table, so writing them every flush rewrote
+# the table each second. Recovery replays at most this many entries into the slots.
+SLOT_WRITE_ENTRIES = 65_536
 REPLAY_CHUNK = 65536  # entries per pread when replaying (65536 * 20 B = 1.25 MiB)
 FILE_NAME_DIGITS = 20
 TEMP_SUFFIX = ".tmp"
@@ -122,6 +132,7 @@ class _Header(NamedTuple):
     max_entries: int
     entry_count: int
     slot_crc: int
+    slot_entry_count: int  # entries 1..this are in the slot table slot_crc commits
 
 
 def _encode_header(h: _Header) -> bytes:
@@ -130,16 +141,21 @@ def _encode_header(h: _Header) -> bytes:
 
 
 def _decode_header(raw: bytes) -> _Header | None:
-    """The header in one copy, or None when it is torn, zero or not ours."""
-    if len(raw) < HEADER.size + HEADER_CRC.size:
+    """The header in one copy, or None when it is torn, zero or not ours. A version 1
+    header (slots written by every flush) reads as slots reflecting every entry."""
+    if len(raw) < HEADER.size + HEADER_CRC.size or raw[:4] != MAGIC:
         return None
-    body = raw[: HEADER.size]
-    (crc,) = HEADER_CRC.unpack_from(raw, HEADER.size)
+    (version,) = struct.unpack_from("<I", raw, 4)
+    layout = {1: HEADER_V1, VERSION: HEADER}.get(version)
+    if layout is None:
+        return None
+    body = raw[: layout.size]
+    (crc,) = HEADER_CRC.unpack_from(raw, layout.size)
     if crc32c(body) != crc:
         return None
-    magic, version, *fields = HEADER.unpack(body)
-    if magic != MAGIC or version != VERSION:
-        return None
+    fields = layout.unpack(body)[2:]
+    if version == 1:
+        fields = (*fields, fields[-2])  # slot_entry_count = entry_count
     return _Header(*fields)
 
 
@@ -183,6 +199,7 @@ class IndexFile:
         self._fd = fd
         self._seq = header.seq
         self._slot_crc = header.slot_crc  # of the slot table last committed
+        self._slot_entries = header.slot_entry_count  # entries that table reflects
         self._entries_start = HEADER_REGION_SIZE + self.slot_count * SLOT_SIZE
         self._count = header.entry_count  # entries put, flushed or not
         self._flushed = header.entry_count  # entries on disk and committed by the header
@@ -219,7 +236,7 @@ class IndexFile:
         if not 1 <= max_entries < U32_MAX:
             raise ValueError(f"max_entries must be in 1..{U32_MAX - 1}, got {max_entries}")
         slots = array("I", bytes(slot_count * SLOT_SIZE))
-        header = _Header(1, 0, 0, 0, 0, slot_count, max_entries, 0, crc32c(_slot_bytes(slots)))
+        header = _Header(1, 0, 0, 0, 0, slot_count, max_entries, 0, crc32c(_slot_bytes(slots)), 0)
         temp = path + TEMP_SUFFIX
         fd = fs.open(temp, O_WRITE)
         try:
@@ -280,6 +297,9 @@ class IndexFile:
             slots = _slots_from_bytes(data)
             if not replay and crc32c(_slot_bytes(slots)) != self._slot_crc:
                 replay = True
+            # Slots written by an earlier flush than the last: put the later entries in.
+            if not replay and not self._replay_tail(slots, count):
+                replay = True
             if replay:
                 slots, count = self._replay(count)
             self._slots = slots
@@ -288,12 +308,33 @@ class IndexFile:
             self.fs.ftruncate(self._fd, self._entries_start + count * ENTRY_SIZE)
             if replay:
                 self.fs.pwrite(self._fd, _slot_bytes(self._slots), HEADER_REGION_SIZE)
+                self._dirty_pages[:] = bytes(len(self._dirty_pages))
             self.fs.fsync(self._fd)
             if replay:
-                self._commit_header(self._header())
+                self._commit_header(self._header(crc32c(_slot_bytes(self._slots)), count))
         self.lost_committed = count < committed
         if not load_slots:
             self._slots = None
+
+    def _replay_tail(self, slots: array, count: int) -> bool:
+        """Put entries after the header's slot_entry_count, up to ``count``, into
+        ``slots`` (the table that header committed), marking their pages dirty. False at
+        the first entry whose ``prev`` is not the slot value reached: damage, for which
+        the caller rebuilds the table from every entry."""
+        sc = self.slot_count
+        dirty = self._dirty_pages
+        number = self._slot_entries
+        for first in range(number, count, REPLAY_CHUNK):
+            n = min(REPLAY_CHUNK, count - first)
+            data = self.fs.pread(self._fd, n * ENTRY_SIZE, self._entries_start + first * ENTRY_SIZE)
+            for key_hash, _offset, _delta, prev in ENTRY.iter_unpack(data):
+                slot = key_hash % sc
+                if prev != slots[slot]:
+                    return False
+                number += 1
+                slots[slot] = number
+                dirty[slot >> SLOT_PAGE_BITS] = 1
+        return number >= count
 
     def _replay(self, count: int) -> tuple[array, int]:
         """Rebuild the slot table from entries 1..count; returns it and how many entries
@@ -350,12 +391,12 @@ class IndexFile:
             self._recover(self.fs.fsize(self._fd), load_slots=True)
 
     def seal(self) -> None:
-        """Flush, then drop the in-memory slot table (lookups pread slots from now on)."""
-        self.flush()
+        """Flush with the slots, then drop the in-memory slot table (lookups pread slots
+        from now on)."""
+        self.flush(with_slots=True)
         self._slots = None
 
-    def _header(self) -> _Header:
-        crc = self._slot_crc if self._slots is None else crc32c(_slot_bytes(self._slots))
+    def _header(self, slot_crc: int, slot_entries: int) -> _Header:
         return _Header(
             self._seq,
             self.begin_offset,
@@ -365,7 +406,8 @@ class IndexFile:
             self.slot_count,
             self.max_entries,
             self._count,
-            crc,
+            slot_crc,
+            slot_entries,
         )
 
     def _commit_header(self, header: _Header) -> None:
@@ -376,6 +418,7 @@ class IndexFile:
         self.fs.fsync(self._fd)
         self._seq = seq
         self._slot_crc = header.slot_crc
+        self._slot_entries = header.slot_entry_count
 
     # ------------------------------------------------------------------ put, lookup
 
@@ -534,29 +577,37 @@ class IndexFile:
 
     # ------------------------------------------------------------------ durability
 
-    def flush(self) -> None:
-        """Make every put so far durable: entries (one pwrite) and dirty slot runs, fsync,
-        then the header committing them, fsync. May run in a worker thread while puts and
+    def flush(self, *, with_slots: bool = False) -> None:
+        """Make every put so far durable: entries (one pwrite) and, every
+        SLOT_WRITE_ENTRIES puts or when ``with_slots``, the dirty slot runs; fsync, then
+        the header committing them, fsync. May run in a worker thread while puts and
         lookups go on. After a failed write or fsync the file refuses further use."""
         with self._flush_lock:
             self._check_usable()
-            self._flush_locked()
+            self._flush_locked(with_slots=with_slots)
 
-    def _flush_locked(self) -> None:
+    def _flush_locked(self, *, with_slots: bool = False) -> None:
         slots = self._slots
         with self._lock:
             dirty = self._dirty_pages
-            if not self._pending and not self._header_dirty and dirty.find(1) < 0:
+            write_slots = (
+                slots is not None
+                and (with_slots or self._count - self._slot_entries >= SLOT_WRITE_ENTRIES)
+                and dirty.find(1) >= 0
+            )
+            if not self._pending and not self._header_dirty and not write_slots:
                 return
             data = bytes(self._pending)
             position = self._entries_start + self._flushed * ENTRY_SIZE
             runs: list[tuple[int, bytes | memoryview]] = []
-            if slots is not None:
+            slot_crc, slot_entries = self._slot_crc, self._slot_entries
+            if write_slots:
                 # Slicing copies, so later puts cannot change what this flush writes.
                 runs = [(start, _slot_bytes(slots[start:stop])) for start, stop in self._runs()]
-            dirty[:] = bytes(len(dirty))
+                dirty[:] = bytes(len(dirty))
+                slot_crc, slot_entries = crc32c(_slot_bytes(slots)), self._count
             self._header_dirty = False
-            header = self._header()
+            header = self._header(slot_crc, slot_entries)
         try:
             if data:
                 self.fs.pwrite(self._fd, data, position)
@@ -627,7 +678,8 @@ class IndexFile:
                 self._header_dirty = True
                 if number == 0:
                     self._reset_range()
-            self._flush_locked()
+            # With the slots: the table on disk may reflect entries just undone.
+            self._flush_locked(with_slots=True)
             if cut_on_disk:
                 # The header already excludes them; drop the bytes too so that nothing
                 # stale is left past the committed entries.
@@ -641,7 +693,7 @@ class IndexFile:
             return
         try:
             if flush and self._failed is None and self._slots is not None:
-                self.flush()
+                self.flush(with_slots=True)  # a restart then replays nothing
         finally:
             self._closed = True
             self.fs.close(self._fd)

@@ -12,18 +12,22 @@ from pathlib import Path
 import pytest
 import xxhash
 
+from storage import indexfile
 from storage.crashfs import MODES, CrashSimFileSystem, crash_points, run_to_crash
 from storage.errors import CorruptionError
+from storage.framing import crc32c
 from storage.indexfile import (
     ENTRY,
     ENTRY_SIZE,
     HEADER_COPY_SIZE,
     HEADER_REGION_SIZE,
+    HEADER_V1,
     SLOT_SIZE,
     IndexFile,
     IndexStore,
     file_name,
 )
+from storage.indexfile import _decode_header as decode_header
 
 SMALL = {"slot_count": 7, "max_entries": 50}
 
@@ -375,6 +379,69 @@ def test_slot_table_from_an_unfinished_flush_is_rebuilt(tmp_path):
         f.write((3).to_bytes(4, "little"))  # a plausible but wrong chain head
         f.seek(slot_position("k4"))
         f.write((40).to_bytes(4, "little"))  # an entry that does not exist
+    with IndexStore.open(str(tmp_path), slot_count=7, max_entries=1000) as store:
+        assert store.reindex_from is None
+        for k in range(5):
+            assert store.lookup(f"k{k}", always) == truth.expected(f"k{k}", order)
+
+
+def test_flushes_write_the_slot_table_only_every_slot_write_entries_puts(tmp_path, monkeypatch):
+    """A flush makes the entries and a header durable; the slots follow every
+    SLOT_WRITE_ENTRIES puts (and at close). A kill -9 or a power loss between two slot
+    writes reopens with the later entries replayed into the table."""
+    monkeypatch.setattr(indexfile, "SLOT_WRITE_ENTRIES", 10)
+    fs = CrashSimFileSystem()
+    truth = Truth()
+    store = IndexStore.open("/idx", fs=fs, slot_count=7, max_entries=1000)
+    store.prepare(0)
+    reader = fs.open(store.files[0], os.O_RDONLY)
+
+    def on_disk() -> tuple[bytes, object]:
+        header_region = fs.pread(reader, HEADER_REGION_SIZE, 0)
+        copies = [decode_header(header_region[i : i + HEADER_COPY_SIZE]) for i in (0, 128)]
+        newest = max((h for h in copies if h is not None), key=lambda h: h.seq)
+        return fs.pread(reader, 7 * SLOT_SIZE, HEADER_REGION_SIZE), newest
+
+    order = fill(store, truth, 6, keys=3)
+    store.flush()
+    slots, header = on_disk()
+    assert slots == bytes(7 * SLOT_SIZE)  # not written
+    assert (header.entry_count, header.slot_entry_count) == (6, 0)
+    order += fill(store, truth, 5, keys=3, start=6)
+    store.flush()
+    slots, header = on_disk()
+    assert slots != bytes(7 * SLOT_SIZE)
+    assert (header.entry_count, header.slot_entry_count) == (11, 11)
+    order += fill(store, truth, 3, keys=4, start=11)
+    store.flush()
+    assert on_disk()[1].slot_entry_count == 11
+
+    fs.restart()  # kill -9: the page cache stays
+    with IndexStore.open("/idx", fs=fs, slot_count=7, max_entries=1000) as reopened:
+        assert reopened.reindex_from is None
+        for k in range(4):
+            assert reopened.lookup(f"k{k}", always) == truth.expected(f"k{k}", order)
+    fs.materialize(str(tmp_path), "pages", random.Random(3))  # and then a power loss
+    with IndexStore.open(str(tmp_path / "idx"), slot_count=7, max_entries=1000) as reopened:
+        for k in range(4):
+            assert reopened.lookup(f"k{k}", always) == truth.expected(f"k{k}", order)
+
+
+def test_a_version_1_file_reads_as_slots_written_by_every_flush(tmp_path):
+    """Files written before the header counted the entries in the slot table."""
+    truth = Truth()
+    with IndexStore.open(str(tmp_path), slot_count=7, max_entries=1000) as store:
+        order = fill(store, truth, 12, keys=5)  # closing writes the slots, as v1 did
+    path = tmp_path / index_files(tmp_path)[0]
+    with open(path, "r+b") as f:
+        for copy in (0, 1):
+            f.seek(copy * HEADER_COPY_SIZE)
+            header = decode_header(f.read(HEADER_COPY_SIZE))
+            if header is None:
+                continue
+            body = HEADER_V1.pack(b"DIDX", 1, *header[:-1])
+            f.seek(copy * HEADER_COPY_SIZE)
+            f.write(body + crc32c(body).to_bytes(4, "little") + bytes(4))
     with IndexStore.open(str(tmp_path), slot_count=7, max_entries=1000) as store:
         assert store.reindex_from is None
         for k in range(5):
