@@ -42,7 +42,15 @@ class FrameWriter:
         self._room = trio.Event()  # the queue lost some
 
     async def send(self, data: bytes) -> None:
-        if self._written_directly(data):
+        if self._broken:
+            raise trio.BrokenResourceError("the peer is gone")
+        if self._closed:
+            raise trio.ClosedResourceError("the writer is closed")
+        if not self._queue and not self._writing and self._socket is not None:
+            written = self._write_now(data)
+            if written < len(data):  # the rest first, before any later frame
+                self._queue.append(data[written:])
+                self._more.set()
             return
         while len(self._queue) >= self._max_queued:
             self._room = trio.Event()
@@ -51,30 +59,6 @@ class FrameWriter:
                 raise trio.BrokenResourceError("the peer is gone")
         self._queue.append(data)
         self._more.set()
-
-    def send_nowait(self, data: bytes) -> None:
-        """:meth:`send` from a synchronous step: queued even beyond ``max_queued`` when
-        the socket does not take it, so the caller bounds how many it sends this way
-        (the broker: held PULLs, at most its request slots per connection)."""
-        if not self._written_directly(data):
-            self._queue.append(data)
-            self._more.set()
-
-    def _written_directly(self, data: bytes) -> bool:
-        """Write ``data`` to the socket now when nothing is ahead of it; True when that
-        took care of it (what the socket did not take is queued first). Raises when the
-        peer is gone or the writer closed."""
-        if self._broken:
-            raise trio.BrokenResourceError("the peer is gone")
-        if self._closed:
-            raise trio.ClosedResourceError("the writer is closed")
-        if self._queue or self._writing or self._socket is None:
-            return False
-        written = self._write_now(data)
-        if written < len(data):  # the rest first, before any later frame
-            self._queue.append(data[written:])
-            self._more.set()
-        return True
 
     def _write_now(self, data: bytes) -> int:
         """As much of ``data`` as the socket takes without blocking (0 if none)."""

@@ -171,7 +171,6 @@ class Broker:
                 await nursery.start(self.store.writer.run)  # fsyncs, then reputs
                 await nursery.start(self._checkpoint_loop)
                 await nursery.start(self._expiry_loop)
-                await nursery.start(self.hub.run)  # held PULLs' deadlines
                 task_status.started()
         finally:
             with trio.CancelScope(shield=True):
@@ -631,56 +630,6 @@ class Broker:
             keys: list[Hashable] = [(subject, q) for q in queues]
             keys.append(("group", group, subject))
             await self.hub.wait(keys, deadline)
-
-    def hold_pull(
-        self,
-        subject: str,
-        group: str,
-        consumer_id: str,
-        max_messages: int,
-        wait_ms: int,
-        connection: Hashable,
-        answer: Callable[[EncodedMessages | Exception], None],
-    ) -> None:
-        """:meth:`pull_encoded` without a task: ``answer`` gets the messages — at once
-        when there are some, else from the step that makes some arrive (the reput's, a
-        rebalance's), or none once ``wait_ms`` (capped) has passed — or the exception a
-        later look raised (the consumer left the group meanwhile, say). ``answer`` is
-        called exactly once and must not raise. Raises as pull_encoded when the first
-        look fails; ``answer`` is not called then."""
-        deadline = trio.current_time() + min(wait_ms, self.config.max_wait_ms) / 1000
-        self._hold(subject, group, consumer_id, max_messages, connection, deadline, answer)
-
-    def _hold(
-        self,
-        subject: str,
-        group: str,
-        consumer_id: str,
-        max_messages: int,
-        connection: Hashable,
-        deadline: float,
-        answer: Callable[[EncodedMessages | Exception], None],
-    ) -> None:
-        encoded, queues = self._pull_now(subject, group, consumer_id, max_messages, connection)
-        if encoded is not None:
-            answer(encoded)
-            return
-        if trio.current_time() >= deadline:
-            answer(EncodedMessages.join([]))
-            return
-
-        def wake(arrived: bool) -> None:
-            if not arrived:
-                answer(EncodedMessages.join([]))
-                return
-            try:  # look again; nothing there (another member was quicker): hold again
-                self._hold(subject, group, consumer_id, max_messages, connection, deadline, answer)
-            except Exception as exc:
-                answer(exc)
-
-        keys: list[Hashable] = [(subject, q) for q in queues]
-        keys.append(("group", group, subject))
-        self.hub.hold(keys, deadline, wake)
 
     def pull_ready(
         self,

@@ -7,22 +7,21 @@ SEND_BATCH appends inline — pipelined batches keep their order — and leaves 
 to the connection's acker task, which waits for durability once for every batch
 appended so far and then answers them in order: batches in flight share group-commit
 fsyncs without a task each. A PULL that finds messages is answered inline as well; one
-that has to wait is held (long polling) without a task: the broker answers it from the
-step in which messages arrive, or at its deadline (Broker.hold_pull). Answers may leave
-in any order (docs/protocol.md, rule 4). At most MAX_IN_FLIGHT requests (held PULLs,
-unacknowledged SEND_BATCHes) per connection.
+that has to wait runs in a request task, because it may be held (long polling); answers
+may leave in any order (docs/protocol.md, rule 4). At most
+MAX_IN_FLIGHT requests (held PULLs, unacknowledged SEND_BATCHes) per connection.
 
 Bad input never crashes the broker: a protocol violation gets the closing ERROR the
 Connection names and the socket is closed; a bad argument gets ERROR INVALID_REQUEST; an
 unexpected failure in one request is logged and answered ERROR INTERNAL. A closed socket
-drops the answers of its requests; its held PULLs end with the rebalance its members'
-leaving starts.
+cancels the connection's requests; their answers are dropped.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Awaitable, Callable
 
 import trio
 
@@ -61,7 +60,6 @@ from delayd.protocol import (
     Stats,
     StatsResult,
 )
-from delayd.protocol.events import EncodedMessages
 from delayd.protocol.frames import DEFAULT_MAX_FRAME_SIZE
 from delayd.stream_events import read_and_dispatch
 from delayd.stream_writer import FrameWriter
@@ -123,7 +121,7 @@ class BrokerConnection:
                     outer.start_soon(self._write_loop)
                     async with trio.open_nursery() as requests:
                         await requests.start(self._ack_loop)
-                        final = await self._read_loop()
+                        final = await self._read_loop(requests)
                         requests.cancel_scope.cancel()
                     if final is not None:
                         with contextlib.suppress(trio.BrokenResourceError):
@@ -139,12 +137,15 @@ class BrokerConnection:
         if self._writer.broken:
             self._cancel.cancel()  # the peer is gone: stop reading and drop answers
 
-    async def _read_loop(self) -> bytes | None:
+    async def _read_loop(self, requests: trio.Nursery) -> bytes | None:
         """Parse and dispatch until EOF (None) or a protocol error (the closing frame)."""
 
-        return await read_and_dispatch(self.stream, self.conn, self.peer, self._dispatch)
+        async def dispatch(event: Event) -> None:
+            await self._dispatch(event, requests)
 
-    async def _dispatch(self, event: Event) -> None:
+        return await read_and_dispatch(self.stream, self.conn, self.peer, dispatch)
+
+    async def _dispatch(self, event: Event, requests: trio.Nursery) -> None:
         broker = self.broker
         rid = event.request_id
         try:
@@ -174,7 +175,7 @@ class BrokerConnection:
                 if encoded is not None:
                     await self._answer(PullResult(encoded=encoded, request_id=rid))
                 else:
-                    await self._hold(event)
+                    await self._spawn(requests, self._pull, event)
             elif isinstance(event, CommitOffset):
                 broker.commit(event.group, event.subject, event.queue, event.offset)
                 await self._answer(CommitOffsetOk(request_id=rid))
@@ -207,30 +208,18 @@ class BrokerConnection:
         except Exception as exc:  # one bad request must not end the broker
             await self._answer(self._error_for(exc, event))
 
-    async def _hold(self, event: Pull) -> None:
-        """Hold a PULL that found nothing; it takes a request slot until answered."""
+    async def _spawn(
+        self, requests: trio.Nursery, fn: Callable[..., Awaitable[None]], *args: object
+    ) -> None:
         await acquire(self._slots)
 
-        def answer(result: EncodedMessages | Exception) -> None:
-            self._slots.release()
-            if isinstance(result, Exception):
-                self._answer_now(self._error_for(result, event))
-            else:
-                self._answer_now(PullResult(encoded=result, request_id=event.request_id))
+        async def task() -> None:
+            try:
+                await fn(*args)
+            finally:
+                self._slots.release()
 
-        try:
-            self.broker.hold_pull(
-                event.subject,
-                event.group,
-                event.consumer_id,
-                event.max_messages,
-                event.wait_ms,
-                self,
-                answer,
-            )
-        except BaseException:
-            self._slots.release()  # not held: the caller answers the error
-            raise
+        requests.start_soon(task)
 
     async def _ack_loop(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Answer appended SEND_BATCHes once the flush policy allows, in append order.
@@ -255,6 +244,21 @@ class BrokerConnection:
                 await self._answer(result)
                 self._slots.release()
 
+    async def _pull(self, event: Pull) -> None:
+        try:
+            encoded = await self.broker.pull_encoded(
+                event.subject,
+                event.group,
+                event.consumer_id,
+                event.max_messages,
+                event.wait_ms,
+                self,
+            )
+            answer: Event = PullResult(encoded=encoded, request_id=event.request_id)
+        except Exception as exc:
+            answer = self._error_for(exc, event)
+        await self._answer(answer)
+
     def _error_for(self, exc: Exception, event: Request) -> Error:
         rid = event.request_id
         if isinstance(exc, RejectedError):
@@ -269,30 +273,15 @@ class BrokerConnection:
 
     async def _answer(self, event: Event) -> None:
         """Encode and queue one answer; dropped when the connection is already closed."""
-        data = self._encode(event)
-        if data is not None:
-            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-                await self._writer.send(data)
-
-    def _answer_now(self, event: Event) -> None:
-        """:meth:`_answer` from a synchronous step (a held PULL's): queued beyond the
-        writer's bound when the socket is full — held PULLs are bounded by the slots."""
-        data = self._encode(event)
-        if data is not None:
-            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-                self._writer.send_nowait(data)
-
-    def _encode(self, event: Event) -> bytes | None:
-        """The answer's frame; None when the connection is closed."""
         try:
-            return self.conn.send(event)
+            data = self.conn.send(event)
         except ConnectionClosedError:
-            return None
+            return
         except LocalProtocolError as exc:
             # E.g. a PULL_RESULT larger than the frame limit: answer the request anyway.
             log.error("cannot send %s to %s: %s", type(event).__name__, self.peer, exc)
             try:
-                return self.conn.send(
+                data = self.conn.send(
                     Error(
                         ErrorCode.INTERNAL,
                         f"answer not encodable: {exc}"[: Error.MAX_REASON_LENGTH],
@@ -300,4 +289,6 @@ class BrokerConnection:
                     )
                 )
             except (ConnectionClosedError, LocalProtocolError):
-                return None
+                return
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            await self._writer.send(data)
