@@ -42,11 +42,11 @@ Recovery
     unfinished flush), the file is shorter than the committed count (torn) or that tail
     does not link up, the slot table is rebuilt by replaying every entry, each of whose
     ``prev`` must equal the slot value the replay has reached; the first that does not
-    ends the file. Older files were
-    sealed by a complete flush before the next file was created, so they get only the
-    length check. The index is derived data: the broker flushes it before it saves its
-    reput checkpoint and re-puts from that checkpoint on start, which refills a cut tail
-    (lookups deduplicate the offsets put twice). When recovery had to drop *committed*
+    ends the file. Older files were sealed by a complete flush (slots included) before
+    the next file was created, so they get only the length check. The index is derived
+    data: the broker flushes it before it saves its reput checkpoint and re-puts from
+    that checkpoint on start, which refills a cut tail (lookups deduplicate the offsets
+    put twice). When recovery had to drop *committed*
     entries (damage, not a crash), ``IndexStore.reindex_from`` tells the broker from which
     commitlog offset to re-put.
 
@@ -593,7 +593,7 @@ class IndexFile:
             write_slots = (
                 slots is not None
                 and (with_slots or self._count - self._slot_entries >= SLOT_WRITE_ENTRIES)
-                and dirty.find(1) >= 0
+                and (dirty.find(1) >= 0 or self._slot_entries != self._count)
             )
             if not self._pending and not self._header_dirty and not write_slots:
                 return
