@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 from pathlib import Path
 
 import pytest
@@ -318,6 +319,30 @@ async def test_run_loop_replays_on_notify_and_checkpoints_on_its_interval(tmp_pa
     assert replayer.checkpoints == 2
     assert read_replay_checkpoint(REAL_FS, str(tmp_path)).next_sequence == 102
     check_exactly_once(tmp_path, 1)
+    world.close()
+
+
+async def test_run_loop_checkpoints_when_the_interval_rounds_down(tmp_path, autojump_clock):
+    """Started at 0.7 s with a 0.1 s interval, the checkpoint is due at 0.7 + 0.1, and
+    (0.7 + 0.1) - 0.7 < 0.1: the loop once decided "not yet" and waited 0 s there for
+    ever, on trio's MockClock (it hung a CI run). A watchdog thread cancels a hung loop
+    after 10 s of real time, so the test fails instead of hanging."""
+    assert (0.7 + 0.1) - 0.7 < 0.1  # the rounding this is about
+    autojump_clock.jump(0.7 - trio.current_time())
+    world = World(str(tmp_path), checkpoint_interval_s=0.1)
+    token = trio.lowlevel.current_trio_token()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(world.replayer.run)
+        watchdog = threading.Timer(10, token.run_sync_soon, (nursery.cancel_scope.cancel,))
+        watchdog.start()
+        try:
+            world.append([T])
+            await world.replayer.wait_checkpointed(world.log.end_offset)
+            await world.replayer.stop()
+        finally:
+            watchdog.cancel()
+    assert world.replayer.checkpoints == 1
+    assert not nursery.cancel_scope.cancelled_caught
     world.close()
 
 

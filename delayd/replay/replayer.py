@@ -454,10 +454,11 @@ class Replayer:
                     if self._position < self.log.durable_offset:
                         continue
                 pending = self._position != self._checkpointed or bool(self._retiring)
-                if pending and (
-                    self._stopping
-                    or trio.current_time() - last_checkpoint >= self.checkpoint_interval_s
-                ):
+                # One absolute deadline for both the test and the wait: "now - last >=
+                # interval" false while "last + interval - now" rounds to 0 made the loop
+                # wait 0 s forever on trio's MockClock (which never reached the time).
+                checkpoint_at = last_checkpoint + self.checkpoint_interval_s
+                if pending and (self._stopping or trio.current_time() >= checkpoint_at):
                     if self.before_checkpoint is not None:
                         # What tombstones below the checkpoint decided (dispatch_log
                         # entries) must be durable before replay can pass them for good.
@@ -469,12 +470,10 @@ class Replayer:
                     continue
                 if self._stopping and self._position >= self.log.durable_offset:
                     return
-                timeout = math.inf
-                if pending:
-                    timeout = last_checkpoint + self.checkpoint_interval_s - trio.current_time()
+                deadline = checkpoint_at if pending else math.inf
                 if self.poll_interval_s is not None:
-                    timeout = min(timeout, self.poll_interval_s)
-                with trio.move_on_after(max(0.0, timeout)):
+                    deadline = min(deadline, trio.current_time() + self.poll_interval_s)
+                with trio.move_on_at(deadline):
                     await self._wake.wait()
         finally:
             self._stopped.set()
