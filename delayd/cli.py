@@ -21,6 +21,7 @@ COMMANDS = {
     "top": "delayd.top.command",
     "inspect": "delayd.inspect.command",
     "audit": "delayd.audit.command",
+    "bench": "delayd.bench.command",
 }
 
 

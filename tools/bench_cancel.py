@@ -5,7 +5,7 @@ delay server's memory with many pending messages that could be cancelled.
   CANCEL requests pipelined (a window of unanswered requests, as SEND_BATCH frames are
   pipelined in tools/bench_intake.py); cancels answered per second, each answer checked
   to be CANCELLED. Target >= 50,000/s.
-- memory: P messages pending two days out (as tools/bench_delivery.py's memory case),
+- memory: P messages pending two days out (as the delivery benchmark's memory case),
   the server's VmRSS empty and with them replayed and indexed; then 10,000 of them
   (spread over all of them) cancelled, the rate and the RSS after. Target: RSS does not
   grow with P (the id index is on disk; a cancel reads it).
@@ -19,16 +19,13 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import sys
 import tempfile
 import time
-from pathlib import Path
 
-import bench_common
+import bench_common  # puts this checkout first on sys.path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_delivery import (
+import delayd
+from delayd.bench.delivery import (
     CLIENT_CPU,
     Server,
     fill_far_pending,
@@ -38,8 +35,6 @@ from bench_delivery import (
     rss_mb,
     send_all,
 )
-
-import delayd
 from delayd.protocol import Cancel, CancelOutcome, CancelResult
 
 CANCELLED = CancelOutcome.CANCELLED

@@ -1,6 +1,6 @@
 """Where a delivery's CPU goes, counted in event-loop steps (issue 5's lateness).
 
-Runs ``delayd serve`` as ``bench_delivery`` does (pinned to CPU 0, the consumer here on
+Runs ``delayd serve`` as ``delayd bench`` does (pinned to CPU 0, the consumer here on
 CPU 1), schedules ``rate`` messages a second due over a window, and while they are
 delivered records every step of the server's trio loop with a trio Instrument: which
 task ran, and the process CPU time (``CLOCK_PROCESS_CPUTIME_ID``, all threads) when
@@ -32,12 +32,13 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-import bench_common
-import bench_delivery as bd
+import bench_common  # puts this checkout first on sys.path
 
 import delayd
+from delayd.bench import delivery as bd
 
 emit = bench_common.emitter("trace_steps")
+CHECKOUT = Path(__file__).resolve().parent.parent  # its delayd serves
 
 SITECUSTOMIZE = """\
 import os, signal, time
@@ -152,7 +153,7 @@ def main() -> None:
         site.mkdir()
         (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
         os.environ["PYTHONPATH"] = os.pathsep.join(
-            [str(site), str(bd.ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+            [str(site), str(CHECKOUT), *filter(None, [os.environ.get("PYTHONPATH")])]
         )
         for rate in rates:
             trace_rate(rate, seconds, Path(work))
