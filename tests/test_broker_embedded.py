@@ -8,6 +8,7 @@ import os
 
 import pytest
 import trio
+import trio.testing
 
 from delayd.broker import BrokerConfig, open_broker
 from delayd.broker.record import RECORD_TYPE, encode_record
@@ -178,6 +179,33 @@ async def test_long_poll_is_woken_by_the_reput_not_by_a_timer(tmp_path):
                 await broker.send_batch([Message("wake", "orders")])
         assert [m.message_id for m in got] == ["wake"]
         assert broker.hub.held == 0
+
+
+@pytest.fixture
+def slow_autojump():
+    """trio's virtual clock, jumping only after 50 ms of real idleness: the broker's
+    fsyncs run in threads, which must not see the clock jump under them."""
+    return trio.testing.MockClock(autojump_threshold=0.05)
+
+
+async def test_a_member_waiting_in_a_long_poll_does_not_time_out(tmp_path, slow_autojump):
+    # A blocking consumer cannot heartbeat while its PULL is held: the held PULL is its
+    # heartbeat, however much longer than heartbeat_timeout_ms it waits.
+    config = dataclasses.replace(CONFIG, heartbeat_timeout_ms=3000)
+    async with open_broker(str(tmp_path), config) as broker:
+        broker.join("g", "orders", "waiting", None, broker.monotonic_ms())
+        broker.join("g", "orders", "silent", None, broker.monotonic_ms())
+        got: list[Message] = []
+
+        async def consumer() -> None:
+            got.extend(await broker.pull("orders", "g", "waiting", 10, 30_000))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(consumer)
+            await trio.sleep(10)  # three heartbeat timeouts
+            assert broker.groups.members("g", "orders") == ["waiting"]  # silent is gone
+            await broker.send_batch([Message("late", "orders", key="k")])
+        assert [m.message_id for m in got] == ["late"]
 
 
 async def test_records_are_the_received_bytes_with_the_broker_integers_stamped_in(tmp_path):

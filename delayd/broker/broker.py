@@ -116,6 +116,9 @@ class Broker:
         self._cursors: dict[GroupKey, dict[int, list]] = {}
         self._pull_turn = 0
         self._membership_changed = trio.Event()
+        # Members with a PULL held right now -> (how many, their connection): alive
+        # however long the wait, though they send no heartbeat meanwhile.
+        self._holding: dict[tuple[str, str, str], tuple[int, Hashable]] = {}
         self._closed = False
         store.on_arrival = self.hub.notify
 
@@ -218,7 +221,13 @@ class Broker:
             with trio.move_on_at(deadline):
                 await self._membership_changed.wait()
             self._membership_changed = trio.Event()
-            self._rebalanced(self.groups.expire(self.monotonic_ms()))
+            now_ms = self.monotonic_ms()
+            # A member waiting in a long poll cannot heartbeat: its held PULL is its
+            # heartbeat (a wait_ms longer than heartbeat_timeout_ms must not cost it
+            # its queues).
+            for (group, subject, consumer_id), (_, connection) in self._holding.items():
+                self.groups.touch(group, subject, consumer_id, connection, now_ms)
+            self._rebalanced(self.groups.expire(now_ms))
 
     @staticmethod
     def monotonic_ms() -> int:
@@ -629,7 +638,17 @@ class Broker:
                 return encoded or EncodedMessages.join([])
             keys: list[Hashable] = [(subject, q) for q in queues]
             keys.append(("group", group, subject))
-            await self.hub.wait(keys, deadline)
+            member = (group, subject, consumer_id)
+            held, _ = self._holding.get(member, (0, None))
+            self._holding[member] = (held + 1, connection)
+            try:
+                await self.hub.wait(keys, deadline)
+            finally:
+                held, _ = self._holding[member]
+                if held == 1:
+                    del self._holding[member]
+                else:
+                    self._holding[member] = (held - 1, connection)
 
     def pull_ready(
         self,
