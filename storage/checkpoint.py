@@ -15,9 +15,9 @@ from __future__ import annotations
 import os
 import struct
 
-from storage.errors import CorruptionError
+from storage.errors import CorruptionError, FsyncError, is_disk_full
 from storage.framing import crc32c
-from storage.fs import O_WRITE, FileSystem
+from storage.fs import O_WRITE, FileSystem, disk_full_error
 
 MAGIC = b"DCK1"
 HEADER = struct.Struct("<4sII")  # 4 + 4 + 4: magic, length, crc32c
@@ -25,16 +25,30 @@ TEMP_SUFFIX = ".tmp"
 
 
 def write_checkpoint(fs: FileSystem, path: str, data: bytes) -> None:
-    """Replace the checkpoint at ``path`` with ``data``; durable when this returns."""
+    """Replace the checkpoint at ``path`` with ``data``; durable when this returns.
+
+    Raises DiskFullError when the disk is full (the previous checkpoint stays, the temp
+    file is removed: calling again later is safe), FsyncError when the fsync fails.
+    """
     temp = path + TEMP_SUFFIX
-    fd = fs.open(temp, O_WRITE)
     try:
-        # A temp file left by an earlier crash may be longer than this blob.
-        fs.ftruncate(fd, 0)
-        fs.pwrite(fd, HEADER.pack(MAGIC, len(data), crc32c(data)) + data, 0)
-        fs.fsync(fd)
-    finally:
-        fs.close(fd)
+        fd = fs.open(temp, O_WRITE)
+        try:
+            # A temp file left by an earlier crash may be longer than this blob.
+            fs.ftruncate(fd, 0)
+            fs.pwrite(fd, HEADER.pack(MAGIC, len(data), crc32c(data)) + data, 0)
+            try:
+                fs.fsync(fd)
+            except OSError as exc:
+                raise FsyncError(temp, exc) from exc
+        finally:
+            fs.close(fd)
+    except OSError as exc:
+        if not is_disk_full(exc):
+            raise
+        if fs.exists(temp):
+            fs.unlink(temp)
+        raise disk_full_error(fs, temp, exc) from None
     fs.replace(temp, path)
     fs.fsync_dir(os.path.dirname(path) or ".")
 

@@ -30,6 +30,12 @@ The durability model — conservative ext4, stricter than most real file systems
               is new; its rest reads as old bytes or zeros, and if it extended the file
               the size update may be lost as well.
 
+Two faults short of a power loss can be injected as well: a disk of ``capacity`` bytes
+(a ``pwrite`` that would grow the files past it writes what fits, as a real write to a
+filling disk does, and fails with ENOSPC; ``capacity = None`` is unlimited) and failing
+fsyncs (:meth:`CrashSimFileSystem.fail_fsyncs`: the next ones raise EIO and make
+nothing durable).
+
 Every mutating call is a crash point; :meth:`CrashSimFileSystem.crash_after` makes one
 of them raise :class:`SimulatedCrash`, and :func:`crash_points` / :func:`run_to_crash`
 drive a workload through all of them.
@@ -113,6 +119,11 @@ class CrashSimFileSystem:
         self._ops = 0
         self._crash_at: int | None = None
         self._crashed = False
+        # Bytes the files may hold in all (None: unlimited); set it to fill the disk,
+        # raise it (or delete files) to free space.
+        self.capacity: int | None = None
+        self._fsync_failures = 0
+        self._fsync_errno = errno.EIO
 
     # -- crash control ----------------------------------------------------------------
 
@@ -140,6 +151,31 @@ class CrashSimFileSystem:
             self._fds.clear()
             self._crash_at = None
             self._crashed = False
+
+    def fail_fsyncs(self, count: int = 1, code: int = errno.EIO) -> None:
+        """Make the next ``count`` fsyncs/fdatasyncs (of files; not of directories) raise
+        OSError(``code``) without making anything durable."""
+        with self._lock:
+            self._fsync_failures = count
+            self._fsync_errno = code
+
+    def used_bytes(self) -> int:
+        """Bytes held by every file reachable from the root or open: what ``capacity``
+        is measured against."""
+        with self._lock:
+            return self._used()
+
+    def _used(self) -> int:
+        seen: dict[int, int] = {id(inode): len(inode.data) for inode, _ in self._fds.values()}
+        stack = [self._root]
+        while stack:
+            node = stack.pop()
+            for child in node.entries.values():
+                if isinstance(child, _Dir):
+                    stack.append(child)
+                else:
+                    seen[id(child)] = len(child.data)
+        return sum(seen.values())
 
     def _check(self) -> None:
         if self._crashed:
@@ -228,17 +264,31 @@ class CrashSimFileSystem:
         with self._lock:
             self._check()
             inode = self._file(fd, write=True)
+            data = bytes(data)
+            fits = len(data)
+            if self.capacity is not None:
+                room = self.capacity - self._used()
+                growth = offset + len(data) - len(inode.data)
+                if growth > room:
+                    # A filling disk takes the part that still fits, then refuses.
+                    fits = max(0, min(len(data), len(inode.data) + max(room, 0) - offset))
             self._mutation()
-            op = ("w", offset, bytes(data))
-            _apply(inode.data, op)
-            inode.pending.append(op)
-            return len(op[2])
+            if fits:
+                op = ("w", offset, data[:fits])
+                _apply(inode.data, op)
+                inode.pending.append(op)
+            if fits < len(data):
+                raise _os_error(errno.ENOSPC, f"fd {fd}")
+            return fits
 
     def fsync(self, fd: int) -> None:
         with self._lock:
             self._check()
             inode = self._file(fd)
             self._mutation()
+            if self._fsync_failures:
+                self._fsync_failures -= 1
+                raise _os_error(self._fsync_errno, f"fd {fd}")
             inode.durable = bytes(inode.data)
             inode.pending.clear()
 
@@ -328,6 +378,13 @@ class CrashSimFileSystem:
                 raise _os_error(errno.ENOTDIR, path)
             self._mutation()
             node.durable = dict(node.entries)
+
+    def free_bytes(self, path: str) -> int:
+        with self._lock:
+            self._check()
+            if self.capacity is None:
+                return 1 << 50  # unlimited: a number no test comes near
+            return max(0, self.capacity - self._used())
 
     # -- power loss -------------------------------------------------------------------
 

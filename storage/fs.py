@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 from typing import Protocol
 
+from storage.errors import DiskFullError
+
 O_READ = os.O_RDONLY
 O_WRITE = os.O_RDWR | os.O_CREAT  # read-write, create when missing, never truncate
 
@@ -35,6 +37,7 @@ class FileSystem(Protocol):
     def listdir(self, path: str) -> list[str]: ...
     def exists(self, path: str) -> bool: ...
     def fsync_dir(self, path: str) -> None: ...
+    def free_bytes(self, path: str) -> int: ...
 
 
 class OsFileSystem:
@@ -93,8 +96,24 @@ class OsFileSystem:
         finally:
             os.close(fd)
 
+    def free_bytes(self, path: str) -> int:
+        # What an unprivileged writer may still use (f_bavail, not f_bfree: root's
+        # reserved blocks are not ours to count on).
+        st = os.statvfs(path)
+        return st.f_bavail * st.f_frsize
+
 
 REAL_FS: FileSystem = OsFileSystem()
+
+
+def disk_full_error(fs: FileSystem, path: str, cause: OSError) -> DiskFullError:
+    """The DiskFullError for a write to ``path`` refused with ``cause``, naming the
+    free bytes of its file system (None when even asking fails)."""
+    try:
+        free: int | None = fs.free_bytes(os.path.dirname(path) or ".")
+    except OSError:
+        free = None
+    return DiskFullError(path, free, cause)
 
 
 def create_dirs_durably(fs: FileSystem, directory: str) -> None:

@@ -11,6 +11,11 @@ torn-tail rule are the segmented log's (storage/framing.py, storage/scan.py):
   earlier raises CorruptionError and nothing is truncated;
 * the file never holds more than ``max_unsynced_bytes`` unsynced (append flushes first).
 
+A write that finds the disk full (ENOSPC, EDQUOT) refuses the whole batch with
+DiskFullError and cuts the file back to where the batch began, so the file stays
+usable and no torn record is followed by later appends. A failed fsync raises
+FsyncError and the file refuses all further use (storage/segmented_log.py says why).
+
 A RecordFile is used from one thread; ``flush`` may run in a worker thread while that
 thread is not appending (the caller serialises them, as the replayer does).
 """
@@ -20,9 +25,16 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Sequence
 
-from storage.errors import CorruptionError, LogClosedError, RecordTooLargeError
+from storage.errors import (
+    CorruptionError,
+    FsyncError,
+    LogClosedError,
+    RecordTooLargeError,
+    StorageError,
+    is_disk_full,
+)
 from storage.framing import HEADER, HEADER_SIZE, MAX_TYPE, TYPE_DATA, crc32c, type_seed
-from storage.fs import O_WRITE, REAL_FS, FileSystem, create_dirs_durably
+from storage.fs import O_WRITE, REAL_FS, FileSystem, create_dirs_durably, disk_full_error
 from storage.scan import BadFrame, Record, read_frame, scan_frames, validate_frames
 
 DEFAULT_MAX_UNSYNCED_BYTES = 32 << 20
@@ -39,6 +51,7 @@ class RecordFile:
         self._fd = fd
         self._size = size
         self._durable = size
+        self._failed: FsyncError | None = None
         self._closed = False
 
     @classmethod
@@ -53,8 +66,20 @@ class RecordFile:
         """Open (creating when missing, with its directory made durable) and recover.
 
         Raises CorruptionError for damage a crash cannot explain, or when the file is
-        shorter than ``trusted_end``.
+        shorter than ``trusted_end``; DiskFullError when it cannot be created for lack
+        of space.
         """
+        try:
+            return cls._open(path, fs, trusted_end, max_unsynced_bytes)
+        except OSError as exc:
+            if is_disk_full(exc):
+                raise disk_full_error(fs, path, exc) from None
+            raise
+
+    @classmethod
+    def _open(
+        cls, path: str, fs: FileSystem, trusted_end: int, max_unsynced_bytes: int
+    ) -> RecordFile:
         directory = os.path.dirname(path) or "."
         if not fs.exists(directory):
             # Once per new directory; a store of many RecordFiles makes its existing
@@ -106,9 +131,32 @@ class RecordFile:
         """Append records; returns their offsets. Durable after the next flush().
 
         Raises RecordTooLargeError (nothing written) for a record larger than the
-        unsynced window, ValueError for a reserved type.
+        unsynced window, ValueError for a reserved type, DiskFullError (nothing of the
+        batch kept) when the disk is full.
         """
-        self._check_open()
+        self._check_usable()
+        mark = self._size
+        try:
+            return self._append_batch(payloads, rtype)
+        except OSError as exc:
+            if not is_disk_full(exc):
+                raise
+            self._undo_append(mark)
+            raise disk_full_error(self.fs, self.path, exc) from None
+
+    def _undo_append(self, mark: int) -> None:
+        """Cut the file back to ``mark`` (where a refused batch began) and fsync the cut,
+        so a power loss cannot bring back records whose append was refused."""
+        try:
+            self.fs.ftruncate(self._fd, mark)
+            self.fs.fsync(self._fd)
+        except BaseException as exc:
+            self._failed = FsyncError(self.path, exc)
+            raise self._failed from exc
+        self._size = mark
+        self._durable = min(self._durable, mark)
+
+    def _append_batch(self, payloads: Sequence[bytes], rtype: int) -> list[int]:
         if not TYPE_DATA <= rtype <= MAX_TYPE:
             raise ValueError(f"record type {rtype} is reserved; use {TYPE_DATA}..{MAX_TYPE}")
         sizes = list(map(len, payloads))
@@ -159,10 +207,14 @@ class RecordFile:
 
     def flush(self) -> int:
         """fdatasync; returns the durable end offset."""
-        self._check_open()
+        self._check_usable()
         if self._durable < self._size:
             target = self._size
-            self.fs.fdatasync(self._fd)
+            try:
+                self.fs.fdatasync(self._fd)
+            except BaseException as exc:
+                self._failed = FsyncError(self.path, exc)
+                raise self._failed from exc
             self._durable = target
         return self._durable
 
@@ -201,7 +253,8 @@ class RecordFile:
     def close(self) -> None:
         if not self._closed:
             try:
-                self.flush()
+                if self._failed is None:
+                    self.flush()
             finally:
                 self._closed = True
                 self.fs.close(self._fd)
@@ -215,3 +268,8 @@ class RecordFile:
     def _check_open(self) -> None:
         if self._closed:
             raise LogClosedError(f"{self.path} is closed")
+
+    def _check_usable(self) -> None:
+        self._check_open()
+        if self._failed is not None:
+            raise StorageError(f"{self.path} failed earlier ({self._failed}); reopen it to recover")

@@ -28,6 +28,17 @@ How recovery tells a torn tail from corruption
 
     Records below the recovery checkpoint are not scanned at open; reads verify every
     record's crc and raise ``CorruptionError`` there.
+
+When a write fails
+    * No space or quota (ENOSPC, EDQUOT): the append is refused whole with
+      ``DiskFullError``. The log is cut back to where the append began (a segment it
+      created is removed, a partial record truncated away and the cut fsynced), so later
+      appends never follow a torn record, and the log takes appends again at once: they
+      succeed as soon as space returns.
+    * A failed fsync: ``FsyncError``, and the log refuses every further use. After a
+      failed fsync the kernel may have dropped the pages it could not write, so a retry
+      could report lost data as durable (PostgreSQL's fsyncgate); only a reopen, whose
+      recovery reads what is really on disk, can go on.
 """
 
 from __future__ import annotations
@@ -40,7 +51,15 @@ from dataclasses import dataclass, field
 from sortedcontainers import SortedList
 
 from storage.checkpoint import read_checkpoint, write_checkpoint
-from storage.errors import CorruptionError, LogClosedError, RecordTooLargeError, StorageError
+from storage.errors import (
+    CorruptionError,
+    DiskFullError,
+    FsyncError,
+    LogClosedError,
+    RecordTooLargeError,
+    StorageError,
+    is_disk_full,
+)
 from storage.framing import (
     END_OF_SEGMENT_RECORD,
     HEADER,
@@ -50,7 +69,7 @@ from storage.framing import (
     crc32c,
     type_seed,
 )
-from storage.fs import O_READ, O_WRITE, REAL_FS, FileSystem, create_dirs_durably
+from storage.fs import O_READ, O_WRITE, REAL_FS, FileSystem, create_dirs_durably, disk_full_error
 from storage.scan import BadFrame, Record, read_frame, scan_frames, validate_frames
 
 SEGMENT_NAME_DIGITS = 20
@@ -287,7 +306,9 @@ class SegmentedLog:
         """Append records in order; returns their offsets.
 
         Raises RecordTooLargeError (before writing anything) when a record cannot fit in
-        a segment or in the unsynced window, ValueError for a reserved type.
+        a segment or in the unsynced window, ValueError for a reserved type,
+        DiskFullError (nothing of the batch kept; the log stays usable) when the disk
+        is full, FsyncError or another StorageError (the log is then unusable).
         """
         self._check_usable()
         if not TYPE_DATA <= rtype <= MAX_TYPE:
@@ -302,13 +323,14 @@ class SegmentedLog:
                 f"max_unsynced_bytes={self.max_unsynced_bytes})"
             )
         offsets: list[int] = []
-        seg = self._active_segment()
         seed = type_seed(rtype)
         pack = HEADER.pack
         parts: list[bytes] = []  # headers and payloads, joined once per write
         pending = 0
-        room = min(self.segment_size - EOS_SIZE - seg.size, self.max_unsynced_bytes)
+        mark = self._end  # where this batch begins: what a refused batch is cut back to
         try:
+            seg = self._active_segment()
+            room = min(self.segment_size - EOS_SIZE - seg.size, self.max_unsynced_bytes)
             if sum(sizes) + HEADER_SIZE * len(sizes) <= room:
                 # The whole batch fits in the segment (the usual case): one write, no
                 # per-record check.
@@ -334,11 +356,60 @@ class SegmentedLog:
                 pending += need
             self._write(seg, b"".join(parts))
         except BaseException as exc:
-            # A failed write leaves the file in an unknown state; refuse further appends
-            # rather than guess (reopen runs recovery).
-            self._failed = exc
+            if self._failed is None and is_disk_full(exc):
+                self._undo_append(mark)
+                path = self._segment_of(mark).path if self._bases else self.directory
+                raise disk_full_error(self.fs, path, exc) from None
+            # Any other failed write leaves the file in an unknown state; refuse further
+            # appends rather than guess (reopen runs recovery).
+            if self._failed is None:
+                self._failed = exc
             raise
         return offsets
+
+    def _undo_append(self, mark: int) -> None:
+        """Cut the log back to ``mark``, where an append that ran out of space began:
+        remove the segments it created, truncate the partial tail, fsync the cut (so a
+        power loss cannot bring back records whose append was refused). Marks the log
+        failed if even that fails."""
+        fs = self.fs
+        try:
+            # No flush may sync a descriptor closed here (flush takes the same locks,
+            # in this order).
+            with self._flush_lock, self._state_lock:
+                keep = self._segment_of(mark) if self._bases else None
+                removed = False
+                for base in list(self._bases.irange(keep.base + 1 if keep else 0)):
+                    doomed = self._segments.pop(base)
+                    self._bases.remove(base)
+                    self._dirty.pop(base, None)
+                    self._close_reader(base)
+                    if doomed.write_fd is not None:
+                        fs.close(doomed.write_fd)
+                    fs.unlink(doomed.path)
+                    removed = True
+                if keep is not None:
+                    if keep.write_fd is None:  # rolled during the batch: write here again
+                        keep.write_fd = fs.open(keep.path, O_WRITE)
+                    fs.ftruncate(keep.write_fd, mark - keep.base)
+                    fs.fsync(keep.write_fd)
+                    keep.size = mark - keep.base
+                if removed:
+                    fs.fsync_dir(self.directory)
+                self._end = mark
+                self._durable = min(self._durable, mark)
+                self._unsynced_bytes = self._end - self._durable
+                if keep is not None and self._unsynced_bytes:
+                    self._dirty[keep.base] = keep
+                if self._checkpointed > mark:
+                    # An inline flush of the refused batch checkpointed past the cut:
+                    # recovery would find the log shorter than its checkpoint.
+                    fs.unlink(os.path.join(self.directory, RECOVERY_CHECKPOINT))
+                    fs.fsync_dir(self.directory)
+                    self._checkpointed = self.min_offset
+        except BaseException as exc:
+            self._failed = exc
+            raise
 
     def _write(self, seg: _Segment, data: bytes | bytearray) -> None:
         if not data:
@@ -417,8 +488,8 @@ class SegmentedLog:
                 if dir_dirty:
                     self.fs.fsync_dir(self.directory)
             except BaseException as exc:
-                self._failed = exc
-                raise
+                self._failed = FsyncError(self.directory, exc)
+                raise self._failed from exc
             with self._state_lock:
                 self._unsynced_bytes -= synced_bytes
                 self._durable = max(self._durable, target)
@@ -428,7 +499,12 @@ class SegmentedLog:
 
     def _write_recovery_checkpoint(self, offset: int) -> None:
         path = os.path.join(self.directory, RECOVERY_CHECKPOINT)
-        write_checkpoint(self.fs, path, offset.to_bytes(8, "little"))
+        try:
+            write_checkpoint(self.fs, path, offset.to_bytes(8, "little"))
+        except DiskFullError:
+            # Only a shortcut for recovery (it scans from the older checkpoint): the
+            # next flush tries again.
+            return
         self._checkpointed = offset
 
     # ------------------------------------------------------------------ reading

@@ -10,6 +10,7 @@ from delayd.logs.bucket_files import BucketFiles
 from delayd.logs.buckets import bucket_name
 from delayd.logs.dispatch_files import DispatchFiles
 from delayd.logs.dispatch_log import FRAMED_SIZE, EntryKind, decode_records
+from storage.errors import FsyncError, StorageError
 from storage.fs import REAL_FS, OsFileSystem
 from storage.scan import scan_frames
 
@@ -104,20 +105,22 @@ def test_evicting_a_synced_file_does_not_sync_it_again(tmp_path):
 
 
 @pytest.mark.parametrize("failing", [1, 2], ids=["open-file", "retired-file"])
-def test_a_failed_sync_is_tried_again_by_the_next_flush(tmp_path, failing):
+def test_a_failed_sync_is_never_tried_again(tmp_path, failing):
+    """After a failed fdatasync the kernel may have dropped the pages it could not
+    write (fsyncgate): a second fdatasync would report them durable. The file refuses
+    every further use instead, and a flush keeps failing until the process restarts."""
     fs = SyncCountingFs()
     files = BucketFiles(str(tmp_path), fs=fs, max_open=1)
     fill(files, 2)  # bucket 1 open, bucket 0 retired; flush syncs them in that order
     fs.fail_in = failing
-    with pytest.raises(OSError, match="injected"):
+    with pytest.raises(FsyncError, match="never retry the fsync"):
         files.flush()
-    assert 0 in files.dirty  # still retired, still open: synced next time
-    assert files.is_open(0)
-    assert files.flush() == (2 if failing == 1 else 1)
-    assert files.dirty == frozenset()
-    assert files.open_count == 1
-    files.close()
-    assert records(fs, files.path(0)) == [b"record 0"]
+    failed_fd_syncs = len(fs.synced)
+    with pytest.raises(StorageError, match="failed earlier"):
+        files.flush()
+    with pytest.raises(StorageError, match="failed earlier"):
+        files.append_batch(MINUTE if failing == 1 else 0, [b"more"])
+    assert len(fs.synced) == failed_fd_syncs  # the failed file was not synced again
 
 
 def test_a_first_record_into_a_dispatch_file_cuts_its_torn_tail(tmp_path):
