@@ -7,10 +7,14 @@ bounded in size and time, so a slow or hostile scraper cannot hold the server.
 ``/healthz`` answers 200 whenever the process answers at all (liveness). ``/readyz``
 answers 200 ``ready`` once the process serves, and 503 ``starting: <why>`` before
 (readiness: recovery still running, listeners not up); the process says which through a
-``Readiness`` it updates as it starts.
+``Readiness`` it updates as it starts. Once serving, a problem the process reports
+through ``Readiness.watch`` (a full disk) makes it 503 ``not ready: <why>`` while it
+lasts: the process keeps serving what it can (delivery, consumers, /metrics).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import trio
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -29,14 +33,27 @@ class Readiness:
     it too: /readyz reads the one attribute once per request.
     """
 
-    __slots__ = ("reason",)
+    __slots__ = ("_problems", "reason")
 
     def __init__(self, reason: str | None = "starting") -> None:
         self.reason = reason  # None once ready
+        self._problems: list[Callable[[], str | None]] = []
 
     @property
     def ready(self) -> bool:
-        return self.reason is None
+        return self.reason is None and self.problem() is None
+
+    def watch(self, problem: Callable[[], str | None]) -> None:
+        """Also not ready while ``problem()`` returns a reason (called per /readyz)."""
+        self._problems.append(problem)
+
+    def problem(self) -> str | None:
+        """The first reason a watched problem gives now, or None."""
+        for check in self._problems:
+            reason = check()
+            if reason is not None:
+                return reason
+        return None
 
     def starting(self, reason: str) -> None:
         """Not ready (again), because of ``reason`` (shown in the 503 body)."""
@@ -102,8 +119,13 @@ def _respond(
     if path == b"/healthz":
         return "200 OK", "text/plain", b"ok\n"
     if path == b"/readyz":
-        reason = None if readiness is None else readiness.reason
-        if reason is None:
+        if readiness is None:
             return "200 OK", "text/plain", b"ready\n"
-        return "503 Service Unavailable", "text/plain", f"starting: {reason}\n".encode()
+        if readiness.reason is not None:
+            body = f"starting: {readiness.reason}\n"
+        elif (problem := readiness.problem()) is not None:
+            body = f"not ready: {problem}\n"
+        else:
+            return "200 OK", "text/plain", b"ready\n"
+        return "503 Service Unavailable", "text/plain", body.encode()
     return "404 Not Found", "text/plain", b"not found: " + USAGE

@@ -341,3 +341,15 @@ class Receiver:
                 sequence += 1
             out.append(result)
         return out
+
+    def refuse_accepted(self, intake: Intake, code: ResultCode, reason: str) -> Intake:
+        """Take back ``intake``, the batch the last ``accept`` numbered, whose payloads
+        message_log refused (a full disk: nothing of it was stored). Its accepted
+        messages are answered ``code`` with ``reason`` and their sequences are given
+        out again, so sequences stay dense. Call before the next ``accept``."""
+        refusal = SendResult(code, reason)
+        results = [refusal if result is None else result for result in intake.results]
+        self._next_sequence = intake.first_sequence
+        self.accepted_total -= len(intake.payloads)
+        self.refused_total[code] += len(intake.payloads)
+        return Intake(results, receive_ms=intake.receive_ms)

@@ -64,9 +64,23 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import xxhash
 
-from storage.errors import CorruptionError, LogClosedError, StorageError
+from storage.errors import (
+    CorruptionError,
+    DiskFullError,
+    LogClosedError,
+    StorageError,
+    is_disk_full,
+)
 from storage.framing import HEADER_SIZE
-from storage.fs import O_READ, O_WRITE, REAL_FS, FileSystem, create_dirs_durably, dirs_up_to
+from storage.fs import (
+    O_READ,
+    O_WRITE,
+    REAL_FS,
+    FileSystem,
+    create_dirs_durably,
+    dirs_up_to,
+    disk_full_error,
+)
 
 if TYPE_CHECKING:
     from storage.segmented_log import Record
@@ -272,7 +286,9 @@ class ConsumeQueue:
         """Append ``(commitlog_offset, size, tag_hash)`` entries in order, with one pwrite
         per segment touched; returns the index of the first (end_index when empty).
 
-        Validates every entry before writing any; raises ValueError as append() does.
+        Validates every entry before writing any; raises ValueError as append() does,
+        DiskFullError (nothing of the batch kept, the queue still usable) when the disk
+        is full.
         """
         self._check_usable()
         first = self.end_index
@@ -288,13 +304,17 @@ class ConsumeQueue:
         except struct.error:
             raise ValueError("entry field out of range in batch") from None
         view = memoryview(buf)
-        while view:
-            seg = self._segments[-1]
-            if seg.count >= self.entries_per_segment:
-                seg = self._roll()
-            take = min(len(view), (self.entries_per_segment - seg.count) * ENTRY_SIZE)
-            self._write(seg, view[:take])
-            view = view[take:]
+        try:
+            while view:
+                seg = self._segments[-1]
+                if seg.count >= self.entries_per_segment:
+                    seg = self._roll()
+                take = min(len(view), (self.entries_per_segment - seg.count) * ENTRY_SIZE)
+                self._write(seg, view[:take])
+                view = view[take:]
+        except DiskFullError:
+            self.truncate_to(first)  # all or nothing: the caller may append it again
+            raise
         self._covered_end = covered
         return first
 
@@ -322,6 +342,14 @@ class ConsumeQueue:
         try:
             self.fs.pwrite(self._write_fd, data, seg.count * ENTRY_SIZE)
         except BaseException as exc:
+            if is_disk_full(exc):
+                # Cut what part of it the disk took; the queue stays usable.
+                try:
+                    self.fs.ftruncate(self._write_fd, seg.count * ENTRY_SIZE)
+                except BaseException as cut:
+                    self._failed = cut
+                    raise
+                raise disk_full_error(self.fs, seg.path, exc) from None
             # The file is in an unknown state: refuse further writes (reopen recovers).
             self._failed = exc
             raise

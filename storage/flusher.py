@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -29,6 +30,8 @@ from storage.segmented_log import SegmentedLog
 
 if TYPE_CHECKING:
     import outcome
+
+log = logging.getLogger(__name__)
 
 
 class FlushMode(enum.StrEnum):
@@ -187,6 +190,13 @@ class LogWriter:
             if self.on_durable is not None:
                 self.on_durable()
         except BaseException as exc:
+            # Never retried (fsyncgate): nothing appended since is acknowledged, and the
+            # run task raises this, which stops the process; recovery re-reads the disk.
+            log.critical(
+                "%s: fsync failed, acknowledging nothing more and stopping: %s",
+                self.log.directory,
+                exc,
+            )
             self._error = exc
             self._failed.set()
         finally:

@@ -68,9 +68,9 @@ from typing import NamedTuple
 
 import xxhash
 
-from storage.errors import CorruptionError, LogClosedError, StorageError
+from storage.errors import CorruptionError, LogClosedError, StorageError, is_disk_full
 from storage.framing import crc32c
-from storage.fs import O_WRITE, REAL_FS, FileSystem, create_dirs_durably
+from storage.fs import O_WRITE, REAL_FS, FileSystem, create_dirs_durably, disk_full_error
 
 MAGIC = b"DIDX"
 VERSION = 2
@@ -613,6 +613,19 @@ class IndexFile:
                 self.fs.pwrite(self._fd, data, position)
             for start, chunk in runs:
                 self.fs.pwrite(self._fd, chunk, HEADER_REGION_SIZE + start * SLOT_SIZE)
+        except OSError as exc:
+            if not is_disk_full(exc):
+                self._failed = exc
+                raise
+            # Nothing is committed before the header: what was written past the
+            # committed entries is ignored by recovery and overwritten by the next
+            # flush, which writes every slot run again.
+            with self._lock:
+                self._header_dirty = True
+                if write_slots:
+                    dirty[:] = b"\x01" * len(dirty)
+            raise disk_full_error(self.fs, self.path, exc) from None
+        try:
             self.fs.fsync(self._fd)
             self._commit_header(header)
         except BaseException as exc:

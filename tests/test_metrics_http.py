@@ -65,3 +65,26 @@ async def test_without_a_readiness_readyz_is_always_ready_and_other_paths_are_re
 def test_a_new_readiness_is_not_ready():
     readiness = Readiness()
     assert not readiness.ready and readiness.reason == "starting"
+
+
+async def test_a_watched_problem_makes_a_serving_process_not_ready_while_it_lasts():
+    readiness = Readiness("recovering")
+    problem: list[str] = []
+    readiness.watch(lambda: problem[0] if problem else None)
+    async with trio.open_nursery() as nursery:
+        (address, *_) = await nursery.start(
+            partial(serve_metrics, registry_with_a_counter(), "127.0.0.1", 0, readiness=readiness)
+        )
+        problem.append("disk full: message_log refuses writes")
+        # Starting wins: the problem is reported once the process serves.
+        assert await http_get(address, "/readyz") == (503, "starting: recovering\n")
+        readiness.set_ready()
+        assert not readiness.ready
+        assert await http_get(address, "/readyz") == (
+            503,
+            "not ready: disk full: message_log refuses writes\n",
+        )
+        assert (await http_get(address, "/metrics"))[0] == 200  # metrics stay up
+        problem.clear()
+        assert await http_get(address, "/readyz") == (200, "ready\n")
+        nursery.cancel_scope.cancel()

@@ -53,6 +53,8 @@ from delayd.protocol.codec import (
 )
 from delayd.protocol.codes import ErrorCode, ResultCode
 from delayd.protocol.events import EncodedMessages, Message, SendResult, validate_subject
+from delayd.write_refusals import BROKER_COMMITLOG, CHECKPOINT, WriteRefusals
+from storage.errors import DiskFullError
 from storage.fs import REAL_FS, FileSystem
 
 log = logging.getLogger(__name__)
@@ -107,6 +109,8 @@ class Broker:
         self.window = IdWindow(config.dedupe_max_ids, config.dedupe_window_ms, self._stored_id)
         self.duplicates = 0
         self.checkpoints = 0
+        self.disk_full_refused = 0  # messages refused because the commitlog's disk is full
+        self.refusals = WriteRefusals()  # the delay server shares its own
         # Subjects already validated -> their number of queues (skips the regex and the
         # config lookup per message).
         self._valid_subjects: dict[str, int] = {}
@@ -199,7 +203,19 @@ class Broker:
         while True:
             await trio.sleep(self.config.checkpoint_interval_ms / 1000)
             self.window.expire(self.clock())
-            await self.checkpoint()
+            if self.store.reput_blocked is not None:
+                self.store.reput_durable()  # space may have returned: try the pass again
+                if self.store.reput_blocked is not None:
+                    self.refusals.refuse(CHECKPOINT, self.store.reput_blocked)
+                    continue
+            try:
+                await self.checkpoint()
+            except DiskFullError as exc:
+                # The previous checkpoint stands; recovery re-derives from it. Next
+                # interval tries again.
+                self.refusals.refuse(CHECKPOINT, exc)
+                continue
+            self.refusals.clear(CHECKPOINT)
 
     async def checkpoint(self) -> None:
         """Flush consume queues and index, write the reput checkpoint and offsets.json."""
@@ -391,14 +407,27 @@ class Broker:
                 offsets = store.append(
                     payloads, queue_keys, queue_offsets, index_keys, key_records, store_ms
                 )
-        except BaseException:
+        except BaseException as exc:
             # Nothing of the batch is stored (or the log is failed): give the queue
             # offsets back so the queues stay dense (each queue to the first it gave).
             for queue_key, queue_offset in zip(
                 reversed(queue_keys), reversed(queue_offsets), strict=True
             ):
                 next_offset[queue_key] = queue_offset
-            raise
+            if not isinstance(exc, DiskFullError):
+                raise
+            # A full disk is an answer: the commitlog cut the refused append back, so
+            # the messages it held are refused DISK_FULL (retryable), not stored.
+            self.refusals.refuse(BROKER_COMMITLOG, exc)
+            self.disk_full_refused += len(ids)
+            reason = str(exc)
+            for i in indices:
+                results[i] = SendResult(ResultCode.DISK_FULL, reason)
+            for slot, earlier in copies:
+                results[slot] = results[earlier]
+            return results  # type: ignore[return-value]
+        if self.refusals.any:
+            self.refusals.clear(BROKER_COMMITLOG)
         if ids:
             store.last_store_ms = store_ms
             window.add_batch(ids, offsets, store_ms, stored_fps)

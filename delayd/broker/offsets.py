@@ -18,8 +18,8 @@ import json
 import os
 import threading
 
-from storage.errors import CorruptionError
-from storage.fs import O_WRITE, REAL_FS, FileSystem
+from storage.errors import CorruptionError, is_disk_full
+from storage.fs import O_WRITE, REAL_FS, FileSystem, disk_full_error
 
 FILE_NAME = "offsets.json"
 VERSION = 1
@@ -87,7 +87,14 @@ class OffsetStore:
             fd = self.fs.open(temp, O_WRITE)
             try:
                 self.fs.ftruncate(fd, 0)
-                self.fs.pwrite(fd, data, 0)
+                try:
+                    self.fs.pwrite(fd, data, 0)
+                except OSError as exc:
+                    if not is_disk_full(exc):
+                        raise
+                    # The previous file stands; the next checkpoint writes again.
+                    self.fs.ftruncate(fd, 0)
+                    raise disk_full_error(self.fs, temp, exc) from None
                 self.fs.fsync(fd)
             finally:
                 self.fs.close(fd)

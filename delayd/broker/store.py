@@ -58,7 +58,7 @@ from delayd.broker.record import (
 from delayd.protocol.events import Message
 from storage.checkpoint import read_checkpoint, write_checkpoint
 from storage.consumequeue import ConsumeQueue, rebuild
-from storage.errors import CorruptionError, StorageError
+from storage.errors import CorruptionError, DiskFullError, StorageError
 from storage.flusher import FlushMode, LogWriter
 from storage.framing import HEADER_SIZE
 from storage.fs import REAL_FS, FileSystem, create_dirs_durably
@@ -254,6 +254,8 @@ class BrokerStore:
         self.messages_stored = 0
         # Appended batches not yet reput, each an _Appended.
         self._pending: deque[_Appended] = deque()
+        # Why the last reput pass could not run (a full disk), None when it did.
+        self.reput_blocked: DiskFullError | None = None
 
     # ------------------------------------------------------------------ opening
 
@@ -413,7 +415,9 @@ class BrokerStore:
         :meth:`wait_durable`. Synchronous on purpose: queue offsets and dedupe entries are
         assigned in the same step, so no other task can interleave.
 
-        Raises StorageError (the log is then unusable; the broker must stop).
+        Raises DiskFullError when the disk is full (nothing of the batch stored, the
+        commitlog still usable), StorageError otherwise (the log is then unusable; the
+        broker must stop).
         """
         offsets = self.commitlog.append_batch(payloads, RECORD_TYPE)
         end = offsets[-1] + HEADER_SIZE + len(payloads[-1])
@@ -475,8 +479,42 @@ class BrokerStore:
         pending = self._pending
         # Per queue: its first queue offset in this pass, offsets, payloads.
         grown: dict[QueueKey, tuple[int, list[int], list[bytes]]] = {}
+        taken = 0  # batches of ``pending`` this pass covers
+        for batch in pending:
+            if batch.end > durable:
+                break
+            taken += 1
+            for key, queue_offset, offset, payload in zip(
+                batch.queue_keys, batch.queue_offsets, batch.offsets, batch.payloads, strict=True
+            ):
+                group = grown.get(key)
+                if group is None:
+                    group = grown[key] = (queue_offset, [], [])
+                group[1].append(offset)
+                group[2].append(payload)
+        if not taken:
+            return set()
+        # The consume queues first, all or nothing: a full disk leaves the pass to the
+        # next one (the flusher's next fsync, or the checkpoint loop), with nothing of
+        # it applied, and never stops the flusher.
+        appended: list[tuple[ConsumeQueue, int]] = []
+        try:
+            for key, (_, offsets, payloads) in grown.items():
+                # A queue new while serving: its directories are fsynced by the next
+                # flush_derived (before the checkpoint that covers it), not on the loop.
+                queue = self.queues.get(key) or self._open_queue(
+                    key, durable_ancestor=self.directory
+                )
+                first = queue.append_records(offsets, [HEADER_SIZE + len(p) for p in payloads])
+                appended.append((queue, first))
+        except DiskFullError as exc:
+            for queue, first in appended:
+                queue.truncate_to(first)
+            self.reput_blocked = exc
+            return set()
+        self.reput_blocked = None
         index_put_batch = self.index.put_batch
-        while pending and pending[0].end <= durable:
+        for _ in range(taken):
             batch = pending.popleft()
             offsets = batch.offsets
             key_records = batch.key_records
@@ -485,23 +523,10 @@ class BrokerStore:
                 offsets if key_records is None else [offsets[j] for j in key_records],
                 batch.store_ms,
             )
-            for key, queue_offset, offset, payload in zip(
-                batch.queue_keys, batch.queue_offsets, offsets, batch.payloads, strict=True
-            ):
-                group = grown.get(key)
-                if group is None:
-                    group = grown[key] = (queue_offset, [], [])
-                group[1].append(offset)
-                group[2].append(payload)
             self.reput_offset = batch.end
         for key, (queue_offset, offsets, payloads) in grown.items():
-            # A queue new while serving: its directories are fsynced by the next
-            # flush_derived (before the checkpoint that covers it), not on the event loop.
-            queue = self.queues.get(key) or self._open_queue(key, durable_ancestor=self.directory)
-            queue.append_records(offsets, [HEADER_SIZE + len(p) for p in payloads])
             self.recent.extend(key, queue_offset, offsets, payloads)
-        if grown:
-            self.on_arrival(set(grown))
+        self.on_arrival(set(grown))
         return set(grown)
 
     # ------------------------------------------------------------------ reading
@@ -677,7 +702,12 @@ class BrokerStore:
         try:
             self.commitlog.flush()
             self.reput_durable()
-            self.flush_derived(self.checkpoint_snapshot(dedupe_from))
+            try:
+                self.flush_derived(self.checkpoint_snapshot(dedupe_from))
+            except DiskFullError as exc:
+                # The commitlog is durable; the previous checkpoint stands and the next
+                # open re-derives queues and index past it.
+                log.warning("broker closed without its reput checkpoint: %s", exc)
         finally:
             for queue in self.queues.values():
                 queue.close()

@@ -61,11 +61,12 @@ class ErrorCode(enum.IntEnum):
     UNSUPPORTED = 9  # a known command this server does not implement (yet)
     SHUTTING_DOWN = 10  # the server is stopping: retry on another node
     INTERNAL = 11  # a bug or an I/O failure on the server
+    DISK_FULL = 12  # the server's disk is full: nothing was stored; retry later
 
     @property
     def is_retryable(self) -> bool:
         """Whether sending the same request again (later, or elsewhere) may succeed."""
-        return self in (ErrorCode.BUSY, ErrorCode.SHUTTING_DOWN)
+        return self in (ErrorCode.BUSY, ErrorCode.SHUTTING_DOWN, ErrorCode.DISK_FULL)
 
 
 class ResultCode(enum.IntEnum):
@@ -81,6 +82,7 @@ class ResultCode(enum.IntEnum):
     INVALID_DELAY = 7  # both at_ms and delay_ms set, or a negative delay_ms
     BUSY = 8  # not stored because the server is overloaded: retry later
     INTERNAL = 9  # not stored because of a server-side failure
+    DISK_FULL = 11  # not stored because the server's disk is full: retry later
 
     @property
     def is_success(self) -> bool:
@@ -90,7 +92,7 @@ class ResultCode(enum.IntEnum):
     @property
     def is_retryable(self) -> bool:
         """Whether sending the same message again later may succeed."""
-        return self is ResultCode.BUSY
+        return self in (ResultCode.BUSY, ResultCode.DISK_FULL)
 
 
 class CancelOutcome(enum.IntEnum):

@@ -15,6 +15,12 @@ index, and before any message after it (docs/cancel.md).
 
 The work is synchronous (``replay_available``, ``checkpoint``) so that tests can drive
 it step by step on the crash simulator; ``run`` is the trio task of the server.
+
+A full disk pauses it, never stops it: a step whose append a bucket file refuses
+(DiskFullError) is cut back whole — the buckets it had already written are truncated
+to where they were — and tried again after a back-off, as is a checkpoint that found no
+space; ``refusals`` reports the pause. Replay only copies what message_log holds, so
+nothing acknowledged waits on it but delivery.
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ from delayd.logs.id_index import IdIndex, scheduled_id
 from delayd.nowait import holding
 from delayd.replay.recovery import RecoveryReport
 from delayd.replay.state import ReplayCheckpoint, write_replay_checkpoint
+from delayd.write_refusals import CHECKPOINT, SCHEDULE_LOG, WriteRefusals
+from storage.errors import DiskFullError, StorageError
 from storage.framing import HEADER_SIZE
 from storage.fs import FileSystem
 from storage.scan import Record
@@ -82,6 +90,7 @@ class _Step:
 DEFAULT_BATCH_RECORDS = 4096  # records per step before yielding to other tasks
 DEFAULT_MAX_TAIL_BYTES = 64 * 1024 * 1024  # offered records kept in memory (see offer)
 DEFAULT_CHECKPOINT_INTERVAL_S = 1.0  # a checkpoint costs an fsync per touched bucket + 2
+DISK_FULL_RETRY_S = (0.05, 1.0)  # first and longest wait before a refused step runs again
 
 
 _RECEIVE_AT = schedule_log.PREFIX_SIZE + 8 + 8  # receive_ms: after due_ms and sequence
@@ -175,6 +184,7 @@ class Replayer:
         self._checkpoint_written = trio.Event()
         self._stopping = False
         self._stopped = trio.Event()
+        self.refusals = WriteRefusals()  # the server shares its own
 
     # ------------------------------------------------------------------ state
 
@@ -376,9 +386,20 @@ class Replayer:
 
     def _append(self, groups: dict[int, _Group]) -> dict[int, list[int]]:
         """Append each group to its bucket file; the offsets, by bucket. Touches only
-        the bucket files, so ``run`` may call it in a worker thread."""
+        the bucket files, so ``run`` may call it in a worker thread.
+
+        All or nothing on a full disk: DiskFullError after the buckets already written
+        are cut back, so the step can run again without copying a record twice."""
         append, rtype = self.buckets.append_batch, schedule_log.TYPE_SCHEDULED
-        return {start: append(start, group.payloads, rtype) for start, group in groups.items()}
+        done: dict[int, list[int]] = {}
+        try:
+            for start, group in groups.items():
+                done[start] = append(start, group.payloads, rtype)
+        except DiskFullError:
+            for start, offsets in done.items():
+                self.buckets.get(start).truncate(offsets[0])
+            raise
+        return done
 
     def _finish(self, step: _Step, offsets: dict[int, list[int]]) -> None:
         index = self.index
@@ -444,11 +465,20 @@ class Replayer:
         after ``request_stop``, replay what is durable, checkpoint and return."""
         task_status.started()
         last_checkpoint = trio.current_time()
+        full_wait_s = DISK_FULL_RETRY_S[0]
         try:
             while True:
                 self._wake = trio.Event()
-                replayed = await self._replay_step()
+                try:
+                    replayed = await self._replay_step()
+                except DiskFullError as exc:
+                    self.refusals.refuse(SCHEDULE_LOG, exc)
+                    await trio.sleep(full_wait_s)
+                    full_wait_s = min(2 * full_wait_s, DISK_FULL_RETRY_S[1])
+                    continue
                 if replayed:
+                    self.refusals.clear(SCHEDULE_LOG)
+                    full_wait_s = DISK_FULL_RETRY_S[0]
                     await trio.lowlevel.checkpoint()  # let intake run between batches
                     # A full step, or one cut short by a tombstone: there is more.
                     if self._position < self.log.durable_offset:
@@ -463,7 +493,15 @@ class Replayer:
                         # What tombstones below the checkpoint decided (dispatch_log
                         # entries) must be durable before replay can pass them for good.
                         await self.before_checkpoint()
-                    await trio.to_thread.run_sync(self.checkpoint)
+                    try:
+                        await trio.to_thread.run_sync(self.checkpoint)
+                    except DiskFullError as exc:
+                        # The old checkpoint stands (replay from it is idempotent).
+                        self.refusals.refuse(CHECKPOINT, exc)
+                        await trio.sleep(full_wait_s)
+                        full_wait_s = min(2 * full_wait_s, DISK_FULL_RETRY_S[1])
+                        continue
+                    self.refusals.clear(CHECKPOINT)
                     last_checkpoint = trio.current_time()
                     self._checkpoint_written.set()
                     self._checkpoint_written = trio.Event()
@@ -492,7 +530,15 @@ class Replayer:
         if step.tombstones:
             async with holding(self.append_lock):
                 if self.on_tombstones is not None:
-                    await self.on_tombstones(self, step.tombstones)
+                    try:
+                        await self.on_tombstones(self, step.tombstones)
+                    except DiskFullError as exc:
+                        # Its decisions (answers, withdrawals) are made as it goes: a
+                        # step cut short cannot run again. Stop; a restart replays the
+                        # tombstones from the checkpoint, from disk.
+                        raise StorageError(
+                            f"replaying cancel/reschedule tombstones failed: {exc}"
+                        ) from exc
                 self.tombstones_total += len(step.tombstones)
                 self._finish(step, {})
             return step.count

@@ -28,6 +28,13 @@ it). For those the canceller ``watch``es the outcome instead: acknowledged → a
 delivered; refused by the broker (it answered, and stored nothing) → a watcher that
 asked for it withdraws the message there and then, instead of retrying it.
 
+A full disk (docs/operations.md, "A full disk"): a broker answering DISK_FULL stored
+nothing, so those messages are retried with back-off without counting an attempt (a
+full disk is not the message's fault: it must not end in the dead-letter subject), and
+a dispatch_log entry that finds no space is written again after a back-off, the
+messages held meanwhile (a crash before it costs a resend, which the broker answers
+DUPLICATE).
+
 A message that an earlier run may have sent (due before this sender started, with no
 dispatch_log entry: its entry may have been lost with the unflushed tail, or its batch
 was in flight at the crash) is in doubt wherever it is: ``watch_earlier`` watches it
@@ -66,6 +73,8 @@ from delayd.sender.targets import SendTarget, TargetUnavailable
 from delayd.sender.wire import TAIL, TEXT_AT, ScheduledHead, read_head
 from delayd.wheel.manager import WheelManager
 from delayd.wheel.timer import OFFSET_BITS, DueEntries
+from delayd.write_refusals import DISPATCH_LOG, WriteRefusals
+from storage.errors import DiskFullError
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +86,7 @@ BATCH_BOUNDS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
 DEAD_LETTER_REASON = "delayd.dead_letter.reason"
 ORIGINAL_SUBJECT = "delayd.original_subject"
 _OFFSET_MASK = (1 << OFFSET_BITS) - 1
+DISK_FULL_RETRY_S = (0.05, 1.0)  # first and longest wait before a refused entry again
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,6 +287,7 @@ class Sender:
         self.withdrawn_total = 0
         self.lateness_s = Histogram(LATENESS_BOUNDS_S)
         self.batch_sizes = Histogram(BATCH_BOUNDS)
+        self.refusals = WriteRefusals()  # the server shares its own
 
     # ------------------------------------------------------------------ input
 
@@ -510,7 +521,7 @@ class Sender:
         # until their entries are written under the dispatch lock: a cancel that takes
         # the lock while _record waits for it must see them in doubt, not withdraw a
         # message a broker has just acknowledged.
-        acked, refused, withdraw = [], [], []
+        acked, refused, withdraw, disk_full = [], [], [], []
         for item, result in zip(batch, results, strict=True):
             if result.code in ACKED:
                 acked.append(item)
@@ -520,7 +531,8 @@ class Sender:
                     withdraw.append(item)  # refused, so stored nowhere: the cancel wins
                 else:
                     item.sending = False  # stored nowhere: it may be withdrawn now
-                    refused.append(item)
+                    full = result.code == ResultCode.DISK_FULL
+                    (disk_full if full else refused).append(item)
         if acked:
             await self._record(group, acked, now_ms)
         if withdraw:
@@ -528,6 +540,9 @@ class Sender:
         if refused:
             group.stats.failed += len(refused)
             self._retry(refused, group, refused[0].reason)
+        if disk_full:
+            group.stats.failed += len(disk_full)
+            self._retry(disk_full, group, disk_full[0].reason, count_attempt=False)
 
     @staticmethod
     def _encode(batch: list[_Item], dispatched_ms: int) -> EncodedMessages:
@@ -582,18 +597,27 @@ class Sender:
             kind = EntryKind.DEAD_LETTERED if item.dead else EntryKind.DISPATCHED
             dead += item.dead
             by_bucket.setdefault((item.bucket_ms, item.bucket_id, kind), []).append(item.offset)
-        async with holding(self.dispatch_lock):
-            for (bucket_ms, _, kind), offsets in by_bucket.items():
-                self.dispatch.record(bucket_ms, kind, offsets, at_ms, group.raw_name)
-            # Under the lock with the entries: a canceller that holds it sees either a
-            # held message or its entry, never neither.
-            held = self._held
-            for item in items:
-                held.pop(item.ref, None)
-                if item.watchers:
-                    kind = EntryKind.DEAD_LETTERED if item.dead else EntryKind.DISPATCHED
-                    for _, watcher in item.watchers:
-                        watcher(kind, at_ms)
+        unwritten = [
+            (bucket_ms, kind, offsets) for (bucket_ms, _, kind), offsets in by_bucket.items()
+        ]
+        wait_s = DISK_FULL_RETRY_S[0]
+        while True:
+            async with holding(self.dispatch_lock):
+                if self._write_entries(unwritten, at_ms, group.raw_name):
+                    # Under the lock with the last entries: a canceller that holds it
+                    # sees a held message or its entry (or both), never neither.
+                    held = self._held
+                    for item in items:
+                        held.pop(item.ref, None)
+                        if item.watchers:
+                            kind = EntryKind.DEAD_LETTERED if item.dead else EntryKind.DISPATCHED
+                            for _, watcher in item.watchers:
+                                watcher(kind, at_ms)
+                    break
+            # The disk is full: the messages stay held (a cancel finds them in doubt)
+            # until their entries are written.
+            await trio.sleep(wait_s)
+            wait_s = min(2 * wait_s, DISK_FULL_RETRY_S[1])
         self._recorded.set()
         for (_, bucket_id, _), offsets in by_bucket.items():
             self.manager.on_recorded(bucket_id, len(offsets))
@@ -603,6 +627,23 @@ class Sender:
         self._in_flight -= len(items)
         if self._in_flight < self.config.max_in_flight:
             self._room.set()
+
+    def _write_entries(
+        self, unwritten: list[tuple[int, EntryKind, list[int]]], at_ms: int, group: bytes
+    ) -> bool:
+        """Append the dispatch_log entries of ``unwritten`` (bucket, kind, offsets),
+        removing each from it once written; whether all are (False: the disk is full,
+        and ``unwritten`` holds the rest). Call with the dispatch lock held."""
+        try:
+            while unwritten:
+                bucket_ms, kind, offsets = unwritten[0]
+                self.dispatch.record(bucket_ms, kind, offsets, at_ms, group)
+                del unwritten[0]
+        except DiskFullError as exc:
+            self.refusals.refuse(DISPATCH_LOG, exc)
+            return False
+        self.refusals.clear(DISPATCH_LOG)
+        return True
 
     async def _withdraw_refused(self, items: list[_Item]) -> None:
         """Record as CANCELLED watched items a broker refused (see the module
@@ -681,16 +722,19 @@ class Sender:
                 item.maybe_sent = True
                 item.watchers = [*(item.watchers or ()), *watchers]
 
-    def _retry(self, items: list[_Item], group: _Group, reason: str) -> None:
-        """Count an attempt for each item and put them back after the back-off; past
-        ``max_attempts`` an item goes to its dead-letter subject instead (and keeps
-        being retried there: never dropped)."""
+    def _retry(
+        self, items: list[_Item], group: _Group, reason: str, *, count_attempt: bool = True
+    ) -> None:
+        """Count an attempt for each item (unless ``count_attempt`` is False: a refusal
+        that is not the message's fault, a full disk) and put them back after the
+        back-off; past ``max_attempts`` an item goes to its dead-letter subject instead
+        (and keeps being retried there: never dropped)."""
         policy = self.config.retry
         group.stats.retried += len(items)
-        attempts = 0
+        attempts = 1
         for item in items:
-            item.attempts += 1
-            if not item.dead and policy.exhausted(item.attempts):
+            item.attempts += count_attempt
+            if count_attempt and not item.dead and policy.exhausted(item.attempts):
                 item.dead = True
                 item.reason = item.reason or reason
                 log.warning(

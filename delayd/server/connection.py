@@ -11,9 +11,11 @@ which the reader stops reading and TCP pushes back on the producer.
 Bad input never crashes the server: a protocol violation (bad frame, no HELLO, wrong
 token) gets the closing ERROR the Connection names and the socket is closed; requests
 the delay server does not serve get ERROR UNSUPPORTED; an unexpected failure in one
-request is logged and answered ERROR INTERNAL. A StorageError from message_log is not
-the client's fault and not survivable: it propagates and stops the server (recovery on
-restart repairs the log).
+request is logged and answered ERROR INTERNAL. A full disk is an answer: a SEND_BATCH
+gets DISK_FULL results, a cancel or reschedule ERROR DISK_FULL (both retryable; nothing
+was stored). Any other StorageError from message_log (a failed fsync) is not the
+client's fault and not survivable: it propagates and stops the server, which then
+acknowledges nothing more (recovery on restart reads what is really on disk).
 
 Closing: at EOF or after a protocol error the in-flight requests are cancelled (their
 answers could not be delivered). ``stop_reading`` (server shutdown) instead stops
@@ -57,7 +59,7 @@ from delayd.server.cancels import Answer
 from delayd.server.intake import IntakePath
 from delayd.stream_events import read_and_dispatch
 from delayd.stream_writer import FrameWriter
-from storage.errors import StorageError
+from storage.errors import DiskFullError, StorageError
 
 log = logging.getLogger(__name__)
 
@@ -169,6 +171,10 @@ class DelayConnection:
                     f"{event.command.name} goes to its broker{where}"
                 )
                 await self._answer(Error(ErrorCode.UNSUPPORTED, reason, request_id=rid))
+        except DiskFullError as exc:
+            # Nothing was stored (message_log cut the refused append back): retryable.
+            reason = str(exc)[: Error.MAX_REASON_LENGTH]
+            await self._answer(Error(ErrorCode.DISK_FULL, reason, request_id=rid))
         except StorageError:
             raise
         except Exception as exc:  # one bad request must not end the server

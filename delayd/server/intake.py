@@ -12,6 +12,12 @@ A SEND_BATCH is handled in two halves, as the broker does:
 
 ``pending_acks`` (records appended, not yet answered) and the replayer's lag feed the
 Receiver's BUSY decision.
+
+A full disk is an answer: when message_log refuses an append (DiskFullError, nothing
+of it kept) the batch's accepted messages are answered DISK_FULL, retryable, with the
+directory and its free bytes, and ``refusals`` says so to /readyz and the metrics
+until an append succeeds again. A cancel or reschedule then raises DiskFullError for
+the connection to answer ERROR DISK_FULL.
 """
 
 from __future__ import annotations
@@ -22,9 +28,11 @@ from typing import TYPE_CHECKING
 
 from delayd.logs import tombstone
 from delayd.logs.message_log import TYPE_MESSAGE
-from delayd.protocol import EncodedMessages, Message, SendResult
+from delayd.protocol import EncodedMessages, Message, ResultCode, SendResult
 from delayd.receiver import Intake, Receiver
 from delayd.replay import Replayer
+from delayd.write_refusals import MESSAGE_LOG, WriteRefusals
+from storage.errors import DiskFullError
 from storage.flusher import FlushMode, LogWriter
 
 if TYPE_CHECKING:
@@ -55,6 +63,7 @@ class IntakePath:
         self.pending_acks = 0  # records appended whose batch is not answered yet
         # Set by the server once delivery is built: it resolves cancel and reschedule.
         self.canceller: Canceller | None = None
+        self.refusals = WriteRefusals()  # the server shares its own
 
     async def make_room(self) -> None:
         """Wait while message_log's unsynced bytes are over half its window (as
@@ -67,7 +76,9 @@ class IntakePath:
         """Validate and append ``messages`` (``encoded``: as they arrived, which saves
         encoding them again); call ``make_room`` just before.
 
-        Raises StorageError when message_log cannot be written (the server stops).
+        A full disk refuses the batch's accepted messages as DISK_FULL (nothing of
+        them stored). Raises StorageError when message_log cannot be written for any
+        other reason (the server stops).
         """
         intake = self.receiver.accept(
             messages,
@@ -77,7 +88,13 @@ class IntakePath:
             encoded=encoded,
         )
         if intake.payloads:
-            offsets = self.log.append_batch(intake.payloads, TYPE_MESSAGE)
+            try:
+                offsets = self.log.append_batch(intake.payloads, TYPE_MESSAGE)
+            except DiskFullError as exc:
+                self.refusals.refuse(MESSAGE_LOG, exc)
+                return self.receiver.refuse_accepted(intake, ResultCode.DISK_FULL, str(exc))
+            if self.refusals.any:
+                self.refusals.clear(MESSAGE_LOG)
             known = (intake.due_ms, intake.message_ids, intake.receive_ms)
             self.replayer.offer(offsets, intake.payloads, known)
             self.pending_acks += len(intake.payloads)
@@ -121,14 +138,19 @@ class IntakePath:
         self, message_ids: Sequence[str], due_ms: int | None = None
     ) -> list[Answer]:
         """``append_tombstone`` for several ids in one append (a CANCEL_BATCH): all or
-        none — ValueError for an empty or oversized id appends nothing."""
+        none — ValueError for an empty or oversized id appends nothing, and so does a
+        full disk (DiskFullError)."""
         if self.canceller is None:
             raise RuntimeError("cancel and reschedule need delivery (no canceller)")
         receive_ms = self.clock()
         stones = [tombstone.Tombstone(m, receive_ms, due_ms) for m in message_ids]
         payloads = [tombstone.encode(stone) for stone in stones]
         rtype = stones[0].rtype
-        offsets = self.log.append_batch(payloads, rtype)
+        try:
+            offsets = self.log.append_batch(payloads, rtype)
+        except DiskFullError as exc:
+            self.refusals.refuse(MESSAGE_LOG, exc)
+            raise
         self.replayer.offer_typed(offsets, payloads, rtype)
         return self.canceller.expect_many(offsets, is_cancel=due_ms is None)
 
