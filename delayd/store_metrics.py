@@ -1,9 +1,17 @@
-"""Bytes and files of each log on disk, for ``delayd serve`` and ``delayd broker``.
+"""Bytes and files of each log on disk, and the room left, for ``delayd serve`` and
+``delayd broker``.
 
 The directories are walked (scandir + stat) in a worker thread, never at scrape time:
 a data directory can hold one schedule_log file per minute of two years. A walk runs
 every ``min_interval_s`` at most, and at least 20 walk-durations apart, so that a huge
 directory costs at most about 5 % of a core; a scrape reads the last walk's result.
+
+The free space of the data directory's file system is asked (statvfs, in a worker
+thread) every second: ``delayd_store_free_bytes`` and ``_filesystem_bytes`` for the
+alert that comes before a full disk, ``delayd_store_refusing_writes{log}`` for the
+logs that refuse writes now (delayd.write_refusals). When a log refuses and the file
+system has ``RESUME_FREE_BYTES`` free again, the refusals are cleared, so /readyz turns
+ready again even while no client retries; a log that still cannot write refuses again.
 """
 
 from __future__ import annotations
@@ -14,11 +22,17 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import trio
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from delayd.write_refusals import LOGS, WriteRefusals
 
 MIN_INTERVAL_S = 5.0
 COST_FACTOR = 20  # sleep at least this many times as long as the last walk took
+FREE_SPACE_INTERVAL_S = 1.0
+# Free bytes at which refusing logs are taken to write again: room for a few batches
+# and the derived files they feed (a log that still cannot write refuses again).
+RESUME_FREE_BYTES = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,3 +131,75 @@ def broker_directories(broker_dir: str) -> dict[str, str]:
         "broker_consumequeue": os.path.join(broker_dir, "consumequeue"),
         "broker_index": os.path.join(broker_dir, "index"),
     }
+
+
+class FreeSpace:
+    """The size and free bytes of the file system holding ``path``, asked every
+    ``interval_s`` by ``run``; None until the first answer. Clears ``refusals`` once
+    ``resume_free_bytes`` are free (see the module docstring)."""
+
+    def __init__(
+        self,
+        path: str,
+        refusals: WriteRefusals,
+        *,
+        interval_s: float = FREE_SPACE_INTERVAL_S,
+        resume_free_bytes: int = RESUME_FREE_BYTES,
+    ) -> None:
+        self.path = path
+        self.refusals = refusals
+        self.interval_s = interval_s
+        self.resume_free_bytes = resume_free_bytes
+        self.free_bytes: int | None = None
+        self.size_bytes: int | None = None
+
+    def ask(self) -> tuple[int, int]:
+        """(free bytes for this process, total bytes) now (blocking: statvfs)."""
+        st = os.statvfs(self.path)
+        return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        while True:
+            self.free_bytes, self.size_bytes = await trio.to_thread.run_sync(self.ask)
+            if self.refusals.any and self.free_bytes >= self.resume_free_bytes:
+                self.refusals.clear_all()
+            await trio.sleep(self.interval_s)
+
+
+class DiskCollector(Collector):
+    """``delayd_store_free_bytes``, ``delayd_store_filesystem_bytes``,
+    ``delayd_store_refusing_writes{log,reason}`` and
+    ``delayd_store_refused_writes_total{log}``."""
+
+    def __init__(self, space: FreeSpace) -> None:
+        self.space = space
+
+    def collect(self) -> Iterator[Metric]:
+        space, refusals = self.space, self.space.refusals
+        if space.free_bytes is not None and space.size_bytes is not None:
+            yield GaugeMetricFamily(
+                "delayd_store_free_bytes",
+                "Bytes free (to this process) on the file system of the data directory.",
+                value=space.free_bytes,
+            )
+            yield GaugeMetricFamily(
+                "delayd_store_filesystem_bytes",
+                "Size in bytes of the file system of the data directory.",
+                value=space.size_bytes,
+            )
+        refusing = GaugeMetricFamily(
+            "delayd_store_refusing_writes",
+            "1 while a log refuses writes (its disk is full), else 0.",
+            labels=["log", "reason"],
+        )
+        refused = CounterMetricFamily(
+            "delayd_store_refused_writes_total",
+            "Writes a log refused because its disk was full.",
+            labels=["log"],
+        )
+        for name in LOGS:
+            refusing.add_metric([name, "disk_full"], int(refusals.refusing(name)))
+            refused.add_metric([name], refusals.refused_total[name])
+        yield refusing
+        yield refused

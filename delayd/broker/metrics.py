@@ -17,8 +17,15 @@ from prometheus_client.registry import Collector
 
 from delayd.broker.broker import Broker
 from delayd.broker.config import StartFrom
+from delayd.metrics_http import Readiness
 from delayd.metrics_http import serve_metrics as serve_registry
-from delayd.store_metrics import StoreCollector, StoreSizes, broker_directories
+from delayd.store_metrics import (
+    DiskCollector,
+    FreeSpace,
+    StoreCollector,
+    StoreSizes,
+    broker_directories,
+)
 
 log = logging.getLogger(__name__)
 
@@ -116,12 +123,19 @@ async def serve_metrics(
     *,
     task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve the broker's /metrics and /healthz on host:port until cancelled; reports the
-    bound addresses. The sizes of the broker's files are walked in the background."""
+    """Serve the broker's /metrics, /healthz and /readyz on host:port until cancelled;
+    reports the bound addresses. The sizes of the broker's files are walked, and the
+    free space of their file system asked, in the background; /readyz is not ready
+    while the commitlog refuses writes (a full disk)."""
     sizes = StoreSizes(broker_directories(broker.store.directory))
+    space = FreeSpace(broker.store.directory, broker.refusals)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(BrokerCollector(broker))
     registry.register(StoreCollector(sizes))
+    registry.register(DiskCollector(space))
+    readiness = Readiness(None)
+    readiness.watch(broker.refusals.reason)
     async with trio.open_nursery() as nursery:
         await nursery.start(sizes.run)
-        await serve_registry(registry, host, port, task_status=task_status)
+        await nursery.start(space.run)
+        await serve_registry(registry, host, port, readiness=readiness, task_status=task_status)

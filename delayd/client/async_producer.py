@@ -105,7 +105,7 @@ class AsyncProducer:
             properties=properties,
         )
         (receipt,) = await self.send_batch([message])
-        if receipt.code is ResultCode.BUSY:
+        if receipt.code.is_retryable:
             raise BusyError(
                 f"{self.addr} stayed busy through {self.busy_retries} retries: {receipt.reason}"
             )
@@ -187,7 +187,7 @@ class AsyncProducer:
                 for index, result in zip(todo, response.results, strict=True):
                     receipt = Receipt.from_result(messages[index].message_id, result)
                     receipts[index] = receipt
-                    if result.code is ResultCode.BUSY:
+                    if result.code.is_retryable:
                         busy.append(index)
             if busy:
                 busy_rounds += 1

@@ -146,7 +146,7 @@ class Producer:
             properties=properties,
         )
         (receipt,) = self.send_batch([message])
-        if receipt.code is ResultCode.BUSY:
+        if receipt.code.is_retryable:
             raise BusyError(
                 f"{self.addr} stayed busy through {self.busy_retries} retries: {receipt.reason}"
             )
@@ -325,7 +325,7 @@ class _Round:
         assert isinstance(answer, SendBatchResult)
         for index, result in zip(indexes, answer.results, strict=True):
             self._receipts[index] = Receipt.from_result(self._batch[index].message_id, result)
-            if result.code is ResultCode.BUSY:
+            if result.code.is_retryable:
                 self._again.append(index)
 
     def unfinished(self) -> list[int]:

@@ -37,7 +37,14 @@ from delayd.server.metrics import IntakeCollector
 from delayd.server.pending_metrics import PendingCollector, PendingTracker, chained
 from delayd.server.retention import Retention, remove_orphans
 from delayd.server.retention_metrics import RetentionCollector
-from delayd.store_metrics import StoreCollector, StoreSizes, broker_directories
+from delayd.store_metrics import (
+    DiskCollector,
+    FreeSpace,
+    StoreCollector,
+    StoreSizes,
+    broker_directories,
+)
+from delayd.write_refusals import WriteRefusals
 from storage.flusher import FlushMode, LogWriter
 from storage.fs import REAL_FS, FileSystem
 from storage.segmented_log import SegmentedLog
@@ -83,12 +90,20 @@ class DelayServer:
         # Recovery of the logs is done when the server is built; /readyz turns ready
         # once replay has caught up and delivery runs.
         self.readiness = Readiness("replaying message_log before delivery starts")
+        # The logs that refuse writes for lack of space, one record for every writer:
+        # not ready while any does (docs/operations.md, "A full disk").
+        self.refusals = WriteRefusals()
+        for writer in (self.intake, replayer, delivery.sender, broker):
+            writer.refusals = self.refusals
+        self.readiness.watch(self.refusals.reason)
         self._broker_address: str | None = None
         # Metrics that read the logs, only when someone can scrape them: the pending
         # count adds a call per replayed record and a start-up count.
         self.pending: PendingTracker | None = None
         self.store_sizes: StoreSizes | None = None
+        self.free_space: FreeSpace | None = None
         if config.metrics_listen is not None:
+            self.free_space = FreeSpace(delivery.data_dir, self.refusals)
             self.pending = self._pending_tracker(delivery)
             replayer.on_scheduled = chained(replayer.on_scheduled, self.pending.on_scheduled)
             data_dir = delivery.data_dir
@@ -240,12 +255,15 @@ class DelayServer:
                     assert self.pending is not None and self.store_sizes is not None
                     await root.start(self.pending.run)
                     await root.start(self.store_sizes.run)
+                    assert self.free_space is not None
+                    await root.start(self.free_space.run)
                     registry = CollectorRegistry(auto_describe=False)
                     registry.register(IntakeCollector(self.receiver, self.intake, self.replayer))
                     registry.register(BrokerCollector(self.broker))
                     registry.register(DeliveryCollector(self.delivery))
                     registry.register(PendingCollector(self.pending))
                     registry.register(StoreCollector(self.store_sizes))
+                    registry.register(DiskCollector(self.free_space))
                     if self.retention is not None:
                         registry.register(RetentionCollector(self.retention))
                     host, port = config.metrics_listen
