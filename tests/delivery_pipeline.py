@@ -19,7 +19,7 @@ from delayd.replay import open_replayer
 from delayd.sender.targets import TargetUnavailable
 from delayd.server.config import ServeConfig
 from delayd.server.delivery import Delivery
-from storage.fs import O_READ, REAL_FS
+from storage.fs import O_READ, REAL_FS, FileSystem
 from storage.scan import scan_frames
 from storage.segmented_log import SegmentedLog
 
@@ -72,22 +72,22 @@ class Pipeline:
 
     _ids = itertools.count(1)
 
-    def __init__(self, data: str, targets: list[RecordingTarget], **config) -> None:
+    def __init__(
+        self, data: str, targets: list[RecordingTarget], *, fs: FileSystem = REAL_FS, **config
+    ) -> None:
         self.data = data
         self.config = ServeConfig(**config)
         self.targets = targets
         self.log = SegmentedLog.open(
             layout.message_log_dir(data),
-            fs=REAL_FS,
+            fs=fs,
             segment_size=self.config.message_log_segment_bytes,
         )
         self.replayer = open_replayer(
-            data, self.log, segment_scale=self.config.segment_scale_minutes, fs=REAL_FS
+            data, self.log, segment_scale=self.config.segment_scale_minutes, fs=fs
         )
         self.sequence = self.replayer.recovery.next_sequence - 1
-        self.delivery = Delivery(
-            data, self.config, self.replayer, [(t, 1) for t in targets], fs=REAL_FS
-        )
+        self.delivery = Delivery(data, self.config, self.replayer, [(t, 1) for t in targets], fs=fs)
         self.delivery.ticker.origin_ms = T0
         for target in targets:
             target.clock = self.delivery.ticker.now_ms
@@ -145,18 +145,18 @@ def received_ids(targets: list[RecordingTarget]) -> list[str]:
     return [r.message.message_id for t in targets for r in t.received]
 
 
-def dispatch_entries(data: str) -> dict[str, list[DispatchEntry]]:
+def dispatch_entries(data: str, fs: FileSystem = REAL_FS) -> dict[str, list[DispatchEntry]]:
     """Every dispatch_log entry, by bucket file name."""
     directory = layout.dispatch_log_dir(data)
     out = {}
-    for name in sorted(REAL_FS.listdir(directory)):
+    for name in sorted(fs.listdir(directory)):
         path = f"{directory}/{name}"
-        fd = REAL_FS.open(path, O_READ)
+        fd = fs.open(path, O_READ)
         try:
-            size = REAL_FS.fsize(fd)
-            out[name] = list(decode_records(scan_frames(REAL_FS, fd, path, 0, 0, size), path))
+            size = fs.fsize(fd)
+            out[name] = list(decode_records(scan_frames(fs, fd, path, 0, 0, size), path))
         finally:
-            REAL_FS.close(fd)
+            fs.close(fd)
     return out
 
 

@@ -35,6 +35,7 @@ from delayd.logs.schedule_reader import ScheduleReader
 from delayd.wheel.cursor import LoadCursors
 from delayd.wheel.ticker import Ticker
 from delayd.wheel.timer import MAX_BUCKET
+from storage.errors import DiskFullError
 
 log = logging.getLogger(__name__)
 
@@ -357,7 +358,12 @@ class WheelManager:
                     continue  # canAdd put a new entry in while we waited for the lock
                 size = self.reader.size(bucket_ms)
                 if self._marked.get(bucket_ms) != size:
-                    self.dispatch.mark_complete(bucket_ms, size, now_ms)
+                    try:
+                        self.dispatch.mark_complete(bucket_ms, size, now_ms)
+                    except DiskFullError:
+                        # The mark only saves a restart some reading: the bucket and
+                        # the rest stay outstanding, and a later pass marks them.
+                        return
                     self._marked[bucket_ms] = size
                     self.buckets_completed += 1
                 del self._outstanding[bucket_ms]

@@ -1,0 +1,311 @@
+"""A full disk for each log, and a failed fsync, through the crash simulator.
+
+message_log (intake answers DISK_FULL), schedule_log (the replayer pauses and copies
+each record once), dispatch_log (the sender holds delivered messages until their
+entries are written), the broker's commitlog (DISK_FULL per message; a reput that finds
+no space waits) — each refuses with the reason, keeps no torn record, resumes once
+space returns and loses nothing acknowledged. A failed fsync stops acknowledging and is
+never retried.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import trio
+import trio.testing
+
+from delayd.broker import BrokerConfig, open_broker
+from delayd.logs import layout, message_log
+from delayd.logs.dispatch_log import EntryKind
+from delayd.logs.message_log import MessageRecord
+from delayd.protocol import Message, ResultCode
+from delayd.receiver import IntakeLimits, Receiver
+from delayd.replay import open_replayer
+from delayd.sender.retry import RetryPolicy
+from delayd.sender.sender import SenderConfig
+from delayd.server.intake import IntakePath
+from delayd.write_refusals import (
+    BROKER_COMMITLOG,
+    CHECKPOINT,
+    DISPATCH_LOG,
+    MESSAGE_LOG,
+    SCHEDULE_LOG,
+)
+from storage.crashfs import CrashSimFileSystem
+from storage.errors import DiskFullError, FsyncError, StorageError
+from storage.flusher import LogWriter
+from storage.segmented_log import SegmentedLog
+from tests.delivery_pipeline import T0, Pipeline, RecordingTarget, dispatch_entries
+from tests.intake_support import check_exactly_once, read_message_log
+
+NOW = 1_795_341_600_000
+MINUTE = 60_000
+
+
+@pytest.fixture
+def clock():
+    return trio.testing.MockClock(autojump_threshold=0.05)
+
+
+def sim() -> CrashSimFileSystem:
+    fs = CrashSimFileSystem()
+    fs.mkdir("/data")
+    fs.fsync_dir("/")
+    return fs
+
+
+def make_intake(fs: CrashSimFileSystem) -> IntakePath:
+    log = SegmentedLog.open(layout.message_log_dir("/data"), fs=fs)
+    replayer = open_replayer("/data", log, segment_scale=1, fs=fs)
+    receiver = Receiver(IntakeLimits(), replayer.recovery.next_sequence)
+    return IntakePath(receiver, LogWriter(log), replayer, clock=lambda: NOW)
+
+
+def batch(prefix: str, count: int, body: bytes = b"x" * 100) -> list[Message]:
+    return [Message(f"{prefix}-{i}", "orders", body=body, delay_ms=i) for i in range(count)]
+
+
+def records(count: int, first_sequence: int, dues: list[int]) -> list[bytes]:
+    """message_log payloads of ``count`` messages, due in turn at ``dues``."""
+    return [
+        message_log.encode_record(
+            MessageRecord(
+                due_ms=dues[i % len(dues)],
+                sequence=first_sequence + i,
+                receive_ms=NOW,
+                message_id=f"r{first_sequence + i}",
+                subject="orders",
+                key=None,
+                body=b"y" * 200,
+            )
+        )
+        for i in range(count)
+    ]
+
+
+# ---------------------------------------------------------------------- message_log
+
+
+async def test_intake_answers_disk_full_and_resumes_with_dense_sequences(tmp_path):
+    fs = sim()
+    intake = make_intake(fs)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(intake.writer.run)
+        first = await intake.send_batch(batch("a", 20))
+        assert {r.code for r in first} == {ResultCode.OK}
+
+        fs.capacity = fs.used_bytes() + 1000  # a few records' worth: the batch is larger
+        refused = await intake.send_batch(batch("b", 20))
+        assert [r.code for r in refused] == [ResultCode.DISK_FULL] * 20
+        assert refused[0].code.is_retryable
+        assert "disk full" in refused[0].reason
+        assert layout.message_log_dir("/data") in refused[0].reason
+        assert "bytes free" in refused[0].reason
+        assert intake.refusals.refusing(MESSAGE_LOG)
+        assert intake.receiver.refused_total[ResultCode.DISK_FULL] == 20
+        assert intake.pending_acks == 0
+
+        fs.capacity = None  # space returns: the next batch is stored, no restart
+        after = await intake.send_batch(batch("c", 20))
+        assert {r.code for r in after} == {ResultCode.OK}
+        assert after[0].queue_offset == 21  # sequences stay dense: b's were given back
+        assert not intake.refusals.refusing(MESSAGE_LOG)
+        fs.materialize(str(tmp_path / "after"), "drop", random.Random(0))
+        nursery.cancel_scope.cancel()
+    logged = read_message_log(tmp_path / "after" / "data")
+    assert [r.message_id for _, r in logged] == [
+        *(f"a-{i}" for i in range(20)),
+        *(f"c-{i}" for i in range(20)),
+    ]
+    assert [r.sequence for _, r in logged] == list(range(1, 41))
+
+
+async def test_a_cancel_into_a_full_message_log_raises_disk_full():
+    fs = sim()
+    intake = make_intake(fs)
+    intake.canceller = object()  # type: ignore[assignment]  # refused before it is used
+    fs.capacity = fs.used_bytes()
+    with pytest.raises(DiskFullError):
+        intake.append_tombstone("some-id")
+    assert intake.refusals.refusing(MESSAGE_LOG)
+    assert intake.log.end_offset == 0
+
+
+async def test_a_failed_fsync_stops_acknowledging_and_is_never_retried():
+    fs = sim()
+    intake = make_intake(fs)
+    acked = []
+    with pytest.RaisesGroup(FsyncError, StorageError) as caught:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(intake.writer.run)
+            acked += await intake.send_batch(batch("a", 5))
+            fs.fail_fsyncs(1)
+            acked += await intake.send_batch(batch("b", 5))
+    assert "never retry" in str(caught.value.exceptions[0]) + str(caught.value.exceptions[1])
+    assert [r.code for r in acked] == [ResultCode.OK] * 5  # b was never acknowledged
+    with pytest.raises(StorageError, match="failed earlier"):
+        intake.log.append(b"more")
+    # The process would exit here; a restart recovers from what is on disk.
+    intake.log.close()
+    fs.restart()
+    with SegmentedLog.open(layout.message_log_dir("/data"), fs=fs) as reopened:
+        ids = [message_log.decode_message(r.payload).message_id for r in reopened.iter_from(0)]
+    assert ids[:5] == [f"a-{i}" for i in range(5)]
+
+
+# --------------------------------------------------------------------- schedule_log
+
+
+def test_a_replay_step_into_a_full_disk_is_cut_back_whole(tmp_path):
+    fs = sim()
+    log = SegmentedLog.open(layout.message_log_dir("/data"), fs=fs)
+    replayer = open_replayer("/data", log, segment_scale=1, fs=fs)
+    dues = [NOW + MINUTE, NOW + 2 * MINUTE, NOW + 3 * MINUTE]  # three buckets per step
+    log.append_batch(records(30, 1, dues), message_log.TYPE_MESSAGE)
+    log.flush()
+    fs.capacity = fs.used_bytes() + 2500  # the first bucket fits, the second does not
+    with pytest.raises(DiskFullError):
+        replayer.replay_available()
+    assert replayer.position == 0
+    assert all(size == 0 for size in replayer.buckets.open_sizes().values())
+    fs.capacity = None
+    assert replayer.replay_available() == 30
+    replayer.checkpoint()
+    replayer.close()
+    log.close()
+    fs.materialize(str(tmp_path / "after"), "drop", random.Random(0))
+    assert len(check_exactly_once(tmp_path / "after" / "data", 1)) == 30
+
+
+async def test_the_replayer_pauses_on_a_full_disk_and_catches_up(clock):
+    fs = sim()
+    log = SegmentedLog.open(layout.message_log_dir("/data"), fs=fs)
+    replayer = open_replayer("/data", log, segment_scale=1, fs=fs)
+    log.append_batch(records(10, 1, [NOW + MINUTE]), message_log.TYPE_MESSAGE)
+    log.flush()
+    fs.capacity = fs.used_bytes()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(replayer.run)
+        replayer.notify(10)
+        await trio.sleep(5)
+        assert replayer.position == 0 and replayer.refusals.refusing(SCHEDULE_LOG)
+        assert "disk full: schedule_log" in (replayer.refusals.reason() or "")
+        fs.capacity = None
+        await trio.sleep(5)
+        assert replayer.position == log.durable_offset
+        assert not replayer.refusals.refusing(SCHEDULE_LOG)
+        assert not replayer.refusals.refusing(CHECKPOINT)
+        await replayer.stop()
+        nursery.cancel_scope.cancel()
+    assert replayer.replayed_total == 10
+    replayer.close()
+    log.close()
+
+
+# --------------------------------------------------------------------- dispatch_log
+
+
+async def test_delivered_messages_are_held_until_their_entries_find_room(clock):
+    fs = sim()
+    target = RecordingTarget("a")
+    pipeline = Pipeline("/data", [target], fs=fs)
+    ids = pipeline.schedule([T0 + 1000 + i for i in range(5)])
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pipeline.run)
+        await trio.sleep(0.5)
+        fs.capacity = fs.used_bytes()  # room for no dispatch_log entry
+        await trio.sleep(3)
+        sender = pipeline.delivery.sender
+        assert sorted(r.message.message_id for r in target.received) == sorted(ids)
+        assert sender.refusals.refusing(DISPATCH_LOG)
+        assert sender.in_flight == 5  # held: a cancel finds them in doubt, not lost
+        fs.capacity = None
+        await trio.sleep(3)
+        assert sender.in_flight == 0 and not sender.refusals.refusing(DISPATCH_LOG)
+        await pipeline.stop()
+        nursery.cancel_scope.cancel()
+    entries = [e for es in dispatch_entries("/data", fs).values() for e in es]
+    assert (
+        sorted(e.kind for e in entries if e.kind is not EntryKind.COMPLETE)
+        == [EntryKind.DISPATCHED] * 5
+    )
+    assert len(target.received) == 5  # each sent once: nothing resent for the wait
+    pipeline.close()
+
+
+async def test_a_broker_disk_full_is_retried_without_dead_lettering(clock):
+    target = RecordingTarget("a", refuse=ResultCode.DISK_FULL)
+    fs = sim()
+    retry = RetryPolicy(max_attempts=3, base_ms=1000, max_ms=1000)
+    pipeline = Pipeline("/data", [target], fs=fs, sender=SenderConfig(retry=retry))
+    [message_id] = pipeline.schedule([T0 + 1000])
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pipeline.run)
+        await trio.sleep(10)  # more sends than max_attempts
+        assert target.calls > 3
+        assert set(target.subjects) == {"orders"}  # never the dead-letter subject
+        target.refuse = None
+        await trio.sleep(3)
+        await pipeline.stop()
+        nursery.cancel_scope.cancel()
+    [got] = target.received
+    assert got.message.message_id == message_id and got.message.subject == "orders"
+    pipeline.close()
+
+
+# ------------------------------------------------------------------ broker commitlog
+
+
+async def test_the_broker_answers_disk_full_and_resumes(tmp_path):
+    fs = sim()
+    async with open_broker("/data", BrokerConfig(), fs=fs) as broker:
+        stored = await broker.send_batch([Message(f"a{i}", "orders") for i in range(10)])
+        assert {r.code for r in stored} == {ResultCode.OK}
+        fs.capacity = fs.used_bytes() + 100
+        refused = await broker.send_batch(
+            [Message(f"b{i}", "orders", body=b"z" * 300) for i in range(5)]
+            + [Message("b0", "orders", body=b"z" * 300)]  # a copy within the batch
+        )
+        assert [r.code for r in refused] == [ResultCode.DISK_FULL] * 6
+        assert "disk full" in refused[0].reason and "commitlog" in refused[0].reason
+        assert broker.refusals.refusing(BROKER_COMMITLOG)
+        fs.capacity = None
+        again = await broker.send_batch(
+            [Message(f"b{i}", "orders", body=b"z" * 300) for i in range(5)]
+        )
+        assert {r.code for r in again} == {ResultCode.OK}  # not DUPLICATE: never stored
+        assert not broker.refusals.refusing(BROKER_COMMITLOG)
+        broker.join("g", "orders", "c", None, broker.monotonic_ms())
+        got = []
+        while batch_ := await broker.pull("orders", "g", "c", 1000, 0):
+            got += batch_
+    assert sorted(m.message_id for m in got) == sorted(
+        [f"a{i}" for i in range(10)] + [f"b{i}" for i in range(5)]
+    )
+
+
+async def test_a_reput_that_finds_no_space_waits_and_the_flusher_goes_on(clock):
+    fs = sim()
+    config = BrokerConfig(queues_per_subject=1, checkpoint_interval_ms=1000)
+    async with open_broker("/data", config, fs=fs) as broker:
+        store = broker.store
+        await broker.send_batch([Message("m1", "orders")])  # the queue file exists
+        before = fs.used_bytes()
+        await broker.send_batch([Message("m2", "orders")])
+        record = fs.used_bytes() - before - 20  # what m2 took, less its queue entry
+        # Room for the commitlog record of m3, not for its 20-byte queue entry.
+        fs.capacity = fs.used_bytes() + record + 10
+        results = await broker.send_batch([Message("m3", "orders")])
+        assert [r.code for r in results] == [ResultCode.OK]  # durable in the commitlog
+        assert store.reput_blocked is not None
+        assert store.queue_end("orders", 0) == 2  # not visible yet, nothing torn
+        await trio.sleep(1.5)
+        assert broker.refusals.refusing(CHECKPOINT)
+        fs.capacity = None
+        await trio.sleep(1.5)  # the checkpoint loop runs the pass again
+        assert store.reput_blocked is None and store.queue_end("orders", 0) == 3
+        broker.join("g", "orders", "c", None, broker.monotonic_ms())
+        got = await broker.pull("orders", "g", "c", 10, 0)
+    assert [m.message_id for m in got] == ["m1", "m2", "m3"]

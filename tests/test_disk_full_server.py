@@ -1,0 +1,138 @@
+"""A full disk is an answer, not a crash: ``delayd serve`` on a real 8 MiB tmpfs.
+
+Intake fills the disk and gets DISK_FULL answers naming the directory and its free
+bytes; the process stays up, /metrics and /readyz answer (not ready: disk full);
+deleting a filler file lets intake resume without a restart, and every message that was
+answered OK is in message_log and schedule_log exactly once. Needs root for the mount
+(CI runs as root): a failed mount fails the test, it is never skipped.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from delayd.protocol import Message, ResultCode
+from tests.intake_support import RawClient, ServeProcess, check_exactly_once, terminate
+
+BODY = b"x" * 2048
+BATCH = 40
+HOUR_MS = 3_600_000
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, f"cannot mount a tmpfs (the test needs root): {done.stderr}"
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def http_get(address: tuple[str, int], path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://{address[0]}:{address[1]}{path}", timeout=10) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def wait_for(predicate, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def batch(prefix: str, n: int) -> list[Message]:
+    return [Message(f"{prefix}-{i}", "orders", body=BODY, delay_ms=HOUR_MS) for i in range(n)]
+
+
+def metric(text: str, line_start: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(line_start):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no {line_start} in the metrics")
+
+
+def test_a_full_disk_refuses_intake_keeps_serving_and_resumes_when_space_returns(
+    small_disk, tmp_path
+):
+    data = small_disk / "data"
+    log_path = tmp_path / "serve.log"  # off the small disk
+    server = ServeProcess(data, "--log-level", "info", log_path=log_path).start()
+    try:
+        assert server.metrics_address is not None
+        metrics = server.metrics_address
+        wait_for(lambda: http_get(metrics, "/readyz")[0] == 200)
+        # Leave the server about 1.5 MiB: a filler file takes the rest.
+        filler = small_disk / "filler"
+        free = os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize
+        filler.write_bytes(b"\0" * (free - 1536 * 1024))
+
+        client = RawClient(server.address)
+        stored: set[str] = set()
+        refusals = []
+        for round_ in range(200):
+            results = client.send_batch(batch(f"fill{round_}", BATCH))
+            for i, result in enumerate(results):
+                if result.code is ResultCode.OK:
+                    stored.add(f"fill{round_}-{i}")
+                else:
+                    assert result.code is ResultCode.DISK_FULL, (result.code, result.reason)
+                    refusals.append(result)
+            if refusals:
+                break
+        assert refusals, "the disk never filled"
+        assert stored, "nothing fitted before the disk filled"
+        reason = refusals[0].reason
+        assert "disk full" in reason and str(data / "delay" / "message_log") in reason
+        assert "bytes free" in reason
+        assert ResultCode.DISK_FULL.is_retryable
+
+        # Still serving: the same connection answers, /metrics and /readyz answer.
+        again = client.send_batch(batch("again", BATCH))
+        assert {r.code for r in again} == {ResultCode.DISK_FULL}
+        assert server.proc is not None and server.proc.poll() is None
+        status, body = http_get(metrics, "/readyz")
+        assert status == 503 and body.startswith("not ready: disk full: "), body
+        status, text = http_get(metrics, "/metrics")
+        assert status == 200
+        assert metric(text, 'delayd_store_refusing_writes{log="message_log"') == 1
+        # The free space is asked every second.
+        wait_for(
+            lambda: metric(http_get(metrics, "/metrics")[1], "delayd_store_free_bytes") < 1 << 20
+        )
+        status, text = http_get(metrics, "/metrics")
+        assert metric(text, 'delayd_intake_refused_total{reason="disk_full"}') >= 2 * BATCH
+
+        filler.unlink()  # space returns: no restart
+        wait_for(lambda: http_get(metrics, "/readyz")[0] == 200)
+        for round_ in range(3):
+            results = client.send_batch(batch(f"after{round_}", BATCH))
+            assert {r.code for r in results} == {ResultCode.OK}
+            stored.update(f"after{round_}-{i}" for i in range(BATCH))
+        status, text = http_get(metrics, "/metrics")
+        assert metric(text, 'delayd_store_refusing_writes{log="message_log"') == 0
+        client.close()
+        terminate(server)
+    finally:
+        server.close()
+    # Nothing acknowledged was lost, nothing refused was stored, nothing is torn.
+    scheduled = check_exactly_once(data, 1)
+    assert set(scheduled) == stored
+    assert "message_log refuses writes: disk full" in log_path.read_text()
