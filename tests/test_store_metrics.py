@@ -3,9 +3,19 @@ min_interval_s (trio's MockClock; the walk itself is real, over tmp_path)."""
 
 from __future__ import annotations
 
+import errno
+
 import trio
 
-from delayd.store_metrics import DirectorySize, StoreSizes, directory_size
+from delayd.store_metrics import (
+    DirectorySize,
+    DiskCollector,
+    FreeSpace,
+    StoreSizes,
+    directory_size,
+)
+from delayd.write_refusals import MESSAGE_LOG, WriteRefusals
+from storage.errors import DiskFullError
 
 
 def test_segments_are_the_files_named_by_digits_bytes_are_all_files(tmp_path):
@@ -35,4 +45,44 @@ async def test_walks_at_most_every_min_interval(tmp_path, autojump_clock):
         # The first walk ended within one poll (0.01 s) before ``started``.
         assert trio.current_time() >= started + 5.0 - 0.02
         assert sizes.sizes["message_log"] == DirectorySize(1, 7)
+        nursery.cancel_scope.cancel()
+
+
+class ScriptedSpace(FreeSpace):
+    """FreeSpace whose file system reports the free bytes a test sets."""
+
+    free_now = 0
+
+    def ask(self) -> tuple[int, int]:
+        return self.free_now, 8 << 20
+
+
+async def test_free_space_is_exported_and_clears_refusals_once_room_returns(autojump_clock):
+    refusals = WriteRefusals()
+    space = ScriptedSpace("/unused", refusals, interval_s=1.0, resume_free_bytes=1 << 20)
+    collector = DiskCollector(space)
+    assert [m.name for m in collector.collect()] == [
+        "delayd_store_refusing_writes",
+        "delayd_store_refused_writes",
+    ]  # no free-space sample before the first answer
+    full = DiskFullError("/data/delay/message_log/0", 4096, OSError(errno.ENOSPC, "full"))
+    refusals.refuse(MESSAGE_LOG, full)
+    space.free_now = 4096
+    async with trio.open_nursery() as nursery:
+        await nursery.start(space.run)
+        await trio.sleep(2.5)
+        samples = {
+            (s.name, s.labels.get("log")): s.value for m in collector.collect() for s in m.samples
+        }
+        assert samples[("delayd_store_free_bytes", None)] == 4096
+        assert samples[("delayd_store_filesystem_bytes", None)] == 8 << 20
+        assert samples[("delayd_store_refusing_writes", MESSAGE_LOG)] == 1
+        assert samples[("delayd_store_refusing_writes", "schedule_log")] == 0
+        assert samples[("delayd_store_refused_writes_total", MESSAGE_LOG)] == 1
+        assert refusals.reason() == (
+            "disk full: message_log refuses writes; /data/delay/message_log has 4096 bytes free"
+        )
+        space.free_now = 2 << 20  # a filler file deleted
+        await trio.sleep(1.5)
+        assert not refusals.any and refusals.reason() is None
         nursery.cancel_scope.cancel()
