@@ -42,6 +42,8 @@ DEFAULT_MAX_PROPERTIES_BYTES = 64 * 1024  # the encoded properties field
 DEFAULT_MAX_RECORD_BYTES = DEFAULT_MAX_BODY_BYTES + DEFAULT_MAX_PROPERTIES_BYTES + 256 * 1024
 DEFAULT_MAX_PENDING_ACKS = 100_000  # messages appended, waiting for their fsync
 DEFAULT_MAX_REPLAY_LAG_RECORDS = 1_000_000  # accepted, not yet in schedule_log
+# Intake refuses (DISK_FULL) below this much free space, kept for replay and delivery.
+DEFAULT_MIN_FREE_BYTES = 64 * 1024 * 1024
 _SUBJECT_CACHE_SIZE = 10_000
 
 
@@ -55,6 +57,7 @@ class IntakeLimits:
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
     max_pending_acks: int = DEFAULT_MAX_PENDING_ACKS
     max_replay_lag_records: int = DEFAULT_MAX_REPLAY_LAG_RECORDS
+    min_free_bytes: int = DEFAULT_MIN_FREE_BYTES
 
     def __post_init__(self) -> None:
         for name in self.__slots__:  # type: ignore[attr-defined]

@@ -57,6 +57,7 @@ Threading
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 import sys
@@ -68,7 +69,13 @@ from typing import NamedTuple
 
 import xxhash
 
-from storage.errors import CorruptionError, LogClosedError, StorageError, is_disk_full
+from storage.errors import (
+    CorruptionError,
+    DiskFullError,
+    LogClosedError,
+    StorageError,
+    is_disk_full,
+)
 from storage.framing import crc32c
 from storage.fs import O_WRITE, REAL_FS, FileSystem, create_dirs_durably, disk_full_error
 
@@ -701,12 +708,17 @@ class IndexFile:
             return count - number
 
     def close(self, *, flush: bool = True) -> None:
-        """Flush (unless told not to or an earlier write failed) and close the file."""
+        """Flush (unless told not to or an earlier write failed) and close the file.
+
+        A flush the disk has no room for is skipped, not raised: nothing it would have
+        committed is counted as indexed by the owner's checkpoint (which covers only
+        flushed puts), so the next open puts it again."""
         if self._closed:
             return
         try:
             if flush and self._failed is None and self._slots is not None:
-                self.flush(with_slots=True)  # a restart then replays nothing
+                with contextlib.suppress(DiskFullError):
+                    self.flush(with_slots=True)  # a restart then replays nothing
         finally:
             self._closed = True
             self.fs.close(self._fd)

@@ -56,10 +56,13 @@ def sim() -> CrashSimFileSystem:
     return fs
 
 
-def make_intake(fs: CrashSimFileSystem) -> IntakePath:
+NO_RESERVE = IntakeLimits(min_free_bytes=1)  # writes stop only at ENOSPC
+
+
+def make_intake(fs: CrashSimFileSystem, limits: IntakeLimits = NO_RESERVE) -> IntakePath:
     log = SegmentedLog.open(layout.message_log_dir("/data"), fs=fs)
     replayer = open_replayer("/data", log, segment_scale=1, fs=fs)
-    receiver = Receiver(IntakeLimits(), replayer.recovery.next_sequence)
+    receiver = Receiver(limits, replayer.recovery.next_sequence)
     return IntakePath(receiver, LogWriter(log), replayer, clock=lambda: NOW)
 
 
@@ -120,6 +123,33 @@ async def test_intake_answers_disk_full_and_resumes_with_dense_sequences(tmp_pat
         *(f"c-{i}" for i in range(20)),
     ]
     assert [r.sequence for _, r in logged] == list(range(1, 41))
+
+
+async def test_intake_stops_at_its_reserve_before_the_disk_is_full():
+    fs = sim()
+    reserve = 64 << 20
+    intake = make_intake(fs, IntakeLimits(min_free_bytes=reserve))
+    # Ask the file system every batch: by default the guard asks once per MiB appended,
+    # which would not notice a disk that shrinks at once, as this one is about to.
+    intake.space.recheck_bytes = 1
+    async with trio.open_nursery() as nursery:
+        await nursery.start(intake.writer.run)
+        await intake.send_batch(batch("z", 1))
+        intake.replayer.replay_available()  # the id index's file exists: sizes settle
+        fs.capacity = fs.used_bytes() + reserve + 4000
+        first = await intake.send_batch(batch("a", 20))  # about 3 KB
+        assert {r.code for r in first} == {ResultCode.OK}
+        refused = await intake.send_batch(batch("b", 20))
+        assert {r.code for r in refused} == {ResultCode.DISK_FULL}
+        assert f"less than the reserve of {reserve}" in refused[0].reason
+        assert fs.free_bytes("/data") > reserve  # room left for replay and delivery
+        # What intake leaves is there for the others: the replayer copies a's records.
+        intake.replayer.replay_available()
+        assert intake.replayer.replayed_total == 21
+        fs.capacity += 1 << 20
+        after = await intake.send_batch(batch("c", 20))
+        assert {r.code for r in after} == {ResultCode.OK}
+        nursery.cancel_scope.cancel()
 
 
 async def test_a_cancel_into_a_full_message_log_raises_disk_full():

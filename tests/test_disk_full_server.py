@@ -19,7 +19,14 @@ from pathlib import Path
 import pytest
 
 from delayd.protocol import Message, ResultCode
-from tests.intake_support import RawClient, ServeProcess, check_exactly_once, terminate
+from tests.delivery_support import SUBJECT, broker_stats, stored_count
+from tests.intake_support import (
+    RawClient,
+    ServeProcess,
+    check_exactly_once,
+    terminate,
+    write_config,
+)
 
 BODY = b"x" * 2048
 BATCH = 40
@@ -74,7 +81,9 @@ def test_a_full_disk_refuses_intake_keeps_serving_and_resumes_when_space_returns
 ):
     data = small_disk / "data"
     log_path = tmp_path / "serve.log"  # off the small disk
-    server = ServeProcess(data, "--log-level", "info", log_path=log_path).start()
+    # No reserve: intake writes until the tmpfs says ENOSPC.
+    config = write_config(tmp_path / "serve.toml", "[intake]\nmin_free_bytes = 1\n")
+    server = ServeProcess(data, "--config", config, log_path=log_path).start()
     try:
         assert server.metrics_address is not None
         metrics = server.metrics_address
@@ -136,3 +145,34 @@ def test_a_full_disk_refuses_intake_keeps_serving_and_resumes_when_space_returns
     scheduled = check_exactly_once(data, 1)
     assert set(scheduled) == stored
     assert "message_log refuses writes: disk full" in log_path.read_text()
+
+
+def test_intake_stops_at_its_reserve_and_delivery_goes_on(small_disk, tmp_path):
+    """With a reserve, intake is refused before the disk is full, and what it accepted
+    is still replayed and delivered into the embedded broker on the same disk."""
+    data = small_disk / "data"
+    reserve = 5 << 20  # of the 8 MiB
+    config = write_config(tmp_path / "serve.toml", f"[intake]\nmin_free_bytes = {reserve}\n")
+    server = ServeProcess(data, "--config", config, log_path=tmp_path / "serve.log").start()
+    try:
+        assert server.broker_address is not None and server.metrics_address is not None
+        client = RawClient(server.address)
+        stored = 0
+        refused = None
+        for round_ in range(200):
+            now = [Message(f"n{round_}-{i}", SUBJECT, body=BODY) for i in range(BATCH)]
+            results = client.send_batch(now)  # due at once
+            stored += sum(r.code is ResultCode.OK for r in results)
+            refused = next((r for r in results if r.code is ResultCode.DISK_FULL), None)
+            if refused is not None:
+                break
+        assert refused is not None and stored > 0
+        assert f"less than the reserve of {reserve}" in refused.reason
+        # Everything accepted reaches the broker although intake refuses.
+        wait_for(lambda: stored_count(broker_stats(server.broker_address)) == stored)
+        status, body = http_get(server.metrics_address, "/readyz")
+        assert status == 503 and "disk full: message_log" in body
+        client.close()
+        terminate(server)
+    finally:
+        server.close()

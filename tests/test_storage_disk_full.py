@@ -19,6 +19,7 @@ from storage.crashfs import MODES, CrashSimFileSystem
 from storage.errors import DiskFullError, FsyncError, StorageError
 from storage.record_file import RecordFile
 from storage.segmented_log import SegmentedLog
+from storage.space import FreeSpaceGuard
 
 LOG_DIR = "/data/log"
 LOG_OPTIONS = {"segment_size": 4096, "max_unsynced_bytes": 2048, "checkpoint_every_bytes": 1024}
@@ -195,3 +196,32 @@ def test_the_simulated_disk_takes_what_fits_then_refuses():
     fs.pwrite(fd, b"XY", 0)  # overwriting takes no space
     fs.ftruncate(fd, 4)
     assert fs.free_bytes("/d") == 6
+
+
+class CountingSpace(CrashSimFileSystem):
+    """Counts the free-space questions."""
+
+    asked = 0
+
+    def free_bytes(self, path: str) -> int:
+        self.asked += 1
+        return super().free_bytes(path)
+
+
+def test_the_reserve_guard_asks_once_per_mib_until_it_nears_the_reserve():
+    fs = CountingSpace()
+    fs.mkdir("/d")
+    fs.capacity = 100 << 20
+    guard = FreeSpaceGuard(fs, "/d", 10 << 20)
+    for _ in range(1024):
+        guard.check(4096)  # 4 MiB in all, far from the reserve
+    assert fs.asked == 4
+    fs.capacity = (10 << 20) + 8192  # two appends from the reserve: asked every time
+    guard._since = guard.recheck_bytes  # (the next check asks in any case)
+    for _ in range(2):
+        guard.check(4096)
+        fs.capacity -= 4096  # what the append took
+    with pytest.raises(DiskFullError, match=f"reserve of {10 << 20}") as refused:
+        guard.check(4096)
+    assert refused.value.free_bytes == 10 << 20
+    assert fs.asked == 7

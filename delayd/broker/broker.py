@@ -192,7 +192,12 @@ class Broker:
             self.store.close(self.window.oldest_offset)
         finally:
             version, data = self.offsets.snapshot()
-            self.offsets.write(version, data)
+            try:
+                self.offsets.write(version, data)
+            except DiskFullError as exc:
+                # The last offsets written stand: consumers see the commits since
+                # again (at least once).
+                log.warning("broker closed without writing offsets.json: %s", exc)
         log.info("broker closed: %d messages stored this run", self.store.messages_stored)
 
     async def _checkpoint_loop(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:

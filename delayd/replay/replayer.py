@@ -473,6 +473,8 @@ class Replayer:
                     replayed = await self._replay_step()
                 except DiskFullError as exc:
                     self.refusals.refuse(SCHEDULE_LOG, exc)
+                    if self._stopping:
+                        return  # recovery replays the rest from the checkpoint
                     await trio.sleep(full_wait_s)
                     full_wait_s = min(2 * full_wait_s, DISK_FULL_RETRY_S[1])
                     continue
@@ -498,6 +500,8 @@ class Replayer:
                     except DiskFullError as exc:
                         # The old checkpoint stands (replay from it is idempotent).
                         self.refusals.refuse(CHECKPOINT, exc)
+                        if self._stopping:
+                            return  # a shutdown does not wait for space
                         await trio.sleep(full_wait_s)
                         full_wait_s = min(2 * full_wait_s, DISK_FULL_RETRY_S[1])
                         continue

@@ -38,6 +38,7 @@ from delayd.server.pending_metrics import PendingCollector, PendingTracker, chai
 from delayd.server.retention import Retention, remove_orphans
 from delayd.server.retention_metrics import RetentionCollector
 from delayd.store_metrics import (
+    RESUME_FREE_BYTES,
     DiskCollector,
     FreeSpace,
     StoreCollector,
@@ -103,7 +104,10 @@ class DelayServer:
         self.store_sizes: StoreSizes | None = None
         self.free_space: FreeSpace | None = None
         if config.metrics_listen is not None:
-            self.free_space = FreeSpace(delivery.data_dir, self.refusals)
+            # Writes are taken to resume a MiB above intake's reserve: below it intake
+            # still refuses, and readiness must say so.
+            resume = config.limits.min_free_bytes + RESUME_FREE_BYTES
+            self.free_space = FreeSpace(delivery.data_dir, self.refusals, resume_free_bytes=resume)
             self.pending = self._pending_tracker(delivery)
             replayer.on_scheduled = chained(replayer.on_scheduled, self.pending.on_scheduled)
             data_dir = delivery.data_dir

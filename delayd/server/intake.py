@@ -17,7 +17,9 @@ A full disk is an answer: when message_log refuses an append (DiskFullError, not
 of it kept) the batch's accepted messages are answered DISK_FULL, retryable, with the
 directory and its free bytes, and ``refusals`` says so to /readyz and the metrics
 until an append succeeds again. A cancel or reschedule then raises DiskFullError for
-the connection to answer ERROR DISK_FULL.
+the connection to answer ERROR DISK_FULL. Sends are refused so already when less than
+``min_free_bytes`` would be left (storage.space): that reserve is for replay, delivery
+and checkpoints, and for cancels, which only a disk that is really full refuses.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from delayd.replay import Replayer
 from delayd.write_refusals import MESSAGE_LOG, WriteRefusals
 from storage.errors import DiskFullError
 from storage.flusher import FlushMode, LogWriter
+from storage.space import FreeSpaceGuard
 
 if TYPE_CHECKING:
     from delayd.server.cancels import Answer, Canceller
@@ -64,6 +67,7 @@ class IntakePath:
         # Set by the server once delivery is built: it resolves cancel and reschedule.
         self.canceller: Canceller | None = None
         self.refusals = WriteRefusals()  # the server shares its own
+        self.space = FreeSpaceGuard(self.log.fs, self.log.directory, receiver.limits.min_free_bytes)
 
     async def make_room(self) -> None:
         """Wait while message_log's unsynced bytes are over half its window (as
@@ -89,6 +93,7 @@ class IntakePath:
         )
         if intake.payloads:
             try:
+                self.space.check(sum(map(len, intake.payloads)))
                 offsets = self.log.append_batch(intake.payloads, TYPE_MESSAGE)
             except DiskFullError as exc:
                 self.refusals.refuse(MESSAGE_LOG, exc)
