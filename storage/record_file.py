@@ -150,7 +150,7 @@ class RecordFile:
         try:
             self.fs.ftruncate(self._fd, mark)
             self.fs.fsync(self._fd)
-        except BaseException as exc:
+        except Exception as exc:
             self._failed = FsyncError(self.path, exc)
             raise self._failed from exc
         self._size = mark
@@ -212,7 +212,7 @@ class RecordFile:
             target = self._size
             try:
                 self.fs.fdatasync(self._fd)
-            except BaseException as exc:
+            except Exception as exc:
                 self._failed = FsyncError(self.path, exc)
                 raise self._failed from exc
             self._durable = target

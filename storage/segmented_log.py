@@ -487,9 +487,12 @@ class SegmentedLog:
                     self.fs.fdatasync(fd)
                 if dir_dirty:
                     self.fs.fsync_dir(self.directory)
-            except BaseException as exc:
+            except Exception as exc:
                 self._failed = FsyncError(self.directory, exc)
                 raise self._failed from exc
+            except BaseException as exc:  # a simulated power loss, KeyboardInterrupt
+                self._failed = exc
+                raise
             with self._state_lock:
                 self._unsynced_bytes -= synced_bytes
                 self._durable = max(self._durable, target)
