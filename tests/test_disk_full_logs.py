@@ -11,6 +11,7 @@ never retried.
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import trio
@@ -143,9 +144,21 @@ async def test_intake_stops_at_its_reserve_before_the_disk_is_full():
         assert {r.code for r in refused} == {ResultCode.DISK_FULL}
         assert f"less than the reserve of {reserve}" in refused[0].reason
         assert fs.free_bytes("/data") > reserve  # room left for replay and delivery
-        # What intake leaves is there for the others: the replayer copies a's records.
+        # What intake leaves is there for the others: the replayer copies a's records,
+        # and cancels go on into half the reserve.
         intake.replayer.replay_available()
         assert intake.replayer.replayed_total == 21
+        intake.tombstone_space.recheck_bytes = 1
+        intake.canceller = SimpleNamespace(  # type: ignore[assignment]
+            expect_many=lambda offsets, is_cancel: [None] * len(offsets)
+        )
+        end = intake.log.end_offset
+        intake.append_tombstone("a-0")
+        assert intake.log.end_offset > end
+        fs.capacity -= reserve // 2 + 4000
+        with pytest.raises(DiskFullError, match=f"reserve of {reserve // 2}"):
+            intake.append_tombstone("a-1")
+        fs.capacity += reserve // 2 + 4000
         fs.capacity += 1 << 20
         after = await intake.send_batch(batch("c", 20))
         assert {r.code for r in after} == {ResultCode.OK}
@@ -155,7 +168,7 @@ async def test_intake_stops_at_its_reserve_before_the_disk_is_full():
 async def test_a_cancel_into_a_full_message_log_raises_disk_full():
     fs = sim()
     intake = make_intake(fs)
-    intake.canceller = object()  # type: ignore[assignment]  # refused before it is used
+    intake.canceller = SimpleNamespace()  # type: ignore[assignment]  # never reached
     fs.capacity = fs.used_bytes()
     with pytest.raises(DiskFullError):
         intake.append_tombstone("some-id")

@@ -19,7 +19,8 @@ directory and its free bytes, and ``refusals`` says so to /readyz and the metric
 until an append succeeds again. A cancel or reschedule then raises DiskFullError for
 the connection to answer ERROR DISK_FULL. Sends are refused so already when less than
 ``min_free_bytes`` would be left (storage.space): that reserve is for replay, delivery
-and checkpoints, and for cancels, which only a disk that is really full refuses.
+and checkpoints, and for cancels and reschedules, refused only below half of it (their
+resolution writes too).
 """
 
 from __future__ import annotations
@@ -67,7 +68,11 @@ class IntakePath:
         # Set by the server once delivery is built: it resolves cancel and reschedule.
         self.canceller: Canceller | None = None
         self.refusals = WriteRefusals()  # the server shares its own
-        self.space = FreeSpaceGuard(self.log.fs, self.log.directory, receiver.limits.min_free_bytes)
+        reserve = receiver.limits.min_free_bytes
+        self.space = FreeSpaceGuard(self.log.fs, self.log.directory, reserve)
+        # Cancels and reschedules go on into half the reserve: resolving them writes
+        # too (dispatch_log entries, rescheduled copies), into the other half.
+        self.tombstone_space = FreeSpaceGuard(self.log.fs, self.log.directory, reserve // 2)
 
     async def make_room(self) -> None:
         """Wait while message_log's unsynced bytes are over half its window (as
@@ -152,6 +157,7 @@ class IntakePath:
         payloads = [tombstone.encode(stone) for stone in stones]
         rtype = stones[0].rtype
         try:
+            self.tombstone_space.check(sum(map(len, payloads)))
             offsets = self.log.append_batch(payloads, rtype)
         except DiskFullError as exc:
             self.refusals.refuse(MESSAGE_LOG, exc)
