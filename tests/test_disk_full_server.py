@@ -9,6 +9,7 @@ answered OK is in message_log and schedule_log exactly once. Needs root for the 
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import time
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from delayd.protocol import Message, ResultCode
+from delayd.protocol import Cancel, Error, ErrorCode, Message, ResultCode
 from tests.delivery_support import SUBJECT, broker_stats, stored_count
 from tests.intake_support import (
     RawClient,
@@ -129,6 +130,23 @@ def test_a_full_disk_refuses_intake_keeps_serving_and_resumes_when_space_returns
         status, text = http_get(metrics, "/metrics")
         assert metric(text, 'delayd_intake_refused_total{reason="disk_full"}') >= 2 * BATCH
 
+        # Not a byte left (a second filler takes what the refusals left): a cancel is
+        # refused too, ERROR DISK_FULL on the same connection.
+        topup = small_disk / "topup"
+        fd = os.open(topup, os.O_WRONLY | os.O_CREAT)
+        try:
+            while os.write(fd, b"\0" * 4096):
+                pass
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
+        finally:
+            os.close(fd)
+        answer = client.request(lambda rid: Cancel("fill0-0", request_id=rid))
+        assert isinstance(answer, Error) and answer.code is ErrorCode.DISK_FULL, answer
+        assert answer.code.is_retryable and "disk full" in answer.reason
+        assert server.proc.poll() is None
+
+        topup.unlink()
         filler.unlink()  # space returns: no restart
         wait_for(lambda: http_get(metrics, "/readyz")[0] == 200)
         for round_ in range(3):
