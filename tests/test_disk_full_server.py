@@ -19,8 +19,16 @@ from pathlib import Path
 
 import pytest
 
+from delayd.logs.dispatch_log import EntryKind
 from delayd.protocol import Cancel, Error, ErrorCode, Message, ResultCode
-from tests.delivery_support import SUBJECT, broker_stats, stored_count
+from tests.broker_support import BrokerProcess
+from tests.delivery_support import (
+    SUBJECT,
+    broker_stats,
+    check_dispatch_log,
+    serve_stats,
+    stored_count,
+)
 from tests.intake_support import (
     RawClient,
     ServeProcess,
@@ -133,14 +141,7 @@ def test_a_full_disk_refuses_intake_keeps_serving_and_resumes_when_space_returns
         # Not a byte left (a second filler takes what the refusals left): a cancel is
         # refused too, ERROR DISK_FULL on the same connection.
         topup = small_disk / "topup"
-        fd = os.open(topup, os.O_WRONLY | os.O_CREAT)
-        try:
-            while os.write(fd, b"\0" * 4096):
-                pass
-        except OSError as exc:
-            assert exc.errno == errno.ENOSPC
-        finally:
-            os.close(fd)
+        fill_up(topup)
         answer = client.request(lambda rid: Cancel("fill0-0", request_id=rid))
         assert isinstance(answer, Error) and answer.code is ErrorCode.DISK_FULL, answer
         assert answer.code.is_retryable and "disk full" in answer.reason
@@ -194,3 +195,101 @@ def test_intake_stops_at_its_reserve_and_delivery_goes_on(small_disk, tmp_path):
         terminate(server)
     finally:
         server.close()
+
+
+def test_a_full_disk_refuses_the_brokers_producers_and_it_resumes(small_disk, tmp_path):
+    """``delayd broker`` on the tmpfs: its commitlog refuses SEND_BATCH with DISK_FULL
+    per message, consumers and /metrics stay up, and it resumes once space returns."""
+    broker = BrokerProcess(small_disk / "data", log_path=tmp_path / "broker.log").start()
+    try:
+        assert broker.metrics_address is not None
+        metrics = broker.metrics_address
+        filler = small_disk / "filler"
+        free = os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize
+        filler.write_bytes(b"\0" * (free - 1024 * 1024))
+        with broker.client() as client:
+            stored: list[str] = []
+            refused = None
+            for round_ in range(200):
+                ids = [f"b{round_}-{i}" for i in range(BATCH)]
+                results = client.send_batch([Message(i, "orders", body=BODY) for i in ids])
+                stored += [i for i, r in zip(ids, results, strict=True) if r.code.is_success]
+                refused = next((r for r in results if not r.code.is_success), None)
+                if refused is not None:
+                    break
+            assert refused is not None and refused.code is ResultCode.DISK_FULL
+            assert "disk full" in refused.reason and "commitlog" in refused.reason
+            status, body = http_get(metrics, "/readyz")
+            assert status == 503 and "disk full: broker_commitlog" in body
+            assert (
+                metric(
+                    http_get(metrics, "/metrics")[1],
+                    'delayd_store_refusing_writes{log="broker_commitlog"',
+                )
+                == 1
+            )
+            # Consumers are served what is stored.
+            client.join("g", "orders", "c")
+            got: list[Message] = []
+            while pulled := client.pull("orders", "g", "c", 1000):
+                got += pulled
+            assert sorted(m.message_id for m in got) == sorted(stored)
+
+            filler.unlink()
+            wait_for(lambda: http_get(metrics, "/readyz")[0] == 200)
+            again = client.send_batch([Message("after", "orders", body=BODY)])
+            assert again[0].code is ResultCode.OK
+        assert broker.stop() == 0
+    finally:
+        broker.close()
+    assert "broker_commitlog refuses writes: disk full" in (tmp_path / "broker.log").read_text()
+
+
+def fill_up(path: Path) -> None:
+    """Write ``path`` until the file system has not a byte left."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        while os.write(fd, b"\0" * 4096):
+            pass
+    except OSError as exc:
+        assert exc.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+
+
+def test_messages_falling_due_on_a_full_disk_are_delivered_once_space_returns(small_disk, tmp_path):
+    """Delivery into the embedded broker finds its commitlog's disk full: the sender
+    retries (never dead-letters), and once space returns every acknowledged message is
+    delivered, each recorded once in dispatch_log."""
+    data = small_disk / "data"
+    config = write_config(tmp_path / "serve.toml", "[intake]\nmin_free_bytes = 1\n")
+    server = ServeProcess(data, "--config", config, log_path=tmp_path / "serve.log").start()
+    try:
+        assert server.broker_address is not None and server.metrics_address is not None
+        metrics = server.metrics_address
+        client = RawClient(server.address)
+        soon = [Message(f"d{i}", SUBJECT, body=BODY, delay_ms=1500) for i in range(100)]
+        assert {r.code for r in client.send_batch(soon)} == {ResultCode.OK}
+        client.close()
+        wait_for(lambda: serve_stats(server.address)["replay.lag_records"] == 0)
+        filler = small_disk / "filler"
+        fill_up(filler)  # before they fall due
+        wait_for(
+            lambda: (
+                metric(
+                    http_get(metrics, "/metrics")[1],
+                    'delayd_store_refusing_writes{log="broker_commitlog"',
+                )
+                == 1
+            )
+        )
+        assert "disk full" in http_get(metrics, "/readyz")[1]
+        assert stored_count(broker_stats(server.broker_address)) == 0
+        filler.unlink()
+        wait_for(lambda: stored_count(broker_stats(server.broker_address)) == 100)
+        terminate(server)
+    finally:
+        server.close()
+    delivered = check_dispatch_log(data)
+    assert set(delivered) == {f"d{i}" for i in range(100)}
+    assert {entry.kind for _, entry in delivered.values()} == {EntryKind.DISPATCHED}
