@@ -649,15 +649,19 @@ class Sender:
         """Record as CANCELLED watched items a broker refused (see the module
         docstring), instead of retrying them."""
         now_ms = self.clock()
-        async with holding(self.dispatch_lock):
-            for item in items:
-                self.dispatch.record(
-                    item.bucket_ms, EntryKind.CANCELLED, [item.offset], now_ms, b""
-                )
-                self._held.pop(item.ref, None)
-                item.withdrawn = True
-                for _, watcher in item.watchers or ():
-                    watcher(EntryKind.CANCELLED, now_ms)
+        unwritten = [(item.bucket_ms, EntryKind.CANCELLED, [item.offset]) for item in items]
+        wait_s = DISK_FULL_RETRY_S[0]
+        while True:
+            async with holding(self.dispatch_lock):
+                if self._write_entries(unwritten, now_ms, b""):
+                    for item in items:
+                        self._held.pop(item.ref, None)
+                        item.withdrawn = True
+                        for _, watcher in item.watchers or ():
+                            watcher(EntryKind.CANCELLED, now_ms)
+                    break
+            await trio.sleep(wait_s)  # the disk is full: held until the entries fit
+            wait_s = min(2 * wait_s, DISK_FULL_RETRY_S[1])
         self._recorded.set()
         for item in items:
             self.manager.on_recorded(item.bucket_id, 1)
