@@ -50,6 +50,14 @@ def clock():
     return trio.testing.MockClock(autojump_threshold=0.05)
 
 
+async def until(condition, timeout_s: float = 120) -> None:
+    """Wait (virtual time) until ``condition()``: worker threads let the autojump clock
+    run ahead, so a fixed sleep is no bound on what they finish."""
+    with trio.fail_after(timeout_s):
+        while not condition():
+            await trio.sleep(0.05)
+
+
 def sim() -> CrashSimFileSystem:
     fs = CrashSimFileSystem()
     fs.mkdir("/data")
@@ -243,8 +251,7 @@ async def test_the_replayer_pauses_on_a_full_disk_and_catches_up(clock):
         assert replayer.position == 0 and replayer.refusals.refusing(SCHEDULE_LOG)
         assert "disk full: schedule_log" in (replayer.refusals.reason() or "")
         fs.capacity = None
-        await trio.sleep(5)
-        assert replayer.position == log.durable_offset
+        await until(lambda: replayer.position == log.durable_offset)
         assert not replayer.refusals.refusing(SCHEDULE_LOG)
         assert not replayer.refusals.refusing(CHECKPOINT)
         await replayer.stop()
@@ -266,14 +273,15 @@ async def test_delivered_messages_are_held_until_their_entries_find_room(clock):
         await nursery.start(pipeline.run)
         await trio.sleep(0.5)
         fs.capacity = fs.used_bytes()  # room for no dispatch_log entry
-        await trio.sleep(3)
         sender = pipeline.delivery.sender
+        await until(lambda: len(target.received) == 5)
+        await until(lambda: sender.refusals.refusing(DISPATCH_LOG))
+        await trio.sleep(2)
         assert sorted(r.message.message_id for r in target.received) == sorted(ids)
-        assert sender.refusals.refusing(DISPATCH_LOG)
         assert sender.in_flight == 5  # held: a cancel finds them in doubt, not lost
         fs.capacity = None
-        await trio.sleep(3)
-        assert sender.in_flight == 0 and not sender.refusals.refusing(DISPATCH_LOG)
+        await until(lambda: sender.in_flight == 0)
+        assert not sender.refusals.refusing(DISPATCH_LOG)
         await pipeline.stop()
         nursery.cancel_scope.cancel()
     entries = [e for es in dispatch_entries("/data", fs).values() for e in es]
@@ -293,11 +301,10 @@ async def test_a_broker_disk_full_is_retried_without_dead_lettering(clock):
     [message_id] = pipeline.schedule([T0 + 1000])
     async with trio.open_nursery() as nursery:
         await nursery.start(pipeline.run)
-        await trio.sleep(10)  # more sends than max_attempts
-        assert target.calls > 3
+        await until(lambda: target.calls > 4)  # more sends than max_attempts
         assert set(target.subjects) == {"orders"}  # never the dead-letter subject
         target.refuse = None
-        await trio.sleep(3)
+        await until(lambda: len(target.received) == 1)
         await pipeline.stop()
         nursery.cancel_scope.cancel()
     [got] = target.received
@@ -351,11 +358,10 @@ async def test_a_reput_that_finds_no_space_waits_and_the_flusher_goes_on(clock):
         assert [r.code for r in results] == [ResultCode.OK]  # durable in the commitlog
         assert store.reput_blocked is not None
         assert store.queue_end("orders", 0) == 2  # not visible yet, nothing torn
-        await trio.sleep(1.5)
-        assert broker.refusals.refusing(CHECKPOINT)
+        await until(lambda: broker.refusals.refusing(CHECKPOINT))
         fs.capacity = None
-        await trio.sleep(1.5)  # the checkpoint loop runs the pass again
-        assert store.reput_blocked is None and store.queue_end("orders", 0) == 3
+        await until(lambda: store.reput_blocked is None)  # the checkpoint loop's pass
+        assert store.queue_end("orders", 0) == 3
         broker.join("g", "orders", "c", None, broker.monotonic_ms())
         got = await broker.pull("orders", "g", "c", 10, 0)
     assert [m.message_id for m in got] == ["m1", "m2", "m3"]
