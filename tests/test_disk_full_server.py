@@ -293,3 +293,44 @@ def test_messages_falling_due_on_a_full_disk_are_delivered_once_space_returns(sm
     delivered = check_dispatch_log(data)
     assert set(delivered) == {f"d{i}" for i in range(100)}
     assert {entry.kind for _, entry in delivered.values()} == {EntryKind.DISPATCHED}
+
+
+def test_replay_into_a_full_disk_pauses_and_catches_up_when_space_returns(small_disk, tmp_path):
+    """A batch message_log has room for and schedule_log has not: the replayer pauses
+    (the server stays up, /readyz names schedule_log) and copies it once when space
+    returns."""
+    data = small_disk / "data"
+    config = write_config(tmp_path / "serve.toml", "[intake]\nmin_free_bytes = 1\n")
+    server = ServeProcess(data, "--config", config, log_path=tmp_path / "serve.log").start()
+    try:
+        assert server.metrics_address is not None
+        metrics = server.metrics_address
+        client = RawClient(server.address)
+        assert {r.code for r in client.send_batch(batch("warm", BATCH))} == {ResultCode.OK}
+        wait_for(lambda: serve_stats(server.address)["replay.lag_records"] == 0)
+        size = BATCH * (len(BODY) + 100)  # what the batch takes in either log
+        filler = small_disk / "filler"
+        fill_up(filler)
+        os.truncate(filler, os.path.getsize(filler) - size - 16 * 1024)  # room for one copy
+        results = client.send_batch(batch("late", BATCH))
+        assert {r.code for r in results} == {ResultCode.OK}  # in message_log, acknowledged
+        wait_for(
+            lambda: (
+                metric(
+                    http_get(metrics, "/metrics")[1],
+                    'delayd_store_refusing_writes{log="schedule_log"',
+                )
+                == 1
+            )
+        )
+        assert serve_stats(server.address)["replay.lag_records"] == BATCH
+        assert "disk full: schedule_log" in http_get(metrics, "/readyz")[1]
+        filler.unlink()
+        wait_for(lambda: serve_stats(server.address)["replay.lag_records"] == 0)
+        wait_for(lambda: http_get(metrics, "/readyz")[0] == 200)
+        client.close()
+        terminate(server)
+    finally:
+        server.close()
+    scheduled = check_exactly_once(data, 1)  # each record copied once, none torn
+    assert len(scheduled) == 2 * BATCH
