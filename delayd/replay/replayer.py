@@ -551,7 +551,12 @@ class Replayer:
                 offsets = self._append(step.groups)
             else:
                 offsets = await trio.to_thread.run_sync(self._append, step.groups)
-            self._finish(step, offsets)
+            try:
+                self._finish(step, offsets)
+            except DiskFullError as exc:
+                # The records are in schedule_log already (an id index file that found
+                # no room to roll): running the step again would copy them twice.
+                raise StorageError(f"indexing replayed records failed: {exc}") from exc
         return step.count
 
     # ------------------------------------------------------------------ retention
