@@ -16,6 +16,7 @@ ready again even while no client retries; a log that still cannot write refuses 
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Iterator, Mapping
@@ -26,6 +27,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from delayd.write_refusals import LOGS, WriteRefusals
+
+log = logging.getLogger(__name__)
 
 MIN_INTERVAL_S = 5.0
 COST_FACTOR = 20  # sleep at least this many times as long as the last walk took
@@ -161,9 +164,14 @@ class FreeSpace:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         while True:
-            self.free_bytes, self.size_bytes = await trio.to_thread.run_sync(self.ask)
-            if self.refusals.any and self.free_bytes >= self.resume_free_bytes:
-                self.refusals.clear_all()
+            try:
+                self.free_bytes, self.size_bytes = await trio.to_thread.run_sync(self.ask)
+            except OSError as exc:  # a metric is not worth stopping the server for
+                log.warning("cannot ask the free space of %s: %s", self.path, exc)
+                self.free_bytes = self.size_bytes = None
+            else:
+                if self.refusals.any and self.free_bytes >= self.resume_free_bytes:
+                    self.refusals.clear_all()
             await trio.sleep(self.interval_s)
 
 
