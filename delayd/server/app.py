@@ -24,6 +24,7 @@ from delayd.broker import Broker
 from delayd.broker.metrics import BrokerCollector
 from delayd.broker.server import serve_broker
 from delayd.logs import layout
+from delayd.logs.known_ids import KnownIds
 from delayd.metrics_http import Readiness, serve_metrics
 from delayd.receiver import Receiver
 from delayd.replay import Replayer, open_replayer
@@ -75,7 +76,10 @@ class DelayServer:
         self.replayer = replayer
         self.broker = broker
         self.writer = LogWriter(message_log, config.flush)
-        self.receiver = Receiver(config.limits, replayer.recovery.next_sequence)
+        # Idempotent intake: an id already held is answered DUPLICATE (docs/protocol.md).
+        self.known = None if replayer.index is None else KnownIds(replayer.index)
+        replayer.known = self.known
+        self.receiver = Receiver(config.limits, replayer.recovery.next_sequence, self.known)
         self.intake = IntakePath(self.receiver, self.writer, replayer)
         self.intake.canceller = delivery.canceller  # cancel/reschedule (docs/cancel.md)
         self.listener = IntakeListener(self._connection)
@@ -198,6 +202,7 @@ class DelayServer:
             "intake.accepted_total": receiver.accepted_total,
             "intake.refused_total": sum(receiver.refused_total.values()),
             "intake.past_due_total": receiver.past_due_total,
+            "intake.duplicate_total": receiver.duplicate_total,
             "intake.pending_acks": self.intake.pending_acks,
             "intake.last_sequence": receiver.last_sequence,
             "message_log.end_offset_bytes": self.message_log.end_offset,
@@ -262,6 +267,8 @@ class DelayServer:
             self.delivery.close()
             self.replayer.close()
             self.message_log.close()
+            if self.known is not None:
+                self.known.close()
 
     async def _start_delivery(self, root: trio.Nursery, replay_target: int) -> None:
         """Start delivery once the replayer has caught up with what message_log held
@@ -282,11 +289,33 @@ class DelayServer:
                     replayer.replayed_total - records_before,
                     now - started,
                 )
+        # Every id message_log held at start is in the id index now: intake may decide
+        # duplicates (it waited until here), and the id filter can be filled.
+        self.intake.ids_ready.set()
+        if self.known is not None:
+            root.start_soon(self._warm_known_ids)
         await root.start(self.delivery.run)
         if self.retention is not None:
             await root.start(self.retention.run)
         self.readiness.set_ready()
         log.info("delivering: replay caught up at message_log offset %d", replay_target)
+
+    async def _warm_known_ids(self) -> None:
+        """Fill the id filter with every id indexed before this process (a worker
+        thread reads the index files' entries); until then intake looks every id up."""
+        known = self.known
+        assert known is not None
+        started = trio.current_time()
+        built = await trio.to_thread.run_sync(known.build_warm_filter, known.warm_sources())
+        try:
+            for _ in known.filter.merge_chunks(built):
+                await trio.lowlevel.checkpoint()  # a millisecond a chunk
+        finally:
+            built.close()
+        known.warm = True
+        log.info(
+            "id filter warm: %d index entries in %.2f s", built.added, trio.current_time() - started
+        )
 
     async def _shutdown(self) -> None:
         log.info("shutting down: no new requests; answering those in flight")
