@@ -567,7 +567,12 @@ class IndexFile:
         self._check_open()
         with self._lock:
             return HashSource(
-                self.fs, self._fd, self._entries_start, self._flushed, bytes(self._pending)
+                self.path,
+                self.fs,
+                self._fd,
+                self._entries_start,
+                self._flushed,
+                bytes(self._pending),
             )
 
     def _entry(self, number: int) -> tuple[int, int, int, int]:
@@ -722,6 +727,7 @@ class IndexFile:
 class HashSource(NamedTuple):
     """An index file's entries at one moment (``IndexFile.hash_source``)."""
 
+    path: str
     fs: FileSystem
     fd: int
     entries_start: int

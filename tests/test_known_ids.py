@@ -6,6 +6,7 @@ failed append (the ids are not held), and after a power loss on the crash simula
 from __future__ import annotations
 
 import errno
+import os
 import random
 
 import pytest
@@ -145,6 +146,7 @@ async def test_duplicates_in_a_batch_before_replay_after_replay_and_after_a_reop
             assert codes(results) == [ResultCode.DUPLICATE, ResultCode.DUPLICATE, ResultCode.OK]
             assert known.lookups == lookups + 3  # cold: every id looked up in the index
             built = known.build_warm_filter(known.warm_sources())
+            assert built is not None
             known.filter.merge(built)
             known.warm = True
             assert built.added == 3  # a, b, c were indexed before this run
@@ -209,5 +211,27 @@ async def test_a_power_loss_forgets_only_what_was_never_acknowledged(tmp_path):
             # The acknowledged id is held; the one never acknowledged may be sent again.
             assert codes(results) == [ResultCode.DUPLICATE, ResultCode.OK]
             nursery.cancel_scope.cancel()
+    finally:
+        close(intake, known)
+
+
+async def test_warming_skips_a_deleted_index_file_and_gives_up_on_an_unreadable_one(tmp_path):
+    data = str(tmp_path)
+    intake, known = make_intake(data, REAL_FS)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(intake.writer.run)
+            await intake.send_batch([message("a"), message("b")])
+            nursery.cancel_scope.cancel()
+        intake.replayer.replay_available()
+        intake.replayer.checkpoint()  # flushed: the entries are read from the file
+        (source,) = known.warm_sources()
+        closed = source._replace(fd=os.open(os.devnull, os.O_WRONLY))  # reads fail
+        os.close(closed.fd)
+        assert known.build_warm_filter([closed]) is None  # the file is there: give up
+        gone = closed._replace(path=str(tmp_path / "deleted-by-retention"))
+        built = known.build_warm_filter([gone, source])
+        assert built is not None and built.added == 2  # a deleted file holds no ids
+        built.close()
     finally:
         close(intake, known)

@@ -92,16 +92,20 @@ class KnownIds:
         held before this process started is in the index."""
         return self.index.store.hash_sources()
 
-    def build_warm_filter(self, sources: list[HashSource]) -> HashFilter:
-        """A filter of every key hash in ``sources`` (may run in a worker thread). A
-        file closed meanwhile was deleted by retention: its ids are no longer held."""
+    def build_warm_filter(self, sources: list[HashSource]) -> HashFilter | None:
+        """A filter of every key hash in ``sources`` (may run in a worker thread), or
+        None when a file that still exists could not be read: a filter missing its ids
+        would call resends new, so the caller keeps looking every id up. A file closed
+        and gone meanwhile was deleted by retention: its ids are no longer held."""
         built = HashFilter(self.filter.word_bits)
         for source in sources:
             try:
                 for hashes in read_key_hashes(source):
                     built.add_all(hashes)
             except OSError:
-                continue
+                if source.fs.exists(source.path):
+                    built.close()
+                    return None
         return built
 
     def close(self) -> None:

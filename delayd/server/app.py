@@ -307,6 +307,12 @@ class DelayServer:
         assert known is not None
         started = trio.current_time()
         built = await trio.to_thread.run_sync(known.build_warm_filter, known.warm_sources())
+        if built is None:
+            log.warning(
+                "id filter: an id index file could not be read; every id sent is "
+                "looked up in the index (slower intake) until the next start"
+            )
+            return
         try:
             for _ in known.filter.merge_chunks(built):
                 await trio.lowlevel.checkpoint()  # a millisecond a chunk
