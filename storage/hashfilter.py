@@ -74,6 +74,11 @@ class HashFilter:
         mask = 1 << (hash32 & 63) | 1 << (hash32 >> 6 & 63)
         return self._words[hash32 >> self._shift] & mask == mask
 
+    def inline_view(self) -> tuple[memoryview, int]:
+        """(the words, the word shift): for a caller that inlines ``add`` in its hot
+        loop, as KnownIds.claim does. Word ``h >> shift`` holds ``h``'s two bits."""
+        return self._words, self._shift
+
     def add_all(self, hashes: Sequence[int]) -> None:
         """``add`` of each of ``hashes`` (a rebuild: no answer wanted)."""
         words, shift = self._words, self._shift

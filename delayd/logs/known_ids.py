@@ -22,8 +22,10 @@ Pure logic, one thread (the event loop), except ``build_warm_filter``.
 
 from __future__ import annotations
 
+from xxhash import xxh64_intdigest
+
 from delayd.logs.id_index import IdIndex
-from storage.hashfilter import DEFAULT_WORD_BITS, HashFilter, key_hash
+from storage.hashfilter import DEFAULT_WORD_BITS, U32, HashFilter
 from storage.indexfile import HashSource, read_key_hashes
 
 
@@ -37,6 +39,7 @@ class KnownIds:
     def __init__(self, index: IdIndex, *, word_bits: int = DEFAULT_WORD_BITS) -> None:
         self.index = index
         self.filter = HashFilter(word_bits)
+        self._words, self._shift = self.filter.inline_view()
         self.warm = False  # the filter holds every indexed id (warm_up done)
         self._unindexed: dict[bytes, int] = {}
         self.lookups = 0
@@ -53,7 +56,14 @@ class KnownIds:
         the held message's due time (its newest record's: a reschedule moves it).
 
         Raises CorruptionError for a damaged index chain."""
-        maybe = self.filter.add(key_hash(message_id))
+        # HashFilter.add and key_hash, inlined: this runs once per message sent.
+        h = xxh64_intdigest(message_id) & U32
+        mask = 1 << (h & 63) | 1 << (h >> 6 & 63)
+        words, word = self._words, h >> self._shift
+        old = words[word]
+        maybe = old & mask == mask
+        if not maybe:
+            words[word] = old | mask
         if maybe or not self.warm:
             held = self.held_due_ms(message_id)
             if held is not None:
