@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import os
 import random
+from dataclasses import replace
 
 import pytest
 import trio
@@ -15,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from delayd.logs import layout
-from delayd.logs.known_ids import KnownIds
+from delayd.logs.known_ids import MIN_WORD_BITS, KnownIds
 from delayd.protocol import Message, ResultCode
 from delayd.receiver import IntakeLimits, Receiver
 from delayd.replay import open_replayer
@@ -54,17 +55,10 @@ def test_add_answers_whether_it_may_have_been_in_and_the_false_rate_is_low():
     f.close()
 
 
-def test_merge_is_the_union_and_sizes_must_agree():
-    a, b = HashFilter(word_bits=12), HashFilter(word_bits=12)
-    a.add(1)
-    b.add(2**31 + 5)
-    a.merge(b)
-    assert a.may_contain(1) and a.may_contain(2**31 + 5)
-    assert not b.may_contain(1)
-    with pytest.raises(ValueError, match="different sizes"):
-        a.merge(HashFilter(word_bits=13))
+def test_the_size_is_checked():
     with pytest.raises(ValueError, match="word_bits"):
         HashFilter(word_bits=40)
+    assert HashFilter(word_bits=12).size_bytes == 32 * 1024
 
 
 def test_read_key_hashes_lists_every_entry_flushed_pending_and_rolled(tmp_path):
@@ -88,7 +82,7 @@ def make_intake(data: str, fs: FileSystem) -> tuple[IntakePath, KnownIds]:
     log = SegmentedLog.open(layout.message_log_dir(data), fs=fs)
     replayer = open_replayer(data, log, segment_scale=1, fs=fs)
     assert replayer.index is not None
-    known = KnownIds(replayer.index, word_bits=16)
+    known = KnownIds(replayer.index)
     replayer.known = known
     receiver = Receiver(IntakeLimits(), replayer.recovery.next_sequence, known)
     intake = IntakePath(receiver, LogWriter(log), replayer, clock=lambda: NOW)
@@ -145,11 +139,10 @@ async def test_duplicates_in_a_batch_before_replay_after_replay_and_after_a_reop
             results = await intake.send_batch([message("a"), message("c"), message("d")])
             assert codes(results) == [ResultCode.DUPLICATE, ResultCode.DUPLICATE, ResultCode.OK]
             assert known.lookups == lookups + 3  # cold: every id looked up in the index
-            built = known.build_warm_filter(known.warm_sources())
+            built = known.build_filter(known.begin_rebuild())
             assert built is not None
-            known.filter.merge(built)
-            known.warm = True
-            assert built.added == 3  # a, b, c were indexed before this run
+            assert known.finish_rebuild(built) and known.warm
+            assert built.added == 4  # a, b, c indexed before this run; d claimed
             lookups = known.lookups
             fresh = await intake.send_batch([message(f"new-{i}") for i in range(200)])
             assert codes(fresh) == [ResultCode.OK] * 200
@@ -225,13 +218,47 @@ async def test_warming_skips_a_deleted_index_file_and_gives_up_on_an_unreadable_
             nursery.cancel_scope.cancel()
         intake.replayer.replay_available()
         intake.replayer.checkpoint()  # flushed: the entries are read from the file
-        (source,) = known.warm_sources()
+        plan = known.begin_rebuild()
+        (source,) = plan.sources
         closed = source._replace(fd=os.open(os.devnull, os.O_WRONLY))  # reads fail
         os.close(closed.fd)
-        assert known.build_warm_filter([closed]) is None  # the file is there: give up
+        assert known.build_filter(replace(plan, sources=[closed])) is None  # it is there
         gone = closed._replace(path=str(tmp_path / "deleted-by-retention"))
-        built = known.build_warm_filter([gone, source])
+        built = known.build_filter(replace(plan, sources=[gone, source]))
         assert built is not None and built.added == 2  # a deleted file holds no ids
-        built.close()
+        assert known.finish_rebuild(built)
+    finally:
+        close(intake, known)
+
+
+async def test_the_filter_is_rebuilt_bigger_when_full_and_keeps_every_id(tmp_path):
+    intake, known = make_intake(str(tmp_path), REAL_FS)
+    full = []
+    known.on_full = lambda: full.append(known.held_estimate)
+    try:
+        assert known.finish_rebuild(known.build_filter(known.begin_rebuild()))
+        assert known.filter.word_bits == MIN_WORD_BITS and known.warm
+        capacity = known.capacity
+        sent = [message(f"m-{i}") for i in range(capacity + 1000)]
+        async with trio.open_nursery() as nursery:
+            await nursery.start(intake.writer.run)
+            for start in range(0, len(sent), 4000):
+                await intake.send_batch(sent[start : start + 4000])
+                intake.replayer.replay_available()
+            assert full and full[0] > capacity  # told once the filter held too many
+            plan = known.begin_rebuild()
+            during = await intake.send_batch([message("during-1"), message("during-2")])
+            assert codes(during) == [ResultCode.OK] * 2
+            built = known.build_filter(plan)
+            assert built is not None
+            assert not known.finish_rebuild(built, max_hashes=1)  # one recorded id left
+            assert known.finish_rebuild(built, max_hashes=1)
+            assert known.filter is built and built.word_bits > MIN_WORD_BITS
+            lookups = known.lookups
+            again = await intake.send_batch([*sent[::500], message("during-2"), message("fresh")])
+            held = len(sent[::500]) + 1
+            assert codes(again) == [ResultCode.DUPLICATE] * held + [ResultCode.OK]
+            assert known.lookups - lookups <= held + 1  # the held ones (and a false maybe)
+            nursery.cancel_scope.cancel()
     finally:
         close(intake, known)

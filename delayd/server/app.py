@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 SHUTDOWN_GRACE_S = 5.0  # in-flight batches get this long to be acknowledged
 ASYNC_POLL_INTERVAL_S = 0.01  # replayer's look at message_log under the async policy
 PROGRESS_INTERVAL_S = 2.0  # a long replay catch-up at start logs a line this often
+REBUILD_CHUNK = 20_000  # ids claimed during an id filter rebuild, added a step at a time
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,35 +294,41 @@ class DelayServer:
         # duplicates (it waited until here), and the id filter can be filled.
         self.intake.ids_ready.set()
         if self.known is not None:
-            root.start_soon(self._warm_known_ids)
+            root.start_soon(self._keep_id_filter)
         await root.start(self.delivery.run)
         if self.retention is not None:
             await root.start(self.retention.run)
         self.readiness.set_ready()
         log.info("delivering: replay caught up at message_log offset %d", replay_target)
 
-    async def _warm_known_ids(self) -> None:
-        """Fill the id filter with every id indexed before this process (a worker
-        thread reads the index files' entries); until then intake looks every id up."""
+    async def _keep_id_filter(self) -> None:
+        """Build the id filter now (until then intake looks every id up), and again,
+        twice as big, each time it fills (delayd.logs.known_ids)."""
         known = self.known
         assert known is not None
-        started = trio.current_time()
-        built = await trio.to_thread.run_sync(known.build_warm_filter, known.warm_sources())
-        if built is None:
-            log.warning(
-                "id filter: an id index file could not be read; every id sent is "
-                "looked up in the index (slower intake) until the next start"
+        while True:
+            started = trio.current_time()
+            plan = known.begin_rebuild()
+            built = await trio.to_thread.run_sync(known.build_filter, plan)
+            # The ids claimed during the build go in a chunk per step, then it replaces
+            # the filter in the step that adds the last of them.
+            while not known.finish_rebuild(built, REBUILD_CHUNK):
+                await trio.lowlevel.checkpoint()
+            if built is None:
+                log.warning(
+                    "id filter: an id index file could not be read; every id sent is "
+                    "looked up in the index (slower intake) until the next start"
+                )
+                return
+            log.info(
+                "id filter: %d ids in %d KiB, built in %.2f s",
+                built.added,
+                built.size_bytes // 1024,
+                trio.current_time() - started,
             )
-            return
-        try:
-            for _ in known.filter.merge_chunks(built):
-                await trio.lowlevel.checkpoint()  # a millisecond a chunk
-        finally:
-            built.close()
-        known.warm = True
-        log.info(
-            "id filter warm: %d index entries in %.2f s", built.added, trio.current_time() - started
-        )
+            full = trio.Event()
+            known.on_full = full.set
+            await full.wait()
 
     async def _shutdown(self) -> None:
         log.info("shutting down: no new requests; answering those in flight")
