@@ -118,9 +118,11 @@ class AsyncConsumer:
     async def receive(self, timeout_s: float | None = None) -> Message | None:
         """The next message, or None when none came within ``timeout_s`` (None: wait).
 
-        Raises RejectedError when the broker refuses the subscription (bad subject or
-        group), ProtocolError when it breaks the protocol, ConnectionClosedError once
-        the consumer is closed.
+        Raises DelaydTimeout when the broker could not be reached within ``timeout_s``
+        — retryable: the consumer keeps reconnecting and a later call resumes from the
+        group's committed offsets. Raises RejectedError when the broker refuses the
+        subscription (bad subject or group), ProtocolError when it breaks the protocol,
+        ConnectionClosedError once the consumer is closed.
         """
         if self._closed:
             raise ConnectionClosedError("the consumer is closed")
@@ -151,6 +153,13 @@ class AsyncConsumer:
                     self._start_pull()
                 await self._arrived.wait()
             if anyio.current_time() >= deadline and not self._state.buffered:
+                if self._session.current is None:
+                    # Not "no message": the broker could not be asked. The PULL task
+                    # goes on reconnecting; a later call finds what it brings.
+                    raise DelaydTimeout(
+                        f"could not reach {self.addr} within {timeout_s} s "
+                        f"({self._session.describe_problem()})"
+                    )
                 return None
 
     def _start_pull(self) -> None:
@@ -188,8 +197,12 @@ class AsyncConsumer:
     async def _flush_commits(self, *, retry: bool = False) -> None:
         """Send the due COMMIT_OFFSETs; with ``retry``, until they are confirmed.
 
-        Without ``retry`` a lost connection leaves them due for the next flush.
+        Without ``retry`` a lost connection leaves them due for the next flush, and no
+        connection is made for them: while the broker is away they wait for the PULL
+        that follows the reconnect, rather than hold up the message being handed out.
         """
+        if not retry and (self._joined is None or self._joined.closed):
+            return
         while due := self._state.commits_due():
             link: AsyncLink | None = None
             try:
@@ -269,6 +282,7 @@ class AsyncConsumer:
                 assert isinstance(result, PullResult)
                 self._state.add_pulled(result.messages)
                 self._session.succeeded()
+                self._busy_backoff.reset()
             if scope.cancelled_caught:
                 link.abort("closed: no answer to PULL in time")
         except ConnectionClosedError as exc:

@@ -164,9 +164,12 @@ class Consumer:
     def receive(self, timeout_s: float | None = None) -> Message | None:
         """The next message, or None when none came within ``timeout_s`` (None: wait).
 
-        Raises RejectedError when the broker refuses the subscription (bad subject or
-        group, wrong token), ProtocolError when it breaks the protocol,
-        ConnectionClosedError once the consumer is closed.
+        Raises DelaydTimeout when the broker could not be reached (or joined) within
+        ``timeout_s`` — retryable: the same consumer reconnects on the next call and
+        resumes from the group's committed offsets. Raises RejectedError when the
+        broker refuses the subscription (bad subject or group, wrong token),
+        ProtocolError when it breaks the protocol, ConnectionClosedError once the
+        consumer is closed.
         """
         deadline = math.inf if timeout_s is None else time.monotonic() + timeout_s
         with self._lock:
@@ -183,13 +186,15 @@ class Consumer:
                 # the PULL (_pull), so that committing costs no round trip of its own.
                 remaining_ms = (deadline - time.monotonic()) * 1000
                 if remaining_ms <= 0:
+                    if self._session.current is None:
+                        # Not "no message": the broker could not be asked. The next call
+                        # reconnects (the back-off runs across calls).
+                        raise DelaydTimeout(
+                            f"could not reach {self.addr} within {timeout_s} s "
+                            f"({self._session.describe_problem()})"
+                        )
                     return None
-                try:
-                    self._pull(int(min(self.pull_wait_ms, remaining_ms)), deadline)
-                except DelaydTimeout:
-                    if time.monotonic() >= deadline:
-                        return None
-                    raise
+                self._pull(int(min(self.pull_wait_ms, remaining_ms)), deadline)
 
     # --- commits ----------------------------------------------------------------------
 
@@ -206,8 +211,12 @@ class Consumer:
     def _flush_commits(self, deadline: float, *, retry: bool) -> None:
         """Send the due COMMIT_OFFSETs; with ``retry``, until confirmed or ``deadline``.
 
-        Without ``retry`` a lost connection leaves them due for the next flush.
+        Without ``retry`` a lost connection leaves them due for the next flush, and no
+        connection is made for them: while the broker is away they wait for the PULL
+        that follows the reconnect, rather than hold up the message being handed out.
         """
+        if not retry and (self._joined is None or self._joined is not self._session.current):
+            return
         while due := self._state.commits_due():
             try:
                 link = self._member_link(deadline)
@@ -254,7 +263,7 @@ class Consumer:
                 continue
             except BusyError as exc:
                 self._session.last_problem = exc
-                time.sleep(self._busy_backoff.next_delay())
+                _sleep_until(deadline, self._busy_backoff.next_delay())
                 continue
             assert isinstance(result, JoinGroupResult)
             self._state.set_assignment(result.queues)
@@ -294,6 +303,7 @@ class Consumer:
         result = answers[len(due)]
         if isinstance(result, PullResult):
             self._session.succeeded()
+            self._busy_backoff.reset()
             self._state.add_pulled(result.messages)
         elif isinstance(result, RejectedError):
             if result.code != ErrorCode.INVALID_REQUEST or self._joins != joins_before:
@@ -301,7 +311,7 @@ class Consumer:
             self._joined = None  # dropped from the group: join again
         elif isinstance(result, BusyError):
             self._session.last_problem = result
-            time.sleep(self._busy_backoff.next_delay())
+            _sleep_until(deadline, self._busy_backoff.next_delay())
         elif isinstance(result, DelaydError):
             raise result
         # A refused commit is an answer about the subscription: raised like a refused pull.
@@ -358,3 +368,8 @@ class Consumer:
                     continue
                 assert isinstance(result, HeartbeatResult)
                 self._state.set_assignment(result.queues)
+
+
+def _sleep_until(deadline: float, delay_s: float) -> None:
+    """Sleep ``delay_s``, but not past ``deadline`` (monotonic seconds)."""
+    time.sleep(max(0.0, min(delay_s, deadline - time.monotonic())))
