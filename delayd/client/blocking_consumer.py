@@ -64,9 +64,11 @@ class Consumer:
     Connects and joins on ``with`` (or on the first receive). Iterate it, or call
     ``receive(timeout_s=...)``. With ``auto_commit`` a message is committed once the
     next one is asked for, and the last one when the ``with`` block ends without an
-    exception; otherwise call ``commit(message)``. ``timeout_s`` bounds every request;
+    exception; otherwise call ``commit(message)``. ``commit="sync"`` makes each commit
+    durable on the broker before the next message is handed out (at most one message
+    comes again after a crash; docs/clients.md). ``timeout_s`` bounds every request;
     iterating waits for messages for ever, reconnecting while the broker is away.
-    Raises ValueError for a malformed ``addr``.
+    Raises ValueError for a malformed ``addr`` or an unknown ``commit`` mode.
     """
 
     def __init__(
@@ -77,6 +79,7 @@ class Consumer:
         group: str,
         token: str | None = None,
         auto_commit: bool = True,
+        commit: str = "periodic",
         consumer_id: str | None = None,
         timeout_s: float = 10.0,
         max_messages: int = 256,
@@ -93,7 +96,7 @@ class Consumer:
         self.max_messages = max_messages
         self.pull_wait_ms = pull_wait_ms
         self.heartbeat_interval_s = heartbeat_interval_s
-        self._state = ConsumerState(auto_commit=auto_commit)
+        self._state = ConsumerState(auto_commit=auto_commit, commit=commit)
         self._joined: BlockingLink | None = None  # the link this consumer is a member on
         self._joins = 0  # JOINs done so far
         self._last_sent = 0.0  # monotonic time of the last request (a PULL is a heartbeat)
@@ -175,6 +178,11 @@ class Consumer:
         with self._lock:
             self._check_open()
             self._state.advance()
+            if self._state.sync_commits:
+                # The processed message's commit is on the broker's disk before the next
+                # message is handed out; if it cannot be within timeout_s, this raises
+                # and the next call tries again.
+                self._flush_commits(deadline, retry=True)
             while True:
                 message = self._state.pop()
                 if message is not None:
@@ -220,13 +228,9 @@ class Consumer:
         while due := self._state.commits_due():
             try:
                 link = self._member_link(deadline)
+                request_deadline = min(deadline, time.monotonic() + self.timeout_s)
                 for queue, offset in due:
-                    link.request(
-                        lambda rid, q=queue, o=offset: CommitOffset(
-                            self.group, self.subject, q, o, request_id=rid
-                        ),
-                        deadline,
-                    )
+                    link.request(partial(self._commit_request, queue, offset), request_deadline)
                     self._state.committed(queue, offset)
             except (ConnectionClosedError, DelaydTimeout) as exc:
                 if isinstance(exc, ConnectionClosedError) or self._session.current is None:
@@ -320,7 +324,8 @@ class Consumer:
                 raise answers[index]
 
     def _commit_request(self, queue: int, offset: int, request_id: int) -> CommitOffset:
-        return CommitOffset(self.group, self.subject, queue, offset, request_id=request_id)
+        durable = self._state.sync_commits
+        return CommitOffset(self.group, self.subject, queue, offset, durable, request_id=request_id)
 
     def _pull_request(self, wait_ms: int, request_id: int) -> Pull:
         return Pull(
