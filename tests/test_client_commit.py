@@ -13,7 +13,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import anyio
@@ -225,9 +224,7 @@ def test_consume_command_sync_commit_survives_a_broker_kill(broker: BrokerProces
         return [json.loads(line)["id"] for line in done.stdout.splitlines()]
 
     first = consume(3)
-    started = time.monotonic()
-    broker.kill()  # well within the ~1 s before a checkpoint would have saved offsets
-    assert time.monotonic() - started < 1.0
+    broker.kill()  # at once: the periodic checkpoint (~1 s) has likely not saved offsets
     broker.start()
     second = consume(10)
     assert sorted(first + second) == sorted(sent), "each printed once across the kill"
