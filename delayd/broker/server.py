@@ -178,7 +178,10 @@ class BrokerConnection:
                     await self._spawn(requests, self._pull, event)
             elif isinstance(event, CommitOffset):
                 broker.commit(event.group, event.subject, event.queue, event.offset)
-                await self._answer(CommitOffsetOk(request_id=rid))
+                if event.durable:
+                    await self._spawn(requests, self._commit_durable, event)
+                else:
+                    await self._answer(CommitOffsetOk(request_id=rid))
             elif isinstance(event, JoinGroup):
                 now = broker.monotonic_ms()
                 queues = broker.join(event.group, event.subject, event.consumer_id, self, now)
@@ -255,6 +258,16 @@ class BrokerConnection:
                 self,
             )
             answer: Event = PullResult(encoded=encoded, request_id=event.request_id)
+        except Exception as exc:
+            answer = self._error_for(exc, event)
+        await self._answer(answer)
+
+    async def _commit_durable(self, event: CommitOffset) -> None:
+        """Answer a durable COMMIT_OFFSET once offsets.json holds it (a task, so the
+        requests behind it are not held up by the write)."""
+        try:
+            await self.broker.make_offsets_durable()
+            answer: Event = CommitOffsetOk(request_id=event.request_id)
         except Exception as exc:
             answer = self._error_for(exc, event)
         await self._answer(answer)
