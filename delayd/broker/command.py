@@ -5,6 +5,11 @@ Prints ``delayd broker listening on HOST:PORT`` on stdout once it accepts connec
 (stderr, one line each: ``--log-format kv|json``, ``--log-level``; delayd.logsetup).
 Shutdown: stop accepting and close connections, then flush the commitlog, checkpoint
 the consume queues and index, persist offsets, exit 0.
+
+Start-up takes the data directory's lock (storage.dirlock: one writer at a time), then
+binds its ports (delayd.listen), then recovers: another process holding the directory
+or a port in use ends it at once, exit 1, with a message naming the holder or the
+listener and address.
 """
 
 from __future__ import annotations
@@ -20,9 +25,13 @@ from delayd.broker.broker import Broker
 from delayd.broker.config import DAY_MS, BrokerConfig, StartFrom
 from delayd.broker.metrics import serve_metrics
 from delayd.broker.server import serve_broker
+from delayd.errors import DelaydError
 from delayd.fdlimit import raise_descriptor_limit
 from delayd.gcsetup import tune_gc_for_serving
+from delayd.listen import open_listeners
 from delayd.logsetup import add_logging_arguments, configure_logging
+from storage.dirlock import DirectoryLock
+from storage.errors import StorageError
 from storage.flusher import FlushMode, FlushPolicy
 
 log = logging.getLogger("delayd.broker")
@@ -123,12 +132,47 @@ def run(args: argparse.Namespace) -> int:
         log.error("bad configuration: %s", exc)
         return 2
     raise_descriptor_limit()
-    trio.run(_serve, args, config)
+    try:
+        # One writer per data directory, taken before recovery reads or cuts anything.
+        lock = DirectoryLock.acquire(args.data, "delayd broker")
+    except StorageError as exc:
+        log.error("cannot serve %s: %s", args.data, exc)
+        return 1
+    try:
+        trio.run(_serve, args, config)
+    except BaseException as exc:
+        reason = _fatal_reason(exc)
+        if reason is None:
+            raise
+        log.error("cannot serve %s: %s", args.data, reason)
+        return 1
+    finally:
+        lock.release()
     return 0
 
 
+def _fatal_reason(exc: BaseException) -> str | None:
+    """What to print for an error an operator can act on (a port in use, corruption),
+    or None for a bug, which keeps its traceback."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    if isinstance(exc, (DelaydError, StorageError)):
+        return str(exc)
+    return None
+
+
 async def _serve(args: argparse.Namespace, config: BrokerConfig) -> None:
-    broker = await trio.to_thread.run_sync(partial(Broker.open, args.data, config))
+    # Ports first: a clash is reported at once, not after recovery (delayd.listen).
+    listeners = await open_listeners("the broker", *args.listen)
+    metrics_listeners = None
+    try:
+        if args.metrics_listen is not None:
+            metrics_listeners = await open_listeners("metrics", *args.metrics_listen)
+        broker = await trio.to_thread.run_sync(partial(Broker.open, args.data, config))
+    except BaseException:
+        for listener in listeners + (metrics_listeners or []):
+            await listener.aclose()
+        raise
     tune_gc_for_serving()
     async with trio.open_nursery() as root:
         await root.start(broker.run)
@@ -136,11 +180,12 @@ async def _serve(args: argparse.Namespace, config: BrokerConfig) -> None:
             async with trio.open_nursery() as front:
                 host, port = args.listen
                 bound = await front.start(
-                    partial(serve_broker, broker, host, port, token=args.token)
+                    partial(serve_broker, broker, host, port, token=args.token, listeners=listeners)
                 )
                 if args.metrics_listen is not None:
                     m_host, m_port = args.metrics_listen
-                    m_bound = await front.start(serve_metrics, broker, m_host, m_port)
+                    serve = partial(serve_metrics, listeners=metrics_listeners)
+                    m_bound = await front.start(serve, broker, m_host, m_port)
                     log.info("metrics on http://%s:%d/metrics", *m_bound[0])
                 print(f"delayd broker listening on {bound[0][0]}:{bound[0][1]}", flush=True)
                 async for signum in signals:

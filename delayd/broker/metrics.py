@@ -114,14 +114,16 @@ async def serve_metrics(
     host: str,
     port: int,
     *,
+    listeners: list[trio.SocketListener] | None = None,
     task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve the broker's /metrics and /healthz on host:port until cancelled; reports the
-    bound addresses. The sizes of the broker's files are walked in the background."""
+    """Serve the broker's /metrics and /healthz on host:port (or on ``listeners`` bound
+    there before recovery) until cancelled; reports the bound addresses. The sizes of
+    the broker's files are walked in the background."""
     sizes = StoreSizes(broker_directories(broker.store.directory))
     registry = CollectorRegistry(auto_describe=False)
     registry.register(BrokerCollector(broker))
     registry.register(StoreCollector(sizes))
     async with trio.open_nursery() as nursery:
         await nursery.start(sizes.run)
-        await serve_registry(registry, host, port, task_status=task_status)
+        await serve_registry(registry, host, port, listeners=listeners, task_status=task_status)

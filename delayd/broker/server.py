@@ -32,6 +32,7 @@ from delayd.errors import (
     LocalProtocolError,
     RejectedError,
 )
+from delayd.listen import bound_addresses, open_listeners
 from delayd.nowait import acquire
 from delayd.protocol import (
     SERVER,
@@ -79,14 +80,18 @@ async def serve_broker(
     *,
     token: str | None = None,
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+    listeners: list[trio.SocketListener] | None = None,
     task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Listen on host:port (0: any free port) and serve until cancelled.
+    """Listen on host:port (0: any free port), or on ``listeners`` already bound there
+    (delayd.listen: bound before recovery), and serve until cancelled.
 
-    Reports the bound (host, port) addresses through ``task_status.started``.
+    Reports the bound (host, port) addresses through ``task_status.started``. Raises
+    ListenError when host:port cannot be bound.
     """
-    listeners = await trio.open_tcp_listeners(port, host=host)
-    addresses = [listener.socket.getsockname()[:2] for listener in listeners]
+    if listeners is None:
+        listeners = await open_listeners("the broker", host, port)
+    addresses = bound_addresses(listeners)
 
     async def handle(stream: trio.SocketStream) -> None:
         await BrokerConnection(broker, stream, token, max_frame_size).run()

@@ -1,9 +1,10 @@
 """DelayServer: the delay server's process — message_log, replayer, intake listener,
 the embedded broker and /metrics — under one root nursery.
 
-Start-up (``open``, blocking, run in a worker thread): message_log recovery (torn tail
-cut), replay recovery (schedule_log cut back to the checkpoint, sequence recovered),
-broker recovery. ``run`` then starts every task with ``nursery.start`` and reports the
+Start-up: ``open_listeners`` binds every port first (a clash is reported at once, not
+after recovery); ``open`` (blocking, run in a worker thread) recovers: message_log
+(torn tail cut), replay (schedule_log cut back to the checkpoint, sequence recovered),
+the broker. ``run`` then starts every task with ``nursery.start`` and reports the
 bound addresses once all of them listen.
 
 Shutdown (``request_stop``, on SIGTERM/SIGINT): stop accepting and let in-flight
@@ -23,6 +24,7 @@ from prometheus_client import CollectorRegistry
 from delayd.broker import Broker
 from delayd.broker.metrics import BrokerCollector
 from delayd.broker.server import serve_broker
+from delayd.listen import open_listeners as bind
 from delayd.logs import layout
 from delayd.metrics_http import Readiness, serve_metrics
 from delayd.receiver import Receiver
@@ -47,6 +49,42 @@ log = logging.getLogger(__name__)
 SHUTDOWN_GRACE_S = 5.0  # in-flight batches get this long to be acknowledged
 ASYNC_POLL_INTERVAL_S = 0.01  # replayer's look at message_log under the async policy
 PROGRESS_INTERVAL_S = 2.0  # a long replay catch-up at start logs a line this often
+
+
+@dataclass(frozen=True, slots=True)
+class ServeListeners:
+    """The server's listening sockets, bound before recovery (``open_listeners``)."""
+
+    intake: list[trio.SocketListener]
+    broker: list[trio.SocketListener] | None
+    metrics: list[trio.SocketListener] | None
+
+    async def aclose(self) -> None:
+        for group in (self.intake, self.broker, self.metrics):
+            for listener in group or ():
+                await listener.aclose()
+
+
+async def open_listeners(config: ServeConfig) -> ServeListeners:
+    """Bind the intake, broker and metrics listeners ``config`` asks for, in that order.
+    Raises ListenError naming the first that cannot be bound (those bound before it
+    are closed again)."""
+    bound: list[list[trio.SocketListener]] = []
+    try:
+        intake = await bind("intake", *config.listen)
+        bound.append(intake)
+        broker = metrics = None
+        if config.broker_listen is not None:
+            broker = await bind("the broker", *config.broker_listen)
+            bound.append(broker)
+        if config.metrics_listen is not None:
+            metrics = await bind("metrics", *config.metrics_listen)
+    except BaseException:
+        for group in bound:
+            for listener in group:
+                await listener.aclose()
+        raise
+    return ServeListeners(intake, broker, metrics)
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,10 +256,18 @@ class DelayServer:
         """Begin the graceful shutdown; ``run`` returns when it is done."""
         self._stop.set()
 
-    async def run(self, *, task_status: trio.TaskStatus[BoundAddresses]) -> None:
-        """Serve until ``request_stop``; reports BoundAddresses once every listener is up.
-        Raises whatever stops a task (a StorageError from a log, for instance)."""
+    async def run(
+        self,
+        *,
+        listeners: ServeListeners | None = None,
+        task_status: trio.TaskStatus[BoundAddresses],
+    ) -> None:
+        """Serve until ``request_stop``, on ``listeners`` (bound before ``open``) or on
+        listeners of its own; reports BoundAddresses once every listener is up. Raises
+        whatever stops a task (a StorageError from a log, ListenError)."""
         config = self.config
+        if listeners is None:
+            listeners = await open_listeners(config)
         try:
             async with trio.open_nursery() as root:
                 await root.start(self.writer.run)
@@ -231,7 +277,14 @@ class DelayServer:
                 if config.broker_listen is not None:
                     host, port = config.broker_listen
                     bound = await root.start(
-                        partial(serve_broker, self.broker, host, port, token=config.token)
+                        partial(
+                            serve_broker,
+                            self.broker,
+                            host,
+                            port,
+                            token=config.token,
+                            listeners=listeners.broker,
+                        )
                     )
                     broker_bound = bound[0]
                     self._broker_address = "{}:{}".format(*broker_bound)
@@ -249,16 +302,21 @@ class DelayServer:
                     if self.retention is not None:
                         registry.register(RetentionCollector(self.retention))
                     host, port = config.metrics_listen
-                    serve = partial(serve_metrics, readiness=self.readiness)
+                    serve = partial(
+                        serve_metrics, readiness=self.readiness, listeners=listeners.metrics
+                    )
                     metrics_bound = (await root.start(serve, registry, host, port))[0]
                 host, port = config.listen
-                intake_bound = await root.start(self.listener.serve, host, port)
+                serve_intake = partial(self.listener.serve, listeners=listeners.intake)
+                intake_bound = await root.start(serve_intake, host, port)
                 task_status.started(BoundAddresses(intake_bound[0], broker_bound, metrics_bound))
                 root.start_soon(self._start_delivery, root, self.message_log.durable_offset)
                 await self._stop.wait()
                 await self._shutdown()
                 root.cancel_scope.cancel()
         finally:
+            with trio.CancelScope(shield=True):
+                await listeners.aclose()  # those never served (a task failed first)
             self.delivery.close()
             self.replayer.close()
             self.message_log.close()

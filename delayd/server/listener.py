@@ -13,6 +13,7 @@ from functools import partial
 
 import trio
 
+from delayd.listen import bound_addresses, open_listeners
 from delayd.server.connection import DelayConnection
 
 Address = tuple[str, int]
@@ -30,12 +31,19 @@ class IntakeListener:
         self._done = trio.Event()
 
     async def serve(
-        self, host: str, port: int, *, task_status: trio.TaskStatus[list[Address]]
+        self,
+        host: str,
+        port: int,
+        *,
+        listeners: list[trio.SocketListener] | None = None,
+        task_status: trio.TaskStatus[list[Address]],
     ) -> None:
-        """Listen on host:port (0: a free port) until ``stop``; reports bound addresses."""
+        """Listen on host:port (0: a free port), or on ``listeners`` already bound there,
+        until ``stop``; reports bound addresses. Raises ListenError."""
         try:
-            listeners = await trio.open_tcp_listeners(port, host=host)
-            addresses = [listener.socket.getsockname()[:2] for listener in listeners]
+            if listeners is None:
+                listeners = await open_listeners("intake", host, port)
+            addresses = bound_addresses(listeners)
             with self._connections_scope:
                 async with trio.open_nursery() as connections:
                     with self._accept_scope:
