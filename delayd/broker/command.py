@@ -3,8 +3,9 @@
 Prints ``delayd broker listening on HOST:PORT`` on stdout once it accepts connections
 (the actual port when ``--listen`` asks for port 0); everything else goes to the log
 (stderr, one line each: ``--log-format kv|json``, ``--log-level``; delayd.logsetup).
-Shutdown: stop accepting and close connections, then flush the commitlog, checkpoint
-the consume queues and index, persist offsets, exit 0.
+Shutdown: stop accepting and reading, answer every SEND_BATCH already appended, close
+connections (FIN after the last answer), then flush the commitlog, checkpoint the
+consume queues and index, persist offsets, exit 0.
 
 Start-up takes the data directory's lock (storage.dirlock: one writer at a time), then
 binds its ports (delayd.listen), then recovers: another process holding the directory
@@ -24,7 +25,7 @@ import trio
 from delayd.broker.broker import Broker
 from delayd.broker.config import DAY_MS, BrokerConfig, StartFrom
 from delayd.broker.metrics import serve_metrics
-from delayd.broker.server import serve_broker
+from delayd.broker.server import broker_listener
 from delayd.errors import DelaydError
 from delayd.fdlimit import raise_descriptor_limit
 from delayd.gcsetup import tune_gc_for_serving
@@ -38,6 +39,7 @@ log = logging.getLogger("delayd.broker")
 
 DEFAULT_LISTEN = "127.0.0.1:20811"
 DEFAULT_METRICS_LISTEN = "127.0.0.1:20881"
+SHUTDOWN_GRACE_S = 5.0  # appended SEND_BATCHes get this long to be answered
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -179,9 +181,8 @@ async def _serve(args: argparse.Namespace, config: BrokerConfig) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with trio.open_nursery() as front:
                 host, port = args.listen
-                bound = await front.start(
-                    partial(serve_broker, broker, host, port, token=args.token, listeners=listeners)
-                )
+                server = broker_listener(broker, token=args.token)
+                bound = await front.start(partial(server.serve, host, port, listeners=listeners))
                 if args.metrics_listen is not None:
                     m_host, m_port = args.metrics_listen
                     serve = partial(serve_metrics, listeners=metrics_listeners)
@@ -191,6 +192,8 @@ async def _serve(args: argparse.Namespace, config: BrokerConfig) -> None:
                 async for signum in signals:
                     log.info("%s: shutting down", signal.Signals(signum).name)
                     break
+                # Every SEND_BATCH appended is answered before its connection closes.
+                await server.stop(SHUTDOWN_GRACE_S)
                 front.cancel_scope.cancel()
         root.cancel_scope.cancel()
     log.info("delayd broker stopped")

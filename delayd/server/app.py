@@ -9,7 +9,8 @@ bound addresses once all of them listen.
 
 Shutdown (``request_stop``, on SIGTERM/SIGINT): stop accepting and let in-flight
 batches be acknowledged, flush message_log, let the replayer copy everything durable and
-write its checkpoint, stop the broker (it flushes and checkpoints itself), close files.
+write its checkpoint, stop delivery, stop the broker's listener the same way (appended
+batches answered), stop the broker (it flushes and checkpoints itself), close files.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from prometheus_client import CollectorRegistry
 
 from delayd.broker import Broker
 from delayd.broker.metrics import BrokerCollector
-from delayd.broker.server import serve_broker
+from delayd.broker.server import broker_listener
 from delayd.listen import open_listeners as bind
 from delayd.logs import layout
 from delayd.metrics_http import Readiness, serve_metrics
@@ -117,6 +118,7 @@ class DelayServer:
         self.intake = IntakePath(self.receiver, self.writer, replayer)
         self.intake.canceller = delivery.canceller  # cancel/reschedule (docs/cancel.md)
         self.listener = IntakeListener(self._connection)
+        self.broker_listener = broker_listener(broker, token=config.token)
         self._stop = trio.Event()
         # Recovery of the logs is done when the server is built; /readyz turns ready
         # once replay has caught up and delivery runs.
@@ -276,15 +278,9 @@ class DelayServer:
                 broker_bound = None
                 if config.broker_listen is not None:
                     host, port = config.broker_listen
+                    serve_broker = self.broker_listener.serve
                     bound = await root.start(
-                        partial(
-                            serve_broker,
-                            self.broker,
-                            host,
-                            port,
-                            token=config.token,
-                            listeners=listeners.broker,
-                        )
+                        partial(serve_broker, host, port, listeners=listeners.broker)
                     )
                     broker_bound = bound[0]
                     self._broker_address = "{}:{}".format(*broker_bound)
@@ -353,6 +349,9 @@ class DelayServer:
         await self.replayer.stop()
         if self.delivery.running:
             await self.delivery.stop()
+        # The embedded broker's producers (other delay servers, clients) get the same:
+        # every SEND_BATCH appended is answered before its connection closes.
+        await self.broker_listener.stop(SHUTDOWN_GRACE_S)
         log.info(
             "replay checkpoint at message_log offset %d (sequence %d)",
             self.replayer.checkpointed_position,
