@@ -9,11 +9,17 @@ import os
 import socket
 import subprocess
 import time
+import urllib.request
+from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import pytest
+import trio
 
 from delayd.protocol import Message
+from delayd.server.app import DelayServer, open_listeners, serve_metrics_early
+from delayd.server.config import ServeConfig
 from storage.dirlock import LOCK_NAME, read_holder
 from tests.broker_support import BrokerProcess
 from tests.intake_support import (
@@ -26,6 +32,7 @@ from tests.intake_support import (
     read_message_log,
     terminate,
 )
+from tests.test_metrics_http import http_get
 
 REFUSAL_TIMEOUT_S = 10.0  # a refused start exits in well under a second
 
@@ -119,7 +126,16 @@ def test_a_second_broker_on_a_broker_directory_is_refused(tmp_path, processes):
         assert all(r.code.name == "OK" for r in client.send_batch(sent))
         got = client.drain("orders", "g", "c1")
         assert sorted(m.message_id for m in got) == [f"m-{i}" for i in range(5)]
+    assert first.metrics_address is not None  # served from before recovery, then ready
+    readyz = urllib.request.urlopen(f"http://{host_port(first.metrics_address)}/readyz")
+    assert readyz.read() == b"ready\n"
+    metrics = urllib.request.urlopen(f"http://{host_port(first.metrics_address)}/metrics")
+    assert b"delayd_broker_" in metrics.read()  # the broker's collectors joined
     assert first.stop() == 0
+
+
+def host_port(address: tuple[str, int]) -> str:
+    return "{}:{}".format(*address)
 
 
 def test_the_lock_is_freed_on_exit_and_by_kill_9(tmp_path, processes):
@@ -190,3 +206,35 @@ def test_a_port_in_use_stops_the_broker_before_recovery(tmp_path, taken_port):
         name = "the broker" if args[1].endswith(str(taken_port)) else "metrics"
         assert f"cannot listen for {name} on 127.0.0.1:{taken_port}" in log, log
         assert os.listdir(data) == [LOCK_NAME]
+
+
+async def test_health_and_readiness_answer_while_the_server_recovers(tmp_path):
+    """The metrics listener is served from before recovery: /healthz 200 and /readyz
+    503 "recovering" while DelayServer.open runs (held here between the two steps);
+    then the server's collectors join the same endpoint and /readyz turns 200."""
+    config = ServeConfig(
+        listen=("127.0.0.1", 0), broker_listen=None, metrics_listen=("127.0.0.1", 0)
+    )
+    listeners = await open_listeners(config)
+    async with trio.open_nursery() as nursery:
+        endpoint = await nursery.start(serve_metrics_early, listeners.metrics, "recovering X")
+        address = endpoint.address
+        assert await http_get(address, "/healthz") == (200, "ok\n")
+        assert await http_get(address, "/readyz") == (503, "starting: recovering X\n")
+        status, text = await http_get(address, "/metrics")
+        assert status == 200 and "delayd_" not in text  # nothing to report yet
+
+        server = await trio.to_thread.run_sync(DelayServer.open, str(tmp_path / "d"), config)
+        run = partial(server.run, listeners=replace(listeners, metrics=None), metrics=endpoint)
+        async with trio.open_nursery() as serving:
+            bound = await serving.start(run)
+            assert bound.metrics == address
+            for _ in range(500):
+                if (await http_get(address, "/readyz"))[0] == 200:
+                    break
+                await trio.sleep(0.01)
+            assert await http_get(address, "/readyz") == (200, "ready\n")
+            status, text = await http_get(address, "/metrics")
+            assert status == 200 and "delayd_intake" in text  # the server's collectors
+            server.request_stop()
+        nursery.cancel_scope.cancel()

@@ -21,16 +21,18 @@ import signal
 from functools import partial
 
 import trio
+from prometheus_client import CollectorRegistry
 
 from delayd.broker.broker import Broker
 from delayd.broker.config import DAY_MS, BrokerConfig, StartFrom
-from delayd.broker.metrics import serve_metrics
+from delayd.broker.metrics import collect_broker_metrics
 from delayd.broker.server import broker_listener
 from delayd.errors import DelaydError
 from delayd.fdlimit import raise_descriptor_limit
 from delayd.gcsetup import tune_gc_for_serving
 from delayd.listen import open_listeners
 from delayd.logsetup import add_logging_arguments, configure_logging
+from delayd.metrics_http import Readiness, serve_metrics
 from storage.dirlock import DirectoryLock
 from storage.errors import StorageError
 from storage.flusher import FlushMode, FlushPolicy
@@ -165,35 +167,42 @@ def _fatal_reason(exc: BaseException) -> str | None:
 
 async def _serve(args: argparse.Namespace, config: BrokerConfig) -> None:
     # Ports first: a clash is reported at once, not after recovery (delayd.listen).
+    # Clients wait in the backlog while the broker recovers; /healthz answers and
+    # /readyz says "recovering" meanwhile.
     listeners = await open_listeners("the broker", *args.listen)
-    metrics_listeners = None
-    try:
-        if args.metrics_listen is not None:
-            metrics_listeners = await open_listeners("metrics", *args.metrics_listen)
-        broker = await trio.to_thread.run_sync(partial(Broker.open, args.data, config))
-    except BaseException:
-        for listener in listeners + (metrics_listeners or []):
-            await listener.aclose()
-        raise
-    tune_gc_for_serving()
-    async with trio.open_nursery() as root:
-        await root.start(broker.run)
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async with trio.open_nursery() as front:
-                host, port = args.listen
-                server = broker_listener(broker, token=args.token)
-                bound = await front.start(partial(server.serve, host, port, listeners=listeners))
-                if args.metrics_listen is not None:
-                    m_host, m_port = args.metrics_listen
-                    serve = partial(serve_metrics, listeners=metrics_listeners)
-                    m_bound = await front.start(serve, broker, m_host, m_port)
-                    log.info("metrics on http://%s:%d/metrics", *m_bound[0])
-                print(f"delayd broker listening on {bound[0][0]}:{bound[0][1]}", flush=True)
-                async for signum in signals:
-                    log.info("%s: shutting down", signal.Signals(signum).name)
-                    break
-                # Every SEND_BATCH appended is answered before its connection closes.
-                await server.stop(SHUTDOWN_GRACE_S)
-                front.cancel_scope.cancel()
-        root.cancel_scope.cancel()
+    async with trio.open_nursery() as early:
+        registry = CollectorRegistry(auto_describe=False)
+        readiness = Readiness(f"recovering {args.data}")
+        try:
+            if args.metrics_listen is not None:
+                metrics_listeners = await open_listeners("metrics", *args.metrics_listen)
+                serve = partial(serve_metrics, readiness=readiness, listeners=metrics_listeners)
+                m_bound = await early.start(serve, registry, *args.metrics_listen)
+                log.info("metrics on http://%s:%d/metrics", *m_bound[0])
+            broker = await trio.to_thread.run_sync(partial(Broker.open, args.data, config))
+        except BaseException:
+            for listener in listeners:
+                await listener.aclose()
+            raise
+        tune_gc_for_serving()
+        async with trio.open_nursery() as root:
+            await root.start(broker.run)
+            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async with trio.open_nursery() as front:
+                    host, port = args.listen
+                    server = broker_listener(broker, token=args.token)
+                    serve = partial(server.serve, host, port, listeners=listeners)
+                    bound = await front.start(serve)
+                    if args.metrics_listen is not None:
+                        await front.start(collect_broker_metrics, broker, registry)
+                    readiness.set_ready()
+                    print(f"delayd broker listening on {bound[0][0]}:{bound[0][1]}", flush=True)
+                    async for signum in signals:
+                        log.info("%s: shutting down", signal.Signals(signum).name)
+                        break
+                    # Every SEND_BATCH appended is answered before its connection closes.
+                    await server.stop(SHUTDOWN_GRACE_S)
+                    front.cancel_scope.cancel()
+            root.cancel_scope.cancel()
+        early.cancel_scope.cancel()  # /metrics goes last
     log.info("delayd broker stopped")

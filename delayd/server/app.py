@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry
 from delayd.broker import Broker
 from delayd.broker.metrics import BrokerCollector
 from delayd.broker.server import broker_listener
+from delayd.listen import bound_addresses
 from delayd.listen import open_listeners as bind
 from delayd.logs import layout
 from delayd.metrics_http import Readiness, serve_metrics
@@ -86,6 +87,35 @@ async def open_listeners(config: ServeConfig) -> ServeListeners:
                 await listener.aclose()
         raise
     return ServeListeners(intake, broker, metrics)
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsEndpoint:
+    """/metrics, /healthz and /readyz served from before recovery (``serve_metrics_early``
+    on the bound metrics listener), so that a liveness probe is answered while a long
+    recovery runs and /readyz says why the server is not ready. ``DelayServer.run``
+    then adds its collectors to ``registry`` and drives ``readiness``."""
+
+    registry: CollectorRegistry
+    readiness: Readiness
+    address: Address
+
+
+async def serve_metrics_early(
+    listeners: list[trio.SocketListener],
+    reason: str,
+    *,
+    task_status: trio.TaskStatus[MetricsEndpoint] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve an empty registry on ``listeners`` until cancelled, /readyz answering 503
+    ``starting: <reason>``; reports the MetricsEndpoint to hand to ``run``."""
+    registry = CollectorRegistry(auto_describe=False)
+    readiness = Readiness(reason)
+    address = bound_addresses(listeners)[0]
+    serve = partial(serve_metrics, readiness=readiness, listeners=listeners)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(serve, registry, *address)
+        task_status.started(MetricsEndpoint(registry, readiness, address))
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,10 +292,13 @@ class DelayServer:
         self,
         *,
         listeners: ServeListeners | None = None,
+        metrics: MetricsEndpoint | None = None,
         task_status: trio.TaskStatus[BoundAddresses],
     ) -> None:
         """Serve until ``request_stop``, on ``listeners`` (bound before ``open``) or on
-        listeners of its own; reports BoundAddresses once every listener is up. Raises
+        listeners of its own; reports BoundAddresses once every listener is up.
+        ``metrics``: the endpoint already served since before recovery (then
+        ``listeners.metrics`` is None), which gets this server's collectors. Raises
         whatever stops a task (a StorageError from a log, ListenError)."""
         config = self.config
         if listeners is None:
@@ -289,7 +322,10 @@ class DelayServer:
                     assert self.pending is not None and self.store_sizes is not None
                     await root.start(self.pending.run)
                     await root.start(self.store_sizes.run)
-                    registry = CollectorRegistry(auto_describe=False)
+                    if metrics is not None:
+                        registry = metrics.registry
+                    else:
+                        registry = CollectorRegistry(auto_describe=False)
                     registry.register(IntakeCollector(self.receiver, self.intake, self.replayer))
                     registry.register(BrokerCollector(self.broker))
                     registry.register(DeliveryCollector(self.delivery))
@@ -297,11 +333,16 @@ class DelayServer:
                     registry.register(StoreCollector(self.store_sizes))
                     if self.retention is not None:
                         registry.register(RetentionCollector(self.retention))
-                    host, port = config.metrics_listen
-                    serve = partial(
-                        serve_metrics, readiness=self.readiness, listeners=listeners.metrics
-                    )
-                    metrics_bound = (await root.start(serve, registry, host, port))[0]
+                    if metrics is not None:  # served since before recovery
+                        metrics.readiness.starting(self.readiness.reason or "starting")
+                        self.readiness = metrics.readiness
+                        metrics_bound = metrics.address
+                    else:
+                        host, port = config.metrics_listen
+                        serve = partial(
+                            serve_metrics, readiness=self.readiness, listeners=listeners.metrics
+                        )
+                        metrics_bound = (await root.start(serve, registry, host, port))[0]
                 host, port = config.listen
                 serve_intake = partial(self.listener.serve, listeners=listeners.intake)
                 intake_bound = await root.start(serve_intake, host, port)

@@ -38,7 +38,7 @@ from delayd.logsetup import (
     add_logging_arguments,
     configure_logging,
 )
-from delayd.server.app import DelayServer, open_listeners
+from delayd.server.app import DelayServer, open_listeners, serve_metrics_early
 from delayd.server.config import (
     ConfigError,
     ServeConfig,
@@ -201,25 +201,34 @@ async def _open(data_dir: str, config: ServeConfig) -> DelayServer:
 
 
 async def _serve(data_dir: str, config: ServeConfig) -> None:
-    # Every port first: a clash is reported now, not after a long recovery. Connections
-    # wait in the listeners' backlog until recovery is done.
+    # Every port first: a clash is reported now, not after a long recovery. Producers'
+    # connections wait in the backlog until recovery is done; /healthz answers and
+    # /readyz says "recovering" meanwhile.
     listeners = await open_listeners(config)
-    try:
-        server = await _open(data_dir, config)
-    except BaseException:
-        await listeners.aclose()
-        raise
-    tune_gc_for_serving()  # after recovery: what it built is frozen (delayd/gcsetup.py)
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async with trio.open_nursery() as nursery:
-            bound = await nursery.start(partial(server.run, listeners=listeners))
-            if bound.broker is not None:
-                print("delayd serve broker listening on {}:{}".format(*bound.broker), flush=True)
-            if bound.metrics is not None:
-                print("delayd serve metrics on http://{}:{}/metrics".format(*bound.metrics))
-            print("delayd serve listening on {}:{}".format(*bound.intake), flush=True)
-            async for signum in signals:
-                log.info("%s: shutting down", signal.Signals(signum).name)
-                break
-            server.request_stop()
+    async with trio.open_nursery() as early:
+        metrics = None
+        if listeners.metrics is not None:
+            recovering = f"recovering {data_dir}"
+            metrics = await early.start(serve_metrics_early, listeners.metrics, recovering)
+            listeners = dataclasses.replace(listeners, metrics=None)  # served from here on
+        try:
+            server = await _open(data_dir, config)
+        except BaseException:
+            await listeners.aclose()
+            raise
+        tune_gc_for_serving()  # after recovery: what it built is frozen (delayd/gcsetup.py)
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async with trio.open_nursery() as nursery:
+                run = partial(server.run, listeners=listeners, metrics=metrics)
+                bound = await nursery.start(run)
+                if bound.broker is not None:
+                    print("delayd serve broker listening on {}:{}".format(*bound.broker))
+                if bound.metrics is not None:
+                    print("delayd serve metrics on http://{}:{}/metrics".format(*bound.metrics))
+                print("delayd serve listening on {}:{}".format(*bound.intake), flush=True)
+                async for signum in signals:
+                    log.info("%s: shutting down", signal.Signals(signum).name)
+                    break
+                server.request_stop()
+        early.cancel_scope.cancel()  # /metrics goes last
     log.info("delayd serve stopped")
