@@ -1,14 +1,16 @@
 """DelayServer: the delay server's process — message_log, replayer, intake listener,
 the embedded broker and /metrics — under one root nursery.
 
-Start-up (``open``, blocking, run in a worker thread): message_log recovery (torn tail
-cut), replay recovery (schedule_log cut back to the checkpoint, sequence recovered),
-broker recovery. ``run`` then starts every task with ``nursery.start`` and reports the
+Start-up: ``open_listeners`` binds every port first (a clash is reported at once, not
+after recovery); ``open`` (blocking, run in a worker thread) recovers: message_log
+(torn tail cut), replay (schedule_log cut back to the checkpoint, sequence recovered),
+the broker. ``run`` then starts every task with ``nursery.start`` and reports the
 bound addresses once all of them listen.
 
 Shutdown (``request_stop``, on SIGTERM/SIGINT): stop accepting and let in-flight
 batches be acknowledged, flush message_log, let the replayer copy everything durable and
-write its checkpoint, stop the broker (it flushes and checkpoints itself), close files.
+write its checkpoint, stop delivery, stop the broker's listener the same way (appended
+batches answered), stop the broker (it flushes and checkpoints itself), close files.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from prometheus_client import CollectorRegistry
 
 from delayd.broker import Broker
 from delayd.broker.metrics import BrokerCollector
-from delayd.broker.server import serve_broker
+from delayd.broker.server import broker_listener
+from delayd.listen import bound_addresses
+from delayd.listen import open_listeners as bind
 from delayd.logs import layout
 from delayd.logs.known_ids import KnownIds
 from delayd.metrics_http import Readiness, serve_metrics
@@ -49,6 +53,71 @@ SHUTDOWN_GRACE_S = 5.0  # in-flight batches get this long to be acknowledged
 ASYNC_POLL_INTERVAL_S = 0.01  # replayer's look at message_log under the async policy
 PROGRESS_INTERVAL_S = 2.0  # a long replay catch-up at start logs a line this often
 REBUILD_CHUNK = 20_000  # ids claimed during an id filter rebuild, added a step at a time
+
+
+@dataclass(frozen=True, slots=True)
+class ServeListeners:
+    """The server's listening sockets, bound before recovery (``open_listeners``)."""
+
+    intake: list[trio.SocketListener]
+    broker: list[trio.SocketListener] | None
+    metrics: list[trio.SocketListener] | None
+
+    async def aclose(self) -> None:
+        for group in (self.intake, self.broker, self.metrics):
+            for listener in group or ():
+                await listener.aclose()
+
+
+async def open_listeners(config: ServeConfig) -> ServeListeners:
+    """Bind the intake, broker and metrics listeners ``config`` asks for, in that order.
+    Raises ListenError naming the first that cannot be bound (those bound before it
+    are closed again)."""
+    bound: list[list[trio.SocketListener]] = []
+    try:
+        intake = await bind("intake", *config.listen)
+        bound.append(intake)
+        broker = metrics = None
+        if config.broker_listen is not None:
+            broker = await bind("the broker", *config.broker_listen)
+            bound.append(broker)
+        if config.metrics_listen is not None:
+            metrics = await bind("metrics", *config.metrics_listen)
+    except BaseException:
+        for group in bound:
+            for listener in group:
+                await listener.aclose()
+        raise
+    return ServeListeners(intake, broker, metrics)
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsEndpoint:
+    """/metrics, /healthz and /readyz served from before recovery (``serve_metrics_early``
+    on the bound metrics listener), so that a liveness probe is answered while a long
+    recovery runs and /readyz says why the server is not ready. ``DelayServer.run``
+    then adds its collectors to ``registry`` and drives ``readiness``."""
+
+    registry: CollectorRegistry
+    readiness: Readiness
+    address: Address
+
+
+async def serve_metrics_early(
+    listeners: list[trio.SocketListener],
+    reason: str,
+    *,
+    task_status: trio.TaskStatus[MetricsEndpoint] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve an empty registry on ``listeners`` until cancelled, /readyz answering 503
+    ``starting: <reason>``; reports the MetricsEndpoint to hand to ``run``."""
+    registry = CollectorRegistry(auto_describe=False)
+    readiness = Readiness(reason)
+    address = bound_addresses(listeners)[0]
+    serve = partial(serve_metrics, readiness=readiness, listeners=listeners)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(serve, registry, *address)
+        task_status.started(MetricsEndpoint(registry, readiness, address))
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +153,7 @@ class DelayServer:
         self.intake = IntakePath(self.receiver, self.writer, replayer)
         self.intake.canceller = delivery.canceller  # cancel/reschedule (docs/cancel.md)
         self.listener = IntakeListener(self._connection)
+        self.broker_listener = broker_listener(broker, token=config.token)
         self._stop = trio.Event()
         # Recovery of the logs is done when the server is built; /readyz turns ready
         # once replay has caught up and delivery runs.
@@ -224,10 +294,21 @@ class DelayServer:
         """Begin the graceful shutdown; ``run`` returns when it is done."""
         self._stop.set()
 
-    async def run(self, *, task_status: trio.TaskStatus[BoundAddresses]) -> None:
-        """Serve until ``request_stop``; reports BoundAddresses once every listener is up.
-        Raises whatever stops a task (a StorageError from a log, for instance)."""
+    async def run(
+        self,
+        *,
+        listeners: ServeListeners | None = None,
+        metrics: MetricsEndpoint | None = None,
+        task_status: trio.TaskStatus[BoundAddresses],
+    ) -> None:
+        """Serve until ``request_stop``, on ``listeners`` (bound before ``open``) or on
+        listeners of its own; reports BoundAddresses once every listener is up.
+        ``metrics``: the endpoint already served since before recovery (then
+        ``listeners.metrics`` is None), which gets this server's collectors. Raises
+        whatever stops a task (a StorageError from a log, ListenError)."""
         config = self.config
+        if listeners is None:
+            listeners = await open_listeners(config)
         try:
             async with trio.open_nursery() as root:
                 await root.start(self.writer.run)
@@ -236,8 +317,9 @@ class DelayServer:
                 broker_bound = None
                 if config.broker_listen is not None:
                     host, port = config.broker_listen
+                    serve_broker = self.broker_listener.serve
                     bound = await root.start(
-                        partial(serve_broker, self.broker, host, port, token=config.token)
+                        partial(serve_broker, host, port, listeners=listeners.broker)
                     )
                     broker_bound = bound[0]
                     self._broker_address = "{}:{}".format(*broker_bound)
@@ -246,7 +328,10 @@ class DelayServer:
                     assert self.pending is not None and self.store_sizes is not None
                     await root.start(self.pending.run)
                     await root.start(self.store_sizes.run)
-                    registry = CollectorRegistry(auto_describe=False)
+                    if metrics is not None:
+                        registry = metrics.registry
+                    else:
+                        registry = CollectorRegistry(auto_describe=False)
                     registry.register(IntakeCollector(self.receiver, self.intake, self.replayer))
                     registry.register(BrokerCollector(self.broker))
                     registry.register(DeliveryCollector(self.delivery))
@@ -254,17 +339,27 @@ class DelayServer:
                     registry.register(StoreCollector(self.store_sizes))
                     if self.retention is not None:
                         registry.register(RetentionCollector(self.retention))
-                    host, port = config.metrics_listen
-                    serve = partial(serve_metrics, readiness=self.readiness)
-                    metrics_bound = (await root.start(serve, registry, host, port))[0]
+                    if metrics is not None:  # served since before recovery
+                        metrics.readiness.starting(self.readiness.reason or "starting")
+                        self.readiness = metrics.readiness
+                        metrics_bound = metrics.address
+                    else:
+                        host, port = config.metrics_listen
+                        serve = partial(
+                            serve_metrics, readiness=self.readiness, listeners=listeners.metrics
+                        )
+                        metrics_bound = (await root.start(serve, registry, host, port))[0]
                 host, port = config.listen
-                intake_bound = await root.start(self.listener.serve, host, port)
+                serve_intake = partial(self.listener.serve, listeners=listeners.intake)
+                intake_bound = await root.start(serve_intake, host, port)
                 task_status.started(BoundAddresses(intake_bound[0], broker_bound, metrics_bound))
                 root.start_soon(self._start_delivery, root, self.message_log.durable_offset)
                 await self._stop.wait()
                 await self._shutdown()
                 root.cancel_scope.cancel()
         finally:
+            with trio.CancelScope(shield=True):
+                await listeners.aclose()  # those never served (a task failed first)
             self.delivery.close()
             self.replayer.close()
             self.message_log.close()
@@ -337,6 +432,9 @@ class DelayServer:
         await self.replayer.stop()
         if self.delivery.running:
             await self.delivery.stop()
+        # The embedded broker's producers (other delay servers, clients) get the same:
+        # every SEND_BATCH appended is answered before its connection closes.
+        await self.broker_listener.stop(SHUTDOWN_GRACE_S)
         log.info(
             "replay checkpoint at message_log offset %d (sequence %d)",
             self.replayer.checkpointed_position,
