@@ -1,0 +1,1 @@
+"""Groups of members on etcd (DESIGN.md, "Groups, replication and failover")."""
