@@ -151,7 +151,8 @@ class EtcdProxy:
     """A TCP proxy in front of etcd, in the test's trio run, that can break the link:
     ``cut()`` makes it a black hole (connections stay up, bytes vanish: a partition, so
     requests hang until they time out); ``reset()`` closes every connection through it
-    (an etcd restart, seen from a client), later ones go through again.
+    (an etcd restart, seen from a client), later ones go through again; ``heal()`` ends
+    a cut.
 
     Start it with ``await nursery.start(proxy.serve)``; ``url`` is then its address.
     """
@@ -171,6 +172,12 @@ class EtcdProxy:
 
     def cut(self) -> None:
         self.is_cut = True
+
+    def heal(self) -> None:
+        """End the partition. Connections that lost bytes to it are closed, as TCP
+        would have given up on them."""
+        self.is_cut = False
+        self.reset()
 
     def reset(self) -> None:
         for nursery in list(self.connections):

@@ -33,6 +33,9 @@ import trio
 from delayd.errors import EtcdError, EtcdUnavailable
 
 log = logging.getLogger(__name__)
+# httpx logs every request at INFO; a member renews its lease three times per TTL, which
+# would bury the lines that matter. Its warnings and errors still come through.
+logging.getLogger("httpx").setLevel(logging.WARNING)
 
 # gRPC status codes etcd answers with (google.golang.org/grpc/codes).
 GRPC_DEADLINE_EXCEEDED = 4
