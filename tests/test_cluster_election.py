@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -239,6 +240,43 @@ async def test_a_leader_cut_off_from_etcd_steps_down_before_its_lease_expires(
         nursery.cancel_scope.cancel()
 
 
+async def test_a_follower_cut_off_from_etcd_leaves_and_comes_back(
+    etcd_server,  # noqa: F811 - fixture
+    etcd_prefix,  # noqa: F811 - fixture
+):
+    async with trio.open_nursery() as nursery:
+        proxy = EtcdProxy(etcd_server.url)
+        await nursery.start(proxy.serve)
+        leader = await Running(etcd_server.url, etcd_prefix, "leader").start(nursery)
+        await wait_for(lambda: leader.role is Role.LEADER, what="the leader")
+        follower = await Running(proxy.url, etcd_prefix, "follower").start(nursery)
+        await wait_for(lambda: settled([leader, follower]), what="a follower")
+        epoch = leader.member.epoch
+
+        proxy.cut()
+        await wait_for(lambda: follower.role is Role.CANDIDATE, what="the follower leaving")
+        assert "leaving the group: no lease renewal answered" in follower.changes[-1][2]
+        proxy.heal()
+        await wait_for(lambda: settled([leader, follower]), what="the follower back")
+        assert leader.member.epoch == epoch  # the leader never noticed
+        assert [view.role for _, view, _ in leader.changes] == [Role.LEADER]
+        nursery.cancel_scope.cancel()
+
+
+async def test_may_lead_is_false_past_the_deadline_even_before_the_step_down_runs(
+    etcd_server,  # noqa: F811 - fixture
+    etcd_prefix,  # noqa: F811 - fixture
+):
+    async with trio.open_nursery() as nursery:
+        stalled = await Running(etcd_server.url, etcd_prefix, "stalled").start(nursery)
+        await wait_for(lambda: stalled.role is Role.LEADER, what="the leader")
+        assert stalled.member.may_lead()
+        time.sleep((TTL_MS - TTL_MS // 4) / 1000 + 0.05)  # the event loop stalls past it
+        assert stalled.role is Role.LEADER  # no task ran to step down ...
+        assert not stalled.member.may_lead()  # ... but nothing may be acknowledged
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_member_that_is_not_eligible_never_campaigns(
     etcd_server,  # noqa: F811 - fixture
     etcd_prefix,  # noqa: F811 - fixture
@@ -268,13 +306,13 @@ async def test_a_member_that_is_not_eligible_never_campaigns(
 
 
 class MemberProcess:
-    """``python -m delayd.cluster.election`` in a child process, reading its JSON lines."""
+    """``python -m delayd.cluster`` in a child process, reading its JSON lines."""
 
     def __init__(self, url: str, prefix: str, member_id: str) -> None:
         self.args = [
             sys.executable,
             "-m",
-            "delayd.cluster.election",
+            "delayd.cluster",
             f"--etcd={url}",
             f"--group={GROUP}",
             f"--member-id={member_id}",

@@ -23,12 +23,9 @@ replicating) is the caller's, through ``on_change`` and ``may_lead()``.
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import math
-import signal
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import trio
 
@@ -55,9 +52,9 @@ from delayd.cluster.members import (
     view_of,
 )
 from delayd.errors import EtcdError, EtcdUnavailable
-from delayd.logsetup import configure_logging, fields
+from delayd.logsetup import fields
 
-log = logging.getLogger("delayd.cluster.election")  # also when run as __main__
+log = logging.getLogger(__name__)
 
 RETRY_MIN_S = 0.05  # after a failed etcd call or a lost session, doubling ...
 RESIGN_TIMEOUT_S = 1.0  # how long a graceful stop waits for etcd to revoke the lease
@@ -235,19 +232,22 @@ class GroupMember:
             async def lease_keeper() -> None:
                 nonlocal ended
                 ended = await keep_lease(guard, lambda: self.etcd.lease_keepalive(lease.id))
-                self._set_view(NO_LEADER, f"stepping down: {ended}")
+                self._set_view(NO_LEADER, f"{self._leaving()}: {ended}")
                 nursery.cancel_scope.cancel()
 
             async def elections() -> None:
                 nonlocal ended
                 ended = await self._elect(lease.id)
                 guard.lost()
-                self._set_view(NO_LEADER, f"stepping down: {ended}")
+                self._set_view(NO_LEADER, f"{self._leaving()}: {ended}")
                 nursery.cancel_scope.cancel()
 
             nursery.start_soon(lease_keeper)
             nursery.start_soon(elections)
         return ended
+
+    def _leaving(self) -> str:
+        return "stepping down" if self.view.role is Role.LEADER else "leaving the group"
 
     async def _elect(self, lease_id: int) -> str:
         """Campaign and follow until the lease turns out to be gone; returns why."""
@@ -318,55 +318,3 @@ def _why(view: View) -> str:
     if view.role is Role.FOLLOWER:
         return "another member holds the leader key"
     return "no leader"
-
-
-# A demo (and the child process the kill -9 tests use): one member that prints each
-# change of view as a JSON line on stdout.
-
-
-async def _demo(args: argparse.Namespace) -> None:
-    def show(previous: View, current: View, reason: str) -> None:
-        line = {
-            "member": args.member_id,
-            "role": current.role.name.lower(),
-            "epoch": current.epoch,
-            "leader": current.leader.member_id if current.leader else None,
-            "reason": reason,
-        }
-        print(json.dumps(line), flush=True)
-
-    async with EtcdClient(args.etcd.split(",")) as etcd:
-        member = GroupMember(
-            etcd,
-            args.group,
-            MemberInfo(args.member_id, intake=args.intake),
-            prefix=args.prefix,
-            lease_ttl_ms=args.lease_ttl_ms,
-            on_change=show,
-        )
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(member.run)
-                async for _ in signals:
-                    nursery.cancel_scope.cancel()
-                    break
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m delayd.cluster.election",
-        description="Join a group as one member and print each change of role as JSON.",
-    )
-    parser.add_argument("--etcd", required=True, help="etcd URLs, comma-separated")
-    parser.add_argument("--group", required=True)
-    parser.add_argument("--member-id", required=True)
-    parser.add_argument("--intake", default="", help="the address to advertise, host:port")
-    parser.add_argument("--prefix", default=DEFAULT_PREFIX)
-    parser.add_argument("--lease-ttl-ms", type=int, default=DEFAULT_LEASE_TTL_MS)
-    args = parser.parse_args(argv)
-    configure_logging()
-    trio.run(_demo, args)
-
-
-if __name__ == "__main__":
-    main()
