@@ -73,37 +73,47 @@ class EtcdServer:
         self.log_path = data_dir.parent / f"{data_dir.name}.log"
         self.proc: subprocess.Popen | None = None
         self.url = ""
+        self.peer_url = ""
 
     def start(self) -> EtcdServer:
-        """Start etcd and return once it reports itself healthy."""
+        """Start etcd on free ports and return once it reports itself healthy."""
         for attempt in range(START_ATTEMPTS):
-            client, peer = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
-            with open(self.log_path, "ab") as log:
-                self.proc = subprocess.Popen(
-                    [
-                        etcd_binary(),
-                        "--name=test",
-                        f"--data-dir={self.data_dir}",
-                        f"--listen-client-urls={client}",
-                        f"--advertise-client-urls={client}",
-                        f"--listen-peer-urls={peer}",
-                        f"--initial-advertise-peer-urls={peer}",
-                        f"--initial-cluster=test={peer}",
-                        "--heartbeat-interval=10",
-                        "--election-timeout=100",
-                        "--log-level=warn",
-                    ],
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                )
-            self.url = client
+            self.url, self.peer_url = (f"http://127.0.0.1:{free_port()}" for _ in range(2))
+            self._spawn()
             if self._wait_healthy():
                 return self
             self.stop()
             if attempt + 1 < START_ATTEMPTS:
                 shutil.rmtree(self.data_dir, ignore_errors=True)
         raise RuntimeError(f"etcd did not start; see {self.log_path}")
+
+    def restart(self) -> None:
+        """Start the stopped etcd again, on the same ports and data (its keys and leases
+        survive, as they do a real restart)."""
+        self._spawn()
+        if not self._wait_healthy():
+            raise RuntimeError(f"etcd did not restart; see {self.log_path}")
+
+    def _spawn(self) -> None:
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [
+                    etcd_binary(),
+                    "--name=test",
+                    f"--data-dir={self.data_dir}",
+                    f"--listen-client-urls={self.url}",
+                    f"--advertise-client-urls={self.url}",
+                    f"--listen-peer-urls={self.peer_url}",
+                    f"--initial-advertise-peer-urls={self.peer_url}",
+                    f"--initial-cluster=test={self.peer_url}",
+                    "--heartbeat-interval=10",
+                    "--election-timeout=100",
+                    "--log-level=warn",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
 
     def _wait_healthy(self) -> bool:
         deadline = time.monotonic() + START_TIMEOUT_S

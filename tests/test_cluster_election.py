@@ -19,6 +19,7 @@ from delayd.cluster.etcd import EtcdClient, KeyValue
 from delayd.cluster.members import NO_LEADER, GroupKeys, MemberInfo, Role, View, view_of
 from tests.etcd_support import (
     EtcdProxy,
+    EtcdServer,
     etcd_prefix,  # noqa: F401 - fixture
     etcd_server,  # noqa: F401 - fixture
 )
@@ -261,6 +262,30 @@ async def test_a_follower_cut_off_from_etcd_leaves_and_comes_back(
         assert leader.member.epoch == epoch  # the leader never noticed
         assert [view.role for _, view, _ in leader.changes] == [Role.LEADER]
         nursery.cancel_scope.cancel()
+
+
+async def test_a_short_etcd_restart_changes_no_role(tmp_path):
+    server = EtcdServer(tmp_path / "etcd").start()  # its own: this one is stopped
+    try:
+        async with trio.open_nursery() as nursery:
+            leader = await Running(server.url, "/restart", "leader").start(nursery)
+            await wait_for(lambda: leader.role is Role.LEADER, what="the leader")
+            follower = await Running(server.url, "/restart", "follower").start(nursery)
+            await wait_for(lambda: settled([leader, follower]), what="a follower")
+            before = (leader.member.view, follower.member.view)
+
+            await trio.to_thread.run_sync(server.stop)
+            await trio.to_thread.run_sync(server.restart)  # well inside ttl - margin
+            await trio.sleep(TTL_MS / 1000)  # renewals and the watch go through it again
+
+            assert (leader.member.view, follower.member.view) == before
+            assert len(leader.changes) == len(follower.changes) == 1
+            assert leader.member.may_lead()
+            await leader.stop()  # the follower's watch survived the restart
+            await wait_for(lambda: follower.role is Role.LEADER, timeout_s=0.5, what="takeover")
+            nursery.cancel_scope.cancel()
+    finally:
+        server.stop()
 
 
 async def test_may_lead_is_false_past_the_deadline_even_before_the_step_down_runs(

@@ -191,6 +191,28 @@ async def test_watch_resumes_after_a_lost_connection_without_gaps_or_repeats(
     assert values == [b"1", b"2", b"3"]
 
 
+async def test_watch_survives_an_etcd_restart(tmp_path):
+    server = EtcdServer(tmp_path / "etcd").start()  # its own: this one is stopped
+    try:
+        async with EtcdClient([server.url]) as etcd:
+            start = await etcd.put("/r", "before")
+            values = []
+            with trio.fail_after(5):
+                async with etcd.watch("/r", start_revision=start) as events:
+                    async for event in events:
+                        values.append(event.kv.value)
+                        if event.kv.value == b"before":
+                            # The stream ends with etcd's gateway error, grpc_code 14.
+                            await trio.to_thread.run_sync(server.stop)
+                            await trio.to_thread.run_sync(server.restart)
+                            await etcd.put("/r", "after")
+                        else:
+                            break
+        assert values == [b"before", b"after"]
+    finally:
+        server.stop()
+
+
 async def test_watch_on_a_compacted_revision_raises(tmp_path):
     server = EtcdServer(tmp_path / "etcd").start()  # its own: compaction is for everyone
     try:

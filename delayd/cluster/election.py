@@ -81,6 +81,8 @@ class GroupMember:
     ``eligible()`` is asked before every campaign; a member that is not eligible only
     follows, and asks again when the leader key changes or every ttl/3 while there is
     no leader.
+
+    ``elections_won`` counts the campaigns this member won (for a metric).
     """
 
     def __init__(
@@ -287,8 +289,8 @@ class GroupMember:
             return won, result.revision
         found = result.responses[0]
         assert isinstance(found, RangeResult)
-        # Empty: the key was deleted between the compare and the read; campaign again.
-        return (found.kvs[0] if found.kvs else None), result.revision
+        # A txn is atomic: the failure branch reads the key the compare found.
+        return found.kvs[0], result.revision
 
     async def _watch_leader(self, kv: KeyValue | None, start_revision: int, lease_id: int) -> None:
         """Follow the leader key from ``start_revision`` until it is deleted (return to

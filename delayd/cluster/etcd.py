@@ -545,7 +545,8 @@ def _decode(response: httpx.Response, endpoint: str, what: str) -> dict[str, Any
 
 
 def _raise_for(error: dict[str, Any], endpoint: str, what: str, status: int = 0) -> None:
-    code = error.get("code")
+    # A unary call's error has "code"; a stream's (watch, keepalive) has "grpc_code".
+    code = error.get("code", error.get("grpc_code"))
     message = error.get("message") or error.get("error") or f"HTTP {status}"
     if code in _UNAVAILABLE_CODES:
         raise EtcdUnavailable(
