@@ -207,6 +207,7 @@ async def test_a_resigning_leader_hands_over_fast_and_epochs_grow(
         nursery.cancel_scope.cancel()
 
 
+@pytest.mark.slow
 async def test_a_leader_cut_off_from_etcd_steps_down_before_its_lease_expires(
     etcd_server,  # noqa: F811 - fixture
     etcd_prefix,  # noqa: F811 - fixture
@@ -241,6 +242,7 @@ async def test_a_leader_cut_off_from_etcd_steps_down_before_its_lease_expires(
         nursery.cancel_scope.cancel()
 
 
+@pytest.mark.slow
 async def test_a_follower_cut_off_from_etcd_leaves_and_comes_back(
     etcd_server,  # noqa: F811 - fixture
     etcd_prefix,  # noqa: F811 - fixture
@@ -264,6 +266,7 @@ async def test_a_follower_cut_off_from_etcd_leaves_and_comes_back(
         nursery.cancel_scope.cancel()
 
 
+@pytest.mark.slow
 async def test_a_short_etcd_restart_changes_no_role(tmp_path):
     server = EtcdServer(tmp_path / "etcd").start()  # its own: this one is stopped
     try:
@@ -302,6 +305,7 @@ async def test_may_lead_is_false_past_the_deadline_even_before_the_step_down_run
         nursery.cancel_scope.cancel()
 
 
+@pytest.mark.slow
 async def test_a_member_that_is_not_eligible_never_campaigns(
     etcd_server,  # noqa: F811 - fixture
     etcd_prefix,  # noqa: F811 - fixture
