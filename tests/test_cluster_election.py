@@ -22,6 +22,7 @@ from tests.etcd_support import (
     EtcdServer,
     etcd_prefix,  # noqa: F401 - fixture
     etcd_server,  # noqa: F401 - fixture
+    start_cluster,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -83,8 +84,8 @@ class Running:
     """A GroupMember running in the test's nursery, with its own client, that can be
     stopped on its own (a graceful stop: it resigns)."""
 
-    def __init__(self, url: str, prefix: str, member_id: str, **options) -> None:
-        self.url = url
+    def __init__(self, url: str | list[str], prefix: str, member_id: str, **options) -> None:
+        self.urls = [url] if isinstance(url, str) else url
         self.member_id = member_id
         self.prefix = prefix
         self.options = options
@@ -94,7 +95,7 @@ class Running:
         self.done = trio.Event()
 
     async def start(self, nursery: trio.Nursery) -> Running:
-        etcd = EtcdClient([self.url], timeout_s=0.3)
+        etcd = EtcdClient(self.urls, timeout_s=0.3)
         self.member = GroupMember(
             etcd,
             GROUP,
@@ -289,6 +290,32 @@ async def test_a_short_etcd_restart_changes_no_role(tmp_path):
             nursery.cancel_scope.cancel()
     finally:
         server.stop()
+
+
+@pytest.mark.slow
+async def test_losing_one_etcd_of_three_changes_no_role(tmp_path):
+    cluster = start_cluster(tmp_path)
+    urls = [server.url for server in cluster]
+    try:
+        async with trio.open_nursery() as nursery:
+            leader = await Running(urls, "/three", "leader").start(nursery)
+            await wait_for(lambda: leader.role is Role.LEADER, what="the leader")
+            follower = await Running(urls, "/three", "follower").start(nursery)
+            await wait_for(lambda: settled([leader, follower]), what="a follower")
+            before = (leader.member.view, follower.member.view)
+
+            cluster[0].kill()  # the etcd both members talk to: its machine dies
+            await trio.sleep(TTL_MS / 1000)  # renewals and watches move to the others
+
+            assert (leader.member.view, follower.member.view) == before
+            assert leader.member.may_lead()
+            assert leader.member.etcd.endpoints[leader.member.etcd._preferred] != urls[0]
+            await leader.stop()  # the follower's watch moved too
+            await wait_for(lambda: follower.role is Role.LEADER, timeout_s=0.5, what="takeover")
+            nursery.cancel_scope.cancel()
+    finally:
+        for server in cluster:
+            server.kill()
 
 
 async def test_may_lead_is_false_past_the_deadline_even_before_the_step_down_runs(
