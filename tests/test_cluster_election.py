@@ -309,7 +309,7 @@ async def test_losing_one_etcd_of_three_changes_no_role(tmp_path):
 
             assert (leader.member.view, follower.member.view) == before
             assert leader.member.may_lead()
-            assert leader.member.etcd.endpoints[leader.member.etcd._preferred] != urls[0]
+            assert leader.member.etcd.current_endpoint != urls[0]
             await leader.stop()  # the follower's watch moved too
             await wait_for(lambda: follower.role is Role.LEADER, timeout_s=0.5, what="takeover")
             nursery.cancel_scope.cancel()

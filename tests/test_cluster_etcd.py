@@ -249,7 +249,7 @@ async def test_the_next_endpoint_takes_over_and_stays_preferred(etcd_server):  #
     dead = dead_url()
     async with EtcdClient([dead, etcd_server.url]) as etcd:
         await etcd.put("/endpoints", "v")
-        assert etcd.endpoints[etcd._preferred] == etcd_server.url
+        assert etcd.current_endpoint == etcd_server.url
         assert (await etcd.get("/endpoints")).value == b"v"
     async with EtcdClient([dead, dead_url()]) as etcd:
         with pytest.raises(EtcdUnavailable) as caught:

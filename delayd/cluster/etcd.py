@@ -309,7 +309,7 @@ class EtcdClient:
             return _decode(response, endpoint, what)
         raise EtcdUnavailable(
             f"etcd {what}: no endpoint reachable: {', '.join(failures)}",
-            endpoint=self.endpoints[self._preferred],
+            endpoint=self.current_endpoint,
         )
 
     # KV
@@ -374,10 +374,10 @@ class EtcdClient:
         ttl_s = int(body.get("result", {}).get("TTL", 0))
         if ttl_s <= 0:
             raise EtcdError(
-                f"etcd lease keepalive at {self._current()}: lease {lease_id:x} not found "
+                f"etcd lease keepalive at {self.current_endpoint}: lease {lease_id:x} not found "
                 "(expired or revoked)",
                 code=GRPC_NOT_FOUND,
-                endpoint=self._current(),
+                endpoint=self.current_endpoint,
             )
         return ttl_s
 
@@ -392,14 +392,16 @@ class EtcdClient:
         ttl_s = int(body.get("TTL", 0))  # omitted when 0; -1 for an unknown lease
         if ttl_s < 0:
             raise EtcdError(
-                f"etcd lease timetolive at {self._current()}: lease {lease_id:x} not found "
+                f"etcd lease timetolive at {self.current_endpoint}: lease {lease_id:x} not found "
                 "(expired or revoked)",
                 code=GRPC_NOT_FOUND,
-                endpoint=self._current(),
+                endpoint=self.current_endpoint,
             )
         return ttl_s
 
-    def _current(self) -> str:
+    @property
+    def current_endpoint(self) -> str:
+        """The endpoint the next request goes to first: the last one that answered."""
         return self.endpoints[self._preferred]
 
     # Watch
@@ -446,7 +448,7 @@ class EtcdClient:
         retry_s = WATCH_RETRY_MIN_S
         async with send:
             while True:
-                endpoint = self._current()
+                endpoint = self.current_endpoint
                 request = dict(target.to_json()["request_range"])
                 if next_revision:
                     request["start_revision"] = str(next_revision)
