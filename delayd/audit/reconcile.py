@@ -5,12 +5,12 @@ findings take other buckets, or other servers; all look for the records of one i
 its 64-bit hash, a hash range at a time (ids.py):
 
 * duplicate_id: a message id whose DISPATCHED entries are at more than one record (a
-  producer retry is two records with one id; the delay server does not dedupe, the
-  broker does). ``duplicate_by_id`` counts the ids with more than one DISPATCHED entry
-  in all, so an id dispatched twice at one record counts there too. The hashes
-  dispatched more than once are candidates (none, when nothing is wrong); the buckets
-  that hold them are read again, and the ids themselves decide: a hash collision is
-  never reported.
+  producer retry stored twice is two records with one id — on one server, also a
+  duplicate_send — and the broker's dedupe is per broker). ``duplicate_by_id`` counts
+  the ids with more than one DISPATCHED entry in all, so an id dispatched twice at one
+  record counts there too. The hashes dispatched more than once are candidates (none,
+  when nothing is wrong); the buckets that hold them are read again, and the ids
+  themselves decide: a hash collision is never reported.
 * copy_missing: a record withdrawn by RESCHEDULED before the cutoff (``moved``) with no
   record of the same message id (by hash) and a higher message_log offset on its
   server: the copy a reschedule appends in the same step is not there. Where a
