@@ -13,7 +13,8 @@ replayer + id index, no fsync: the figures are CPU), then measures, on one CPU:
 - ``claim_held``: a resend of a held id, settled by the id index (a lookup and a read);
 - ``claim_new_cold``: a new id while the filter is cold (after a start, before the
   warm-up: every id is looked up);
-- ``warm_up``: rebuilding the filter from the index files, per entry and in all;
+- ``warm_up``: building the filter from the index files (at start-up, and when it
+  fills), per entry and in all;
 - ``false_maybe_rate``: new ids the warm filter could not rule out.
 
 The end-to-end figure — acknowledged intake before and after the check — is
@@ -107,14 +108,12 @@ def measure(data: str, held: int, emit) -> None:
         emit("claim_new_cold", per_call_us(cold, known.claim), "us", held=held)
 
         started, cpu = time.perf_counter(), time.process_time()
-        built = known.build_warm_filter(known.warm_sources())
+        built = known.build_filter(known.begin_rebuild())
         seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
         assert built is not None and built.added >= held
-        known.filter.merge(built)
-        known.warm = True
-        emit("warm_up", seconds, "s", entries=built.added)
+        assert known.finish_rebuild(built)
+        emit("warm_up", seconds, "s", entries=built.added, filter_kib=built.size_bytes // 1024)
         emit("warm_up_cpu_per_entry", cpu / built.added * 1e9, "ns")
-        built.close()
 
         new = [f"new-{i}".encode() for i in range(SAMPLE * 5)]
         lookups = known.lookups
