@@ -20,6 +20,12 @@ from delayd.broker.broker import Broker
 from delayd.broker.config import DAY_MS, BrokerConfig, StartFrom
 from delayd.broker.metrics import serve_metrics
 from delayd.broker.server import serve_broker
+from delayd.connection_gate import ConnectionGate
+from delayd.connection_limits import (
+    DEFAULT_FRAME_TIMEOUT_MS,
+    DEFAULT_HELLO_TIMEOUT_MS,
+    DEFAULT_MAX_UNFINISHED_FRAME_BYTES,
+)
 from delayd.fdlimit import raise_descriptor_limit
 from delayd.gcsetup import tune_gc_for_serving
 from delayd.logsetup import add_logging_arguments, configure_logging
@@ -52,6 +58,16 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{value} is not positive")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative")
     return value
 
 
@@ -105,6 +121,35 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--dedupe-max-ids", type=positive_int, default=10_000_000, metavar="N", help="idempotency"
     )
+    parser.add_argument(
+        "--max-connections",
+        type=non_negative_int,
+        default=0,
+        metavar="N",
+        help="client connections at most; more are refused (default 0: by the fd limit)",
+    )
+    parser.add_argument(
+        "--hello-timeout-ms",
+        type=positive_int,
+        default=DEFAULT_HELLO_TIMEOUT_MS,
+        metavar="MS",
+        help=f"close a connection without HELLO after this (default {DEFAULT_HELLO_TIMEOUT_MS})",
+    )
+    parser.add_argument(
+        "--frame-timeout-ms",
+        type=positive_int,
+        default=DEFAULT_FRAME_TIMEOUT_MS,
+        metavar="MS",
+        help=f"close a connection whose frame is not complete after this "
+        f"(default {DEFAULT_FRAME_TIMEOUT_MS})",
+    )
+    parser.add_argument(
+        "--max-unfinished-frame-bytes",
+        type=positive_int,
+        default=DEFAULT_MAX_UNFINISHED_FRAME_BYTES,
+        metavar="BYTES",
+        help="large frames still arriving, all connections together; more wait",
+    )
     add_logging_arguments(parser)
 
 
@@ -118,6 +163,10 @@ def run(args: argparse.Namespace) -> int:
             start_from=StartFrom(args.start_from),
             dedupe_window_ms=args.dedupe_window_ms,
             dedupe_max_ids=args.dedupe_max_ids,
+            max_connections=args.max_connections,
+            hello_timeout_ms=args.hello_timeout_ms,
+            frame_timeout_ms=args.frame_timeout_ms,
+            max_unfinished_frame_bytes=args.max_unfinished_frame_bytes,
         )
     except ValueError as exc:
         log.error("bad configuration: %s", exc)
@@ -135,12 +184,15 @@ async def _serve(args: argparse.Namespace, config: BrokerConfig) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with trio.open_nursery() as front:
                 host, port = args.listen
+                gate = ConnectionGate("broker", config.connection_limits)
                 bound = await front.start(
-                    partial(serve_broker, broker, host, port, token=args.token)
+                    partial(serve_broker, broker, host, port, token=args.token, gate=gate)
                 )
                 if args.metrics_listen is not None:
                     m_host, m_port = args.metrics_listen
-                    m_bound = await front.start(serve_metrics, broker, m_host, m_port)
+                    m_bound = await front.start(
+                        partial(serve_metrics, broker, m_host, m_port, gate=gate)
+                    )
                     log.info("metrics on http://%s:%d/metrics", *m_bound[0])
                 print(f"delayd broker listening on {bound[0][0]}:{bound[0][1]}", flush=True)
                 async for signum in signals:

@@ -17,6 +17,8 @@ from prometheus_client.registry import Collector
 
 from delayd.broker.broker import Broker
 from delayd.broker.config import StartFrom
+from delayd.connection_gate import ConnectionGate
+from delayd.connection_metrics import register_connection_metrics
 from delayd.metrics_http import serve_metrics as serve_registry
 from delayd.store_metrics import StoreCollector, StoreSizes, broker_directories
 
@@ -114,14 +116,17 @@ async def serve_metrics(
     host: str,
     port: int,
     *,
+    gate: ConnectionGate | None = None,
     task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the broker's /metrics and /healthz on host:port until cancelled; reports the
-    bound addresses. The sizes of the broker's files are walked in the background."""
+    bound addresses. The sizes of the broker's files are walked in the background.
+    ``gate``: the broker listener's, for the connection metrics (process_* always)."""
     sizes = StoreSizes(broker_directories(broker.store.directory))
     registry = CollectorRegistry(auto_describe=False)
     registry.register(BrokerCollector(broker))
     registry.register(StoreCollector(sizes))
+    register_connection_metrics(registry, {"broker": gate} if gate is not None else {})
     async with trio.open_nursery() as nursery:
         await nursery.start(sizes.run)
         await serve_registry(registry, host, port, task_status=task_status)

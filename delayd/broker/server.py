@@ -9,7 +9,12 @@ appended so far and then answers them in order: batches in flight share group-co
 fsyncs without a task each. A PULL that finds messages is answered inline as well; one
 that has to wait runs in a request task, because it may be held (long polling); answers
 may leave in any order (docs/protocol.md, rule 4). At most
-MAX_IN_FLIGHT requests (held PULLs, unacknowledged SEND_BATCHes) per connection.
+MAX_IN_FLIGHT requests (held PULLs, unacknowledged SEND_BATCHes) per connection, each
+until its answer is queued to the writer (bounded as well); requests answered inline
+wait for room in the writer on the reader. So a client that never reads its answers
+stops its own reader and costs bounded memory. The connection cap, the HELLO and frame
+deadlines and the frame budget come from the broker's ConnectionLimits
+(delayd.connection_gate, delayd.stream_events).
 
 Bad input never crashes the broker: a protocol violation gets the closing ERROR the
 Connection names and the socket is closed; a bad argument gets ERROR INVALID_REQUEST; an
@@ -27,6 +32,7 @@ import trio
 
 from delayd.answer_queue import AnswerQueue
 from delayd.broker.broker import Broker
+from delayd.connection_gate import ConnectionGate
 from delayd.errors import (
     ConnectionClosedError,
     LocalProtocolError,
@@ -79,20 +85,25 @@ async def serve_broker(
     *,
     token: str | None = None,
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+    gate: ConnectionGate | None = None,
     task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Listen on host:port (0: any free port) and serve until cancelled.
 
-    Reports the bound (host, port) addresses through ``task_status.started``.
+    ``gate``: the listener's cap and counts (for /metrics); by default one of the
+    broker's ``connection_limits``. Reports the bound (host, port) addresses through
+    ``task_status.started``.
     """
+    if gate is None:
+        gate = ConnectionGate("broker", broker.config.connection_limits)
     listeners = await trio.open_tcp_listeners(port, host=host)
     addresses = [listener.socket.getsockname()[:2] for listener in listeners]
 
     async def handle(stream: trio.SocketStream) -> None:
-        await BrokerConnection(broker, stream, token, max_frame_size).run()
+        await BrokerConnection(broker, stream, token, max_frame_size, gate).run()
 
     async with trio.open_nursery() as nursery:
-        await nursery.start(trio.serve_listeners, handle, listeners)
+        await nursery.start(gate.serve, handle, listeners)
         task_status.started(addresses)
 
 
@@ -100,9 +111,15 @@ class BrokerConnection:
     """One client connection; see the module docstring."""
 
     def __init__(
-        self, broker: Broker, stream: trio.SocketStream, token: str | None, max_frame_size: int
+        self,
+        broker: Broker,
+        stream: trio.SocketStream,
+        token: str | None,
+        max_frame_size: int,
+        gate: ConnectionGate,
     ) -> None:
         self.broker = broker
+        self.gate = gate
         self.stream = stream
         self.conn = Connection(SERVER, token=token, max_frame_size=max_frame_size)
         self._writer = FrameWriter(stream, OUTBOX_FRAMES)
@@ -143,7 +160,7 @@ class BrokerConnection:
         async def dispatch(event: Event) -> None:
             await self._dispatch(event, requests)
 
-        return await read_and_dispatch(self.stream, self.conn, self.peer, dispatch)
+        return await read_and_dispatch(self.stream, self.conn, self.peer, dispatch, self.gate)
 
     async def _dispatch(self, event: Event, requests: trio.Nursery) -> None:
         broker = self.broker

@@ -23,6 +23,8 @@ from prometheus_client import CollectorRegistry
 from delayd.broker import Broker
 from delayd.broker.metrics import BrokerCollector
 from delayd.broker.server import serve_broker
+from delayd.connection_gate import ConnectionGate
+from delayd.connection_metrics import register_connection_metrics
 from delayd.logs import layout
 from delayd.metrics_http import Readiness, serve_metrics
 from delayd.receiver import Receiver
@@ -78,7 +80,10 @@ class DelayServer:
         self.receiver = Receiver(config.limits, replayer.recovery.next_sequence)
         self.intake = IntakePath(self.receiver, self.writer, replayer)
         self.intake.canceller = delivery.canceller  # cancel/reschedule (docs/cancel.md)
-        self.listener = IntakeListener(self._connection)
+        self.listener = IntakeListener(
+            self._connection, ConnectionGate("intake", config.connection_limits)
+        )
+        self.broker_gate = ConnectionGate("broker", config.broker.connection_limits)
         self._stop = trio.Event()
         # Recovery of the logs is done when the server is built; /readyz turns ready
         # once replay has caught up and delivery runs.
@@ -189,6 +194,7 @@ class DelayServer:
             max_frame_size=self.config.max_frame_bytes,
             stats=self.stats,
             broker_address=self._broker_address,
+            gate=self.listener.gate,
         )
 
     def stats(self) -> dict[str, str | int | float]:
@@ -231,7 +237,14 @@ class DelayServer:
                 if config.broker_listen is not None:
                     host, port = config.broker_listen
                     bound = await root.start(
-                        partial(serve_broker, self.broker, host, port, token=config.token)
+                        partial(
+                            serve_broker,
+                            self.broker,
+                            host,
+                            port,
+                            token=config.token,
+                            gate=self.broker_gate,
+                        )
                     )
                     broker_bound = bound[0]
                     self._broker_address = "{}:{}".format(*broker_bound)
@@ -248,6 +261,8 @@ class DelayServer:
                     registry.register(StoreCollector(self.store_sizes))
                     if self.retention is not None:
                         registry.register(RetentionCollector(self.retention))
+                    gates = {"intake": self.listener.gate, "broker": self.broker_gate}
+                    register_connection_metrics(registry, gates)
                     host, port = config.metrics_listen
                     serve = partial(serve_metrics, readiness=self.readiness)
                     metrics_bound = (await root.start(serve, registry, host, port))[0]

@@ -3,6 +3,9 @@
 Stopping is two-phase so that a graceful shutdown acknowledges what it appended: first
 the listening sockets close and every connection stops taking requests (its in-flight
 batches still get their answers), then, after ``grace_s``, whatever is left is cancelled.
+
+Accepting goes through the listener's ConnectionGate: the connection cap (a connection
+beyond it gets ERROR TOO_MANY_CONNECTIONS) and an accept loop that outlives EMFILE.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from functools import partial
 
 import trio
 
+from delayd.connection_gate import ConnectionGate
 from delayd.server.connection import DelayConnection
 
 Address = tuple[str, int]
@@ -21,8 +25,13 @@ Address = tuple[str, int]
 class IntakeListener:
     """Serves ``make_connection(stream)`` for every accepted socket."""
 
-    def __init__(self, make_connection: Callable[[trio.SocketStream], DelayConnection]) -> None:
+    def __init__(
+        self,
+        make_connection: Callable[[trio.SocketStream], DelayConnection],
+        gate: ConnectionGate,
+    ) -> None:
         self.make_connection = make_connection
+        self.gate = gate
         self._connections: set[DelayConnection] = set()
         self._accept_scope = trio.CancelScope()
         self._connections_scope = trio.CancelScope()
@@ -42,7 +51,7 @@ class IntakeListener:
                         async with trio.open_nursery() as accept:
                             await accept.start(
                                 partial(
-                                    trio.serve_listeners,
+                                    self.gate.serve,
                                     self._handle,
                                     listeners,
                                     handler_nursery=connections,
