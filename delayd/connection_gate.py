@@ -32,6 +32,7 @@ from typing import Any
 import trio
 
 from delayd.connection_limits import ConnectionLimits
+from delayd.fdlimit import default_max_connections, soft_descriptor_limit
 from delayd.frame_budget import FrameBudget
 from delayd.protocol import Error, ErrorCode
 from delayd.protocol.codec import encode_event
@@ -93,6 +94,15 @@ class ConnectionGate:
         self.name = name
         self.limits = limits
         self.max_connections = limits.connection_cap
+        if self.max_connections > default_max_connections():
+            log.warning(
+                "%s listener: max_connections %d is more than the descriptor limit of %d "
+                "leaves to it (%d): with every connection open, opening a log file may fail",
+                name,
+                self.max_connections,
+                soft_descriptor_limit(),
+                default_max_connections(),
+            )
         self.budget = FrameBudget(limits.max_unfinished_frame_bytes)
         self.open = 0
         self.refused: Counter[str] = Counter({reason: 0 for reason in REFUSED_REASONS})

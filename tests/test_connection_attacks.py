@@ -339,3 +339,37 @@ def test_the_broker_caps_connections_and_counts_refusals(tmp_path, servers):
     )
     assert metrics[key("delayd_connections_open", listener="broker")] == 5
     assert metrics["process_resident_memory_bytes"] > 0
+
+
+def test_accept_outlives_running_out_of_descriptors(tmp_path, servers):
+    """A cap set above what RLIMIT_NOFILE allows: accept fails with EMFILE. The
+    listener retries and counts it, and serves again once descriptors are free."""
+    env = {"DELAYD_SERVER_MAX_CONNECTIONS": "1000"}
+    server = servers(ServeProcess(tmp_path / "data", env=env, nofile=200))
+    peers = []
+    for _ in range(260):  # beyond the limit: the last ones wait in the backlog
+        sock = socket.create_connection(server.address, timeout=10)
+        peers.append(sock)
+    time.sleep(0.5)  # the accept loop meets EMFILE and retries
+    assert server.proc.poll() is None
+    for sock in peers:
+        sock.close()
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            metrics = scrape(server.metrics_address)
+            break
+        except OSError:  # the metrics listener may still be short of descriptors
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    assert (
+        metrics[key("delayd_connections_refused_total", listener="intake", reason="descriptors")]
+        > 0
+    )
+    good = RawClient(server.address)
+    ok(good.send_batch([Message("after", "orders", delay_ms=100)]))
+    deadline = time.monotonic() + 10
+    while scrape(server.metrics_address)['delayd_delivery_sent_total{group="local"}'] < 1:
+        assert time.monotonic() < deadline, "delivery stopped after EMFILE"
+        time.sleep(0.1)
+    assert "max_connections 1000 is more than the descriptor limit" in server.log_tail(400)

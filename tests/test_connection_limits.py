@@ -28,6 +28,7 @@ from delayd.protocol import (
     StatsResult,
 )
 from delayd.protocol.codec import encode_event
+from delayd.server.config import ConfigError, config_from_mapping
 from delayd.stream_events import read_and_dispatch
 
 LIMITS = ConnectionLimits(
@@ -302,3 +303,19 @@ def test_invalid_limits_name_the_key():
         ConnectionLimits(hello_timeout_ms=0)
     with pytest.raises(ValueError, match="max_connections must be an integer >= 0"):
         ConnectionLimits(max_connections=-1)
+
+
+def test_the_connection_keys_are_checked_in_both_configurations():
+    config = config_from_mapping(
+        {
+            "server": {"max_connections": 100, "hello_timeout_ms": 500},
+            "broker": {"max_connections": 7},
+        }
+    )
+    assert config.connection_limits.connection_cap == 100
+    assert config.connection_limits.hello_timeout_s == 0.5
+    assert config.broker.connection_limits.connection_cap == 7
+    with pytest.raises(ConfigError, match=r"server\.max_connections must be an integer >= 0"):
+        config_from_mapping({"server": {"max_connections": -1}})
+    with pytest.raises(ConfigError, match="frame_timeout_ms must be a positive integer"):
+        config_from_mapping({"broker": {"frame_timeout_ms": 0}})
