@@ -71,7 +71,6 @@ class Served:
         await stream.aclose()
         if final is not None:
             client = Connection(CLIENT)
-            client._hello_done = True  # read the closing frame as a client would
             client.receive_data(final)
             self.closing = client.next_event()  # type: ignore[assignment]
 
