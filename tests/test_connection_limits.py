@@ -18,6 +18,7 @@ from delayd.frame_budget import FrameBudget
 from delayd.protocol import (
     CLIENT,
     NEED_DATA,
+    Cancel,
     SERVER,
     Connection,
     Error,
@@ -318,3 +319,19 @@ def test_the_connection_keys_are_checked_in_both_configurations():
         config_from_mapping({"server": {"max_connections": -1}})
     with pytest.raises(ConfigError, match="frame_timeout_ms must be a positive integer"):
         config_from_mapping({"broker": {"frame_timeout_ms": 0}})
+
+
+def test_the_incomplete_frame_size_is_known_once_its_header_is_in():
+    server = Connection(SERVER)
+    hello = hello_frame()
+    server.receive_data(hello)
+    assert isinstance(server.next_event(), Hello)
+    frame = encode_event(Cancel("an-id-long-enough-for-a-body", request_id=2))
+    assert len(frame) > 40
+    for cut in range(len(frame)):
+        conn = Connection(SERVER)
+        conn.receive_data(hello + frame[:cut])
+        assert isinstance(conn.next_event(), Hello)
+        assert conn.next_event() is NEED_DATA
+        assert conn.buffered == cut
+        assert conn.incomplete_frame_size == (len(frame) if cut >= 24 else 0)
