@@ -18,8 +18,8 @@ from delayd.frame_budget import FrameBudget
 from delayd.protocol import (
     CLIENT,
     NEED_DATA,
-    Cancel,
     SERVER,
+    Cancel,
     Connection,
     Error,
     ErrorCode,
