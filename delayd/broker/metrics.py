@@ -1,5 +1,6 @@
-"""Prometheus ``/metrics`` and ``/healthz`` for the broker, served by a tiny trio HTTP/1.0
-handler (one request per connection) on the broker's event loop.
+"""Prometheus metrics of the broker: the collectors ``delayd broker`` adds to the registry
+it serves (delayd.metrics_http, from before recovery: delayd.broker.command) on the
+broker's event loop.
 
 Values are read from the Broker at scrape time by a custom collector (prometheus-client's
 exposition format and escaping), so nothing is updated on the hot path and nothing is
@@ -19,7 +20,6 @@ from delayd.broker.broker import Broker
 from delayd.broker.config import StartFrom
 from delayd.connection_gate import ConnectionGate
 from delayd.connection_metrics import register_connection_metrics
-from delayd.metrics_http import serve_metrics as serve_registry
 from delayd.store_metrics import StoreCollector, StoreSizes, broker_directories
 
 log = logging.getLogger(__name__)
@@ -111,22 +111,18 @@ class BrokerCollector(Collector):
         yield by_subject
 
 
-async def serve_metrics(
+async def collect_broker_metrics(
     broker: Broker,
-    host: str,
-    port: int,
+    registry: CollectorRegistry,
     *,
     gate: ConnectionGate | None = None,
-    task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve the broker's /metrics and /healthz on host:port until cancelled; reports the
-    bound addresses. The sizes of the broker's files are walked in the background.
-    ``gate``: the broker listener's, for the connection metrics (process_* always)."""
+    """Add the broker's collectors to ``registry`` (one already served, as from before
+    recovery) and walk the sizes of its files until cancelled. ``gate``: the broker
+    listener's, for the connection metrics (process_* always)."""
     sizes = StoreSizes(broker_directories(broker.store.directory))
-    registry = CollectorRegistry(auto_describe=False)
     registry.register(BrokerCollector(broker))
     registry.register(StoreCollector(sizes))
     register_connection_metrics(registry, {"broker": gate} if gate is not None else {})
-    async with trio.open_nursery() as nursery:
-        await nursery.start(sizes.run)
-        await serve_registry(registry, host, port, task_status=task_status)
+    await sizes.run(task_status=task_status)

@@ -83,6 +83,7 @@ class ResultCode(enum.IntEnum):
     INVALID_DELAY = 7  # both at_ms and delay_ms set, or a negative delay_ms
     BUSY = 8  # not stored because the server is overloaded: retry later
     INTERNAL = 9  # not stored because of a server-side failure
+    INVALID_ID = 10  # message_id is not printable text (a NUL, newline, control character)
 
     @property
     def is_success(self) -> bool:

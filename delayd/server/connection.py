@@ -25,7 +25,9 @@ restart repairs the log).
 Closing: at EOF or after a protocol error the in-flight requests are cancelled (their
 answers could not be delivered). ``stop_reading`` (server shutdown) instead stops
 taking requests and lets the in-flight ones finish, so batches already appended are
-still acknowledged.
+still acknowledged, then closes with FIN after the last answer: what the
+client sent after the stop is read and dropped, never appended, never answered
+(delayd.stoppable_listener.linger).
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ from delayd.protocol import (
 from delayd.receiver import Intake
 from delayd.server.cancels import Answer
 from delayd.server.intake import IntakePath
+from delayd.stoppable_listener import linger
 from delayd.stream_events import read_and_dispatch
 from delayd.stream_writer import FrameWriter
 from storage.errors import StorageError
@@ -124,6 +127,8 @@ class DelayConnection:
                     with contextlib.suppress(trio.BrokenResourceError):
                         await self._writer.send(final)
                 self._writer.close()
+            if self._stopping and not self._writer.broken:
+                await linger(self.stream)
         finally:
             with trio.CancelScope(shield=True):
                 await self.stream.aclose()

@@ -20,6 +20,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+import trio
+
 from delayd.logs import tombstone
 from delayd.logs.message_log import TYPE_MESSAGE
 from delayd.protocol import EncodedMessages, Message, SendResult
@@ -53,12 +55,20 @@ class IntakePath:
         self.replayer = replayer
         self.clock = clock
         self.pending_acks = 0  # records appended whose batch is not answered yet
+        # Set once every id message_log held at start is in the id index (replay caught
+        # up): before that a resend of such an id could not be told from a new one.
+        self.ids_ready = trio.Event()
+        if receiver.known is None:
+            self.ids_ready.set()
         # Set by the server once delivery is built: it resolves cancel and reschedule.
         self.canceller: Canceller | None = None
 
     async def make_room(self) -> None:
-        """Wait while message_log's unsynced bytes are over half its window (as
+        """Wait until intake can decide duplicates (``ids_ready``), and while
+        message_log's unsynced bytes are over half its window (as
         LogWriter.append_batch does), so the append below never fsyncs inline."""
+        if not self.ids_ready.is_set():
+            await self.ids_ready.wait()
         log = self.log
         while log.unsynced_bytes > log.max_unsynced_bytes // 2:
             await self.writer.flush()
@@ -77,7 +87,13 @@ class IntakePath:
             encoded=encoded,
         )
         if intake.payloads:
-            offsets = self.log.append_batch(intake.payloads, TYPE_MESSAGE)
+            try:
+                offsets = self.log.append_batch(intake.payloads, TYPE_MESSAGE)
+            except BaseException:
+                # Not stored: a retry of these ids must not be answered DUPLICATE.
+                if self.receiver.known is not None:
+                    self.receiver.known.release(intake.message_ids)
+                raise
             known = (intake.due_ms, intake.message_ids, intake.receive_ms)
             self.replayer.offer(offsets, intake.payloads, known)
             self.pending_acks += len(intake.payloads)
