@@ -6,6 +6,10 @@ the listening sockets close and every connection stops taking requests (its in-f
 batches still get their answers, then it closes with FIN, delayd.server.connection's
 ``_linger``), then, after ``grace_s``, whatever is left is cancelled. Cancelling
 ``serve`` instead cuts every connection at once.
+
+Accepting goes through the listener's ConnectionGate (delayd.connection_gate): the
+connection cap (a connection beyond it gets ERROR TOO_MANY_CONNECTIONS) and an accept
+loop that outlives EMFILE; the gate also counts what /metrics shows.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Generic, Protocol, TypeVar
 
 import trio
 
+from delayd.connection_gate import ConnectionGate
 from delayd.listen import bound_addresses, open_listeners
 
 Address = tuple[str, int]
@@ -35,12 +40,15 @@ C = TypeVar("C", bound=StoppableConnection)
 
 
 class StoppableListener(Generic[C]):
-    """Serves ``make_connection(stream)`` for every accepted socket; ``name`` names the
-    listener in errors ("intake", "the broker")."""
+    """Serves ``make_connection(stream)`` for every socket ``gate`` admits; ``name``
+    names the listener in errors ("intake", "the broker")."""
 
-    def __init__(self, name: str, make_connection: Callable[[trio.SocketStream], C]) -> None:
+    def __init__(
+        self, name: str, make_connection: Callable[[trio.SocketStream], C], gate: ConnectionGate
+    ) -> None:
         self.name = name
         self.make_connection = make_connection
+        self.gate = gate
         self._connections: set[C] = set()
         self._accept_scope = trio.CancelScope()
         self._connections_scope = trio.CancelScope()
@@ -69,7 +77,7 @@ class StoppableListener(Generic[C]):
                         async with trio.open_nursery() as accept:
                             await accept.start(
                                 partial(
-                                    trio.serve_listeners,
+                                    self.gate.serve,
                                     self._handle,
                                     listeners,
                                     handler_nursery=connections,

@@ -27,6 +27,11 @@ from delayd.broker.broker import Broker
 from delayd.broker.config import DAY_MS, BrokerConfig, StartFrom
 from delayd.broker.metrics import collect_broker_metrics
 from delayd.broker.server import broker_listener
+from delayd.connection_limits import (
+    DEFAULT_FRAME_TIMEOUT_MS,
+    DEFAULT_HELLO_TIMEOUT_MS,
+    DEFAULT_MAX_UNFINISHED_FRAME_BYTES,
+)
 from delayd.errors import DelaydError
 from delayd.fdlimit import raise_descriptor_limit
 from delayd.gcsetup import tune_gc_for_serving
@@ -65,6 +70,16 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{value} is not positive")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative")
     return value
 
 
@@ -118,6 +133,35 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--dedupe-max-ids", type=positive_int, default=10_000_000, metavar="N", help="idempotency"
     )
+    parser.add_argument(
+        "--max-connections",
+        type=non_negative_int,
+        default=0,
+        metavar="N",
+        help="client connections at most; more are refused (default 0: by the fd limit)",
+    )
+    parser.add_argument(
+        "--hello-timeout-ms",
+        type=positive_int,
+        default=DEFAULT_HELLO_TIMEOUT_MS,
+        metavar="MS",
+        help=f"close a connection without HELLO after this (default {DEFAULT_HELLO_TIMEOUT_MS})",
+    )
+    parser.add_argument(
+        "--frame-timeout-ms",
+        type=positive_int,
+        default=DEFAULT_FRAME_TIMEOUT_MS,
+        metavar="MS",
+        help=f"close a connection whose frame is not complete after this "
+        f"(default {DEFAULT_FRAME_TIMEOUT_MS})",
+    )
+    parser.add_argument(
+        "--max-unfinished-frame-bytes",
+        type=positive_int,
+        default=DEFAULT_MAX_UNFINISHED_FRAME_BYTES,
+        metavar="BYTES",
+        help="large frames still arriving, all connections together; more wait",
+    )
     add_logging_arguments(parser)
 
 
@@ -131,6 +175,10 @@ def run(args: argparse.Namespace) -> int:
             start_from=StartFrom(args.start_from),
             dedupe_window_ms=args.dedupe_window_ms,
             dedupe_max_ids=args.dedupe_max_ids,
+            max_connections=args.max_connections,
+            hello_timeout_ms=args.hello_timeout_ms,
+            frame_timeout_ms=args.frame_timeout_ms,
+            max_unfinished_frame_bytes=args.max_unfinished_frame_bytes,
         )
     except ValueError as exc:
         log.error("bad configuration: %s", exc)
@@ -194,7 +242,9 @@ async def _serve(args: argparse.Namespace, config: BrokerConfig) -> None:
                     serve = partial(server.serve, host, port, listeners=listeners)
                     bound = await front.start(serve)
                     if args.metrics_listen is not None:
-                        await front.start(collect_broker_metrics, broker, registry)
+                        gate = server.gate  # connection metrics of the broker's listener
+                        collect = partial(collect_broker_metrics, broker, registry, gate=gate)
+                        await front.start(collect)
                     readiness.set_ready()
                     print(f"delayd broker listening on {bound[0][0]}:{bound[0][1]}", flush=True)
                     async for signum in signals:

@@ -18,6 +18,8 @@ from prometheus_client.registry import Collector
 
 from delayd.broker.broker import Broker
 from delayd.broker.config import StartFrom
+from delayd.connection_gate import ConnectionGate
+from delayd.connection_metrics import register_connection_metrics
 from delayd.store_metrics import StoreCollector, StoreSizes, broker_directories
 
 log = logging.getLogger(__name__)
@@ -113,11 +115,14 @@ async def collect_broker_metrics(
     broker: Broker,
     registry: CollectorRegistry,
     *,
+    gate: ConnectionGate | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Add the broker's collectors to ``registry`` (one already served, as from before
-    recovery) and walk the sizes of its files until cancelled."""
+    recovery) and walk the sizes of its files until cancelled. ``gate``: the broker
+    listener's, for the connection metrics (process_* always)."""
     sizes = StoreSizes(broker_directories(broker.store.directory))
     registry.register(BrokerCollector(broker))
     registry.register(StoreCollector(sizes))
+    register_connection_metrics(registry, {"broker": gate} if gate is not None else {})
     await sizes.run(task_status=task_status)

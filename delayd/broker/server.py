@@ -9,7 +9,12 @@ appended so far and then answers them in order: batches in flight share group-co
 fsyncs without a task each. A PULL that finds messages is answered inline as well; one
 that has to wait runs in a request task, because it may be held (long polling); answers
 may leave in any order (docs/protocol.md, rule 4). At most
-MAX_IN_FLIGHT requests (held PULLs, unacknowledged SEND_BATCHes) per connection.
+MAX_IN_FLIGHT requests (held PULLs, unacknowledged SEND_BATCHes) per connection, each
+until its answer is queued to the writer (bounded as well); requests answered inline
+wait for room in the writer on the reader. So a client that never reads its answers
+stops its own reader and costs bounded memory. The connection cap, the HELLO and frame
+deadlines and the frame budget come from the broker's ConnectionLimits
+(delayd.connection_gate, delayd.stream_events).
 
 Bad input never crashes the broker: a protocol violation gets the closing ERROR the
 Connection names and the socket is closed; a bad argument gets ERROR INVALID_REQUEST; an
@@ -29,6 +34,7 @@ import trio
 
 from delayd.answer_queue import AnswerQueue
 from delayd.broker.broker import Broker
+from delayd.connection_gate import ConnectionGate
 from delayd.errors import (
     ConnectionClosedError,
     LocalProtocolError,
@@ -83,38 +89,56 @@ async def serve_broker(
     token: str | None = None,
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
     listeners: list[trio.SocketListener] | None = None,
+    gate: ConnectionGate | None = None,
     task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Listen on host:port (0: any free port), or on ``listeners`` already bound there
     (delayd.listen: bound before recovery), and serve until cancelled.
 
-    Reports the bound (host, port) addresses through ``task_status.started``. Raises
-    ListenError when host:port cannot be bound.
+    ``gate``: the listener's cap and counts (for /metrics); by default one of the
+    broker's ``connection_limits``. Reports the bound (host, port) addresses through
+    ``task_status.started``. Raises ListenError when host:port cannot be bound.
     """
-    listener = broker_listener(broker, token=token, max_frame_size=max_frame_size)
+    listener = broker_listener(broker, token=token, max_frame_size=max_frame_size, gate=gate)
     await listener.serve(host, port, listeners=listeners, task_status=task_status)
 
 
 def broker_listener(
-    broker: Broker, *, token: str | None = None, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
+    broker: Broker,
+    *,
+    token: str | None = None,
+    max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+    gate: ConnectionGate | None = None,
 ) -> StoppableListener[BrokerConnection]:
     """The broker's listener with a graceful stop: ``serve`` it as serve_broker does,
     then ``stop(grace_s)`` answers every SEND_BATCH appended before closing (a held
-    PULL is dropped: nothing is committed by it) — delayd.stoppable_listener."""
+    PULL is dropped: nothing is committed by it) — delayd.stoppable_listener. ``gate``:
+    its cap and counts (for /metrics); by default one of the broker's
+    ``connection_limits``."""
+    if gate is None:
+        gate = ConnectionGate("broker", broker.config.connection_limits)
+    # The connections count their protocol errors on the gate that admitted them.
+    counted = gate
 
     def connection(stream: trio.SocketStream) -> BrokerConnection:
-        return BrokerConnection(broker, stream, token, max_frame_size)
+        return BrokerConnection(broker, stream, token, max_frame_size, counted)
 
-    return StoppableListener("the broker", connection)
+    return StoppableListener("the broker", connection, gate)
 
 
 class BrokerConnection:
     """One client connection; see the module docstring."""
 
     def __init__(
-        self, broker: Broker, stream: trio.SocketStream, token: str | None, max_frame_size: int
+        self,
+        broker: Broker,
+        stream: trio.SocketStream,
+        token: str | None,
+        max_frame_size: int,
+        gate: ConnectionGate,
     ) -> None:
         self.broker = broker
+        self.gate = gate
         self.stream = stream
         self.conn = Connection(SERVER, token=token, max_frame_size=max_frame_size)
         self._writer = FrameWriter(stream, OUTBOX_FRAMES)
@@ -170,7 +194,7 @@ class BrokerConnection:
         async def dispatch(event: Event) -> None:
             await self._dispatch(event, requests)
 
-        return await read_and_dispatch(self.stream, self.conn, self.peer, dispatch)
+        return await read_and_dispatch(self.stream, self.conn, self.peer, dispatch, self.gate)
 
     async def _dispatch(self, event: Event, requests: trio.Nursery) -> None:
         broker = self.broker

@@ -61,11 +61,13 @@ class ErrorCode(enum.IntEnum):
     UNSUPPORTED = 9  # a known command this server does not implement (yet)
     SHUTTING_DOWN = 10  # the server is stopping: retry on another node
     INTERNAL = 11  # a bug or an I/O failure on the server
+    TOO_MANY_CONNECTIONS = 14  # the server holds its max_connections: connect again later
+    TIMEOUT = 15  # HELLO, or a started frame, not finished within the server's deadline
 
     @property
     def is_retryable(self) -> bool:
         """Whether sending the same request again (later, or elsewhere) may succeed."""
-        return self in (ErrorCode.BUSY, ErrorCode.SHUTTING_DOWN)
+        return self in (ErrorCode.BUSY, ErrorCode.SHUTTING_DOWN, ErrorCode.TOO_MANY_CONNECTIONS)
 
 
 class ResultCode(enum.IntEnum):

@@ -25,6 +25,8 @@ from prometheus_client import CollectorRegistry
 from delayd.broker import Broker
 from delayd.broker.metrics import BrokerCollector
 from delayd.broker.server import broker_listener
+from delayd.connection_gate import ConnectionGate
+from delayd.connection_metrics import register_connection_metrics
 from delayd.listen import bound_addresses
 from delayd.listen import open_listeners as bind
 from delayd.logs import layout
@@ -152,7 +154,10 @@ class DelayServer:
         self.receiver = Receiver(config.limits, replayer.recovery.next_sequence, self.known)
         self.intake = IntakePath(self.receiver, self.writer, replayer)
         self.intake.canceller = delivery.canceller  # cancel/reschedule (docs/cancel.md)
-        self.listener = IntakeListener(self._connection)
+        self.listener = IntakeListener(
+            self._connection, ConnectionGate("intake", config.connection_limits)
+        )
+        # Its gate: the [broker] connection keys (the embedded broker's config).
         self.broker_listener = broker_listener(broker, token=config.token)
         self._stop = trio.Event()
         # Recovery of the logs is done when the server is built; /readyz turns ready
@@ -264,6 +269,7 @@ class DelayServer:
             max_frame_size=self.config.max_frame_bytes,
             stats=self.stats,
             broker_address=self._broker_address,
+            gate=self.listener.gate,
         )
 
     def stats(self) -> dict[str, str | int | float]:
@@ -339,6 +345,8 @@ class DelayServer:
                     registry.register(StoreCollector(self.store_sizes))
                     if self.retention is not None:
                         registry.register(RetentionCollector(self.retention))
+                    gates = {"intake": self.listener.gate, "broker": self.broker_listener.gate}
+                    register_connection_metrics(registry, gates)
                     if metrics is not None:  # served since before recovery
                         metrics.readiness.starting(self.readiness.reason or "starting")
                         self.readiness = metrics.readiness

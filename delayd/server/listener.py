@@ -1,6 +1,6 @@
 """The delay server's TCP listener: accepts producer connections until stopped, with
 the two-phase graceful stop of delayd.stoppable_listener (in-flight batches answered,
-then FIN)."""
+then FIN), through the intake's ConnectionGate (cap, EMFILE, counts)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,17 @@ from collections.abc import Callable
 
 import trio
 
+from delayd.connection_gate import ConnectionGate
 from delayd.server.connection import DelayConnection
 from delayd.stoppable_listener import StoppableListener
 
 
 class IntakeListener(StoppableListener[DelayConnection]):
-    """Serves ``make_connection(stream)`` for every producer socket accepted."""
+    """Serves ``make_connection(stream)`` for every producer socket ``gate`` admits."""
 
-    def __init__(self, make_connection: Callable[[trio.SocketStream], DelayConnection]) -> None:
-        super().__init__("intake", make_connection)
+    def __init__(
+        self,
+        make_connection: Callable[[trio.SocketStream], DelayConnection],
+        gate: ConnectionGate,
+    ) -> None:
+        super().__init__("intake", make_connection, gate)
