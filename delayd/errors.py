@@ -9,7 +9,9 @@
     ├── RejectedError               the server refused a request; ``reason`` says what to change
     ├── BusyError                   the server is overloaded; retrying later is correct
     ├── ConnectionClosedError       the connection is gone; pending requests are lost
-    └── DelaydTimeout               a deadline passed (also a builtin ``TimeoutError``)
+    ├── DelaydTimeout               a deadline passed (also a builtin ``TimeoutError``)
+    └── EtcdError                   etcd answered with an error (``code``: its gRPC code)
+        └── EtcdUnavailable         no etcd endpoint could be reached, or none answered in time
 
     StorageError                    from storage/, re-exported here
     └── CorruptionError
@@ -29,6 +31,8 @@ __all__ = [
     "CorruptionError",
     "DelaydError",
     "DelaydTimeout",
+    "EtcdError",
+    "EtcdUnavailable",
     "LocalProtocolError",
     "ProtocolError",
     "RejectedError",
@@ -89,3 +93,31 @@ class ConnectionClosedError(DelaydError):
 
 class DelaydTimeout(DelaydError, TimeoutError):
     """A deadline passed before the operation finished."""
+
+
+class EtcdError(DelaydError):
+    """etcd refused or failed a request (delayd.cluster.etcd).
+
+    ``code`` is the gRPC status code etcd answered with (5 NOT_FOUND for a lease that
+    expired or was revoked, 11 OUT_OF_RANGE for a watch on a compacted revision), or
+    ``None`` when there is none; ``endpoint`` the URL that answered.
+    """
+
+    def __init__(self, message: str, *, code: int | None = None, endpoint: str = "") -> None:
+        super().__init__(message)
+        self.code = code
+        self.endpoint = endpoint
+
+
+class EtcdUnavailable(EtcdError):
+    """No endpoint could be reached, or the one asked did not answer in time.
+
+    The message names every endpoint tried and why each failed. When ``outcome_unknown``
+    is true the request reached etcd but its answer was lost (a read timeout or a
+    dropped connection): a write may or may not have been applied, and the caller must
+    read before it decides.
+    """
+
+    def __init__(self, message: str, *, endpoint: str = "", outcome_unknown: bool = False) -> None:
+        super().__init__(message, endpoint=endpoint)
+        self.outcome_unknown = outcome_unknown

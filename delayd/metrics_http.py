@@ -19,6 +19,8 @@ from collections.abc import Callable
 import trio
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from delayd.listen import bound_addresses, open_listeners
+
 MAX_REQUEST_BYTES = 8192
 REQUEST_TIMEOUT_S = 5.0
 USAGE = b"GET /metrics, /healthz or /readyz\n"
@@ -69,13 +71,16 @@ async def serve_metrics(
     port: int,
     *,
     readiness: Readiness | None = None,
+    listeners: list[trio.SocketListener] | None = None,
     task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve /metrics, /healthz and /readyz on host:port until cancelled; reports the bound
-    addresses. /readyz follows ``readiness``; None means always ready, for a caller that
-    starts serving metrics only once it serves."""
-    listeners = await trio.open_tcp_listeners(port, host=host)
-    addresses = [listener.socket.getsockname()[:2] for listener in listeners]
+    """Serve /metrics, /healthz and /readyz on host:port (or on ``listeners`` already
+    bound there) until cancelled; reports the bound addresses. /readyz follows
+    ``readiness``; None means always ready, for a caller that starts serving metrics only
+    once it serves. Raises ListenError when host:port cannot be bound."""
+    if listeners is None:
+        listeners = await open_listeners("metrics", host, port)
+    addresses = bound_addresses(listeners)
 
     async def handle(stream: trio.SocketStream) -> None:
         try:

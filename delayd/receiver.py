@@ -8,10 +8,15 @@ refuses what it cannot honour instead of clamping or dropping it:
 - due time in the past: accepted, due at once (``due_ms`` = receipt time), counted in
   ``past_due_total``;
 - due beyond ``max_delay_ms`` from now: DELAY_TOO_LONG (QMQ clamps to 2 years);
-- both ``at_ms`` and ``delay_ms``, or a negative delay: INVALID_DELAY;
+- both ``at_ms`` and ``delay_ms``, a negative delay or a negative ``at_ms``: INVALID_DELAY;
 - body over ``max_body_bytes``, or the whole record over ``max_record_bytes``:
   BODY_TOO_LARGE (QMQ acknowledges an oversized message and drops it);
-- invalid subject, empty id, properties over ``max_properties_bytes``: refused;
+- invalid subject, a reserved ``DLQ.`` subject, an empty id, an id that is not printable
+  text (a NUL, a newline, any control character), properties over
+  ``max_properties_bytes``: refused;
+- an id the server already holds (``KnownIds``: scheduled, delivered or cancelled, in
+  an earlier batch, earlier in this one, or before a restart): DUPLICATE with the held
+  message's due time — never a second schedule (reschedule moves a message);
 - server overloaded (acks waiting for fsync, or replay lag, beyond a limit): BUSY,
   retryable, for the whole batch — never an unbounded buffer.
 
@@ -30,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from delayd.logs import message_log
+from delayd.logs.known_ids import KnownIds
 from delayd.protocol import EncodedMessages, Message, ResultCode, SendResult, validate_subject
 from delayd.protocol.codec import MSG_HEAD, MSG_KEY, new_send_result
 from delayd.sender.retry import DEAD_LETTER_PREFIX, MAX_DEAD_LETTERED_SUBJECT_LENGTH
@@ -101,17 +107,43 @@ def _days(ms: int) -> str:
     return f"{ms / MS_PER_DAY:,.1f} days"
 
 
+def _id_problem(message_id: str) -> str:
+    index, char = next((i, c) for i, c in enumerate(message_id) if not c.isprintable())
+    return (
+        f"message_id contains {char!r} at index {index}; an id is printable text "
+        "(no NUL, newline or other control or separator character)"
+    )
+
+
+def _duplicate(held_due_ms: int) -> SendResult:
+    return new_send_result(
+        ResultCode.DUPLICATE,
+        "a message with this id is already held (scheduled, delivered or cancelled); "
+        "not scheduled again: due_ms is the held message's (reschedule moves a message)",
+        None,
+        None,
+        None,
+        None,
+        held_due_ms,
+    )
+
+
 class Receiver:
     """Validates batches and numbers the accepted messages (see the module docstring).
 
     Counters for metrics: ``accepted_total``, ``refused_total`` (by ResultCode),
-    ``past_due_total``.
+    ``duplicate_total``, ``past_due_total``.
     """
 
-    def __init__(self, limits: IntakeLimits, next_sequence: int) -> None:
+    def __init__(
+        self, limits: IntakeLimits, next_sequence: int, known: KnownIds | None = None
+    ) -> None:
         self.limits = limits
         self._next_sequence = next_sequence
+        # None: no idempotency check (tools and tests that drive the receiver alone).
+        self.known = known
         self.accepted_total = 0
+        self.duplicate_total = 0
         self.refused_total: Counter[ResultCode] = Counter()
         self.past_due_total = 0
         self._subjects: dict[str, str | None] = {}  # subject -> why invalid, or None
@@ -165,6 +197,7 @@ class Receiver:
         dues: list[int] = []
         ids: list[bytes] = []
         sequence = first_sequence = self._next_sequence
+        claim = None if self.known is None else self.known.claim
         wire = None if encoded is None else encoded.data
         bounds = () if encoded is None else encoded.bounds
         for i, m in enumerate(messages):
@@ -179,6 +212,8 @@ class Receiver:
                     "message_id is empty; every message needs a unique id "
                     "(the clients make one when none is given)",
                 )
+            elif not m.message_id.isprintable():
+                refusal = SendResult(ResultCode.INVALID_ID, _id_problem(m.message_id))
             elif subject_problem is not None:
                 refusal = SendResult(ResultCode.INVALID_SUBJECT, subject_problem)
             elif at_ms is not None and delay_ms is not None:
@@ -191,6 +226,12 @@ class Receiver:
                     ResultCode.INVALID_DELAY,
                     f"delay_ms is {delay_ms}; a delay cannot be negative "
                     "(use at_ms for an absolute time)",
+                )
+            elif at_ms is not None and at_ms < 0:
+                refusal = SendResult(
+                    ResultCode.INVALID_DELAY,
+                    f"at_ms is {at_ms}, before 1970; give epoch milliseconds "
+                    "(a time in the past is delivered at once)",
                 )
             else:
                 due_ms = at_ms if at_ms is not None else now_ms + (delay_ms or 0)
@@ -211,6 +252,12 @@ class Receiver:
                         )
                     else:
                         refusal, record, message_id = self._encode(m, due_ms, now_ms, sequence)
+                    if refusal is None and claim is not None:
+                        held_due_ms = claim(message_id, due_ms)
+                        if held_due_ms is not None:
+                            self.duplicate_total += 1
+                            results.append(_duplicate(held_due_ms))
+                            continue
                     if refusal is None:
                         self.past_due_total += past_due
                         payloads.append(record)
@@ -240,7 +287,13 @@ class Receiver:
 
     def _check_subject(self, subject: str) -> str | None:
         problem = validate_subject(subject)
-        if problem is None and len(subject) > MAX_DEAD_LETTERED_SUBJECT_LENGTH:
+        if problem is None and subject.startswith(DEAD_LETTER_PREFIX):
+            target = subject[len(DEAD_LETTER_PREFIX) :]
+            problem = (
+                f"subject {subject!r} is reserved: {DEAD_LETTER_PREFIX}<subject> holds the "
+                f"messages delayd could not deliver to <subject>; send to {target} itself"
+            )
+        elif problem is None and len(subject) > MAX_DEAD_LETTERED_SUBJECT_LENGTH:
             # A message that cannot be delivered must still have somewhere to go.
             problem = (
                 f"subject is {len(subject)} characters long; a delayed message's subject is "
@@ -349,7 +402,10 @@ class Receiver:
         """Take back ``intake``, the batch the last ``accept`` numbered, whose payloads
         message_log refused (a full disk: nothing of it was stored). Its accepted
         messages are answered ``code`` with ``reason`` and their sequences are given
-        out again, so sequences stay dense. Call before the next ``accept``."""
+        out again, so sequences stay dense, and their ids are no longer held (a retry
+        is a new send, not a DUPLICATE). Call before the next ``accept``."""
+        if self.known is not None:
+            self.known.release(intake.message_ids)
         refusal = SendResult(code, reason)
         results = [refusal if result is None else result for result in intake.results]
         self._next_sequence = intake.first_sequence

@@ -16,6 +16,9 @@ from collections import deque
 import trio
 
 COALESCE_BYTES = 64 * 1024  # queued frames are joined up to this, one send
+# Queued bytes beyond which ``send`` waits: a few PULL_RESULTs of the broker's
+# max_pull_bytes (4 MiB) would otherwise wait 16 deep per connection that does not read.
+MAX_QUEUED_BYTES = 1024 * 1024
 
 
 class FrameWriter:
@@ -23,18 +26,26 @@ class FrameWriter:
     through the task) in the order ``send`` is called.
 
     Run ``run`` as a task; ``close`` lets it end once the queue is written. At most
-    ``max_queued`` frames wait for it: ``send`` waits for room beyond that, so a peer
+    ``max_queued`` frames, or one frame beyond ``max_queued_bytes``, wait for it:
+    ``send`` waits for room beyond that, so a peer
     that does not read slows its connection instead of growing memory. When the peer is
     gone, ``send`` raises BrokenResourceError (ClosedResourceError after ``close``) and
     ``run`` returns (it does not raise): the connection should stop then.
     """
 
-    def __init__(self, stream: trio.abc.SendStream, max_queued: int = 16) -> None:
+    def __init__(
+        self,
+        stream: trio.abc.SendStream,
+        max_queued: int = 16,
+        max_queued_bytes: int = MAX_QUEUED_BYTES,
+    ) -> None:
         self._stream = stream
         # Written to directly only when it is a socket (other streams: by the task).
         self._socket = getattr(stream, "socket", None)
         self._max_queued = max_queued
+        self._max_queued_bytes = max_queued_bytes
         self._queue: deque[bytes] = deque()
+        self._queued_bytes = 0
         self._writing = False  # the writer task is in send_all
         self._closed = False
         self._broken = False
@@ -50,15 +61,24 @@ class FrameWriter:
             written = self._write_now(data)
             if written < len(data):  # the rest first, before any later frame
                 self._queue.append(data[written:])
+                self._queued_bytes += len(data) - written
                 self._more.set()
             return
-        while len(self._queue) >= self._max_queued:
+        while self._queue and (
+            len(self._queue) >= self._max_queued or self._queued_bytes >= self._max_queued_bytes
+        ):
             self._room = trio.Event()
             await self._room.wait()
             if self._broken:
                 raise trio.BrokenResourceError("the peer is gone")
         self._queue.append(data)
+        self._queued_bytes += len(data)
         self._more.set()
+
+    @property
+    def queued_bytes(self) -> int:
+        """Bytes waiting for the writer task."""
+        return self._queued_bytes
 
     def _write_now(self, data: bytes) -> int:
         """As much of ``data`` as the socket takes without blocking (0 if none)."""
@@ -102,6 +122,7 @@ class FrameWriter:
             while queue and size < COALESCE_BYTES:
                 parts.append(queue.popleft())
                 size += len(parts[-1])
+            self._queued_bytes -= size
             self._room.set()
             self._writing = True
             try:

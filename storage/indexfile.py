@@ -568,6 +568,20 @@ class IndexFile:
                 yield offset
             number = prev
 
+    def hash_source(self) -> HashSource:
+        """What ``read_key_hashes`` needs to list this file's entries' key hashes as
+        they are now: the flushed ones from the file, the rest copied from memory."""
+        self._check_open()
+        with self._lock:
+            return HashSource(
+                self.path,
+                self.fs,
+                self._fd,
+                self._entries_start,
+                self._flushed,
+                bytes(self._pending),
+            )
+
     def _entry(self, number: int) -> tuple[int, int, int, int]:
         with self._lock:
             if number > self._count:
@@ -733,6 +747,42 @@ class IndexFile:
             raise StorageError(
                 f"index file {self.path} failed earlier ({self._failed!r}); reopen it to recover"
             )
+
+
+class HashSource(NamedTuple):
+    """An index file's entries at one moment (``IndexFile.hash_source``)."""
+
+    path: str
+    fs: FileSystem
+    fd: int
+    entries_start: int
+    flushed: int  # entries on disk
+    pending: bytes  # packed entries after them
+
+
+def read_key_hashes(source: HashSource) -> Iterator[Sequence[int]]:
+    """The key hashes of ``source``'s entries, oldest first, a chunk at a time. Reads
+    with the file's own descriptor, so it may run in a worker thread; raises OSError when
+    the file was closed meanwhile (retention deleted it: its keys need no hashes)."""
+    done = 0
+    while done < source.flushed:
+        count = min(REPLAY_CHUNK, source.flushed - done)
+        position = source.entries_start + done * ENTRY_SIZE
+        data = source.fs.pread(source.fd, count * ENTRY_SIZE, position)
+        if len(data) < count * ENTRY_SIZE:
+            raise OSError(f"index entries end early at byte {position + len(data)}")
+        yield _key_hashes(data)
+        done += count
+    if source.pending:
+        yield _key_hashes(source.pending)
+
+
+def _key_hashes(entries: bytes) -> Sequence[int]:
+    """The first u32 of every ENTRY_SIZE-byte entry of ``entries``."""
+    words = array("I", entries)
+    if _BIG_ENDIAN:
+        words.byteswap()
+    return words[:: ENTRY_SIZE // 4]
 
 
 def file_name(offset: int) -> str:
@@ -904,6 +954,10 @@ class IndexStore:
                     if len(found) >= max_results:
                         return found
         return found
+
+    def hash_sources(self) -> list[HashSource]:
+        """``IndexFile.hash_source`` of every file, oldest first."""
+        return [index.hash_source() for index in self._files]
 
     def flush(self) -> None:
         """Make every put so far durable (older files were flushed when they were sealed).

@@ -5,6 +5,8 @@
 buckets (BucketFiles, RecordFile), encoded by the logs' codecs — so a test can plant
 exactly the faults it wants (a missing entry, a second entry, a record scheduled twice,
 a reschedule without its copy) in files the audit reads as it would read a server's.
+``sends_and_cancels`` writes ids sent twice and cancels contradicted by a delivery, as a
+server without intake's duplicate check leaves them.
 """
 
 from __future__ import annotations
@@ -145,6 +147,40 @@ class DelayData:
         """A COMPLETE mark covering the bucket's schedule_log file as it is now."""
         length = self.schedule_log.get(bucket_ms).end_offset
         self.dispatch_log.append_batch(bucket_ms, [encode_entry(length, T0)], EntryKind.COMPLETE)
+
+
+def sends_and_cancels(data: DelayData, as_of_ms: int) -> dict[str, Scheduled]:
+    """Ids sent twice, and cancels answered CANCELLED yet delivered (as a server that
+    scheduled both sends withdrew only the newer one); and what is not a finding: a
+    cancel that withdrew the only record, a message moved (a second record of its id,
+    not a second send), moved and then cancelled, a cancel answered ALREADY_DELIVERED.
+    The ids sent twice and still pending are due after ``as_of_ms``. Returns records
+    by name (tests/test_audit.py; docs/audit.md shows the report of them)."""
+    kept = {}
+    # Sent twice, both pending.
+    kept["twice"] = data.accept("twice-1", as_of_ms + 10 * MINUTE)
+    kept["twice-again"] = data.accept("twice-1", as_of_ms + 20 * MINUTE)
+    # Sent twice; the cancel withdrew the newer send, the older one was sent after it.
+    kept["lost"] = data.accept("cancel-lost-1", T0 + 5_000)
+    kept["lost-newer"] = data.accept("cancel-lost-1", T0 + MINUTE + 5_000)
+    data.cancel(kept["lost-newer"], at_ms=T0 + 1_000)
+    data.entry(kept["lost"], kept["lost"].due_ms + 2)
+    # Sent twice; the older one was sent before the cancel withdrew the newer one.
+    kept["early"] = data.accept("sent-before-1", T0 + 2_000)
+    data.entry(kept["early"], kept["early"].due_ms + 1)
+    kept["early-newer"] = data.accept("sent-before-1", T0 + 2 * MINUTE)
+    data.cancel(kept["early-newer"], at_ms=T0 + 10_000)
+    # Not findings.
+    data.cancel(data.accept("cancelled-ok", T0 + MINUTE + 1_000), at_ms=T0)
+    moved = data.accept("moved-ok", T0 + 3_000)
+    copy = data.reschedule(moved, T0 + MINUTE + 3_000, at_ms=T0)
+    data.entry(copy, copy.due_ms + 4)
+    moved = data.accept("moved-cancelled", T0 + 4_000)
+    data.cancel(data.reschedule(moved, T0 + 2 * MINUTE + 4_000, at_ms=T0), at_ms=T0 + 1)
+    sent = data.accept("sent-then-cancel", T0 + 6_000)
+    data.entry(sent, sent.due_ms + 3)
+    data.tombstone("sent-then-cancel", T0 + 20_000)  # ALREADY_DELIVERED: nothing written
+    return kept
 
 
 def schedule_path(root: str, bucket_ms: int) -> str:

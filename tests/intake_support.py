@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 import select
 import signal
 import socket
@@ -65,13 +66,16 @@ class ServeProcess:
         log_path: Path | None = None,
         metrics_listen: str | None = "127.0.0.1:0",
         env: dict[str, str] | None = None,
+        nofile: int | None = None,
     ) -> None:
         """``metrics_listen``: the flag's value; None passes no flag (the configured
-        default applies). ``env``: variables added to the child's environment."""
+        default applies). ``env``: variables added to the child's environment.
+        ``nofile``: the child's RLIMIT_NOFILE, soft and hard (it cannot raise it)."""
         self.data_dir = data_dir
         self.extra = list(extra)
         self.metrics_listen = metrics_listen
         self.env = {**_env(), **(env or {})}
+        self.nofile = nofile
         self.log_path = log_path or data_dir.parent / f"{data_dir.name}-serve.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.address: tuple[str, int] | None = None
@@ -98,7 +102,12 @@ class ServeProcess:
         args += self.extra
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                args, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, env=self.env
+                args,
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                env=self.env,
+                preexec_fn=self._limit_descriptors if self.nofile else None,
             )
         self.stdout = ""
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -116,6 +125,9 @@ class ServeProcess:
         if metrics := METRICS.search(self.stdout):
             self.metrics_address = (metrics.group(1), int(metrics.group(2)))
         return self
+
+    def _limit_descriptors(self) -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (self.nofile, self.nofile))
 
     def _read(self, timeout_s: float) -> str:
         """What the child printed next ("" at EOF or after timeout_s). Unbuffered: the

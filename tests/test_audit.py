@@ -9,6 +9,7 @@ Every test that needs Spark is in this module, so that one JVM serves them all (
 from __future__ import annotations
 
 import os
+import shutil
 import time
 
 import pytest
@@ -21,6 +22,7 @@ from delayd.audit.result import ERROR, NOTICE
 from delayd.audit.schemas import DISPATCH_LOG, SCHEDULE_LOG
 from delayd.audit.sources import spark_schema
 from delayd.cli import main
+from delayd.logs import layout
 from delayd.logs.dispatch_log import FRAMED_SIZE, EntryKind, encode_entry
 from delayd.protocol.codes import CancelOutcome, RescheduleOutcome
 from storage.framing import encode_record
@@ -34,6 +36,7 @@ from tests.audit_support import (
     flip_byte,
     read_table,
     schedule_path,
+    sends_and_cancels,
     spark_session,  # noqa: F401 - the shared session fixture
 )
 from tests.intake_support import ServeProcess
@@ -375,3 +378,125 @@ def test_a_served_data_directory_audits_clean(spark, server, tmp_path, capsys):
     ):
         assert overall[count] == 0, count
     assert 0 <= overall["lateness_max_ms"] < 5_000
+
+
+def docs_example() -> list[str]:
+    """The lines of the report docs/audit.md shows under "### Example"."""
+    path = os.path.join(os.path.dirname(__file__), "..", "docs", "audit.md")
+    with open(path, encoding="utf-8") as page:
+        text = page.read()
+    example = text[text.index("### Example") :]
+    block = example[example.index("```text\n") + len("```text\n") :]
+    return block[: block.index("```")].rstrip("\n").splitlines()
+
+
+def placed(out: str) -> set[tuple]:
+    return {
+        (r["kind"], r["message_id"], r["bucket"].strftime("%H:%M"), r["offset"])
+        for r in read_table(out, "discrepancies")
+    }
+
+
+def test_ids_sent_twice_and_cancelled_ids_delivered_are_found(spark, tmp_path, capsys):
+    root, out = str(tmp_path / "data"), str(tmp_path / "out")
+    with DelayData(root) as data:
+        kept = sends_and_cancels(data, AS_OF)
+
+    status = main(["audit", "--data", f"s1={root}", "--out", out, "--as-of", AS_OF_TEXT])
+
+    assert status == 1
+    # A later send is found at its record; so is a delivered record of a cancelled id.
+    expected = {
+        ("duplicate_send", "twice-1", "11:20", kept["twice-again"].offset),
+        ("duplicate_send", "cancel-lost-1", "10:01", kept["lost-newer"].offset),
+        ("duplicate_send", "sent-before-1", "10:02", kept["early-newer"].offset),
+        ("cancelled_id_delivered", "cancel-lost-1", "10:00", kept["lost"].offset),
+        ("cancelled_id_delivered", "sent-before-1", "10:00", kept["early"].offset),
+    }
+    assert placed(out) == expected
+    rows = {(r["kind"], r["message_id"]): r for r in read_table(out, "discrepancies")}
+    twice, first = rows[("duplicate_send", "twice-1")], kept["twice"]
+    assert (twice["severity"], twice["server"]) == (ERROR, "s1")
+    assert (twice["message_log_offset"], twice["due_ms"]) == (
+        kept["twice-again"].message_log_offset,
+        kept["twice-again"].due_ms,
+    )
+    assert twice["detail"] == (
+        f"id sent 2 times: message_log offset {first.message_log_offset} (sequence 1, due "
+        f"2026-11-22 11:10:00.000), message_log offset {twice['message_log_offset']} "
+        "(sequence 2, due 2026-11-22 11:20:00.000)"
+    )
+    delivered, lost = rows[("cancelled_id_delivered", "cancel-lost-1")], kept["lost"]
+    assert (delivered["message_log_offset"], delivered["dispatched_ms"]) == (
+        lost.message_log_offset,
+        lost.due_ms + 2,
+    )
+    assert delivered["detail"] == (
+        "delivered, but a cancel of its id was answered CANCELLED: the record at "
+        f"message_log offset {kept['lost-newer'].message_log_offset} (due 2026-11-22 "
+        "10:01:05.000) is cancelled"
+    )
+    overall = totals(out)
+    counts = {
+        "duplicate_send": 3,
+        "cancelled_id_delivered": 2,
+        "scheduled_twice": 0,
+        "not_scheduled": 0,
+        "dispatched_after_cancel": 0,
+        "cancelled_after_dispatch": 0,
+        "duplicate_by_id": 0,
+        "copy_missing": 0,
+        "cancelled": 4,
+        "rescheduled": 2,
+        "message_log_records": 10,
+        "message_log_cancels": 5,
+    }
+    assert {k: overall[k] for k in counts} == counts
+    per_bucket = {
+        r["bucket"].strftime("%H:%M"): (r["duplicate_send"], r["cancelled_id_delivered"])
+        for r in read_table(out, "summary")
+        if r["bucket"]
+    }
+    assert per_bucket["10:00"] == (0, 2) and per_bucket["11:20"] == (1, 0)
+    printed = capsys.readouterr().out
+    assert "findings: cancelled_id_delivered 2, duplicate_send 3" in printed
+    assert "RESULT: 5 discrepancies" in printed
+    # docs/audit.md shows this report ("Example"), written to /tmp/audit; all but the
+    # headline, which says how long the audit took.
+    shown = printed.replace(out, "/tmp/audit").splitlines()
+    assert [line.rstrip() for line in shown[1:]] == docs_example()[1:]
+    with open(os.path.join(out, "report.html"), encoding="utf-8") as page:
+        assert "delivered, but a cancel of its id was answered CANCELLED" in page.read()
+
+    # schedule_log and dispatch_log decide alone: the same after retention removed
+    # message_log.
+    shutil.rmtree(layout.message_log_dir(root))
+    config = AuditConfig(servers=(Server("s1", root),), out=out, as_of_ms=AS_OF)
+    result = job.run(spark, config)
+    assert placed(out) == expected
+    assert (result.errors, result.message_log_checked) == (5, False)
+
+
+def test_sends_cancels_and_moves_done_right_audit_clean(spark, tmp_path, capsys):
+    root, out = str(tmp_path / "data"), str(tmp_path / "out")
+    with DelayData(root) as data:
+        data.cancel(data.accept("cancelled-ok", T0 + MINUTE + 1_000), at_ms=T0)
+        moved = data.accept("moved-ok", T0 + 3_000)
+        copy = data.reschedule(moved, T0 + MINUTE + 3_000, at_ms=T0)
+        data.entry(copy, copy.due_ms + 4)
+        moved = data.accept("moved-cancelled", T0 + 4_000)
+        data.cancel(data.reschedule(moved, T0 + 2 * MINUTE + 4_000, at_ms=T0), at_ms=T0 + 1)
+        sent = data.accept("sent-then-cancel", T0 + 6_000)
+        data.entry(sent, sent.due_ms + 3)
+        data.tombstone("sent-then-cancel", T0 + 20_000)
+
+    status = main(["audit", "--data", root, "--out", out, "--as-of", AS_OF_TEXT])
+
+    printed = capsys.readouterr().out
+    assert status == 0, printed
+    assert "RESULT: clean" in printed
+    assert read_table(out, "discrepancies") == []
+    overall = totals(out)
+    assert (overall["duplicate_send"], overall["cancelled_id_delivered"]) == (0, 0)
+    assert (overall["cancelled"], overall["rescheduled"]) == (2, 2)
+    assert (overall["message_log_records"], overall["message_log_cancels"]) == (4, 3)

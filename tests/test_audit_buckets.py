@@ -1,7 +1,8 @@
 """What the audit decides where a bucket is read, without Spark: the flags of every
 record (judge.py), each bucket's counts and percentiles and the histograms that add up
-across buckets (tally.py), and the hash ranges that find one id across buckets and
-servers (ids.py) — each against a plain, row-by-row reading of docs/audit.md."""
+across buckets (tally.py), the hash ranges that find one id across buckets and servers
+(ids.py) — each against a plain, row-by-row reading of docs/audit.md — and what the
+records of one id decide (id_checks.py)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,11 @@ import pyarrow as pa
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from delayd.audit import ids, tally
+from delayd.audit import id_checks, ids, tally
 from delayd.audit.judge import FLAGS, judge
-from delayd.audit.kinds import CORRUPT, FORMAT, TORN_TAIL
+from delayd.audit.kinds import CORRUPT, ERROR, FORMAT, TORN_TAIL
 from delayd.audit.pairs import DISPATCH_PROBLEMS
-from delayd.audit.schemas import PAIRED
+from delayd.audit.schemas import PAIRED, RECORD
 from delayd.logs.dispatch_log import EntryKind
 from tests.audit_support import MINUTE, T0
 
@@ -25,6 +26,7 @@ CUTOFF_MS = T0 + 30 * MINUTE
 LATE_MS = 5_000
 US_PER_MS = 1000
 BUCKETS = [T0 + i * MINUTE for i in range(3)]
+SHOWN_SCHEMA = pa.schema([pa.field("server", pa.string()), *RECORD])  # reconcile.SHOWN
 
 # A PAIRED row: a record, a schedule_log problem row, or entries with no record. Times
 # cluster around the boundaries the definitions draw.
@@ -61,6 +63,7 @@ def paired_table(rows: list[dict]) -> pa.Table:
             "message_log_offset": row["offset"] + 7 if record else None,
             "due_ms": row["due_ms"] if record else None,
             "message_id": f"m-{row['offset']}" if record else None,
+            "sequence": row["offset"] if record else None,
             "schedule_problem": row["schedule_problem"],
             "schedule_detail": row["schedule_problem"],
             "dispatches": row["dispatches"],
@@ -229,6 +232,8 @@ def test_nearest_rank_at_every_bucket_size():
             st.integers(0, 12),  # which id
             st.integers(0, 2),  # DISPATCHED entries
             st.sampled_from(BUCKETS),
+            st.integers(0, 1),  # which send of the id (its sequence)
+            st.none() | st.sampled_from([kind.value for kind in EntryKind]),  # fate
         ),
         max_size=80,
     ),
@@ -236,23 +241,26 @@ def test_nearest_rank_at_every_bucket_size():
 )
 def test_hash_ranges_find_every_repeated_id_and_the_latest_offset(records, tasks):
     """However the records are spread over tasks, the ranges find exactly the ids
-    dispatched more than once (with the buckets that hold them) and the highest
-    message_log offset of each moved id."""
-    id_hash = ids.id_hashes(pa.array([f"id-{i}" for _, i, _, _ in records], pa.string()))
+    dispatched more than once (with the buckets that hold them), the ids of one server
+    sent more than once or cancelled and delivered (with the buckets of their records
+    there), and the highest message_log offset of each moved id."""
+    id_hash = ids.id_hashes(pa.array([f"id-{r[1]}" for r in records], pa.string()))
     rows = [
         (*record, h, offset)
         for offset, (record, h) in enumerate(zip(records, id_hash.to_pylist(), strict=True))
-    ]
-    moved = frozenset((server, h) for server, i, _, _, h, _ in rows if i % 3 == 0 and server == "a")
+    ]  # server, id, dispatches, bucket, send, fate, hash, message_log offset
+    moved = frozenset((r[0], r[6]) for r in rows if r[1] % 3 == 0 and r[0] == "a")
     blobs: list[tuple[int, str, bytes]] = []
     for task in range(tasks):
         for server in ("a", "b"):
             mine = [r for n, r in enumerate(rows) if n % tasks == task and r[0] == server]
             part = ids.part(
-                pa.array([r[4] for r in mine], pa.int64()),
+                pa.array([r[6] for r in mine], pa.int64()),
                 pa.array([r[2] for r in mine], pa.int64()),
                 pa.array([r[3] * US_PER_MS for r in mine], PAIRED.field("bucket").type),
-                pa.array([r[5] for r in mine], pa.int64()),
+                pa.array([r[7] for r in mine], pa.int64()),
+                pa.array([1000 * r[1] + r[4] for r in mine], pa.int64()),
+                pa.array([r[5] for r in mine], pa.int8()),
             )
             blobs += [(range_, server, blob) for range_, blob in ids.blobs([part])]
 
@@ -262,14 +270,74 @@ def test_hash_ranges_find_every_repeated_id_and_the_latest_offset(records, tasks
         found |= set(ids.merge(mine, moved))
 
     dispatches: dict[int, int] = {}
-    for _, _, times, _, h, _ in rows:
-        dispatches[h] = dispatches.get(h, 0) + times
-    expected = {
-        (ids.CANDIDATE, server, h, bucket)
-        for server, _, times, bucket, h, _ in rows
-        if times and dispatches[h] > 1
-    }
+    for r in rows:
+        dispatches[r[6]] = dispatches.get(r[6], 0) + r[2]
+    expected = {(ids.CANDIDATE, r[0], r[6], r[3]) for r in rows if r[2] and dispatches[r[6]] > 1}
+    delivered = (EntryKind.DISPATCHED.value, EntryKind.DEAD_LETTERED.value)
+    for server, h in {(r[0], r[6]) for r in rows}:
+        same = [r for r in rows if (r[0], r[6]) == (server, h)]
+        sent_twice = len({r[4] for r in same}) > 1
+        cancelled = any(r[5] == EntryKind.CANCELLED.value for r in same)
+        if sent_twice or (cancelled and any(r[5] in delivered for r in same)):
+            expected |= {(ids.SAME_ID, server, h, r[3]) for r in same}
     for server, h in moved:
-        offsets = [offset for s, _, _, _, g, offset in rows if (s, g) == (server, h)]
+        offsets = [r[7] for r in rows if (r[0], r[6]) == (server, h)]
         expected.add((ids.LATEST, server, h, max(offsets)))
     assert found == expected
+
+
+def shown(server: str, message_id: str, mlo: int, sequence: int, fate: EntryKind | None) -> dict:
+    """A record as reconcile.SHOWN has it (its place and times derived from ``mlo``)."""
+    return {
+        "server": server,
+        "bucket": T0 * US_PER_MS,
+        "offset": mlo * 10,
+        "message_log_offset": mlo,
+        "message_id": message_id,
+        "id_hash": 7,  # one hash for every id: the ids decide, never the hash
+        "due_ms": T0 + mlo,
+        "dispatched_ms": T0 + mlo + 1 if fate is EntryKind.DISPATCHED else None,
+        "dispatches": int(fate is EntryKind.DISPATCHED),
+        "lateness_ms": None,
+        "sequence": sequence,
+        "fate": None if fate is None else fate.value,
+    }
+
+
+def test_id_checks_count_sends_by_sequence_and_cancels_by_fate():
+    moved, cancelled = EntryKind.RESCHEDULED, EntryKind.CANCELLED
+    records = [
+        # Sent, moved (its copy keeps sequence 1), then sent again and again.
+        shown("a", "x", 10, 1, moved),
+        shown("a", "x", 50, 1, EntryKind.DISPATCHED),
+        shown("a", "x", 30, 2, cancelled),
+        shown("a", "x", 70, 3, None),
+        # Moved twice, then cancelled: one send, nothing delivered.
+        shown("a", "y", 11, 4, moved),
+        shown("a", "y", 40, 4, moved),
+        shown("a", "y", 60, 4, cancelled),
+        # The same id on another server is another message; dead-lettered is delivered.
+        shown("b", "y", 12, 1, EntryKind.DEAD_LETTERED),
+        shown("b", "z", 13, 2, cancelled),
+        shown("b", "z", 13, 2, EntryKind.DISPATCHED),  # a copy appended twice, one send
+    ]
+    table = pa.Table.from_pylist(records, schema=SHOWN_SCHEMA)
+
+    found = id_checks.findings(table).to_pylist()
+
+    assert [(r["kind"], r["server"], r["message_id"], r["message_log_offset"]) for r in found] == [
+        ("cancelled_id_delivered", "a", "x", 50),
+        ("cancelled_id_delivered", "b", "z", 13),
+        ("duplicate_send", "a", "x", 30),
+        ("duplicate_send", "a", "x", 70),
+    ]
+    assert found[2]["detail"] == (
+        "id sent 3 times: message_log offset 10 (sequence 1, due 2026-11-22 10:00:00.010), "
+        "message_log offset 30 (sequence 2, due 2026-11-22 10:00:00.030), "
+        "message_log offset 70 (sequence 3, due 2026-11-22 10:00:00.070)"
+    )
+    assert found[0]["detail"] == (
+        "delivered, but a cancel of its id was answered CANCELLED: the record at "
+        "message_log offset 30 (due 2026-11-22 10:00:00.030) is cancelled"
+    )
+    assert {r["severity"] for r in found} == {ERROR}

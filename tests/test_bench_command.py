@@ -5,17 +5,40 @@ docs/benchmarks.md); what is: the command runs the cases asked for, end to end
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import socket
 import subprocess
 import sys
 
 import pytest
 
+# What `make run` listens on: intake, broker, metrics (docs/configuration.md).
+DEFAULT_PORTS = (20801, 20811, 20880)
+
+
+@pytest.fixture
+def default_ports_taken():
+    """The default ports held by listening sockets (the bench must not need them); a
+    port another process already holds (a `make run`) is as good."""
+    with contextlib.ExitStack() as stack:
+        for port in DEFAULT_PORTS:
+            sock = stack.enter_context(socket.socket())
+            try:
+                sock.bind(("127.0.0.1", port))
+                sock.listen()
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE:
+                    raise
+        yield
+
 
 @pytest.mark.slow
-def test_bench_runs_a_real_server_kills_it_and_reports_every_figure(tmp_path):
+def test_bench_runs_a_real_server_kills_it_and_reports_every_figure(tmp_path, default_ports_taken):
     # The light cases (a few seconds, little CPU): the suite runs beside other tests
-    # whose virtual clocks a CPU-heavy case would starve.
+    # whose virtual clocks a CPU-heavy case would starve. With the default ports taken,
+    # as by a `make run` beside it: the bench's servers listen on free ports only.
     done = subprocess.run(
         [sys.executable, "-m", "delayd", "bench", "--quick", "--only", "memory,restart",
          "--pending", "2000"],

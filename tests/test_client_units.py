@@ -125,6 +125,22 @@ def test_backoff_reset_starts_over_and_never_overflows() -> None:
     assert b.next_delay() == pytest.approx(0.05 * 0.75)
 
 
+def test_backoff_runs_from_the_failure_not_from_the_caller() -> None:
+    """Issue 18: time spent between calls counts towards the delay, so a caller whose
+    own time-out is shorter than the delay still gets its next attempt."""
+    b = Backoff(initial_s=1.0, max_s=2.0, rand=lambda: 0.999999)
+    assert b.wait_s(100.0) == 0.0, "no failure yet: try at once"
+    b.failed(100.0)
+    assert b.wait_s(100.0) == pytest.approx(1.0)
+    assert b.wait_s(100.4) == pytest.approx(0.6)
+    assert b.wait_s(101.0) == pytest.approx(0.0, abs=1e-5)
+    b.failed(101.0)
+    assert b.wait_s(101.5) == pytest.approx(1.5)  # the next delay, from the new failure
+    assert b.wait_s(200.0) == 0.0  # asking again much later never waits
+    b.reset()
+    assert b.wait_s(101.5) == 0.0
+
+
 def test_backoff_refuses_nonsense() -> None:
     with pytest.raises(ValueError):
         Backoff(initial_s=0, max_s=1)

@@ -86,7 +86,8 @@ async def test_a_gone_peer_fails_send_and_ends_run():
 
 async def test_close_lets_run_write_the_queue_first(autojump_clock):
     ours, peer = await socket_pair()
-    writer = FrameWriter(ours, max_queued=64)
+    # Room for all 20 frames: the peer reads only after close.
+    writer = FrameWriter(ours, max_queued=64, max_queued_bytes=4 << 20)
     frames = [b"%06d" % i * 20_000 for i in range(20)]
     for frame in frames[:3]:  # the socket buffer fills: the rest queues
         await writer.send(frame)
@@ -99,3 +100,19 @@ async def test_close_lets_run_write_the_queue_first(autojump_clock):
             await writer.send(b"late")
         got = await read_exactly(peer, sum(map(len, frames)))
     assert got == b"".join(frames)
+
+
+async def test_queued_bytes_are_bounded_whatever_the_frame_count(autojump_clock):
+    ours, peer = await socket_pair()
+    writer = FrameWriter(ours, max_queued=1000, max_queued_bytes=256 * 1024)
+    most = 0
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(writer.run)
+        with trio.move_on_after(5):  # the peer reads nothing
+            while True:
+                await writer.send(b"p" * 100_000)
+                most = max(most, writer.queued_bytes)
+        nursery.cancel_scope.cancel()
+    # One frame may start beyond the bound, never two.
+    assert 256 * 1024 <= most < 256 * 1024 + 100_000
+    await peer.aclose()

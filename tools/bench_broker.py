@@ -55,22 +55,14 @@ FRAME = 100  # messages per SEND_BATCH
 emit = bench_common.emitter("broker")
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Broker:
     """A ``delayd broker`` child process, pinned to CPU 0 when taskset exists."""
 
     def __init__(self, data: str) -> None:
-        self.port = free_port()
-        self.addr = f"127.0.0.1:{self.port}"
         delayd_bin = str(Path(sys.executable).with_name("delayd"))
-        args = [delayd_bin, "broker", "--data", data, "--listen", self.addr]
+        # Port 0: the broker picks a free port and prints it (a port probed free here
+        # could be taken again before the broker binds it).
+        args = [delayd_bin, "broker", "--data", data, "--listen", "127.0.0.1:0"]
         args += ["--metrics-listen", "off", "--log-level", "warning"]
         self.pinned = shutil.which("taskset") is not None and (os.cpu_count() or 1) >= 2
         if self.pinned:
@@ -81,6 +73,7 @@ class Broker:
         if "listening on" not in line:
             self.proc.kill()
             raise RuntimeError(f"broker did not start: {line!r}")
+        self.addr = line.rsplit(" ", 1)[1].strip()  # "delayd broker listening on HOST:PORT"
 
     def stop(self) -> None:
         self.proc.terminate()

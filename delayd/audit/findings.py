@@ -4,8 +4,9 @@ one corrupt record per problem a reader met.
 
 Every finding about one record alone is made here, where the record was judged, with
 its message id at hand. The ones that take other buckets — ``duplicate_id``,
-``copy_missing``, and the message_log check's — are the job's (reconcile.py,
-message_check.py), in the same columns (schemas.FINDING, plus the server).
+``copy_missing``, ``duplicate_send``, ``cancelled_id_delivered`` and the message_log
+check's — are the job's (reconcile.py, id_checks.py, message_check.py), in the same
+columns (schemas.FINDING, plus the server).
 """
 
 from __future__ import annotations

@@ -5,10 +5,11 @@ Each bucket's two files are reconciled where they are read (reconciled.py), whic
 leaves few rows: per bucket its counts, per task the findings, the problems, the moved
 records, and what crosses buckets packed by id hash range. They are cached; the small
 tables among them are fetched at once and held on the driver. Then the ranges are added
-up (reconcile.py), message_log is checked if there is one (message_check.py), the
-summary is added up on the driver (summary.py) and the tables are written
-(outputs.py). A clean audit of servers without message_log runs three Spark jobs: the
-one pass over the logs, and the two stages that move and add up the id ranges.
+up (reconcile.py; with id_checks.py: ids sent twice, delivered though cancelled),
+message_log is checked if there is one (message_check.py), the summary is added up on
+the driver (summary.py) and the tables are written (outputs.py). A clean audit of
+servers without message_log runs three Spark jobs: the one pass over the logs, and the
+two stages that move and add up the id ranges.
 Queries are DataFrame methods with SQL text (queries.py says why).
 """
 
@@ -64,7 +65,9 @@ def run(spark: SparkSession, config: AuditConfig) -> AuditResult:
     side = _side_tables(rows)  # this computes (and caches) every server's rows
     problems = side["problem"]
     unread = set(_of_log(problems, files.SCHEDULE_LOG)["server"].to_pylist())
-    duplicates, copies = reconcile.cross_buckets(spark, config, rows, side["moved"], unread)
+    duplicates, copies, same_id = reconcile.cross_buckets(
+        spark, config, rows, side["moved"], unread
+    )
 
     found = [rows.where("finding IS NOT NULL").selectExpr(*_MAP_SIDE_FINDINGS)]
     messages = checked = None
@@ -76,9 +79,9 @@ def run(spark: SparkSession, config: AuditConfig) -> AuditResult:
     result = outputs.write(
         spark,
         config,
-        summary.summary(side["summary"], side["lateness"], duplicates, copies, messages),
+        summary.summary(side["summary"], side["lateness"], duplicates, copies, same_id, messages),
         reduce(DataFrame.unionByName, found),
-        outputs.local_findings(duplicates, copies),
+        outputs.local_findings(duplicates, copies, same_id),
         problems,
         message_log_checked=checked is not None,
     )

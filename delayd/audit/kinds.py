@@ -27,6 +27,8 @@ CANCELLED_AFTER_DISPATCH = "cancelled_after_dispatch"
 COPY_MISSING = "copy_missing"
 NOT_SCHEDULED = "not_scheduled"
 SCHEDULED_TWICE = "scheduled_twice"
+DUPLICATE_SEND = "duplicate_send"
+CANCELLED_ID_DELIVERED = "cancelled_id_delivered"
 NOTICES = frozenset({DEAD_LETTERED, TORN_TAIL})  # listed; every other kind fails the audit
 
 # A finding's or a corrupt record's ``severity``.

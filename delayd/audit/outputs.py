@@ -24,7 +24,7 @@ from pyspark.sql import functions as F
 
 from delayd.audit import findings
 from delayd.audit.config import AuditConfig
-from delayd.audit.kinds import COPY_MISSING, DUPLICATE_ID
+from delayd.audit.kinds import CANCELLED_ID_DELIVERED, COPY_MISSING, DUPLICATE_ID, DUPLICATE_SEND
 from delayd.audit.queries import fetch, literal
 from delayd.audit.result import ERROR, REPORT_ROWS, AuditResult
 
@@ -33,15 +33,17 @@ DISCREPANCIES = "discrepancies"
 CORRUPT_RECORDS = "corrupt_records"
 TABLES = (SUMMARY, DISCREPANCIES, CORRUPT_RECORDS)
 US_PER_MS = 1000
-_LOCAL_KINDS = (DUPLICATE_ID, COPY_MISSING)  # the findings made on the driver
+# the findings made on the driver
+_LOCAL_KINDS = (DUPLICATE_ID, COPY_MISSING, DUPLICATE_SEND, CANCELLED_ID_DELIVERED)
 _FINDING_ORDER = ("kind", "server", "bucket", "offset", "message_log_offset")
 _PROBLEM_ORDER = ("server", "log", "file", "position")
 
 
-def local_findings(duplicates: pa.Table, copies: pa.Table) -> pa.Table:
-    """The discrepancies rows of what reconcile.py found across buckets."""
+def local_findings(duplicates: pa.Table, copies: pa.Table, same_id: pa.Table) -> pa.Table:
+    """The discrepancies rows of what reconcile.py found across buckets (``same_id``:
+    id_checks' rows already)."""
     return pa.concat_tables(
-        [findings.duplicate_id_findings(duplicates), findings.copy_findings(copies)]
+        [findings.duplicate_id_findings(duplicates), findings.copy_findings(copies), same_id]
     )
 
 

@@ -44,7 +44,16 @@ from delayd.logs.dispatch_log import EntryKind
 # What each log's reader is asked for.
 _SCHEDULE = select(
     SCHEDULE_LOG,
-    ["bucket", "offset", "message_log_offset", "due_ms", "message_id", "problem", "detail"],
+    [
+        "bucket",
+        "offset",
+        "message_log_offset",
+        "due_ms",
+        "message_id",
+        "sequence",
+        "problem",
+        "detail",
+    ],
 )
 _DISPATCH = select(
     DISPATCH_LOG, ["bucket", "position", "kind", "offset", "at_ms", "problem", "detail"]

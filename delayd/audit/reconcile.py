@@ -1,16 +1,16 @@
 """What crosses buckets and servers: one id at several records, a moved record's copy.
 
-Everything a record's own bucket decides was decided where it was read (judge.py). Two
-findings take other buckets, or other servers; both look for the records of one id, by
+Everything a record's own bucket decides was decided where it was read (judge.py). Four
+findings take other buckets, or other servers; all look for the records of one id, by
 its 64-bit hash, a hash range at a time (ids.py):
 
 * duplicate_id: a message id whose DISPATCHED entries are at more than one record (a
-  producer retry is two records with one id; the delay server does not dedupe, the
-  broker does). ``duplicate_by_id`` counts the ids with more than one DISPATCHED entry
-  in all, so an id dispatched twice at one record counts there too. The hashes
-  dispatched more than once are candidates (none, when nothing is wrong); the buckets
-  that hold them are read again, and the ids themselves decide: a hash collision is
-  never reported.
+  producer retry stored twice is two records with one id — on one server, also a
+  duplicate_send — and the broker's dedupe is per broker). ``duplicate_by_id`` counts
+  the ids with more than one DISPATCHED entry in all, so an id dispatched twice at one
+  record counts there too. The hashes dispatched more than once are candidates (none,
+  when nothing is wrong); the buckets that hold them are read again, and the ids
+  themselves decide: a hash collision is never reported.
 * copy_missing: a record withdrawn by RESCHEDULED before the cutoff (``moved``) with no
   record of the same message id (by hash) and a higher message_log offset on its
   server: the copy a reschedule appends in the same step is not there. Where a
@@ -20,6 +20,12 @@ its 64-bit hash, a hash range at a time (ids.py):
   server finds the current record of an id the same way (delayd.server.cancels). A
   later message reusing the id would hide a missing copy: ids are meant to be unique
   (docs/cancel.md, Limits).
+* duplicate_send and cancelled_id_delivered (id_checks.py): the hashes of one server
+  whose records carry more than one sequence, or hold a cancelled and a delivered
+  record, are candidates (none, when nothing is wrong); the buckets that hold their
+  records are read again, and id_checks decides by the ids themselves.
+
+The buckets of every kind of candidate are read again together, in one Spark job.
 
 What they find is held on the driver (Arrow tables): candidates and moved records are
 few, unless the logs are badly wrong.
@@ -34,7 +40,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql import DataFrame, Row, SparkSession
 
-from delayd.audit import ids, inputs
+from delayd.audit import id_checks, ids, inputs
 from delayd.audit.config import AuditConfig
 from delayd.audit.queries import fetch, where_in
 from delayd.audit.schemas import BUCKET_TYPE, RECORD
@@ -51,12 +57,12 @@ def cross_buckets(
     rows: DataFrame,
     moved: pa.Table,
     unread: set[str],
-) -> tuple[pa.Table, pa.Table]:
-    """duplicates' and missing_copies' rows, from the id ranges of delayd.reconciled's
-    ``rows`` (with their ``server``) of every server: one Spark job, and one more to
-    read again the buckets that hold candidates of duplicates, if there are any.
-    ``moved`` are the moved records (SHOWN columns), ``unread`` the servers with a
-    schedule_log problem row."""
+) -> tuple[pa.Table, pa.Table, pa.Table]:
+    """duplicates' and missing_copies' rows, and id_checks' findings (DISCREPANCIES),
+    from the id ranges of delayd.reconciled's ``rows`` (with their ``server``) of every
+    server: one Spark job, and one more to read again the buckets that hold candidates,
+    if there are any. ``moved`` are the moved records (SHOWN columns), ``unread`` the
+    servers with a schedule_log problem row."""
     keys = frozenset(zip(moved["server"].to_pylist(), moved["id_hash"].to_pylist(), strict=True))
     ranges = rows.where("ids IS NOT NULL").selectExpr("server", "ids.range", "ids.blob")
     # A range's blobs go to one task, which adds them all up (ids.merge). Ranges are
@@ -64,8 +70,12 @@ def cross_buckets(
     tasks = min(ids.RANGES, 8 * spark.sparkContext.defaultParallelism)
     merge = partial(_merge, moved=keys)
     found = ranges.repartition(tasks, "range").rdd.mapPartitions(merge).collect()
-    candidates = [(server, value) for kind, server, _, value in found if kind == ids.CANDIDATE]
+    # Candidates of either kind: (server, hash, bucket); their buckets are read again.
+    candidates = [(server, h, value) for kind, server, h, value in found if kind != ids.LATEST]
+    buckets = sorted({(server, value) for server, _, value in candidates})
+    records = reread(spark, config, buckets, {h for _, h, _ in candidates})
     hashes = pa.array(sorted({h for kind, _, h, _ in found if kind == ids.CANDIDATE}), pa.int64())
+    same_id = {(server, h) for kind, server, h, _ in found if kind == ids.SAME_ID}
     latest = pa.Table.from_pylist(
         [
             {"server": server, "id_hash": id_hash, "latest": value}
@@ -74,30 +84,52 @@ def cross_buckets(
         ],
         schema=_LATEST,
     )
-    return duplicates(spark, config, candidates, hashes), missing_copies(moved, latest, unread)
+    checked = id_checks.findings(_of_ids(records, same_id))
+    return duplicates(records, hashes), missing_copies(moved, latest, unread), checked
 
 
 def _merge(rows: Iterable[Row], moved: frozenset[tuple[str, int]]) -> Iterator[tuple]:
     return ids.merge(((row["server"], row["blob"]) for row in rows), moved)
 
 
-def duplicates(
-    spark: SparkSession, config: AuditConfig, buckets: list[tuple[str, int]], hashes: pa.Array
+def reread(
+    spark: SparkSession, config: AuditConfig, buckets: list[tuple[str, int]], hashes: set[int]
 ) -> pa.Table:
-    """The records whose id has more than one DISPATCHED entry over all servers (SHOWN
-    columns), with ``id_dispatches`` (entries in all) and ``id_records`` (records
-    dispatched): the dispatched records of the candidate ``hashes`` in the ``buckets``
-    (server, start in ms) that hold them, read again, and decided by their ids."""
+    """The records (SHOWN columns) of the candidate ``hashes`` in the ``buckets``
+    (server, start in ms) that hold them, read again; none without a Spark job when
+    there are no candidates."""
     if not buckets:
-        return _per_id(SHOWN_SCHEMA.empty_table())
+        return SHOWN_SCHEMA.empty_table()
     where = pa.table(
         {
             "server": [server for server, _ in buckets],
             "bucket": pa.array([ms * US_PER_MS for _, ms in buckets], BUCKET_TYPE),
         }
     )
-    records = inputs.records(spark, config, where).where("dispatches > 0")
-    return _per_id(fetch(where_in(spark, records, "id_hash", hashes)).cast(SHOWN_SCHEMA))
+    records = inputs.records(spark, config, where)
+    wanted = pa.array(sorted(hashes), pa.int64())
+    return fetch(where_in(spark, records, "id_hash", wanted)).cast(SHOWN_SCHEMA)
+
+
+def duplicates(records: pa.Table, hashes: pa.Array) -> pa.Table:
+    """The records whose id has more than one DISPATCHED entry over all servers (SHOWN
+    columns), with ``id_dispatches`` (entries in all) and ``id_records`` (records
+    dispatched): of the ``records`` read again, the dispatched ones of the candidate
+    ``hashes``, decided by their ids."""
+    dispatched = pc.and_(pc.greater(records["dispatches"], 0), pc.is_in(records["id_hash"], hashes))
+    return _per_id(records.filter(dispatched))
+
+
+def _of_ids(records: pa.Table, keys: set[tuple[str, int]]) -> pa.Table:
+    """The ``records`` of the (server, id_hash) ``keys``: of each, every record of its
+    server (the buckets read again hold them all), none of another."""
+    wanted = pa.table(
+        {
+            "server": pa.array([server for server, _ in keys], pa.string()),
+            "id_hash": pa.array([h for _, h in keys], pa.int64()),
+        }
+    )
+    return records.join(wanted, ["server", "id_hash"], join_type="inner", use_threads=False)
 
 
 def _per_id(candidates: pa.Table) -> pa.Table:

@@ -73,7 +73,7 @@ def reconciled_batches(
         }
         for name, table in side.items():
             yield from _rows(name, table, batch_rows)
-        columns = ("id_hash", "dispatches", "bucket", "message_log_offset")
+        columns = ("id_hash", "dispatches", "bucket", "message_log_offset", "sequence", "fate")
         parts.append(ids.part(*(scheduled[name] for name in columns)))
     if records != ALL:
         blobs = list(ids.blobs(parts))

@@ -33,6 +33,8 @@ COLUMNS = [
     ("dispatched_after_cancel", "sentcanc", "sent after cancel"),
     ("cancelled_after_dispatch", "cancsent", "cancelled after sent"),
     ("copy_missing", "nocopy", "moved, copy missing"),
+    ("duplicate_send", "sent2", "id sent again (later sends)"),
+    ("cancelled_id_delivered", "cancdel", "delivered, id answered CANCELLED"),
     ("dead_lettered", "dead", "dead-lettered"),
     ("cancelled", "canc", "cancelled"),
     ("rescheduled", "moved", "rescheduled (moved away)"),
@@ -52,6 +54,8 @@ FINDING_COLUMNS = (
     "dispatched_after_cancel",
     "cancelled_after_dispatch",
     "copy_missing",
+    "duplicate_send",
+    "cancelled_id_delivered",
 )
 
 

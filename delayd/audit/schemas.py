@@ -94,6 +94,7 @@ PAIRED = pa.schema(
         pa.field("message_log_offset", pa.int64()),
         pa.field("due_ms", pa.int64()),
         pa.field("message_id", pa.string()),
+        pa.field("sequence", pa.int64()),
         pa.field("schedule_problem", pa.string()),
         pa.field("schedule_detail", pa.string()),
         pa.field("dispatches", pa.int64()),  # DISPATCHED entries
@@ -178,6 +179,8 @@ RECORD = pa.struct(  # what a finding about a record shows, and its id's hash
         pa.field("dispatched_ms", pa.int64()),  # the first DISPATCHED entry's at_ms
         pa.field("dispatches", pa.int64()),  # DISPATCHED entries
         pa.field("lateness_ms", pa.int64()),  # null when withdrawn (judge.py)
+        pa.field("sequence", pa.int64()),  # the send's (a reschedule's copy keeps it)
+        pa.field("fate", pa.int8()),  # the first entry's EntryKind value, null for none
     ]
 )
 ID_RANGE = pa.struct([pa.field("range", pa.int32()), pa.field("blob", pa.binary())])

@@ -5,9 +5,11 @@ Each bucket's counts and percentiles were made where it was read (tally.py). Wha
 crosses buckets is added here: ids dispatched more than once (``duplicate_by_id``: the
 distinct ids among a bucket's, a server's or all records), moved records whose copy is
 missing (``copy_missing``; ``unverified`` instead where the copy may be in a file that
-could not be read whole), and message_log's counts (on server and overall rows). A
-server's and the overall percentiles come from the runs' lateness histograms added up
-(tally.percentiles): percentiles of buckets do not add.
+could not be read whole), later sends of an id (``duplicate_send``) and delivered
+records of an id whose cancel was answered CANCELLED (``cancelled_id_delivered``),
+each counted in the bucket of its record, and message_log's counts (on server and
+overall rows). A server's and the overall percentiles come from the runs' lateness
+histograms added up (tally.percentiles): percentiles of buckets do not add.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from delayd.audit import tally
+from delayd.audit.kinds import CANCELLED_ID_DELIVERED, DUPLICATE_SEND
 from delayd.audit.schemas import BUCKET_TYPE, COUNTS, PERCENTILES
 
 MESSAGE_COUNTS = (
@@ -29,6 +32,7 @@ MESSAGE_COUNTS = (
     "message_unverified",
 )
 _KEY = ["server", "bucket"]
+SAME_ID_KINDS = (DUPLICATE_SEND, CANCELLED_ID_DELIVERED)  # id_checks.py's, counted by kind
 SUMMARY = pa.schema(
     [
         pa.field("server", pa.string()),
@@ -40,6 +44,7 @@ SUMMARY = pa.schema(
                 "duplicate_by_id",
                 *COUNTS[4:],
                 "copy_missing",
+                *SAME_ID_KINDS,
                 *PERCENTILES,
                 *MESSAGE_COUNTS,
             )
@@ -53,6 +58,7 @@ def summary(
     histograms: pa.Table,
     duplicates: pa.Table,
     copies: pa.Table,
+    same_id: pa.Table,
     messages: dict[str | None, dict[str, int]] | None,
 ) -> pa.Table:
     """The SUMMARY rows: per (server, bucket) in that order, then per server (bucket
@@ -63,10 +69,11 @@ def summary(
     run); ``duplicates``: server, bucket, message_id of the records whose id was
     dispatched more than once (reconcile.duplicates); ``copies``: server, bucket,
     copy_missing, copy_unverified of the moved records whose copy was not found
-    (reconcile.missing_copies); ``messages``: MESSAGE_COUNTS per server and overall
+    (reconcile.missing_copies); ``same_id``: id_checks' findings (server, bucket,
+    kind among others); ``messages``: MESSAGE_COUNTS per server and overall
     (key None), or None when no message_log was left to check (they stay null).
     """
-    parts = [_bucket_rows(buckets, duplicates, copies)]
+    parts = [_bucket_rows(buckets, duplicates, copies, same_id)]
     servers = sorted(set(buckets["server"].to_pylist()))
     for server in [*servers, None]:
         row: dict[str, Any] = {"server": server, "bucket": None}
@@ -76,6 +83,8 @@ def summary(
         row["unverified"] += pc.sum(moved["copy_unverified"]).as_py() or 0
         row["copy_missing"] = pc.sum(moved["copy_missing"]).as_py() or 0
         row["duplicate_by_id"] = len(pc.unique(_of(duplicates, server)["message_id"]))
+        kinds = _of(same_id, server)["kind"]
+        row.update({kind: pc.sum(pc.equal(kinds, kind)).as_py() or 0 for kind in SAME_ID_KINDS})
         lateness = _of(histograms, server)
         values = lateness["lateness_ms"].to_pylist(), lateness["records"].to_pylist()
         row.update(tally.percentiles(zip(*values, strict=True)))
@@ -85,7 +94,9 @@ def summary(
     return pa.concat_tables(parts)
 
 
-def _bucket_rows(buckets: pa.Table, duplicates: pa.Table, copies: pa.Table) -> pa.Table:
+def _bucket_rows(
+    buckets: pa.Table, duplicates: pa.Table, copies: pa.Table, same_id: pa.Table
+) -> pa.Table:
     """The rows of each server and bucket, in that order."""
     by_id = duplicates.group_by(_KEY, use_threads=False).aggregate(
         [("message_id", "count_distinct")]
@@ -93,8 +104,19 @@ def _bucket_rows(buckets: pa.Table, duplicates: pa.Table, copies: pa.Table) -> p
     moved = copies.group_by(_KEY, use_threads=False).aggregate(
         [("copy_missing", "sum"), ("copy_unverified", "sum")]
     )
+    kinds = {
+        kind: same_id.filter(pc.equal(same_id["kind"], kind))
+        .group_by(_KEY, use_threads=False)
+        .aggregate([("kind", "count")])
+        .rename_columns({"kind_count": kind})
+        for kind in SAME_ID_KINDS
+    }
     table = buckets.join(by_id, _KEY, use_threads=False).join(moved, _KEY, use_threads=False)
+    for counted in kinds.values():
+        table = table.join(counted, _KEY, use_threads=False)
     columns = {name: table[name] for name in table.column_names}
+    for kind in SAME_ID_KINDS:
+        columns[kind] = _zero(table[kind])
     columns["duplicate_by_id"] = _zero(table["message_id_count_distinct"])
     columns["copy_missing"] = _zero(table["copy_missing_sum"])
     columns["unverified"] = pc.add(table["unverified"], _zero(table["copy_unverified_sum"]))

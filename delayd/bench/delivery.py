@@ -138,9 +138,12 @@ class Server:
         self.broker = ""
 
     def start(self) -> None:
+        # Free ports throughout, metrics included (kept on, as a deployment runs it): a
+        # bench must not collide with a running `make run` or another bench.
         args = [sys.executable, "-m", "delayd", "serve", "--data", str(Path(self.data) / "d"),
                 "--config", str(self.config), "--listen", "127.0.0.1:0",
-                "--broker-listen", "127.0.0.1:0", "--log-level", "warning"]  # fmt: skip
+                "--broker-listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
+                "--log-level", "warning"]  # fmt: skip
         if shutil.which("taskset"):
             args = ["taskset", "-c", SERVER_CPU, *args]
         self.proc = subprocess.Popen(args, stdout=subprocess.PIPE)

@@ -111,6 +111,7 @@ class Broker:
         self.checkpoints = 0
         self.disk_full_refused = 0  # messages refused because the commitlog's disk is full
         self.refusals = WriteRefusals()  # the delay server shares its own
+        self._offsets_write_lock = trio.Lock()  # durable commits: one write at a time
         # Subjects already validated -> their number of queues (skips the regex and the
         # config lookup per message).
         self._valid_subjects: dict[str, int] = {}
@@ -230,6 +231,22 @@ class Broker:
             version, data = self.offsets.snapshot()
             await trio.to_thread.run_sync(self.offsets.write, version, data)
         self.checkpoints += 1
+
+    async def make_offsets_durable(self) -> None:
+        """Return once every commit made before the call is in offsets.json on disk.
+
+        Callers that arrive while a write is under way wait for it, then the first of
+        them writes the table once for all of them (group commit, as the commitlog's
+        fsyncs): under many durable commits the writes do not queue up one per commit.
+        Raises OSError when the file cannot be written (the commits stay in memory and
+        go out with a later write).
+        """
+        wanted = self.offsets.version
+        async with self._offsets_write_lock:
+            if self.offsets.saved_version >= wanted:
+                return
+            version, data = self.offsets.snapshot()
+            await trio.to_thread.run_sync(self.offsets.write, version, data)
 
     async def _expiry_loop(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         # Sleeps until the next member could time out, or until membership changes.

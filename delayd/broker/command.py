@@ -3,8 +3,14 @@
 Prints ``delayd broker listening on HOST:PORT`` on stdout once it accepts connections
 (the actual port when ``--listen`` asks for port 0); everything else goes to the log
 (stderr, one line each: ``--log-format kv|json``, ``--log-level``; delayd.logsetup).
-Shutdown: stop accepting and close connections, then flush the commitlog, checkpoint
-the consume queues and index, persist offsets, exit 0.
+Shutdown: stop accepting and reading, answer every SEND_BATCH already appended, close
+connections (FIN after the last answer), then flush the commitlog, checkpoint the
+consume queues and index, persist offsets, exit 0.
+
+Start-up takes the data directory's lock (storage.dirlock: one writer at a time), then
+binds its ports (delayd.listen), then recovers: another process holding the directory
+or a port in use ends it at once, exit 1, with a message naming the holder or the
+listener and address.
 """
 
 from __future__ import annotations
@@ -15,20 +21,32 @@ import signal
 from functools import partial
 
 import trio
+from prometheus_client import CollectorRegistry
 
 from delayd.broker.broker import Broker
 from delayd.broker.config import DAY_MS, BrokerConfig, StartFrom
-from delayd.broker.metrics import serve_metrics
-from delayd.broker.server import serve_broker
+from delayd.broker.metrics import collect_broker_metrics
+from delayd.broker.server import broker_listener
+from delayd.connection_limits import (
+    DEFAULT_FRAME_TIMEOUT_MS,
+    DEFAULT_HELLO_TIMEOUT_MS,
+    DEFAULT_MAX_UNFINISHED_FRAME_BYTES,
+)
+from delayd.errors import DelaydError
 from delayd.fdlimit import raise_descriptor_limit
 from delayd.gcsetup import tune_gc_for_serving
+from delayd.listen import open_listeners
 from delayd.logsetup import add_logging_arguments, configure_logging
+from delayd.metrics_http import Readiness, serve_metrics
+from storage.dirlock import DirectoryLock
+from storage.errors import StorageError
 from storage.flusher import FlushMode, FlushPolicy
 
 log = logging.getLogger("delayd.broker")
 
 DEFAULT_LISTEN = "127.0.0.1:20811"
 DEFAULT_METRICS_LISTEN = "127.0.0.1:20881"
+SHUTDOWN_GRACE_S = 5.0  # appended SEND_BATCHes get this long to be answered
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -52,6 +70,16 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{value} is not positive")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative")
     return value
 
 
@@ -105,6 +133,35 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--dedupe-max-ids", type=positive_int, default=10_000_000, metavar="N", help="idempotency"
     )
+    parser.add_argument(
+        "--max-connections",
+        type=non_negative_int,
+        default=0,
+        metavar="N",
+        help="client connections at most; more are refused (default 0: by the fd limit)",
+    )
+    parser.add_argument(
+        "--hello-timeout-ms",
+        type=positive_int,
+        default=DEFAULT_HELLO_TIMEOUT_MS,
+        metavar="MS",
+        help=f"close a connection without HELLO after this (default {DEFAULT_HELLO_TIMEOUT_MS})",
+    )
+    parser.add_argument(
+        "--frame-timeout-ms",
+        type=positive_int,
+        default=DEFAULT_FRAME_TIMEOUT_MS,
+        metavar="MS",
+        help=f"close a connection whose frame is not complete after this "
+        f"(default {DEFAULT_FRAME_TIMEOUT_MS})",
+    )
+    parser.add_argument(
+        "--max-unfinished-frame-bytes",
+        type=positive_int,
+        default=DEFAULT_MAX_UNFINISHED_FRAME_BYTES,
+        metavar="BYTES",
+        help="large frames still arriving, all connections together; more wait",
+    )
     add_logging_arguments(parser)
 
 
@@ -118,34 +175,86 @@ def run(args: argparse.Namespace) -> int:
             start_from=StartFrom(args.start_from),
             dedupe_window_ms=args.dedupe_window_ms,
             dedupe_max_ids=args.dedupe_max_ids,
+            max_connections=args.max_connections,
+            hello_timeout_ms=args.hello_timeout_ms,
+            frame_timeout_ms=args.frame_timeout_ms,
+            max_unfinished_frame_bytes=args.max_unfinished_frame_bytes,
         )
     except ValueError as exc:
         log.error("bad configuration: %s", exc)
         return 2
     raise_descriptor_limit()
-    trio.run(_serve, args, config)
+    try:
+        # One writer per data directory, taken before recovery reads or cuts anything.
+        lock = DirectoryLock.acquire(args.data, "delayd broker")
+    except StorageError as exc:
+        log.error("cannot serve %s: %s", args.data, exc)
+        return 1
+    try:
+        trio.run(_serve, args, config)
+    except BaseException as exc:
+        reason = _fatal_reason(exc)
+        if reason is None:
+            raise
+        log.error("cannot serve %s: %s", args.data, reason)
+        return 1
+    finally:
+        lock.release()
     return 0
 
 
+def _fatal_reason(exc: BaseException) -> str | None:
+    """What to print for an error an operator can act on (a port in use, corruption),
+    or None for a bug, which keeps its traceback."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    if isinstance(exc, (DelaydError, StorageError)):
+        return str(exc)
+    return None
+
+
 async def _serve(args: argparse.Namespace, config: BrokerConfig) -> None:
-    broker = await trio.to_thread.run_sync(partial(Broker.open, args.data, config))
-    tune_gc_for_serving()
-    async with trio.open_nursery() as root:
-        await root.start(broker.run)
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async with trio.open_nursery() as front:
-                host, port = args.listen
-                bound = await front.start(
-                    partial(serve_broker, broker, host, port, token=args.token)
-                )
-                if args.metrics_listen is not None:
-                    m_host, m_port = args.metrics_listen
-                    m_bound = await front.start(serve_metrics, broker, m_host, m_port)
-                    log.info("metrics on http://%s:%d/metrics", *m_bound[0])
-                print(f"delayd broker listening on {bound[0][0]}:{bound[0][1]}", flush=True)
-                async for signum in signals:
-                    log.info("%s: shutting down", signal.Signals(signum).name)
-                    break
-                front.cancel_scope.cancel()
-        root.cancel_scope.cancel()
+    # Ports first: a clash is reported at once, not after recovery (delayd.listen).
+    # Clients wait in the backlog while the broker recovers; /healthz answers and
+    # /readyz says "recovering" meanwhile.
+    listeners = await open_listeners("the broker", *args.listen)
+    async with trio.open_nursery() as early:
+        registry = CollectorRegistry(auto_describe=False)
+        readiness = Readiness(f"recovering {args.data}")
+        try:
+            if args.metrics_listen is not None:
+                metrics_listeners = await open_listeners("metrics", *args.metrics_listen)
+                serve = partial(serve_metrics, readiness=readiness, listeners=metrics_listeners)
+                m_bound = await early.start(serve, registry, *args.metrics_listen)
+                log.info("metrics on http://%s:%d/metrics", *m_bound[0])
+            broker = await trio.to_thread.run_sync(partial(Broker.open, args.data, config))
+        except BaseException:
+            for listener in listeners:
+                await listener.aclose()
+            raise
+        tune_gc_for_serving()
+        async with trio.open_nursery() as root:
+            await root.start(broker.run)
+            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async with trio.open_nursery() as front:
+                    host, port = args.listen
+                    server = broker_listener(broker, token=args.token)
+                    serve = partial(server.serve, host, port, listeners=listeners)
+                    bound = await front.start(serve)
+                    if args.metrics_listen is not None:
+                        gate = server.gate  # connection metrics of the broker's listener
+                        collect = partial(
+                            collect_broker_metrics, broker, registry, gate=gate, readiness=readiness
+                        )
+                        await front.start(collect)
+                    readiness.set_ready()
+                    print(f"delayd broker listening on {bound[0][0]}:{bound[0][1]}", flush=True)
+                    async for signum in signals:
+                        log.info("%s: shutting down", signal.Signals(signum).name)
+                        break
+                    # Every SEND_BATCH appended is answered before its connection closes.
+                    await server.stop(SHUTDOWN_GRACE_S)
+                    front.cancel_scope.cancel()
+            root.cancel_scope.cancel()
+        early.cancel_scope.cancel()  # /metrics goes last
     log.info("delayd broker stopped")

@@ -9,6 +9,12 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from delayd.connection_limits import (
+    DEFAULT_FRAME_TIMEOUT_MS,
+    DEFAULT_HELLO_TIMEOUT_MS,
+    DEFAULT_MAX_UNFINISHED_FRAME_BYTES,
+    ConnectionLimits,
+)
 from storage.flusher import FlushMode, FlushPolicy
 from storage.segmented_log import DEFAULT_SEGMENT_SIZE
 
@@ -46,6 +52,11 @@ class BrokerConfig:
     recent_cache_bytes: int = 64 * 1024 * 1024  # newest records of each queue, for PULL
     index_slot_count: int | None = None  # None: storage.indexfile's default (tests shrink)
     index_max_entries: int | None = None
+    # The broker's listener (delayd.connection_limits): 0 = from the descriptor limit.
+    max_connections: int = 0
+    hello_timeout_ms: int = DEFAULT_HELLO_TIMEOUT_MS
+    frame_timeout_ms: int = DEFAULT_FRAME_TIMEOUT_MS
+    max_unfinished_frame_bytes: int = DEFAULT_MAX_UNFINISHED_FRAME_BYTES
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "start_from", StartFrom(self.start_from))
@@ -78,6 +89,17 @@ class BrokerConfig:
             raise ValueError(
                 f"queues_per_subject must be at most 1024, got {self.queues_per_subject}"
             )
+        self.connection_limits  # noqa: B018  # validates those four fields
+
+    @property
+    def connection_limits(self) -> ConnectionLimits:
+        """The limits of the broker's listener."""
+        return ConnectionLimits(
+            self.max_connections,
+            self.hello_timeout_ms,
+            self.frame_timeout_ms,
+            self.max_unfinished_frame_bytes,
+        )
 
     def queues_for(self, subject: str) -> int:
         """How many queues ``subject`` has."""

@@ -1,5 +1,6 @@
-"""Prometheus ``/metrics`` and ``/healthz`` for the broker, served by a tiny trio HTTP/1.0
-handler (one request per connection) on the broker's event loop.
+"""Prometheus metrics of the broker: the collectors ``delayd broker`` adds to the registry
+it serves (delayd.metrics_http, from before recovery: delayd.broker.command) on the
+broker's event loop.
 
 Values are read from the Broker at scrape time by a custom collector (prometheus-client's
 exposition format and escaping), so nothing is updated on the hot path and nothing is
@@ -17,8 +18,9 @@ from prometheus_client.registry import Collector
 
 from delayd.broker.broker import Broker
 from delayd.broker.config import StartFrom
+from delayd.connection_gate import ConnectionGate
+from delayd.connection_metrics import register_connection_metrics
 from delayd.metrics_http import Readiness
-from delayd.metrics_http import serve_metrics as serve_registry
 from delayd.store_metrics import (
     DiskCollector,
     FreeSpace,
@@ -116,26 +118,28 @@ class BrokerCollector(Collector):
         yield by_subject
 
 
-async def serve_metrics(
+async def collect_broker_metrics(
     broker: Broker,
-    host: str,
-    port: int,
+    registry: CollectorRegistry,
     *,
-    task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
+    gate: ConnectionGate | None = None,
+    readiness: Readiness | None = None,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve the broker's /metrics, /healthz and /readyz on host:port until cancelled;
-    reports the bound addresses. The sizes of the broker's files are walked, and the
-    free space of their file system asked, in the background; /readyz is not ready
-    while the commitlog refuses writes (a full disk)."""
+    """Add the broker's collectors to ``registry`` (one already served, as from before
+    recovery), then walk the sizes of its files and ask the free space of their file
+    system until cancelled. ``gate``: the broker listener's, for the connection metrics
+    (process_* always). ``readiness``: made not ready while the commitlog refuses
+    writes (a full disk)."""
     sizes = StoreSizes(broker_directories(broker.store.directory))
     space = FreeSpace(broker.store.directory, broker.refusals)
-    registry = CollectorRegistry(auto_describe=False)
     registry.register(BrokerCollector(broker))
     registry.register(StoreCollector(sizes))
     registry.register(DiskCollector(space))
-    readiness = Readiness(None)
-    readiness.watch(broker.refusals.reason)
+    register_connection_metrics(registry, {"broker": gate} if gate is not None else {})
+    if readiness is not None:
+        readiness.watch(broker.refusals.reason)
     async with trio.open_nursery() as nursery:
         await nursery.start(sizes.run)
         await nursery.start(space.run)
-        await serve_registry(registry, host, port, readiness=readiness, task_status=task_status)
+        task_status.started()

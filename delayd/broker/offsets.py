@@ -5,6 +5,8 @@ consumed. Commits change memory at once; ``save()`` writes the whole table when 
 changed — the broker calls it every ``checkpoint_interval_ms`` and at shutdown, so a
 ``kill -9`` forgets at most that interval of commits and those messages are delivered
 again (at-least-once; RocketMQ's ConsumerOffsetManager persists every 5 s the same way).
+A durable COMMIT_OFFSET (the consumers' ``commit="sync"``) does not wait for that: the
+broker writes the table at once and answers after ``saved_version`` covers the commit.
 
 The file is replaced atomically: written to ``offsets.json.tmp``, fsynced, renamed over
 ``offsets.json``, directory fsynced. A reader sees the old table or the new, never a mix::
@@ -69,6 +71,16 @@ class OffsetStore:
     @property
     def dirty(self) -> bool:
         return self._version != self._saved_version
+
+    @property
+    def version(self) -> int:
+        """Bumped by every change: a table of this version or later holds them all."""
+        return self._version
+
+    @property
+    def saved_version(self) -> int:
+        """The version last written, fsynced and renamed into place."""
+        return self._saved_version
 
     def snapshot(self) -> tuple[int, bytes]:
         """(version, file contents) of the table now; pass both to :meth:`write`."""

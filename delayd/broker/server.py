@@ -9,12 +9,19 @@ appended so far and then answers them in order: batches in flight share group-co
 fsyncs without a task each. A PULL that finds messages is answered inline as well; one
 that has to wait runs in a request task, because it may be held (long polling); answers
 may leave in any order (docs/protocol.md, rule 4). At most
-MAX_IN_FLIGHT requests (held PULLs, unacknowledged SEND_BATCHes) per connection.
+MAX_IN_FLIGHT requests (held PULLs, unacknowledged SEND_BATCHes) per connection, each
+until its answer is queued to the writer (bounded as well); requests answered inline
+wait for room in the writer on the reader. So a client that never reads its answers
+stops its own reader and costs bounded memory. The connection cap, the HELLO and frame
+deadlines and the frame budget come from the broker's ConnectionLimits
+(delayd.connection_gate, delayd.stream_events).
 
 Bad input never crashes the broker: a protocol violation gets the closing ERROR the
 Connection names and the socket is closed; a bad argument gets ERROR INVALID_REQUEST; an
 unexpected failure in one request is logged and answered ERROR INTERNAL. A closed socket
-cancels the connection's requests; their answers are dropped.
+cancels the connection's requests; their answers are dropped. A graceful stop
+(``broker_listener(...).stop``, ``stop_reading``) instead answers every SEND_BATCH
+appended, then closes with FIN: a batch is stored and answered, or not stored.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import trio
 
 from delayd.answer_queue import AnswerQueue
 from delayd.broker.broker import Broker
+from delayd.connection_gate import ConnectionGate
 from delayd.errors import (
     ConnectionClosedError,
     LocalProtocolError,
@@ -61,6 +69,7 @@ from delayd.protocol import (
     StatsResult,
 )
 from delayd.protocol.frames import DEFAULT_MAX_FRAME_SIZE
+from delayd.stoppable_listener import StoppableListener, linger
 from delayd.stream_events import read_and_dispatch
 from delayd.stream_writer import FrameWriter
 from storage.errors import StorageError
@@ -79,36 +88,65 @@ async def serve_broker(
     *,
     token: str | None = None,
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+    listeners: list[trio.SocketListener] | None = None,
+    gate: ConnectionGate | None = None,
     task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Listen on host:port (0: any free port) and serve until cancelled.
+    """Listen on host:port (0: any free port), or on ``listeners`` already bound there
+    (delayd.listen: bound before recovery), and serve until cancelled.
 
-    Reports the bound (host, port) addresses through ``task_status.started``.
+    ``gate``: the listener's cap and counts (for /metrics); by default one of the
+    broker's ``connection_limits``. Reports the bound (host, port) addresses through
+    ``task_status.started``. Raises ListenError when host:port cannot be bound.
     """
-    listeners = await trio.open_tcp_listeners(port, host=host)
-    addresses = [listener.socket.getsockname()[:2] for listener in listeners]
+    listener = broker_listener(broker, token=token, max_frame_size=max_frame_size, gate=gate)
+    await listener.serve(host, port, listeners=listeners, task_status=task_status)
 
-    async def handle(stream: trio.SocketStream) -> None:
-        await BrokerConnection(broker, stream, token, max_frame_size).run()
 
-    async with trio.open_nursery() as nursery:
-        await nursery.start(trio.serve_listeners, handle, listeners)
-        task_status.started(addresses)
+def broker_listener(
+    broker: Broker,
+    *,
+    token: str | None = None,
+    max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+    gate: ConnectionGate | None = None,
+) -> StoppableListener[BrokerConnection]:
+    """The broker's listener with a graceful stop: ``serve`` it as serve_broker does,
+    then ``stop(grace_s)`` answers every SEND_BATCH appended before closing (a held
+    PULL is dropped: nothing is committed by it) — delayd.stoppable_listener. ``gate``:
+    its cap and counts (for /metrics); by default one of the broker's
+    ``connection_limits``."""
+    if gate is None:
+        gate = ConnectionGate("broker", broker.config.connection_limits)
+    # The connections count their protocol errors on the gate that admitted them.
+    counted = gate
+
+    def connection(stream: trio.SocketStream) -> BrokerConnection:
+        return BrokerConnection(broker, stream, token, max_frame_size, counted)
+
+    return StoppableListener("the broker", connection, gate)
 
 
 class BrokerConnection:
     """One client connection; see the module docstring."""
 
     def __init__(
-        self, broker: Broker, stream: trio.SocketStream, token: str | None, max_frame_size: int
+        self,
+        broker: Broker,
+        stream: trio.SocketStream,
+        token: str | None,
+        max_frame_size: int,
+        gate: ConnectionGate,
     ) -> None:
         self.broker = broker
+        self.gate = gate
         self.stream = stream
         self.conn = Connection(SERVER, token=token, max_frame_size=max_frame_size)
         self._writer = FrameWriter(stream, OUTBOX_FRAMES)
         self._slots = trio.Semaphore(MAX_IN_FLIGHT)
         self._unacked: AnswerQueue[SendBatchResult] = AnswerQueue()  # appended, not answered
         self._cancel = trio.CancelScope()
+        self._read_scope = trio.CancelScope()
+        self._stopping = False
         try:
             self.peer = "{}:{}".format(*stream.socket.getpeername()[:2])
         except OSError:
@@ -119,18 +157,31 @@ class BrokerConnection:
             with self._cancel:
                 async with trio.open_nursery() as outer:
                     outer.start_soon(self._write_loop)
-                    async with trio.open_nursery() as requests:
-                        await requests.start(self._ack_loop)
-                        final = await self._read_loop(requests)
-                        requests.cancel_scope.cancel()
+                    async with trio.open_nursery() as acks:
+                        await acks.start(self._ack_loop)
+                        async with trio.open_nursery() as requests:
+                            final = None
+                            with self._read_scope:
+                                final = await self._read_loop(requests)
+                            if not self._stopping:  # EOF, a protocol error: nobody to answer
+                                acks.cancel_scope.cancel()
+                            requests.cancel_scope.cancel()  # held PULLs commit nothing
+                        self._unacked.close()  # the acker ends once all are answered
                     if final is not None:
                         with contextlib.suppress(trio.BrokenResourceError):
                             await self._writer.send(final)
                     self._writer.close()
+            if self._stopping and not self._writer.broken:
+                await linger(self.stream)  # FIN after the last answer, not RST
         finally:
             self.broker.connection_closed(self)
             with trio.CancelScope(shield=True):
                 await self.stream.aclose()
+
+    def stop_reading(self) -> None:
+        """Take no more requests; answer the SEND_BATCHes appended, then close."""
+        self._stopping = True
+        self._read_scope.cancel()
 
     async def _write_loop(self) -> None:
         await self._writer.run()
@@ -143,7 +194,7 @@ class BrokerConnection:
         async def dispatch(event: Event) -> None:
             await self._dispatch(event, requests)
 
-        return await read_and_dispatch(self.stream, self.conn, self.peer, dispatch)
+        return await read_and_dispatch(self.stream, self.conn, self.peer, dispatch, self.gate)
 
     async def _dispatch(self, event: Event, requests: trio.Nursery) -> None:
         broker = self.broker
@@ -178,7 +229,10 @@ class BrokerConnection:
                     await self._spawn(requests, self._pull, event)
             elif isinstance(event, CommitOffset):
                 broker.commit(event.group, event.subject, event.queue, event.offset)
-                await self._answer(CommitOffsetOk(request_id=rid))
+                if event.durable:
+                    await self._spawn(requests, self._commit_durable, event)
+                else:
+                    await self._answer(CommitOffsetOk(request_id=rid))
             elif isinstance(event, JoinGroup):
                 now = broker.monotonic_ms()
                 queues = broker.join(event.group, event.subject, event.consumer_id, self, now)
@@ -255,6 +309,16 @@ class BrokerConnection:
                 self,
             )
             answer: Event = PullResult(encoded=encoded, request_id=event.request_id)
+        except Exception as exc:
+            answer = self._error_for(exc, event)
+        await self._answer(answer)
+
+    async def _commit_durable(self, event: CommitOffset) -> None:
+        """Answer a durable COMMIT_OFFSET once offsets.json holds it (a task, so the
+        requests behind it are not held up by the write)."""
+        try:
+            await self.broker.make_offsets_durable()
+            answer: Event = CommitOffsetOk(request_id=event.request_id)
         except Exception as exc:
             answer = self._error_for(exc, event)
         await self._answer(answer)

@@ -41,30 +41,37 @@ class AsyncSession:
         self._backoff = backoff or Backoff()
         self._link: AsyncLink | None = None
         self._lock = anyio.Lock()
-        self._failures = 0
         self.last_problem: BaseException | None = None  # for time-out messages
         self.connects = 0  # links opened so far (statistics, tests)
 
+    @property
+    def current(self) -> AsyncLink | None:
+        """The open link, if any, without connecting."""
+        link = self._link
+        return link if link is not None and not link.closed else None
+
     async def link(self) -> AsyncLink:
-        """The current link, or a new one after back-off; retries until cancelled.
+        """The current link, or a new one once the back-off since the last failure ran;
+        retries until cancelled.
 
         Raises what AsyncLink.open raises that is not retryable (RejectedError for a
-        wrong token, ProtocolError); the caller's deadline bounds the retries.
+        wrong token, ProtocolError); the caller's deadline bounds the retries. The
+        back-off runs from the last failure, not from this call, so a call cancelled by
+        a deadline shorter than the delay does not push the next attempt further away.
         """
         link = self._link
         if link is not None and not link.closed:
             return link
         async with self._lock:
             while self._link is None or self._link.closed:
-                if self._failures:
-                    await anyio.sleep(self._backoff.next_delay())
+                await anyio.sleep(self._backoff.wait_s(anyio.current_time()))
                 try:
                     link = await AsyncLink.open(
                         self.host, self.port, token=self._token, client_name=self._client_name
                     )
                 except RETRYABLE_CONNECT_ERRORS as exc:
                     self.last_problem = exc
-                    self._failures += 1
+                    self._backoff.failed(anyio.current_time())
                     continue
                 self._link = link
                 self.connects += 1
@@ -81,14 +88,12 @@ class AsyncSession:
         """A request on ``link`` failed with the connection: the next link() reconnects."""
         self.last_problem = exc
         if link is self._link:
-            self._failures += 1
+            self._backoff.failed(anyio.current_time())
             link.abort("dropped after a failed request")
 
     def succeeded(self) -> None:
         """A request got its answer: the server is healthy, restart the back-off."""
-        if self._failures:
-            self._failures = 0
-            self._backoff.reset()
+        self._backoff.reset()
 
     def abort(self) -> None:
         """Close the current link (after a time-out it is in an unknown state)."""

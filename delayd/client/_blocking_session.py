@@ -36,7 +36,6 @@ class BlockingSession:
         self._client_name = client_name
         self._backoff = backoff or Backoff()
         self._link: BlockingLink | None = None
-        self._failures = 0
         self.last_problem: BaseException | None = None
         self.connects = 0  # links opened so far (statistics, tests)
 
@@ -47,22 +46,25 @@ class BlockingSession:
         return link if link is not None and not link.closed else None
 
     def link(self, deadline: float) -> BlockingLink:
-        """The current link, or a new one after back-off.
+        """The current link, or a new one once the back-off since the last failure ran.
 
         Raises DelaydTimeout when ``deadline`` (monotonic seconds; ``math.inf`` waits
-        for ever) passes first, and what BlockingLink.open raises that is not retryable.
+        for ever) passes first — having waited until then, so that a caller polling in
+        a loop does not spin — and what BlockingLink.open raises that is not retryable.
+        The back-off runs from the last failure, across calls: a caller whose deadline
+        is shorter than the delay still gets its attempt on a later call.
         """
         while True:
             link = self.current
             if link is not None:
                 return link
-            if self._failures:
-                delay = self._backoff.next_delay()
-                if time.monotonic() + delay >= deadline:
-                    raise DelaydTimeout(
-                        f"could not reach {self.addr} in time ({self.describe_problem()})"
-                    )
-                time.sleep(delay)
+            wait_s = self._backoff.wait_s(time.monotonic())
+            if time.monotonic() + wait_s >= deadline:
+                time.sleep(max(0.0, deadline - time.monotonic()))
+                raise DelaydTimeout(
+                    f"could not reach {self.addr} in time ({self.describe_problem()})"
+                )
+            time.sleep(wait_s)
             # One attempt may take the rest of the time, but no more than a short while
             # when waiting for ever, so a hung server is retried rather than waited on.
             attempt_deadline = deadline if not math.isinf(deadline) else time.monotonic() + 10
@@ -76,11 +78,7 @@ class BlockingSession:
                 )
             except RETRYABLE_CONNECT_ERRORS as exc:
                 self.last_problem = exc
-                self._failures += 1
-                if time.monotonic() >= deadline:
-                    raise DelaydTimeout(
-                        f"could not reach {self.addr} in time ({self.describe_problem()})"
-                    ) from None
+                self._backoff.failed(time.monotonic())
                 continue
             self.connects += 1
 
@@ -93,15 +91,13 @@ class BlockingSession:
     def lost(self, exc: BaseException) -> None:
         """The current link failed: close it; the next link() reconnects after back-off."""
         self.last_problem = exc
-        self._failures += 1
+        self._backoff.failed(time.monotonic())
         if self._link is not None:
             self._link.close()
 
     def succeeded(self) -> None:
         """A request got its answer: restart the back-off."""
-        if self._failures:
-            self._failures = 0
-            self._backoff.reset()
+        self._backoff.reset()
 
     def close(self) -> None:
         if self._link is not None:

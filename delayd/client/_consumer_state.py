@@ -23,16 +23,32 @@ from collections.abc import Iterable
 
 from delayd.protocol import Message
 
+# How a consumer commits: "periodic" sends COMMIT_OFFSET with the next PULL, at least
+# every commit_interval_s and on close, answered from the broker's memory; "sync"
+# commits each processed message durably (on the broker's disk) before the next one is
+# handed out, so a crash of consumer or broker hands at most that one message out again.
+COMMIT_MODES = ("periodic", "sync")
+
 
 class ConsumerState:
     """Assignment, prefetched messages and offsets of one consumer.
 
-    ``commit_interval_s`` bounds how long a processed offset may wait before a commit
-    is due while the user works through a prefetched batch (seconds).
+    ``commit`` is one of COMMIT_MODES (ValueError otherwise). ``commit_interval_s``
+    bounds how long a processed offset may wait before a commit is due while the user
+    works through a prefetched batch (seconds; periodic mode).
     """
 
-    def __init__(self, *, auto_commit: bool = True, commit_interval_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        *,
+        auto_commit: bool = True,
+        commit: str = "periodic",
+        commit_interval_s: float = 1.0,
+    ) -> None:
+        if commit not in COMMIT_MODES:
+            raise ValueError(f"commit must be one of {', '.join(COMMIT_MODES)}, not {commit!r}")
         self.auto_commit = auto_commit
+        self.sync_commits = commit == "sync"  # durable commits, each before the next message
         self.commit_interval_s = commit_interval_s
         self.queues: tuple[int, ...] = ()
         self._buffer: deque[Message] = deque()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
+from functools import partial
 
 import anyio
 import anyio.abc
@@ -59,9 +60,10 @@ class AsyncConsumer:
 
     Iterate it (``async for``) or call ``receive``. With ``auto_commit`` a message is
     committed once the user asks for the next one, and the last one on a clean close;
-    otherwise call ``commit(message)``. ``timeout_s`` bounds every request; waiting for
-    a message has no bound of its own (the iterator keeps reconnecting while the broker
-    is away), ``receive(timeout_s=...)`` sets one.
+    otherwise call ``commit(message)``. ``commit="sync"`` makes each commit durable on
+    the broker before the next message is handed out (docs/clients.md). ``timeout_s``
+    bounds every request; waiting for a message has no bound of its own (the iterator
+    keeps reconnecting while the broker is away), ``receive(timeout_s=...)`` sets one.
     """
 
     def __init__(
@@ -73,6 +75,7 @@ class AsyncConsumer:
         group: str,
         consumer_id: str,
         auto_commit: bool,
+        commit: str,
         timeout_s: float,
         max_messages: int,
         pull_wait_ms: int,
@@ -88,7 +91,7 @@ class AsyncConsumer:
         self.max_messages = max_messages
         self.pull_wait_ms = pull_wait_ms
         self.heartbeat_interval_s = heartbeat_interval_s
-        self._state = ConsumerState(auto_commit=auto_commit)
+        self._state = ConsumerState(auto_commit=auto_commit, commit=commit)
         self._joined: AsyncLink | None = None  # the link this consumer is a member on
         self._join_lock = anyio.Lock()
         self._joins = 0  # JOINs done so far
@@ -118,14 +121,28 @@ class AsyncConsumer:
     async def receive(self, timeout_s: float | None = None) -> Message | None:
         """The next message, or None when none came within ``timeout_s`` (None: wait).
 
-        Raises RejectedError when the broker refuses the subscription (bad subject or
-        group), ProtocolError when it breaks the protocol, ConnectionClosedError once
-        the consumer is closed.
+        Raises DelaydTimeout when the broker could not be reached within ``timeout_s``
+        — retryable: the consumer keeps reconnecting and a later call resumes from the
+        group's committed offsets. Raises RejectedError when the broker refuses the
+        subscription (bad subject or group), ProtocolError when it breaks the protocol,
+        ConnectionClosedError once the consumer is closed.
         """
         if self._closed:
             raise ConnectionClosedError("the consumer is closed")
         self._state.advance()
         deadline = math.inf if timeout_s is None else anyio.current_time() + timeout_s
+        if self._state.sync_commits and self._state.commits_due():
+            # The processed message's commit is on the broker's disk before the next
+            # message is handed out; if it cannot be in time, raise, and the next call
+            # tries again.
+            with anyio.move_on_at(deadline):
+                await self._flush_commits(retry=True)
+            if self._state.commits_due():
+                raise DelaydTimeout(
+                    f"could not commit to {self.addr} within {timeout_s} s "
+                    f"({self._session.describe_problem()}); the next message is handed "
+                    "out once the commit is durable"
+                )
         while True:
             message = self._state.pop()
             if message is not None:
@@ -151,6 +168,13 @@ class AsyncConsumer:
                     self._start_pull()
                 await self._arrived.wait()
             if anyio.current_time() >= deadline and not self._state.buffered:
+                if self._session.current is None:
+                    # Not "no message": the broker could not be asked. The PULL task
+                    # goes on reconnecting; a later call finds what it brings.
+                    raise DelaydTimeout(
+                        f"could not reach {self.addr} within {timeout_s} s "
+                        f"({self._session.describe_problem()})"
+                    )
                 return None
 
     def _start_pull(self) -> None:
@@ -188,26 +212,31 @@ class AsyncConsumer:
     async def _flush_commits(self, *, retry: bool = False) -> None:
         """Send the due COMMIT_OFFSETs; with ``retry``, until they are confirmed.
 
-        Without ``retry`` a lost connection leaves them due for the next flush.
+        Without ``retry`` a lost connection leaves them due for the next flush, and no
+        connection is made for them: while the broker is away they wait for the PULL
+        that follows the reconnect, rather than hold up the message being handed out.
         """
+        if not retry and (self._joined is None or self._joined.closed):
+            return
         while due := self._state.commits_due():
             link: AsyncLink | None = None
             try:
                 link = await self._member_link()
                 for queue, offset in due:
-                    await link.request(
-                        lambda rid, q=queue, o=offset: CommitOffset(
-                            self.group, self.subject, q, o, request_id=rid
-                        )
-                    )
+                    with anyio.fail_after(self.timeout_s):
+                        await link.request(partial(self._commit_request, queue, offset))
                     self._state.committed(queue, offset)
-            except ConnectionClosedError as exc:
+            except (ConnectionClosedError, TimeoutError) as exc:
                 if link is not None:
-                    self._session.lost(link, exc)
+                    self._session.lost(link, exc)  # closes it: its state is unknown
                 if not retry:
                     return
             finally:
                 self._state.flushed(anyio.current_time())
+
+    def _commit_request(self, queue: int, offset: int, request_id: int) -> CommitOffset:
+        durable = self._state.sync_commits
+        return CommitOffset(self.group, self.subject, queue, offset, durable, request_id=request_id)
 
     # --- membership and pulling -------------------------------------------------------
 
@@ -269,6 +298,7 @@ class AsyncConsumer:
                 assert isinstance(result, PullResult)
                 self._state.add_pulled(result.messages)
                 self._session.succeeded()
+                self._busy_backoff.reset()
             if scope.cancelled_caught:
                 link.abort("closed: no answer to PULL in time")
         except ConnectionClosedError as exc:
@@ -346,6 +376,7 @@ async def open_consumer(
     group: str,
     token: str | None = None,
     auto_commit: bool = True,
+    commit: str = "periodic",
     consumer_id: str | None = None,
     timeout_s: float = 10.0,
     max_messages: int = 256,
@@ -359,7 +390,9 @@ async def open_consumer(
     RejectedError for a wrong token or a refused subscription). On exit commits what
     was processed — including the last message when the body ended without an
     exception — and closes. ``max_messages`` is the PULL batch size, ``pull_wait_ms``
-    how long the broker may hold a PULL that finds nothing.
+    how long the broker may hold a PULL that finds nothing. ``commit`` is "periodic"
+    (default) or "sync" (each commit durable before the next message; ValueError for
+    anything else).
     """
     async with background_task_group() as tg:
         session = AsyncSession(addr, token=token, client_name=client_name, task_group=tg)
@@ -370,6 +403,7 @@ async def open_consumer(
             group=group,
             consumer_id=consumer_id or new_consumer_id(),
             auto_commit=auto_commit,
+            commit=commit,
             timeout_s=timeout_s,
             max_messages=max_messages,
             pull_wait_ms=pull_wait_ms,

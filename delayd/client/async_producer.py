@@ -105,9 +105,10 @@ class AsyncProducer:
             properties=properties,
         )
         (receipt,) = await self.send_batch([message])
-        if receipt.code.is_retryable:
+        if receipt.code.is_retryable:  # BUSY, or another refusal that may pass later
             raise BusyError(
-                f"{self.addr} stayed busy through {self.busy_retries} retries: {receipt.reason}"
+                f"{self.addr} stayed busy through {self.busy_retries} retries: "
+                f"{receipt.reason} ({receipt.code.name})"
             )
         if not receipt.ok:
             raise RejectedError(receipt.code, receipt.reason)
@@ -187,7 +188,7 @@ class AsyncProducer:
                 for index, result in zip(todo, response.results, strict=True):
                     receipt = Receipt.from_result(messages[index].message_id, result)
                     receipts[index] = receipt
-                    if result.code.is_retryable:
+                    if result.code.is_retryable:  # BUSY, or a refusal that may pass later
                         busy.append(index)
             if busy:
                 busy_rounds += 1

@@ -64,9 +64,11 @@ class Consumer:
     Connects and joins on ``with`` (or on the first receive). Iterate it, or call
     ``receive(timeout_s=...)``. With ``auto_commit`` a message is committed once the
     next one is asked for, and the last one when the ``with`` block ends without an
-    exception; otherwise call ``commit(message)``. ``timeout_s`` bounds every request;
+    exception; otherwise call ``commit(message)``. ``commit="sync"`` makes each commit
+    durable on the broker before the next message is handed out (at most one message
+    comes again after a crash; docs/clients.md). ``timeout_s`` bounds every request;
     iterating waits for messages for ever, reconnecting while the broker is away.
-    Raises ValueError for a malformed ``addr``.
+    Raises ValueError for a malformed ``addr`` or an unknown ``commit`` mode.
     """
 
     def __init__(
@@ -77,6 +79,7 @@ class Consumer:
         group: str,
         token: str | None = None,
         auto_commit: bool = True,
+        commit: str = "periodic",
         consumer_id: str | None = None,
         timeout_s: float = 10.0,
         max_messages: int = 256,
@@ -93,7 +96,7 @@ class Consumer:
         self.max_messages = max_messages
         self.pull_wait_ms = pull_wait_ms
         self.heartbeat_interval_s = heartbeat_interval_s
-        self._state = ConsumerState(auto_commit=auto_commit)
+        self._state = ConsumerState(auto_commit=auto_commit, commit=commit)
         self._joined: BlockingLink | None = None  # the link this consumer is a member on
         self._joins = 0  # JOINs done so far
         self._last_sent = 0.0  # monotonic time of the last request (a PULL is a heartbeat)
@@ -164,14 +167,22 @@ class Consumer:
     def receive(self, timeout_s: float | None = None) -> Message | None:
         """The next message, or None when none came within ``timeout_s`` (None: wait).
 
-        Raises RejectedError when the broker refuses the subscription (bad subject or
-        group, wrong token), ProtocolError when it breaks the protocol,
-        ConnectionClosedError once the consumer is closed.
+        Raises DelaydTimeout when the broker could not be reached (or joined) within
+        ``timeout_s`` — retryable: the same consumer reconnects on the next call and
+        resumes from the group's committed offsets. Raises RejectedError when the
+        broker refuses the subscription (bad subject or group, wrong token),
+        ProtocolError when it breaks the protocol, ConnectionClosedError once the
+        consumer is closed.
         """
         deadline = math.inf if timeout_s is None else time.monotonic() + timeout_s
         with self._lock:
             self._check_open()
             self._state.advance()
+            if self._state.sync_commits:
+                # The processed message's commit is on the broker's disk before the next
+                # message is handed out; if it cannot be within timeout_s, this raises
+                # and the next call tries again.
+                self._flush_commits(deadline, retry=True)
             while True:
                 message = self._state.pop()
                 if message is not None:
@@ -183,13 +194,15 @@ class Consumer:
                 # the PULL (_pull), so that committing costs no round trip of its own.
                 remaining_ms = (deadline - time.monotonic()) * 1000
                 if remaining_ms <= 0:
+                    if self._session.current is None:
+                        # Not "no message": the broker could not be asked. The next call
+                        # reconnects (the back-off runs across calls).
+                        raise DelaydTimeout(
+                            f"could not reach {self.addr} within {timeout_s} s "
+                            f"({self._session.describe_problem()})"
+                        )
                     return None
-                try:
-                    self._pull(int(min(self.pull_wait_ms, remaining_ms)), deadline)
-                except DelaydTimeout:
-                    if time.monotonic() >= deadline:
-                        return None
-                    raise
+                self._pull(int(min(self.pull_wait_ms, remaining_ms)), deadline)
 
     # --- commits ----------------------------------------------------------------------
 
@@ -206,18 +219,18 @@ class Consumer:
     def _flush_commits(self, deadline: float, *, retry: bool) -> None:
         """Send the due COMMIT_OFFSETs; with ``retry``, until confirmed or ``deadline``.
 
-        Without ``retry`` a lost connection leaves them due for the next flush.
+        Without ``retry`` a lost connection leaves them due for the next flush, and no
+        connection is made for them: while the broker is away they wait for the PULL
+        that follows the reconnect, rather than hold up the message being handed out.
         """
+        if not retry and (self._joined is None or self._joined is not self._session.current):
+            return
         while due := self._state.commits_due():
             try:
                 link = self._member_link(deadline)
+                request_deadline = min(deadline, time.monotonic() + self.timeout_s)
                 for queue, offset in due:
-                    link.request(
-                        lambda rid, q=queue, o=offset: CommitOffset(
-                            self.group, self.subject, q, o, request_id=rid
-                        ),
-                        deadline,
-                    )
+                    link.request(partial(self._commit_request, queue, offset), request_deadline)
                     self._state.committed(queue, offset)
             except (ConnectionClosedError, DelaydTimeout) as exc:
                 if isinstance(exc, ConnectionClosedError) or self._session.current is None:
@@ -254,7 +267,7 @@ class Consumer:
                 continue
             except BusyError as exc:
                 self._session.last_problem = exc
-                time.sleep(self._busy_backoff.next_delay())
+                _sleep_until(deadline, self._busy_backoff.next_delay())
                 continue
             assert isinstance(result, JoinGroupResult)
             self._state.set_assignment(result.queues)
@@ -294,6 +307,7 @@ class Consumer:
         result = answers[len(due)]
         if isinstance(result, PullResult):
             self._session.succeeded()
+            self._busy_backoff.reset()
             self._state.add_pulled(result.messages)
         elif isinstance(result, RejectedError):
             if result.code != ErrorCode.INVALID_REQUEST or self._joins != joins_before:
@@ -301,7 +315,7 @@ class Consumer:
             self._joined = None  # dropped from the group: join again
         elif isinstance(result, BusyError):
             self._session.last_problem = result
-            time.sleep(self._busy_backoff.next_delay())
+            _sleep_until(deadline, self._busy_backoff.next_delay())
         elif isinstance(result, DelaydError):
             raise result
         # A refused commit is an answer about the subscription: raised like a refused pull.
@@ -310,7 +324,8 @@ class Consumer:
                 raise answers[index]
 
     def _commit_request(self, queue: int, offset: int, request_id: int) -> CommitOffset:
-        return CommitOffset(self.group, self.subject, queue, offset, request_id=request_id)
+        durable = self._state.sync_commits
+        return CommitOffset(self.group, self.subject, queue, offset, durable, request_id=request_id)
 
     def _pull_request(self, wait_ms: int, request_id: int) -> Pull:
         return Pull(
@@ -358,3 +373,8 @@ class Consumer:
                     continue
                 assert isinstance(result, HeartbeatResult)
                 self._state.set_assignment(result.queues)
+
+
+def _sleep_until(deadline: float, delay_s: float) -> None:
+    """Sleep ``delay_s``, but not past ``deadline`` (monotonic seconds)."""
+    time.sleep(max(0.0, min(delay_s, deadline - time.monotonic())))

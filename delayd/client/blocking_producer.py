@@ -146,9 +146,10 @@ class Producer:
             properties=properties,
         )
         (receipt,) = self.send_batch([message])
-        if receipt.code.is_retryable:
+        if receipt.code.is_retryable:  # BUSY, or another refusal that may pass later
             raise BusyError(
-                f"{self.addr} stayed busy through {self.busy_retries} retries: {receipt.reason}"
+                f"{self.addr} stayed busy through {self.busy_retries} retries: "
+                f"{receipt.reason} ({receipt.code.name})"
             )
         if not receipt.ok:
             raise RejectedError(receipt.code, receipt.reason)
@@ -325,7 +326,7 @@ class _Round:
         assert isinstance(answer, SendBatchResult)
         for index, result in zip(indexes, answer.results, strict=True):
             self._receipts[index] = Receipt.from_result(self._batch[index].message_id, result)
-            if result.code.is_retryable:
+            if result.code.is_retryable:  # BUSY, or a refusal that may pass later
                 self._again.append(index)
 
     def unfinished(self) -> list[int]:

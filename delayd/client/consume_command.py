@@ -1,7 +1,8 @@
 """``delayd consume``: print messages of a subject as a member of a consumer group.
 
 One line per message, committed once printed (auto-commit), so a second run of the
-same group continues where the first stopped. Exits 0 after ``--count`` messages, or
+same group continues where the first stopped; with ``--commit sync`` each commit is
+durable before the next line is printed. Exits 0 after ``--count`` messages, or
 when no message came for ``--timeout`` seconds; 1 when the broker cannot be reached or
 refuses; 130 on Ctrl-C.
 """
@@ -14,6 +15,7 @@ import json
 import sys
 from typing import Any, TextIO
 
+from delayd.client._consumer_state import COMMIT_MODES
 from delayd.errors import DelaydError
 from delayd.protocol import Message
 
@@ -39,6 +41,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         help="exit when no message came for this long (default: wait for ever)",
     )
     parser.add_argument("--token", help="shared secret, if the broker requires one")
+    parser.add_argument(
+        "--commit",
+        choices=COMMIT_MODES,
+        default="periodic",
+        help="periodic: commits ride on the next PULL, answered from the broker's memory "
+        "(default); sync: each line's commit is on the broker's disk before the next "
+        "line is printed, so a crash prints at most one line again",
+    )
 
 
 def _body_fields(body: bytes) -> dict[str, str]:
@@ -86,7 +96,11 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     printed = 0
     try:
         with Consumer(
-            args.broker, subject=args.subject, group=args.group, token=args.token
+            args.broker,
+            subject=args.subject,
+            group=args.group,
+            token=args.token,
+            commit=args.commit,
         ) as consumer:
             while args.count is None or printed < args.count:
                 message = consumer.receive(timeout_s=args.timeout)

@@ -117,11 +117,11 @@ class IdIndex:
         self.store.put_batch(message_ids, values, timestamps_ms)
         self.puts += len(message_ids)
 
-    def lookup(self, message_id: str) -> list[Location]:
-        """The schedule_log records holding ``message_id``, newest put first (at most
-        MAX_RESULTS). Raises CorruptionError for a damaged index chain."""
+    def lookup(self, message_id: str | bytes) -> list[Location]:
+        """The schedule_log records holding ``message_id`` (bytes: UTF-8), newest put
+        first (at most MAX_RESULTS). Raises CorruptionError for a damaged index chain."""
         self.lookups += 1
-        wanted = message_id.encode()
+        wanted = message_id if isinstance(message_id, bytes) else message_id.encode()
         found: dict[int, bytes] = {}
 
         def matches(value: int, _key: object) -> bool:

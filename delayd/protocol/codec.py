@@ -457,6 +457,10 @@ def _enc_commit_offset(out: bytearray, e: CommitOffset) -> None:
     _put_str(out, e.subject, "subject")
     out += U32.pack(e.queue)
     out += U64.pack(e.offset)
+    if e.durable:
+        # Optional trailing byte: a periodic commit stays byte for byte what brokers
+        # before it understand.
+        out += U8.pack(1)
 
 
 def _enc_empty(out: bytearray, e: Event) -> None:
@@ -962,7 +966,8 @@ def _dec_commit_offset(r: _Reader) -> CommitOffset:
     subject = r.text("subject")
     queue = r.fixed(U32, "queue")
     offset = r.fixed(U64, "offset")
-    return CommitOffset(group, subject, queue, offset, request_id=r.request_id)
+    durable = r.flag("durable") if r.pos < r.end else False
+    return CommitOffset(group, subject, queue, offset, durable, request_id=r.request_id)
 
 
 def _dec_commit_offset_ok(r: _Reader) -> CommitOffsetOk:

@@ -62,11 +62,18 @@ class ErrorCode(enum.IntEnum):
     SHUTTING_DOWN = 10  # the server is stopping: retry on another node
     INTERNAL = 11  # a bug or an I/O failure on the server
     DISK_FULL = 12  # the server's disk is full: nothing was stored; retry later
+    TOO_MANY_CONNECTIONS = 14  # the server holds its max_connections: connect again later
+    TIMEOUT = 15  # HELLO, or a started frame, not finished within the server's deadline
 
     @property
     def is_retryable(self) -> bool:
         """Whether sending the same request again (later, or elsewhere) may succeed."""
-        return self in (ErrorCode.BUSY, ErrorCode.SHUTTING_DOWN, ErrorCode.DISK_FULL)
+        return self in (
+            ErrorCode.BUSY,
+            ErrorCode.SHUTTING_DOWN,
+            ErrorCode.DISK_FULL,
+            ErrorCode.TOO_MANY_CONNECTIONS,
+        )
 
 
 class ResultCode(enum.IntEnum):
@@ -82,6 +89,7 @@ class ResultCode(enum.IntEnum):
     INVALID_DELAY = 7  # both at_ms and delay_ms set, or a negative delay_ms
     BUSY = 8  # not stored because the server is overloaded: retry later
     INTERNAL = 9  # not stored because of a server-side failure
+    INVALID_ID = 10  # message_id is not printable text (a NUL, newline, control character)
     DISK_FULL = 11  # not stored because the server's disk is full: retry later
 
     @property

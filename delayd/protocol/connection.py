@@ -146,6 +146,18 @@ class Connection:
         """Requests sent (client) or received (server) and not answered yet, by id."""
         return types.MappingProxyType(self._pending)
 
+    @property
+    def buffered(self) -> int:
+        """Bytes received and not yet returned as events: after NEED_DATA, the start of
+        a frame still arriving (0 between frames)."""
+        return self._decoder.buffered
+
+    @property
+    def incomplete_frame_size(self) -> int:
+        """After NEED_DATA: the announced size (header included) of the frame still
+        arriving, once its header is in and checked against max_frame_size; else 0."""
+        return self._decoder.incomplete_frame_size
+
     def next_request_id(self) -> int:
         """A request id not in use on this connection (client only): 1, 2, 3, ..."""
         if self.role is not CLIENT:

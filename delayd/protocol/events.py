@@ -245,13 +245,18 @@ class PullResult(Response):
 
 @dataclass(frozen=True, slots=True)
 class CommitOffset(Request):
-    """``group`` has consumed ``queue`` of ``subject`` up to, not including, ``offset``."""
+    """``group`` has consumed ``queue`` of ``subject`` up to, not including, ``offset``.
+
+    ``durable``: answer only once the offset is on disk (a kill -9 of the broker after
+    the answer does not forget it); otherwise the broker answers from memory.
+    """
 
     command: ClassVar[Command] = Command.COMMIT_OFFSET
     group: str
     subject: str
     queue: int
     offset: int
+    durable: bool = False
 
 
 @dataclass(frozen=True, slots=True)

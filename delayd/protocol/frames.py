@@ -125,6 +125,15 @@ class FrameDecoder:
         """Bytes received but not yet returned as part of a frame."""
         return len(self._buf) - self._pos
 
+    @property
+    def incomplete_frame_size(self) -> int:
+        """The size (header included) of the frame being received, once its header is
+        in and ``next_frame`` returned None; 0 when no header is waiting for its body."""
+        if self.buffered < HEADER_SIZE:
+            return 0
+        body_length = HEADER_PREFIX.unpack_from(self._buf, self._pos)[-1]
+        return HEADER_SIZE + body_length
+
     def feed(self, data: bytes | bytearray | memoryview) -> None:
         # Compact lazily: deleting consumed bytes after every frame would copy the rest of
         # the buffer once per frame, quadratic for a burst of small frames.

@@ -38,6 +38,7 @@ from delayd.logs import message_log, schedule_log
 from delayd.logs.bucket_files import BucketFiles
 from delayd.logs.buckets import bucket_of, bucket_width_ms
 from delayd.logs.id_index import IdIndex, scheduled_id
+from delayd.logs.known_ids import KnownIds
 from delayd.nowait import holding
 from delayd.replay.recovery import RecoveryReport
 from delayd.replay.state import ReplayCheckpoint, write_replay_checkpoint
@@ -151,6 +152,9 @@ class Replayer:
         self.on_tombstones: OnTombstones | None = None
         self.before_checkpoint: BeforeCheckpoint | None = None
         self.index = index
+        # Set by the server (idempotent intake): told which accepted ids the index
+        # answers for once they are put.
+        self.known: KnownIds | None = None
         self.batch_records = batch_records
         self.checkpoint_interval_s = checkpoint_interval_s
         # None: rely on notify() alone (sync flush: intake notifies after each fsync).
@@ -402,11 +406,13 @@ class Replayer:
         return done
 
     def _finish(self, step: _Step, offsets: dict[int, list[int]]) -> None:
-        index = self.index
+        index, known = self.index, self.known
         if index is not None:
             for start, bucket_offsets in offsets.items():
                 group = step.groups[start]
                 index.put_batch(group.ids, start, bucket_offsets, group.receive_ms)
+                if known is not None:
+                    known.indexed(group.ids)
         hook = self.on_scheduled
         if hook is not None:
             for start, bucket_offsets in offsets.items():

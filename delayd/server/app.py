@@ -1,14 +1,16 @@
 """DelayServer: the delay server's process — message_log, replayer, intake listener,
 the embedded broker and /metrics — under one root nursery.
 
-Start-up (``open``, blocking, run in a worker thread): message_log recovery (torn tail
-cut), replay recovery (schedule_log cut back to the checkpoint, sequence recovered),
-broker recovery. ``run`` then starts every task with ``nursery.start`` and reports the
+Start-up: ``open_listeners`` binds every port first (a clash is reported at once, not
+after recovery); ``open`` (blocking, run in a worker thread) recovers: message_log
+(torn tail cut), replay (schedule_log cut back to the checkpoint, sequence recovered),
+the broker. ``run`` then starts every task with ``nursery.start`` and reports the
 bound addresses once all of them listen.
 
 Shutdown (``request_stop``, on SIGTERM/SIGINT): stop accepting and let in-flight
 batches be acknowledged, flush message_log, let the replayer copy everything durable and
-write its checkpoint, stop the broker (it flushes and checkpoints itself), close files.
+write its checkpoint, stop delivery, stop the broker's listener the same way (appended
+batches answered), stop the broker (it flushes and checkpoints itself), close files.
 """
 
 from __future__ import annotations
@@ -22,8 +24,13 @@ from prometheus_client import CollectorRegistry
 
 from delayd.broker import Broker
 from delayd.broker.metrics import BrokerCollector
-from delayd.broker.server import serve_broker
+from delayd.broker.server import broker_listener
+from delayd.connection_gate import ConnectionGate
+from delayd.connection_metrics import register_connection_metrics
+from delayd.listen import bound_addresses
+from delayd.listen import open_listeners as bind
 from delayd.logs import layout
+from delayd.logs.known_ids import KnownIds
 from delayd.metrics_http import Readiness, serve_metrics
 from delayd.receiver import Receiver
 from delayd.replay import Replayer, open_replayer
@@ -55,6 +62,72 @@ log = logging.getLogger(__name__)
 SHUTDOWN_GRACE_S = 5.0  # in-flight batches get this long to be acknowledged
 ASYNC_POLL_INTERVAL_S = 0.01  # replayer's look at message_log under the async policy
 PROGRESS_INTERVAL_S = 2.0  # a long replay catch-up at start logs a line this often
+REBUILD_CHUNK = 20_000  # ids claimed during an id filter rebuild, added a step at a time
+
+
+@dataclass(frozen=True, slots=True)
+class ServeListeners:
+    """The server's listening sockets, bound before recovery (``open_listeners``)."""
+
+    intake: list[trio.SocketListener]
+    broker: list[trio.SocketListener] | None
+    metrics: list[trio.SocketListener] | None
+
+    async def aclose(self) -> None:
+        for group in (self.intake, self.broker, self.metrics):
+            for listener in group or ():
+                await listener.aclose()
+
+
+async def open_listeners(config: ServeConfig) -> ServeListeners:
+    """Bind the intake, broker and metrics listeners ``config`` asks for, in that order.
+    Raises ListenError naming the first that cannot be bound (those bound before it
+    are closed again)."""
+    bound: list[list[trio.SocketListener]] = []
+    try:
+        intake = await bind("intake", *config.listen)
+        bound.append(intake)
+        broker = metrics = None
+        if config.broker_listen is not None:
+            broker = await bind("the broker", *config.broker_listen)
+            bound.append(broker)
+        if config.metrics_listen is not None:
+            metrics = await bind("metrics", *config.metrics_listen)
+    except BaseException:
+        for group in bound:
+            for listener in group:
+                await listener.aclose()
+        raise
+    return ServeListeners(intake, broker, metrics)
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsEndpoint:
+    """/metrics, /healthz and /readyz served from before recovery (``serve_metrics_early``
+    on the bound metrics listener), so that a liveness probe is answered while a long
+    recovery runs and /readyz says why the server is not ready. ``DelayServer.run``
+    then adds its collectors to ``registry`` and drives ``readiness``."""
+
+    registry: CollectorRegistry
+    readiness: Readiness
+    address: Address
+
+
+async def serve_metrics_early(
+    listeners: list[trio.SocketListener],
+    reason: str,
+    *,
+    task_status: trio.TaskStatus[MetricsEndpoint] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve an empty registry on ``listeners`` until cancelled, /readyz answering 503
+    ``starting: <reason>``; reports the MetricsEndpoint to hand to ``run``."""
+    registry = CollectorRegistry(auto_describe=False)
+    readiness = Readiness(reason)
+    address = bound_addresses(listeners)[0]
+    serve = partial(serve_metrics, readiness=readiness, listeners=listeners)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(serve, registry, *address)
+        task_status.started(MetricsEndpoint(registry, readiness, address))
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,10 +156,17 @@ class DelayServer:
         self.replayer = replayer
         self.broker = broker
         self.writer = LogWriter(message_log, config.flush)
-        self.receiver = Receiver(config.limits, replayer.recovery.next_sequence)
+        # Idempotent intake: an id already held is answered DUPLICATE (docs/protocol.md).
+        self.known = None if replayer.index is None else KnownIds(replayer.index)
+        replayer.known = self.known
+        self.receiver = Receiver(config.limits, replayer.recovery.next_sequence, self.known)
         self.intake = IntakePath(self.receiver, self.writer, replayer)
         self.intake.canceller = delivery.canceller  # cancel/reschedule (docs/cancel.md)
-        self.listener = IntakeListener(self._connection)
+        self.listener = IntakeListener(
+            self._connection, ConnectionGate("intake", config.connection_limits)
+        )
+        # Its gate: the [broker] connection keys (the embedded broker's config).
+        self.broker_listener = broker_listener(broker, token=config.token)
         self._stop = trio.Event()
         # Recovery of the logs is done when the server is built; /readyz turns ready
         # once replay has caught up and delivery runs.
@@ -208,6 +288,7 @@ class DelayServer:
             max_frame_size=self.config.max_frame_bytes,
             stats=self.stats,
             broker_address=self._broker_address,
+            gate=self.listener.gate,
         )
 
     def stats(self) -> dict[str, str | int | float]:
@@ -217,6 +298,7 @@ class DelayServer:
             "intake.accepted_total": receiver.accepted_total,
             "intake.refused_total": sum(receiver.refused_total.values()),
             "intake.past_due_total": receiver.past_due_total,
+            "intake.duplicate_total": receiver.duplicate_total,
             "intake.pending_acks": self.intake.pending_acks,
             "intake.last_sequence": receiver.last_sequence,
             "message_log.end_offset_bytes": self.message_log.end_offset,
@@ -237,10 +319,21 @@ class DelayServer:
         """Begin the graceful shutdown; ``run`` returns when it is done."""
         self._stop.set()
 
-    async def run(self, *, task_status: trio.TaskStatus[BoundAddresses]) -> None:
-        """Serve until ``request_stop``; reports BoundAddresses once every listener is up.
-        Raises whatever stops a task (a StorageError from a log, for instance)."""
+    async def run(
+        self,
+        *,
+        listeners: ServeListeners | None = None,
+        metrics: MetricsEndpoint | None = None,
+        task_status: trio.TaskStatus[BoundAddresses],
+    ) -> None:
+        """Serve until ``request_stop``, on ``listeners`` (bound before ``open``) or on
+        listeners of its own; reports BoundAddresses once every listener is up.
+        ``metrics``: the endpoint already served since before recovery (then
+        ``listeners.metrics`` is None), which gets this server's collectors. Raises
+        whatever stops a task (a StorageError from a log, ListenError)."""
         config = self.config
+        if listeners is None:
+            listeners = await open_listeners(config)
         try:
             async with trio.open_nursery() as root:
                 await root.start(self.writer.run)
@@ -249,8 +342,9 @@ class DelayServer:
                 broker_bound = None
                 if config.broker_listen is not None:
                     host, port = config.broker_listen
+                    serve_broker = self.broker_listener.serve
                     bound = await root.start(
-                        partial(serve_broker, self.broker, host, port, token=config.token)
+                        partial(serve_broker, host, port, listeners=listeners.broker)
                     )
                     broker_bound = bound[0]
                     self._broker_address = "{}:{}".format(*broker_bound)
@@ -261,7 +355,10 @@ class DelayServer:
                     await root.start(self.store_sizes.run)
                     assert self.free_space is not None
                     await root.start(self.free_space.run)
-                    registry = CollectorRegistry(auto_describe=False)
+                    if metrics is not None:
+                        registry = metrics.registry
+                    else:
+                        registry = CollectorRegistry(auto_describe=False)
                     registry.register(IntakeCollector(self.receiver, self.intake, self.replayer))
                     registry.register(BrokerCollector(self.broker))
                     registry.register(DeliveryCollector(self.delivery))
@@ -270,20 +367,35 @@ class DelayServer:
                     registry.register(DiskCollector(self.free_space))
                     if self.retention is not None:
                         registry.register(RetentionCollector(self.retention))
-                    host, port = config.metrics_listen
-                    serve = partial(serve_metrics, readiness=self.readiness)
-                    metrics_bound = (await root.start(serve, registry, host, port))[0]
+                    gates = {"intake": self.listener.gate, "broker": self.broker_listener.gate}
+                    register_connection_metrics(registry, gates)
+                    if metrics is not None:  # served since before recovery
+                        metrics.readiness.starting(self.readiness.reason or "starting")
+                        self.readiness = metrics.readiness
+                        self.readiness.watch(self.refusals.reason)  # a full disk
+                        metrics_bound = metrics.address
+                    else:
+                        host, port = config.metrics_listen
+                        serve = partial(
+                            serve_metrics, readiness=self.readiness, listeners=listeners.metrics
+                        )
+                        metrics_bound = (await root.start(serve, registry, host, port))[0]
                 host, port = config.listen
-                intake_bound = await root.start(self.listener.serve, host, port)
+                serve_intake = partial(self.listener.serve, listeners=listeners.intake)
+                intake_bound = await root.start(serve_intake, host, port)
                 task_status.started(BoundAddresses(intake_bound[0], broker_bound, metrics_bound))
                 root.start_soon(self._start_delivery, root, self.message_log.durable_offset)
                 await self._stop.wait()
                 await self._shutdown()
                 root.cancel_scope.cancel()
         finally:
+            with trio.CancelScope(shield=True):
+                await listeners.aclose()  # those never served (a task failed first)
             self.delivery.close()
             self.replayer.close()
             self.message_log.close()
+            if self.known is not None:
+                self.known.close()
 
     async def _start_delivery(self, root: trio.Nursery, replay_target: int) -> None:
         """Start delivery once the replayer has caught up with what message_log held
@@ -304,11 +416,45 @@ class DelayServer:
                     replayer.replayed_total - records_before,
                     now - started,
                 )
+        # Every id message_log held at start is in the id index now: intake may decide
+        # duplicates (it waited until here), and the id filter can be filled.
+        self.intake.ids_ready.set()
+        if self.known is not None:
+            root.start_soon(self._keep_id_filter)
         await root.start(self.delivery.run)
         if self.retention is not None:
             await root.start(self.retention.run)
         self.readiness.set_ready()
         log.info("delivering: replay caught up at message_log offset %d", replay_target)
+
+    async def _keep_id_filter(self) -> None:
+        """Build the id filter now (until then intake looks every id up), and again,
+        twice as big, each time it fills (delayd.logs.known_ids)."""
+        known = self.known
+        assert known is not None
+        while True:
+            started = trio.current_time()
+            plan = known.begin_rebuild()
+            built = await trio.to_thread.run_sync(known.build_filter, plan)
+            # The ids claimed during the build go in a chunk per step, then it replaces
+            # the filter in the step that adds the last of them.
+            while not known.finish_rebuild(built, REBUILD_CHUNK):
+                await trio.lowlevel.checkpoint()
+            if built is None:
+                log.warning(
+                    "id filter: an id index file could not be read; every id sent is "
+                    "looked up in the index (slower intake) until the next start"
+                )
+                return
+            log.info(
+                "id filter: %d ids in %d KiB, built in %.2f s",
+                built.added,
+                built.size_bytes // 1024,
+                trio.current_time() - started,
+            )
+            full = trio.Event()
+            known.on_full = full.set
+            await full.wait()
 
     async def _shutdown(self) -> None:
         log.info("shutting down: no new requests; answering those in flight")
@@ -317,6 +463,9 @@ class DelayServer:
         await self.replayer.stop()
         if self.delivery.running:
             await self.delivery.stop()
+        # The embedded broker's producers (other delay servers, clients) get the same:
+        # every SEND_BATCH appended is answered before its connection closes.
+        await self.broker_listener.stop(SHUTDOWN_GRACE_S)
         log.info(
             "replay checkpoint at message_log offset %d (sequence %d)",
             self.replayer.checkpointed_position,

@@ -7,7 +7,9 @@ those listen (metrics: 127.0.0.1:20880 unless configured otherwise). Logs go to
 stderr, one line each (``--log-format kv|json``, ``--log-level``, or ``[log]`` of the
 configuration; delayd.logsetup). On SIGTERM or SIGINT: stop accepting, answer what is in
 flight, flush, write the replay checkpoint, exit 0. Exit 2 for a bad configuration, 1
-when the data directory cannot be served (corruption, a changed segment_scale).
+when the data directory cannot be served (corruption, a changed segment_scale, another
+process holding it: storage.dirlock) or a port cannot be bound (delayd.listen; bound
+before recovery, so that is said at once).
 
 The configuration is the defaults, then ``--config``, then ``DELAYD_<TABLE>_<KEY>``
 variables, then the flags (docs/configuration.md); ``--print-config`` prints it as
@@ -23,6 +25,7 @@ import os
 import signal
 import sys
 from collections.abc import Mapping
+from functools import partial
 
 import trio
 
@@ -35,7 +38,7 @@ from delayd.logsetup import (
     add_logging_arguments,
     configure_logging,
 )
-from delayd.server.app import DelayServer
+from delayd.server.app import DelayServer, open_listeners, serve_metrics_early
 from delayd.server.config import (
     ConfigError,
     ServeConfig,
@@ -45,6 +48,7 @@ from delayd.server.config import (
 )
 from delayd.server.config_env import load_effective_config
 from delayd.server.config_print import config_to_toml
+from storage.dirlock import DirectoryLock
 from storage.errors import StorageError
 
 log = logging.getLogger("delayd.serve")
@@ -144,6 +148,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     raise_descriptor_limit()  # before anything sizes itself by it (DispatchFiles)
     try:
+        # One writer per data directory, taken before anything there is read or cut.
+        lock = DirectoryLock.acquire(args.data, "delayd serve")
+    except StorageError as exc:
+        log.error("cannot serve %s: %s", args.data, exc)
+        return 1
+    try:
         trio.run(_serve, args.data, config)
     except BaseException as exc:
         reason = _fatal_reason(exc)
@@ -151,6 +161,8 @@ def run(args: argparse.Namespace) -> int:
             raise
         log.error("cannot serve %s: %s", args.data, reason)
         return 1
+    finally:
+        lock.release()
     return 0
 
 
@@ -189,18 +201,34 @@ async def _open(data_dir: str, config: ServeConfig) -> DelayServer:
 
 
 async def _serve(data_dir: str, config: ServeConfig) -> None:
-    server = await _open(data_dir, config)
-    tune_gc_for_serving()  # after recovery: what it built is frozen (delayd/gcsetup.py)
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async with trio.open_nursery() as nursery:
-            bound = await nursery.start(server.run)
-            if bound.broker is not None:
-                print("delayd serve broker listening on {}:{}".format(*bound.broker), flush=True)
-            if bound.metrics is not None:
-                print("delayd serve metrics on http://{}:{}/metrics".format(*bound.metrics))
-            print("delayd serve listening on {}:{}".format(*bound.intake), flush=True)
-            async for signum in signals:
-                log.info("%s: shutting down", signal.Signals(signum).name)
-                break
-            server.request_stop()
+    # Every port first: a clash is reported now, not after a long recovery. Producers'
+    # connections wait in the backlog until recovery is done; /healthz answers and
+    # /readyz says "recovering" meanwhile.
+    listeners = await open_listeners(config)
+    async with trio.open_nursery() as early:
+        metrics = None
+        if listeners.metrics is not None:
+            recovering = f"recovering {data_dir}"
+            metrics = await early.start(serve_metrics_early, listeners.metrics, recovering)
+            listeners = dataclasses.replace(listeners, metrics=None)  # served from here on
+        try:
+            server = await _open(data_dir, config)
+        except BaseException:
+            await listeners.aclose()
+            raise
+        tune_gc_for_serving()  # after recovery: what it built is frozen (delayd/gcsetup.py)
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async with trio.open_nursery() as nursery:
+                run = partial(server.run, listeners=listeners, metrics=metrics)
+                bound = await nursery.start(run)
+                if bound.broker is not None:
+                    print("delayd serve broker listening on {}:{}".format(*bound.broker))
+                if bound.metrics is not None:
+                    print("delayd serve metrics on http://{}:{}/metrics".format(*bound.metrics))
+                print("delayd serve listening on {}:{}".format(*bound.intake), flush=True)
+                async for signum in signals:
+                    log.info("%s: shutting down", signal.Signals(signum).name)
+                    break
+                server.request_stop()
+        early.cancel_scope.cancel()  # /metrics goes last
     log.info("delayd serve stopped")

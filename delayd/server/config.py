@@ -16,6 +16,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from delayd.broker.config import BrokerConfig
+from delayd.connection_limits import (
+    DEFAULT_FRAME_TIMEOUT_MS,
+    DEFAULT_HELLO_TIMEOUT_MS,
+    DEFAULT_MAX_UNFINISHED_FRAME_BYTES,
+    ConnectionLimits,
+)
 from delayd.logs import message_log, schedule_log
 from delayd.logs.bucket_files import DEFAULT_MAX_OPEN
 from delayd.logs.buckets import DEFAULT_SEGMENT_SCALE, check_segment_scale
@@ -130,6 +136,11 @@ class ServeConfig:
     metrics_listen: Address | None = DEFAULT_METRICS_LISTEN  # None: no /metrics endpoint
     token: str | None = field(default=None, repr=False)
     max_frame_bytes: int = DEFAULT_MAX_FRAME_SIZE
+    # The intake listener's connections (delayd.connection_limits); 0 = by the fd limit.
+    max_connections: int = 0
+    hello_timeout_ms: int = DEFAULT_HELLO_TIMEOUT_MS
+    frame_timeout_ms: int = DEFAULT_FRAME_TIMEOUT_MS
+    max_unfinished_frame_bytes: int = DEFAULT_MAX_UNFINISHED_FRAME_BYTES
     limits: IntakeLimits = field(default_factory=IntakeLimits)
     flush: FlushPolicy = field(default_factory=FlushPolicy)
     message_log_segment_bytes: int = DEFAULT_SEGMENT_SIZE
@@ -177,6 +188,20 @@ class ServeConfig:
             raise ConfigError(f"intake.max_record_bytes must be at least {smallest}")
         if any(group.embedded for group in self.broker_groups):
             self._check_embedded_broker_takes_what_intake_accepts()
+        try:
+            self.connection_limits  # noqa: B018  # validates the [server] connection keys
+        except ValueError as exc:
+            raise ConfigError(f"server.{exc}") from None
+
+    @property
+    def connection_limits(self) -> ConnectionLimits:
+        """The limits of the intake listener (the embedded broker's are in ``broker``)."""
+        return ConnectionLimits(
+            self.max_connections,
+            self.hello_timeout_ms,
+            self.frame_timeout_ms,
+            self.max_unfinished_frame_bytes,
+        )
 
     def _check_embedded_broker_takes_what_intake_accepts(self) -> None:
         """A message intake accepts and the embedded broker (the only group, usually)
@@ -237,6 +262,10 @@ _SCHEMA: dict[str, dict[str, tuple[Callable[[Any, str], Any], str]]] = {
         "metrics_listen": (lambda v, k: parse_optional_address(_str(v, k), k), "metrics_listen"),
         "token": (_str, "token"),
         "max_frame_bytes": (_int, "max_frame_bytes"),
+        "max_connections": (_non_negative, "max_connections"),
+        "hello_timeout_ms": (_int, "hello_timeout_ms"),
+        "frame_timeout_ms": (_int, "frame_timeout_ms"),
+        "max_unfinished_frame_bytes": (_int, "max_unfinished_frame_bytes"),
     },
     "log": {
         "format": (_choice(*LOG_FORMATS), "log_format"),

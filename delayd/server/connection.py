@@ -8,6 +8,13 @@ batches keep their order, and answered from a request task once durable, so batc
 flight share group-commit fsyncs; at most MAX_IN_FLIGHT such tasks per connection, after
 which the reader stops reading and TCP pushes back on the producer.
 
+Every request counts until its answer is queued to the writer (whose queue is bounded
+too), not merely until it is decided: a client that pipelines requests and never reads
+the answers holds at most MAX_IN_FLIGHT batches and MAX_TOMBSTONES_IN_FLIGHT tombstones,
+then its reader stops, and it stalls only itself. Requests answered on the reader
+(HELLO, STATS, refusals) wait for room in the writer there. Deadlines, the frame budget
+and the connection cap are the listener's (delayd.stream_events, connection_gate).
+
 Bad input never crashes the server: a protocol violation (bad frame, no HELLO, wrong
 token) gets the closing ERROR the Connection names and the socket is closed; requests
 the delay server does not serve get ERROR UNSUPPORTED; an unexpected failure in one
@@ -20,7 +27,9 @@ acknowledges nothing more (recovery on restart reads what is really on disk).
 Closing: at EOF or after a protocol error the in-flight requests are cancelled (their
 answers could not be delivered). ``stop_reading`` (server shutdown) instead stops
 taking requests and lets the in-flight ones finish, so batches already appended are
-still acknowledged.
+still acknowledged, then closes with FIN after the last answer: what the
+client sent after the stop is read and dropped, never appended, never answered
+(delayd.stoppable_listener.linger).
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ from collections.abc import Callable
 import trio
 
 from delayd.answer_queue import AnswerQueue
+from delayd.connection_gate import ConnectionGate
 from delayd.errors import ConnectionClosedError, LocalProtocolError
 from delayd.nowait import acquire
 from delayd.protocol import (
@@ -57,6 +67,7 @@ from delayd.protocol import (
 from delayd.receiver import Intake
 from delayd.server.cancels import Answer
 from delayd.server.intake import IntakePath
+from delayd.stoppable_listener import linger
 from delayd.stream_events import read_and_dispatch
 from delayd.stream_writer import FrameWriter
 from storage.errors import DiskFullError, StorageError
@@ -83,8 +94,10 @@ class DelayConnection:
         max_frame_size: int,
         stats: Callable[[], dict[str, str | int | float]],
         broker_address: str | None,
+        gate: ConnectionGate,
     ) -> None:
         self.intake = intake
+        self.gate = gate
         self.stream = stream
         self.conn = Connection(SERVER, token=token, max_frame_size=max_frame_size)
         self.stats = stats
@@ -116,6 +129,8 @@ class DelayConnection:
                     with contextlib.suppress(trio.BrokenResourceError):
                         await self._writer.send(final)
                 self._writer.close()
+            if self._stopping and not self._writer.broken:
+                await linger(self.stream)
         finally:
             with trio.CancelScope(shield=True):
                 await self.stream.aclose()
@@ -136,7 +151,7 @@ class DelayConnection:
         async def dispatch(event: Event) -> None:
             await self._dispatch(event, requests)
 
-        return await read_and_dispatch(self.stream, self.conn, self.peer, dispatch)
+        return await read_and_dispatch(self.stream, self.conn, self.peer, dispatch, self.gate)
 
     async def _dispatch(self, event: Event, requests: trio.Nursery) -> None:
         rid = event.request_id
@@ -233,23 +248,27 @@ class DelayConnection:
     async def _settle_batch(self, answers: list[Answer], request_id: int) -> None:
         try:
             await self.intake.settle_all(answers)
+            results = tuple((a.outcome, a.dispatched_ms) for a in answers)
+            await self._answer(CancelBatchResult(results, request_id=request_id))  # type: ignore[arg-type]
         finally:
-            self._slots.release()
-        results = tuple((a.outcome, a.dispatched_ms) for a in answers)
-        await self._answer(CancelBatchResult(results, request_id=request_id))  # type: ignore[arg-type]
+            self._slots.release()  # once answered: see the module docstring
 
     async def _settle(self, answer: Answer, request_id: int) -> None:
         try:
             await self.intake.settle(answer)
+            if answer.is_cancel:
+                result: Event = CancelResult(
+                    answer.outcome, answer.dispatched_ms, request_id=request_id
+                )  # type: ignore[arg-type]
+            else:
+                result = RescheduleResult(
+                    answer.outcome,
+                    answer.dispatched_ms,
+                    request_id=request_id,  # type: ignore[arg-type]
+                )
+            await self._answer(result)
         finally:
-            self._tombstone_slots.release()
-        if answer.is_cancel:
-            result: Event = CancelResult(
-                answer.outcome, answer.dispatched_ms, request_id=request_id
-            )  # type: ignore[arg-type]
-        else:
-            result = RescheduleResult(answer.outcome, answer.dispatched_ms, request_id=request_id)  # type: ignore[arg-type]
-        await self._answer(result)
+            self._tombstone_slots.release()  # once answered: see the module docstring
 
     async def _ack_loop(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Answer appended SEND_BATCHes once the flush policy allows, in append order.
@@ -260,13 +279,16 @@ class DelayConnection:
         """
         task_status.started()
         while (ready := await self._unacked.take_all()) is not None:
+            held = len(ready)  # slots of these batches, each released once answered
             try:
                 answers = await self.intake.acknowledge_all([intake for intake, _ in ready])
-            finally:
-                for _ in ready:
+                for (_, request_id), results in zip(ready, answers, strict=True):
+                    await self._answer(SendBatchResult(results, request_id=request_id))
                     self._slots.release()
-            for (_, request_id), results in zip(ready, answers, strict=True):
-                await self._answer(SendBatchResult(results, request_id=request_id))
+                    held -= 1
+            finally:
+                for _ in range(held):
+                    self._slots.release()
 
     async def _answer(self, event: Event) -> None:
         """Encode and queue one answer; dropped when the connection is already closed."""

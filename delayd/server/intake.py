@@ -29,6 +29,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+import trio
+
 from delayd.logs import tombstone
 from delayd.logs.message_log import TYPE_MESSAGE
 from delayd.protocol import EncodedMessages, Message, ResultCode, SendResult
@@ -65,6 +67,11 @@ class IntakePath:
         self.replayer = replayer
         self.clock = clock
         self.pending_acks = 0  # records appended whose batch is not answered yet
+        # Set once every id message_log held at start is in the id index (replay caught
+        # up): before that a resend of such an id could not be told from a new one.
+        self.ids_ready = trio.Event()
+        if receiver.known is None:
+            self.ids_ready.set()
         # Set by the server once delivery is built: it resolves cancel and reschedule.
         self.canceller: Canceller | None = None
         self.refusals = WriteRefusals()  # the server shares its own
@@ -75,8 +82,11 @@ class IntakePath:
         self.tombstone_space = FreeSpaceGuard(self.log.fs, self.log.directory, reserve // 2)
 
     async def make_room(self) -> None:
-        """Wait while message_log's unsynced bytes are over half its window (as
+        """Wait until intake can decide duplicates (``ids_ready``), and while
+        message_log's unsynced bytes are over half its window (as
         LogWriter.append_batch does), so the append below never fsyncs inline."""
+        if not self.ids_ready.is_set():
+            await self.ids_ready.wait()
         log = self.log
         while log.unsynced_bytes > log.max_unsynced_bytes // 2:
             await self.writer.flush()
@@ -102,7 +112,13 @@ class IntakePath:
                 offsets = self.log.append_batch(intake.payloads, TYPE_MESSAGE)
             except DiskFullError as exc:
                 self.refusals.refuse(MESSAGE_LOG, exc)
+                # Not stored: its ids are released, so a retry is not answered DUPLICATE.
                 return self.receiver.refuse_accepted(intake, ResultCode.DISK_FULL, str(exc))
+            except BaseException:
+                # Not stored either (the server stops): the same release.
+                if self.receiver.known is not None:
+                    self.receiver.known.release(intake.message_ids)
+                raise
             if self.refusals.any:
                 self.refusals.clear(MESSAGE_LOG)
             known = (intake.due_ms, intake.message_ids, intake.receive_ms)

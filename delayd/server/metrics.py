@@ -46,6 +46,26 @@ class IntakeCollector(Collector):
             refused.add_metric([code.name.lower()], receiver.refused_total[code])
         yield refused
         yield CounterMetricFamily(
+            "delayd_intake_duplicates_total",
+            "Messages answered DUPLICATE: their id was already held (scheduled, delivered "
+            "or cancelled), so they were not scheduled again.",
+            value=receiver.duplicate_total,
+        )
+        known = receiver.known
+        if known is not None:
+            yield CounterMetricFamily(
+                "delayd_intake_id_lookups_total",
+                "Id index lookups intake made to tell a resend from a new id (the filter "
+                "in front of the index could not rule the id out).",
+                value=known.lookups,
+            )
+            yield GaugeMetricFamily(
+                "delayd_intake_id_filter_warm",
+                "1 once the id filter holds every indexed id (after start-up), 0 while "
+                "every id sent is looked up in the index.",
+                value=int(known.warm),
+            )
+        yield CounterMetricFamily(
             "delayd_intake_past_due_total",
             "Accepted messages whose due time had passed on receipt (delivered at once).",
             value=receiver.past_due_total,

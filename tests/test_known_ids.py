@@ -1,0 +1,264 @@
+"""Idempotent intake in process: storage's HashFilter and read_key_hashes, KnownIds over
+a real id index, and the Receiver + IntakePath deciding DUPLICATE — before and after
+replay, across a reopen (index lookups while the filter warms, none once warm), after a
+failed append (the ids are not held), and after a power loss on the crash simulator."""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+from dataclasses import replace
+
+import pytest
+import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from delayd.logs import layout
+from delayd.logs.known_ids import MIN_WORD_BITS, KnownIds
+from delayd.protocol import Message, ResultCode
+from delayd.receiver import IntakeLimits, Receiver
+from delayd.replay import open_replayer
+from delayd.server.intake import IntakePath
+from storage.crashfs import CrashSimFileSystem
+from storage.flusher import LogWriter
+from storage.fs import REAL_FS, FileSystem, OsFileSystem
+from storage.hashfilter import HashFilter, key_hash
+from storage.indexfile import IndexStore, read_key_hashes
+from storage.segmented_log import SegmentedLog
+
+NOW = 1_795_341_600_000
+
+# ------------------------------------------------------------------ HashFilter
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(0, 2**32 - 1), max_size=300))
+def test_a_filter_never_forgets_a_hash(hashes):
+    f = HashFilter(word_bits=8)  # small: many collisions, still no false "absent"
+    for h in hashes:
+        f.add(h)
+    assert all(f.may_contain(h) for h in hashes)
+    f.close()
+
+
+def test_add_answers_whether_it_may_have_been_in_and_the_false_rate_is_low():
+    rnd = random.Random(7)
+    f = HashFilter(word_bits=16)  # 4,096 words; 40,000 hashes: 10 per word
+    added = [rnd.getrandbits(32) for _ in range(40_000)]
+    assert sum(f.add(h) for h in added) < 0.1 * len(added)
+    assert all(f.add(h) for h in added)  # each in now
+    others = [rnd.getrandbits(32) for _ in range(20_000)]
+    false_rate = sum(map(f.may_contain, others)) / len(others)
+    assert false_rate < 0.12  # ~0.08 at this load (the default size holds ~16x more)
+    f.close()
+
+
+def test_the_size_is_checked():
+    with pytest.raises(ValueError, match="word_bits"):
+        HashFilter(word_bits=40)
+    assert HashFilter(word_bits=12).size_bytes == 32 * 1024
+
+
+def test_read_key_hashes_lists_every_entry_flushed_pending_and_rolled(tmp_path):
+    keys = [f"id-{i}".encode() for i in range(250)]
+    with IndexStore.open(str(tmp_path), slot_count=31, max_entries=100) as store:
+        for n, key in enumerate(keys[:180]):
+            store.put(key, n, NOW)
+        store.flush()  # the first file sealed, the second partly on disk
+        for n, key in enumerate(keys[180:], 180):
+            store.put(key, n, NOW)  # pending, in memory
+        sources = store.hash_sources()
+        assert len(sources) == 3
+        listed = [h for source in sources for chunk in read_key_hashes(source) for h in chunk]
+    assert listed == [key_hash(k) for k in keys]
+
+
+# ------------------------------------------------------------------ KnownIds and intake
+
+
+def make_intake(data: str, fs: FileSystem) -> tuple[IntakePath, KnownIds]:
+    log = SegmentedLog.open(layout.message_log_dir(data), fs=fs)
+    replayer = open_replayer(data, log, segment_scale=1, fs=fs)
+    assert replayer.index is not None
+    known = KnownIds(replayer.index)
+    replayer.known = known
+    receiver = Receiver(IntakeLimits(), replayer.recovery.next_sequence, known)
+    intake = IntakePath(receiver, LogWriter(log), replayer, clock=lambda: NOW)
+    assert not intake.ids_ready.is_set()  # the server sets it once replay caught up
+    intake.ids_ready.set()  # the tests replay what the log held themselves, first
+    return intake, known
+
+
+def close(intake: IntakePath, known: KnownIds) -> None:
+    try:
+        intake.replayer.close()
+        intake.log.close()
+    finally:
+        known.close()
+
+
+def message(message_id: str, delay_ms: int = 1000, body: bytes = b"x") -> Message:
+    return Message(message_id, "orders", body=body, delay_ms=delay_ms)
+
+
+def codes(results) -> list[ResultCode]:
+    return [r.code for r in results]
+
+
+async def test_duplicates_in_a_batch_before_replay_after_replay_and_after_a_reopen(tmp_path):
+    data = str(tmp_path)
+    intake, known = make_intake(data, REAL_FS)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(intake.writer.run)
+            first = await intake.send_batch([message("a", 5000), message("a", 9), message("b")])
+            assert codes(first) == [ResultCode.OK, ResultCode.DUPLICATE, ResultCode.OK]
+            assert first[1].due_ms == NOW + 5000  # the held message's due time
+            assert known.unindexed_count == 2  # accepted, not replayed yet
+            again = await intake.send_batch([message("a", 1), message("c")])
+            assert codes(again) == [ResultCode.DUPLICATE, ResultCode.OK]
+            intake.replayer.replay_available()
+            assert known.unindexed_count == 0  # the index answers for them now
+            after = await intake.send_batch([message("b", 70), message("a", 70)])
+            assert codes(after) == [ResultCode.DUPLICATE] * 2
+            assert [r.due_ms for r in after] == [NOW + 1000, NOW + 5000]
+            nursery.cancel_scope.cancel()
+        intake.replayer.checkpoint()
+        assert intake.receiver.duplicate_total == 4
+        assert intake.receiver.accepted_total == 3
+    finally:
+        close(intake, known)
+
+    intake, known = make_intake(data, REAL_FS)  # a restart: the filter starts cold
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(intake.writer.run)
+            lookups = known.lookups
+            results = await intake.send_batch([message("a"), message("c"), message("d")])
+            assert codes(results) == [ResultCode.DUPLICATE, ResultCode.DUPLICATE, ResultCode.OK]
+            assert known.lookups == lookups + 3  # cold: every id looked up in the index
+            built = known.build_filter(known.begin_rebuild())
+            assert built is not None
+            assert known.finish_rebuild(built) and known.warm
+            assert built.added == 4  # a, b, c indexed before this run; d claimed
+            lookups = known.lookups
+            fresh = await intake.send_batch([message(f"new-{i}") for i in range(200)])
+            assert codes(fresh) == [ResultCode.OK] * 200
+            assert known.lookups - lookups < 10  # warm: new ids are not looked up
+            resent = await intake.send_batch([message("b"), message("new-7")])
+            assert codes(resent) == [ResultCode.DUPLICATE] * 2
+            nursery.cancel_scope.cancel()
+    finally:
+        close(intake, known)
+
+
+class FullDiskOnce(OsFileSystem):
+    """The real file system, with the next ``pwrite`` failing with ENOSPC when armed."""
+
+    armed = False
+
+    def pwrite(self, fd, data, offset):
+        if self.armed:
+            self.armed = False
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return super().pwrite(fd, data, offset)
+
+
+async def test_ids_of_an_append_that_failed_are_not_held(tmp_path):
+    fs = FullDiskOnce()
+    intake, known = make_intake(str(tmp_path), fs)
+    try:
+        log = intake.log
+        end = log.end_offset
+        fs.armed = True
+        with pytest.raises(OSError, match="No space"):
+            intake.append([message("lost-1"), message("lost-2")])
+        assert log.end_offset == end
+        assert known.unindexed_count == 0
+    finally:
+        close(intake, known)
+
+
+async def test_a_power_loss_forgets_only_what_was_never_acknowledged(tmp_path):
+    fs = CrashSimFileSystem()
+    fs.mkdir("/data")
+    fs.fsync_dir("/")
+    intake, known = make_intake("/data", fs)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(intake.writer.run)
+        acked = await intake.send_batch([message(f"acked-{i}") for i in range(20)])
+        assert codes(acked) == [ResultCode.OK] * 20
+        intake.append([message("unacked")])  # appended, never made durable
+        fs.materialize(str(tmp_path / "after"), "drop", random.Random(3))
+        nursery.cancel_scope.cancel()
+    close(intake, known)
+
+    intake, known = make_intake(str(tmp_path / "after" / "data"), REAL_FS)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(intake.writer.run)
+            intake.replayer.replay_available()  # what the server's start-up catch-up does
+            results = await intake.send_batch([message("acked-3"), message("unacked")])
+            # The acknowledged id is held; the one never acknowledged may be sent again.
+            assert codes(results) == [ResultCode.DUPLICATE, ResultCode.OK]
+            nursery.cancel_scope.cancel()
+    finally:
+        close(intake, known)
+
+
+async def test_warming_skips_a_deleted_index_file_and_gives_up_on_an_unreadable_one(tmp_path):
+    data = str(tmp_path)
+    intake, known = make_intake(data, REAL_FS)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(intake.writer.run)
+            await intake.send_batch([message("a"), message("b")])
+            nursery.cancel_scope.cancel()
+        intake.replayer.replay_available()
+        intake.replayer.checkpoint()  # flushed: the entries are read from the file
+        plan = known.begin_rebuild()
+        (source,) = plan.sources
+        closed = source._replace(fd=os.open(os.devnull, os.O_WRONLY))  # reads fail
+        os.close(closed.fd)
+        assert known.build_filter(replace(plan, sources=[closed])) is None  # it is there
+        gone = closed._replace(path=str(tmp_path / "deleted-by-retention"))
+        built = known.build_filter(replace(plan, sources=[gone, source]))
+        assert built is not None and built.added == 2  # a deleted file holds no ids
+        assert known.finish_rebuild(built)
+    finally:
+        close(intake, known)
+
+
+async def test_the_filter_is_rebuilt_bigger_when_full_and_keeps_every_id(tmp_path):
+    intake, known = make_intake(str(tmp_path), REAL_FS)
+    full = []
+    known.on_full = lambda: full.append(known.held_estimate)
+    try:
+        assert known.finish_rebuild(known.build_filter(known.begin_rebuild()))
+        assert known.filter.word_bits == MIN_WORD_BITS and known.warm
+        capacity = known.capacity
+        sent = [message(f"m-{i}") for i in range(capacity + 1000)]
+        async with trio.open_nursery() as nursery:
+            await nursery.start(intake.writer.run)
+            for start in range(0, len(sent), 4000):
+                await intake.send_batch(sent[start : start + 4000])
+                intake.replayer.replay_available()
+            assert full and full[0] > capacity  # told once the filter held too many
+            plan = known.begin_rebuild()
+            during = await intake.send_batch([message("during-1"), message("during-2")])
+            assert codes(during) == [ResultCode.OK] * 2
+            built = known.build_filter(plan)
+            assert built is not None
+            assert not known.finish_rebuild(built, max_hashes=1)  # one recorded id left
+            assert known.finish_rebuild(built, max_hashes=1)
+            assert known.filter is built and built.word_bits > MIN_WORD_BITS
+            lookups = known.lookups
+            again = await intake.send_batch([*sent[::500], message("during-2"), message("fresh")])
+            held = len(sent[::500]) + 1
+            assert codes(again) == [ResultCode.DUPLICATE] * held + [ResultCode.OK]
+            assert known.lookups - lookups <= held + 1  # the held ones (and a false maybe)
+            nursery.cancel_scope.cancel()
+    finally:
+        close(intake, known)
