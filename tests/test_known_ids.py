@@ -166,17 +166,22 @@ class FullDiskOnce(OsFileSystem):
         return super().pwrite(fd, data, offset)
 
 
-async def test_ids_of_an_append_that_failed_are_not_held(tmp_path):
+async def test_ids_of_an_append_refused_for_a_full_disk_are_not_held(tmp_path):
     fs = FullDiskOnce()
     intake, known = make_intake(str(tmp_path), fs)
     try:
-        log = intake.log
-        end = log.end_offset
-        fs.armed = True
-        with pytest.raises(OSError, match="No space"):
-            intake.append([message("lost-1"), message("lost-2")])
-        assert log.end_offset == end
-        assert known.unindexed_count == 0
+        async with trio.open_nursery() as nursery:
+            await nursery.start(intake.writer.run)
+            end = intake.log.end_offset
+            fs.armed = True
+            refused = intake.append([message("lost-1"), message("lost-2")])
+            assert [r.code for r in refused.results] == [ResultCode.DISK_FULL] * 2
+            assert intake.log.end_offset == end
+            assert known.unindexed_count == 0
+            # The retry is a new send, not a DUPLICATE of what was never stored.
+            again = await intake.send_batch([message("lost-1"), message("lost-2")])
+            assert codes(again) == [ResultCode.OK] * 2
+            nursery.cancel_scope.cancel()
     finally:
         close(intake, known)
 
