@@ -88,6 +88,7 @@ class Intake:
     first_sequence: int = 0
     message_ids: list[bytes] = field(default_factory=list)  # UTF-8, of each payload
     receive_ms: int = 0
+    past_due: int = 0  # accepted messages whose due time had passed on receipt
 
     @property
     def last_sequence(self) -> int:
@@ -188,6 +189,36 @@ class Receiver:
         if busy is not None:
             self.refused_total[ResultCode.BUSY] += len(messages)
             return Intake([SendResult(ResultCode.BUSY, busy)] * len(messages))
+        intake = self._accept(messages, now_ms, encoded, None)
+        known = self.known
+        if known is None or not intake.payloads:
+            return intake
+        held = known.check(intake.message_ids, intake.due_ms)
+        if held is None:
+            return intake
+        # Rare: some ids are held. Take the batch back and accept it again with those
+        # answered DUPLICATE, so that sequences stay dense.
+        accepted = [i for i, result in enumerate(intake.results) if result is None]
+        self._take_back(intake)
+        held_by_message = {accepted[position]: due for position, due in held.items()}
+        self.duplicate_total += len(held_by_message)
+        return self._accept(messages, now_ms, encoded, held_by_message)
+
+    def _take_back(self, intake: Intake) -> None:
+        """Undo the counting and numbering of ``intake``, the last batch accepted."""
+        self._next_sequence = intake.first_sequence
+        self.accepted_total -= len(intake.payloads)
+        self.past_due_total -= intake.past_due
+
+    def _accept(
+        self,
+        messages: Sequence[Message],
+        now_ms: int,
+        encoded: EncodedMessages | None,
+        held: dict[int, int] | None,
+    ) -> Intake:
+        """``accept`` of ``messages`` whose ids are not held, but for those in ``held``
+        (message index -> the held message's due time), answered DUPLICATE."""
         limits = self.limits
         latest_ms = now_ms + limits.max_delay_ms
         max_body = limits.max_body_bytes
@@ -197,23 +228,26 @@ class Receiver:
         dues: list[int] = []
         ids: list[bytes] = []
         sequence = first_sequence = self._next_sequence
-        claim = None if self.known is None else self.known.claim
         wire = None if encoded is None else encoded.data
         bounds = () if encoded is None else encoded.bounds
+        past_due_count = 0
         for i, m in enumerate(messages):
+            if held and i in held:
+                results.append(_duplicate(held[i]))
+                continue
             refusal = None
             subject_problem = subjects.get(m.subject, "")
             if subject_problem == "":
                 subject_problem = self._check_subject(m.subject)
-            at_ms, delay_ms = m.at_ms, m.delay_ms
-            if not m.message_id:
+            at_ms, delay_ms, text_id = m.at_ms, m.delay_ms, m.message_id
+            if not text_id:
                 refusal = SendResult(
                     ResultCode.EMPTY_ID,
                     "message_id is empty; every message needs a unique id "
                     "(the clients make one when none is given)",
                 )
-            elif not m.message_id.isprintable():
-                refusal = SendResult(ResultCode.INVALID_ID, _id_problem(m.message_id))
+            elif not text_id.isprintable():
+                refusal = SendResult(ResultCode.INVALID_ID, _id_problem(text_id))
             elif subject_problem is not None:
                 refusal = SendResult(ResultCode.INVALID_SUBJECT, subject_problem)
             elif at_ms is not None and delay_ms is not None:
@@ -252,14 +286,8 @@ class Receiver:
                         )
                     else:
                         refusal, record, message_id = self._encode(m, due_ms, now_ms, sequence)
-                    if refusal is None and claim is not None:
-                        held_due_ms = claim(message_id, due_ms)
-                        if held_due_ms is not None:
-                            self.duplicate_total += 1
-                            results.append(_duplicate(held_due_ms))
-                            continue
                     if refusal is None:
-                        self.past_due_total += past_due
+                        past_due_count += past_due
                         payloads.append(record)
                         dues.append(due_ms)
                         ids.append(message_id)
@@ -270,7 +298,8 @@ class Receiver:
             results.append(refusal)
         self._next_sequence = sequence
         self.accepted_total += len(payloads)
-        return Intake(results, payloads, dues, first_sequence, ids, now_ms)
+        self.past_due_total += past_due_count
+        return Intake(results, payloads, dues, first_sequence, ids, now_ms, past_due_count)
 
     def _too_long(self, due_ms: int, now_ms: int) -> str:
         return (
@@ -402,13 +431,11 @@ class Receiver:
         """Take back ``intake``, the batch the last ``accept`` numbered, whose payloads
         message_log refused (a full disk: nothing of it was stored). Its accepted
         messages are answered ``code`` with ``reason`` and their sequences are given
-        out again, so sequences stay dense, and their ids are no longer held (a retry
-        is a new send, not a DUPLICATE). Call before the next ``accept``."""
-        if self.known is not None:
-            self.known.release(intake.message_ids)
+        out again, so sequences stay dense; their ids were never held (IntakePath holds
+        them once appended), so a retry is a new send. Call before the next
+        ``accept``."""
         refusal = SendResult(code, reason)
         results = [refusal if result is None else result for result in intake.results]
-        self._next_sequence = intake.first_sequence
-        self.accepted_total -= len(intake.payloads)
+        self._take_back(intake)
         self.refused_total[code] += len(intake.payloads)
         return Intake(results, receive_ms=intake.receive_ms)

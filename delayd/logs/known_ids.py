@@ -7,13 +7,16 @@ older copy to be delivered; docs/protocol.md, "Idempotent intake").
 
 Where an id can be, from the moment intake accepts it:
 
-- accepted, appended to message_log, not yet replayed: in ``_unindexed`` (id -> due_ms),
-  which the replayer empties as it indexes (``indexed``);
+- accepted, appended to message_log, not yet replayed: in ``_pending``, dicts id ->
+  due_ms of the batches appended (``hold``), each dropped whole once the replayer has
+  indexed past its last sequence (``indexed_through``);
 - replayed: in the id index (IdIndex, on disk), which a lookup settles exactly.
 
 Looking every id up in the index would cost several preads per message, so a HashFilter
 stands in front of it: an id it has never seen is new at the cost of one hash and one
-word. Every id intake accepts is added to it.
+word. Every id intake checks is added to it (``check``). The work is per batch, in C
+where Python allows it (hashes by ``map``, the pending ids by ``dict(zip())``): the
+idempotency check must not cost intake more than a tenth of its throughput.
 
 The filter is sized to what the server holds (ENTRIES_PER_WORD hashes a word, 1.7 %
 false "maybe" when full): a 32 MiB filter for a hundred thousand ids would cost every
@@ -35,19 +38,19 @@ Pure logic, one thread (the event loop), except ``build_filter``.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from xxhash import xxh64_intdigest
 
 from delayd.logs.id_index import IdIndex
-from storage.hashfilter import U32, HashFilter
+from storage.hashfilter import MAX_WORD_BITS, HashFilter
 from storage.indexfile import ENTRY_SIZE, HashSource, read_key_hashes
 
 ENTRIES_PER_WORD = 4  # a full filter: 16 bits per id, 1.7 % false "maybe" (measured)
-MIN_WORD_BITS = 12  # 32 KiB: the cold filter of a start, and the smallest rebuilt
-MAX_WORD_BITS = 26  # 512 MiB, for 268 million ids
-HEADROOM = 2  # a rebuilt filter holds twice the ids it was built for
+MIN_WORD_BITS = 20  # 8 MiB, 4 million ids: most servers never rebuild after the start
+HEADROOM = 4  # a rebuilt filter holds 4x the ids it was built for (see below)
 
 
 def word_bits_for(ids: int) -> int:
@@ -65,24 +68,37 @@ class RebuildPlan:
     word_bits: int
 
 
+class _PendingBatch:
+    """Ids appended to message_log up to ``last_sequence``, not yet indexed."""
+
+    __slots__ = ("due_ms", "last_sequence")
+
+    def __init__(self, due_ms: dict[bytes, int], last_sequence: int) -> None:
+        self.due_ms = due_ms
+        self.last_sequence = last_sequence
+
+
+PENDING_MERGE = 4096  # batches are merged up to this many ids: few dicts to search
+
+
 class KnownIds:
     """The ids this delay server holds; see the module docstring.
 
     Counters for metrics: ``lookups`` (index lookups made), ``duplicates`` (ids found
     held), ``false_maybes`` (lookups of ids the filter could not rule out that were
-    new), ``rebuilds`` (filters built). ``on_full`` is called (from ``indexed``) when a
-    warm filter holds more than ``capacity`` ids: time to rebuild it bigger."""
+    new), ``rebuilds`` (filters built). ``on_full`` is called (from
+    ``indexed_through``) when a warm filter holds more than ``capacity`` ids: time to
+    rebuild it bigger."""
 
     def __init__(self, index: IdIndex, *, word_bits: int = MIN_WORD_BITS) -> None:
         self.index = index
         self.filter = HashFilter(word_bits)
-        self._words, self._shift = self.filter.inline_view()
         self.warm = False  # the filter holds every id held (a rebuild finished)
         self.capacity = (1 << word_bits) * ENTRIES_PER_WORD
         self.held_estimate = 0  # ids in the filter: rebuilt from, or indexed since
         self.on_full: Callable[[], object] | None = None
-        self._unindexed: dict[bytes, int] = {}
-        self._recording: list[int] | None = None  # hashes claimed during a rebuild
+        self._pending: deque[_PendingBatch] = deque()
+        self._recording: list[int] | None = None  # hashes checked during a rebuild
         self.lookups = 0
         self.duplicates = 0
         self.false_maybes = 0
@@ -90,60 +106,77 @@ class KnownIds:
 
     @property
     def unindexed_count(self) -> int:
-        return len(self._unindexed)
+        return sum(len(batch.due_ms) for batch in self._pending)
 
     @property
     def rebuilding(self) -> bool:
         return self._recording is not None
 
-    def claim(self, message_id: bytes, due_ms: int) -> int | None:
-        """None when no message with ``message_id`` is held: it is held from now on,
-        due at ``due_ms`` (call ``release`` if it is not appended after all). Otherwise
-        the held message's due time (its newest record's: a reschedule moves it).
+    def check(self, message_ids: list[bytes], due_ms: list[int]) -> dict[int, int] | None:
+        """Which of ``message_ids`` (a batch about to be appended, in order, due at
+        ``due_ms``) are held: {position: the held message's due time}, or None when
+        none is (the usual answer). An id held because it came earlier in the same
+        list counts, with that one's due time. Holding the new ones is ``hold``'s
+        job, once they are appended.
 
         Raises CorruptionError for a damaged index chain."""
-        # HashFilter.add and key_hash, inlined: this runs once per message sent.
-        h = xxh64_intdigest(message_id) & U32
-        mask = 1 << (h & 63) | 1 << (h >> 6 & 63)
-        words, word = self._words, h >> self._shift
-        old = words[word]
-        maybe = old & mask == mask
-        if not maybe:
-            words[word] = old | mask
-        if maybe or not self.warm:
-            held = self.held_due_ms(message_id)
-            if held is not None:
-                self.duplicates += 1
-                return held
-            self.false_maybes += maybe
-        self._unindexed[message_id] = due_ms
+        hashes = list(map(xxh64_intdigest, message_ids))
         if self._recording is not None:
-            self._recording.append(h)
-        return None
+            self._recording.extend(hashes)
+        maybes = self.filter.add_many(hashes)
+        if not self.warm:
+            maybes = range(len(message_ids))
+        elif not maybes:
+            return None
+        held: dict[int, int] = {}
+        first: dict[bytes, int] | None = None
+        for position in maybes:
+            message_id = message_ids[position]
+            if first is None:
+                first = {}
+                for earlier, seen in enumerate(message_ids):
+                    first.setdefault(seen, earlier)
+            earlier = first[message_id]
+            if earlier < position:
+                held_due = held.get(earlier, due_ms[earlier])
+            else:
+                held_due = self.held_due_ms(message_id)
+                if held_due is None:
+                    self.false_maybes += self.warm
+                    continue
+            held[position] = held_due
+        self.duplicates += len(held)
+        return held or None
 
     def held_due_ms(self, message_id: bytes) -> int | None:
-        """The due time of the held message with ``message_id``, or None (exact: the
-        index is read)."""
-        due_ms = self._unindexed.get(message_id)
-        if due_ms is not None:
-            return due_ms
+        """The due time of the held message with ``message_id`` (its newest record's:
+        a reschedule moves it), or None (exact: the index is read)."""
+        for batch in self._pending:
+            due_ms = batch.due_ms.get(message_id)
+            if due_ms is not None:
+                return due_ms
         self.lookups += 1
         found = self.index.lookup(message_id)
         return found[0].due_ms if found else None
 
-    def release(self, message_ids: list[bytes]) -> None:
-        """Claimed ids whose records were not appended (the append failed): no longer
-        held. Their filter bits stay; they only cost a lookup if the id comes back."""
-        pop = self._unindexed.pop
-        for message_id in message_ids:
-            pop(message_id, None)
+    def hold(self, message_ids: list[bytes], due_ms: list[int], last_sequence: int) -> None:
+        """``message_ids`` (checked, not held) were appended to message_log, the last
+        with ``last_sequence``: held from now on."""
+        pending = self._pending
+        if pending and len(pending[-1].due_ms) < PENDING_MERGE:
+            batch = pending[-1]
+            batch.due_ms.update(zip(message_ids, due_ms))  # noqa: B905  # equal lengths
+            batch.last_sequence = last_sequence
+        else:
+            due_by_id = dict(zip(message_ids, due_ms))  # noqa: B905  # equal lengths
+            pending.append(_PendingBatch(due_by_id, last_sequence))
 
-    def indexed(self, message_ids: list[bytes]) -> None:
-        """The replayer put these ids in the index: the index answers for them now."""
-        pop = self._unindexed.pop
-        for message_id in message_ids:
-            pop(message_id, None)
-        self.held_estimate += len(message_ids)
+    def indexed_through(self, sequence: int) -> None:
+        """The replayer has put every message up to ``sequence`` in the index: it
+        answers for them now."""
+        pending = self._pending
+        while pending and pending[0].last_sequence <= sequence:
+            self.held_estimate += len(pending.popleft().due_ms)
         full = self.held_estimate > self.capacity and self.filter.word_bits < MAX_WORD_BITS
         if full and self.warm and self._recording is None and self.on_full is not None:
             self.on_full()
@@ -158,7 +191,9 @@ class KnownIds:
             raise RuntimeError("a filter rebuild is already under way")
         sources = self.index.store.hash_sources()
         entries = sum(s.flushed + len(s.pending) // ENTRY_SIZE for s in sources)
-        unindexed = [xxh64_intdigest(i) & U32 for i in self._unindexed]
+        unindexed = [
+            xxh64_intdigest(message_id) for batch in self._pending for message_id in batch.due_ms
+        ]
         self._recording = []
         return RebuildPlan(sources, unindexed, word_bits_for(entries + len(unindexed)))
 
@@ -181,9 +216,9 @@ class KnownIds:
         return built
 
     def finish_rebuild(self, built: HashFilter | None, max_hashes: int = 1 << 62) -> bool:
-        """Step 3: add at most ``max_hashes`` of the ids claimed meanwhile to ``built``;
+        """Step 3: add at most ``max_hashes`` of the ids checked meanwhile to ``built``;
         once none is left, ``built`` replaces the filter and True is returned. Call
-        again (after other work: claims go on) until it is. None (the build failed)
+        again (after other work: checks go on) until it is. None (the build failed)
         keeps the old filter, warm or cold as it was."""
         recorded = self._recording
         if recorded is None:
@@ -198,7 +233,6 @@ class KnownIds:
             return False
         self._recording = None
         old, self.filter = self.filter, built
-        self._words, self._shift = built.inline_view()
         self.capacity = (1 << built.word_bits) * ENTRIES_PER_WORD
         self.held_estimate = built.added
         self.warm = True

@@ -406,13 +406,13 @@ class Replayer:
         return done
 
     def _finish(self, step: _Step, offsets: dict[int, list[int]]) -> None:
-        index, known = self.index, self.known
+        index = self.index
         if index is not None:
             for start, bucket_offsets in offsets.items():
                 group = step.groups[start]
                 index.put_batch(group.ids, start, bucket_offsets, group.receive_ms)
-                if known is not None:
-                    known.indexed(group.ids)
+            if self.known is not None and not step.tombstones:
+                self.known.indexed_through(step.last_sequence)
         hook = self.on_scheduled
         if hook is not None:
             for start, bucket_offsets in offsets.items():

@@ -112,15 +112,12 @@ class IntakePath:
                 offsets = self.log.append_batch(intake.payloads, TYPE_MESSAGE)
             except DiskFullError as exc:
                 self.refusals.refuse(MESSAGE_LOG, exc)
-                # Not stored: its ids are released, so a retry is not answered DUPLICATE.
+                # Not stored, and its ids not held: a retry is a new send.
                 return self.receiver.refuse_accepted(intake, ResultCode.DISK_FULL, str(exc))
-            except BaseException:
-                # Not stored either (the server stops): the same release.
-                if self.receiver.known is not None:
-                    self.receiver.known.release(intake.message_ids)
-                raise
             if self.refusals.any:
                 self.refusals.clear(MESSAGE_LOG)
+            if self.receiver.known is not None:  # held from now on (idempotent intake)
+                self.receiver.known.hold(intake.message_ids, intake.due_ms, intake.last_sequence)
             known = (intake.due_ms, intake.message_ids, intake.receive_ms)
             self.replayer.offer(offsets, intake.payloads, known)
             self.pending_acks += len(intake.payloads)
