@@ -28,7 +28,7 @@ fills a filter of its own, which then replaces the old one (delayd.logs.known_id
 from __future__ import annotations
 
 import mmap
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import xxhash
 
@@ -56,7 +56,7 @@ class HashFilter:
         # Anonymous memory is zero and costs no RSS until a word is written.
         self._memory = mmap.mmap(-1, WORD_SIZE << word_bits)
         self._words = memoryview(self._memory).cast("Q")
-        self.added = 0  # hashes added that were not in yet (add_many), or all (add_all)
+        self.added = 0  # hashes added by add_all (a rebuild), for the log and metrics
 
     @property
     def size_bytes(self) -> int:
@@ -67,23 +67,22 @@ class HashFilter:
         mask = MASKS[hash_ & 4095]
         return self._words[hash_ >> self._shift & self._word_mask] & mask == mask
 
-    def add_many(self, hashes: Sequence[int]) -> list[int] | None:
-        """Add each of ``hashes``; returns the positions of those that may have been
-        in already (an earlier one of ``hashes`` counts), or None when none was. One
-        loop for a batch: this is intake's hot path."""
+    def add_many(self, hashes: Iterable[int]) -> list[int] | None:
+        """Add each of ``hashes``; returns those that may have been in already (an
+        earlier one of ``hashes`` counts), or None when none was. One loop for a batch,
+        with no more per hash than the probe: this is intake's hot path."""
         words, shift, word_mask, masks = self._words, self._shift, self._word_mask, MASKS
         maybes: list[int] | None = None
-        for position, h in enumerate(hashes):
+        for h in hashes:
             mask = masks[h & 4095]
             word = h >> shift & word_mask
             old = words[word]
             if old & mask != mask:
                 words[word] = old | mask
             elif maybes is None:
-                maybes = [position]
+                maybes = [h]
             else:
-                maybes.append(position)
-        self.added += len(hashes) - (0 if maybes is None else len(maybes))
+                maybes.append(h)
         return maybes
 
     def add_all(self, hashes: Sequence[int]) -> None:

@@ -39,7 +39,7 @@ Pure logic, one thread (the event loop), except ``build_filter``.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from xxhash import xxh64_intdigest
@@ -120,17 +120,21 @@ class KnownIds:
         job, once they are appended.
 
         Raises CorruptionError for a damaged index chain."""
-        hashes = list(map(xxh64_intdigest, message_ids))
+        maybes = self.filter.add_many(map(xxh64_intdigest, message_ids))
         if self._recording is not None:
-            self._recording.extend(hashes)
-        maybes = self.filter.add_many(hashes)
+            self._recording.extend(map(xxh64_intdigest, message_ids))
+        positions: Iterable[int]
         if not self.warm:
-            maybes = range(len(message_ids))
-        elif not maybes:
+            positions = range(len(message_ids))
+        elif maybes is None:
             return None
+        else:  # rare: which ids the filter could not rule out
+            maybe = set(maybes)
+            hashes = map(xxh64_intdigest, message_ids)
+            positions = [p for p, h in enumerate(hashes) if h in maybe]
         held: dict[int, int] = {}
         first: dict[bytes, int] | None = None
-        for position in maybes:
+        for position in positions:
             message_id = message_ids[position]
             if first is None:
                 first = {}
