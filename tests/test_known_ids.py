@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from delayd.logs import layout
 from delayd.logs.known_ids import MIN_WORD_BITS, KnownIds
+from delayd.logs.message_log import TYPE_MESSAGE
 from delayd.protocol import Message, ResultCode
 from delayd.receiver import IntakeLimits, Receiver
 from delayd.replay import open_replayer
@@ -273,3 +274,33 @@ async def test_the_filter_is_rebuilt_bigger_when_full_and_keeps_every_id(tmp_pat
             nursery.cancel_scope.cancel()
     finally:
         close(intake, known)
+
+
+async def test_replay_steps_past_a_segment_marker_at_the_durable_end(tmp_path):
+    """A crash between a segment's END_OF_SEGMENT marker and the next segment's file
+    leaves the durable end 9 bytes past the last record. Replay must step past it:
+    intake waits for the start-up catch-up, and only a send could bring a record."""
+    data = str(tmp_path)
+    directory = layout.message_log_dir(data)
+    payloads = (
+        Receiver(IntakeLimits(), 1)
+        .accept([message(f"m-{i}", body=b"x" * 1100) for i in range(4)], NOW)
+        .payloads
+    )
+    crashed = SegmentedLog.open(directory, segment_size=4096)
+    crashed.append_batch(payloads[:3], TYPE_MESSAGE)  # fills most of the first segment
+    crashed.flush()
+    crashed.append_batch(payloads[3:], TYPE_MESSAGE)  # rolls: a marker, a second segment
+    segments = sorted(os.listdir(directory))  # never flushed, never closed: a crash
+    assert len(segments) == 2
+    os.unlink(os.path.join(directory, segments[-1]))  # the crash: no second segment
+    log = SegmentedLog.open(directory, segment_size=4096)
+    replayer = open_replayer(data, log, segment_scale=1, index=False)
+    try:
+        assert replayer.replay_available() == 3  # the three before the marker
+        assert replayer.position < log.durable_offset
+        assert replayer.replay_available() == 0
+        assert replayer.position == log.durable_offset
+    finally:
+        replayer.close()
+        log.close()

@@ -280,6 +280,12 @@ class Replayer:
             if count >= limit:
                 break
         if not count:
+            if next(self.log.iter_from(self._position, target), None) is None:
+                # Only an END_OF_SEGMENT marker lies between the position and the durable
+                # end (a crash came between a segment's marker and the next segment):
+                # step past it, or the start-up catch-up — which intake waits for —
+                # would wait for a record that only a send can bring.
+                self._position = target
             return None
         return _Step(groups, position, message_log.sequence_of(last_payload), count)
 
