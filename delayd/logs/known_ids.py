@@ -38,6 +38,7 @@ Pure logic, one thread (the event loop), except ``build_filter``.
 
 from __future__ import annotations
 
+from array import array
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -98,7 +99,8 @@ class KnownIds:
         self.held_estimate = 0  # ids in the filter: rebuilt from, or indexed since
         self.on_full: Callable[[], object] | None = None
         self._pending: deque[_PendingBatch] = deque()
-        self._recording: list[int] | None = None  # hashes checked during a rebuild
+        # Hashes checked during a rebuild: 8 bytes each (a list of ints would take 40).
+        self._recording: array[int] | None = None
         self.lookups = 0
         self.duplicates = 0
         self.false_maybes = 0
@@ -198,7 +200,7 @@ class KnownIds:
         unindexed = [
             xxh64_intdigest(message_id) for batch in self._pending for message_id in batch.due_ms
         ]
-        self._recording = []
+        self._recording = array("Q")
         return RebuildPlan(sources, unindexed, word_bits_for(entries + len(unindexed)))
 
     @staticmethod
