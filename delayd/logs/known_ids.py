@@ -19,19 +19,23 @@ where Python allows it (hashes by ``map``, the pending ids by ``dict(zip())``): 
 idempotency check must not cost intake more than a tenth of its throughput.
 
 The filter is sized to what the server holds (ENTRIES_PER_WORD hashes a word, 1.7 %
-false "maybe" when full): a 32 MiB filter for a hundred thousand ids would cost every
-message a cache and TLB miss. So it is *rebuilt*, in a worker thread, from the index
-files' entries (they carry the 32-bit hash: no record is read), at twice the size
-needed — at start-up (until then it is cold: every id is looked up) and whenever it
-fills. A rebuild:
+false "maybe" when full), from 8 MiB (4 million ids) up: a filter far larger than
+needed costs every message a cache and TLB miss, and one that starts tiny and doubles
+re-reads the ids again and again (both measured: docs/benchmarks.md). It is *built*,
+in a worker thread, from the index files' entries (they carry the 32-bit hash: no
+record is read), for HEADROOM times the ids held — at start-up (until then it is cold:
+every id is looked up) and whenever it fills. A build:
 
 1. ``begin_rebuild`` (event loop): the index's entries as they are now, the hashes of
-   the ids accepted but not yet indexed, and from now on every id claimed is also
+   the ids held but not yet indexed, and from now on every id checked is also
    recorded;
 2. ``build_filter`` (worker thread): a new filter of all of them;
 3. ``finish_rebuild`` (event loop): the recorded hashes added, and the new filter
    replaces the old. Every id held is then in it: indexed before 1, unindexed at 1, or
-   claimed since.
+   checked since.
+
+The per-batch dicts cost ~50 bytes an id for as long as replay lags behind intake
+(bounded by ``max_replay_lag_records``).
 
 Pure logic, one thread (the event loop), except ``build_filter``.
 """
@@ -51,7 +55,7 @@ from storage.indexfile import ENTRY_SIZE, HashSource, read_key_hashes
 
 ENTRIES_PER_WORD = 4  # a full filter: 16 bits per id, 1.7 % false "maybe" (measured)
 MIN_WORD_BITS = 20  # 8 MiB, 4 million ids: most servers never rebuild after the start
-HEADROOM = 4  # a rebuilt filter holds 4x the ids it was built for (see below)
+HEADROOM = 4  # a filter is built for 4x the ids held: few rebuilds while a server fills
 
 
 def word_bits_for(ids: int) -> int:
