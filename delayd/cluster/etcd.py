@@ -189,6 +189,14 @@ class Put:
         return {"request_put": body}
 
 
+def _key_range(key: Key, prefix: bool) -> dict[str, str]:
+    """The key, or with ``prefix`` every key under it, of a range or delete request."""
+    body = {"key": _b64(key)}
+    if prefix:
+        body["range_end"] = _b64(prefix_range_end(key))
+    return body
+
+
 @dataclass(frozen=True, slots=True)
 class Get:
     """Read ``key`` (every key under it with ``prefix``)."""
@@ -197,10 +205,7 @@ class Get:
     prefix: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        body = {"key": _b64(self.key)}
-        if self.prefix:
-            body["range_end"] = _b64(prefix_range_end(self.key))
-        return {"request_range": body}
+        return {"request_range": _key_range(self.key, self.prefix)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,10 +216,7 @@ class Delete:
     prefix: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        body = {"key": _b64(self.key)}
-        if self.prefix:
-            body["range_end"] = _b64(prefix_range_end(self.key))
-        return {"request_delete_range": body}
+        return {"request_delete_range": _key_range(self.key, self.prefix)}
 
 
 Op = Put | Get | Delete
