@@ -32,14 +32,11 @@ from delayd.connection_limits import (
     DEFAULT_HELLO_TIMEOUT_MS,
     DEFAULT_MAX_UNFINISHED_FRAME_BYTES,
 )
-from delayd.errors import DelaydError
-from delayd.fdlimit import raise_descriptor_limit
 from delayd.gcsetup import tune_gc_for_serving
 from delayd.listen import open_listeners
 from delayd.logsetup import add_logging_arguments, configure_logging
 from delayd.metrics_http import Readiness, serve_metrics
-from storage.dirlock import DirectoryLock
-from storage.errors import StorageError
+from delayd.serving import serve_data_dir
 from storage.flusher import FlushMode, FlushPolicy
 
 log = logging.getLogger("delayd.broker")
@@ -183,34 +180,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         log.error("bad configuration: %s", exc)
         return 2
-    raise_descriptor_limit()
-    try:
-        # One writer per data directory, taken before recovery reads or cuts anything.
-        lock = DirectoryLock.acquire(args.data, "delayd broker")
-    except StorageError as exc:
-        log.error("cannot serve %s: %s", args.data, exc)
-        return 1
-    try:
-        trio.run(_serve, args, config)
-    except BaseException as exc:
-        reason = _fatal_reason(exc)
-        if reason is None:
-            raise
-        log.error("cannot serve %s: %s", args.data, reason)
-        return 1
-    finally:
-        lock.release()
-    return 0
-
-
-def _fatal_reason(exc: BaseException) -> str | None:
-    """What to print for an error an operator can act on (a port in use, corruption),
-    or None for a bug, which keeps its traceback."""
-    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        exc = exc.exceptions[0]
-    if isinstance(exc, (DelaydError, StorageError)):
-        return str(exc)
-    return None
+    return serve_data_dir(log, args.data, "delayd broker", _serve, args, config)
 
 
 async def _serve(args: argparse.Namespace, config: BrokerConfig) -> None:

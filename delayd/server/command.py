@@ -29,8 +29,6 @@ from functools import partial
 
 import trio
 
-from delayd.errors import DelaydError
-from delayd.fdlimit import raise_descriptor_limit
 from delayd.gcsetup import tune_gc_for_serving
 from delayd.logsetup import (
     DEFAULT_LOG_FORMAT,
@@ -48,8 +46,7 @@ from delayd.server.config import (
 )
 from delayd.server.config_env import load_effective_config
 from delayd.server.config_print import config_to_toml
-from storage.dirlock import DirectoryLock
-from storage.errors import StorageError
+from delayd.serving import serve_data_dir
 
 log = logging.getLogger("delayd.serve")
 
@@ -146,37 +143,7 @@ def run(args: argparse.Namespace) -> int:
     if args.data is None:
         log.error("bad configuration: --data DIR is required to serve")
         return 2
-    raise_descriptor_limit()  # before anything sizes itself by it (DispatchFiles)
-    try:
-        # One writer per data directory, taken before anything there is read or cut.
-        lock = DirectoryLock.acquire(args.data, "delayd serve")
-    except StorageError as exc:
-        log.error("cannot serve %s: %s", args.data, exc)
-        return 1
-    try:
-        trio.run(_serve, args.data, config)
-    except BaseException as exc:
-        reason = _fatal_reason(exc)
-        if reason is None:
-            raise
-        log.error("cannot serve %s: %s", args.data, reason)
-        return 1
-    finally:
-        lock.release()
-    return 0
-
-
-def _fatal_reason(exc: BaseException) -> str | None:
-    """What to print for an error that ends the server for a reason an operator can
-    act on (corruption, a changed segment_scale, a port in use), or None for a bug,
-    which keeps its traceback. Trio reports task errors in exception groups."""
-    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        exc = exc.exceptions[0]
-    if isinstance(exc, (DelaydError, StorageError)):
-        return str(exc)
-    if isinstance(exc, OSError):
-        return str(exc)  # names the address or file
-    return None
+    return serve_data_dir(log, args.data, "delayd serve", _serve, args.data, config)
 
 
 RECOVERY_REPORT_INTERVAL_S = 2.0
