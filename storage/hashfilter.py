@@ -30,18 +30,10 @@ from __future__ import annotations
 import mmap
 from collections.abc import Iterable, Sequence
 
-import xxhash
-
 WORD_SIZE = 8
 MAX_WORD_BITS = 26  # 512 MiB
-U32 = (1 << 32) - 1
 MASK_BITS = 12
 MASKS = tuple(1 << (low & 63) | 1 << (low >> 6 & 63) for low in range(1 << MASK_BITS))
-
-
-def key_hash(key: bytes) -> int:
-    """The 32-bit hash of ``key`` that IndexFile stores in its entries."""
-    return xxhash.xxh64_intdigest(key) & U32
 
 
 class HashFilter:

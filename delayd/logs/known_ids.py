@@ -89,9 +89,7 @@ PENDING_MERGE = 4096  # batches are merged up to this many ids: few dicts to sea
 class KnownIds:
     """The ids this delay server holds; see the module docstring.
 
-    Counters for metrics: ``lookups`` (index lookups made), ``duplicates`` (ids found
-    held), ``false_maybes`` (lookups of ids the filter could not rule out that were
-    new), ``rebuilds`` (filters built). ``on_full`` is called (from
+    ``lookups`` counts the index lookups made (a metric). ``on_full`` is called (from
     ``indexed_through``) when a warm filter holds more than ``capacity`` ids: time to
     rebuild it bigger."""
 
@@ -106,9 +104,6 @@ class KnownIds:
         # Hashes checked during a rebuild: 8 bytes each (a list of ints would take 40).
         self._recording: array[int] | None = None
         self.lookups = 0
-        self.duplicates = 0
-        self.false_maybes = 0
-        self.rebuilds = 0
 
     @property
     def unindexed_count(self) -> int:
@@ -152,10 +147,8 @@ class KnownIds:
             else:
                 held_due = self.held_due_ms(message_id)
                 if held_due is None:
-                    self.false_maybes += self.warm
                     continue
             held[position] = held_due
-        self.duplicates += len(held)
         return held or None
 
     def held_due_ms(self, message_id: bytes) -> int | None:
@@ -246,7 +239,6 @@ class KnownIds:
         self.capacity = (1 << built.word_bits) * ENTRIES_PER_WORD
         self.held_estimate = built.added
         self.warm = True
-        self.rebuilds += 1
         old.close()
         return True
 
