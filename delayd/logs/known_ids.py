@@ -121,13 +121,14 @@ class KnownIds:
         job, once they are appended.
 
         Raises CorruptionError for a damaged index chain."""
-        maybes = self.filter.add_many(map(xxh64_intdigest, message_ids))
         if self._recording is not None:
             self._recording.extend(map(xxh64_intdigest, message_ids))
         positions: Iterable[int]
         if not self.warm:
+            # Cold: every id is looked up, and the build under way (or about to begin,
+            # with these held by then) puts them in the filter that replaces this one.
             positions = range(len(message_ids))
-        elif maybes is None:
+        elif (maybes := self.filter.add_many(map(xxh64_intdigest, message_ids))) is None:
             return None
         else:  # rare: which ids the filter could not rule out
             maybe = set(maybes)
