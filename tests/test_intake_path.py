@@ -102,6 +102,7 @@ async def test_delay_server_in_process_with_the_public_producer(tmp_path):
         listen=("127.0.0.1", 0),
         broker_listen=None,
         metrics_listen=None,
+        http_listen=None,
         flush=FlushPolicy(FlushMode.ASYNC, interval_ms=20),
     )
     server = await trio.to_thread.run_sync(DelayServer.open, str(tmp_path), config)

@@ -198,6 +198,8 @@ def start_delayd(data: str, repo: Path = ROOT) -> tuple[subprocess.Popen, str]:
             "--log-level", "warning"]  # fmt: skip
     if "--metrics-listen" in _serve_help(repo):
         args[-2:-2] = ["--metrics-listen", "off"]  # the default port may be taken
+    if "--http-listen" in _serve_help(repo):
+        args[-2:-2] = ["--http-listen", "off"]
     env = dict(os.environ, PYTHONPATH=str(repo))
     proc = subprocess.Popen(pinned(SERVER_CPU, args), cwd=repo, stdout=subprocess.PIPE, env=env)
     out = ""

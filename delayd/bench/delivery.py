@@ -143,6 +143,7 @@ class Server:
         args = [sys.executable, "-m", "delayd", "serve", "--data", str(Path(self.data) / "d"),
                 "--config", str(self.config), "--listen", "127.0.0.1:0",
                 "--broker-listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
+                "--http-listen", "off",
                 "--log-level", "warning"]  # fmt: skip
         if shutil.which("taskset"):
             args = ["taskset", "-c", SERVER_CPU, *args]

@@ -1,5 +1,5 @@
 """DelayServer: the delay server's process — message_log, replayer, intake listener,
-the embedded broker and /metrics — under one root nursery.
+the HTTP API, the embedded broker and /metrics — under one root nursery.
 
 Start-up: ``open_listeners`` binds every port first (a clash is reported at once, not
 after recovery); ``open`` (blocking, run in a worker thread) recovers: message_log
@@ -7,10 +7,11 @@ after recovery); ``open`` (blocking, run in a worker thread) recovers: message_l
 the broker. ``run`` then starts every task with ``nursery.start`` and reports the
 bound addresses once all of them listen.
 
-Shutdown (``request_stop``, on SIGTERM/SIGINT): stop accepting and let in-flight
-batches be acknowledged, flush message_log, let the replayer copy everything durable and
-write its checkpoint, stop delivery, stop the broker's listener the same way (appended
-batches answered), stop the broker (it flushes and checkpoints itself), close files.
+Shutdown (``request_stop``, on SIGTERM/SIGINT): stop accepting (binary and HTTP) and
+let in-flight batches be acknowledged, flush message_log, let the replayer copy
+everything durable and write its checkpoint, stop delivery, stop the broker's listener
+the same way (appended batches answered), stop the broker (it flushes and checkpoints
+itself), close files.
 """
 
 from __future__ import annotations
@@ -27,10 +28,12 @@ from delayd.broker.metrics import BrokerCollector
 from delayd.broker.server import broker_listener
 from delayd.connection_gate import ConnectionGate
 from delayd.connection_metrics import register_connection_metrics
+from delayd.http import Backend, HttpListener, open_api
 from delayd.listen import bound_addresses
 from delayd.listen import open_listeners as bind
 from delayd.logs import layout
 from delayd.logs.known_ids import KnownIds
+from delayd.logs.message_status import UNKNOWN, MessageStatus, message_status
 from delayd.metrics_http import Readiness, serve_metrics
 from delayd.receiver import Receiver
 from delayd.replay import Replayer, open_replayer
@@ -53,6 +56,7 @@ from delayd.store_metrics import (
     broker_directories,
 )
 from delayd.write_refusals import WriteRefusals
+from storage.errors import StorageError
 from storage.flusher import FlushMode, LogWriter
 from storage.fs import REAL_FS, FileSystem
 from storage.segmented_log import SegmentedLog
@@ -72,33 +76,37 @@ class ServeListeners:
     intake: list[trio.SocketListener]
     broker: list[trio.SocketListener] | None
     metrics: list[trio.SocketListener] | None
+    http: list[trio.SocketListener] | None = None
 
     async def aclose(self) -> None:
-        for group in (self.intake, self.broker, self.metrics):
+        for group in (self.intake, self.broker, self.metrics, self.http):
             for listener in group or ():
                 await listener.aclose()
 
 
 async def open_listeners(config: ServeConfig) -> ServeListeners:
-    """Bind the intake, broker and metrics listeners ``config`` asks for, in that order.
+    """Bind the intake, broker, metrics and HTTP listeners ``config`` asks for, in that order.
     Raises ListenError naming the first that cannot be bound (those bound before it
     are closed again)."""
     bound: list[list[trio.SocketListener]] = []
     try:
         intake = await bind("intake", *config.listen)
         bound.append(intake)
-        broker = metrics = None
+        broker = metrics = http = None
         if config.broker_listen is not None:
             broker = await bind("the broker", *config.broker_listen)
             bound.append(broker)
         if config.metrics_listen is not None:
             metrics = await bind("metrics", *config.metrics_listen)
+            bound.append(metrics)
+        if config.http_listen is not None:
+            http = await bind("the HTTP API", *config.http_listen)
     except BaseException:
         for group in bound:
             for listener in group:
                 await listener.aclose()
         raise
-    return ServeListeners(intake, broker, metrics)
+    return ServeListeners(intake, broker, metrics, http)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +145,7 @@ class BoundAddresses:
     intake: Address
     broker: Address | None
     metrics: Address | None
+    http: Address | None = None
 
 
 class DelayServer:
@@ -178,6 +187,7 @@ class DelayServer:
             writer.refusals = self.refusals
         self.readiness.watch(self.refusals.reason)
         self._broker_address: str | None = None
+        self.http: HttpListener | None = None  # the HTTP API, once it serves
         # Metrics that read the logs, only when someone can scrape them: the pending
         # count adds a call per replayed record and a start-up count.
         self.pending: PendingTracker | None = None
@@ -380,10 +390,14 @@ class DelayServer:
                             serve_metrics, readiness=self.readiness, listeners=listeners.metrics
                         )
                         metrics_bound = (await root.start(serve, registry, host, port))[0]
+                http_bound = None
+                if config.http_listen is not None:
+                    http_bound = await root.start(self._serve_http, root, listeners)
                 host, port = config.listen
                 serve_intake = partial(self.listener.serve, listeners=listeners.intake)
                 intake_bound = await root.start(serve_intake, host, port)
-                task_status.started(BoundAddresses(intake_bound[0], broker_bound, metrics_bound))
+                bound = BoundAddresses(intake_bound[0], broker_bound, metrics_bound, http_bound)
+                task_status.started(bound)
                 root.start_soon(self._start_delivery, root, self.message_log.durable_offset)
                 await self._stop.wait()
                 await self._shutdown()
@@ -396,6 +410,41 @@ class DelayServer:
             self.message_log.close()
             if self.known is not None:
                 self.known.close()
+
+    async def _serve_http(
+        self,
+        root: trio.Nursery,
+        listeners: ServeListeners,
+        *,
+        task_status: trio.TaskStatus[Address],
+    ) -> None:
+        """The HTTP API (delayd.http) on the same intake path and broker; a log that
+        cannot be written stops the server, as it does from the binary listener."""
+
+        def storage_failed(exc: StorageError) -> None:
+            async def fail() -> None:
+                raise exc
+
+            root.start_soon(fail)
+
+        assert listeners.http is not None  # bound by open_listeners
+        backend = Backend(
+            self.intake, self.broker, self.message_status, self.config.token, storage_failed
+        )
+        self.http = open_api(
+            backend,
+            listeners.http,
+            max_record_bytes=self.config.limits.max_record_bytes,
+            grace_s=SHUTDOWN_GRACE_S,
+        )
+        await self.http.serve(task_status=task_status)
+
+    def message_status(self, message_id: str) -> MessageStatus:
+        """Where the message with ``message_id`` is (delayd.logs.message_status)."""
+        index = self.replayer.index
+        if index is None:
+            return UNKNOWN
+        return message_status(message_id, index, self.delivery.dispatch, self.known)
 
     async def _start_delivery(self, root: trio.Nursery, replay_target: int) -> None:
         """Start delivery once the replayer has caught up with what message_log held
@@ -458,7 +507,10 @@ class DelayServer:
 
     async def _shutdown(self) -> None:
         log.info("shutting down: no new requests; answering those in flight")
-        await self.listener.stop(SHUTDOWN_GRACE_S)
+        async with trio.open_nursery() as listeners:
+            listeners.start_soon(self.listener.stop, SHUTDOWN_GRACE_S)
+            if self.http is not None:
+                listeners.start_soon(self.http.stop)
         await self.writer.flush()
         await self.replayer.stop()
         if self.delivery.running:

@@ -2,8 +2,9 @@
 
 Prints ``delayd serve listening on HOST:PORT`` on stdout once it accepts producers (the
 real port when ``--listen`` asks for port 0), preceded by ``delayd serve broker
-listening on HOST:PORT`` and ``delayd serve metrics on http://HOST:PORT/metrics`` when
-those listen (metrics: 127.0.0.1:20880 unless configured otherwise). Logs go to
+listening on HOST:PORT`` and ``delayd serve metrics on http://HOST:PORT/metrics`` and
+``delayd serve http on http://HOST:PORT/v1`` when those listen (metrics:
+127.0.0.1:20880, the HTTP API: 127.0.0.1:20890, unless configured otherwise). Logs go to
 stderr, one line each (``--log-format kv|json``, ``--log-level``, or ``[log]`` of the
 configuration; delayd.logsetup). On SIGTERM or SIGINT: stop accepting, answer what is in
 flight, flush, write the replay checkpoint, exit 0. Exit 2 for a bad configuration, 1
@@ -108,6 +109,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="HOST:PORT",
         help="Prometheus /metrics, /healthz and /readyz (default 127.0.0.1:20880; 'off')",
     )
+    parser.add_argument(
+        "--http-listen",
+        type=_optional_address,
+        default=_UNSET,
+        metavar="HOST:PORT|off",
+        help="the HTTP/JSON API, docs/http.md (default 127.0.0.1:20890; 'off')",
+    )
     add_logging_arguments(parser)
     # None: not given, so that [log] of the file (or DELAYD_LOG_*) applies.
     parser.set_defaults(log_format=None, log_level=None)
@@ -121,7 +129,7 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str] | None = N
     config = with_overrides(
         config, listen=args.listen, log_format=args.log_format, log_level=args.log_level
     )
-    for name in ("broker_listen", "metrics_listen"):
+    for name in ("broker_listen", "metrics_listen", "http_listen"):
         value = getattr(args, name)
         if value is not _UNSET:
             config = dataclasses.replace(config, **{name: value})
@@ -192,6 +200,8 @@ async def _serve(data_dir: str, config: ServeConfig) -> None:
                     print("delayd serve broker listening on {}:{}".format(*bound.broker))
                 if bound.metrics is not None:
                     print("delayd serve metrics on http://{}:{}/metrics".format(*bound.metrics))
+                if bound.http is not None:
+                    print("delayd serve http on http://{}:{}/v1".format(*bound.http))
                 print("delayd serve listening on {}:{}".format(*bound.intake), flush=True)
                 async for signum in signals:
                     log.info("%s: shutting down", signal.Signals(signum).name)

@@ -45,6 +45,7 @@ from storage.segmented_log import DEFAULT_MAX_UNSYNCED_BYTES, DEFAULT_SEGMENT_SI
 DEFAULT_LISTEN = ("127.0.0.1", 20801)
 DEFAULT_BROKER_LISTEN = ("127.0.0.1", 20811)
 DEFAULT_METRICS_LISTEN = ("127.0.0.1", 20880)  # the port; loopback: not exposed
+DEFAULT_HTTP_LISTEN = ("127.0.0.1", 20890)  # the HTTP/JSON API (docs/http.md)
 Address = tuple[str, int]
 
 
@@ -134,6 +135,7 @@ class ServeConfig:
     listen: Address = DEFAULT_LISTEN
     broker_listen: Address | None = DEFAULT_BROKER_LISTEN  # None: embedded broker, no port
     metrics_listen: Address | None = DEFAULT_METRICS_LISTEN  # None: no /metrics endpoint
+    http_listen: Address | None = DEFAULT_HTTP_LISTEN  # None: no HTTP API
     token: str | None = field(default=None, repr=False)
     max_frame_bytes: int = DEFAULT_MAX_FRAME_SIZE
     # The intake listener's connections (delayd.connection_limits); 0 = by the fd limit.
@@ -267,6 +269,9 @@ _SCHEMA: dict[str, dict[str, tuple[Callable[[Any, str], Any], str]]] = {
         "frame_timeout_ms": (_int, "frame_timeout_ms"),
         "max_unfinished_frame_bytes": (_int, "max_unfinished_frame_bytes"),
     },
+    "http": {
+        "listen": (lambda v, k: parse_optional_address(_str(v, k), k), "http_listen"),
+    },
     "log": {
         "format": (_choice(*LOG_FORMATS), "log_format"),
         "level": (_choice(*LOG_LEVELS), "log_level"),
@@ -342,6 +347,7 @@ def string_keys() -> frozenset[str]:
         "server.broker_listen",
         "server.metrics_listen",
         "server.token",
+        "http.listen",
         "message_log.flush",
         "log.format",
         "log.level",

@@ -17,7 +17,7 @@ from typing import Any
 from delayd.logs.buckets import bucket_width_ms
 from delayd.server.config import Address, ServeConfig, key_targets, table_keys
 
-_ADDRESS_KEYS = {"listen", "broker_listen", "metrics_listen"}
+_ADDRESS_KEYS = {"listen", "broker_listen", "metrics_listen", "http_listen"}
 
 
 def format_address(address: Address | None) -> str:

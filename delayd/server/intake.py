@@ -142,7 +142,8 @@ class IntakePath:
         return [self.receiver.acknowledge(intake) for intake in intakes]
 
     async def send_batch(self, messages: Sequence[Message]) -> list[SendResult]:
-        """Both halves at once, for callers that need no pipelining order (tests)."""
+        """Both halves at once, for callers that need no pipelining order (the HTTP
+        API, whose requests are independent; tests)."""
         await self.make_room()
         return await self.acknowledge(self.append(messages))
 
