@@ -21,8 +21,9 @@ Text = Annotated[str, Field(max_length=65_535)]
 
 
 class _Strict(BaseModel):
-    # A misspelt field ("dealy") must be refused, not silently ignored.
-    model_config = ConfigDict(extra="forbid")
+    # A misspelt field ("dealy") must be refused, not silently ignored; and a value of
+    # the wrong JSON type (false for a time, "5" for a count) not coerced.
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class ScheduleRequest(_Strict):
@@ -135,7 +136,7 @@ class PullRequest(_Strict):
     )
 
 
-class Offset(BaseModel):
+class Offset(_Strict):
     """Commit point of one queue: every message below ``offset`` is consumed."""
 
     queue: int = Field(ge=0, le=65_535)

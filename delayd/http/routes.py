@@ -95,7 +95,7 @@ class Backend:
 def _problem_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {
         status: {"model": Problem, "content": {problems.MEDIA_TYPE: {}}}
-        for status in (*statuses, 401, 413, 422)
+        for status in (*statuses, 400, 401, 413, 422)
     }
 
 
@@ -361,7 +361,10 @@ def _consuming_routes(router: APIRouter, backend: Backend) -> None:
         return Committed(committed=request.offsets, durable=request.durable)
 
     @router.delete(
-        base + "/members/{consumer_id}", status_code=HTTPStatus.NO_CONTENT, response_class=Response
+        base + "/members/{consumer_id}",
+        status_code=HTTPStatus.NO_CONTENT,
+        response_class=Response,
+        responses=_problem_responses(),
     )
     async def leave(subject: Subject, group: Group, consumer_id: str) -> None:
         """Leave the group now (its queues go to the other members at once, instead of
