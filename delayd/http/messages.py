@@ -84,20 +84,13 @@ def body_bytes(request: ScheduleRequest, where: str) -> bytes:
             raise bad_input(
                 f"{where}.body_base64 is not base64 (RFC 4648 alphabet, with padding)"
             ) from None
-    if request.body is None:
-        return b""
-    try:
-        return request.body.encode()
-    except UnicodeEncodeError:  # a lone surrogate escaped in the JSON
-        raise bad_input(f"{where}.body is not valid Unicode text; use body_base64") from None
+    return b"" if request.body is None else request.body.encode()
 
 
 def _text(value: str, field: str, where: str) -> str:
-    """``value`` if it is encodable as a field of the wire (UTF-8, u16 length)."""
-    try:
-        size = len(value.encode())
-    except UnicodeEncodeError:
-        raise bad_input(f"{where}.{field} is not valid Unicode text") from None
+    """``value`` if it fits a field of the wire (UTF-8, u16 length). The model
+    refused text that is not Unicode (a lone surrogate) already."""
+    size = len(value.encode())
     if size > MAX_FIELD_BYTES:
         raise bad_input(f"{where}.{field} takes {size:,} bytes, at most {MAX_FIELD_BYTES:,}")
     return value
