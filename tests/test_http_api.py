@@ -210,18 +210,18 @@ def test_a_token_is_required_when_one_is_set(tmp_path):
         server.close()
 
 
-def pull(server, group: str, consumer: str, wait_ms: int = 0) -> dict:
+def pull(server, group: str, consumer: str, wait_ms: int = 0, subject: str = "jobs") -> dict:
     body = {"consumer_id": consumer, "max_messages": 100, "wait_ms": wait_ms}
-    response = post(server, f"/v1/subjects/jobs/groups/{group}/pull", body)
+    response = post(server, f"/v1/subjects/{subject}/groups/{group}/pull", body)
     assert response.status_code == 200, response.text
     return response.json()
 
 
-def pull_all(server, group: str, consumer: str, count: int) -> dict:
+def pull_all(server, group: str, consumer: str, count: int, subject: str = "jobs") -> dict:
     """Pull until ``count`` messages came (each pull waits up to 2 s for more)."""
-    got = pull(server, group, consumer, wait_ms=2000)
+    got = pull(server, group, consumer, wait_ms=2000, subject=subject)
     while len(got["messages"]) < count:
-        more = pull(server, group, consumer, wait_ms=2000)
+        more = pull(server, group, consumer, wait_ms=2000, subject=subject)
         assert more["messages"], got
         got["messages"] += more["messages"]
         got["commit"] += more["commit"]
@@ -300,3 +300,24 @@ def test_with_the_http_listener_off_nothing_listens_for_it(tmp_path):
     finally:
         off.close()
         on.close()
+
+
+def test_a_binary_and_an_http_consumer_share_one_group(http_server):
+    """A Python client consumer and an HTTP member of the same group each get one of
+    the subject's two queues: every message reaches exactly one of them."""
+    from delayd.client import Consumer
+
+    s = http_server
+    host, port = s.broker_address
+    with Consumer(f"{host}:{port}", subject="mixed", group="shared", consumer_id="bin") as binary:
+        assert pull(s, "shared", "web", subject="mixed")["messages"] == []  # one queue each
+        batch = {"messages": [{"subject": "mixed", "id": f"m-{i}"} for i in range(8)]}
+        assert post(s, "/v1/batches", batch).json()["scheduled"] == 8
+        over_http = ids_of(pull_all(s, "shared", "web", 4, subject="mixed"))
+        over_binary = set()
+        while len(over_binary) < 4:
+            message = binary.receive(timeout_s=5)
+            assert message is not None, over_binary
+            over_binary.add(message.message_id)
+        assert binary.receive(timeout_s=0.3) is None  # nothing of the other queue
+    assert len(over_http) == 4 and over_http | over_binary == {f"m-{i}" for i in range(8)}
