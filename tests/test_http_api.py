@@ -321,3 +321,27 @@ def test_a_binary_and_an_http_consumer_share_one_group(http_server):
             over_binary.add(message.message_id)
         assert binary.receive(timeout_s=0.3) is None  # nothing of the other queue
     assert len(over_http) == 4 and over_http | over_binary == {f"m-{i}" for i in range(8)}
+
+
+def test_sigterm_answers_a_long_poll_and_stops_the_server(tmp_path):
+    """The HTTP listener stops with the server: a pull waiting in a long poll is
+    answered at once (empty), and the process exits 0 without waiting it out."""
+    import threading
+
+    server = start_http_server(tmp_path)
+    answers: list[httpx.Response] = []
+    body = {"consumer_id": "c", "wait_ms": 30_000}
+    poll = threading.Thread(
+        target=lambda: answers.append(post(server, "/v1/subjects/s/groups/g/pull", body))
+    )
+    try:
+        poll.start()
+        time.sleep(0.5)  # the pull is waiting in the broker (nothing to wait on from here)
+        started = time.monotonic()
+        assert server.stop() == 0
+        poll.join(10)
+        assert time.monotonic() - started < 4  # neither the poll (30 s) nor the grace (5 s)
+        assert answers and answers[0].status_code == 200
+        assert answers[0].json() == {"messages": [], "commit": []}
+    finally:
+        server.close()

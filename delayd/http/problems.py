@@ -12,6 +12,8 @@ rule); never 500.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import KW_ONLY, dataclass, field
 from http import HTTPStatus
 from typing import Any
 
@@ -42,30 +44,24 @@ _STATUS = {
 }
 
 
+@dataclass(eq=False)
 class ProblemError(Exception):
-    """Raised by a handler: answered as the problem it describes."""
+    """Raised by a handler: answered as the problem it describes. ``kind`` names its
+    ``type``; ``extra``: members added to the body (RFC 9457 extension members)."""
 
-    def __init__(
-        self,
-        status: int,
-        kind: str,
-        detail: str,
-        *,
-        code: str | None = None,
-        retryable: bool = False,
-        headers: dict[str, str] | None = None,
-        **extra: Any,
-    ) -> None:
-        super().__init__(detail)
-        self.headers = dict(headers or {})
-        if retryable:
-            self.headers["Retry-After"] = str(RETRY_AFTER_S)
-        self.status = status
-        self.kind = kind
-        self.detail = detail
-        self.code = code
-        self.retryable = retryable
-        self.extra = extra
+    status: int
+    kind: str
+    detail: str
+    _: KW_ONLY
+    code: str | None = None
+    retryable: bool = False
+    headers: Mapping[str, str] = field(default_factory=dict)
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        super().__init__(self.detail)
+        if self.retryable:
+            self.headers = {**self.headers, "Retry-After": str(RETRY_AFTER_S)}
 
     def body(self) -> dict[str, Any]:
         return {
@@ -79,7 +75,8 @@ class ProblemError(Exception):
         }
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), self.status, self.headers, media_type=MEDIA_TYPE)
+        headers = dict(self.headers)
+        return JSONResponse(self.body(), self.status, headers, media_type=MEDIA_TYPE)
 
 
 def refusal(result: SendResult) -> ProblemError:
@@ -131,4 +128,4 @@ def install(app: FastAPI) -> None:
             f"{exc.detail}: {request.method} {request.url.path} "
             "(the API is described at /openapi.json)"
         )
-        return ProblemError(exc.status_code, kind, detail, headers=exc.headers).response()
+        return ProblemError(exc.status_code, kind, detail, headers=exc.headers or {}).response()

@@ -275,7 +275,6 @@ def _unknown(message_id: str) -> ProblemError:
         "unknown-message",
         f"no message with id {message_id!r} is held here (never scheduled on this server, "
         "or its records were removed by retention)",
-        status_of_message="unknown",
     )
 
 
@@ -287,7 +286,7 @@ def _not_pending(message_id: str, outcome: Any, dispatched_ms: int | None) -> Pr
             "already-delivered",
             f"message {message_id!r} was handed to a broker at {dispatched_ms} (epoch ms): "
             "too late to change",
-            dispatched_ms=dispatched_ms,
+            extra={"dispatched_ms": dispatched_ms},
         )
     return ProblemError(
         HTTPStatus.NOT_FOUND,
