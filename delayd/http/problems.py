@@ -1,10 +1,10 @@
 """Errors as RFC 9457 problem details, and the HTTP status of every refusal.
 
 Every error answer is ``application/problem+json``: ``type`` (a stable URI naming the
-kind of problem), ``title``, ``status``, ``detail`` (the sentence a user can act on,
-the intake's own words for a refused message), ``code`` (the intake's result code, as
-the binary protocol names it) and ``retryable``. A retryable refusal (BUSY, a full
-disk) carries ``Retry-After``.
+kind of problem, ``urn:delayd:problem:<kind>``), ``title``, ``status``, ``detail`` (the
+sentence a user can act on, the intake's own words for a refused message), ``code``
+(the intake's result code, as the binary protocol names it) and ``retryable``. A
+retryable refusal (BUSY, a full disk) carries ``Retry-After``.
 
 Bad input is 400 (not JSON), 413 (too large) or 422 (well-formed JSON that breaks a
 rule); never 500.
@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from delayd.protocol import ResultCode, SendResult
 
-PROBLEM_BASE = "https://delayd.dev/problems/"  # type URIs: names, not pages to fetch
+PROBLEM_BASE = "urn:delayd:problem:"  # type URIs name the kind; docs/http.md lists them
 MEDIA_TYPE = "application/problem+json"
 RETRY_AFTER_S = 1  # a busy server or a full disk: look again in a second
 

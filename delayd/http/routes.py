@@ -55,6 +55,7 @@ from delayd.protocol import CancelOutcome, Message, RescheduleOutcome, ResultCod
 from storage.errors import DiskFullError, StorageError
 
 if TYPE_CHECKING:  # the server imports this package: no import of it at run time
+    from delayd.server.cancels import Answer
     from delayd.server.intake import IntakePath
 
 log = logging.getLogger(__name__)
@@ -136,14 +137,18 @@ def build_app(backend: Backend) -> FastAPI:
     return app
 
 
+def _storage_failure(backend: Backend, exc: StorageError) -> ProblemError:
+    """Stop the server (``on_storage_failure``); the problem for the request."""
+    backend.on_storage_failure(exc)
+    detail = f"message_log failed: {exc}; the server stops (see its log)"
+    return ProblemError(HTTPStatus.SERVICE_UNAVAILABLE, "storage-failure", detail)
+
+
 async def _send(backend: Backend, messages: list[Message]) -> list[SendResult]:
     try:
         return await backend.intake.send_batch(messages)
     except StorageError as exc:
-        backend.on_storage_failure(exc)
-        raise ProblemError(
-            HTTPStatus.SERVICE_UNAVAILABLE, "storage-failure", f"message_log failed: {exc}"
-        ) from None
+        raise _storage_failure(backend, exc) from None
 
 
 def _scheduled(message: Message, result: SendResult) -> Scheduled:
@@ -244,7 +249,7 @@ def _scheduling_routes(router: APIRouter, backend: Backend) -> None:
         raise _not_pending(message_id, answer.outcome, answer.dispatched_ms)
 
 
-async def _tombstone(backend: Backend, message_id: str, due_ms: int | None):
+async def _tombstone(backend: Backend, message_id: str, due_ms: int | None) -> Answer:
     """Append a cancel (``due_ms`` None) or reschedule tombstone and wait for its
     resolution. Raises ProblemError (a full disk: 507, retryable)."""
     intake = backend.intake
@@ -263,10 +268,7 @@ async def _tombstone(backend: Backend, message_id: str, due_ms: int | None):
     except ValueError as exc:  # an id the tombstone cannot carry
         raise bad_input(f"message id: {exc}", "invalid-id") from None
     except StorageError as exc:
-        backend.on_storage_failure(exc)
-        raise ProblemError(
-            HTTPStatus.SERVICE_UNAVAILABLE, "storage-failure", f"message_log failed: {exc}"
-        ) from None
+        raise _storage_failure(backend, exc) from None
 
 
 def _unknown(message_id: str) -> ProblemError:
