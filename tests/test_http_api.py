@@ -345,3 +345,26 @@ def test_sigterm_answers_a_long_poll_and_stops_the_server(tmp_path):
         assert answers[0].json() == {"messages": [], "commit": []}
     finally:
         server.close()
+
+
+def test_an_http_member_that_stops_pulling_leaves_the_group(tmp_path):
+    """No pull for heartbeat_timeout_ms: the member is dropped, as a binary consumer
+    that stops heartbeating, and its queue (with what it did not commit) moves."""
+    config = "[broker]\nqueues_per_subject = 2\nheartbeat_timeout_ms = 1500\n"
+    server = start_http_server(tmp_path, config=config)
+    try:
+        assert pull(server, "g", "quiet")["messages"] == []
+        assert pull(server, "g", "busy")["messages"] == []  # one queue each
+        batch = {"messages": [{"subject": "jobs", "id": f"j-{i}"} for i in range(4)]}
+        assert post(server, "/v1/batches", batch).json()["scheduled"] == 4
+        own = pull_all(server, "g", "busy", 2)  # its queue only
+        assert len(own["messages"]) == 2 and len(own["commit"]) == 1
+        busy_queue = own["commit"][0]["queue"]
+        # "quiet" says nothing from now on; "busy" waits in a long poll (its heartbeat),
+        # which the rebalance wakes once "quiet" timed out.
+        rest = pull_all(server, "g", "busy", 2)
+        assert len(rest["messages"]) == 2 and {o["queue"] for o in rest["commit"]} == {
+            1 - busy_queue
+        }
+    finally:
+        server.close()
