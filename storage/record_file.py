@@ -3,7 +3,8 @@
 The delay server keeps one schedule_log file and one dispatch_log file per time bucket
 (named by the bucket, not by an offset), so a bucket is a RecordFile rather than a
 SegmentedLog. Offsets are byte positions in the file. The framing, the scanner and the
-torn-tail rule are the segmented log's (storage/framing.py, storage/scan.py):
+torn-tail rule are the segmented log's (storage/framing.py, storage/scan.py,
+storage/torn_tail.py):
 
 * on open the file is scanned from ``trusted_end`` (a length the caller knows to be
   durable, e.g. from its checkpoint; 0 scans everything) to the end; the first invalid
@@ -36,8 +37,7 @@ from storage.errors import (
 from storage.framing import HEADER, HEADER_SIZE, MAX_TYPE, TYPE_DATA, crc32c, type_seed
 from storage.fs import O_WRITE, REAL_FS, FileSystem, create_dirs_durably, disk_full_error
 from storage.scan import BadFrame, Record, read_frame, scan_frames, validate_frames
-
-DEFAULT_MAX_UNSYNCED_BYTES = 32 << 20
+from storage.torn_tail import DEFAULT_MAX_UNSYNCED_BYTES, is_torn_tail
 
 
 class RecordFile:
@@ -102,7 +102,12 @@ class RecordFile:
                 end, _ = validate_frames(fs, fd, path, trusted_end, size)
                 cut = 0
             except BadFrame as bad:
-                if size - bad.position > max_unsynced_bytes:
+                if not is_torn_tail(
+                    bad.position,
+                    size,
+                    durable_end=trusted_end,
+                    max_unsynced_bytes=max_unsynced_bytes,
+                ):
                     raise bad.corruption() from None
                 end, cut = bad.position, size - bad.position
                 fs.ftruncate(fd, end)

@@ -120,14 +120,14 @@ def source_throughput(
 
 def decode_throughput(data_dir: str, records: int) -> None:
     """The decoders alone, one Python process, no Spark: the ceiling of one task."""
-    from delayd.audit import files
     from delayd.audit.decode_dispatch import dispatch_batches
     from delayd.audit.decode_messages import schedule_batches
+    from delayd.logs import log_files
 
     for log, decode in (("schedule_log", schedule_batches), ("dispatch_log", dispatch_batches)):
         started = time.monotonic()
         rows = 0
-        for log_file in files.list_files(data_dir, log):
+        for log_file in log_files.list_files(data_dir, log):
             for batch in decode(log_file, "bench"):
                 rows += batch.num_rows
         seconds = time.monotonic() - started

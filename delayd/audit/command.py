@@ -62,14 +62,14 @@ def spark_conf(pairs: list[str]) -> dict[str, str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from delayd.audit import files
     from delayd.audit.config import config_from_args
+    from delayd.logs import log_files
 
     try:
         config = config_from_args(args)
         conf = spark_conf(args.conf)
         for server in config.servers:  # before starting a JVM for nothing
-            files.list_files(server.data_dir, files.SCHEDULE_LOG)
+            log_files.list_files(server.data_dir, log_files.SCHEDULE_LOG)
     except (ValueError, FileNotFoundError) as exc:
         print(f"delayd audit: {exc}", file=sys.stderr)
         return EXIT_FAILED

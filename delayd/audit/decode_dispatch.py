@@ -24,11 +24,11 @@ import pyarrow.compute as pc
 
 from delayd.audit import fields
 from delayd.audit.batches import BATCH_ROWS, bucket_value, build, problems_batch
-from delayd.audit.files import LogFile
 from delayd.audit.frames import Problem, verdict
 from delayd.audit.kinds import FORMAT, HEAD, VERIFY_MODES
 from delayd.audit.schemas import DISPATCH_LOG, select
 from delayd.logs.dispatch_log import ENTRY, ENTRY_SIZE, FRAMED_SIZE, EntryKind, decode_entry
+from delayd.logs.log_files import LogFile
 from storage.errors import CorruptionError
 from storage.framing import HEADER, HEADER_SIZE, crc32c
 from storage.fs import O_READ, REAL_FS
@@ -80,7 +80,7 @@ def dispatch_batches(
             try:
                 record = read_frame(REAL_FS, fd, file.path, 0, position, limit)
             except BadFrame as bad:
-                problems.append(verdict(fd, file, bad))
+                problems.append(verdict(file, bad))
                 break
             try:
                 entry = decode_entry(record.type, record.payload, file.path, position)

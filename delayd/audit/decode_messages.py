@@ -35,11 +35,11 @@ import pyarrow.compute as pc
 
 from delayd.audit import fields
 from delayd.audit.batches import BATCH_ROWS, bucket_value, build, problems_batch
-from delayd.audit.files import LogFile
 from delayd.audit.frames import FileScan, Problem
 from delayd.audit.kinds import FORMAT, HEAD, VERIFY_MODES
 from delayd.audit.schemas import MESSAGE_LOG, SCHEDULE_LOG, select
 from delayd.logs import message_log, schedule_log, tombstone
+from delayd.logs.log_files import LogFile
 from delayd.logs.message_log import FLAG_KEY, KNOWN_FLAGS, MessageRecord, RecordFormatError
 from delayd.logs.tombstone import Tombstone
 from storage.scan import BadFrame, Record

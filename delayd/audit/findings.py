@@ -14,7 +14,6 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from delayd.audit import files
 from delayd.audit.kinds import (
     CANCELLED_AFTER_DISPATCH,
     COPY_MISSING,
@@ -33,6 +32,7 @@ from delayd.audit.kinds import (
     UNKNOWN_RECORD,
 )
 from delayd.audit.schemas import FINDING, PROBLEM
+from delayd.logs import log_files
 from delayd.logs.buckets import bucket_name
 
 # The findings a record's own bucket decides (judge.py has a flag of the same name for
@@ -122,9 +122,9 @@ def problems(judged: pa.Table, dispatch_problems: pa.Table) -> pa.Table:
         ["bucket", "offset", "schedule_problem", "schedule_detail"]
     )
     parts = [
-        _problem_rows(files.SCHEDULE_LOG, *schedule.columns),
+        _problem_rows(log_files.SCHEDULE_LOG, *schedule.columns),
         _problem_rows(
-            files.DISPATCH_LOG,
+            log_files.DISPATCH_LOG,
             *dispatch_problems.select(["bucket", "position", "problem", "detail"]).columns,
         ),
     ]

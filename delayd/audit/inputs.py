@@ -15,12 +15,12 @@ from functools import reduce
 import pyarrow as pa
 from pyspark.sql import DataFrame, SparkSession
 
-from delayd.audit import files
 from delayd.audit.config import AuditConfig, Server
 from delayd.audit.queries import literal
 from delayd.audit.reconciled import ALL
 from delayd.audit.schemas import select
 from delayd.audit.sources import SOURCES, ReconciledSource, spark_schema
+from delayd.logs import log_files
 from delayd.logs.buckets import bucket_name
 
 # What the one pass reads of message_log.
@@ -76,7 +76,7 @@ def read_reconciled(
 def has_message_log(config: AuditConfig) -> bool:
     """Whether any server still has message_log segments (retention may have removed
     them all)."""
-    return any(files.list_files(s.data_dir, files.MESSAGE_LOG) for s in config.servers)
+    return any(log_files.list_files(s.data_dir, log_files.MESSAGE_LOG) for s in config.servers)
 
 
 def records(spark: SparkSession, config: AuditConfig, buckets: pa.Table) -> DataFrame:

@@ -23,7 +23,7 @@ import pyarrow.compute as pc
 from pyspark import StorageLevel
 from pyspark.sql import DataFrame, SparkSession
 
-from delayd.audit import files, inputs, message_check, outputs, reconcile, summary
+from delayd.audit import inputs, message_check, outputs, reconcile, summary
 from delayd.audit.config import AuditConfig
 from delayd.audit.findings import CORRUPT_RECORDS, DISCREPANCIES
 from delayd.audit.kinds import CORRUPT, TORN_TAIL
@@ -32,6 +32,7 @@ from delayd.audit.reconciled import NONE, OFFSETS
 from delayd.audit.result import AuditResult
 from delayd.audit.schemas import SIDE_TABLES
 from delayd.audit.session import prepare
+from delayd.logs import log_files
 from delayd.logs.buckets import parse_bucket_name
 
 LEVEL = StorageLevel.MEMORY_AND_DISK
@@ -47,7 +48,7 @@ def run(spark: SparkSession, config: AuditConfig) -> AuditResult:
     started = time.monotonic()
     prepare(spark)
     for server in config.servers:
-        files.list_files(server.data_dir, files.SCHEDULE_LOG)  # fail early, with the path
+        log_files.list_files(server.data_dir, log_files.SCHEDULE_LOG)  # fail early, with the path
     message_log = inputs.has_message_log(config)
     # The message_log check needs every record's message_log offset; nothing else does.
     records = OFFSETS if message_log else NONE
@@ -64,7 +65,7 @@ def run(spark: SparkSession, config: AuditConfig) -> AuditResult:
     )
     side = _side_tables(rows)  # this computes (and caches) every server's rows
     problems = side["problem"]
-    unread = set(_of_log(problems, files.SCHEDULE_LOG)["server"].to_pylist())
+    unread = set(_of_log(problems, log_files.SCHEDULE_LOG)["server"].to_pylist())
     duplicates, copies, same_id = reconcile.cross_buckets(
         spark, config, rows, side["moved"], unread
     )
@@ -117,12 +118,12 @@ def _check_message_log(
         DataFrame.unionByName,
         (
             inputs.read_log(
-                spark, files.MESSAGE_LOG, server, config, inputs.MESSAGE_COLUMNS
+                spark, log_files.MESSAGE_LOG, server, config, inputs.MESSAGE_COLUMNS
             ).selectExpr(f"{literal(server.name)} AS server", "*")
             for server in config.servers
         ),
     )
-    stopped = _of_log(problems, files.SCHEDULE_LOG)
+    stopped = _of_log(problems, log_files.SCHEDULE_LOG)
     stopped = stopped.filter(pc.is_in(stopped["problem"], pa.array([TORN_TAIL, CORRUPT])))
     stops = [
         (server, parse_bucket_name(name))

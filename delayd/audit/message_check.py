@@ -24,10 +24,10 @@ import pyarrow as pa
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
-from delayd.audit import files
 from delayd.audit.config import AuditConfig
 from delayd.audit.kinds import ERROR, NOT_SCHEDULED, NOTICE, SCHEDULED_TWICE, TORN_TAIL
 from delayd.audit.queries import fetch, literal
+from delayd.logs import log_files
 from delayd.logs.buckets import MAX_SEGMENT_SCALE, bucket_width_ms
 from delayd.logs.message_log import TYPE_CANCEL, TYPE_MESSAGE, TYPE_RESCHEDULE, describe_type
 
@@ -101,7 +101,7 @@ def counts_and_problems(checked: DataFrame) -> pa.Table:
     problem rows as corrupt_records rows (a list; their position is the byte in the
     segment: the offset less the segment's base, its name)."""
     problem = (
-        f"named_struct('log', {literal(files.MESSAGE_LOG)}, 'file', file, "
+        f"named_struct('log', {literal(log_files.MESSAGE_LOG)}, 'file', file, "
         "'position', message_log_offset - CAST(file AS BIGINT), 'problem', problem, "
         f"'severity', IF(problem = {literal(TORN_TAIL)}, {literal(NOTICE)}, {literal(ERROR)}), "
         "'detail', detail)"

@@ -36,10 +36,10 @@ import pyarrow.compute as pc
 from delayd.audit.batches import BATCH_ROWS
 from delayd.audit.decode_dispatch import dispatch_batches
 from delayd.audit.decode_messages import schedule_batches
-from delayd.audit.files import LogFile
 from delayd.audit.kinds import HEAD
 from delayd.audit.schemas import DISPATCH_LOG, PAIRED, SCHEDULE_LOG, select
 from delayd.logs.dispatch_log import EntryKind
+from delayd.logs.log_files import LogFile
 
 # What each log's reader is asked for.
 _SCHEDULE = select(

@@ -52,10 +52,11 @@ from pyspark.sql.types import StructType
 from delayd.audit import files, schemas
 from delayd.audit.decode_dispatch import dispatch_batches
 from delayd.audit.decode_messages import message_batches, schedule_batches
-from delayd.audit.files import LogFile
 from delayd.audit.kinds import HEAD, VERIFY_MODES
 from delayd.audit.pairs import BucketFiles, bucket_pairs
 from delayd.audit.reconciled import NONE, RECORD_MODES, reconciled_batches
+from delayd.logs import log_files
+from delayd.logs.log_files import LogFile
 
 FORMAT_PREFIX = "delayd."
 
@@ -115,10 +116,10 @@ class _LogReader(DataSourceReader):
         self.decode = decode
 
     def partitions(self) -> list[InputPartition]:
-        log_files = files.list_files(self.options.data_dir, self.log)
+        listed = log_files.list_files(self.options.data_dir, self.log)
         if self.options.only is not None:
-            log_files = [f for f in log_files if f.name in self.options.only]
-        groups = files.pack(log_files, self.options.partition_bytes)
+            listed = [f for f in listed if f.name in self.options.only]
+        groups = files.pack(listed, self.options.partition_bytes)
         return [FilesPartition(group) for group in groups]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
@@ -163,7 +164,7 @@ class _LogSource(DataSource):
 class ScheduleLogSource(_LogSource):
     """``delayd.schedule_log``: one row per SCHEDULED record (schemas.SCHEDULE_LOG)."""
 
-    log = files.SCHEDULE_LOG
+    log = log_files.SCHEDULE_LOG
     arrow_schema = schemas.SCHEDULE_LOG
     decode = staticmethod(schedule_batches)
 
@@ -171,7 +172,7 @@ class ScheduleLogSource(_LogSource):
 class DispatchLogSource(_LogSource):
     """``delayd.dispatch_log``: one row per entry (schemas.DISPATCH_LOG)."""
 
-    log = files.DISPATCH_LOG
+    log = log_files.DISPATCH_LOG
     arrow_schema = schemas.DISPATCH_LOG
     decode = staticmethod(dispatch_batches)
 
@@ -179,7 +180,7 @@ class DispatchLogSource(_LogSource):
 class MessageLogSource(_LogSource):
     """``delayd.message_log``: one row per record, message or tombstone (schemas.MESSAGE_LOG)."""
 
-    log = files.MESSAGE_LOG
+    log = log_files.MESSAGE_LOG
     arrow_schema = schemas.MESSAGE_LOG
     decode = staticmethod(message_batches)
 
@@ -202,8 +203,8 @@ class _ReconciledReader(DataSourceReader):
     def partitions(self) -> list[InputPartition]:
         data_dir = self.options.data_dir
         buckets = bucket_pairs(
-            files.list_files(data_dir, files.SCHEDULE_LOG),
-            files.list_files(data_dir, files.DISPATCH_LOG),
+            log_files.list_files(data_dir, log_files.SCHEDULE_LOG),
+            log_files.list_files(data_dir, log_files.DISPATCH_LOG),
         )
         if self.options.only is not None:
             buckets = [b for b in buckets if b.name in self.options.only]
