@@ -224,7 +224,7 @@ def spark_session():
     """One local SparkSession for the audit tests of a run (a JVM start costs seconds;
     they are all in tests/test_audit.py); `delayd audit` run in-process finds it and
     leaves it running."""
-    from delayd.audit.session import local_session
+    from delayd.audit.spark.session import local_session
 
     spark = local_session("local[2]", TEST_CONF)
     yield spark

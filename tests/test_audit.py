@@ -15,12 +15,12 @@ import time
 import pytest
 
 import delayd
-from delayd.audit import job
 from delayd.audit.config import AuditConfig, Server
-from delayd.audit.decode_dispatch import dispatch_batches
-from delayd.audit.result import ERROR, NOTICE
+from delayd.audit.read.dispatch import dispatch_batches
+from delayd.audit.report.result import ERROR, NOTICE
 from delayd.audit.schemas import DISPATCH_LOG, SCHEDULE_LOG
-from delayd.audit.sources import spark_schema
+from delayd.audit.spark import job
+from delayd.audit.spark.sources import spark_schema
 from delayd.cli import main
 from delayd.logs import layout, log_files
 from delayd.logs.dispatch_log import FRAMED_SIZE, EntryKind, encode_entry

@@ -14,10 +14,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from delayd.audit import files
-from delayd.audit.decode_dispatch import dispatch_batches
-from delayd.audit.decode_messages import message_batches, schedule_batches
 from delayd.audit.kinds import CORRUPT, FORMAT, FULL, TORN_TAIL
+from delayd.audit.read import partitions
+from delayd.audit.read.dispatch import dispatch_batches
+from delayd.audit.read.messages import message_batches, schedule_batches
 from delayd.audit.schemas import DISPATCH_LOG, MESSAGE_LOG, SCHEDULE_LOG
 from delayd.logs import layout, log_files, message_log, tombstone
 from delayd.logs.dispatch_log import FRAMED_SIZE, EntryKind, decode_entry, encode_entry
@@ -382,9 +382,9 @@ def test_listing_takes_only_log_files_and_packs_small_ones(tmp_path):
     assert [f.name for f in log_files.list_files(root, log_files.MESSAGE_LOG)] == ["0" * 20]
     assert log_files.list_files(root, log_files.DISPATCH_LOG) == []
     size = listed[0].size
-    assert [len(group) for group in files.pack(listed, 0)] == [1] * 5
-    assert [len(group) for group in files.pack(listed, 2 * size)] == [2, 2, 1]
-    assert [len(group) for group in files.pack(listed, 1)] == [1] * 5
+    assert [len(group) for group in partitions.pack(listed, 0)] == [1] * 5
+    assert [len(group) for group in partitions.pack(listed, 2 * size)] == [2, 2, 1]
+    assert [len(group) for group in partitions.pack(listed, 1)] == [1] * 5
     with pytest.raises(FileNotFoundError, match="not a delayd data directory"):
         log_files.list_files(str(tmp_path / "nothing"), log_files.SCHEDULE_LOG)
 
@@ -434,3 +434,19 @@ def test_random_bodies_round_trip_through_blocks_of_every_size(tmp_path):
     reference = table(schedule_batches(schedule_file, "s1"))
     for batch_rows in (1, 2, 3, 49, 50, 51):
         assert table(schedule_batches(schedule_file, "s1", batch_rows=batch_rows)).equals(reference)
+
+
+def test_the_readers_and_judges_load_without_pyspark_and_trio():
+    """Spark's Python workers run audit/read and audit/judge: pyarrow is all they get."""
+    blocker = (
+        "import sys, importlib.abc\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('pyspark', 'trio'):\n"
+        "            raise ModuleNotFoundError(name=name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import delayd.audit.read.messages, delayd.audit.read.dispatch\n"
+        "import delayd.audit.judge.bucket_runs, delayd.audit.judge.summary\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    subprocess.run([sys.executable, "-c", blocker], env=env, check=True)

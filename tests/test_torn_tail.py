@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pytest
 
-from delayd.audit.decode_messages import message_batches, schedule_batches
 from delayd.audit.kinds import CORRUPT as AUDIT_CORRUPT
 from delayd.audit.kinds import TORN_TAIL as AUDIT_TORN_TAIL
+from delayd.audit.read.messages import message_batches, schedule_batches
 from delayd.inspect import report
 from delayd.inspect.files import CORRUPT as INSPECT_CORRUPT
 from delayd.inspect.files import TORN_TAIL as INSPECT_TORN_TAIL

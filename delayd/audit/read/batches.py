@@ -12,7 +12,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from delayd.audit.frames import Problem
+from delayd.audit.read.frames import Problem
 
 BATCH_ROWS = 65_536  # records per batch: big enough to amortise, small enough for memory
 US_PER_MS = 1000

@@ -15,7 +15,7 @@ class _Sized(Protocol):
     def size(self) -> int: ...
 
 
-Part = TypeVar("Part", bound=_Sized)  # a LogFile, or a bucket's pair of them (pairs.py)
+Part = TypeVar("Part", bound=_Sized)  # a LogFile, or a bucket's pair of them (judge/pairing.py)
 
 
 def pack(log_files: list[Part], target_bytes: int) -> list[list[Part]]:

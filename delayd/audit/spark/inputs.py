@@ -1,10 +1,10 @@
 """What the audit job reads of the logs, through the data sources of sources.py.
 
 Per server, schedule_log and dispatch_log are read once, together: each bucket's two
-files reconciled where they are read (``delayd.reconciled``: reconciled.py), which
+files reconciled where they are read (``delayd.reconciled``: judge/bucket_runs.py), which
 leaves a few rows per bucket and per task. message_log, when it is still there, is read
 once in narrow form. The few buckets that hold records whose id is
-in question (reconcile.py) are read again, alone (the sources' ``files`` option), for
+in question (across_buckets.py) are read again, alone (the sources' ``files`` option), for
 those records.
 """
 
@@ -16,10 +16,10 @@ import pyarrow as pa
 from pyspark.sql import DataFrame, SparkSession
 
 from delayd.audit.config import AuditConfig, Server
-from delayd.audit.queries import literal
-from delayd.audit.reconciled import ALL
+from delayd.audit.judge.bucket_runs import ALL
 from delayd.audit.schemas import select
-from delayd.audit.sources import SOURCES, ReconciledSource, spark_schema
+from delayd.audit.spark.queries import literal
+from delayd.audit.spark.sources import SOURCES, ReconciledSource, spark_schema
 from delayd.logs import log_files
 from delayd.logs.buckets import bucket_name
 
@@ -58,7 +58,7 @@ def read_reconciled(
     only: list[str] | None = None,
 ) -> DataFrame:
     """One server's buckets (those named in ``only``, if given) reconciled where they
-    are read (``delayd.reconciled``: reconciled.py), with the rows per record
+    are read (``delayd.reconciled``: judge/bucket_runs.py), with the rows per record
     ``records`` asks for (reconciled.RECORD_MODES)."""
     reader = (
         spark.read.format(ReconciledSource.name())

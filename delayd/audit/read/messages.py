@@ -33,10 +33,10 @@ from collections.abc import Callable, Iterator, Sequence
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from delayd.audit import fields
-from delayd.audit.batches import BATCH_ROWS, bucket_value, build, problems_batch
-from delayd.audit.frames import FileScan, Problem
 from delayd.audit.kinds import FORMAT, HEAD, VERIFY_MODES
+from delayd.audit.read import fields
+from delayd.audit.read.batches import BATCH_ROWS, bucket_value, build, problems_batch
+from delayd.audit.read.frames import FileScan, Problem
 from delayd.audit.schemas import MESSAGE_LOG, SCHEDULE_LOG, select
 from delayd.logs import message_log, schedule_log, tombstone
 from delayd.logs.log_files import LogFile

@@ -8,7 +8,7 @@ RESCHEDULE tombstone that moved it (docs/cancel.md), so a RESCHEDULE is found on
 not at all — not at all when there was nothing to move (the id was unknown, cancelled
 or already delivered: the server writes no copy and, as the tombstone says nothing of
 the answer, the audit checks the converse instead: every moved record has its copy,
-reconcile.py). A CANCEL is never found.
+across_buckets.py). A CANCEL is never found.
 
 A record not found whose due time lies in a bucket where reading schedule_log stopped
 early may be in the part that could not be read: it is ``unverified``. Which bucket a
@@ -26,7 +26,7 @@ from pyspark.sql import functions as F
 
 from delayd.audit.config import AuditConfig
 from delayd.audit.kinds import ERROR, NOT_SCHEDULED, NOTICE, SCHEDULED_TWICE, TORN_TAIL
-from delayd.audit.queries import fetch, literal
+from delayd.audit.spark.queries import fetch, literal
 from delayd.logs import log_files
 from delayd.logs.buckets import MAX_SEGMENT_SCALE, bucket_width_ms
 from delayd.logs.message_log import TYPE_CANCEL, TYPE_MESSAGE, TYPE_RESCHEDULE, describe_type

@@ -8,7 +8,7 @@
 schedule_log or dispatch_log bucket, a message_log segment — is read whole by one task,
 up to the size it had when the query was planned. With ``partitionBytes=0`` every file
 is an input partition of its own; by default small files are packed into partitions of
-about 64 MiB (files.pack says why). Readers yield Arrow record batches
+about 64 MiB (partitions.pack says why). Readers yield Arrow record batches
 decoded by decode_messages / decode_dispatch, which use the logs' own codecs. Problems
 are rows too (``problem``, ``detail``; see schemas.py): a damaged file never fails the
 query, and nothing is dropped without a row saying so.
@@ -24,7 +24,7 @@ or ``full`` (decode every record with the codec, properties included; slower);
 ``partitionBytes`` as above; ``files``, comma-separated file names, reads only those
 files of the log.
 
-``delayd.reconciled`` is what the audit job reads (reconciled.py): each bucket's
+``delayd.reconciled`` is what the audit job reads (judge/bucket_runs.py): each bucket's
 schedule_log and dispatch_log files read by one task and reconciled there: the buckets'
 counts, findings and problems, and what crosses buckets (schemas.RECONCILED; no narrower
 schema). Its options: ``cutoffMs`` and ``lateMs`` (required: what is judged
@@ -49,12 +49,13 @@ from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 from pyspark.sql.pandas.types import from_arrow_schema
 from pyspark.sql.types import StructType
 
-from delayd.audit import files, schemas
-from delayd.audit.decode_dispatch import dispatch_batches
-from delayd.audit.decode_messages import message_batches, schedule_batches
+from delayd.audit import schemas
+from delayd.audit.judge.bucket_runs import NONE, RECORD_MODES, reconciled_batches
+from delayd.audit.judge.pairing import BucketFiles, bucket_pairs
 from delayd.audit.kinds import HEAD, VERIFY_MODES
-from delayd.audit.pairs import BucketFiles, bucket_pairs
-from delayd.audit.reconciled import NONE, RECORD_MODES, reconciled_batches
+from delayd.audit.read import partitions
+from delayd.audit.read.dispatch import dispatch_batches
+from delayd.audit.read.messages import message_batches, schedule_batches
 from delayd.logs import log_files
 from delayd.logs.log_files import LogFile
 
@@ -91,7 +92,7 @@ class _Options:
         if verify not in VERIFY_MODES:
             raise ValueError(f"{name}: verify must be one of {', '.join(VERIFY_MODES)}")
         try:
-            partition_bytes = int(options.get("partitionBytes", files.DEFAULT_PARTITION_BYTES))
+            partition_bytes = int(options.get("partitionBytes", partitions.DEFAULT_PARTITION_BYTES))
         except ValueError:
             raise ValueError(f"{name}: partitionBytes must be a number of bytes") from None
         only = options.get("files")
@@ -119,7 +120,7 @@ class _LogReader(DataSourceReader):
         listed = log_files.list_files(self.options.data_dir, self.log)
         if self.options.only is not None:
             listed = [f for f in listed if f.name in self.options.only]
-        groups = files.pack(listed, self.options.partition_bytes)
+        groups = partitions.pack(listed, self.options.partition_bytes)
         return [FilesPartition(group) for group in groups]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
@@ -209,7 +210,8 @@ class _ReconciledReader(DataSourceReader):
         if self.options.only is not None:
             buckets = [b for b in buckets if b.name in self.options.only]
         return [
-            FilesPartition(group) for group in files.pack(buckets, self.options.partition_bytes)
+            FilesPartition(group)
+            for group in partitions.pack(buckets, self.options.partition_bytes)
         ]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
@@ -225,7 +227,7 @@ class _ReconciledReader(DataSourceReader):
 
 class ReconciledSource(DataSource):
     """``delayd.reconciled``: every bucket's records judged where its two files are read
-    (reconciled.py; schemas.RECONCILED)."""
+    (judge/bucket_runs.py; schemas.RECONCILED)."""
 
     @classmethod
     def name(cls) -> str:

@@ -22,10 +22,10 @@ from collections.abc import Iterator, Sequence
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from delayd.audit import fields
-from delayd.audit.batches import BATCH_ROWS, bucket_value, build, problems_batch
-from delayd.audit.frames import Problem, verdict
 from delayd.audit.kinds import FORMAT, HEAD, VERIFY_MODES
+from delayd.audit.read import fields
+from delayd.audit.read.batches import BATCH_ROWS, bucket_value, build, problems_batch
+from delayd.audit.read.frames import Problem, verdict
 from delayd.audit.schemas import DISPATCH_LOG, select
 from delayd.logs.dispatch_log import ENTRY, ENTRY_SIZE, FRAMED_SIZE, EntryKind, decode_entry
 from delayd.logs.log_files import LogFile
