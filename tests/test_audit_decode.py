@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from delayd.audit.kinds import CORRUPT, FORMAT, FULL, TORN_TAIL
 from delayd.audit.read import partitions
+from delayd.audit.read.batches import ReadOptions
 from delayd.audit.read.dispatch import dispatch_batches
 from delayd.audit.read.messages import message_batches, schedule_batches
 from delayd.audit.schemas import DISPATCH_LOG, MESSAGE_LOG, SCHEDULE_LOG
@@ -123,36 +124,34 @@ def test_schedule_and_message_log_rows_are_what_the_codecs_decode(messages, tomb
     with tempfile.TemporaryDirectory() as root:
         write_messages(root, messages, tombstones)
         schedule_file = only_file(root, log_files.SCHEDULE_LOG)
-        fast = table(schedule_batches(schedule_file, "s1", batch_rows=7))
+        fast = table(schedule_batches(schedule_file, "s1", ReadOptions(batch_rows=7)))
         assert fast.schema == SCHEDULE_LOG
-        assert fast.equals(table(schedule_batches(schedule_file, "s1", verify=FULL, batch_rows=7)))
+        assert fast.equals(
+            table(schedule_batches(schedule_file, "s1", ReadOptions(FULL, batch_rows=7)))
+        )
         expected = []
         for record in scanned(schedule_file.path):
             decoded = decode_scheduled(record.payload)
             m = decoded.message
-            head = (record.offset, decoded.message_log_offset, m.due_ms, m.sequence)
-            expected.append((*head, m.receive_ms, m.message_id, m.subject, m.key, len(m.body)))
-        columns = (
-            "offset",
-            "message_log_offset",
-            "due_ms",
-            "sequence",
-            "receive_ms",
-            "message_id",
-            "subject",
-            "key",
-            "body_size",
-        )
+            expected.append(
+                {
+                    "offset": record.offset,
+                    "message_log_offset": decoded.message_log_offset,
+                    **{name: getattr(m, name) for name in ("due_ms", "sequence", "receive_ms")},
+                    **{name: getattr(m, name) for name in ("message_id", "subject", "key")},
+                    "body_size": len(m.body),
+                }
+            )
         rows = records(fast)
-        assert [tuple(r[c] for c in columns) for r in rows] == expected
+        assert [{name: r[name] for name in expected[0]} for r in rows] == expected
         assert {(r["server"], r["file"], r["bucket"].timestamp() * 1000) for r in rows} == {
             ("s1", schedule_file.name, T0)
         }
 
         segment = only_file(root, log_files.MESSAGE_LOG)
-        messages_table = table(message_batches(segment, "s1", batch_rows=5))
+        messages_table = table(message_batches(segment, "s1", ReadOptions(batch_rows=5)))
         assert messages_table.schema == MESSAGE_LOG
-        assert messages_table.equals(table(message_batches(segment, "s1", verify=FULL)))
+        assert messages_table.equals(table(message_batches(segment, "s1", ReadOptions(FULL))))
         columns = ("kind", "message_id", "due_ms", "sequence", "receive_ms", "key", "body_size")
         expected = [
             (rec.offset, *message_log_row(rec.type, rec.payload)) for rec in scanned(segment.path)
@@ -181,9 +180,9 @@ def test_dispatch_log_blocks_are_what_decode_entry_decodes(entries):
             for kind, offset, at_ms, group in entries:
                 record_file.append_batch([encode_entry(offset, at_ms, group.encode())], kind)
         log_file = only_file(root, log_files.DISPATCH_LOG)
-        fast = table(dispatch_batches(log_file, "s1", batch_rows=4))
+        fast = table(dispatch_batches(log_file, "s1", ReadOptions(batch_rows=4)))
         assert fast.schema == DISPATCH_LOG
-        assert fast.equals(table(dispatch_batches(log_file, "s1", verify=FULL, batch_rows=4)))
+        assert fast.equals(table(dispatch_batches(log_file, "s1", ReadOptions(FULL, batch_rows=4))))
         assert [
             (r["position"], r["kind"], r["offset"], r["at_ms"], r["group"]) for r in records(fast)
         ] == [
@@ -262,7 +261,7 @@ def test_records_the_codec_refuses_are_format_rows_and_reading_goes_on(tmp_path)
         after = record_file.append_batch([good])[0]
     for verify in ("head", FULL):
         found = table(
-            schedule_batches(only_file(root, log_files.SCHEDULE_LOG), "s1", verify=verify)
+            schedule_batches(only_file(root, log_files.SCHEDULE_LOG), "s1", ReadOptions(verify))
         )
         assert [r["offset"] for r in records(found)] == [*offsets, after]
         assert problems(found) == [
@@ -289,7 +288,7 @@ def test_message_log_tombstones_the_codec_refuses_are_format_rows(tmp_path):
         (after,) = log.append_batch([message], TYPE_MESSAGE)
     for verify in ("head", FULL):
         segment = only_file(str(tmp_path), log_files.MESSAGE_LOG)
-        found = table(message_batches(segment, "s1", verify=verify))
+        found = table(message_batches(segment, "s1", ReadOptions(verify)))
         assert [(r["offset"], r["kind"]) for r in records(found)] == [
             (first, "message"),
             (good, "cancel"),
@@ -330,7 +329,9 @@ def dispatch_file(root: str, count: int) -> str:
 
 
 def read_dispatch(root: str, **options) -> pa.Table:
-    return table(dispatch_batches(only_file(root, log_files.DISPATCH_LOG), "s1", **options))
+    return table(
+        dispatch_batches(only_file(root, log_files.DISPATCH_LOG), "s1", ReadOptions(**options))
+    )
 
 
 @pytest.mark.parametrize("verify", ["head", FULL])
@@ -433,7 +434,9 @@ def test_random_bodies_round_trip_through_blocks_of_every_size(tmp_path):
     schedule_file = only_file(root, log_files.SCHEDULE_LOG)
     reference = table(schedule_batches(schedule_file, "s1"))
     for batch_rows in (1, 2, 3, 49, 50, 51):
-        assert table(schedule_batches(schedule_file, "s1", batch_rows=batch_rows)).equals(reference)
+        assert table(
+            schedule_batches(schedule_file, "s1", ReadOptions(batch_rows=batch_rows))
+        ).equals(reference)
 
 
 def test_the_readers_and_judges_load_without_pyspark_and_trio():

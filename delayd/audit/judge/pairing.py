@@ -34,7 +34,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from delayd.audit.kinds import HEAD
-from delayd.audit.read.batches import BATCH_ROWS
+from delayd.audit.read.batches import BATCH_ROWS, ReadOptions
 from delayd.audit.read.dispatch import dispatch_batches
 from delayd.audit.read.messages import schedule_batches
 from delayd.audit.schemas import DISPATCH_LOG, PAIRED, SCHEDULE_LOG, select
@@ -127,14 +127,16 @@ def paired_runs(
 ) -> Iterator[Run]:
     """``buckets`` paired a run at a time: consecutive buckets of about ``batch_rows``
     records in all (a bigger bucket is a run of its own)."""
+    schedule_options = ReadOptions(verify, columns=_SCHEDULE.names)
+    dispatch_options = ReadOptions(verify, columns=_DISPATCH.names)
     records: list[pa.RecordBatch] = []
     entries: list[pa.RecordBatch] = []
     rows = 0
     for bucket in buckets:
         if bucket.schedule is not None:
-            records += schedule_batches(bucket.schedule, "", verify=verify, columns=_SCHEDULE.names)
+            records += schedule_batches(bucket.schedule, "", schedule_options)
         if bucket.dispatch is not None:
-            entries += dispatch_batches(bucket.dispatch, "", verify=verify, columns=_DISPATCH.names)
+            entries += dispatch_batches(bucket.dispatch, "", dispatch_options)
         rows = sum(batch.num_rows for batch in records)
         if rows >= batch_rows:
             yield pair(records, entries)

@@ -65,7 +65,7 @@ def cross_buckets(
     if there are any. ``moved`` are the moved records (SHOWN columns), ``unread`` the
     servers with a schedule_log problem row."""
     keys = frozenset(zip(moved["server"].to_pylist(), moved["id_hash"].to_pylist(), strict=True))
-    ranges = rows.where("ids IS NOT NULL").selectExpr("server", "id_ranges.range", "id_ranges.blob")
+    ranges = rows.where("ids IS NOT NULL").selectExpr("server", "ids.range", "ids.blob")
     # A range's blobs go to one task, which adds them all up (id_ranges.merge). Ranges are
     # spread over the tasks by a hash: several tasks per core even out what lands where.
     tasks = min(id_ranges.RANGES, 8 * spark.sparkContext.defaultParallelism)

@@ -54,6 +54,7 @@ from delayd.audit.judge.bucket_runs import NONE, RECORD_MODES, reconciled_batche
 from delayd.audit.judge.pairing import BucketFiles, bucket_pairs
 from delayd.audit.kinds import HEAD, VERIFY_MODES
 from delayd.audit.read import partitions
+from delayd.audit.read.batches import ReadOptions
 from delayd.audit.read.dispatch import dispatch_batches
 from delayd.audit.read.messages import message_batches, schedule_batches
 from delayd.logs import log_files
@@ -125,11 +126,10 @@ class _LogReader(DataSourceReader):
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         options = self.options
+        read = ReadOptions(options.verify, columns=options.columns)
         # Spark runs one empty partition when there are no files.
         for file in getattr(partition, "files", ()):
-            yield from self.decode(
-                file, options.server, verify=options.verify, columns=options.columns
-            )
+            yield from self.decode(file, options.server, read)
 
 
 class _LogSource(DataSource):
