@@ -174,7 +174,7 @@ RECORD = pa.struct(  # what a finding about a record shows, and its id's hash
         pa.field("offset", pa.int64()),
         pa.field("message_log_offset", pa.int64()),
         pa.field("message_id", pa.string()),
-        pa.field("id_hash", pa.int64()),  # ids.id_hashes
+        pa.field("id_hash", pa.int64()),  # id_ranges.id_hashes
         pa.field("due_ms", pa.int64()),
         pa.field("dispatched_ms", pa.int64()),  # the first DISPATCHED entry's at_ms
         pa.field("dispatches", pa.int64()),  # DISPATCHED entries

@@ -64,7 +64,7 @@ _KEY = ["bucket", "offset"]
 
 
 def _name(kind: EntryKind) -> str:
-    """The ``kind`` column's name of an entry kind (decode_dispatch writes these)."""
+    """The ``kind`` column's name of an entry kind (read/dispatch.py writes these)."""
     return kind.name.lower()
 
 

@@ -59,7 +59,7 @@ def read_reconciled(
 ) -> DataFrame:
     """One server's buckets (those named in ``only``, if given) reconciled where they
     are read (``delayd.reconciled``: judge/bucket_runs.py), with the rows per record
-    ``records`` asks for (reconciled.RECORD_MODES)."""
+    ``records`` asks for (bucket_runs.RECORD_MODES)."""
     reader = (
         spark.read.format(ReconciledSource.name())
         .option("cutoffMs", str(config.cutoff_ms))

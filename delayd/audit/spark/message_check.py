@@ -31,7 +31,7 @@ from delayd.logs import log_files
 from delayd.logs.buckets import MAX_SEGMENT_SCALE, bucket_width_ms
 from delayd.logs.message_log import TYPE_CANCEL, TYPE_MESSAGE, TYPE_RESCHEDULE, describe_type
 
-# message_log's ``kind`` column (decode_messages names record types with describe_type).
+# message_log's ``kind`` column (read/messages.py names record types with describe_type).
 MESSAGE = describe_type(TYPE_MESSAGE)
 CANCEL = describe_type(TYPE_CANCEL)
 RESCHEDULE = describe_type(TYPE_RESCHEDULE)

@@ -9,7 +9,7 @@ schedule_log or dispatch_log bucket, a message_log segment — is read whole by 
 up to the size it had when the query was planned. With ``partitionBytes=0`` every file
 is an input partition of its own; by default small files are packed into partitions of
 about 64 MiB (partitions.pack says why). Readers yield Arrow record batches
-decoded by decode_messages / decode_dispatch, which use the logs' own codecs. Problems
+decoded by read/messages.py and read/dispatch.py, which use the logs' own codecs. Problems
 are rows too (``problem``, ``detail``; see schemas.py): a damaged file never fails the
 query, and nothing is dropped without a row saying so.
 
@@ -29,7 +29,7 @@ schedule_log and dispatch_log files read by one task and reconciled there: the b
 counts, findings and problems, and what crosses buckets (schemas.RECONCILED; no narrower
 schema). Its options: ``cutoffMs`` and ``lateMs`` (required: what is judged
 and what is late, config.AuditConfig), ``records`` (rows per record too:
-reconciled.RECORD_MODES), ``verify``, ``partitionBytes`` (a bucket's two files count
+bucket_runs.RECORD_MODES), ``verify``, ``partitionBytes`` (a bucket's two files count
 together), ``files`` (bucket names: the audit reads again the few buckets that hold
 candidates of duplicate ids).
 
