@@ -407,11 +407,13 @@ class Planted:
     corrupt_at: int  # byte position in that file
     torn_segment: str  # last message_log segment, last record cut short
     torn_at: int
+    # schedule_log buckets are judged as the replayer's recovery opens them: the replay
+    # checkpoint lists this one's length as durable, so a shorter file is corruption.
     torn_bucket: str  # schedule_log: last record cut short
     torn_bucket_at: int
-    # schedule_log: middle record flipped, one record after it. A bucket file has no
-    # durable mark of its own, and this lies within the unsynced window of its end:
-    # RecordFile.open would cut it as a torn tail (storage.torn_tail), so inspect says so.
+    # No record after the replay checkpoint maps to this bucket (m-11, which would,
+    # is the torn tail of message_log): recovery reopens it at its full length and never
+    # cuts it, so a flipped record is corruption wherever it lies.
     flipped_bucket: str
     flipped_bucket_at: int
 
@@ -450,8 +452,8 @@ def test_damage_is_reported_where_it_was_planted(written, capsys):
     assert damages == [
         ("corrupt", planted.corrupt_segment, planted.corrupt_at),
         ("torn tail", planted.torn_segment, planted.torn_at),
-        ("torn tail", planted.torn_bucket, planted.torn_bucket_at),
-        ("torn tail", planted.flipped_bucket, planted.flipped_bucket_at),
+        ("corrupt", planted.torn_bucket, planted.torn_bucket_at),
+        ("corrupt", planted.flipped_bucket, planted.flipped_bucket_at),
     ]
     reasons = [d["reason"] for d in doc["damages"]]
     assert reasons[0] == "crc mismatch" and "runs past the end" in reasons[1]
@@ -480,7 +482,7 @@ def test_damage_is_reported_where_it_was_planted(written, capsys):
         str(planted.corrupt_at),
     ]
     assert lines[at + 2].strip() == "crc mismatch"
-    assert lines[at + 5].startswith(f"  torn tail  delay/schedule_log/{planted.torn_bucket} @ ")
+    assert lines[at + 5].startswith(f"  corrupt    delay/schedule_log/{planted.torn_bucket} @ ")
 
 
 def test_a_segment_before_the_last_cut_short_is_corrupt_not_torn(written, capsys):
@@ -513,10 +515,10 @@ def test_listings_stop_at_damage_in_a_file_and_go_on_in_the_next(written, capsys
     doc = inspect_json(capsys, written.data, "bucket", planted.flipped_bucket)
     assert [r["offset"] for r in doc["records"]] == [0]
     ((kind, position),) = [(d["kind"], d["position"]) for d in doc["damages"]]
-    assert (kind, position) == ("torn tail", planted.flipped_bucket_at)
+    assert (kind, position) == ("corrupt", planted.flipped_bucket_at)
     lines = text_lines(capsys, written.data, "bucket", planted.flipped_bucket)
     assert lines[-3] == "damage"
-    assert lines[-2].startswith(f"  torn tail  delay/schedule_log/{planted.flipped_bucket} @ ")
+    assert lines[-2].startswith(f"  corrupt    delay/schedule_log/{planted.flipped_bucket} @ ")
 
 
 def test_zero_filled_tail_is_torn_and_an_unreadable_entry_is_corrupt(written, capsys):

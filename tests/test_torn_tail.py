@@ -19,6 +19,7 @@ import pytest
 from delayd.audit.kinds import CORRUPT as AUDIT_CORRUPT
 from delayd.audit.kinds import TORN_TAIL as AUDIT_TORN_TAIL
 from delayd.audit.read.messages import message_batches, schedule_batches
+from delayd.audit.spark.sources import list_log
 from delayd.inspect import report
 from delayd.inspect.files import CORRUPT as INSPECT_CORRUPT
 from delayd.inspect.files import TORN_TAIL as INSPECT_TORN_TAIL
@@ -26,6 +27,8 @@ from delayd.logs import layout
 from delayd.logs.log_files import MESSAGE_LOG, SCHEDULE_LOG, list_files
 from delayd.logs.message_log import TYPE_MESSAGE, encode_message
 from delayd.logs.schedule_log import encode_scheduled
+from delayd.replay import open_replayer
+from delayd.replay.state import ReplayCheckpoint, ensure_segment_scale, write_replay_checkpoint
 from storage.errors import CorruptionError
 from storage.framing import HEADER_SIZE
 from storage.fs import REAL_FS
@@ -67,13 +70,28 @@ def segment_of(data: str, offset: int) -> tuple[str, int]:
     return os.path.join(layout.message_log_dir(data), f"{base:020d}"), base
 
 
-def write_bucket(data: str, count: int, padding: int = 0) -> tuple[str, list[int]]:
-    """A schedule_log bucket of ``count`` records, then ``padding`` bytes of records."""
+def write_bucket(
+    data: str, count: int, *, replayed: bool, padding: int = 0
+) -> tuple[str, list[int]]:
+    """A data directory whose message_log holds ``count`` + 1 messages, all due in
+    BUCKET, and whose schedule_log bucket holds the first ``count`` of them (then
+    ``padding`` bytes of records). ``replayed``: the replay checkpoint is past the last
+    message (its copy there too), so recovery never reopens the bucket for a scan; else
+    the last message is not replayed yet and recovery scans the bucket from its start.
+    Returns the bucket's path and its records' offsets."""
+    ensure_segment_scale(REAL_FS, data, 1)
+    with SegmentedLog.open(layout.message_log_dir(data)) as log:
+        logged = log.append_batch([message(i) for i in range(count + 1)], TYPE_MESSAGE)
+        end = log.end_offset
+    copied = count + 1 if replayed else count
     path = os.path.join(layout.schedule_log_dir(data), BUCKET)
     with RecordFile.open(path) as record_file:
-        offsets = record_file.append_batch([encode_scheduled(i, message(i)) for i in range(count)])
+        payloads = [encode_scheduled(logged[i], message(i)) for i in range(copied)]
+        offsets = record_file.append_batch(payloads)
         if padding:
             record_file.append_batch([bytes(padding // 2)] * 2)
+    position = end if replayed else logged[count]
+    write_replay_checkpoint(REAL_FS, data, ReplayCheckpoint(position, copied + 1, {}))
     return path, offsets
 
 
@@ -120,13 +138,13 @@ def damaged_sealed_segment_inside_the_unsynced_window(data: str) -> Verdict:
 
 
 def torn_last_record_of_a_bucket(data: str) -> Verdict:
-    path, offsets = write_bucket(data, 5)
+    path, offsets = write_bucket(data, 5, replayed=False)
     os.truncate(path, os.path.getsize(path) - 4)
     return Verdict(TORN, BUCKET, offsets[-1])
 
 
 def zero_filled_tail_of_a_bucket(data: str) -> Verdict:
-    path, _ = write_bucket(data, 5)
+    path, _ = write_bucket(data, 5, replayed=False)
     size = os.path.getsize(path)
     append_bytes(path, bytes(4096))
     return Verdict(TORN, BUCKET, size)
@@ -134,15 +152,23 @@ def zero_filled_tail_of_a_bucket(data: str) -> Verdict:
 
 def bad_crc_mid_bucket_inside_the_unsynced_window(data: str) -> Verdict:
     # A later page kept without an earlier one: a power loss can leave this.
-    path, offsets = write_bucket(data, 5)
+    path, offsets = write_bucket(data, 5, replayed=False)
     flip_byte(path, offsets[2] + HEADER_SIZE + 5)
     return Verdict(TORN, BUCKET, offsets[2])
 
 
 def bad_crc_mid_bucket_before_the_unsynced_window(data: str) -> Verdict:
-    path, offsets = write_bucket(data, 5, padding=DEFAULT_MAX_UNSYNCED_BYTES + 4096)
+    path, offsets = write_bucket(data, 5, replayed=False, padding=DEFAULT_MAX_UNSYNCED_BYTES + 4096)
     flip_byte(path, offsets[2] + HEADER_SIZE + 5)
     return Verdict(CORRUPT, BUCKET, offsets[2])
+
+
+def damaged_tail_of_a_bucket_replayed_to_the_end(data: str) -> Verdict:
+    # Recovery reopens it at its full length: it is never cut, so any damage is
+    # corruption, however close to its end.
+    path, offsets = write_bucket(data, 5, replayed=True)
+    flip_byte(path, offsets[-1] + HEADER_SIZE + 5)
+    return Verdict(CORRUPT, BUCKET, offsets[-1])
 
 
 CASES: list[Callable[[str], Verdict]] = [
@@ -155,6 +181,7 @@ CASES: list[Callable[[str], Verdict]] = [
     zero_filled_tail_of_a_bucket,
     bad_crc_mid_bucket_inside_the_unsynced_window,
     bad_crc_mid_bucket_before_the_unsynced_window,
+    damaged_tail_of_a_bucket_replayed_to_the_end,
 ]
 
 
@@ -162,25 +189,28 @@ CASES: list[Callable[[str], Verdict]] = [
 
 
 def recovery_verdict(data: str, copy: str) -> Verdict | None:
-    """What opening the logs of a copy of ``data`` does, as the server would."""
+    """What starting a server on a copy of ``data`` does: open message_log, recover
+    schedule_log (delayd.replay), then read every bucket."""
     shutil.copytree(data, copy)
-    segments = list_files(copy, MESSAGE_LOG)
-    if segments:
-        try:
-            with SegmentedLog.open(layout.message_log_dir(copy)) as log:
-                cut = log.recovery.truncated_at
-                if cut is not None:
-                    base = max(s.base for s in segments if s.base <= cut)
-                    return Verdict(TORN, f"{base:020d}", cut - base)
-                for _ in log.iter_from(log.min_offset):
-                    pass
-        except CorruptionError as exc:
-            return Verdict(CORRUPT, os.path.basename(exc.path), exc.offset)
+    sizes = {bucket.name: bucket.size for bucket in list_files(copy, SCHEDULE_LOG)}
+    try:
+        with SegmentedLog.open(layout.message_log_dir(copy)) as log:
+            cut = log.recovery.truncated_at
+            if cut is not None:
+                base = max(s.base for s in list_files(copy, MESSAGE_LOG) if s.base <= cut)
+                return Verdict(TORN, f"{base:020d}", cut - base)
+            for _ in log.iter_from(log.min_offset):
+                pass
+            open_replayer(copy, log, segment_scale=1, index=False).close()
+    except CorruptionError as exc:
+        return Verdict(CORRUPT, os.path.basename(exc.path), exc.offset)
     for bucket in list_files(copy, SCHEDULE_LOG):
+        if bucket.size < sizes[bucket.name]:
+            return Verdict(TORN, bucket.name, bucket.size)
         try:
-            with RecordFile.open(bucket.path, trusted_end=0) as record_file:
-                if record_file.truncated_bytes:
-                    return Verdict(TORN, bucket.name, record_file.end_offset)
+            with RecordFile.open(bucket.path, trusted_end=bucket.size) as record_file:
+                for _ in record_file.iter_from(0):
+                    pass
         except CorruptionError as exc:
             return Verdict(CORRUPT, bucket.name, exc.offset)
     return None
@@ -198,7 +228,7 @@ def audit_verdicts(data: str) -> list[Verdict]:
     kinds = {AUDIT_TORN_TAIL: TORN, AUDIT_CORRUPT: CORRUPT}
     found = []
     for log, read in ((MESSAGE_LOG, message_batches), (SCHEDULE_LOG, schedule_batches)):
-        for file in list_files(data, log):
+        for file in list_log(data, log):
             rows = pa.Table.from_batches(list(read(file, "s1"))).to_pylist()
             # message_log rows name a logical offset, bucket rows a byte of the file
             found += [
@@ -213,6 +243,7 @@ def audit_verdicts(data: str) -> list[Verdict]:
 def test_recovery_inspect_and_the_audit_agree(tmp_path, case):
     data = str(tmp_path / "data")
     os.makedirs(layout.delay_dir(data))
+    ensure_segment_scale(REAL_FS, data, 1)
     expected = case(data)
     assert recovery_verdict(data, str(tmp_path / "copy")) == expected
     assert inspect_verdicts(data) == [expected]

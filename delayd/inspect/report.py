@@ -13,7 +13,7 @@ import contextlib
 import json
 import os
 from bisect import bisect_right
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -31,6 +31,7 @@ from delayd.logs.log_files import (
 )
 from delayd.logs.message_log import MessageRecord, RecordFormatError
 from delayd.logs.schedule_log import ScheduleRecord
+from delayd.replay.recovery import scanned_buckets
 from delayd.replay.state import ReplayCheckpoint, decode_replay_checkpoint
 from delayd.wheel.cursor import LoadCursors
 from storage.checkpoint import read_checkpoint
@@ -82,11 +83,15 @@ def _check_bucket(name: str) -> str:
 
 
 def _schedule_offsets(
-    fs: FileSystem, data_dir: str, name: str, on_bytes: OnBytes | None = None
+    fs: FileSystem,
+    data_dir: str,
+    name: str,
+    scanned: Mapping[int, int] | None,
+    on_bytes: OnBytes | None = None,
 ) -> tuple[list[int], FileEnd | None]:
     """Offsets of the records of schedule_log bucket ``name``, and how its scan ended
     (None when the bucket has no file)."""
-    file = bucket_file(data_dir, SCHEDULE_LOG, name, fs)
+    file = bucket_file(data_dir, SCHEDULE_LOG, name, fs, scanned)
     if file is None:
         return [], None
     ends: list[FileEnd] = []
@@ -248,10 +253,15 @@ def _dispatch_info(dispatch: DispatchFile) -> DispatchInfo:
 
 
 def bucket_info(
-    fs: FileSystem, data_dir: str, name: str, on_bytes: OnBytes | None = None
+    fs: FileSystem,
+    data_dir: str,
+    name: str,
+    scanned: Mapping[int, int] | None,
+    on_bytes: OnBytes | None = None,
 ) -> BucketInfo:
-    """One bucket's schedule_log and dispatch_log, counted."""
-    offsets, end = _schedule_offsets(fs, data_dir, name, on_bytes)
+    """One bucket's schedule_log and dispatch_log, counted; ``scanned`` is
+    delayd.replay.recovery.scanned_buckets'."""
+    offsets, end = _schedule_offsets(fs, data_dir, name, scanned, on_bytes)
     dispatch = read_dispatch_file(fs, data_dir, name, on_bytes)
     done = dispatch.by_offset() if dispatch else {}
     info = _dispatch_info(dispatch) if dispatch else None
@@ -304,10 +314,12 @@ def summary(fs: FileSystem, data_dir: str, on_bytes: OnBytes | None = None) -> S
     """Every segment and bucket counted, every checkpoint decoded."""
     check_data_dir(fs, data_dir)
     schedule, dispatch = bucket_names(fs, data_dir)
+    names = sorted({*schedule, *dispatch})
+    scanned = scanned_buckets(fs, data_dir)
     return Summary(
         data_dir=data_dir,
         message_log=_segment_infos(fs, data_dir, on_bytes),
-        buckets=[bucket_info(fs, data_dir, n, on_bytes) for n in sorted({*schedule, *dispatch})],
+        buckets=[bucket_info(fs, data_dir, n, scanned, on_bytes) for n in names],
         checkpoints=read_checkpoints(fs, data_dir),
     )
 
@@ -408,7 +420,9 @@ def list_bucket(
     """Up to ``limit`` records of schedule_log bucket ``name`` from byte ``start``, each
     with its dispatch_log entries. Raises InspectError for a bucket with no file."""
     check_data_dir(fs, data_dir)
-    file = bucket_file(data_dir, SCHEDULE_LOG, _check_bucket(name), fs)
+    file = bucket_file(
+        data_dir, SCHEDULE_LOG, _check_bucket(name), fs, scanned_buckets(fs, data_dir)
+    )
     if file is None:
         path = os.path.join(layout.schedule_log_dir(data_dir), name)
         raise InspectError(f"schedule_log has no bucket {name} ({path})")
@@ -443,7 +457,8 @@ class DispatchReport:
 def dispatch_report(fs: FileSystem, data_dir: str, name: str) -> DispatchReport:
     """Raises InspectError when the bucket has neither a schedule_log nor a dispatch_log."""
     check_data_dir(fs, data_dir)
-    offsets, end = _schedule_offsets(fs, data_dir, _check_bucket(name))
+    scanned = scanned_buckets(fs, data_dir)
+    offsets, end = _schedule_offsets(fs, data_dir, _check_bucket(name), scanned)
     dispatch = read_dispatch_file(fs, data_dir, name)
     if dispatch is None and end is None:
         raise InspectError(f"bucket {name} has neither a schedule_log nor a dispatch_log file")
@@ -535,7 +550,7 @@ def find_message(
                 if message.message_id == message_id:
                     in_log[record.offset] = (segment.name, message)
     scheduled: dict[int, tuple[str, int, MessageRecord]] = {}
-    for bucket in list_files(data_dir, SCHEDULE_LOG, fs):
+    for bucket in list_files(data_dir, SCHEDULE_LOG, fs, scanned_buckets(fs, data_dir)):
         name = bucket.name
         records = records_of(scan_file(fs, bucket, on_bytes=on_bytes), ends)
         for record in _holding(records, needle):

@@ -9,15 +9,18 @@ directory (a recovery checkpoint, a temp file) is not a log file.
 Each file also carries what storage.torn_tail needs to judge an invalid frame in it as
 recovery would: where its log ends and what is known durable. For message_log that is
 the end of the last segment and the log's recovery checkpoint (SegmentedLog.open scans
-from there). A bucket file is a log of its own, and nothing outside the replayer's
-recovery knows a durable length for it, so its frames are judged as RecordFile.open
-with ``trusted_end=0`` judges them (what the server does for dispatch_log files, and for
-a schedule_log bucket its checkpoint does not list).
+from there). A bucket file is a log of its own. The server opens a dispatch_log file
+from its start (trusted_end 0); a schedule_log file from the length the replayer's
+recovery trusts when records after its checkpoint map to the bucket, and at its full
+length otherwise, which recovery never cuts. That knowledge is the replayer's
+(delayd.replay.recovery.scanned_buckets): callers pass it in as ``scanned``; without it
+a schedule_log file is judged as one opened from its start.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from delayd.logs import layout
@@ -79,11 +82,17 @@ def file_size(fs: FileSystem, path: str) -> int:
         fs.close(fd)
 
 
-def list_files(data_dir: str, log: str, fs: FileSystem = REAL_FS) -> list[LogFile]:
+def list_files(
+    data_dir: str,
+    log: str,
+    fs: FileSystem = REAL_FS,
+    scanned: Mapping[int, int] | None = None,
+) -> list[LogFile]:
     """The files of ``log`` in ``data_dir``, in name order (time order for buckets,
-    offset order for segments). A log directory that does not exist yet has no files
-    (a server that has delivered nothing has no dispatch_log); a data directory that
-    does not exist raises FileNotFoundError."""
+    offset order for segments). ``scanned``: for schedule_log, the buckets recovery
+    would scan and where it starts (module docstring). A log directory that does not
+    exist yet has no files (a server that has delivered nothing has no dispatch_log); a
+    data directory that does not exist raises FileNotFoundError."""
     if not fs.exists(layout.delay_dir(data_dir)):
         raise FileNotFoundError(f"{data_dir} is not a delayd data directory (no delay/ in it)")
     directory = log_dir(data_dir, log)
@@ -98,20 +107,35 @@ def list_files(data_dir: str, log: str, fs: FileSystem = REAL_FS) -> list[LogFil
             bucket_ms = parse_bucket_name(name)
         except ValueError:
             continue
-        path = os.path.join(directory, name)
-        files.append(LogFile(path, file_size(fs, path), bucket_ms=bucket_ms))
+        files.append(_bucket(os.path.join(directory, name), log, bucket_ms, fs, scanned))
     return files
 
 
-def bucket_file(data_dir: str, log: str, name: str, fs: FileSystem = REAL_FS) -> LogFile | None:
+def bucket_file(
+    data_dir: str,
+    log: str,
+    name: str,
+    fs: FileSystem = REAL_FS,
+    scanned: Mapping[int, int] | None = None,
+) -> LogFile | None:
     """The file of bucket ``name`` (a bucket name) in ``log`` (schedule_log or
-    dispatch_log) of ``data_dir``, or None when that bucket has none. Raises ValueError
-    for a name that is not a bucket's."""
+    dispatch_log) of ``data_dir``, or None when that bucket has none; ``scanned`` as for
+    list_files. Raises ValueError for a name that is not a bucket's."""
     bucket_ms = parse_bucket_name(name)
     path = os.path.join(log_dir(data_dir, log), name)
     if not fs.exists(path):
         return None
-    return LogFile(path, file_size(fs, path), bucket_ms=bucket_ms)
+    return _bucket(path, log, bucket_ms, fs, scanned)
+
+
+def _bucket(
+    path: str, log: str, bucket_ms: int, fs: FileSystem, scanned: Mapping[int, int] | None
+) -> LogFile:
+    size = file_size(fs, path)
+    durable_end = 0
+    if log == SCHEDULE_LOG and scanned is not None:
+        durable_end = scanned.get(bucket_ms, size)
+    return LogFile(path, size, bucket_ms=bucket_ms, durable_end=durable_end)
 
 
 def _segments(fs: FileSystem, directory: str, names: list[str]) -> list[LogFile]:

@@ -59,6 +59,8 @@ from delayd.audit.read.dispatch import dispatch_batches
 from delayd.audit.read.messages import message_batches, schedule_batches
 from delayd.logs import log_files
 from delayd.logs.log_files import LogFile
+from delayd.replay.recovery import scanned_buckets
+from storage.fs import REAL_FS
 
 FORMAT_PREFIX = "delayd."
 
@@ -107,6 +109,14 @@ class _Options:
         )
 
 
+def list_log(data_dir: str, log: str) -> list[LogFile]:
+    """The files of ``log`` in ``data_dir``, listed on the driver, each with what its
+    damage is judged by as recovery judges it: for schedule_log, the buckets the
+    replayer's recovery would scan (delayd.logs.log_files says why)."""
+    scanned = scanned_buckets(REAL_FS, data_dir) if log == log_files.SCHEDULE_LOG else None
+    return log_files.list_files(data_dir, log, REAL_FS, scanned)
+
+
 class _LogReader(DataSourceReader):
     """Lists a log's files on the driver; decodes them on the executors."""
 
@@ -118,7 +128,7 @@ class _LogReader(DataSourceReader):
         self.decode = decode
 
     def partitions(self) -> list[InputPartition]:
-        listed = log_files.list_files(self.options.data_dir, self.log)
+        listed = list_log(self.options.data_dir, self.log)
         if self.options.only is not None:
             listed = [f for f in listed if f.name in self.options.only]
         groups = partitions.pack(listed, self.options.partition_bytes)
@@ -204,8 +214,7 @@ class _ReconciledReader(DataSourceReader):
     def partitions(self) -> list[InputPartition]:
         data_dir = self.options.data_dir
         buckets = bucket_pairs(
-            log_files.list_files(data_dir, log_files.SCHEDULE_LOG),
-            log_files.list_files(data_dir, log_files.DISPATCH_LOG),
+            list_log(data_dir, log_files.SCHEDULE_LOG), list_log(data_dir, log_files.DISPATCH_LOG)
         )
         if self.options.only is not None:
             buckets = [b for b in buckets if b.name in self.options.only]
