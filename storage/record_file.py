@@ -29,18 +29,17 @@ from collections.abc import Iterator, Sequence
 from storage.errors import (
     CorruptionError,
     FsyncError,
-    LogClosedError,
     RecordTooLargeError,
-    StorageError,
     is_disk_full,
 )
 from storage.framing import HEADER, HEADER_SIZE, MAX_TYPE, TYPE_DATA, crc32c, type_seed
 from storage.fs import O_WRITE, REAL_FS, FileSystem, create_dirs_durably, disk_full_error
 from storage.scan import BadFrame, Record, read_frame, scan_frames, validate_frames
+from storage.store import Store
 from storage.torn_tail import DEFAULT_MAX_UNSYNCED_BYTES, is_torn_tail
 
 
-class RecordFile:
+class RecordFile(Store):
     """An append-only file of framed records (see the module docstring)."""
 
     def __init__(self, path: str, fs: FileSystem, fd: int, size: int, max_unsynced: int) -> None:
@@ -255,6 +254,10 @@ class RecordFile:
         self.fs.fsync(self._fd)
         self._size = self._durable = offset
 
+    @property
+    def described(self) -> str:
+        return self.path
+
     def close(self) -> None:
         if not self._closed:
             try:
@@ -263,18 +266,3 @@ class RecordFile:
             finally:
                 self._closed = True
                 self.fs.close(self._fd)
-
-    def __enter__(self) -> RecordFile:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise LogClosedError(f"{self.path} is closed")
-
-    def _check_usable(self) -> None:
-        self._check_open()
-        if self._failed is not None:
-            raise StorageError(f"{self.path} failed earlier ({self._failed}); reopen it to recover")

@@ -83,15 +83,10 @@ def _check_bucket(name: str) -> str:
 
 
 def _schedule_offsets(
-    fs: FileSystem,
-    data_dir: str,
-    name: str,
-    scanned: Mapping[int, int] | None,
-    on_bytes: OnBytes | None = None,
+    fs: FileSystem, file: LogFile | None, on_bytes: OnBytes | None = None
 ) -> tuple[list[int], FileEnd | None]:
-    """Offsets of the records of schedule_log bucket ``name``, and how its scan ended
+    """Offsets of the records of a schedule_log bucket ``file``, and how its scan ended
     (None when the bucket has no file)."""
-    file = bucket_file(data_dir, SCHEDULE_LOG, name, fs, scanned)
     if file is None:
         return [], None
     ends: list[FileEnd] = []
@@ -261,7 +256,8 @@ def bucket_info(
 ) -> BucketInfo:
     """One bucket's schedule_log and dispatch_log, counted; ``scanned`` is
     delayd.replay.recovery.scanned_buckets'."""
-    offsets, end = _schedule_offsets(fs, data_dir, name, scanned, on_bytes)
+    schedule = bucket_file(data_dir, SCHEDULE_LOG, name, fs, scanned)
+    offsets, end = _schedule_offsets(fs, schedule, on_bytes)
     dispatch = read_dispatch_file(fs, data_dir, name, on_bytes)
     done = dispatch.by_offset() if dispatch else {}
     info = _dispatch_info(dispatch) if dispatch else None
@@ -457,8 +453,10 @@ class DispatchReport:
 def dispatch_report(fs: FileSystem, data_dir: str, name: str) -> DispatchReport:
     """Raises InspectError when the bucket has neither a schedule_log nor a dispatch_log."""
     check_data_dir(fs, data_dir)
-    scanned = scanned_buckets(fs, data_dir)
-    offsets, end = _schedule_offsets(fs, data_dir, _check_bucket(name), scanned)
+    schedule = bucket_file(
+        data_dir, SCHEDULE_LOG, _check_bucket(name), fs, scanned_buckets(fs, data_dir)
+    )
+    offsets, end = _schedule_offsets(fs, schedule)
     dispatch = read_dispatch_file(fs, data_dir, name)
     if dispatch is None and end is None:
         raise InspectError(f"bucket {name} has neither a schedule_log nor a dispatch_log file")
