@@ -182,7 +182,13 @@ def sends_and_cancels(data: DelayData, as_of_ms: int) -> dict[str, Scheduled]:
     data.entry(kept["early"], kept["early"].due_ms + 1)
     kept["early-newer"] = data.accept("sent-before-1", T0 + 2 * MINUTE)
     data.cancel(kept["early-newer"], at_ms=T0 + 10_000)
-    # Not findings.
+    cancels_and_moves_done_right(data)
+    return kept
+
+
+def cancels_and_moves_done_right(data: DelayData) -> None:
+    """What is not a finding: a cancel that withdrew the only record, a message moved,
+    moved and then cancelled, a cancel answered ALREADY_DELIVERED."""
     data.cancel(data.accept("cancelled-ok", T0 + MINUTE + 1_000), at_ms=T0)
     moved = data.accept("moved-ok", T0 + 3_000)
     copy = data.reschedule(moved, T0 + MINUTE + 3_000, at_ms=T0)
@@ -192,7 +198,6 @@ def sends_and_cancels(data: DelayData, as_of_ms: int) -> dict[str, Scheduled]:
     sent = data.accept("sent-then-cancel", T0 + 6_000)
     data.entry(sent, sent.due_ms + 3)
     data.tombstone("sent-then-cancel", T0 + 20_000)  # ALREADY_DELIVERED: nothing written
-    return kept
 
 
 def schedule_path(root: str, bucket_ms: int) -> str:
