@@ -23,6 +23,8 @@ from delayd.logs.dispatch_log import EntryKind, check_group_name, encode_entry
 from delayd.logs.message_log import TYPE_MESSAGE, MessageRecord, encode_record
 from delayd.logs.schedule_log import TYPE_SCHEDULED, encode_scheduled
 from delayd.logs.tombstone import Tombstone
+from delayd.replay.state import ReplayCheckpoint, ensure_segment_scale, write_replay_checkpoint
+from storage.fs import REAL_FS
 from storage.segmented_log import SegmentedLog
 
 T0 = 1_795_341_600_000  # 2026-11-22T10:00:00Z
@@ -47,10 +49,17 @@ class Scheduled:
 
 
 class DelayData:
-    """A data directory being written; use as a context manager (closes the files)."""
+    """A data directory being written; use as a context manager (closes the files).
+
+    Buckets are one minute wide (segment_scale 1, stored as the server stores it), and
+    closing writes the replay checkpoint at the end of message_log, as a server that
+    replayed everything leaves it: damage the audit finds in a bucket is then judged as
+    recovery would judge it in a bucket it never reopens for a scan (delayd.logs.log_files).
+    """
 
     def __init__(self, root: str, *, segment_size: int = 1 << 20) -> None:
         self.root = root
+        ensure_segment_scale(REAL_FS, root, 1)
         self.message_log = SegmentedLog.open(
             layout.message_log_dir(root), segment_size=segment_size
         )
@@ -65,9 +74,12 @@ class DelayData:
         self.close()
 
     def close(self) -> None:
+        end = self.message_log.end_offset
         self.message_log.close()
         self.schedule_log.close()
         self.dispatch_log.close()
+        checkpoint = ReplayCheckpoint(end, self.sequence + 1, {})
+        write_replay_checkpoint(REAL_FS, self.root, checkpoint)
 
     def accept(
         self,
@@ -170,7 +182,13 @@ def sends_and_cancels(data: DelayData, as_of_ms: int) -> dict[str, Scheduled]:
     data.entry(kept["early"], kept["early"].due_ms + 1)
     kept["early-newer"] = data.accept("sent-before-1", T0 + 2 * MINUTE)
     data.cancel(kept["early-newer"], at_ms=T0 + 10_000)
-    # Not findings.
+    cancels_and_moves_done_right(data)
+    return kept
+
+
+def cancels_and_moves_done_right(data: DelayData) -> None:
+    """What is not a finding: a cancel that withdrew the only record, a message moved,
+    moved and then cancelled, a cancel answered ALREADY_DELIVERED."""
     data.cancel(data.accept("cancelled-ok", T0 + MINUTE + 1_000), at_ms=T0)
     moved = data.accept("moved-ok", T0 + 3_000)
     copy = data.reschedule(moved, T0 + MINUTE + 3_000, at_ms=T0)
@@ -180,7 +198,6 @@ def sends_and_cancels(data: DelayData, as_of_ms: int) -> dict[str, Scheduled]:
     sent = data.accept("sent-then-cancel", T0 + 6_000)
     data.entry(sent, sent.due_ms + 3)
     data.tombstone("sent-then-cancel", T0 + 20_000)  # ALREADY_DELIVERED: nothing written
-    return kept
 
 
 def schedule_path(root: str, bucket_ms: int) -> str:
@@ -224,7 +241,7 @@ def spark_session():
     """One local SparkSession for the audit tests of a run (a JVM start costs seconds;
     they are all in tests/test_audit.py); `delayd audit` run in-process finds it and
     leaves it running."""
-    from delayd.audit.session import local_session
+    from delayd.audit.spark.session import local_session
 
     spark = local_session("local[2]", TEST_CONF)
     yield spark

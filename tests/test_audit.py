@@ -15,14 +15,14 @@ import time
 import pytest
 
 import delayd
-from delayd.audit import files, job
 from delayd.audit.config import AuditConfig, Server
-from delayd.audit.decode_dispatch import dispatch_batches
-from delayd.audit.result import ERROR, NOTICE
+from delayd.audit.read.dispatch import dispatch_batches
+from delayd.audit.report.result import ERROR, NOTICE
 from delayd.audit.schemas import DISPATCH_LOG, SCHEDULE_LOG
-from delayd.audit.sources import spark_schema
+from delayd.audit.spark import job
+from delayd.audit.spark.sources import spark_schema
 from delayd.cli import main
-from delayd.logs import layout
+from delayd.logs import layout, log_files
 from delayd.logs.dispatch_log import FRAMED_SIZE, EntryKind, encode_entry
 from delayd.protocol.codes import CancelOutcome, RescheduleOutcome
 from storage.framing import encode_record
@@ -32,6 +32,7 @@ from tests.audit_support import (
     DelayData,
     Scheduled,
     append_bytes,
+    cancels_and_moves_done_right,
     dispatch_path,
     flip_byte,
     read_table,
@@ -321,7 +322,7 @@ def dispatched_entries(data_dir: str) -> int:
     """DISPATCHED entries in the data directory's dispatch_log, read as the audit reads."""
     return sum(
         batch.column("kind").to_pylist().count("dispatched")
-        for log_file in files.list_files(data_dir, files.DISPATCH_LOG)
+        for log_file in log_files.list_files(data_dir, log_files.DISPATCH_LOG)
         for batch in dispatch_batches(log_file, "probe")
     )
 
@@ -480,15 +481,7 @@ def test_ids_sent_twice_and_cancelled_ids_delivered_are_found(spark, tmp_path, c
 def test_sends_cancels_and_moves_done_right_audit_clean(spark, tmp_path, capsys):
     root, out = str(tmp_path / "data"), str(tmp_path / "out")
     with DelayData(root) as data:
-        data.cancel(data.accept("cancelled-ok", T0 + MINUTE + 1_000), at_ms=T0)
-        moved = data.accept("moved-ok", T0 + 3_000)
-        copy = data.reschedule(moved, T0 + MINUTE + 3_000, at_ms=T0)
-        data.entry(copy, copy.due_ms + 4)
-        moved = data.accept("moved-cancelled", T0 + 4_000)
-        data.cancel(data.reschedule(moved, T0 + 2 * MINUTE + 4_000, at_ms=T0), at_ms=T0 + 1)
-        sent = data.accept("sent-then-cancel", T0 + 6_000)
-        data.entry(sent, sent.due_ms + 3)
-        data.tombstone("sent-then-cancel", T0 + 20_000)
+        cancels_and_moves_done_right(data)
 
     status = main(["audit", "--data", root, "--out", out, "--as-of", AS_OF_TEXT])
 

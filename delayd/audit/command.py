@@ -3,7 +3,7 @@
     delayd audit --data /var/lib/delayd --out /tmp/audit [--master local[*]]
                  [--as-of 2026-11-22T10:00:00Z] [--grace 60s] [--late-after 5s]
 
-Runs the job of job.py in a local SparkSession (or on ``--master``), writes the
+Runs the job of spark/job.py in a local SparkSession (or on ``--master``), writes the
 Parquet tables and report.html/report.txt under ``--out``, prints the report. Exit 0
 when clean, 1 when discrepancies or corrupt records were found (for cron), 2 when the
 audit could not run. ``spark-submit tools/audit_job.py`` takes the same arguments.
@@ -62,21 +62,21 @@ def spark_conf(pairs: list[str]) -> dict[str, str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from delayd.audit import files
     from delayd.audit.config import config_from_args
+    from delayd.logs import log_files
 
     try:
         config = config_from_args(args)
         conf = spark_conf(args.conf)
         for server in config.servers:  # before starting a JVM for nothing
-            files.list_files(server.data_dir, files.SCHEDULE_LOG)
+            log_files.list_files(server.data_dir, log_files.SCHEDULE_LOG)
     except (ValueError, FileNotFoundError) as exc:
         print(f"delayd audit: {exc}", file=sys.stderr)
         return EXIT_FAILED
     try:
         from pyspark.sql import SparkSession
 
-        from delayd.audit import session
+        from delayd.audit.spark import session
     except ModuleNotFoundError as exc:
         print(
             f"delayd audit needs pyspark and pyarrow ({exc.name} is missing): "
@@ -97,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
 
 def execute(spark: SparkSession, config: AuditConfig) -> int:
     """Run the audit on ``spark``, write and print the report; the exit status."""
-    from delayd.audit import job, report
+    from delayd.audit.report import render
+    from delayd.audit.spark import job
 
     try:
         result = job.run(spark, config)
@@ -108,7 +109,7 @@ def execute(spark: SparkSession, config: AuditConfig) -> int:
         traceback.print_exc()
         print(f"delayd audit: the audit could not run: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    report.write(result)
-    sys.stdout.write(report.console(result))
+    render.write(result)
+    sys.stdout.write(render.console(result))
     sys.stdout.flush()
     return EXIT_CLEAN if result.clean else EXIT_DISCREPANCIES

@@ -11,8 +11,8 @@ import os
 import time
 from dataclasses import dataclass
 
-from delayd.audit.files import DEFAULT_PARTITION_BYTES
 from delayd.audit.kinds import HEAD, VERIFY_MODES
+from delayd.audit.read.partitions import DEFAULT_PARTITION_BYTES
 from delayd.client.send_command import parse_duration_ms, parse_utc_ms
 
 DEFAULT_GRACE_MS = 60_000

@@ -28,6 +28,7 @@ from typing import Any
 from delayd.inspect import as_json, report, text
 from delayd.inspect.progress import byte_progress
 from delayd.inspect.report import InspectError
+from delayd.logs.log_files import total_bytes
 from storage.fs import REAL_FS
 
 DEFAULT_LIMIT = 50
@@ -91,7 +92,7 @@ def _answer(args: argparse.Namespace, now_ms: int) -> tuple[Any, list[str], int]
     fs, data = REAL_FS, args.data
     if args.what == "summary":
         report.check_data_dir(fs, data)
-        with byte_progress(report.total_bytes(fs, data), "scanning") as on_bytes:
+        with byte_progress(total_bytes(data, fs), "scanning") as on_bytes:
             found = report.summary(fs, data, on_bytes)
         return as_json.summary(found), text.summary_lines(found), 0
     if args.what == "message-log":
@@ -113,7 +114,7 @@ def _answer(args: argparse.Namespace, now_ms: int) -> tuple[Any, list[str], int]
         return as_json.checkpoints(checkpoints), text.checkpoint_lines(checkpoints), 0
     assert args.what == "find"
     report.check_data_dir(fs, data)
-    with byte_progress(report.total_bytes(fs, data), f"finding {args.message_id}") as on_bytes:
+    with byte_progress(total_bytes(data, fs), f"finding {args.message_id}") as on_bytes:
         result = report.find_message(fs, data, args.message_id, now_ms, on_bytes)
     status = 0 if result.found else 1
     return as_json.find(result), text.find_lines(result, now_ms, data), status

@@ -8,14 +8,37 @@ columns that are the same for a whole file (server, file, bucket) are repeated s
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
 
-from delayd.audit.frames import Problem
+from delayd.audit.kinds import HEAD, VERIFY_MODES
+from delayd.audit.read.frames import Problem
 
 BATCH_ROWS = 65_536  # records per batch: big enough to amortise, small enough for memory
 US_PER_MS = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class ReadOptions:
+    """How a reader reads a file: ``verify`` (kinds.VERIFY_MODES: the head checked as
+    the codec checks it, or every record through the codec), ``batch_rows`` records
+    at most per batch, and ``columns`` to build (None: all of the log's schema).
+    Raises ValueError for an unknown ``verify``."""
+
+    verify: str = HEAD
+    batch_rows: int = BATCH_ROWS
+    columns: Sequence[str] | None = None
+
+    def __post_init__(self) -> None:
+        if self.verify not in VERIFY_MODES:
+            raise ValueError(
+                f"verify must be one of {', '.join(VERIFY_MODES)}, got {self.verify!r}"
+            )
+
+
+ALL = ReadOptions()
 
 
 def build(schema: pa.Schema, rows: int, columns: Mapping[str, Any]) -> pa.RecordBatch:

@@ -22,7 +22,7 @@ one server with several sequences or with a cancelled and a delivered record, wi
 buckets that hold them; and the highest message_log offset of each id that has a moved
 record.
 
-What a hash finds is decided by the ids themselves (reconcile.py): a hash collision is
+What a hash finds is decided by the ids themselves (spark/across_buckets.py): a hash collision is
 never reported.
 """
 

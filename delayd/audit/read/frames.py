@@ -1,15 +1,14 @@
 """Scanning one log file offline: storage's scanner, plus a verdict on where it stopped.
 
-The server decides at open what an invalid frame means (a torn tail within
-``max_unsynced_bytes`` of the end is cut, anything earlier is corruption) and then
-never sees it again. Offline nothing is cut, so the audit says what it found:
+The server decides at open what an invalid frame means and then never sees it again.
+Offline nothing is cut, so the audit says what it found, by the rule recovery applies
+(storage.torn_tail, with what delayd.logs.log_files knows of the file's log):
 
-* ``torn_tail`` — the file ends inside the frame (its header, or the payload its length
-  announces, runs past the end of the file), or every byte from the frame to the end
-  is zero (a file extended by a crash before its data reached the disk); and in either
-  case the frame starts within DEFAULT_MAX_UNSYNCED_BYTES of the end, the most a writer
-  ever leaves unsynced. A crash leaves this; so does a server still writing the record.
-* ``corrupt`` — any other invalid frame, or bytes after an END_OF_SEGMENT marker.
+* ``torn_tail`` — what recovery would cut: the frame lies at or after what the log knows
+  durable and within the unsynced window of the log's end. A crash leaves this; so does
+  a server still writing the record.
+* ``corrupt`` — any other invalid frame, or bytes after an END_OF_SEGMENT marker that
+  the same rule does not call torn.
 
 Either way reading that file stops there: a framed log has no sync markers, so past a
 bad length nothing can be trusted to be a record boundary (leveldb's log has blocks to
@@ -20,11 +19,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from delayd.audit.files import LogFile
 from delayd.audit.kinds import CORRUPT, TORN_TAIL
-from storage.framing import HEADER, HEADER_SIZE
+from delayd.logs.log_files import LogFile
+from storage.framing import HEADER_SIZE
 from storage.fs import O_READ, REAL_FS
-from storage.record_file import DEFAULT_MAX_UNSYNCED_BYTES
 from storage.scan import BadFrame, scan_frames
 
 
@@ -62,7 +60,7 @@ class FileScan:
 
     def stopped(self, bad: BadFrame) -> Problem:
         """The problem at the frame the scan could not read."""
-        return verdict(self.fd, self.file, bad)
+        return verdict(self.file, bad)
 
     def finished(self, next_offset: int) -> Problem | None:
         """The problem, if any, of a scan that ran out at ``next_offset``. scan_frames
@@ -72,20 +70,16 @@ class FileScan:
         if marker >= self.file.size or after >= self.file.size:
             return None
         return Problem(
-            CORRUPT,
+            TORN_TAIL if self.file.is_torn_tail(after) else CORRUPT,
             after,
             f"{self.file.size - after} bytes after the end-of-segment marker at byte {marker}",
         )
 
 
-def verdict(fd: int, file: LogFile, bad: BadFrame) -> Problem:
-    """torn_tail or corrupt for the invalid frame ``bad`` of ``file`` open as ``fd``
-    (see the module docstring)."""
-    rest = file.size - bad.position
-    if rest <= DEFAULT_MAX_UNSYNCED_BYTES:
-        tail = REAL_FS.pread(fd, rest, bad.position)
-        cut_short = rest < HEADER_SIZE or HEADER_SIZE + HEADER.unpack_from(tail)[0] > rest
-        if cut_short or tail.count(0) == rest:
-            why = "the file ends inside this record" if cut_short else "zero bytes to the end"
-            return Problem(TORN_TAIL, bad.position, f"{why} ({rest} bytes): {bad.reason}")
+def verdict(file: LogFile, bad: BadFrame) -> Problem:
+    """torn_tail or corrupt for the invalid frame ``bad`` of ``file`` (see the module
+    docstring)."""
+    if file.is_torn_tail(bad.position):
+        rest = file.size - bad.position
+        return Problem(TORN_TAIL, bad.position, f"{bad.reason} ({rest} bytes to the end)")
     return Problem(CORRUPT, bad.position, f"{bad.reason} ({bad.length} bytes affected)")

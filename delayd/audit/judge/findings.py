@@ -5,7 +5,7 @@ one corrupt record per problem a reader met.
 Every finding about one record alone is made here, where the record was judged, with
 its message id at hand. The ones that take other buckets — ``duplicate_id``,
 ``copy_missing``, ``duplicate_send``, ``cancelled_id_delivered`` and the message_log
-check's — are the job's (reconcile.py, id_checks.py, message_check.py), in the same
+check's — are the job's (spark/across_buckets.py, id_checks.py, spark/message_check.py), in the same
 columns (schemas.FINDING, plus the server).
 """
 
@@ -14,7 +14,6 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from delayd.audit import files
 from delayd.audit.kinds import (
     CANCELLED_AFTER_DISPATCH,
     COPY_MISSING,
@@ -33,9 +32,10 @@ from delayd.audit.kinds import (
     UNKNOWN_RECORD,
 )
 from delayd.audit.schemas import FINDING, PROBLEM
+from delayd.logs import log_files
 from delayd.logs.buckets import bucket_name
 
-# The findings a record's own bucket decides (judge.py has a flag of the same name for
+# The findings a record's own bucket decides (verdicts.py has a flag of the same name for
 # each), and what their ``detail`` says: a text, or None.
 RECORD_KINDS = {
     OVERDUE: None,
@@ -50,7 +50,7 @@ RECORD_KINDS = {
 # discrepancies/ and corrupt_records/: the structs with the server's name.
 DISCREPANCIES = pa.schema([*list(FINDING)[:2], pa.field("server", pa.string()), *list(FINDING)[2:]])
 CORRUPT_RECORDS = pa.schema([pa.field("server", pa.string()), *PROBLEM])
-MESSAGE_KINDS = (NOT_SCHEDULED, SCHEDULED_TWICE)  # message_check.py's
+MESSAGE_KINDS = (NOT_SCHEDULED, SCHEDULED_TWICE)  # spark/message_check.py's
 US_PER_MS = 1000
 
 
@@ -73,7 +73,7 @@ def record_findings(judged: pa.Table) -> pa.Table:
 
 def duplicate_id_findings(duplicates: pa.Table) -> pa.Table:
     """DISCREPANCIES rows of the records whose id was dispatched at more than one
-    record (reconcile.duplicates' rows)."""
+    record (across_buckets.duplicates' rows)."""
     rows = duplicates.filter(pc.greater(duplicates["id_records"], 1))
     records = rows["id_records"].cast(pa.string())
     detail = pc.binary_join_element_wise("id dispatched at ", records, " records", "")
@@ -82,7 +82,7 @@ def duplicate_id_findings(duplicates: pa.Table) -> pa.Table:
 
 def copy_findings(copies: pa.Table) -> pa.Table:
     """DISCREPANCIES rows of the moved records whose copy is missing
-    (reconcile.missing_copies' rows)."""
+    (across_buckets.missing_copies' rows)."""
     rows = copies.filter(copies["copy_missing"])
     detail = pa.repeat("rescheduled, but no later record of its id", rows.num_rows)
     return _findings(COPY_MISSING, rows, detail, DISCREPANCIES)
@@ -122,9 +122,9 @@ def problems(judged: pa.Table, dispatch_problems: pa.Table) -> pa.Table:
         ["bucket", "offset", "schedule_problem", "schedule_detail"]
     )
     parts = [
-        _problem_rows(files.SCHEDULE_LOG, *schedule.columns),
+        _problem_rows(log_files.SCHEDULE_LOG, *schedule.columns),
         _problem_rows(
-            files.DISPATCH_LOG,
+            log_files.DISPATCH_LOG,
             *dispatch_problems.select(["bucket", "position", "problem", "detail"]).columns,
         ),
     ]

@@ -1,10 +1,10 @@
 """The verdict on every record of a run of buckets, in Arrow, in the task that read them.
 
 ``(server, bucket, offset)`` names a message for good (docs/replay.md). Each record has
-been paired with what dispatch_log says about its offset (pairs.py); everything needed
+been paired with what dispatch_log says about its offset (pairing.py); everything needed
 to judge it is in its own bucket's two files, so it is judged where they were read.
 What crosses buckets — one message id at several records, a moved record's copy, the
-message_log check — is left to the job (reconcile.py, message_check.py).
+message_log check — is left to the job (spark/across_buckets.py, spark/message_check.py).
 
 The first entry of an offset (in file order) is its *fate* (delayd.logs.dispatch_log);
 a CANCELLED or RESCHEDULED fate *withdraws* the record (docs/cancel.md): it is settled,
@@ -22,7 +22,7 @@ examples); ``cutoff = as_of - grace``:
   RESCHEDULED entry follows — a cancel or reschedule was told "done" for a message
   already delivered (the server answers ALREADY_DELIVERED and writes nothing).
 * moved: withdrawn by RESCHEDULED before the cutoff — its copy must exist (the job
-  looks for it: reconcile.missing_copies).
+  looks for it: across_buckets.missing_copies).
 * duplicate_dispatch: more than one DISPATCHED entry for the same record.
 * overdue: no entry at all (no fate) and due before the cutoff.
   pending: the same, due at or after the cutoff (not judged yet). unverified: the same
@@ -51,7 +51,7 @@ _DELIVERED = pa.array([EntryKind.DISPATCHED.value, EntryKind.DEAD_LETTERED.value
 _STOPS = pa.array([TORN_TAIL, CORRUPT])  # problems after which reading a file stops
 
 # The flags judge() adds, in this order; every one but ``moved`` is a count of the
-# summary (tally.py).
+# summary (counting.py).
 FLAGS = (
     "scheduled",
     "dispatched",

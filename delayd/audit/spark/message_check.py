@@ -8,7 +8,7 @@ RESCHEDULE tombstone that moved it (docs/cancel.md), so a RESCHEDULE is found on
 not at all — not at all when there was nothing to move (the id was unknown, cancelled
 or already delivered: the server writes no copy and, as the tombstone says nothing of
 the answer, the audit checks the converse instead: every moved record has its copy,
-reconcile.py). A CANCEL is never found.
+across_buckets.py). A CANCEL is never found.
 
 A record not found whose due time lies in a bucket where reading schedule_log stopped
 early may be in the part that could not be read: it is ``unverified``. Which bucket a
@@ -24,14 +24,14 @@ import pyarrow as pa
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
-from delayd.audit import files
 from delayd.audit.config import AuditConfig
 from delayd.audit.kinds import ERROR, NOT_SCHEDULED, NOTICE, SCHEDULED_TWICE, TORN_TAIL
-from delayd.audit.queries import fetch, literal
+from delayd.audit.spark.queries import fetch, literal
+from delayd.logs import log_files
 from delayd.logs.buckets import MAX_SEGMENT_SCALE, bucket_width_ms
 from delayd.logs.message_log import TYPE_CANCEL, TYPE_MESSAGE, TYPE_RESCHEDULE, describe_type
 
-# message_log's ``kind`` column (decode_messages names record types with describe_type).
+# message_log's ``kind`` column (read/messages.py names record types with describe_type).
 MESSAGE = describe_type(TYPE_MESSAGE)
 CANCEL = describe_type(TYPE_CANCEL)
 RESCHEDULE = describe_type(TYPE_RESCHEDULE)
@@ -101,7 +101,7 @@ def counts_and_problems(checked: DataFrame) -> pa.Table:
     problem rows as corrupt_records rows (a list; their position is the byte in the
     segment: the offset less the segment's base, its name)."""
     problem = (
-        f"named_struct('log', {literal(files.MESSAGE_LOG)}, 'file', file, "
+        f"named_struct('log', {literal(log_files.MESSAGE_LOG)}, 'file', file, "
         "'position', message_log_offset - CAST(file AS BIGINT), 'problem', problem, "
         f"'severity', IF(problem = {literal(TORN_TAIL)}, {literal(NOTICE)}, {literal(ERROR)}), "
         "'detail', detail)"

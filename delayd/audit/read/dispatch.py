@@ -17,18 +17,18 @@ Option ``verify=full`` reads every entry the slow way; the tests check both agre
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from delayd.audit import fields
-from delayd.audit.batches import BATCH_ROWS, bucket_value, build, problems_batch
-from delayd.audit.files import LogFile
-from delayd.audit.frames import Problem, verdict
-from delayd.audit.kinds import FORMAT, HEAD, VERIFY_MODES
+from delayd.audit.kinds import FORMAT, HEAD
+from delayd.audit.read import fields
+from delayd.audit.read.batches import ALL, ReadOptions, bucket_value, build, problems_batch
+from delayd.audit.read.frames import Problem, verdict
 from delayd.audit.schemas import DISPATCH_LOG, select
 from delayd.logs.dispatch_log import ENTRY, ENTRY_SIZE, FRAMED_SIZE, EntryKind, decode_entry
+from delayd.logs.log_files import LogFile
 from storage.errors import CorruptionError
 from storage.framing import HEADER, HEADER_SIZE, crc32c
 from storage.fs import O_READ, REAL_FS
@@ -48,18 +48,12 @@ _KIND_NAMES = pa.array(
 
 
 def dispatch_batches(
-    file: LogFile,
-    server: str,
-    *,
-    verify: str = HEAD,
-    batch_rows: int = BATCH_ROWS,
-    columns: Sequence[str] | None = None,
+    file: LogFile, server: str, options: ReadOptions = ALL
 ) -> Iterator[pa.RecordBatch]:
-    """The entries of one dispatch_log file (DISPATCH_LOG schema, or its ``columns``),
-    then one row per problem found."""
-    schema = select(DISPATCH_LOG, columns)
-    if verify not in VERIFY_MODES:
-        raise ValueError(f"verify must be one of {', '.join(VERIFY_MODES)}, got {verify!r}")
+    """The entries of one dispatch_log file (DISPATCH_LOG schema, or its
+    ``options.columns``), then one row per problem found."""
+    schema = select(DISPATCH_LOG, options.columns)
+    verify, batch_rows = options.verify, options.batch_rows
     where = {"server": server, "file": file.name, "bucket": bucket_value(file.bucket_ms)}
     problems: list[Problem] = []
     fd = REAL_FS.open(file.path, O_READ)
@@ -80,7 +74,7 @@ def dispatch_batches(
             try:
                 record = read_frame(REAL_FS, fd, file.path, 0, position, limit)
             except BadFrame as bad:
-                problems.append(verdict(fd, file, bad))
+                problems.append(verdict(file, bad))
                 break
             try:
                 entry = decode_entry(record.type, record.payload, file.path, position)

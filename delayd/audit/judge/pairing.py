@@ -5,7 +5,7 @@ A record and its entries always sit in bucket files of the same name (the server
 appends an entry to the dispatch_log file of the record's bucket), so pairing them
 needs no shuffle: a task reads both files of a run of buckets and joins them there
 (Arrow's group_by and hash join, in C++), one row per record, which the same task then
-judges (reconciled.py). Joining in Spark instead meant sending both logs to the JVM,
+judges (bucket_runs.py). Joining in Spark instead meant sending both logs to the JVM,
 aggregating the entries, shuffling both sides and sorting them for a full outer join:
 more than half of the audit's time (docs/benchmarks.md, "Audit").
 
@@ -33,13 +33,13 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from delayd.audit.batches import BATCH_ROWS
-from delayd.audit.decode_dispatch import dispatch_batches
-from delayd.audit.decode_messages import schedule_batches
-from delayd.audit.files import LogFile
 from delayd.audit.kinds import HEAD
+from delayd.audit.read.batches import BATCH_ROWS, ReadOptions
+from delayd.audit.read.dispatch import dispatch_batches
+from delayd.audit.read.messages import schedule_batches
 from delayd.audit.schemas import DISPATCH_LOG, PAIRED, SCHEDULE_LOG, select
 from delayd.logs.dispatch_log import EntryKind
+from delayd.logs.log_files import LogFile
 
 # What each log's reader is asked for.
 _SCHEDULE = select(
@@ -64,7 +64,7 @@ _KEY = ["bucket", "offset"]
 
 
 def _name(kind: EntryKind) -> str:
-    """The ``kind`` column's name of an entry kind (decode_dispatch writes these)."""
+    """The ``kind`` column's name of an entry kind (read/dispatch.py writes these)."""
     return kind.name.lower()
 
 
@@ -94,7 +94,7 @@ class BucketFiles:
 
     @property
     def size(self) -> int:
-        """Bytes to read, for files.pack."""
+        """Bytes to read, for partitions.pack."""
         return sum(f.size for f in (self.schedule, self.dispatch) if f is not None)
 
     @property
@@ -127,14 +127,16 @@ def paired_runs(
 ) -> Iterator[Run]:
     """``buckets`` paired a run at a time: consecutive buckets of about ``batch_rows``
     records in all (a bigger bucket is a run of its own)."""
+    schedule_options = ReadOptions(verify, columns=_SCHEDULE.names)
+    dispatch_options = ReadOptions(verify, columns=_DISPATCH.names)
     records: list[pa.RecordBatch] = []
     entries: list[pa.RecordBatch] = []
     rows = 0
     for bucket in buckets:
         if bucket.schedule is not None:
-            records += schedule_batches(bucket.schedule, "", verify=verify, columns=_SCHEDULE.names)
+            records += schedule_batches(bucket.schedule, "", schedule_options)
         if bucket.dispatch is not None:
-            entries += dispatch_batches(bucket.dispatch, "", verify=verify, columns=_DISPATCH.names)
+            entries += dispatch_batches(bucket.dispatch, "", dispatch_options)
         rows = sum(batch.num_rows for batch in records)
         if rows >= batch_rows:
             yield pair(records, entries)

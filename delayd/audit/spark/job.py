@@ -1,13 +1,13 @@
 """One audit run on a SparkSession: read the logs of every server once, reconcile,
 write the Parquet tables, and hand back what the report shows.
 
-Each bucket's two files are reconciled where they are read (reconciled.py), which
+Each bucket's two files are reconciled where they are read (judge/bucket_runs.py), which
 leaves few rows: per bucket its counts, per task the findings, the problems, the moved
 records, and what crosses buckets packed by id hash range. They are cached; the small
 tables among them are fetched at once and held on the driver. Then the ranges are added
-up (reconcile.py; with id_checks.py: ids sent twice, delivered though cancelled),
+up (across_buckets.py; with judge/id_checks.py: ids sent twice, delivered though cancelled),
 message_log is checked if there is one (message_check.py), the summary is added up on
-the driver (summary.py) and the tables are written (outputs.py). A clean audit of
+the driver (judge/summary.py) and the tables are written (outputs.py). A clean audit of
 servers without message_log runs three Spark jobs: the one pass over the logs, and the
 two stages that move and add up the id ranges.
 Queries are DataFrame methods with SQL text (queries.py says why).
@@ -23,15 +23,17 @@ import pyarrow.compute as pc
 from pyspark import StorageLevel
 from pyspark.sql import DataFrame, SparkSession
 
-from delayd.audit import files, inputs, message_check, outputs, reconcile, summary
 from delayd.audit.config import AuditConfig
-from delayd.audit.findings import CORRUPT_RECORDS, DISCREPANCIES
+from delayd.audit.judge import summary
+from delayd.audit.judge.bucket_runs import NONE, OFFSETS
+from delayd.audit.judge.findings import CORRUPT_RECORDS, DISCREPANCIES
 from delayd.audit.kinds import CORRUPT, TORN_TAIL
-from delayd.audit.queries import fetch, literal
-from delayd.audit.reconciled import NONE, OFFSETS
-from delayd.audit.result import AuditResult
+from delayd.audit.report.result import AuditResult
 from delayd.audit.schemas import SIDE_TABLES
-from delayd.audit.session import prepare
+from delayd.audit.spark import across_buckets, inputs, message_check, outputs
+from delayd.audit.spark.queries import fetch, literal
+from delayd.audit.spark.session import prepare
+from delayd.logs import log_files
 from delayd.logs.buckets import parse_bucket_name
 
 LEVEL = StorageLevel.MEMORY_AND_DISK
@@ -47,7 +49,7 @@ def run(spark: SparkSession, config: AuditConfig) -> AuditResult:
     started = time.monotonic()
     prepare(spark)
     for server in config.servers:
-        files.list_files(server.data_dir, files.SCHEDULE_LOG)  # fail early, with the path
+        log_files.list_files(server.data_dir, log_files.SCHEDULE_LOG)  # fail early, with the path
     message_log = inputs.has_message_log(config)
     # The message_log check needs every record's message_log offset; nothing else does.
     records = OFFSETS if message_log else NONE
@@ -64,8 +66,8 @@ def run(spark: SparkSession, config: AuditConfig) -> AuditResult:
     )
     side = _side_tables(rows)  # this computes (and caches) every server's rows
     problems = side["problem"]
-    unread = set(_of_log(problems, files.SCHEDULE_LOG)["server"].to_pylist())
-    duplicates, copies, same_id = reconcile.cross_buckets(
+    unread = set(_of_log(problems, log_files.SCHEDULE_LOG)["server"].to_pylist())
+    duplicates, copies, same_id = across_buckets.cross_buckets(
         spark, config, rows, side["moved"], unread
     )
 
@@ -117,12 +119,12 @@ def _check_message_log(
         DataFrame.unionByName,
         (
             inputs.read_log(
-                spark, files.MESSAGE_LOG, server, config, inputs.MESSAGE_COLUMNS
+                spark, log_files.MESSAGE_LOG, server, config, inputs.MESSAGE_COLUMNS
             ).selectExpr(f"{literal(server.name)} AS server", "*")
             for server in config.servers
         ),
     )
-    stopped = _of_log(problems, files.SCHEDULE_LOG)
+    stopped = _of_log(problems, log_files.SCHEDULE_LOG)
     stopped = stopped.filter(pc.is_in(stopped["problem"], pa.array([TORN_TAIL, CORRUPT])))
     stops = [
         (server, parse_bucket_name(name))

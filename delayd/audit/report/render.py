@@ -13,8 +13,8 @@ import os
 from html import escape
 from typing import Any
 
-from delayd.audit import chart
-from delayd.audit.result import ERROR, AuditResult
+from delayd.audit.report import chart
+from delayd.audit.report.result import ERROR, AuditResult
 
 CONSOLE_BUCKETS = 30
 _EPOCH = _dt.datetime(1970, 1, 1, tzinfo=_dt.UTC)

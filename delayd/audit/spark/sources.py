@@ -8,8 +8,8 @@
 schedule_log or dispatch_log bucket, a message_log segment — is read whole by one task,
 up to the size it had when the query was planned. With ``partitionBytes=0`` every file
 is an input partition of its own; by default small files are packed into partitions of
-about 64 MiB (files.pack says why). Readers yield Arrow record batches
-decoded by decode_messages / decode_dispatch, which use the logs' own codecs. Problems
+about 64 MiB (partitions.pack says why). Readers yield Arrow record batches
+decoded by read/messages.py and read/dispatch.py, which use the logs' own codecs. Problems
 are rows too (``problem``, ``detail``; see schemas.py): a damaged file never fails the
 query, and nothing is dropped without a row saying so.
 
@@ -24,12 +24,12 @@ or ``full`` (decode every record with the codec, properties included; slower);
 ``partitionBytes`` as above; ``files``, comma-separated file names, reads only those
 files of the log.
 
-``delayd.reconciled`` is what the audit job reads (reconciled.py): each bucket's
+``delayd.reconciled`` is what the audit job reads (judge/bucket_runs.py): each bucket's
 schedule_log and dispatch_log files read by one task and reconciled there: the buckets'
 counts, findings and problems, and what crosses buckets (schemas.RECONCILED; no narrower
 schema). Its options: ``cutoffMs`` and ``lateMs`` (required: what is judged
 and what is late, config.AuditConfig), ``records`` (rows per record too:
-reconciled.RECORD_MODES), ``verify``, ``partitionBytes`` (a bucket's two files count
+bucket_runs.RECORD_MODES), ``verify``, ``partitionBytes`` (a bucket's two files count
 together), ``files`` (bucket names: the audit reads again the few buckets that hold
 candidates of duplicate ids).
 
@@ -49,13 +49,18 @@ from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 from pyspark.sql.pandas.types import from_arrow_schema
 from pyspark.sql.types import StructType
 
-from delayd.audit import files, schemas
-from delayd.audit.decode_dispatch import dispatch_batches
-from delayd.audit.decode_messages import message_batches, schedule_batches
-from delayd.audit.files import LogFile
+from delayd.audit import schemas
+from delayd.audit.judge.bucket_runs import NONE, RECORD_MODES, reconciled_batches
+from delayd.audit.judge.pairing import BucketFiles, bucket_pairs
 from delayd.audit.kinds import HEAD, VERIFY_MODES
-from delayd.audit.pairs import BucketFiles, bucket_pairs
-from delayd.audit.reconciled import NONE, RECORD_MODES, reconciled_batches
+from delayd.audit.read import partitions
+from delayd.audit.read.batches import ReadOptions
+from delayd.audit.read.dispatch import dispatch_batches
+from delayd.audit.read.messages import message_batches, schedule_batches
+from delayd.logs import log_files
+from delayd.logs.log_files import LogFile
+from delayd.replay.recovery import scanned_buckets
+from storage.fs import REAL_FS
 
 FORMAT_PREFIX = "delayd."
 
@@ -90,7 +95,7 @@ class _Options:
         if verify not in VERIFY_MODES:
             raise ValueError(f"{name}: verify must be one of {', '.join(VERIFY_MODES)}")
         try:
-            partition_bytes = int(options.get("partitionBytes", files.DEFAULT_PARTITION_BYTES))
+            partition_bytes = int(options.get("partitionBytes", partitions.DEFAULT_PARTITION_BYTES))
         except ValueError:
             raise ValueError(f"{name}: partitionBytes must be a number of bytes") from None
         only = options.get("files")
@@ -104,6 +109,14 @@ class _Options:
         )
 
 
+def list_log(data_dir: str, log: str) -> list[LogFile]:
+    """The files of ``log`` in ``data_dir``, listed on the driver, each with what its
+    damage is judged by as recovery judges it: for schedule_log, the buckets the
+    replayer's recovery would scan (delayd.logs.log_files says why)."""
+    scanned = scanned_buckets(REAL_FS, data_dir) if log == log_files.SCHEDULE_LOG else None
+    return log_files.list_files(data_dir, log, REAL_FS, scanned)
+
+
 class _LogReader(DataSourceReader):
     """Lists a log's files on the driver; decodes them on the executors."""
 
@@ -115,19 +128,18 @@ class _LogReader(DataSourceReader):
         self.decode = decode
 
     def partitions(self) -> list[InputPartition]:
-        log_files = files.list_files(self.options.data_dir, self.log)
+        listed = list_log(self.options.data_dir, self.log)
         if self.options.only is not None:
-            log_files = [f for f in log_files if f.name in self.options.only]
-        groups = files.pack(log_files, self.options.partition_bytes)
+            listed = [f for f in listed if f.name in self.options.only]
+        groups = partitions.pack(listed, self.options.partition_bytes)
         return [FilesPartition(group) for group in groups]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         options = self.options
+        read = ReadOptions(options.verify, columns=options.columns)
         # Spark runs one empty partition when there are no files.
         for file in getattr(partition, "files", ()):
-            yield from self.decode(
-                file, options.server, verify=options.verify, columns=options.columns
-            )
+            yield from self.decode(file, options.server, read)
 
 
 class _LogSource(DataSource):
@@ -163,7 +175,7 @@ class _LogSource(DataSource):
 class ScheduleLogSource(_LogSource):
     """``delayd.schedule_log``: one row per SCHEDULED record (schemas.SCHEDULE_LOG)."""
 
-    log = files.SCHEDULE_LOG
+    log = log_files.SCHEDULE_LOG
     arrow_schema = schemas.SCHEDULE_LOG
     decode = staticmethod(schedule_batches)
 
@@ -171,7 +183,7 @@ class ScheduleLogSource(_LogSource):
 class DispatchLogSource(_LogSource):
     """``delayd.dispatch_log``: one row per entry (schemas.DISPATCH_LOG)."""
 
-    log = files.DISPATCH_LOG
+    log = log_files.DISPATCH_LOG
     arrow_schema = schemas.DISPATCH_LOG
     decode = staticmethod(dispatch_batches)
 
@@ -179,7 +191,7 @@ class DispatchLogSource(_LogSource):
 class MessageLogSource(_LogSource):
     """``delayd.message_log``: one row per record, message or tombstone (schemas.MESSAGE_LOG)."""
 
-    log = files.MESSAGE_LOG
+    log = log_files.MESSAGE_LOG
     arrow_schema = schemas.MESSAGE_LOG
     decode = staticmethod(message_batches)
 
@@ -202,13 +214,13 @@ class _ReconciledReader(DataSourceReader):
     def partitions(self) -> list[InputPartition]:
         data_dir = self.options.data_dir
         buckets = bucket_pairs(
-            files.list_files(data_dir, files.SCHEDULE_LOG),
-            files.list_files(data_dir, files.DISPATCH_LOG),
+            list_log(data_dir, log_files.SCHEDULE_LOG), list_log(data_dir, log_files.DISPATCH_LOG)
         )
         if self.options.only is not None:
             buckets = [b for b in buckets if b.name in self.options.only]
         return [
-            FilesPartition(group) for group in files.pack(buckets, self.options.partition_bytes)
+            FilesPartition(group)
+            for group in partitions.pack(buckets, self.options.partition_bytes)
         ]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
@@ -224,7 +236,7 @@ class _ReconciledReader(DataSourceReader):
 
 class ReconciledSource(DataSource):
     """``delayd.reconciled``: every bucket's records judged where its two files are read
-    (reconciled.py; schemas.RECONCILED)."""
+    (judge/bucket_runs.py; schemas.RECONCILED)."""
 
     @classmethod
     def name(cls) -> str:

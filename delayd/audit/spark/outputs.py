@@ -2,7 +2,7 @@
 
 ``summary/`` (per bucket, per server, overall), ``discrepancies/`` (one row per
 finding, with message ids) and ``corrupt_records/`` (file, position, kind), all
-Parquet; the report (report.py) adds ``report.html`` and ``report.txt``.
+Parquet; the report (report/render.py) adds ``report.html`` and ``report.txt``.
 
 Rows held on the driver are written by the driver (pyarrow, as Spark writes them:
 snappy, INT96 timestamps): the summary, the corrupt records, the findings that crossed
@@ -22,11 +22,11 @@ import pyarrow.parquet as pq
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from delayd.audit import findings
 from delayd.audit.config import AuditConfig
+from delayd.audit.judge import findings
 from delayd.audit.kinds import CANCELLED_ID_DELIVERED, COPY_MISSING, DUPLICATE_ID, DUPLICATE_SEND
-from delayd.audit.queries import fetch, literal
-from delayd.audit.result import ERROR, REPORT_ROWS, AuditResult
+from delayd.audit.report.result import ERROR, REPORT_ROWS, AuditResult
+from delayd.audit.spark.queries import fetch, literal
 
 SUMMARY = "summary"
 DISCREPANCIES = "discrepancies"
@@ -40,7 +40,7 @@ _PROBLEM_ORDER = ("server", "log", "file", "position")
 
 
 def local_findings(duplicates: pa.Table, copies: pa.Table, same_id: pa.Table) -> pa.Table:
-    """The discrepancies rows of what reconcile.py found across buckets (``same_id``:
+    """The discrepancies rows of what across_buckets.py found across buckets (``same_id``:
     id_checks' rows already)."""
     return pa.concat_tables(
         [findings.duplicate_id_findings(duplicates), findings.copy_findings(copies), same_id]

@@ -21,7 +21,7 @@ import pyarrow.compute as pc
 from delayd.audit.schemas import BUCKET_SUMMARY, COUNTS, LATENESS, PERCENTILES
 
 PERCENT = (50, 99)  # lateness_p50_ms, lateness_p99_ms; then lateness_max_ms
-_NOT_FLAGS = ("dispatched", "dispatch_entries")  # counts that are not judge.py's flags
+_NOT_FLAGS = ("dispatched", "dispatch_entries")  # counts that are not verdicts.py's flags
 
 
 def rank(percent: int, count: int) -> int:

@@ -1,7 +1,7 @@
 """The summary table: counts per (server, bucket), per server and overall, with exact
 lateness percentiles — added up on the driver from the small tables the tasks hand over.
 
-Each bucket's counts and percentiles were made where it was read (tally.py). What
+Each bucket's counts and percentiles were made where it was read (counting.py). What
 crosses buckets is added here: ids dispatched more than once (``duplicate_by_id``: the
 distinct ids among a bucket's, a server's or all records), moved records whose copy is
 missing (``copy_missing``; ``unverified`` instead where the copy may be in a file that
@@ -9,7 +9,7 @@ could not be read whole), later sends of an id (``duplicate_send``) and delivere
 records of an id whose cancel was answered CANCELLED (``cancelled_id_delivered``),
 each counted in the bucket of its record, and message_log's counts (on server and
 overall rows). A server's and the overall percentiles come from the runs' lateness
-histograms added up (tally.percentiles): percentiles of buckets do not add.
+histograms added up (counting.percentiles): percentiles of buckets do not add.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from delayd.audit import tally
+from delayd.audit.judge import counting
 from delayd.audit.kinds import CANCELLED_ID_DELIVERED, DUPLICATE_SEND
 from delayd.audit.schemas import BUCKET_TYPE, COUNTS, PERCENTILES
 
@@ -65,11 +65,11 @@ def summary(
     null), then overall (both null).
 
     ``buckets``: server and schemas.BUCKET_SUMMARY's fields, a row per server and
-    bucket; ``histograms``: server, lateness_ms, records (tally.histogram's, of every
+    bucket; ``histograms``: server, lateness_ms, records (counting.histogram's, of every
     run); ``duplicates``: server, bucket, message_id of the records whose id was
-    dispatched more than once (reconcile.duplicates); ``copies``: server, bucket,
+    dispatched more than once (across_buckets.duplicates); ``copies``: server, bucket,
     copy_missing, copy_unverified of the moved records whose copy was not found
-    (reconcile.missing_copies); ``same_id``: id_checks' findings (server, bucket,
+    (across_buckets.missing_copies); ``same_id``: id_checks' findings (server, bucket,
     kind among others); ``messages``: MESSAGE_COUNTS per server and overall
     (key None), or None when no message_log was left to check (they stay null).
     """
@@ -87,7 +87,7 @@ def summary(
         row.update({kind: pc.sum(pc.equal(kinds, kind)).as_py() or 0 for kind in SAME_ID_KINDS})
         lateness = _of(histograms, server)
         values = lateness["lateness_ms"].to_pylist(), lateness["records"].to_pylist()
-        row.update(tally.percentiles(zip(*values, strict=True)))
+        row.update(counting.percentiles(zip(*values, strict=True)))
         if messages is not None:
             row.update(messages.get(server, dict.fromkeys(MESSAGE_COUNTS, 0)))
         parts.append(pa.Table.from_pylist([row], schema=SUMMARY))

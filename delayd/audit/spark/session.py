@@ -9,7 +9,7 @@ from collections.abc import Mapping
 
 from pyspark.sql import SparkSession
 
-from delayd.audit import sources
+from delayd.audit.spark import sources
 
 # Quiet defaults for one machine; --conf overrides any of them. The audit caches its
 # one pass over the records (job.py): uncompressed, which halves the cost of building

@@ -1,8 +1,8 @@
 """What crosses buckets and servers: one id at several records, a moved record's copy.
 
-Everything a record's own bucket decides was decided where it was read (judge.py). Four
+Everything a record's own bucket decides was decided where it was read (judge/verdicts.py). Four
 findings take other buckets, or other servers; all look for the records of one id, by
-its 64-bit hash, a hash range at a time (ids.py):
+its 64-bit hash, a hash range at a time (id_ranges.py):
 
 * duplicate_id: a message id whose DISPATCHED entries are at more than one record (a
   producer retry stored twice is two records with one id — on one server, also a
@@ -20,7 +20,7 @@ its 64-bit hash, a hash range at a time (ids.py):
   server finds the current record of an id the same way (delayd.server.cancels). A
   later message reusing the id would hide a missing copy: ids are meant to be unique
   (docs/cancel.md, Limits).
-* duplicate_send and cancelled_id_delivered (id_checks.py): the hashes of one server
+* duplicate_send and cancelled_id_delivered (judge/id_checks.py): the hashes of one server
   whose records carry more than one sequence, or hold a cancelled and a delivered
   record, are candidates (none, when nothing is wrong); the buckets that hold their
   records are read again, and id_checks decides by the ids themselves.
@@ -40,10 +40,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql import DataFrame, Row, SparkSession
 
-from delayd.audit import id_checks, ids, inputs
 from delayd.audit.config import AuditConfig
-from delayd.audit.queries import fetch, where_in
+from delayd.audit.judge import id_checks, id_ranges
 from delayd.audit.schemas import BUCKET_TYPE, RECORD
+from delayd.audit.spark import inputs
+from delayd.audit.spark.queries import fetch, where_in
 
 SHOWN = ["server", *RECORD.names]  # what a finding shows of a record, and its id hash
 SHOWN_SCHEMA = pa.schema([pa.field("server", pa.string()), *RECORD])
@@ -65,22 +66,26 @@ def cross_buckets(
     servers with a schedule_log problem row."""
     keys = frozenset(zip(moved["server"].to_pylist(), moved["id_hash"].to_pylist(), strict=True))
     ranges = rows.where("ids IS NOT NULL").selectExpr("server", "ids.range", "ids.blob")
-    # A range's blobs go to one task, which adds them all up (ids.merge). Ranges are
+    # A range's blobs go to one task, which adds them all up (id_ranges.merge). Ranges are
     # spread over the tasks by a hash: several tasks per core even out what lands where.
-    tasks = min(ids.RANGES, 8 * spark.sparkContext.defaultParallelism)
+    tasks = min(id_ranges.RANGES, 8 * spark.sparkContext.defaultParallelism)
     merge = partial(_merge, moved=keys)
     found = ranges.repartition(tasks, "range").rdd.mapPartitions(merge).collect()
     # Candidates of either kind: (server, hash, bucket); their buckets are read again.
-    candidates = [(server, h, value) for kind, server, h, value in found if kind != ids.LATEST]
+    candidates = [
+        (server, h, value) for kind, server, h, value in found if kind != id_ranges.LATEST
+    ]
     buckets = sorted({(server, value) for server, _, value in candidates})
     records = reread(spark, config, buckets, {h for _, h, _ in candidates})
-    hashes = pa.array(sorted({h for kind, _, h, _ in found if kind == ids.CANDIDATE}), pa.int64())
-    same_id = {(server, h) for kind, server, h, _ in found if kind == ids.SAME_ID}
+    hashes = pa.array(
+        sorted({h for kind, _, h, _ in found if kind == id_ranges.CANDIDATE}), pa.int64()
+    )
+    same_id = {(server, h) for kind, server, h, _ in found if kind == id_ranges.SAME_ID}
     latest = pa.Table.from_pylist(
         [
             {"server": server, "id_hash": id_hash, "latest": value}
             for kind, server, id_hash, value in found
-            if kind == ids.LATEST
+            if kind == id_ranges.LATEST
         ],
         schema=_LATEST,
     )
@@ -89,7 +94,7 @@ def cross_buckets(
 
 
 def _merge(rows: Iterable[Row], moved: frozenset[tuple[str, int]]) -> Iterator[tuple]:
-    return ids.merge(((row["server"], row["blob"]) for row in rows), moved)
+    return id_ranges.merge(((row["server"], row["blob"]) for row in rows), moved)
 
 
 def reread(
@@ -147,7 +152,7 @@ def _per_id(candidates: pa.Table) -> pa.Table:
 def missing_copies(moved: pa.Table, latest: pa.Table, unread: set[str]) -> pa.Table:
     """Of ``moved`` (the moved records: SHOWN columns), those with no record of the same
     id hash and a higher message_log offset on their server (``latest``: the highest
-    of each moved record's id, ids.merge), with ``copy_missing`` and
+    of each moved record's id, id_ranges.merge), with ``copy_missing`` and
     ``copy_unverified``: the latter on the servers in ``unread`` (the copy may be the
     record that could not be read)."""
     moved = moved.join(latest, ["server", "id_hash"], use_threads=False)

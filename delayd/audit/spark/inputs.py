@@ -1,10 +1,10 @@
 """What the audit job reads of the logs, through the data sources of sources.py.
 
 Per server, schedule_log and dispatch_log are read once, together: each bucket's two
-files reconciled where they are read (``delayd.reconciled``: reconciled.py), which
+files reconciled where they are read (``delayd.reconciled``: judge/bucket_runs.py), which
 leaves a few rows per bucket and per task. message_log, when it is still there, is read
 once in narrow form. The few buckets that hold records whose id is
-in question (reconcile.py) are read again, alone (the sources' ``files`` option), for
+in question (across_buckets.py) are read again, alone (the sources' ``files`` option), for
 those records.
 """
 
@@ -15,12 +15,12 @@ from functools import reduce
 import pyarrow as pa
 from pyspark.sql import DataFrame, SparkSession
 
-from delayd.audit import files
 from delayd.audit.config import AuditConfig, Server
-from delayd.audit.queries import literal
-from delayd.audit.reconciled import ALL
+from delayd.audit.judge.bucket_runs import ALL
 from delayd.audit.schemas import select
-from delayd.audit.sources import SOURCES, ReconciledSource, spark_schema
+from delayd.audit.spark.queries import literal
+from delayd.audit.spark.sources import SOURCES, ReconciledSource, spark_schema
+from delayd.logs import log_files
 from delayd.logs.buckets import bucket_name
 
 # What the one pass reads of message_log.
@@ -58,8 +58,8 @@ def read_reconciled(
     only: list[str] | None = None,
 ) -> DataFrame:
     """One server's buckets (those named in ``only``, if given) reconciled where they
-    are read (``delayd.reconciled``: reconciled.py), with the rows per record
-    ``records`` asks for (reconciled.RECORD_MODES)."""
+    are read (``delayd.reconciled``: judge/bucket_runs.py), with the rows per record
+    ``records`` asks for (bucket_runs.RECORD_MODES)."""
     reader = (
         spark.read.format(ReconciledSource.name())
         .option("cutoffMs", str(config.cutoff_ms))
@@ -76,7 +76,7 @@ def read_reconciled(
 def has_message_log(config: AuditConfig) -> bool:
     """Whether any server still has message_log segments (retention may have removed
     them all)."""
-    return any(files.list_files(s.data_dir, files.MESSAGE_LOG) for s in config.servers)
+    return any(log_files.list_files(s.data_dir, log_files.MESSAGE_LOG) for s in config.servers)
 
 
 def records(spark: SparkSession, config: AuditConfig, buckets: pa.Table) -> DataFrame:

@@ -2,11 +2,11 @@
 decided inside those buckets, decided (``delayd.reconciled``; schemas.RECONCILED).
 
 A record and its dispatch_log entries are always in same-named bucket files, read by one
-task (pairs.py), so the verdict on each record (judge.py), each bucket's counts and
-percentiles (tally.py), the findings with their message ids and the problems the readers
+task (pairing.py), so the verdict on each record (verdicts.py), each bucket's counts and
+percentiles (counting.py), the findings with their message ids and the problems the readers
 met (findings.py) are all made here, in Arrow. What crosses buckets and servers — one
 id at several records, a moved record's copy — leaves as a few rows of Arrow IPC bytes
-per task (ids.py); the moved records themselves (few) as rows. So the job gets small
+per task (id_ranges.py); the moved records themselves (few) as rows. So the job gets small
 tables, not a row per record: a row per bucket, a lateness histogram per run, a row per
 finding, per problem, per moved record.
 
@@ -22,11 +22,11 @@ from collections.abc import Iterator
 
 import pyarrow as pa
 
-from delayd.audit import findings, ids, tally
-from delayd.audit.batches import BATCH_ROWS
-from delayd.audit.judge import judge
+from delayd.audit.judge import counting, findings, id_ranges
+from delayd.audit.judge.pairing import BucketFiles, paired_runs
+from delayd.audit.judge.verdicts import judge
 from delayd.audit.kinds import HEAD
-from delayd.audit.pairs import BucketFiles, paired_runs
+from delayd.audit.read.batches import BATCH_ROWS
 from delayd.audit.schemas import RECONCILED, RECORD
 
 NONE = "none"
@@ -53,7 +53,7 @@ def reconciled_batches(
     for run in paired_runs(buckets, verify=verify, batch_rows=batch_rows):
         judged = judge(run.paired, run.dispatch_problems, cutoff_ms, late_ms)
         scheduled = judged.filter(judged["scheduled"])
-        scheduled = scheduled.append_column("id_hash", ids.id_hashes(scheduled["message_id"]))
+        scheduled = scheduled.append_column("id_hash", id_ranges.id_hashes(scheduled["message_id"]))
         if records == ALL:
             yield from _rows("record", scheduled.select(RECORD.names), batch_rows)
             continue
@@ -65,8 +65,8 @@ def reconciled_batches(
             type=judged.schema.field("bucket").type,
         )
         side = {
-            "summary": tally.bucket_counts(judged, every_bucket),
-            "lateness": tally.histogram(judged),
+            "summary": counting.bucket_counts(judged, every_bucket),
+            "lateness": counting.histogram(judged),
             "finding": findings.record_findings(judged),
             "problem": findings.problems(judged, run.dispatch_problems),
             "moved": scheduled.filter(scheduled["moved"]).select(RECORD.names),
@@ -74,9 +74,9 @@ def reconciled_batches(
         for name, table in side.items():
             yield from _rows(name, table, batch_rows)
         columns = ("id_hash", "dispatches", "bucket", "message_log_offset", "sequence", "fate")
-        parts.append(ids.part(*(scheduled[name] for name in columns)))
+        parts.append(id_ranges.part(*(scheduled[name] for name in columns)))
     if records != ALL:
-        blobs = list(ids.blobs(parts))
+        blobs = list(id_ranges.blobs(parts))
         table = pa.table(
             {
                 "range": pa.array([range_ for range_, _ in blobs], pa.int32()),

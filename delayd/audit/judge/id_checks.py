@@ -1,5 +1,5 @@
 """One send per id, and no CANCELLED answer that a delivery contradicts: decided by the
-ids themselves, over the few records the hash ranges made candidates (reconcile.py).
+ids themselves, over the few records the hash ranges made candidates (spark/across_buckets.py).
 
 Both are about the records of one message id on one server (schedule_log, which
 outlives message_log: the checks hold after retention too).
@@ -20,7 +20,7 @@ outlives message_log: the checks hold after retention too).
   nothing, no record is UNKNOWN; every answer waits for its entry to be durable, and a
   cancel replayed after a crash finds that entry again). So a record whose fate is
   CANCELLED *is* a CANCELLED answer, read off the logs. A cancelled record that was
-  sent all the same is ``dispatched_after_cancel`` (judge.py), not this.
+  sent all the same is ``dispatched_after_cancel`` (verdicts.py), not this.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from delayd.audit.findings import DISCREPANCIES, severity
+from delayd.audit.judge.findings import DISCREPANCIES, severity
 from delayd.audit.kinds import CANCELLED_ID_DELIVERED, DUPLICATE_SEND
 from delayd.logs.dispatch_log import EntryKind
 

@@ -33,13 +33,13 @@ from collections.abc import Callable, Iterator, Sequence
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from delayd.audit import fields
-from delayd.audit.batches import BATCH_ROWS, bucket_value, build, problems_batch
-from delayd.audit.files import LogFile
-from delayd.audit.frames import FileScan, Problem
-from delayd.audit.kinds import FORMAT, HEAD, VERIFY_MODES
+from delayd.audit.kinds import FORMAT, HEAD
+from delayd.audit.read import fields
+from delayd.audit.read.batches import ALL, ReadOptions, bucket_value, build, problems_batch
+from delayd.audit.read.frames import FileScan, Problem
 from delayd.audit.schemas import MESSAGE_LOG, SCHEDULE_LOG, select
 from delayd.logs import message_log, schedule_log, tombstone
+from delayd.logs.log_files import LogFile
 from delayd.logs.message_log import FLAG_KEY, KNOWN_FLAGS, MessageRecord, RecordFormatError
 from delayd.logs.tombstone import Tombstone
 from storage.scan import BadFrame, Record
@@ -132,29 +132,19 @@ MESSAGE = _Shape(
 
 
 def schedule_batches(
-    file: LogFile,
-    server: str,
-    *,
-    verify: str = HEAD,
-    batch_rows: int = BATCH_ROWS,
-    columns: Sequence[str] | None = None,
+    file: LogFile, server: str, options: ReadOptions = ALL
 ) -> Iterator[pa.RecordBatch]:
     """The SCHEDULED records of one schedule_log bucket file (SCHEDULE_LOG schema, or
-    its ``columns``), then one row per problem found."""
-    return _batches(SCHEDULE, file, server, verify, batch_rows, select(SCHEDULE_LOG, columns))
+    its ``options.columns``), then one row per problem found."""
+    return _batches(SCHEDULE, file, server, options, select(SCHEDULE_LOG, options.columns))
 
 
 def message_batches(
-    file: LogFile,
-    server: str,
-    *,
-    verify: str = HEAD,
-    batch_rows: int = BATCH_ROWS,
-    columns: Sequence[str] | None = None,
+    file: LogFile, server: str, options: ReadOptions = ALL
 ) -> Iterator[pa.RecordBatch]:
     """The records of one message_log segment — messages and tombstones (MESSAGE_LOG
-    schema, or its ``columns``), then one row per problem found."""
-    return _batches(MESSAGE, file, server, verify, batch_rows, select(MESSAGE_LOG, columns))
+    schema, or its ``options.columns``), then one row per problem found."""
+    return _batches(MESSAGE, file, server, options, select(MESSAGE_LOG, options.columns))
 
 
 class _Batch:
@@ -304,10 +294,9 @@ class _Batch:
 
 
 def _batches(
-    shape: _Shape, file: LogFile, server: str, verify: str, batch_rows: int, schema: pa.Schema
+    shape: _Shape, file: LogFile, server: str, options: ReadOptions, schema: pa.Schema
 ) -> Iterator[pa.RecordBatch]:
-    if verify not in VERIFY_MODES:
-        raise ValueError(f"verify must be one of {', '.join(VERIFY_MODES)}, got {verify!r}")
+    verify, batch_rows = options.verify, options.batch_rows
     where = {"server": server, "file": file.name}
     if shape is SCHEDULE:
         where["bucket"] = bucket_value(file.bucket_ms)
