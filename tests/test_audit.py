@@ -21,7 +21,7 @@ from delayd.audit.decode_dispatch import dispatch_batches
 from delayd.audit.result import ERROR, NOTICE
 from delayd.audit.schemas import DISPATCH_LOG, SCHEDULE_LOG
 from delayd.audit.sources import spark_schema
-from delayd.cli import main
+from delayd.cli.main import main
 from delayd.logs import layout
 from delayd.logs.dispatch_log import FRAMED_SIZE, EntryKind, encode_entry
 from delayd.protocol.codes import CancelOutcome, RescheduleOutcome

@@ -193,7 +193,7 @@ def start_delayd(data: str, repo: Path = ROOT) -> tuple[subprocess.Popen, str]:
     """``delayd serve`` from checkout ``repo``, pinned to SERVER_CPU; (process, address)."""
     config = Path(data) / "bench.toml"
     config.write_text("[intake]\nmax_pending_acks = 1000000\nmax_replay_lag_records = 10000000\n")
-    args = [sys.executable, "-m", "delayd.cli", "serve", "--data", str(Path(data) / "d"),
+    args = [sys.executable, "-m", "delayd", "serve", "--data", str(Path(data) / "d"),
             "--config", str(config), "--listen", "127.0.0.1:0", "--broker-listen", "off",
             "--log-level", "warning"]  # fmt: skip
     if "--metrics-listen" in _serve_help(repo):
@@ -218,7 +218,7 @@ def start_delayd(data: str, repo: Path = ROOT) -> tuple[subprocess.Popen, str]:
 def _serve_help(repo: Path) -> str:
     """``delayd serve --help`` of checkout ``repo`` (older checkouts lack some flags)."""
     env = dict(os.environ, PYTHONPATH=str(repo))
-    args = [sys.executable, "-m", "delayd.cli", "serve", "--help"]
+    args = [sys.executable, "-m", "delayd", "serve", "--help"]
     return subprocess.run(args, cwd=repo, env=env, capture_output=True, text=True).stdout
 
 
