@@ -5,7 +5,6 @@ place of delayd/cli/ on top of the layers."""
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import os
 import re
@@ -17,6 +16,7 @@ import pytest
 from delayd.cli import args as cli_args
 from delayd.cli.main import COMMANDS, build_parser, main
 from tests.intake_support import DELAYD, ROOT, ServeProcess, _env
+from tests.test_layers import imported_modules
 
 # --------------------------------------------------------------------- argument types
 
@@ -258,38 +258,27 @@ def test_serve_does_not_import_the_operator_tools():
 # ----------------------------------------------------------------------------- layers
 
 
-def imports_of(path) -> set[str]:
-    names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
-    return names
-
-
-LIBRARY = sorted(
-    path
-    for package in ("delayd", "storage")
-    for path in (ROOT / package).rglob("*.py")
-    if "cli" not in path.relative_to(ROOT).parts
-)
+def library_imports() -> dict[str, set[str]]:
+    """What each module of delayd/ and storage/ outside delayd/cli/ imports."""
+    found = {**imported_modules("delayd"), **imported_modules("storage")}
+    return {path: names for path, names in found.items() if not path.startswith("delayd/cli/")}
 
 
 def test_only_the_entry_point_imports_the_cli():
     importers = {
-        str(path.relative_to(ROOT))
-        for path in LIBRARY
-        if any(name == "delayd.cli" or name.startswith("delayd.cli.") for name in imports_of(path))
+        path
+        for path, names in library_imports().items()
+        if any(name == "delayd.cli" or name.startswith("delayd.cli.") for name in names)
     }
     assert importers == {"delayd/__main__.py"}
 
 
 def test_the_library_parses_no_command_line():
+    library = library_imports()
     # delayd.cluster's __main__ is a demo of the election, run as python -m delayd.cluster.
-    users = {str(p.relative_to(ROOT)) for p in LIBRARY if "argparse" in imports_of(p)}
+    users = {path for path, names in library.items() if "argparse" in names}
     assert users == {"delayd/cluster/__main__.py"}
-    assert len(LIBRARY) > 100  # the walk saw the packages
+    assert len(library) > 100  # the walk saw the packages
 
 
 @pytest.mark.parametrize("name", sorted(COMMANDS))

@@ -42,7 +42,6 @@ import re
 import select
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -52,18 +51,8 @@ from pathlib import Path
 
 import delayd
 from delayd.bench import common
-from delayd.protocol import (
-    CLIENT,
-    NEED_DATA,
-    Connection,
-    FrameDecoder,
-    Hello,
-    Message,
-    Stats,
-    StatsResult,
-    decode_event,
-    encode_event,
-)
+from delayd.bench.raw_client import RawClient
+from delayd.protocol import Message
 
 BODY = b"b" * 100
 SUBJECT = "due"
@@ -183,21 +172,8 @@ class Server:
     def stats(self) -> dict:
         """The server's STATS (replay lag and so on), over a fresh connection."""
         host, port = self.intake.rsplit(":", 1)
-        with socket.create_connection((host, int(port))) as sock:
-            conn = Connection(CLIENT)
-            sock.sendall(conn.send(Hello(client_name="bench-delivery", request_id=1)))
-            while conn.next_event() is NEED_DATA:
-                conn.receive_data(sock.recv(65536))
-            decoder = FrameDecoder()
-            sock.sendall(encode_event(Stats(request_id=2)))
-            while (frame := decoder.next_frame()) is None:
-                data = sock.recv(1 << 20)
-                if not data:
-                    raise ConnectionError("server closed the connection")
-                decoder.feed(data)
-        answer = decode_event(frame.command, frame.flags, frame.request_id, frame.body)
-        assert isinstance(answer, StatsResult), answer
-        return answer.stats
+        with RawClient(host, int(port), "bench-delivery") as client:
+            return client.stats()
 
     def wait_replayed(self, timeout_s: float = 600) -> None:
         deadline = time.monotonic() + timeout_s

@@ -172,13 +172,18 @@ def add_token_option(parser: argparse.ArgumentParser, who: str) -> None:
     )
 
 
+def add_peer_options(parser: argparse.ArgumentParser, flag: str, variable: str, who: str) -> None:
+    """The address of the ``who`` to connect to (``flag``, or ``variable``) and its token."""
+    add_env_option(
+        parser, flag, variable, type=address, required=True, metavar="HOST:PORT",
+        help=f"the {who}",
+    )  # fmt: skip
+    add_token_option(parser, who)
+
+
 def add_server_options(parser: argparse.ArgumentParser) -> None:
     """``--server``, ``--token`` and ``--timeout`` of a command to a delay server."""
-    add_env_option(
-        parser, "--server", SERVER_VARIABLE, type=address, required=True,
-        metavar="HOST:PORT", help="the delay server",
-    )  # fmt: skip
-    add_token_option(parser, "server")
+    add_peer_options(parser, "--server", SERVER_VARIABLE, "delay server")
     parser.add_argument(
         "--timeout", type=seconds, default=10.0, metavar="SECONDS",
         help="give up after this long (default 10)",

@@ -20,25 +20,14 @@ import json
 import sys
 from typing import Any, TextIO
 
-from delayd.cli.args import (
-    BROKER_VARIABLE,
-    add_env_option,
-    add_token_option,
-    address,
-    non_negative_count,
-    seconds,
-)
+from delayd.cli.args import BROKER_VARIABLE, add_peer_options, non_negative_count, seconds
 from delayd.client._consumer_state import COMMIT_MODES
 from delayd.errors import DelaydError
 from delayd.protocol import Message
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_env_option(
-        parser, "--broker", BROKER_VARIABLE, type=address, required=True,
-        metavar="HOST:PORT", help="the broker",
-    )  # fmt: skip
-    add_token_option(parser, "broker")
+    add_peer_options(parser, "--broker", BROKER_VARIABLE, "broker")
     parser.add_argument("--subject", required=True, help="subject to consume")
     parser.add_argument("--group", required=True, help="consumer group (offsets are per group)")
     parser.add_argument("--json", action="store_true", help="print JSON lines")
