@@ -24,7 +24,6 @@ Cases (targets from issue 3):
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import io
 import math
@@ -266,8 +265,7 @@ def percentile(values: list[float], p: float) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smaller runs, under a minute")
+    parser = bench_common.bench_parser(__doc__, "smaller runs, under a minute")
     parser.add_argument("--profile", action="store_true", help="cProfile the client side")
     args = parser.parse_args()
     bench_common.emit_host_speed(emit)

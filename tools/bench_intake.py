@@ -254,10 +254,9 @@ def bench_redis(messages: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = bench_common.bench_parser(__doc__, "smaller runs (< 1 minute)")
     parser.add_argument("mode", nargs="?", default="bench",
                         choices=["bench", "client", "redis-client"])  # fmt: skip
-    parser.add_argument("--quick", action="store_true", help="smaller runs (< 1 minute)")
     parser.add_argument("--addr", help=argparse.SUPPRESS)
     parser.add_argument("--messages", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--in-flight", type=int, default=16, help=argparse.SUPPRESS)
