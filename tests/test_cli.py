@@ -99,6 +99,8 @@ def test_the_server_and_token_come_from_the_environment(monkeypatch):
     environ = {"DELAYD_BROKER": "[::1]:20811", "DELAYD_TOKEN": "s3cret"}
     args = parsed(monkeypatch, environ, "consume", "--subject", "s", "--group", "g")
     assert (args.broker, args.token) == ("[::1]:20811", "s3cret")
+    # The broker, a server, takes the secret it requires from there too.
+    assert parsed(monkeypatch, environ, "broker", "--data", "d").token == "s3cret"
 
 
 def test_a_flag_wins_over_its_variable(monkeypatch):

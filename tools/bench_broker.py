@@ -58,10 +58,9 @@ class Broker:
     """A ``delayd broker`` child process, pinned to CPU 0 when taskset exists."""
 
     def __init__(self, data: str) -> None:
-        delayd_bin = str(Path(sys.executable).with_name("delayd"))
         # Port 0: the broker picks a free port and prints it (a port probed free here
         # could be taken again before the broker binds it).
-        args = [delayd_bin, "broker", "--data", data, "--listen", "127.0.0.1:0"]
+        args = [sys.executable, "-m", "delayd", "broker", "--data", data, "--listen", "127.0.0.1:0"]
         args += ["--metrics-listen", "off", "--log-level", "warning"]
         self.pinned = shutil.which("taskset") is not None and (os.cpu_count() or 1) >= 2
         if self.pinned:

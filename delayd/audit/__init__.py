@@ -8,7 +8,7 @@ delivered once, on time, and list the ones that were not (docs/audit.md).
 files decide, where they are read, and ``id_checks`` what the records of one id decide
 (sent twice, delivered though cancelled). Those need only pyarrow. ``sources`` (the PySpark
 data sources), ``session``, ``job`` (with ``inputs``, ``reconcile``, ``message_check``,
-``summary`` and ``outputs``) and ``command`` (``delayd audit``) need pyspark, the
-``audit`` extra; nothing outside this package imports them, so the server runs without
-it.
+``summary`` and ``outputs``) need pyspark, the ``audit`` extra; nothing outside this
+package imports them but ``delayd audit`` (delayd/cli/audit.py) once it runs, so the
+server runs without it.
 """
