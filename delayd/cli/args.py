@@ -37,7 +37,7 @@ def address(text: str) -> str:
         parse_addr(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
+    return str(text)
 
 
 def listen_address(text: str) -> Address:
