@@ -20,7 +20,6 @@ stdout) is not a log record and does not go through here.
 
 from __future__ import annotations
 
-import argparse
 import datetime as _dt
 import json
 import logging
@@ -140,19 +139,3 @@ def configure_logging(
     root.addHandler(handler)
     root.setLevel(check_log_level(level).upper())
     return handler
-
-
-def add_logging_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--log-format`` and ``--log-level`` for a command that calls configure_logging."""
-    parser.add_argument(
-        "--log-format",
-        choices=LOG_FORMATS,
-        default=DEFAULT_LOG_FORMAT,
-        help=f"log lines on stderr: key=value (kv) or JSON (default {DEFAULT_LOG_FORMAT})",
-    )
-    parser.add_argument(
-        "--log-level",
-        choices=LOG_LEVELS,
-        default=DEFAULT_LOG_LEVEL,
-        help=f"least severe level logged (default {DEFAULT_LOG_LEVEL})",
-    )

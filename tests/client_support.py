@@ -34,7 +34,7 @@ from delayd.protocol import (
 )
 
 REPO = Path(__file__).resolve().parent.parent
-DELAYD = str(Path(sys.executable).with_name("delayd"))
+DELAYD = [sys.executable, "-m", "delayd"]  # not the console script, which an install names
 
 
 def free_port() -> int:
@@ -76,7 +76,7 @@ class BrokerProcess:
         if self.finished:
             raise RuntimeError("this BrokerProcess is finished")
         # No metrics listener: its fixed default port would collide between test brokers.
-        args = [DELAYD, "broker", "--data", str(self.data_dir), "--listen", self.addr]
+        args = [*DELAYD, "broker", "--data", str(self.data_dir), "--listen", self.addr]
         args += ["--metrics-listen", "off"]
         if self.token is not None:
             args += ["--token", self.token]

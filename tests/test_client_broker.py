@@ -360,7 +360,7 @@ def test_wrong_token_is_refused_clearly(tmp_path: Path) -> None:
 
 def delayd_consume(*args: str, timeout_s: float = 20) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [DELAYD, "consume", *args],
+        [*DELAYD, "consume", *args],
         capture_output=True,
         text=True,
         timeout=timeout_s,

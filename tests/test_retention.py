@@ -12,7 +12,7 @@ import pytest
 import trio
 import trio.testing
 
-from delayd.cli import main
+from delayd.cli.main import main
 from delayd.logs import layout, message_log, tombstone
 from delayd.logs.buckets import bucket_name, bucket_of
 from delayd.logs.dispatch_files import DispatchFiles

@@ -15,13 +15,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from delayd.audit.command import execute, spark_conf
-from delayd.audit.config import EXIT_FAILED, add_arguments, config_from_args
+from delayd.audit.config import EXIT_FAILED
+from delayd.cli.audit import add_audit_arguments, config_from_args, execute, spark_conf
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="audit_job.py", description=__doc__.split("\n\n")[0])
-    add_arguments(parser)
+    add_audit_arguments(parser)
     parser.add_argument("--master", default=None, help="Spark master (default: spark-submit's)")
     parser.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args(argv)

@@ -24,7 +24,6 @@ Cases (targets from issue 3):
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import io
 import math
@@ -59,10 +58,9 @@ class Broker:
     """A ``delayd broker`` child process, pinned to CPU 0 when taskset exists."""
 
     def __init__(self, data: str) -> None:
-        delayd_bin = str(Path(sys.executable).with_name("delayd"))
         # Port 0: the broker picks a free port and prints it (a port probed free here
         # could be taken again before the broker binds it).
-        args = [delayd_bin, "broker", "--data", data, "--listen", "127.0.0.1:0"]
+        args = [sys.executable, "-m", "delayd", "broker", "--data", data, "--listen", "127.0.0.1:0"]
         args += ["--metrics-listen", "off", "--log-level", "warning"]
         self.pinned = shutil.which("taskset") is not None and (os.cpu_count() or 1) >= 2
         if self.pinned:
@@ -266,8 +264,7 @@ def percentile(values: list[float], p: float) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smaller runs, under a minute")
+    parser = bench_common.bench_parser(__doc__, "smaller runs, under a minute")
     parser.add_argument("--profile", action="store_true", help="cProfile the client side")
     args = parser.parse_args()
     bench_common.emit_host_speed(emit)

@@ -1,5 +1,5 @@
 """Prometheus metrics of the broker: the collectors ``delayd broker`` adds to the registry
-it serves (delayd.metrics_http, from before recovery: delayd.broker.command) on the
+it serves (delayd.metrics_http, from before recovery: delayd.cli.broker) on the
 broker's event loop.
 
 Values are read from the Broker at scrape time by a custom collector (prometheus-client's

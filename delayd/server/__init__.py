@@ -1,7 +1,7 @@
 """The delay server's trio wiring (DESIGN.md, "Layers"): ``config`` (ServeConfig and the
 TOML file), ``intake`` (appends and acks), ``connection`` (one producer connection),
 ``listener`` (accepting, two-phase stop), ``metrics`` (/metrics), ``app`` (DelayServer:
-one root nursery), ``command`` (``delayd serve``)."""
+one root nursery); ``delayd serve`` is delayd/cli/serve.py."""
 
 from delayd.server.app import BoundAddresses, DelayServer
 from delayd.server.config import ConfigError, ServeConfig, load_config

@@ -1,10 +1,15 @@
-"""``delayd consume``: print messages of a subject as a member of a consumer group.
+"""Print messages of a subject as a member of a consumer group.
+
+    delayd consume --broker 127.0.0.1:20811 --subject orders.timeout --group billing
 
 One line per message, committed once printed (auto-commit), so a second run of the
-same group continues where the first stopped; with ``--commit sync`` each commit is
-durable before the next line is printed. Exits 0 after ``--count`` messages, or
-when no message came for ``--timeout`` seconds; 1 when the broker cannot be reached or
-refuses; 130 on Ctrl-C.
+same group continues where the first stopped; with --commit sync each commit is
+durable before the next line is printed. The broker and the token may come from
+DELAYD_BROKER and DELAYD_TOKEN.
+
+Exit status: 0 after --count messages, or when no message came for --timeout
+seconds; 1 when the broker cannot be reached or refuses; 2 for bad arguments; 130 on
+Ctrl-C.
 """
 
 from __future__ import annotations
@@ -15,32 +20,29 @@ import json
 import sys
 from typing import Any, TextIO
 
+from delayd.cli.args import BROKER_VARIABLE, add_peer_options, non_negative_count, seconds
 from delayd.client._consumer_state import COMMIT_MODES
 from delayd.errors import DelaydError
 from delayd.protocol import Message
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    parser = subparsers.add_parser(
-        "consume",
-        help="print messages of a subject, as a member of a consumer group",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--broker", required=True, metavar="HOST:PORT", help="broker address")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_peer_options(parser, "--broker", BROKER_VARIABLE, "broker")
     parser.add_argument("--subject", required=True, help="subject to consume")
     parser.add_argument("--group", required=True, help="consumer group (offsets are per group)")
     parser.add_argument("--json", action="store_true", help="print JSON lines")
     parser.add_argument(
-        "--count", type=int, metavar="N", help="exit after N messages (default: no limit)"
+        "--count",
+        type=non_negative_count,
+        metavar="N",
+        help="exit after N messages (default: no limit)",
     )
     parser.add_argument(
         "--timeout",
-        type=float,
+        type=seconds,
         metavar="SECONDS",
         help="exit when no message came for this long (default: wait for ever)",
     )
-    parser.add_argument("--token", help="shared secret, if the broker requires one")
     parser.add_argument(
         "--commit",
         choices=COMMIT_MODES,
@@ -91,7 +93,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     from delayd.client.blocking_consumer import Consumer
 
     out = out or sys.stdout
-    if args.count is not None and args.count <= 0:
+    if args.count == 0:
         return 0
     printed = 0
     try:

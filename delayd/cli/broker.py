@@ -1,16 +1,16 @@
-"""``delayd broker``: run a broker until SIGTERM/SIGINT, then shut down gracefully.
+"""Run a delayd broker until SIGTERM or SIGINT: a durable commitlog, consumer groups,
+long polling.
 
-Prints ``delayd broker listening on HOST:PORT`` on stdout once it accepts connections
-(the actual port when ``--listen`` asks for port 0); everything else goes to the log
-(stderr, one line each: ``--log-format kv|json``, ``--log-level``; delayd.logsetup).
-Shutdown: stop accepting and reading, answer every SEND_BATCH already appended, close
-connections (FIN after the last answer), then flush the commitlog, checkpoint the
-consume queues and index, persist offsets, exit 0.
+Prints "delayd broker listening on HOST:PORT" on stdout once it accepts connections
+(the actual port when --listen asks for port 0); everything else goes to the log on
+stderr, one line each. Shutdown: stop accepting and reading, answer every SEND_BATCH
+already appended, close connections (FIN after the last answer), then flush the
+commitlog, checkpoint the consume queues and index, persist offsets, exit 0.
 
-Start-up takes the data directory's lock (storage.dirlock: one writer at a time), then
-binds its ports (delayd.listen), then recovers: another process holding the directory
-or a port in use ends it at once, exit 1, with a message naming the holder or the
-listener and address.
+Start-up takes the data directory's lock (one writer at a time), then binds its ports,
+then recovers: another process holding the directory or a port in use ends it at
+once, exit 1, with a message naming the holder or the listener and address. Exit 2
+for a bad configuration.
 """
 
 from __future__ import annotations
@@ -27,6 +27,14 @@ from delayd.broker.broker import Broker
 from delayd.broker.config import DAY_MS, BrokerConfig, StartFrom
 from delayd.broker.metrics import collect_broker_metrics
 from delayd.broker.server import broker_listener
+from delayd.cli.args import (
+    add_logging_options,
+    add_token_option,
+    count,
+    listen_address,
+    non_negative_count,
+    optional_listen_address,
+)
 from delayd.connection_limits import (
     DEFAULT_FRAME_TIMEOUT_MS,
     DEFAULT_HELLO_TIMEOUT_MS,
@@ -34,7 +42,7 @@ from delayd.connection_limits import (
 )
 from delayd.gcsetup import tune_gc_for_serving
 from delayd.listen import open_listeners
-from delayd.logsetup import add_logging_arguments, configure_logging
+from delayd.logsetup import configure_logging
 from delayd.metrics_http import Readiness, serve_metrics
 from delayd.serving import serve_data_dir
 from storage.flusher import FlushMode, FlushPolicy
@@ -46,74 +54,33 @@ DEFAULT_METRICS_LISTEN = "127.0.0.1:20881"
 SHUTDOWN_GRACE_S = 5.0  # appended SEND_BATCHes get this long to be answered
 
 
-def parse_address(text: str) -> tuple[str, int]:
-    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) -> (host, port); ArgumentTypeError if not."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT (port 0..65535)")
-    return host.strip("[]"), int(port)
-
-
-def parse_optional_address(text: str) -> tuple[str, int] | None:
-    if text.lower() in ("", "off", "none"):
-        return None
-    return parse_address(text)
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{value} is not positive")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} is negative")
-    return value
-
-
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "broker",
-        help="run the real-time broker consumers pull from",
-        description="Run a delayd broker: durable commitlog, consumer groups, long polling.",
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", required=True, metavar="DIR", help="data directory")
     parser.add_argument(
         "--listen",
-        type=parse_address,
+        type=listen_address,
         default=DEFAULT_LISTEN,
         metavar="HOST:PORT",
         help=f"protocol listener (default {DEFAULT_LISTEN}; port 0 picks a free port)",
     )
     parser.add_argument(
         "--metrics-listen",
-        type=parse_optional_address,
+        type=optional_listen_address,
         default=DEFAULT_METRICS_LISTEN,
         metavar="HOST:PORT",
         help=f"/metrics, /healthz and /readyz (default {DEFAULT_METRICS_LISTEN}; 'off')",
     )
-    parser.add_argument("--token", default=None, help="shared secret clients must send")
+    add_token_option(parser, "broker")
     parser.add_argument(
         "--flush",
         choices=[m.value for m in FlushMode],
         default="sync",
         help="sync: ack after fsync (group commit, default); async: fsync every 100 ms",
     )
-    parser.add_argument(
-        "--queues", type=positive_int, default=4, metavar="N", help="queues per subject"
-    )
+    parser.add_argument("--queues", type=count, default=4, metavar="N", help="queues per subject")
     parser.add_argument(
         "--heartbeat-timeout-ms",
-        type=positive_int,
+        type=count,
         default=10_000,
         metavar="MS",
         help="drop a consumer silent this long (default 10000)",
@@ -125,28 +92,28 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="where a new consumer group starts",
     )
     parser.add_argument(
-        "--dedupe-window-ms", type=positive_int, default=DAY_MS, metavar="MS", help="idempotency"
+        "--dedupe-window-ms", type=count, default=DAY_MS, metavar="MS", help="idempotency"
     )
     parser.add_argument(
-        "--dedupe-max-ids", type=positive_int, default=10_000_000, metavar="N", help="idempotency"
+        "--dedupe-max-ids", type=count, default=10_000_000, metavar="N", help="idempotency"
     )
     parser.add_argument(
         "--max-connections",
-        type=non_negative_int,
+        type=non_negative_count,
         default=0,
         metavar="N",
         help="client connections at most; more are refused (default 0: by the fd limit)",
     )
     parser.add_argument(
         "--hello-timeout-ms",
-        type=positive_int,
+        type=count,
         default=DEFAULT_HELLO_TIMEOUT_MS,
         metavar="MS",
         help=f"close a connection without HELLO after this (default {DEFAULT_HELLO_TIMEOUT_MS})",
     )
     parser.add_argument(
         "--frame-timeout-ms",
-        type=positive_int,
+        type=count,
         default=DEFAULT_FRAME_TIMEOUT_MS,
         metavar="MS",
         help=f"close a connection whose frame is not complete after this "
@@ -154,12 +121,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--max-unfinished-frame-bytes",
-        type=positive_int,
+        type=count,
         default=DEFAULT_MAX_UNFINISHED_FRAME_BYTES,
         metavar="BYTES",
         help="large frames still arriving, all connections together; more wait",
     )
-    add_logging_arguments(parser)
+    add_logging_options(parser)
 
 
 def run(args: argparse.Namespace) -> int:

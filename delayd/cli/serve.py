@@ -1,20 +1,22 @@
-"""``delayd serve``: the delay server with its embedded broker, until SIGTERM/SIGINT.
+"""Run the delay server: accept scheduled messages, make them durable, sort them into
+time buckets and deliver them when due; an embedded broker runs in the same process.
 
-Prints ``delayd serve listening on HOST:PORT`` on stdout once it accepts producers (the
-real port when ``--listen`` asks for port 0), preceded by ``delayd serve broker
-listening on HOST:PORT`` and ``delayd serve metrics on http://HOST:PORT/metrics`` and
-``delayd serve http on http://HOST:PORT/v1`` when those listen (metrics:
-127.0.0.1:20880, the HTTP API: 127.0.0.1:20890, unless configured otherwise). Logs go to
-stderr, one line each (``--log-format kv|json``, ``--log-level``, or ``[log]`` of the
-configuration; delayd.logsetup). On SIGTERM or SIGINT: stop accepting, answer what is in
-flight, flush, write the replay checkpoint, exit 0. Exit 2 for a bad configuration, 1
-when the data directory cannot be served (corruption, a changed segment_scale, another
-process holding it: storage.dirlock) or a port cannot be bound (delayd.listen; bound
-before recovery, so that is said at once).
+Prints "delayd serve listening on HOST:PORT" on stdout once it accepts producers (the
+real port when --listen asks for port 0), preceded by "delayd serve broker listening
+on HOST:PORT", "delayd serve metrics on http://HOST:PORT/metrics" and "delayd serve http on
+http://HOST:PORT/v1" when those listen (metrics: 127.0.0.1:20880, the HTTP API:
+127.0.0.1:20890, unless configured otherwise). Logs go to stderr, one
+line each. On SIGTERM or SIGINT: stop accepting, answer what is in flight, flush,
+write the replay checkpoint, exit 0.
 
-The configuration is the defaults, then ``--config``, then ``DELAYD_<TABLE>_<KEY>``
-variables, then the flags (docs/configuration.md); ``--print-config`` prints it as
-TOML and exits.
+Exit status: 0 after a clean stop; 2 for a bad configuration; 1 when the data
+directory cannot be served (corruption, a changed segment_scale, another process
+holding it) or a port cannot be bound (ports are bound before recovery, so that is
+said at once).
+
+The configuration is the defaults, then --config, then DELAYD_<TABLE>_<KEY>
+environment variables, then the flags (docs/configuration.md); --print-config prints
+it as TOML and exits.
 """
 
 from __future__ import annotations
@@ -30,21 +32,11 @@ from functools import partial
 
 import trio
 
+from delayd.cli.args import add_logging_options, listen_address, optional_listen_address
 from delayd.gcsetup import tune_gc_for_serving
-from delayd.logsetup import (
-    DEFAULT_LOG_FORMAT,
-    DEFAULT_LOG_LEVEL,
-    add_logging_arguments,
-    configure_logging,
-)
+from delayd.logsetup import DEFAULT_LOG_FORMAT, DEFAULT_LOG_LEVEL, configure_logging
 from delayd.server.app import DelayServer, open_listeners, serve_metrics_early
-from delayd.server.config import (
-    ConfigError,
-    ServeConfig,
-    parse_address,
-    parse_optional_address,
-    with_overrides,
-)
+from delayd.server.config import ConfigError, ServeConfig, with_overrides
 from delayd.server.config_env import load_effective_config
 from delayd.server.config_print import config_to_toml
 from delayd.serving import serve_data_dir
@@ -52,33 +44,11 @@ from delayd.serving import serve_data_dir
 log = logging.getLogger("delayd.serve")
 
 
-def _address(text: str) -> tuple[str, int]:
-    try:
-        return parse_address(text, "address")
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _optional_address(text: str) -> tuple[str, int] | None:
-    try:
-        return parse_optional_address(text, "address")
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 # Distinguishes "flag not given" from "--metrics-listen off" (None).
 _UNSET = object()
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "serve",
-        help="run the delay server (with its embedded broker)",
-        description=(
-            "Run the delay server: accept scheduled messages, make them durable, sort them "
-            "into time buckets; an embedded broker runs in the same process."
-        ),
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", metavar="DIR", help="data directory (required to serve)")
     parser.add_argument(
         "--config", metavar="FILE", help="TOML configuration (docs/configuration.md)"
@@ -91,32 +61,32 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--listen",
-        type=_address,
+        type=listen_address,
         metavar="HOST:PORT",
         help="producers connect here (default 127.0.0.1:20801; port 0 picks a free port)",
     )
     parser.add_argument(
         "--broker-listen",
-        type=_optional_address,
+        type=optional_listen_address,
         default=_UNSET,
         metavar="HOST:PORT",
         help="the embedded broker's listener (default 127.0.0.1:20811; 'off')",
     )
     parser.add_argument(
         "--metrics-listen",
-        type=_optional_address,
+        type=optional_listen_address,
         default=_UNSET,
         metavar="HOST:PORT",
         help="Prometheus /metrics, /healthz and /readyz (default 127.0.0.1:20880; 'off')",
     )
     parser.add_argument(
         "--http-listen",
-        type=_optional_address,
+        type=optional_listen_address,
         default=_UNSET,
         metavar="HOST:PORT|off",
         help="the HTTP/JSON API, docs/http.md (default 127.0.0.1:20890; 'off')",
     )
-    add_logging_arguments(parser)
+    add_logging_options(parser)
     # None: not given, so that [log] of the file (or DELAYD_LOG_*) applies.
     parser.set_defaults(log_format=None, log_level=None)
 

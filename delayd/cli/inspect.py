@@ -1,6 +1,6 @@
-"""``delayd inspect``: read a data directory offline, as text or ``--json``.
-
-::
+"""Read a delayd data directory without changing it: message_log segments and
+schedule_log buckets with their records, dispatch_log state, checkpoints, and where a
+message is. Damaged records are reported as corrupt or torn tail.
 
     delayd inspect --data DIR summary                 segments, buckets, checkpoints, damage
     delayd inspect --data DIR message-log [--from OFFSET] [--limit N]
@@ -9,11 +9,11 @@
     delayd inspect --data DIR checkpoints             meta, replay, wheel cursors
     delayd inspect --data DIR find MESSAGE_ID         where it is, whether it was delivered
 
-``--data`` and ``--json`` go before or after the subcommand. Nothing in the directory
-is changed: files are opened read-only and torn tails are reported, not cut, so it is
+--data and --json go before or after the subcommand. Nothing in the directory is
+changed: files are opened read-only and torn tails are reported, not cut, so it is
 safe on the data of a running server (it sees what was written when it reads).
 
-Exit status: 0; 1 when ``find`` finds nothing; 2 when the request cannot be answered
+Exit status: 0; 1 when find finds nothing; 2 when the request cannot be answered
 (not a data directory, no such bucket).
 """
 
@@ -25,6 +25,7 @@ import sys
 import time
 from typing import Any
 
+from delayd.cli.args import count, non_negative_count
 from delayd.inspect import as_json, report, text
 from delayd.inspect.progress import byte_progress
 from delayd.inspect.report import InspectError
@@ -34,33 +35,7 @@ from storage.fs import REAL_FS
 DEFAULT_LIMIT = 50
 
 
-def _offset(text_value: str) -> int:
-    try:
-        value = int(text_value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text_value!r} is not a byte offset") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"offset {value} is negative")
-    return value
-
-
-def _limit(text_value: str) -> int:
-    value = _offset(text_value)
-    if value == 0:
-        raise argparse.ArgumentTypeError("--limit must be at least 1")
-    return value
-
-
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "inspect",
-        help="read a data directory offline: logs, buckets, dispatch state, checkpoints",
-        description=(
-            "Read a delayd data directory without changing it: message_log segments and "
-            "schedule_log buckets with their records, dispatch_log state, checkpoints, and "
-            "where a message is. Damaged records are reported as corrupt or torn tail."
-        ),
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", metavar="DIR", help="data directory (required)")
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     # The same two options after the subcommand; SUPPRESS keeps a value given before it.
@@ -73,13 +48,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     what.add_parser("summary", parents=[common], help="segments, buckets, checkpoints, damage")
     log = what.add_parser("message-log", parents=[common], help="records of message_log")
     log.add_argument(
-        "--from", dest="start", type=_offset, metavar="OFFSET", help="a record's offset"
+        "--from", dest="start", type=non_negative_count, metavar="OFFSET", help="a record's offset"
     )
-    log.add_argument("--limit", type=_limit, default=DEFAULT_LIMIT, metavar="N")
+    log.add_argument("--limit", type=count, default=DEFAULT_LIMIT, metavar="N")
     bucket = what.add_parser("bucket", parents=[common], help="records of a schedule_log bucket")
     bucket.add_argument("bucket", metavar="NAME", help="bucket name, yyyyMMddHHmm (UTC)")
-    bucket.add_argument("--from", dest="start", type=_offset, default=0, metavar="OFFSET")
-    bucket.add_argument("--limit", type=_limit, default=DEFAULT_LIMIT, metavar="N")
+    bucket.add_argument(
+        "--from", dest="start", type=non_negative_count, default=0, metavar="OFFSET"
+    )
+    bucket.add_argument("--limit", type=count, default=DEFAULT_LIMIT, metavar="N")
     dispatch = what.add_parser("dispatch", parents=[common], help="a bucket's dispatch_log")
     dispatch.add_argument("bucket", metavar="NAME", help="bucket name, yyyyMMddHHmm (UTC)")
     what.add_parser("checkpoints", parents=[common], help="meta, replay and wheel checkpoints")

@@ -1,14 +1,14 @@
-"""``delayd top``: a live terminal view of delay servers, read from their /metrics.
+"""A live view of one or more delay servers, read from their Prometheus /metrics
+(delayd serve --metrics-listen): throughput, lateness, the wheel and pending messages
+by horizon, replay lag, broker groups and their circuits.
 
-Every ``--interval`` seconds each server is scraped (concurrently, each within
-``--timeout``), the model computes rates against the previous scrape and the renderer
-draws the frame in the terminal's alternate screen. A server that does not answer shows
-as unreachable and is asked again next time. Keys (read without blocking; the terminal
-is put in cbreak mode only when stdin is one): ``q`` quits, ``1``-``9`` select a server,
-Tab / ``n`` the next one, ``p`` the previous one. Ctrl-C quits too.
+Every --interval seconds each server is scraped (concurrently, each within
+--timeout) and the view is drawn again in the terminal's alternate screen. A server
+that does not answer shows as unreachable and is asked again next time. Keys: q quits,
+1-9 select a server, Tab or n the next one, p the previous one. Ctrl-C quits too.
 
-``--once`` scrapes twice, ``--interval`` apart (so that rates exist), prints one frame
-to stdout and exits: for scripts and for a terminal that cannot hold a live view.
+--once scrapes twice, --interval apart (so that rates exist), prints one frame to
+stdout and exits: for scripts, and for a terminal that cannot hold a live view.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import trio
 from rich.console import Console
 from rich.live import Live
 
+from delayd.cli.args import seconds
 from delayd.top.model import Scrape, ServerView, TopModel, server_view
 from delayd.top.render import render
 from delayd.top.scrape import Snapshot, Target, fetch, parse_target
@@ -41,6 +42,13 @@ PREVIOUS_KEYS = frozenset("pk")
 DEFAULT_TARGET = "127.0.0.1:20880"  # delayd serve's default metrics_listen
 
 
+def _seconds_under_an_hour(text: str) -> float:
+    value = seconds(text)
+    if value >= 3600:
+        raise argparse.ArgumentTypeError(f"{value:g} s is more than an hour")
+    return value
+
+
 def _target(text: str) -> Target:
     try:
         return parse_target(text)
@@ -48,27 +56,7 @@ def _target(text: str) -> Target:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not 0 < value < 3600:
-        raise argparse.ArgumentTypeError(f"{value} s is not between 0 and an hour")
-    return value
-
-
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "top",
-        help="live terminal view of delay servers, from their /metrics",
-        description=(
-            "A live view of one or more delay servers read from their Prometheus /metrics "
-            "(delayd serve --metrics-listen): throughput, lateness, the wheel and pending "
-            "messages by horizon, replay lag, broker groups and their circuits. "
-            "q quits; 1-9, Tab, n and p select a server."
-        ),
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "targets",
         nargs="*",
@@ -79,14 +67,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--interval",
-        type=_seconds,
+        type=_seconds_under_an_hour,
         default=DEFAULT_INTERVAL_S,
         metavar="S",
         help=f"seconds between refreshes (default {DEFAULT_INTERVAL_S:g})",
     )
     parser.add_argument(
         "--timeout",
-        type=_seconds,
+        type=_seconds_under_an_hour,
         metavar="S",
         help=f"per scrape (default: the interval, at most {MAX_DEFAULT_TIMEOUT_S:g} s)",
     )
