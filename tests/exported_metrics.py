@@ -67,11 +67,11 @@ def scrape(server: ServeProcess) -> str:
         return response.read().decode()
 
 
-def exported_by_a_live_server(data_dir: Path) -> dict[str, Family]:
+def exported_by_a_live_server(data_dir: Path) -> str:
     """Start ``delayd serve`` on ``data_dir``; send one message due now (delivered to the
     embedded broker and consumed by group ``billing``) and one due in an hour (pending);
-    scrape /metrics once both show; stop the server. The labelled families then have
-    samples: per delivery group, per log, per horizon, per broker queue and group."""
+    scrape /metrics once both show; stop the server. The page's labelled families then
+    have samples: per delivery group, per log, per horizon, per broker queue and group."""
     server = ServeProcess(data_dir)
     try:
         server.start()
@@ -91,11 +91,12 @@ def exported_by_a_live_server(data_dir: Path) -> dict[str, Family]:
             consumer.commit(message)
         deadline = time.monotonic() + 15.0
         while True:
-            families = parse_exposition(scrape(server))
+            page = scrape(server)
+            families = parse_exposition(page)
             pending = families.get("delayd_pending_messages")
             lag = families.get("delayd_broker_consumer_lag_messages")
             if pending and pending.samples and lag and lag.samples:
-                return families
+                return page
             assert time.monotonic() < deadline, "pending and lag series never showed"
             time.sleep(0.1)
     finally:

@@ -5,12 +5,14 @@ time, bounded labels; and the process and build series an operator expects are t
 
 from __future__ import annotations
 
+import subprocess
 import time
 
 import pytest
 
 import delayd
 from tests.exported_metrics import Family, exported_by_a_live_server, parse_exposition
+from tests.test_deploy import require
 
 pytestmark = pytest.mark.slow
 
@@ -66,8 +68,13 @@ STANDARD_TIMES = {"process_start_time_seconds"}
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory) -> dict[str, Family]:
+def exported_page(tmp_path_factory) -> str:
     return exported_by_a_live_server(tmp_path_factory.mktemp("names") / "data")
+
+
+@pytest.fixture(scope="module")
+def exported(exported_page) -> dict[str, Family]:
+    return parse_exposition(exported_page)
 
 
 def naming_problems(families: dict[str, Family]) -> list[str]:
@@ -110,6 +117,15 @@ def test_every_exported_name_follows_the_rules(exported):
         "delayd_delivery_lateness_seconds",
     ):
         assert exported[name].samples, name
+
+
+def test_promtool_lints_the_page_clean(exported_page):
+    """promtool's own linter (``promtool check metrics``) agrees."""
+    promtool = require("promtool")
+    done = subprocess.run(
+        [promtool, "check", "metrics"], input=exported_page, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_the_rules_catch_what_they_are_for():
