@@ -6,7 +6,8 @@
 Runs the job of job.py in a local SparkSession (or on ``--master``), writes the
 Parquet tables and report.html/report.txt under ``--out``, prints the report. Exit 0
 when clean, 1 when discrepancies or corrupt records were found (for cron), 2 when the
-audit could not run. ``spark-submit tools/audit_job.py`` takes the same arguments.
+audit could not run. On a cluster, ``spark-submit "$(delayd audit --job-path)"`` takes
+the same arguments (submit.py).
 
 This module imports neither pyspark nor pyarrow until it runs: the ``delayd`` command
 must work for the server without the ``audit`` extra.
@@ -15,6 +16,7 @@ must work for the server without the ``audit`` extra.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 import traceback
 from typing import TYPE_CHECKING
@@ -48,6 +50,25 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="KEY=VALUE",
         help="a Spark setting, e.g. spark.driver.memory=4g (repeatable)",
     )
+    parser.add_argument(
+        "--job-path",
+        action=_PrintJobPath,
+        help="print the path of the Spark application to give spark-submit, and exit",
+    )
+
+
+class _PrintJobPath(argparse.Action):
+    """Prints the installed path of submit.py and exits, before the required arguments
+    are checked (as ``--version`` does): spark-submit takes a file, not a module."""
+
+    def __init__(self, option_strings: list[str], dest: str, help: str) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        spec = importlib.util.find_spec("delayd.audit.submit")
+        assert spec is not None and spec.origin is not None
+        sys.stdout.write(spec.origin + "\n")
+        parser.exit()
 
 
 def spark_conf(pairs: list[str]) -> dict[str, str]:
