@@ -166,9 +166,12 @@ def test_dashboard_queries_parse_as_promql(tmp_path):
 
 
 def test_dashboard_panels_do_not_overlap():
-    """Grafana places panels by gridPos: two on one cell hide each other."""
+    """Grafana places panels by gridPos: two on one cell hide each other; and tells
+    them apart by id."""
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    assert len({panel["id"] for panel in panels}) == len(panels)
     cells: dict[tuple[int, int], str] = {}
-    for panel in json.loads(DASHBOARD.read_text())["panels"]:
+    for panel in panels:
         pos = panel["gridPos"]
         assert pos["x"] + pos["w"] <= 24, panel["title"]
         for x in range(pos["x"], pos["x"] + pos["w"]):
