@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import subprocess
 import time
+import urllib.request
 
 import pytest
 
 import delayd
+from tests.broker_support import BrokerProcess
 from tests.exported_metrics import Family, exported_by_a_live_server, parse_exposition
 from tests.test_deploy import require
 
@@ -117,6 +119,22 @@ def test_every_exported_name_follows_the_rules(exported):
         "delayd_delivery_lateness_seconds",
     ):
         assert exported[name].samples, name
+
+
+def test_a_standalone_broker_follows_them_too(tmp_path):
+    """``delayd broker`` registers its collectors its own way (from before recovery)."""
+    broker = BrokerProcess(tmp_path / "data")
+    try:
+        broker.start()
+        with urllib.request.urlopen(
+            "http://{}:{}/metrics".format(*broker.metrics_address), timeout=10
+        ) as response:
+            families = parse_exposition(response.read().decode())
+    finally:
+        broker.close()
+    assert naming_problems(families) == []
+    assert "delayd_broker_stored_messages_total" in families
+    assert families["delayd_build_info"].samples
 
 
 def test_promtool_lints_the_page_clean(exported_page):
