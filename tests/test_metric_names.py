@@ -5,6 +5,7 @@ time, bounded labels; and the process and build series an operator expects are t
 
 from __future__ import annotations
 
+import re
 import subprocess
 import time
 import urllib.request
@@ -14,6 +15,7 @@ import pytest
 import delayd
 from tests.broker_support import BrokerProcess
 from tests.exported_metrics import Family, exported_by_a_live_server, parse_exposition
+from tests.intake_support import ROOT
 from tests.test_deploy import require
 
 pytestmark = pytest.mark.slow
@@ -119,6 +121,27 @@ def test_every_exported_name_follows_the_rules(exported):
         "delayd_delivery_lateness_seconds",
     ):
         assert exported[name].samples, name
+
+
+def renamed_in_the_docs() -> dict[str, str]:
+    """old -> new, from the "Renamed metrics" table of docs/operations.md."""
+    text = (ROOT / "docs" / "operations.md").read_text()
+    table = text[text.index("### Renamed metrics") :]
+    table = table[: table.index("\n#")]
+    return dict(re.findall(r"^\| `(delayd_\w+)` \| `(delayd_\w+)`", table, re.M))
+
+
+def test_the_docs_name_only_exported_metrics(exported):
+    """Every ``delayd_…`` name in docs/ and the README is one the server exports, or
+    an old name in the table of renames, whose new name it exports."""
+    renamed = renamed_in_the_docs()
+    assert len(renamed) >= 20
+    names = set(exported) | {n for family in exported.values() for n in family.sample_names()}
+    assert set(renamed.values()) <= names
+    documented = set()
+    for path in [*(ROOT / "docs").glob("*.md"), ROOT / "README.md"]:
+        documented |= set(re.findall(r"\bdelayd_[a-z0-9_]*[a-z0-9]", path.read_text()))
+    assert documented - names - set(renamed) == set()
 
 
 def test_a_standalone_broker_follows_them_too(tmp_path):
