@@ -1,19 +1,21 @@
 """Prometheus metrics of client connections, the same for the delay server and the
 broker: one ConnectionGate per listener (label ``listener``), read at scrape time.
 
-With them, ``register_process_metrics`` adds prometheus_client's ProcessCollector
-(``process_open_fds``, ``process_max_fds``, ``process_resident_memory_bytes``...): what
-the connection limits protect, next to what they refused.
+With them, ``register_connection_metrics`` adds prometheus_client's ProcessCollector
+(``process_open_fds``, ``process_max_fds``, ``process_resident_memory_bytes``..., read
+from /proc at scrape time): what the connection limits protect, next to what they
+refused; and ``delayd_build_info{version}``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 
-from prometheus_client import CollectorRegistry, ProcessCollector
+from prometheus_client import CollectorRegistry, Info, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from delayd import __version__
 from delayd.connection_gate import CLOSING_CODES, ConnectionGate
 
 
@@ -27,15 +29,15 @@ class ConnectionCollector(Collector):
         gates = sorted(self.gates.items())
         labels = ["listener"]
         open_ = GaugeMetricFamily(
-            "delayd_connections_open", "Client connections open now.", labels=labels
+            "delayd_open_connections", "Client connections open now.", labels=labels
         )
         cap = GaugeMetricFamily(
-            "delayd_connections_max",
+            "delayd_max_connections",
             "The listener's max_connections (from the descriptor limit when configured 0).",
             labels=labels,
         )
         refused = CounterMetricFamily(
-            "delayd_connections_refused_total",
+            "delayd_refused_connections_total",
             "Connections refused: max_connections reached (answered TOO_MANY_CONNECTIONS), "
             "or accept failed for want of descriptors or memory (EMFILE, ENFILE...).",
             labels=[*labels, "reason"],
@@ -58,7 +60,7 @@ class ConnectionCollector(Collector):
             labels=labels,
         )
         waiting = GaugeMetricFamily(
-            "delayd_connection_frames_waiting_for_budget",
+            "delayd_connection_budget_waiting_frames",
             "Large frames waiting for room in max_unfinished_frame_bytes before being read.",
             labels=labels,
         )
@@ -78,6 +80,10 @@ class ConnectionCollector(Collector):
 def register_connection_metrics(
     registry: CollectorRegistry, gates: Mapping[str, ConnectionGate]
 ) -> None:
-    """The connection metrics of ``gates`` and the process's own (process_*)."""
+    """The connection metrics of ``gates`` and the process's own (process_*,
+    delayd_build_info)."""
     registry.register(ConnectionCollector(gates))
     ProcessCollector(registry=registry)
+    Info("delayd_build", "The delayd version this process runs.", registry=registry).info(
+        {"version": __version__}
+    )

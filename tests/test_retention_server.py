@@ -135,9 +135,10 @@ def test_served_retention_deletes_delivers_and_restarts(procs, tmp_path):
         "replayed segments deleted",
     )
     values = metrics(server)
-    assert values['delayd_retention_deleted_total{log="schedule_log"}'] >= 2
-    assert values['delayd_retention_deleted_total{log="dispatch_log"}'] >= 2
-    assert values['delayd_retention_deleted_total{log="message_log"}'] == len(segments_before) - 1
+    assert values['delayd_retention_deleted_files_total{log="schedule_log"}'] >= 2
+    assert values['delayd_retention_deleted_files_total{log="dispatch_log"}'] >= 2
+    deleted_segments = values['delayd_retention_deleted_files_total{log="message_log"}']
+    assert deleted_segments == len(segments_before) - 1
     assert values['delayd_retention_deleted_bytes_total{log="schedule_log"}'] > 0
     assert "retention: deleted" in server.log_path.read_text()
     # The pending count forgot the deleted buckets, and counts nothing left (it reads

@@ -69,17 +69,17 @@ class BrokerCollector(Collector):
         broker = self.broker
         store = broker.store
         yield CounterMetricFamily(
-            "delayd_broker_messages_stored",
+            "delayd_broker_stored_messages",
             "Messages stored (OK results) since the broker started.",
             value=store.messages_stored,
         )
         yield CounterMetricFamily(
-            "delayd_broker_duplicates",
+            "delayd_broker_duplicate_messages",
             "Messages acknowledged DUPLICATE (id already stored) since the broker started.",
             value=broker.duplicates,
         )
         yield CounterMetricFamily(
-            "delayd_broker_refused",
+            "delayd_broker_refused_messages",
             "Messages refused (invalid subject, size, delayed...) since the broker started.",
             value=broker.refused,
         )
@@ -92,7 +92,7 @@ class BrokerCollector(Collector):
             "delayd_broker_dedupe_ids", "Message ids in the idempotency window.", len(broker.window)
         )
         ends = GaugeMetricFamily(
-            "delayd_broker_queue_end_offset",
+            "delayd_broker_queue_end_offset_messages",
             "One past the newest offset of each queue.",
             labels=["subject", "queue"],
         )
@@ -100,7 +100,7 @@ class BrokerCollector(Collector):
             ends.add_metric([subject, str(queue)], store.queue_end(subject, queue))
         yield ends
         lag = GaugeMetricFamily(
-            "delayd_broker_consumer_lag",
+            "delayd_broker_consumer_lag_messages",
             "Messages of a queue not yet committed by a consumer group.",
             labels=["group", "subject", "queue"],
         )
@@ -108,7 +108,7 @@ class BrokerCollector(Collector):
             lag.add_metric([group, subject, str(queue)], behind)
         yield lag
         by_subject = GaugeMetricFamily(
-            "delayd_broker_subject_consumer_lag",
+            "delayd_broker_subject_consumer_lag_messages",
             "Messages of a subject a consumer group has not committed, over all its queues "
             "(a queue the group never committed counts from where it would start).",
             labels=["group", "subject"],

@@ -17,6 +17,7 @@ Spark not starting).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 import time
@@ -114,6 +115,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="a Spark setting, e.g. spark.driver.memory=4g (repeatable)",
     )
+    parser.add_argument(
+        "--job-path",
+        action=_PrintJobPath,
+        help="print the path of the Spark application to give spark-submit, and exit",
+    )
+
+
+class _PrintJobPath(argparse.Action):
+    """Prints the installed path of audit_submit.py and exits, before the required
+    arguments are checked (as ``--version`` does): spark-submit takes a file, not a
+    module."""
+
+    def __init__(self, option_strings: list[str], dest: str, help: str) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        spec = importlib.util.find_spec("delayd.cli.audit_submit")
+        assert spec is not None and spec.origin is not None
+        sys.stdout.write(spec.origin + "\n")
+        parser.exit()
 
 
 def config_from_args(args: argparse.Namespace) -> AuditConfig:

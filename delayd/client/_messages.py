@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from datetime import datetime, timedelta
 from typing import Any
 
+from delayd.client._due import send_times
 from delayd.client._ids import new_message_id
 from delayd.protocol import Message
 
@@ -20,6 +22,8 @@ def build_message(
     subject: str,
     body: bytes | bytearray | memoryview | str,
     *,
+    at: datetime | None = None,
+    delay: timedelta | None = None,
     at_ms: int | None = None,
     delay_ms: int | None = None,
     message_id: str | None = None,
@@ -28,13 +32,14 @@ def build_message(
 ) -> Message:
     """The Message to send; a ``str`` body is sent as UTF-8.
 
-    ``at_ms`` (absolute due time, epoch ms UTC) and ``delay_ms`` (ms after the server
-    receives it) are mutually exclusive; with neither, the message is not delayed.
-    Without ``message_id`` the client makes a unique, time-ordered one. Raises
-    ValueError for both times at once or a body that is not bytes or str.
+    At most one of ``at`` (an aware datetime), ``delay`` (a timedelta after the server
+    receives it), ``at_ms`` (epoch ms UTC) and ``delay_ms`` (ms after receipt); with
+    none, the message is not delayed (delayd.client._due). Without ``message_id`` the
+    client makes a unique, time-ordered one. Raises ValueError for two times at once, a
+    naive datetime, a negative delay or a body that is not bytes or str; TypeError for
+    a time of the wrong type.
     """
-    if at_ms is not None and delay_ms is not None:
-        raise ValueError("give at_ms (an absolute epoch-ms time) or delay_ms, not both")
+    at_ms, delay_ms = send_times(at, delay, at_ms, delay_ms)
     if isinstance(body, str):
         body = body.encode()
     elif isinstance(body, (bytearray, memoryview)):

@@ -12,8 +12,10 @@ acknowledge several with one fsync.
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import asynccontextmanager
+from datetime import datetime, timedelta
 from typing import Any
 
 import anyio
@@ -22,6 +24,7 @@ import anyio.abc
 from delayd import __version__
 from delayd.client._async_session import AsyncSession
 from delayd.client._backoff import Backoff
+from delayd.client._due import reschedule_due_ms
 from delayd.client._messages import build_message, coerce_batch, split_frames
 from delayd.client._task_group import background_task_group
 from delayd.client.cancel_receipt import (
@@ -31,7 +34,6 @@ from delayd.client.cancel_receipt import (
     batch_receipts,
     check_message_id,
     check_message_ids,
-    reschedule_at_ms,
 )
 from delayd.client.receipt import Receipt
 from delayd.errors import BusyError, ConnectionClosedError, DelaydTimeout, RejectedError
@@ -79,6 +81,8 @@ class AsyncProducer:
         subject: str,
         body: bytes | str,
         *,
+        at: datetime | None = None,
+        delay: timedelta | None = None,
         at_ms: int | None = None,
         delay_ms: int | None = None,
         message_id: str | None = None,
@@ -87,9 +91,12 @@ class AsyncProducer:
     ) -> Receipt:
         """Send one message and wait until the server has stored it durably.
 
-        ``at_ms`` is an absolute due time (epoch ms UTC), ``delay_ms`` a delay after the
-        server receives it; give at most one (ValueError otherwise). Returns the receipt
-        (``message_id``; ``due_ms`` and ``sequence`` from the delay server).
+        When it is due: ``at`` an aware datetime or ``delay`` a timedelta after the
+        server receives it, or the same in milliseconds, ``at_ms`` (epoch ms UTC) or
+        ``delay_ms``; at most one of the four (none: not delayed). A naive datetime, a
+        negative delay or two times raise ValueError, a time of the wrong type TypeError,
+        each naming the argument. Returns the receipt (``message_id``; ``due_ms`` and
+        ``sequence`` from the delay server).
 
         Raises RejectedError when the server refuses the message (its ``code`` and
         ``reason`` say why), BusyError when it stayed busy through the retries,
@@ -98,6 +105,8 @@ class AsyncProducer:
         message = build_message(
             subject,
             body,
+            at=at,
+            delay=delay,
             at_ms=at_ms,
             delay_ms=delay_ms,
             message_id=message_id,
@@ -244,20 +253,27 @@ class AsyncProducer:
         return [receipt for frame_receipts in answers for receipt in frame_receipts]
 
     async def reschedule(
-        self, message_id: str, *, at_ms: int | None = None, delay_ms: int | None = None
+        self,
+        message_id: str,
+        *,
+        at: datetime | None = None,
+        delay: timedelta | None = None,
+        at_ms: int | None = None,
+        delay_ms: int | None = None,
     ) -> RescheduleReceipt:
-        """Move the delayed message ``message_id`` to ``at_ms`` (epoch ms UTC) or to
-        ``delay_ms`` from now (this machine's clock); it keeps its id and body and is
-        delivered at the new time instead of the old one — never both, never neither.
+        """Move the delayed message ``message_id`` to ``at`` (an aware datetime) or
+        ``at_ms`` (epoch ms UTC), or to ``delay`` (a timedelta) or ``delay_ms`` from now
+        (this machine's clock); it keeps its id and body and is delivered at the new time
+        instead of the old one — never both, never neither.
 
         ``outcome``: RESCHEDULED, ALREADY_DELIVERED (too late; ``dispatched_ms``),
         UNKNOWN (no pending message with that id), DELAY_TOO_LONG (beyond the server's
         max_delay: refused, never clamped). A time in the past means "now". Raises
-        ValueError for neither or both of at_ms/delay_ms or a negative delay,
-        DelaydTimeout after ``timeout_s``.
+        ValueError unless exactly one time is given, or for a naive datetime or a negative
+        delay; TypeError for a time of the wrong type; DelaydTimeout after ``timeout_s``.
         """
         check_message_id(message_id)
-        due_ms = reschedule_at_ms(at_ms, delay_ms)
+        due_ms = reschedule_due_ms(time.time_ns() // 1_000_000, at, delay, at_ms, delay_ms)
         result = await self._request(
             lambda rid: Reschedule(message_id, due_ms, request_id=rid),
             f"rescheduling {message_id!r}",

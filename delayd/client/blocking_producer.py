@@ -16,12 +16,14 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
+from datetime import datetime, timedelta
 from types import TracebackType
 from typing import Any
 
 from delayd import __version__
 from delayd.client._backoff import Backoff
 from delayd.client._blocking_session import BlockingSession
+from delayd.client._due import reschedule_due_ms
 from delayd.client._messages import (
     MAX_FRAME_MESSAGES,
     build_message,
@@ -35,7 +37,6 @@ from delayd.client.cancel_receipt import (
     batch_receipts,
     check_message_id,
     check_message_ids,
-    reschedule_at_ms,
 )
 from delayd.client.receipt import Receipt
 from delayd.errors import (
@@ -124,6 +125,8 @@ class Producer:
         subject: str,
         body: bytes | str,
         *,
+        at: datetime | None = None,
+        delay: timedelta | None = None,
         at_ms: int | None = None,
         delay_ms: int | None = None,
         message_id: str | None = None,
@@ -134,11 +137,13 @@ class Producer:
 
         Arguments and errors as ``AsyncProducer.send``: RejectedError for a refusal,
         BusyError when the server stayed busy, DelaydTimeout after ``timeout_s``,
-        ValueError for ``at_ms`` together with ``delay_ms``.
+        ValueError or TypeError (naming it) for a bad ``at``/``delay``/``at_ms``/``delay_ms``.
         """
         message = build_message(
             subject,
             body,
+            at=at,
+            delay=delay,
             at_ms=at_ms,
             delay_ms=delay_ms,
             message_id=message_id,
@@ -215,11 +220,17 @@ class Producer:
         return [receipt for index in range(len(frames)) for receipt in answers[index]]
 
     def reschedule(
-        self, message_id: str, *, at_ms: int | None = None, delay_ms: int | None = None
+        self,
+        message_id: str,
+        *,
+        at: datetime | None = None,
+        delay: timedelta | None = None,
+        at_ms: int | None = None,
+        delay_ms: int | None = None,
     ) -> RescheduleReceipt:
         """Move a delayed message to a new time; as ``AsyncProducer.reschedule``."""
         check_message_id(message_id)
-        due_ms = reschedule_at_ms(at_ms, delay_ms)
+        due_ms = reschedule_due_ms(time.time_ns() // 1_000_000, at, delay, at_ms, delay_ms)
         result = self._request(lambda rid: Reschedule(message_id, due_ms, request_id=rid))
         assert isinstance(result, RescheduleResult)
         return RescheduleReceipt.from_result(message_id, due_ms, result)

@@ -7,7 +7,6 @@ UNKNOWN (no message with that id); never "maybe" (docs/cancel.md).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 from delayd.errors import RemoteProtocolError
@@ -67,20 +66,6 @@ def check_message_id(message_id: str) -> None:
     """Raise ValueError for an id no message can have."""
     if not isinstance(message_id, str) or not message_id:
         raise ValueError("message_id must be a non-empty string")
-
-
-def reschedule_at_ms(at_ms: int | None, delay_ms: int | None) -> int:
-    """The absolute time (epoch ms) to send for ``reschedule``: ``at_ms``, or now +
-    ``delay_ms`` by this machine's clock (RESCHEDULE carries an absolute time). Raises
-    ValueError for neither or both, or a negative delay — the checks a send makes."""
-    if (at_ms is None) == (delay_ms is None):
-        raise ValueError("give exactly one of at_ms and delay_ms")
-    if delay_ms is not None:
-        if delay_ms < 0:
-            raise ValueError(f"delay_ms is {delay_ms}; a delay cannot be negative")
-        return time.time_ns() // 1_000_000 + delay_ms
-    assert at_ms is not None
-    return at_ms
 
 
 def check_message_ids(message_ids: object) -> list[str]:

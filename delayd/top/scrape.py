@@ -2,7 +2,7 @@
 
 The parser is prometheus_client's (``text_string_to_metric_families``), so anything a
 Prometheus server can scrape, ``delayd top`` can read. Samples are kept by their sample
-name (``delayd_intake_accepted_total``, ``…_bucket``, ``…_count``), which is what the
+name (``delayd_intake_accepted_messages_total``, ``…_bucket``, ``…_count``), which is what the
 model asks for.
 """
 
