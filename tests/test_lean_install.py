@@ -37,9 +37,12 @@ atexit.register(report)
 NONE_ASKED = "heavy modules asked for: []; loaded: []"
 
 
+AUDIT_JOB = ROOT / "delayd" / "cli" / "spark_submit" / "audit_job.py"
+
+
 def blocked(*args: str) -> list[str]:
     """The delayd command with ``args``, Spark and Arrow blocked."""
-    run = "from delayd.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+    run = "from delayd.cli.main import main\nsys.exit(main(sys.argv[1:]))\n"
     return [sys.executable, "-c", BLOCK + run, *args]
 
 
@@ -119,7 +122,7 @@ def test_the_audit_says_what_to_install_without_the_extra(tmp_path):
         [*DELAYD, "audit", "--job-path"], capture_output=True, text=True, env=_env()
     )
     submit = job.stdout.strip()
-    assert job.returncode == 0 and Path(submit) == ROOT / "delayd" / "cli" / "audit_submit.py"
+    assert job.returncode == 0 and Path(submit) == AUDIT_JOB
     arguments = ["--data", str(tmp_path / "data"), "--out", str(tmp_path / "out")]
     # `delayd audit`, and the file spark-submit runs, run by a plain interpreter
     for args in (blocked("audit", *arguments), blocked_file(Path(submit), *arguments)):
@@ -131,7 +134,7 @@ def test_the_audit_says_what_to_install_without_the_extra(tmp_path):
 def test_the_audit_application_runs_from_the_checkout_and_the_package():
     """``tools/audit_job.py`` (the checkout's entry) and the installed file take the
     audit's arguments."""
-    for path in (ROOT / "tools" / "audit_job.py", ROOT / "delayd" / "cli" / "audit_submit.py"):
+    for path in (ROOT / "tools" / "audit_job.py", AUDIT_JOB):
         done = subprocess.run(
             [sys.executable, str(path), "--help"], capture_output=True, text=True, env=_env()
         )
@@ -167,7 +170,7 @@ def test_the_wheel_ships_the_license_the_type_marker_and_the_audit_application(t
     assert built.returncode == 0, built.stdout + built.stderr
     (wheel,) = (tmp_path / "dist").glob("delayd-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert {"delayd/py.typed", "storage/py.typed", "delayd/cli/audit_submit.py"} <= names
+    assert {"delayd/py.typed", "storage/py.typed", "delayd/cli/spark_submit/audit_job.py"} <= names
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
     metadata = next(n for n in names if n.endswith(".dist-info/METADATA"))
     text = zipfile.ZipFile(wheel).read(metadata).decode()

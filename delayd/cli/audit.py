@@ -123,7 +123,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 class _PrintJobPath(argparse.Action):
-    """Prints the installed path of audit_submit.py and exits, before the required
+    """Prints the installed path of spark_submit/audit_job.py and exits, before the required
     arguments are checked (as ``--version`` does): spark-submit takes a file, not a
     module."""
 
@@ -131,7 +131,7 @@ class _PrintJobPath(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
-        spec = importlib.util.find_spec("delayd.cli.audit_submit")
+        spec = importlib.util.find_spec("delayd.cli.spark_submit.audit_job")
         assert spec is not None and spec.origin is not None
         sys.stdout.write(spec.origin + "\n")
         parser.exit()
