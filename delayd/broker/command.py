@@ -2,13 +2,13 @@
 
 Prints ``delayd broker listening on HOST:PORT`` on stdout once it accepts connections
 (the actual port when ``--listen`` asks for port 0); everything else goes to the log
-(stderr, one line each: ``--log-format kv|json``, ``--log-level``; delayd.logsetup).
+(stderr, one line each: ``--log-format kv|json``, ``--log-level``; delayd.serving.structured_logs).
 Shutdown: stop accepting and reading, answer every SEND_BATCH already appended, close
 connections (FIN after the last answer), then flush the commitlog, checkpoint the
 consume queues and index, persist offsets, exit 0.
 
 Start-up takes the data directory's lock (storage.dirlock: one writer at a time), then
-binds its ports (delayd.listen), then recovers: another process holding the directory
+binds its ports (delayd.serving.listeners), then recovers: another process holding the directory
 or a port in use ends it at once, exit 1, with a message naming the holder or the
 listener and address.
 """
@@ -27,16 +27,16 @@ from delayd.broker.broker import Broker
 from delayd.broker.config import DAY_MS, BrokerConfig, StartFrom
 from delayd.broker.metrics import collect_broker_metrics
 from delayd.broker.server import broker_listener
-from delayd.connection_limits import (
+from delayd.serving.connection_limits import (
     DEFAULT_FRAME_TIMEOUT_MS,
     DEFAULT_HELLO_TIMEOUT_MS,
     DEFAULT_MAX_UNFINISHED_FRAME_BYTES,
 )
-from delayd.gcsetup import tune_gc_for_serving
-from delayd.listen import open_listeners
-from delayd.logsetup import add_logging_arguments, configure_logging
-from delayd.metrics_http import Readiness, serve_metrics
-from delayd.serving import serve_data_dir
+from delayd.serving.data_dir import serve_data_dir
+from delayd.serving.gc_tuning import tune_gc_for_serving
+from delayd.serving.listeners import open_listeners
+from delayd.serving.metrics_http import Readiness, serve_metrics
+from delayd.serving.structured_logs import add_logging_arguments, configure_logging
 from storage.flusher import FlushMode, FlushPolicy
 
 log = logging.getLogger("delayd.broker")
@@ -184,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace, config: BrokerConfig) -> None:
-    # Ports first: a clash is reported at once, not after recovery (delayd.listen).
+    # Ports first: a clash is reported at once, not after recovery (delayd.serving.listeners).
     # Clients wait in the backlog while the broker recovers; /healthz answers and
     # /readyz says "recovering" meanwhile.
     listeners = await open_listeners("the broker", *args.listen)

@@ -1,5 +1,5 @@
 """Prometheus metrics of the broker: the collectors ``delayd broker`` adds to the registry
-it serves (delayd.metrics_http, from before recovery: delayd.broker.command) on the
+it serves (delayd.serving.metrics_http, from before recovery: delayd.broker.command) on the
 broker's event loop.
 
 Values are read from the Broker at scrape time by a custom collector (prometheus-client's
@@ -18,10 +18,10 @@ from prometheus_client.registry import Collector
 
 from delayd.broker.broker import Broker
 from delayd.broker.config import StartFrom
-from delayd.connection_gate import ConnectionGate
-from delayd.connection_metrics import register_connection_metrics
-from delayd.metrics_http import Readiness
-from delayd.store_metrics import (
+from delayd.serving.connection_gate import ConnectionGate
+from delayd.serving.connection_metrics import register_connection_metrics
+from delayd.serving.metrics_http import Readiness
+from delayd.serving.store_metrics import (
     DiskCollector,
     FreeSpace,
     StoreCollector,

@@ -14,7 +14,7 @@ until its answer is queued to the writer (bounded as well); requests answered in
 wait for room in the writer on the reader. So a client that never reads its answers
 stops its own reader and costs bounded memory. The connection cap, the HELLO and frame
 deadlines and the frame budget come from the broker's ConnectionLimits
-(delayd.connection_gate, delayd.stream_events).
+(delayd.serving.connection_gate, delayd.serving.frame_reader).
 
 Bad input never crashes the broker: a protocol violation gets the closing ERROR the
 Connection names and the socket is closed; a bad argument gets ERROR INVALID_REQUEST; an
@@ -32,15 +32,12 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
-from delayd.answer_queue import AnswerQueue
 from delayd.broker.broker import Broker
-from delayd.connection_gate import ConnectionGate
 from delayd.errors import (
     ConnectionClosedError,
     LocalProtocolError,
     RejectedError,
 )
-from delayd.nowait import acquire
 from delayd.protocol import (
     SERVER,
     Cancel,
@@ -69,9 +66,12 @@ from delayd.protocol import (
     StatsResult,
 )
 from delayd.protocol.frames import DEFAULT_MAX_FRAME_SIZE
-from delayd.stoppable_listener import StoppableListener, linger
-from delayd.stream_events import read_and_dispatch
-from delayd.stream_writer import FrameWriter
+from delayd.serving.answer_queue import AnswerQueue
+from delayd.serving.connection_gate import ConnectionGate
+from delayd.serving.frame_reader import read_and_dispatch
+from delayd.serving.frame_writer import FrameWriter
+from delayd.serving.nowait_acquire import acquire
+from delayd.serving.stoppable_listener import StoppableListener, linger
 from storage.errors import StorageError
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ async def serve_broker(
     task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Listen on host:port (0: any free port), or on ``listeners`` already bound there
-    (delayd.listen: bound before recovery), and serve until cancelled.
+    (delayd.serving.listeners: bound before recovery), and serve until cancelled.
 
     ``gate``: the listener's cap and counts (for /metrics); by default one of the
     broker's ``connection_limits``. Reports the bound (host, port) addresses through
@@ -112,7 +112,7 @@ def broker_listener(
 ) -> StoppableListener[BrokerConnection]:
     """The broker's listener with a graceful stop: ``serve`` it as serve_broker does,
     then ``stop(grace_s)`` answers every SEND_BATCH appended before closing (a held
-    PULL is dropped: nothing is committed by it) — delayd.stoppable_listener. ``gate``:
+    PULL is dropped: nothing is committed by it) — delayd.serving.stoppable_listener. ``gate``:
     its cap and counts (for /metrics); by default one of the broker's
     ``connection_limits``."""
     if gate is None:

@@ -25,14 +25,8 @@ from prometheus_client import CollectorRegistry
 from delayd.broker import Broker
 from delayd.broker.metrics import BrokerCollector
 from delayd.broker.server import broker_listener
-from delayd.connection_gate import ConnectionGate
-from delayd.connection_metrics import register_connection_metrics
-from delayd.listen import bound_addresses
-from delayd.listen import open_listeners as bind
 from delayd.logs import layout
 from delayd.logs.known_ids import KnownIds
-from delayd.metrics_http import Readiness, serve_metrics
-from delayd.receiver import Receiver
 from delayd.replay import Replayer, open_replayer
 from delayd.server.config import Address, ServeConfig
 from delayd.server.connection import DelayConnection
@@ -42,9 +36,15 @@ from delayd.server.intake import IntakePath
 from delayd.server.listener import IntakeListener
 from delayd.server.metrics import IntakeCollector
 from delayd.server.pending_metrics import PendingCollector, PendingTracker, chained
+from delayd.server.receiver import Receiver
 from delayd.server.retention import Retention, remove_orphans
 from delayd.server.retention_metrics import RetentionCollector
-from delayd.store_metrics import (
+from delayd.serving.connection_gate import ConnectionGate
+from delayd.serving.connection_metrics import register_connection_metrics
+from delayd.serving.listeners import bound_addresses
+from delayd.serving.listeners import open_listeners as bind
+from delayd.serving.metrics_http import Readiness, serve_metrics
+from delayd.serving.store_metrics import (
     RESUME_FREE_BYTES,
     DiskCollector,
     FreeSpace,
@@ -52,7 +52,7 @@ from delayd.store_metrics import (
     StoreSizes,
     broker_directories,
 )
-from delayd.write_refusals import WriteRefusals
+from delayd.serving.write_refusals import WriteRefusals
 from storage.flusher import FlushMode, LogWriter
 from storage.fs import REAL_FS, FileSystem
 from storage.segmented_log import SegmentedLog

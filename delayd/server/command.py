@@ -5,11 +5,11 @@ real port when ``--listen`` asks for port 0), preceded by ``delayd serve broker
 listening on HOST:PORT`` and ``delayd serve metrics on http://HOST:PORT/metrics`` when
 those listen (metrics: 127.0.0.1:20880 unless configured otherwise). Logs go to
 stderr, one line each (``--log-format kv|json``, ``--log-level``, or ``[log]`` of the
-configuration; delayd.logsetup). On SIGTERM or SIGINT: stop accepting, answer what is in
-flight, flush, write the replay checkpoint, exit 0. Exit 2 for a bad configuration, 1
-when the data directory cannot be served (corruption, a changed segment_scale, another
-process holding it: storage.dirlock) or a port cannot be bound (delayd.listen; bound
-before recovery, so that is said at once).
+configuration; delayd.serving.structured_logs). On SIGTERM or SIGINT: stop accepting,
+answer what is in flight, flush, write the replay checkpoint, exit 0. Exit 2 for a bad
+configuration, 1 when the data directory cannot be served (corruption, a changed
+segment_scale, another process holding it: storage.dirlock) or a port cannot be bound
+(delayd.serving.listeners; bound before recovery, so that is said at once).
 
 The configuration is the defaults, then ``--config``, then ``DELAYD_<TABLE>_<KEY>``
 variables, then the flags (docs/configuration.md); ``--print-config`` prints it as
@@ -29,13 +29,6 @@ from functools import partial
 
 import trio
 
-from delayd.gcsetup import tune_gc_for_serving
-from delayd.logsetup import (
-    DEFAULT_LOG_FORMAT,
-    DEFAULT_LOG_LEVEL,
-    add_logging_arguments,
-    configure_logging,
-)
 from delayd.server.app import DelayServer, open_listeners, serve_metrics_early
 from delayd.server.config import (
     ConfigError,
@@ -46,7 +39,14 @@ from delayd.server.config import (
 )
 from delayd.server.config_env import load_effective_config
 from delayd.server.config_print import config_to_toml
-from delayd.serving import serve_data_dir
+from delayd.serving.data_dir import serve_data_dir
+from delayd.serving.gc_tuning import tune_gc_for_serving
+from delayd.serving.structured_logs import (
+    DEFAULT_LOG_FORMAT,
+    DEFAULT_LOG_LEVEL,
+    add_logging_arguments,
+    configure_logging,
+)
 
 log = logging.getLogger("delayd.serve")
 
@@ -183,7 +183,7 @@ async def _serve(data_dir: str, config: ServeConfig) -> None:
         except BaseException:
             await listeners.aclose()
             raise
-        tune_gc_for_serving()  # after recovery: what it built is frozen (delayd/gcsetup.py)
+        tune_gc_for_serving()  # after recovery: what it built is frozen (serving.gc_tuning)
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with trio.open_nursery() as nursery:
                 run = partial(server.run, listeners=listeners, metrics=metrics)

@@ -13,7 +13,7 @@ too), not merely until it is decided: a client that pipelines requests and never
 the answers holds at most MAX_IN_FLIGHT batches and MAX_TOMBSTONES_IN_FLIGHT tombstones,
 then its reader stops, and it stalls only itself. Requests answered on the reader
 (HELLO, STATS, refusals) wait for room in the writer there. Deadlines, the frame budget
-and the connection cap are the listener's (delayd.stream_events, connection_gate).
+and the connection cap are the listener's (delayd.serving.frame_reader, connection_gate).
 
 Bad input never crashes the server: a protocol violation (bad frame, no HELLO, wrong
 token) gets the closing ERROR the Connection names and the socket is closed; requests
@@ -29,7 +29,7 @@ answers could not be delivered). ``stop_reading`` (server shutdown) instead stop
 taking requests and lets the in-flight ones finish, so batches already appended are
 still acknowledged, then closes with FIN after the last answer: what the
 client sent after the stop is read and dropped, never appended, never answered
-(delayd.stoppable_listener.linger).
+(delayd.serving.stoppable_listener.linger).
 """
 
 from __future__ import annotations
@@ -40,10 +40,7 @@ from collections.abc import Callable
 
 import trio
 
-from delayd.answer_queue import AnswerQueue
-from delayd.connection_gate import ConnectionGate
 from delayd.errors import ConnectionClosedError, LocalProtocolError
-from delayd.nowait import acquire
 from delayd.protocol import (
     SERVER,
     Cancel,
@@ -64,12 +61,15 @@ from delayd.protocol import (
     Stats,
     StatsResult,
 )
-from delayd.receiver import Intake
 from delayd.server.cancels import Answer
 from delayd.server.intake import IntakePath
-from delayd.stoppable_listener import linger
-from delayd.stream_events import read_and_dispatch
-from delayd.stream_writer import FrameWriter
+from delayd.server.receiver import Intake
+from delayd.serving.answer_queue import AnswerQueue
+from delayd.serving.connection_gate import ConnectionGate
+from delayd.serving.frame_reader import read_and_dispatch
+from delayd.serving.frame_writer import FrameWriter
+from delayd.serving.nowait_acquire import acquire
+from delayd.serving.stoppable_listener import linger
 from storage.errors import DiskFullError, StorageError
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from delayd.connection_gate import CLOSING_CODES, ConnectionGate
+from delayd.serving.connection_gate import CLOSING_CODES, ConnectionGate
 
 
 class ConnectionCollector(Collector):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from delayd.fdlimit import default_max_connections
+from delayd.serving.descriptor_limit import default_max_connections
 
 DEFAULT_HELLO_TIMEOUT_MS = 10_000
 DEFAULT_FRAME_TIMEOUT_MS = 30_000
@@ -24,10 +24,12 @@ DEFAULT_MAX_UNFINISHED_FRAME_BYTES = 64 * 1024 * 1024
 class ConnectionLimits:
     """The limits of one listener; ValueError naming the field when one is invalid."""
 
-    max_connections: int = 0  # 0: from the descriptor limit (fdlimit.default_max_connections)
+    max_connections: int = (
+        0  # 0: from the descriptor limit (descriptor_limit.default_max_connections)
+    )
     hello_timeout_ms: int = DEFAULT_HELLO_TIMEOUT_MS  # connect to HELLO_OK
     frame_timeout_ms: int = DEFAULT_FRAME_TIMEOUT_MS  # a frame's first byte to its last
-    # Frames larger than delayd.frame_budget.UNBUDGETED_FRAME_BYTES reserve their size
+    # Frames larger than delayd.serving.frame_budget.UNBUDGETED_FRAME_BYTES reserve their size
     # here before their body is read; a frame that finds no room waits (its sender with it).
     max_unfinished_frame_bytes: int = DEFAULT_MAX_UNFINISHED_FRAME_BYTES
 
