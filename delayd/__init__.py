@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from delayd.version import __version__
 
 __all__ = ["Consumer", "Producer", "__version__", "open_consumer", "open_producer"]
 

@@ -7,7 +7,7 @@ import argparse
 import importlib
 import sys
 
-from delayd import __version__
+from delayd.version import __version__
 
 # subcommand -> module providing add_parser() and run(); imported lazily so that
 # `delayd --version` stays fast and one broken command cannot break the others.

@@ -19,7 +19,6 @@ from typing import Any
 import anyio
 import anyio.abc
 
-from delayd import __version__
 from delayd.client._async_session import AsyncSession
 from delayd.client._backoff import Backoff
 from delayd.client._messages import build_message, coerce_batch, split_frames
@@ -48,6 +47,7 @@ from delayd.protocol import (
     SendBatch,
     SendBatchResult,
 )
+from delayd.version import __version__
 
 CLIENT_NAME = f"delayd-python-async/{__version__}"
 

@@ -19,7 +19,6 @@ from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
 from typing import Any
 
-from delayd import __version__
 from delayd.client._backoff import Backoff
 from delayd.client._blocking_session import BlockingSession
 from delayd.client._messages import (
@@ -58,6 +57,7 @@ from delayd.protocol import (
     SendBatch,
     SendBatchResult,
 )
+from delayd.version import __version__
 
 CLIENT_NAME = f"delayd-python-blocking/{__version__}"
 
