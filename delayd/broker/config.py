@@ -94,12 +94,7 @@ class BrokerConfig:
     @property
     def connection_limits(self) -> ConnectionLimits:
         """The limits of the broker's listener."""
-        return ConnectionLimits(
-            self.max_connections,
-            self.hello_timeout_ms,
-            self.frame_timeout_ms,
-            self.max_unfinished_frame_bytes,
-        )
+        return ConnectionLimits.of(self)
 
     def queues_for(self, subject: str) -> int:
         """How many queues ``subject`` has."""

@@ -196,12 +196,7 @@ class ServeConfig:
     @property
     def connection_limits(self) -> ConnectionLimits:
         """The limits of the intake listener (the embedded broker's are in ``broker``)."""
-        return ConnectionLimits(
-            self.max_connections,
-            self.hello_timeout_ms,
-            self.frame_timeout_ms,
-            self.max_unfinished_frame_bytes,
-        )
+        return ConnectionLimits.of(self)
 
     def _check_embedded_broker_takes_what_intake_accepts(self) -> None:
         """A message intake accepts and the embedded broker (the only group, usually)

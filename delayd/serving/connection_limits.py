@@ -10,6 +10,7 @@ connections themselves: they stop reading until their answers drain.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from delayd.serving.descriptor_limit import default_max_connections
@@ -45,6 +46,13 @@ class ConnectionLimits:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+    @classmethod
+    def of(cls, config: object) -> ConnectionLimits:
+        """The limits ``config`` holds in fields of the same names: a server's
+        configuration carries these keys flat (``[server]`` of ServeConfig, ``[broker]``
+        of BrokerConfig). ValueError naming the field when one is invalid."""
+        return cls(*(getattr(config, field.name) for field in dataclasses.fields(cls)))
 
     @property
     def connection_cap(self) -> int:
