@@ -23,6 +23,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import trio
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -211,3 +212,32 @@ class DiskCollector(Collector):
             refused.add_metric([name], refusals.refused_total[name])
         yield refusing
         yield refused
+
+
+class StoreMetrics:
+    """What /metrics shows of a server's data directory: the sizes of ``directories``
+    (StoreSizes) and the free space where ``data_dir`` is (FreeSpace, which clears
+    ``refusals``), kept up to date by ``run``, shown by the collectors ``register``
+    adds."""
+
+    def __init__(
+        self,
+        directories: Mapping[str, str],
+        data_dir: str,
+        refusals: WriteRefusals,
+        *,
+        resume_free_bytes: int = RESUME_FREE_BYTES,
+    ) -> None:
+        self.sizes = StoreSizes(directories)
+        self.space = FreeSpace(data_dir, refusals, resume_free_bytes=resume_free_bytes)
+
+    def register(self, registry: CollectorRegistry) -> None:
+        registry.register(StoreCollector(self.sizes))
+        registry.register(DiskCollector(self.space))
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Walk the sizes and ask the free space until cancelled."""
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.sizes.run)
+            await nursery.start(self.space.run)
+            task_status.started()
