@@ -38,6 +38,7 @@ after the stop is read and dropped, never served (delayd.serving.stoppable_liste
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import logging
 from typing import ClassVar, Generic, TypeVar
@@ -60,7 +61,7 @@ OUTBOX_FRAMES = 16  # answers queued for the writer task before the one answerin
 T = TypeVar("T")
 
 
-class ServerConnection(Generic[T]):
+class ServerConnection(abc.ABC, Generic[T]):
     """One client connection (see the module docstring); ``T`` is what ``_serve`` puts
     in ``_unacked`` for ``_acknowledge`` to answer."""
 
@@ -76,13 +77,12 @@ class ServerConnection(Generic[T]):
         token: str | None,
         max_frame_size: int,
         gate: ConnectionGate,
-        max_in_flight: int = MAX_IN_FLIGHT,
     ) -> None:
         self.stream = stream
         self.gate = gate  # admitted the connection; counts its protocol errors
         self.conn = Connection(SERVER, token=token, max_frame_size=max_frame_size)
         self.peer = _peer_name(stream)
-        self._slots = trio.Semaphore(max_in_flight)
+        self._slots = trio.Semaphore(MAX_IN_FLIGHT)
         self._unacked: AnswerQueue[T] = AnswerQueue()  # appended, not answered yet
         self._writer = FrameWriter(stream, OUTBOX_FRAMES)
         self._read_scope = trio.CancelScope()
@@ -120,16 +120,16 @@ class ServerConnection(Generic[T]):
         self._stopping = True
         self._read_scope.cancel()
 
+    @abc.abstractmethod
     async def _serve(self, event: Event, requests: trio.Nursery) -> None:
         """Serve one request (never HELLO), on the reader: answer it, append it to
         ``_unacked``, or start a task in ``requests``. An exception is answered with
         ``_error_for``."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     async def _acknowledge(self, ready: list[T]) -> None:
         """Answer ``ready`` (appended by ``_serve``, oldest first) once durable, in
         order, releasing a slot as each answer is queued."""
-        raise NotImplementedError
 
     def _error_for(self, exc: Exception, event: Event) -> Error:
         """The answer to ``event`` whose serving raised ``exc``: ERROR INTERNAL, logged
