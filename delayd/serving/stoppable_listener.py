@@ -3,13 +3,13 @@ broker both serve through one.
 
 Stopping is two-phase so that a graceful shutdown acknowledges what it appended: first
 the listening sockets close and every connection stops taking requests (its in-flight
-batches still get their answers, then it closes with FIN, delayd.server.connection's
-``_linger``), then, after ``grace_s``, whatever is left is cancelled. Cancelling
-``serve`` instead cuts every connection at once.
+batches still get their answers, then it closes with FIN: ``linger`` below), then,
+after ``grace_s``, whatever is left is cancelled. Cancelling ``serve`` instead cuts
+every connection at once.
 
-Accepting goes through the listener's ConnectionGate (delayd.serving.connection_gate): the
-connection cap (a connection beyond it gets ERROR TOO_MANY_CONNECTIONS) and an accept
-loop that outlives EMFILE; the gate also counts what /metrics shows.
+Accepting goes through the listener's ConnectionGate (delayd.serving.connection_gate):
+the connection cap (a connection beyond it gets ERROR TOO_MANY_CONNECTIONS) and an
+accept loop that outlives EMFILE; the gate also counts what /metrics shows.
 """
 
 from __future__ import annotations
