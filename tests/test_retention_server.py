@@ -22,8 +22,8 @@ from delayd.logs.buckets import bucket_name, bucket_of
 from delayd.logs.dispatch_files import DispatchFiles
 from delayd.logs.dispatch_log import EntryKind
 from delayd.logs.message_log import MessageRecord
-from delayd.receiver import IntakeLimits
 from delayd.replay.state import ensure_segment_scale
+from delayd.server.receiver import IntakeLimits
 from storage.fs import REAL_FS
 from tests.delivery_pipeline import Pipeline, RecordingTarget
 from tests.delivery_support import (

@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from rich.console import Console
 
 from delayd.logs.buckets import bucket_name
-from delayd.metrics_http import serve_metrics
+from delayd.serving.metrics_http import serve_metrics
 from delayd.top import (
     Scrape,
     ServerView,

@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from delayd.logs import layout, message_log
 from delayd.logs.known_ids import KnownIds
 from delayd.protocol import Message
-from delayd.receiver import IntakeLimits, Receiver
 from delayd.replay import open_replayer
+from delayd.server.receiver import IntakeLimits, Receiver
 from storage.fs import OsFileSystem
 from storage.segmented_log import SegmentedLog
 

@@ -20,7 +20,12 @@ from typing import Any
 
 from delayd.client._addr import parse_addr
 from delayd.durations import parse_duration_ms
-from delayd.logsetup import DEFAULT_LOG_FORMAT, DEFAULT_LOG_LEVEL, LOG_FORMATS, LOG_LEVELS
+from delayd.serving.structured_logs import (
+    DEFAULT_LOG_FORMAT,
+    DEFAULT_LOG_LEVEL,
+    LOG_FORMATS,
+    LOG_LEVELS,
+)
 from delayd.timestamps import parse_utc_ms
 
 SERVER_VARIABLE = "DELAYD_SERVER"

@@ -35,16 +35,16 @@ from delayd.cli.args import (
     non_negative_count,
     optional_listen_address,
 )
-from delayd.connection_limits import (
+from delayd.serving.connection_limits import (
     DEFAULT_FRAME_TIMEOUT_MS,
     DEFAULT_HELLO_TIMEOUT_MS,
     DEFAULT_MAX_UNFINISHED_FRAME_BYTES,
 )
-from delayd.gcsetup import tune_gc_for_serving
-from delayd.listen import open_listeners
-from delayd.logsetup import configure_logging
-from delayd.metrics_http import Readiness, serve_metrics
-from delayd.serving import serve_data_dir
+from delayd.serving.data_dir import serve_data_dir
+from delayd.serving.gc_tuning import tune_gc_for_serving
+from delayd.serving.listeners import open_listeners
+from delayd.serving.metrics_http import Readiness, serve_metrics
+from delayd.serving.structured_logs import configure_logging
 from storage.flusher import FlushMode, FlushPolicy
 
 log = logging.getLogger("delayd.broker")
@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace, config: BrokerConfig) -> None:
-    # Ports first: a clash is reported at once, not after recovery (delayd.listen).
+    # Ports first: a clash is reported at once, not after recovery (delayd.serving.listeners).
     # Clients wait in the backlog while the broker recovers; /healthz answers and
     # /readyz says "recovering" meanwhile.
     listeners = await open_listeners("the broker", *args.listen)

@@ -13,7 +13,7 @@ import argparse
 import importlib
 import sys
 
-from delayd import __version__
+from delayd.version import __version__
 
 # subcommand -> (its module, the line `delayd --help` shows for it)
 COMMANDS = {

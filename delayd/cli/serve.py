@@ -33,13 +33,17 @@ from functools import partial
 import trio
 
 from delayd.cli.args import add_logging_options, listen_address, optional_listen_address
-from delayd.gcsetup import tune_gc_for_serving
-from delayd.logsetup import DEFAULT_LOG_FORMAT, DEFAULT_LOG_LEVEL, configure_logging
 from delayd.server.app import DelayServer, open_listeners, serve_metrics_early
 from delayd.server.config import ConfigError, ServeConfig, with_overrides
 from delayd.server.config_env import load_effective_config
 from delayd.server.config_print import config_to_toml
-from delayd.serving import serve_data_dir
+from delayd.serving.data_dir import serve_data_dir
+from delayd.serving.gc_tuning import tune_gc_for_serving
+from delayd.serving.structured_logs import (
+    DEFAULT_LOG_FORMAT,
+    DEFAULT_LOG_LEVEL,
+    configure_logging,
+)
 
 log = logging.getLogger("delayd.serve")
 
@@ -161,7 +165,7 @@ async def _serve(data_dir: str, config: ServeConfig) -> None:
         except BaseException:
             await listeners.aclose()
             raise
-        tune_gc_for_serving()  # after recovery: what it built is frozen (delayd/gcsetup.py)
+        tune_gc_for_serving()  # after recovery: what it built is frozen (serving.gc_tuning)
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with trio.open_nursery() as nursery:
                 run = partial(server.run, listeners=listeners, metrics=metrics)

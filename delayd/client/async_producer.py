@@ -21,7 +21,6 @@ from typing import Any
 import anyio
 import anyio.abc
 
-from delayd import __version__
 from delayd.client._async_session import AsyncSession
 from delayd.client._backoff import Backoff
 from delayd.client._due import reschedule_due_ms
@@ -50,6 +49,7 @@ from delayd.protocol import (
     SendBatch,
     SendBatchResult,
 )
+from delayd.version import __version__
 
 CLIENT_NAME = f"delayd-python-async/{__version__}"
 

@@ -27,7 +27,6 @@ from collections.abc import Callable
 from functools import partial
 from types import TracebackType
 
-from delayd import __version__
 from delayd.client._backoff import Backoff
 from delayd.client._blocking_link import BlockingLink
 from delayd.client._blocking_session import BlockingSession
@@ -54,6 +53,7 @@ from delayd.protocol import (
     Request,
     Response,
 )
+from delayd.version import __version__
 
 CLIENT_NAME = f"delayd-python-blocking/{__version__}"
 

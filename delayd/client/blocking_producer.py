@@ -20,7 +20,6 @@ from datetime import datetime, timedelta
 from types import TracebackType
 from typing import Any
 
-from delayd import __version__
 from delayd.client._backoff import Backoff
 from delayd.client._blocking_session import BlockingSession
 from delayd.client._due import reschedule_due_ms
@@ -59,6 +58,7 @@ from delayd.protocol import (
     SendBatch,
     SendBatchResult,
 )
+from delayd.version import __version__
 
 CLIENT_NAME = f"delayd-python-blocking/{__version__}"
 

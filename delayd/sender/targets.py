@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Protocol
 
 import trio
 
-from delayd import __version__
 from delayd.errors import DelaydError, LocalProtocolError, ProtocolError
 from delayd.protocol import (
     CLIENT,
@@ -39,6 +38,7 @@ from delayd.protocol import (
     SendBatchResult,
     SendResult,
 )
+from delayd.version import __version__
 
 if TYPE_CHECKING:
     from delayd.broker import Broker

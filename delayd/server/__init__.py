@@ -1,5 +1,6 @@
-"""The delay server's trio wiring (DESIGN.md, "Layers"): ``config`` (ServeConfig and the
-TOML file), ``intake`` (appends and acks), ``connection`` (one producer connection),
+"""The delay server's trio wiring (DESIGN.md, "Layers") over its pure intake rules,
+``receiver`` (validation, due times, sequences): ``config`` (ServeConfig and the TOML
+file), ``intake`` (appends and acks), ``connection`` (one producer connection),
 ``listener`` (accepting, two-phase stop), ``metrics`` (/metrics), ``app`` (DelayServer:
 one root nursery); ``delayd serve`` is delayd/cli/serve.py."""
 

@@ -26,16 +26,10 @@ from prometheus_client import CollectorRegistry
 from delayd.broker import Broker
 from delayd.broker.metrics import BrokerCollector
 from delayd.broker.server import broker_listener
-from delayd.connection_gate import ConnectionGate
-from delayd.connection_metrics import register_connection_metrics
 from delayd.http import Backend, HttpListener, open_api
-from delayd.listen import bound_addresses
-from delayd.listen import open_listeners as bind
 from delayd.logs import layout
 from delayd.logs.known_ids import KnownIds
 from delayd.logs.message_status import UNKNOWN, MessageStatus, message_status
-from delayd.metrics_http import Readiness, serve_metrics
-from delayd.receiver import Receiver
 from delayd.replay import Replayer, open_replayer
 from delayd.server.config import Address, ServeConfig
 from delayd.server.connection import DelayConnection
@@ -45,17 +39,16 @@ from delayd.server.intake import IntakePath
 from delayd.server.listener import IntakeListener
 from delayd.server.metrics import IntakeCollector
 from delayd.server.pending_metrics import PendingCollector, PendingTracker, chained
+from delayd.server.receiver import Receiver
 from delayd.server.retention import Retention, remove_orphans
 from delayd.server.retention_metrics import RetentionCollector
-from delayd.store_metrics import (
-    RESUME_FREE_BYTES,
-    DiskCollector,
-    FreeSpace,
-    StoreCollector,
-    StoreSizes,
-    broker_directories,
-)
-from delayd.write_refusals import WriteRefusals
+from delayd.serving.connection_gate import ConnectionGate
+from delayd.serving.connection_metrics import register_connection_metrics
+from delayd.serving.listeners import bound_addresses
+from delayd.serving.listeners import open_listeners as bind
+from delayd.serving.metrics_http import Readiness, serve_metrics
+from delayd.serving.store_metrics import RESUME_FREE_BYTES, StoreMetrics, broker_directories
+from delayd.serving.write_refusals import WriteRefusals
 from storage.errors import StorageError
 from storage.flusher import FlushMode, LogWriter
 from storage.fs import REAL_FS, FileSystem
@@ -191,24 +184,23 @@ class DelayServer:
         # Metrics that read the logs, only when someone can scrape them: the pending
         # count adds a call per replayed record and a start-up count.
         self.pending: PendingTracker | None = None
-        self.store_sizes: StoreSizes | None = None
-        self.free_space: FreeSpace | None = None
+        self.store_metrics: StoreMetrics | None = None
         if config.metrics_listen is not None:
-            # Writes are taken to resume a MiB above intake's reserve: below it intake
-            # still refuses, and readiness must say so.
-            resume = config.limits.min_free_bytes + RESUME_FREE_BYTES
-            self.free_space = FreeSpace(delivery.data_dir, self.refusals, resume_free_bytes=resume)
             self.pending = self._pending_tracker(delivery)
             replayer.on_scheduled = chained(replayer.on_scheduled, self.pending.on_scheduled)
             data_dir = delivery.data_dir
-            self.store_sizes = StoreSizes(
-                {
-                    "message_log": layout.message_log_dir(data_dir),
-                    "schedule_log": layout.schedule_log_dir(data_dir),
-                    "dispatch_log": layout.dispatch_log_dir(data_dir),
-                    "id_index": layout.id_index_dir(data_dir),
-                    **broker_directories(broker.store.directory),
-                }
+            directories = {
+                "message_log": layout.message_log_dir(data_dir),
+                "schedule_log": layout.schedule_log_dir(data_dir),
+                "dispatch_log": layout.dispatch_log_dir(data_dir),
+                "id_index": layout.id_index_dir(data_dir),
+                **broker_directories(broker.store.directory),
+            }
+            # Writes are taken to resume a MiB above intake's reserve: below it intake
+            # still refuses, and readiness must say so.
+            resume = config.limits.min_free_bytes + RESUME_FREE_BYTES
+            self.store_metrics = StoreMetrics(
+                directories, data_dir, self.refusals, resume_free_bytes=resume
             )
         # Deletes replayed message_log segments and delivered buckets once they are old
         # enough (docs/operations.md, "Retention"); runs once delivery does.
@@ -360,11 +352,9 @@ class DelayServer:
                     self._broker_address = "{}:{}".format(*broker_bound)
                 metrics_bound = None
                 if config.metrics_listen is not None:
-                    assert self.pending is not None and self.store_sizes is not None
+                    assert self.pending is not None and self.store_metrics is not None
                     await root.start(self.pending.run)
-                    await root.start(self.store_sizes.run)
-                    assert self.free_space is not None
-                    await root.start(self.free_space.run)
+                    await root.start(self.store_metrics.run)
                     if metrics is not None:
                         registry = metrics.registry
                     else:
@@ -373,8 +363,7 @@ class DelayServer:
                     registry.register(BrokerCollector(self.broker))
                     registry.register(DeliveryCollector(self.delivery))
                     registry.register(PendingCollector(self.pending))
-                    registry.register(StoreCollector(self.store_sizes))
-                    registry.register(DiskCollector(self.free_space))
+                    self.store_metrics.register(registry)
                     if self.retention is not None:
                         registry.register(RetentionCollector(self.retention))
                     gates = {"intake": self.listener.gate, "broker": self.broker_listener.gate}

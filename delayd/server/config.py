@@ -16,27 +16,27 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from delayd.broker.config import BrokerConfig
-from delayd.connection_limits import (
+from delayd.logs import message_log, schedule_log
+from delayd.logs.bucket_files import DEFAULT_MAX_OPEN
+from delayd.logs.buckets import DEFAULT_SEGMENT_SCALE, check_segment_scale
+from delayd.logs.dispatch_log import check_group_name
+from delayd.protocol.frames import DEFAULT_MAX_FRAME_SIZE
+from delayd.replay.replayer import DEFAULT_BATCH_RECORDS, DEFAULT_CHECKPOINT_INTERVAL_S
+from delayd.sender.retry import RetryPolicy
+from delayd.sender.sender import SenderConfig
+from delayd.server.receiver import IntakeLimits
+from delayd.serving.connection_limits import (
     DEFAULT_FRAME_TIMEOUT_MS,
     DEFAULT_HELLO_TIMEOUT_MS,
     DEFAULT_MAX_UNFINISHED_FRAME_BYTES,
     ConnectionLimits,
 )
-from delayd.logs import message_log, schedule_log
-from delayd.logs.bucket_files import DEFAULT_MAX_OPEN
-from delayd.logs.buckets import DEFAULT_SEGMENT_SCALE, check_segment_scale
-from delayd.logs.dispatch_log import check_group_name
-from delayd.logsetup import (
+from delayd.serving.structured_logs import (
     DEFAULT_LOG_FORMAT,
     DEFAULT_LOG_LEVEL,
     LOG_FORMATS,
     LOG_LEVELS,
 )
-from delayd.protocol.frames import DEFAULT_MAX_FRAME_SIZE
-from delayd.receiver import IntakeLimits
-from delayd.replay.replayer import DEFAULT_BATCH_RECORDS, DEFAULT_CHECKPOINT_INTERVAL_S
-from delayd.sender.retry import RetryPolicy
-from delayd.sender.sender import SenderConfig
 from storage.flusher import FlushMode, FlushPolicy
 from storage.framing import HEADER_SIZE
 from storage.record_file import DEFAULT_MAX_UNSYNCED_BYTES as BUCKET_MAX_UNSYNCED_BYTES
@@ -138,7 +138,7 @@ class ServeConfig:
     http_listen: Address | None = DEFAULT_HTTP_LISTEN  # None: no HTTP API
     token: str | None = field(default=None, repr=False)
     max_frame_bytes: int = DEFAULT_MAX_FRAME_SIZE
-    # The intake listener's connections (delayd.connection_limits); 0 = by the fd limit.
+    # The intake listener's connections (delayd.serving.connection_limits); 0 = by the fd limit.
     max_connections: int = 0
     hello_timeout_ms: int = DEFAULT_HELLO_TIMEOUT_MS
     frame_timeout_ms: int = DEFAULT_FRAME_TIMEOUT_MS
@@ -198,12 +198,7 @@ class ServeConfig:
     @property
     def connection_limits(self) -> ConnectionLimits:
         """The limits of the intake listener (the embedded broker's are in ``broker``)."""
-        return ConnectionLimits(
-            self.max_connections,
-            self.hello_timeout_ms,
-            self.frame_timeout_ms,
-            self.max_unfinished_frame_bytes,
-        )
+        return ConnectionLimits.of(self)
 
     def _check_embedded_broker_takes_what_intake_accepts(self) -> None:
         """A message intake accepts and the embedded broker (the only group, usually)

@@ -14,9 +14,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from delayd.protocol import CancelOutcome, RescheduleOutcome, ResultCode
-from delayd.receiver import Receiver
 from delayd.replay import Replayer
 from delayd.server.intake import IntakePath
+from delayd.server.receiver import Receiver
 
 # Every refusal reason is exported from the start (at 0), so alerts see the series.
 REFUSAL_CODES = [c for c in ResultCode if not c.is_success]

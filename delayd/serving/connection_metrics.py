@@ -15,8 +15,8 @@ from prometheus_client import CollectorRegistry, Info, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from delayd import __version__
-from delayd.connection_gate import CLOSING_CODES, ConnectionGate
+from delayd.serving.connection_gate import CLOSING_CODES, ConnectionGate
+from delayd.version import __version__
 
 
 class ConnectionCollector(Collector):

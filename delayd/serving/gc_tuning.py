@@ -4,12 +4,9 @@ The produce and intake paths make a few short-lived container objects per messag
 (Messages, tuples, SendResults) that almost all die with the batch that made them. With
 CPython's default generation-0 threshold (700 net allocations of container objects) a
 100-message batch starts collections in mid-batch, and each one scans the live batch
-and promotes it, so later generations fill up and get scanned too. On the broker's
-produce benchmark (300 000 messages, 16 batches in flight) that was ~450 collections
-taking 0.16 to 0.29 s: 0.5 to 1 µs of the ~10 µs a message cost. With a threshold of 10 000
-the same run collects 7 times in 0.036 s: a batch's garbage is freed by reference
-counting before the count gets there. Cyclic garbage (rare here) waits a little longer;
-memory is unaffected in practice.
+and promotes it, so later generations fill up and get scanned too. With GEN0_THRESHOLD
+a batch's garbage is freed by reference counting before the count gets there; cyclic
+garbage (rare here) waits a little longer. Measured: docs/benchmarks.md, "Broker".
 
 ``gc.freeze()`` after start-up moves what start-up built (modules, configuration, the
 recovered state) to the permanent generation, so no later full collection walks it.

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import trio
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from delayd.listen import bound_addresses, open_listeners
+from delayd.serving.listeners import bound_addresses, open_listeners
 
 MAX_REQUEST_BYTES = 8192
 REQUEST_TIMEOUT_S = 5.0

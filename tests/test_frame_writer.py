@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import trio
 
-from delayd.stream_writer import FrameWriter
+from delayd.serving.frame_writer import FrameWriter
 
 
 async def socket_pair() -> tuple[trio.SocketStream, trio.SocketStream]:

@@ -1,6 +1,6 @@
 """The servers raise their soft descriptor limit to the hard one at start
-(delayd.fdlimit): a distribution's default of 1,024 would run out with enough bucket
-files and connections."""
+(delayd.serving.descriptor_limit): a distribution's default of 1,024 would run out with
+enough bucket files and connections."""
 
 import resource
 import subprocess
@@ -13,7 +13,7 @@ WANTED = 1 << 20 if HARD == resource.RLIM_INFINITY else min(HARD, 1 << 20)
 
 PROBE = """
 import resource, sys
-from delayd.fdlimit import raise_descriptor_limit
+from delayd.serving.descriptor_limit import raise_descriptor_limit
 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
 resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[1]), hard))
 print(raise_descriptor_limit(), resource.getrlimit(resource.RLIMIT_NOFILE)[0])

@@ -1,4 +1,4 @@
-"""Structured logs (delayd.logsetup): key=value and JSON lines, levels, fields,
+"""Structured logs (delayd.serving.structured_logs): key=value and JSON lines, levels, fields,
 tracebacks on one line; and `delayd serve` / `delayd broker` wired to them without
 touching their ready lines on stdout."""
 
@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from delayd.logsetup import configure_logging, fields
+from delayd.serving.structured_logs import configure_logging, fields
 from tests.broker_support import BrokerProcess
 from tests.intake_support import DELAYD, ROOT, ServeProcess, _env, write_config
 

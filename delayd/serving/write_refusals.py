@@ -7,7 +7,7 @@ replayer, the sender's dispatch_log entries, the broker's checkpoints), and repo
 here. /readyz reads ``reason`` (not ready while any log refuses) and
 ``delayd_store_refusing_writes{log}`` reads ``refusing``. A log is cleared when a write
 to it succeeds again, or when the free-space monitor sees room again
-(delayd.store_metrics.FreeSpace), whichever comes first.
+(delayd.serving.store_metrics.FreeSpace), whichever comes first.
 
 Log names are a fixed set, so the metric's labels stay bounded.
 """

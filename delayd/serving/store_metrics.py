@@ -9,7 +9,7 @@ directory costs at most about 5 % of a core; a scrape reads the last walk's resu
 The free space of the data directory's file system is asked (statvfs, in a worker
 thread) every second: ``delayd_store_free_bytes`` and ``_filesystem_bytes`` for the
 alert that comes before a full disk, ``delayd_store_refusing_writes{log}`` for the
-logs that refuse writes now (delayd.write_refusals). When a log refuses and the file
+logs that refuse writes now (delayd.serving.write_refusals). When a log refuses and the file
 system has ``RESUME_FREE_BYTES`` free again, the refusals are cleared, so /readyz turns
 ready again even while no client retries; a log that still cannot write refuses again.
 """
@@ -23,10 +23,11 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import trio
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from delayd.write_refusals import LOGS, WriteRefusals
+from delayd.serving.write_refusals import LOGS, WriteRefusals
 
 log = logging.getLogger(__name__)
 
@@ -211,3 +212,32 @@ class DiskCollector(Collector):
             refused.add_metric([name], refusals.refused_total[name])
         yield refusing
         yield refused
+
+
+class StoreMetrics:
+    """What /metrics shows of a server's data directory: the sizes of ``directories``
+    (StoreSizes) and the free space where ``data_dir`` is (FreeSpace, which clears
+    ``refusals``), kept up to date by ``run``, shown by the collectors ``register``
+    adds."""
+
+    def __init__(
+        self,
+        directories: Mapping[str, str],
+        data_dir: str,
+        refusals: WriteRefusals,
+        *,
+        resume_free_bytes: int = RESUME_FREE_BYTES,
+    ) -> None:
+        self.sizes = StoreSizes(directories)
+        self.space = FreeSpace(data_dir, refusals, resume_free_bytes=resume_free_bytes)
+
+    def register(self, registry: CollectorRegistry) -> None:
+        registry.register(StoreCollector(self.sizes))
+        registry.register(DiskCollector(self.space))
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Walk the sizes and ask the free space until cancelled."""
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.sizes.run)
+            await nursery.start(self.space.run)
+            task_status.started()

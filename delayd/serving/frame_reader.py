@@ -12,7 +12,7 @@ of their listener's ConnectionGate:
   peer that keeps sending frames back to back never meets it. A connection idle between
   frames after HELLO is not timed out: pooled producers and consumers idle legitimately.
 - A frame larger than UNBUDGETED_FRAME_BYTES reserves its announced size in the
-  listener's FrameBudget before its body is read (delayd.frame_budget says why).
+  listener's FrameBudget before its body is read (delayd.serving.frame_budget says why).
 - Events are dispatched one at a time, and ``dispatch`` may wait (for a slot, for room
   in the writer): reading stops meanwhile, so a peer that sends requests faster than it
   reads answers is pushed back by TCP and costs bounded memory.
@@ -25,10 +25,10 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
-from delayd.connection_gate import ConnectionGate
 from delayd.errors import RemoteProtocolError
-from delayd.frame_budget import UNBUDGETED_FRAME_BYTES
 from delayd.protocol import NEED_DATA, Connection, ConnectionClosed, Error, ErrorCode, Event
+from delayd.serving.connection_gate import ConnectionGate
+from delayd.serving.frame_budget import UNBUDGETED_FRAME_BYTES
 
 RECEIVE_BYTES = 256 * 1024
 

@@ -3,13 +3,13 @@ broker both serve through one.
 
 Stopping is two-phase so that a graceful shutdown acknowledges what it appended: first
 the listening sockets close and every connection stops taking requests (its in-flight
-batches still get their answers, then it closes with FIN, delayd.server.connection's
-``_linger``), then, after ``grace_s``, whatever is left is cancelled. Cancelling
-``serve`` instead cuts every connection at once.
+batches still get their answers, then it closes with FIN: ``linger`` below), then,
+after ``grace_s``, whatever is left is cancelled. Cancelling ``serve`` instead cuts
+every connection at once.
 
-Accepting goes through the listener's ConnectionGate (delayd.connection_gate): the
-connection cap (a connection beyond it gets ERROR TOO_MANY_CONNECTIONS) and an accept
-loop that outlives EMFILE; the gate also counts what /metrics shows.
+Accepting goes through the listener's ConnectionGate (delayd.serving.connection_gate):
+the connection cap (a connection beyond it gets ERROR TOO_MANY_CONNECTIONS) and an
+accept loop that outlives EMFILE; the gate also counts what /metrics shows.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from typing import Generic, Protocol, TypeVar
 
 import trio
 
-from delayd.connection_gate import ConnectionGate
-from delayd.listen import bound_addresses, open_listeners
+from delayd.serving.connection_gate import ConnectionGate
+from delayd.serving.listeners import bound_addresses, open_listeners
 
 Address = tuple[str, int]
 

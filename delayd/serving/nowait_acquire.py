@@ -1,11 +1,11 @@
 """Taking a trio Lock or Semaphore without a scheduling step when it is free.
 
 trio's ``acquire()`` always yields to the scheduler (a checkpoint), even when the lock
-is free. On a busy event loop each yield is one more step for the task, and on this
-project's machines a step costs more than the work around it (docs/benchmarks.md,
-"2026-11-25 evening"). These take the lock at once when it is free, and wait with
-``acquire()`` only when it is not; fairness is kept (``acquire_nowait`` refuses while
-others wait). Use them on hot paths that yield elsewhere anyway.
+is free. On a busy event loop each yield is one more step for the task, which can cost
+more than the work around it (measured: docs/benchmarks.md, "2026-11-25 evening").
+These take the lock at once when it is free, and wait with ``acquire()`` only when it is
+not; fairness is kept (``acquire_nowait`` refuses while others wait). Use them on hot
+paths that yield elsewhere anyway.
 """
 
 from __future__ import annotations

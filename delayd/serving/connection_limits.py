@@ -10,9 +10,10 @@ connections themselves: they stop reading until their answers drain.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-from delayd.fdlimit import default_max_connections
+from delayd.serving.descriptor_limit import default_max_connections
 
 DEFAULT_HELLO_TIMEOUT_MS = 10_000
 DEFAULT_FRAME_TIMEOUT_MS = 30_000
@@ -24,10 +25,12 @@ DEFAULT_MAX_UNFINISHED_FRAME_BYTES = 64 * 1024 * 1024
 class ConnectionLimits:
     """The limits of one listener; ValueError naming the field when one is invalid."""
 
-    max_connections: int = 0  # 0: from the descriptor limit (fdlimit.default_max_connections)
+    max_connections: int = (
+        0  # 0: from the descriptor limit (descriptor_limit.default_max_connections)
+    )
     hello_timeout_ms: int = DEFAULT_HELLO_TIMEOUT_MS  # connect to HELLO_OK
     frame_timeout_ms: int = DEFAULT_FRAME_TIMEOUT_MS  # a frame's first byte to its last
-    # Frames larger than delayd.frame_budget.UNBUDGETED_FRAME_BYTES reserve their size
+    # Frames larger than delayd.serving.frame_budget.UNBUDGETED_FRAME_BYTES reserve their size
     # here before their body is read; a frame that finds no room waits (its sender with it).
     max_unfinished_frame_bytes: int = DEFAULT_MAX_UNFINISHED_FRAME_BYTES
 
@@ -43,6 +46,13 @@ class ConnectionLimits:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+    @classmethod
+    def of(cls, config: object) -> ConnectionLimits:
+        """The limits ``config`` holds in fields of the same names: a server's
+        configuration carries these keys flat (``[server]`` of ServeConfig, ``[broker]``
+        of BrokerConfig). ValueError naming the field when one is invalid."""
+        return cls(*(getattr(config, field.name) for field in dataclasses.fields(cls)))
 
     @property
     def connection_cap(self) -> int:

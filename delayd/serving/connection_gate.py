@@ -31,11 +31,11 @@ from typing import Any
 
 import trio
 
-from delayd.connection_limits import ConnectionLimits
-from delayd.fdlimit import default_max_connections, soft_descriptor_limit
-from delayd.frame_budget import FrameBudget
 from delayd.protocol import Error, ErrorCode
 from delayd.protocol.codec import encode_event
+from delayd.serving.connection_limits import ConnectionLimits
+from delayd.serving.descriptor_limit import default_max_connections, soft_descriptor_limit
+from delayd.serving.frame_budget import FrameBudget
 
 log = logging.getLogger(__name__)
 
