@@ -9,7 +9,8 @@ import tomllib
 import pytest
 
 import delayd
-from delayd import cli, version
+from delayd import version
+from delayd.cli import main as cli
 from delayd.client import async_producer, blocking_consumer, blocking_producer
 from delayd.sender import targets
 
