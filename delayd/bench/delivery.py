@@ -51,6 +51,7 @@ import time
 from pathlib import Path
 
 import delayd
+from delayd.address import parse_address
 from delayd.bench import common
 from delayd.protocol import (
     CLIENT,
@@ -182,8 +183,7 @@ class Server:
 
     def stats(self) -> dict:
         """The server's STATS (replay lag and so on), over a fresh connection."""
-        host, port = self.intake.rsplit(":", 1)
-        with socket.create_connection((host, int(port))) as sock:
+        with socket.create_connection(parse_address(self.intake)) as sock:
             conn = Connection(CLIENT)
             sock.sendall(conn.send(Hello(client_name="bench-delivery", request_id=1)))
             while conn.next_event() is NEED_DATA:

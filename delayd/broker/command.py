@@ -23,6 +23,7 @@ from functools import partial
 import trio
 from prometheus_client import CollectorRegistry
 
+from delayd.address import Address, format_address, parse_address
 from delayd.broker.broker import Broker
 from delayd.broker.config import DAY_MS, BrokerConfig, StartFrom
 from delayd.broker.metrics import collect_broker_metrics
@@ -46,18 +47,19 @@ DEFAULT_METRICS_LISTEN = "127.0.0.1:20881"
 SHUTDOWN_GRACE_S = 5.0  # appended SEND_BATCHes get this long to be answered
 
 
-def parse_address(text: str) -> tuple[str, int]:
-    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) -> (host, port); ArgumentTypeError if not."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT (port 0..65535)")
-    return host.strip("[]"), int(port)
+def parse_listen_address(text: str) -> Address:
+    """A listener's ``HOST:PORT`` (delayd.address; port 0: a free one); ArgumentTypeError
+    if not."""
+    try:
+        return parse_address(text, allow_port_zero=True)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def parse_optional_address(text: str) -> tuple[str, int] | None:
+def parse_optional_listen_address(text: str) -> Address | None:
     if text.lower() in ("", "off", "none"):
         return None
-    return parse_address(text)
+    return parse_listen_address(text)
 
 
 def positive_int(text: str) -> int:
@@ -89,14 +91,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--data", required=True, metavar="DIR", help="data directory")
     parser.add_argument(
         "--listen",
-        type=parse_address,
+        type=parse_listen_address,
         default=DEFAULT_LISTEN,
         metavar="HOST:PORT",
         help=f"protocol listener (default {DEFAULT_LISTEN}; port 0 picks a free port)",
     )
     parser.add_argument(
         "--metrics-listen",
-        type=parse_optional_address,
+        type=parse_optional_listen_address,
         default=DEFAULT_METRICS_LISTEN,
         metavar="HOST:PORT",
         help=f"/metrics, /healthz and /readyz (default {DEFAULT_METRICS_LISTEN}; 'off')",
@@ -218,7 +220,7 @@ async def _serve(args: argparse.Namespace, config: BrokerConfig) -> None:
                         )
                         await front.start(collect)
                     readiness.set_ready()
-                    print(f"delayd broker listening on {bound[0][0]}:{bound[0][1]}", flush=True)
+                    print(f"delayd broker listening on {format_address(*bound[0])}", flush=True)
                     async for signum in signals:
                         log.info("%s: shutting down", signal.Signals(signum).name)
                         break

@@ -5,7 +5,7 @@ from __future__ import annotations
 import anyio
 import anyio.abc
 
-from delayd.client._addr import parse_addr
+from delayd.address import parse_address
 from delayd.client._async_link import AsyncLink
 from delayd.client._backoff import Backoff
 from delayd.errors import BusyError, ConnectionClosedError
@@ -33,7 +33,7 @@ class AsyncSession:
         task_group: anyio.abc.TaskGroup,
         backoff: Backoff | None = None,
     ) -> None:
-        self.host, self.port = parse_addr(addr)
+        self.host, self.port = parse_address(addr)
         self.addr = addr
         self._token = token
         self._client_name = client_name

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import time
 
-from delayd.client._addr import parse_addr
+from delayd.address import parse_address
 from delayd.client._backoff import Backoff
 from delayd.client._blocking_link import BlockingLink
 from delayd.errors import BusyError, ConnectionClosedError, DelaydTimeout
@@ -30,7 +30,7 @@ class BlockingSession:
         client_name: str,
         backoff: Backoff | None = None,
     ) -> None:
-        self.host, self.port = parse_addr(addr)
+        self.host, self.port = parse_address(addr)
         self.addr = addr
         self._token = token
         self._client_name = client_name

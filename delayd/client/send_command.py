@@ -21,8 +21,8 @@ import sys
 from decimal import Decimal
 from typing import Any
 
+from delayd.address import parse_address
 from delayd.client import Producer, Receipt
-from delayd.client._addr import parse_addr
 from delayd.errors import DelaydError
 
 _UNITS_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
@@ -63,7 +63,7 @@ def parse_utc_ms(text: str) -> int:
 def parse_server(text: str) -> str:
     """A ``HOST:PORT`` address, checked. Raises argparse.ArgumentTypeError."""
     try:
-        parse_addr(text)
+        parse_address(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 import trio
 
 from delayd import __version__
+from delayd.address import parse_address
 from delayd.errors import DelaydError, LocalProtocolError, ProtocolError
 from delayd.protocol import (
     CLIENT,
@@ -138,7 +139,10 @@ class RemoteTarget:
             raise ValueError("timeout_s and connect_timeout_s must be positive (seconds)")
         self.name = name
         self.addresses = tuple(addresses)
-        self._endpoints = [_host_port(address) for address in self.addresses]
+        try:
+            self._endpoints = [parse_address(address) for address in self.addresses]
+        except ValueError as exc:
+            raise ValueError(f"broker group {name!r}: {exc}") from None
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
         self._token = token
@@ -220,13 +224,6 @@ class RemoteTarget:
         if self._link is not None:
             self._link.fail("was closed by the sender")
         await trio.lowlevel.checkpoint()
-
-
-def _host_port(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
-        raise ValueError(f"broker address {address!r} is not HOST:PORT ([V6]:PORT for IPv6)")
-    return host.removeprefix("[").removesuffix("]"), int(port)
 
 
 class _Waiter:

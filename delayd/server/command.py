@@ -29,6 +29,7 @@ from functools import partial
 
 import trio
 
+from delayd.address import format_address
 from delayd.gcsetup import tune_gc_for_serving
 from delayd.logsetup import (
     DEFAULT_LOG_FORMAT,
@@ -40,8 +41,8 @@ from delayd.server.app import DelayServer, open_listeners, serve_metrics_early
 from delayd.server.config import (
     ConfigError,
     ServeConfig,
-    parse_address,
-    parse_optional_address,
+    parse_listen_address,
+    parse_optional_listen_address,
     with_overrides,
 )
 from delayd.server.config_env import load_effective_config
@@ -53,14 +54,14 @@ log = logging.getLogger("delayd.serve")
 
 def _address(text: str) -> tuple[str, int]:
     try:
-        return parse_address(text, "address")
+        return parse_listen_address(text, "address")
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _optional_address(text: str) -> tuple[str, int] | None:
     try:
-        return parse_optional_address(text, "address")
+        return parse_optional_listen_address(text, "address")
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -189,10 +190,11 @@ async def _serve(data_dir: str, config: ServeConfig) -> None:
                 run = partial(server.run, listeners=listeners, metrics=metrics)
                 bound = await nursery.start(run)
                 if bound.broker is not None:
-                    print("delayd serve broker listening on {}:{}".format(*bound.broker))
+                    print(f"delayd serve broker listening on {format_address(*bound.broker)}")
                 if bound.metrics is not None:
-                    print("delayd serve metrics on http://{}:{}/metrics".format(*bound.metrics))
-                print("delayd serve listening on {}:{}".format(*bound.intake), flush=True)
+                    metrics_url = f"http://{format_address(*bound.metrics)}/metrics"
+                    print(f"delayd serve metrics on {metrics_url}")
+                print(f"delayd serve listening on {format_address(*bound.intake)}", flush=True)
                 async for signum in signals:
                     log.info("%s: shutting down", signal.Signals(signum).name)
                     break
