@@ -9,12 +9,12 @@ import pytest
 
 from delayd.client._backoff import Backoff
 from delayd.client._consumer_state import ConsumerState
-from delayd.client._errors import error_to_exception
 from delayd.client._ids import MessageIds, new_message_id
 from delayd.client._messages import build_message, coerce_batch, split_frames
 from delayd.client.receipt import Receipt
 from delayd.errors import BusyError, RejectedError, RemoteProtocolError
 from delayd.protocol import Error, ErrorCode, Message, ResultCode, SendResult
+from delayd.protocol.error_answers import error_to_exception
 
 # --- addresses ----------------------------------------------------------------------------
 

@@ -103,9 +103,8 @@ def process_cpu_s(pid: int) -> float:
 
 def broker_fsyncs(addr: str) -> int:
     """The broker's fsync count, from STATS."""
-    host, port = parse_address(addr)
     link = BlockingLink.open(
-        host, port, token=None, client_name="bench", deadline=time.monotonic() + 10
+        parse_address(addr), token=None, client_name="bench", deadline=time.monotonic() + 10
     )
     try:
         result = link.request(lambda rid: Stats(request_id=rid), time.monotonic() + 10)

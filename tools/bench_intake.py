@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import bench_common
@@ -42,10 +43,8 @@ sys.path.insert(0, str(ROOT))
 from delayd.address import parse_address  # noqa: E402
 from delayd.protocol import (  # noqa: E402
     CLIENT,
-    NEED_DATA,
     Connection,
     FrameDecoder,
-    Hello,
     Message,
     ResultCode,
     SendBatch,
@@ -55,6 +54,7 @@ from delayd.protocol import (  # noqa: E402
     decode_event,
     encode_event,
 )
+from delayd.protocol.handshake import say_hello_blocking  # noqa: E402
 
 BODY = b"b" * 100
 BATCH = 100
@@ -86,10 +86,14 @@ class RawClient:
     def __init__(self, host: str, port: int) -> None:
         self.sock = socket.create_connection((host, port))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn = Connection(CLIENT)
-        self.sock.sendall(conn.send(Hello(client_name="bench-intake", request_id=1)))
-        while conn.next_event() is NEED_DATA:
-            conn.receive_data(self.sock.recv(65536))
+        say_hello_blocking(
+            Connection(CLIENT),
+            self.sock.sendall,
+            partial(self.sock.recv, 65536),
+            token=None,
+            client_name="bench-intake",
+            peer=f"{host}:{port}",
+        )
         self.decoder = FrameDecoder()
         self.next_id = 2
 

@@ -48,6 +48,7 @@ import sys
 import tempfile
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import delayd
@@ -55,16 +56,15 @@ from delayd.address import parse_address
 from delayd.bench import common
 from delayd.protocol import (
     CLIENT,
-    NEED_DATA,
     Connection,
     FrameDecoder,
-    Hello,
     Message,
     Stats,
     StatsResult,
     decode_event,
     encode_event,
 )
+from delayd.protocol.handshake import say_hello_blocking
 
 BODY = b"b" * 100
 SUBJECT = "due"
@@ -184,10 +184,14 @@ class Server:
     def stats(self) -> dict:
         """The server's STATS (replay lag and so on), over a fresh connection."""
         with socket.create_connection(parse_address(self.intake)) as sock:
-            conn = Connection(CLIENT)
-            sock.sendall(conn.send(Hello(client_name="bench-delivery", request_id=1)))
-            while conn.next_event() is NEED_DATA:
-                conn.receive_data(sock.recv(65536))
+            say_hello_blocking(
+                Connection(CLIENT),
+                sock.sendall,
+                partial(sock.recv, 65536),
+                token=None,
+                client_name="bench-delivery",
+                peer=self.intake,
+            )
             decoder = FrameDecoder()
             sock.sendall(encode_event(Stats(request_id=2)))
             while (frame := decoder.next_frame()) is None:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import anyio
 import anyio.abc
 
-from delayd.client._errors import error_to_exception
+from delayd.address import Address
 from delayd.errors import ConnectionClosedError, DelaydError, RemoteProtocolError
 from delayd.protocol import (
     CLIENT,
@@ -26,11 +26,11 @@ from delayd.protocol import (
     Connection,
     ConnectionClosed,
     Error,
-    Hello,
-    HelloOk,
     Request,
     Response,
 )
+from delayd.protocol.error_answers import error_to_exception
+from delayd.protocol.handshake import say_hello
 
 RECEIVE_SIZE = 256 * 1024  # bytes per read; a full PULL_RESULT in a few reads
 # What the socket layer raises when the peer goes away, on either backend.
@@ -70,41 +70,42 @@ class AsyncLink:
         return self.failure is not None
 
     @classmethod
-    async def open(cls, host: str, port: int, *, token: str | None, client_name: str) -> AsyncLink:
-        """Connect to ``host:port`` and do HELLO.
+    async def open(cls, address: Address, *, token: str | None, client_name: str) -> AsyncLink:
+        """Connect to ``address`` and do HELLO (delayd.protocol.handshake).
 
-        Raises OSError when the connection cannot be made, ConnectionClosedError when it
-        closes during HELLO, RejectedError (UNAUTHORIZED) for a wrong or missing token,
-        BusyError when the server is shutting down, ProtocolError when the peer does not
-        speak the delayd protocol. No time-out here: the caller bounds the whole call.
+        Raises OSError when the connection cannot be made, and what say_hello raises:
+        ConnectionClosedError when it closes during HELLO, RejectedError (UNAUTHORIZED)
+        for a wrong or missing token, BusyError when the server is shutting down,
+        ProtocolError when the peer does not speak the delayd protocol. No time-out
+        here: the caller bounds the whole call.
         """
-        addr = f"{host}:{port}"
-        stream = await anyio.connect_tcp(host, port)
+        addr = str(address)
+        stream = await anyio.connect_tcp(*address)
         try:
             # Requests are small and answered at once; Nagle would add up to 40 ms each.
             raw = stream.extra(anyio.abc.SocketAttribute.raw_socket)
             raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = Connection(CLIENT)
-            hello = Hello(token=token, client_name=client_name, request_id=conn.next_request_id())
-            await stream.send(conn.send(hello))
-            while True:
-                event = conn.next_event()
-                if event is NEED_DATA:
-                    try:
-                        data = await stream.receive(RECEIVE_SIZE)
-                    except anyio.EndOfStream:
-                        data = b""
-                    conn.receive_data(data)
-                elif isinstance(event, HelloOk):
-                    return cls(stream, conn, addr)
-                elif isinstance(event, Error):
-                    raise error_to_exception(event, f"HELLO to {addr}")
-                else:
-                    raise ConnectionClosedError(f"{addr} closed the connection during HELLO")
+            link = cls(stream, Connection(CLIENT), addr)
+            await say_hello(
+                link._conn,
+                stream.send,
+                link._receive,
+                token=token,
+                client_name=client_name,
+                peer=addr,
+            )
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await stream.aclose()
             raise
+        return link
+
+    async def _receive(self) -> bytes:
+        """The next bytes from the server; b"" once it closed."""
+        try:
+            return await self._stream.receive(RECEIVE_SIZE)
+        except anyio.EndOfStream:
+            return b""
 
     async def run(self) -> None:
         """The reader: route answers to their requests until the link ends. Never raises."""
@@ -126,11 +127,7 @@ class AsyncLink:
     async def _read_loop(self) -> None:
         conn, waiters = self._conn, self._waiters
         while True:
-            try:
-                data = await self._stream.receive(RECEIVE_SIZE)
-            except anyio.EndOfStream:
-                data = b""
-            conn.receive_data(data)
+            conn.receive_data(await self._receive())
             while True:
                 event = conn.next_event()
                 if event is NEED_DATA:

@@ -16,20 +16,21 @@ import math
 import socket
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 
-from delayd.client._errors import error_to_exception
-from delayd.errors import ConnectionClosedError, DelaydError, DelaydTimeout, RemoteProtocolError
+from delayd.address import Address
+from delayd.errors import ConnectionClosedError, DelaydError, DelaydTimeout
 from delayd.protocol import (
     CLIENT,
     NEED_DATA,
     Connection,
     ConnectionClosed,
     Error,
-    Hello,
-    HelloOk,
     Request,
     Response,
 )
+from delayd.protocol.error_answers import error_to_exception
+from delayd.protocol.handshake import say_hello_blocking
 
 RECEIVE_SIZE = 256 * 1024  # bytes per recv()
 
@@ -45,37 +46,37 @@ class BlockingLink:
 
     @classmethod
     def open(
-        cls, host: str, port: int, *, token: str | None, client_name: str, deadline: float
+        cls, address: Address, *, token: str | None, client_name: str, deadline: float
     ) -> BlockingLink:
-        """Connect and do HELLO before ``deadline`` (monotonic seconds).
+        """Connect and do HELLO (delayd.protocol.handshake) before ``deadline``
+        (monotonic seconds).
 
         Raises OSError when the connection cannot be made, DelaydTimeout at the
-        deadline, ConnectionClosedError when the server closes during HELLO,
-        RejectedError (UNAUTHORIZED) for a wrong token, BusyError when the server is
-        shutting down, ProtocolError when the peer does not speak the protocol.
+        deadline, and what say_hello_blocking raises: ConnectionClosedError when the
+        server closes during HELLO, RejectedError (UNAUTHORIZED) for a wrong token,
+        BusyError when the server is shutting down, ProtocolError when the peer does
+        not speak the protocol.
         """
-        addr = f"{host}:{port}"
+        addr = str(address)
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise DelaydTimeout(f"no time left to connect to {addr}")
         try:
-            sock = socket.create_connection((host, port), timeout=remaining)
+            sock = socket.create_connection(address, timeout=remaining)
         except TimeoutError:
             raise DelaydTimeout(f"connecting to {addr} timed out") from None
         link = cls(sock, Connection(CLIENT), addr)
         try:
             # Requests are small and answered at once; Nagle would add up to 40 ms each.
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            hello = link._conn.next_request_id()
-            link._write(
-                link._conn.send(Hello(token=token, client_name=client_name, request_id=hello)),
-                deadline,
+            say_hello_blocking(
+                link._conn,
+                partial(link._write, deadline=deadline),
+                partial(link._receive, deadline),
+                token=token,
+                client_name=client_name,
+                peer=addr,
             )
-            answer = link._read_answer(deadline)
-            if isinstance(answer, Error):
-                raise error_to_exception(answer, f"HELLO to {addr}")
-            if not isinstance(answer, HelloOk):
-                raise RemoteProtocolError(f"{addr} answered HELLO with {type(answer).__name__}")
         except BaseException:
             link.close()
             raise
@@ -166,22 +167,23 @@ class BlockingLink:
         while True:
             event = conn.next_event()
             if event is NEED_DATA:
-                self._settimeout(deadline)
-                try:
-                    data = self._sock.recv(RECEIVE_SIZE)
-                except TimeoutError:
-                    raise DelaydTimeout(f"no answer from {self.addr} in time") from None
-                except OSError as exc:
-                    raise ConnectionClosedError(
-                        f"connection to {self.addr} lost: {exc!r}"
-                    ) from None
-                conn.receive_data(data)
+                conn.receive_data(self._receive(deadline))
                 continue
             if isinstance(event, ConnectionClosed):
                 raise ConnectionClosedError(f"{self.addr} closed the connection")
             if isinstance(event, Error) and event.request_id == 0:
                 raise error_to_exception(event, f"connection to {self.addr}")
             return event  # type: ignore[return-value]
+
+    def _receive(self, deadline: float) -> bytes:
+        """The next bytes from the server; b"" once it closed."""
+        self._settimeout(deadline)
+        try:
+            return self._sock.recv(RECEIVE_SIZE)
+        except TimeoutError:
+            raise DelaydTimeout(f"no answer from {self.addr} in time") from None
+        except OSError as exc:
+            raise ConnectionClosedError(f"connection to {self.addr} lost: {exc!r}") from None
 
     def _settimeout(self, deadline: float) -> None:
         if math.isinf(deadline):

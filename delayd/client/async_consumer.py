@@ -383,6 +383,7 @@ async def open_consumer(
     pull_wait_ms: int = 2000,
     heartbeat_interval_s: float = 3.0,
     client_name: str = CLIENT_NAME,
+    retry_first_connect: bool = True,
 ) -> AsyncIterator[AsyncConsumer]:
     """An async consumer of ``subject`` in ``group`` at ``addr`` (``"host:port"``).
 
@@ -392,10 +393,12 @@ async def open_consumer(
     exception — and closes. ``max_messages`` is the PULL batch size, ``pull_wait_ms``
     how long the broker may hold a PULL that finds nothing. ``commit`` is "periodic"
     (default) or "sync" (each commit durable before the next message; ValueError for
-    anything else).
+    anything else). ``retry_first_connect=False``: UnreachableError at once when the
+    first connection cannot be made (as open_producer's).
     """
     async with background_task_group() as tg:
         session = AsyncSession(addr, token=token, client_name=client_name, task_group=tg)
+        session.retry_first_connect = retry_first_connect
         consumer = AsyncConsumer(
             session,
             tg,

@@ -299,15 +299,19 @@ async def open_producer(
     timeout_s: float = 10.0,
     busy_retries: int = 5,
     client_name: str = CLIENT_NAME,
+    retry_first_connect: bool = True,
 ) -> AsyncIterator[AsyncProducer]:
     """An async producer connected to ``addr`` (``"host:port"``), closed on exit.
 
     Connects (HELLO, with ``token`` when given) before the body runs, retrying with
-    back-off for up to ``timeout_s``. Raises ValueError for a malformed ``addr``,
-    RejectedError for a wrong token, DelaydTimeout when the server cannot be reached.
+    back-off for up to ``timeout_s`` — or, with ``retry_first_connect=False``, raising
+    UnreachableError at once when that connection cannot be made. Raises ValueError for
+    a malformed ``addr``, RejectedError for a wrong token, DelaydTimeout when the
+    server cannot be reached.
     """
     async with background_task_group() as tg:
         session = AsyncSession(addr, token=token, client_name=client_name, task_group=tg)
+        session.retry_first_connect = retry_first_connect
         producer = AsyncProducer(session, timeout_s=timeout_s, busy_retries=busy_retries)
         try:
             with anyio.move_on_after(timeout_s) as scope:

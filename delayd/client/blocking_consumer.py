@@ -68,7 +68,9 @@ class Consumer:
     durable on the broker before the next message is handed out (at most one message
     comes again after a crash; docs/clients.md). ``timeout_s`` bounds every request;
     iterating waits for messages for ever, reconnecting while the broker is away.
-    Raises ValueError for a malformed ``addr`` or an unknown ``commit`` mode.
+    ``retry_first_connect=False``: a first connection that cannot be made raises
+    UnreachableError at once (as the Producer's). Raises ValueError for a malformed
+    ``addr`` or an unknown ``commit`` mode.
     """
 
     def __init__(
@@ -86,8 +88,10 @@ class Consumer:
         pull_wait_ms: int = 1000,
         heartbeat_interval_s: float = 3.0,
         client_name: str = CLIENT_NAME,
+        retry_first_connect: bool = True,
     ) -> None:
         self._session = BlockingSession(addr, token=token, client_name=client_name)
+        self._session.retry_first_connect = retry_first_connect
         self.addr = addr
         self.subject = subject
         self.group = group
@@ -126,7 +130,8 @@ class Consumer:
         self.close(clean=exc_type is None)
 
     def connect(self) -> None:
-        """Connect and join now (DelaydTimeout after ``timeout_s``, RejectedError)."""
+        """Connect and join now (DelaydTimeout after ``timeout_s``, RejectedError,
+        UnreachableError)."""
         with self._lock:
             self._check_open()
             self._member_link(time.monotonic() + self.timeout_s)

@@ -67,7 +67,10 @@ class Producer:
 
     Connects on ``with`` (or on the first call). ``timeout_s`` bounds every call,
     reconnection and retries included (DelaydTimeout); BUSY messages are sent again up
-    to ``busy_retries`` times with back-off. Raises ValueError for a malformed ``addr``.
+    to ``busy_retries`` times with back-off. With ``retry_first_connect=False`` a first
+    connection that cannot be made raises UnreachableError at once instead of being
+    retried until ``timeout_s`` (later reconnections are retried either way). Raises
+    ValueError for a malformed ``addr``.
     """
 
     def __init__(
@@ -80,8 +83,10 @@ class Producer:
         max_frame_messages: int = MAX_FRAME_MESSAGES,
         max_in_flight: int = 8,
         client_name: str = CLIENT_NAME,
+        retry_first_connect: bool = True,
     ) -> None:
         self._session = BlockingSession(addr, token=token, client_name=client_name)
+        self._session.retry_first_connect = retry_first_connect
         self.addr = addr
         self.timeout_s = timeout_s
         self.busy_retries = busy_retries
@@ -104,7 +109,8 @@ class Producer:
         self.close()
 
     def connect(self) -> None:
-        """Connect now rather than on the first send (DelaydTimeout, RejectedError)."""
+        """Connect now rather than on the first send (DelaydTimeout, RejectedError,
+        UnreachableError)."""
         with self._lock:
             self._check_open()
             self._session.link(time.monotonic() + self.timeout_s)

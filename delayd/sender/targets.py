@@ -17,12 +17,13 @@ library brings anyio, which the servers do without.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Protocol
 
 import trio
 
 from delayd import __version__
-from delayd.address import parse_address
+from delayd.address import Address, parse_address
 from delayd.errors import DelaydError, LocalProtocolError, ProtocolError
 from delayd.protocol import (
     CLIENT,
@@ -31,15 +32,13 @@ from delayd.protocol import (
     ConnectionClosed,
     EncodedMessages,
     Error,
-    ErrorCode,
-    Hello,
-    HelloOk,
     Message,
     ResultCode,
     SendBatch,
     SendBatchResult,
     SendResult,
 )
+from delayd.protocol.handshake import say_hello
 
 if TYPE_CHECKING:
     from delayd.broker import Broker
@@ -202,11 +201,11 @@ class RemoteTarget:
             for step in range(count):
                 index = (self._current + step) % count
                 address = self.addresses[index]
-                host, port = self._endpoints[index]
+                endpoint = self._endpoints[index]
                 with trio.move_on_after(self.connect_timeout_s):
                     try:
-                        link = await _Link.open(self.name, address, host, port, self._token)
-                    except (*_LINK_ERRORS, TargetUnavailable) as exc:
+                        link = await _Link.open(self.name, address, endpoint, self._token)
+                    except (*_LINK_ERRORS, DelaydError) as exc:
                         problems.append(f"{address}: {exc}")
                         continue
                     if self._closed:  # aclose() ran while this connected
@@ -261,33 +260,26 @@ class _Link:
         self.failure: str | None = None
 
     @classmethod
-    async def open(cls, group: str, address: str, host: str, port: int, token: str | None) -> _Link:
-        """Connect and do HELLO. Raises OSError or a trio stream error when the
-        connection fails, ProtocolError for a peer that does not speak the protocol,
-        TargetUnavailable when the broker refuses the HELLO or closes the connection."""
-        stream = await trio.open_tcp_stream(host, port)  # TCP_NODELAY is trio's default
+    async def open(cls, group: str, address: str, endpoint: Address, token: str | None) -> _Link:
+        """Connect and do HELLO (delayd.protocol.handshake). Raises OSError or a trio
+        stream error when the connection fails, and what say_hello raises: RejectedError
+        for a wrong token, BusyError for a broker shutting down, ConnectionClosedError,
+        ProtocolError for a peer that does not speak the protocol."""
+        stream = await trio.open_tcp_stream(*endpoint)  # TCP_NODELAY is trio's default
         try:
             conn = Connection(CLIENT)
-            hello = Hello(token=token, client_name=CLIENT_NAME, request_id=conn.next_request_id())
-            await stream.send_all(conn.send(hello))
-            while True:
-                event = conn.next_event()
-                if event is NEED_DATA:
-                    conn.receive_data(await stream.receive_some(RECEIVE_BYTES))
-                elif isinstance(event, HelloOk):
-                    return cls(group, address, stream, conn)
-                elif isinstance(event, Error):
-                    hint = ""
-                    if event.code is ErrorCode.UNAUTHORIZED:
-                        hint = " (check the token configured for the broker group)"
-                    raise TargetUnavailable(
-                        f"HELLO refused: {event.reason} ({event.code.name}){hint}"
-                    )
-                else:
-                    raise TargetUnavailable("the broker closed the connection during HELLO")
+            await say_hello(
+                conn,
+                stream.send_all,
+                partial(stream.receive_some, RECEIVE_BYTES),
+                token=token,
+                client_name=CLIENT_NAME,
+                peer=address,
+            )
         except BaseException:
             stream.socket.close()
             raise
+        return cls(group, address, stream, conn)
 
     def fail(self, reason: str) -> None:
         """End the link: close the socket (a task blocked on it wakes with

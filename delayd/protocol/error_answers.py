@@ -1,9 +1,14 @@
-"""ERROR frames from a server turned into the exceptions of delayd.errors."""
+"""ERROR answers from a server turned into the exceptions of delayd.errors.
+
+One mapping for every side that sends requests: the clients, the sender's broker links
+and the HELLO handshake (delayd.protocol.handshake).
+"""
 
 from __future__ import annotations
 
 from delayd.errors import BusyError, DelaydError, RejectedError, RemoteProtocolError
-from delayd.protocol import Error, ErrorCode
+from delayd.protocol.codes import ErrorCode
+from delayd.protocol.events import Error
 
 # The server says *our* bytes broke the protocol: a bug on this side or a peer that
 # speaks another protocol. Retrying the same bytes cannot help.
