@@ -14,7 +14,7 @@ from delayd.client._messages import build_message, coerce_batch, split_frames
 from delayd.client.receipt import Receipt
 from delayd.errors import BusyError, RejectedError, RemoteProtocolError
 from delayd.protocol import Error, ErrorCode, Message, ResultCode, SendResult
-from delayd.protocol.error_answers import error_to_exception
+from delayd.protocol.answers import error_to_exception
 
 # --- addresses ----------------------------------------------------------------------------
 

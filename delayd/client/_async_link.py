@@ -19,17 +19,9 @@ import anyio
 import anyio.abc
 
 from delayd.address import Address
-from delayd.errors import ConnectionClosedError, DelaydError, RemoteProtocolError
-from delayd.protocol import (
-    CLIENT,
-    NEED_DATA,
-    Connection,
-    ConnectionClosed,
-    Error,
-    Request,
-    Response,
-)
-from delayd.protocol.error_answers import error_to_exception
+from delayd.errors import ConnectionClosedError, DelaydError
+from delayd.protocol import CLIENT, Connection, Error, Request, Response
+from delayd.protocol.answers import error_to_exception, route_answers
 from delayd.protocol.handshake import say_hello
 
 RECEIVE_SIZE = 256 * 1024  # bytes per read; a full PULL_RESULT in a few reads
@@ -112,8 +104,12 @@ class AsyncLink:
         try:
             with self._scope:
                 try:
-                    await self._read_loop()
-                except RemoteProtocolError as exc:
+                    while True:
+                        self._conn.receive_data(await self._receive())
+                        route_answers(self._conn, self._deliver, self.addr)
+                except DelaydError as exc:
+                    # Closed, or an ERROR about the whole connection, or bytes that break
+                    # the protocol: every waiting request fails with it.
                     self._fail(exc)
                 except _LINK_ERRORS as exc:
                     self._fail(ConnectionClosedError(f"connection to {self.addr} lost: {exc!r}"))
@@ -124,25 +120,11 @@ class AsyncLink:
             with anyio.CancelScope(shield=True):
                 await self._stream.aclose()
 
-    async def _read_loop(self) -> None:
-        conn, waiters = self._conn, self._waiters
-        while True:
-            conn.receive_data(await self._receive())
-            while True:
-                event = conn.next_event()
-                if event is NEED_DATA:
-                    break
-                if isinstance(event, ConnectionClosed):
-                    self._fail(ConnectionClosedError(f"{self.addr} closed the connection"))
-                    return
-                waiter = waiters.pop(event.request_id, None)
-                if waiter is not None:
-                    waiter.response = event  # type: ignore[assignment]
-                    waiter.done.set()
-                if isinstance(event, Error) and (event.close or event.request_id == 0):
-                    # About the whole connection: every waiting request fails with it.
-                    self._fail(error_to_exception(event, f"connection to {self.addr}"))
-                    return
+    def _deliver(self, answer: Response | Error) -> None:
+        waiter = self._waiters.pop(answer.request_id, None)
+        if waiter is not None:
+            waiter.response = answer
+            waiter.done.set()
 
     def _fail(self, exc: DelaydError) -> None:
         if self.failure is None:

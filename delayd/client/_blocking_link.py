@@ -29,7 +29,7 @@ from delayd.protocol import (
     Request,
     Response,
 )
-from delayd.protocol.error_answers import error_to_exception
+from delayd.protocol.answers import error_to_exception
 from delayd.protocol.handshake import say_hello_blocking
 
 RECEIVE_SIZE = 256 * 1024  # bytes per recv()

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 
 from delayd.errors import ConnectionClosedError, RemoteProtocolError
+from delayd.protocol.answers import error_to_exception
 from delayd.protocol.connection import NEED_DATA, Connection, NeedData
-from delayd.protocol.error_answers import error_to_exception
 from delayd.protocol.events import ConnectionClosed, Error, Event, Hello, HelloOk
 
 

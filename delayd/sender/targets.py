@@ -27,17 +27,17 @@ from delayd.address import Address, parse_address
 from delayd.errors import DelaydError, LocalProtocolError, ProtocolError
 from delayd.protocol import (
     CLIENT,
-    NEED_DATA,
     Connection,
-    ConnectionClosed,
     EncodedMessages,
     Error,
     Message,
+    Response,
     ResultCode,
     SendBatch,
     SendBatchResult,
     SendResult,
 )
+from delayd.protocol.answers import route_answers
 from delayd.protocol.handshake import say_hello
 
 if TYPE_CHECKING:
@@ -340,23 +340,22 @@ class _Link:
     async def _read_until(self, mine: _Waiter) -> None:
         """Read answers, handing each to its waiter, until ``mine`` has one or the link
         ends; then wake the other waiters so that one of them reads on."""
-        conn, waiters = self._conn, self._waiters
         self._reading = True
         try:
             while mine.response is None:
-                conn.receive_data(await self._stream.receive_some(RECEIVE_BYTES))
-                while (event := conn.next_event()) is not NEED_DATA:
-                    if isinstance(event, ConnectionClosed):
-                        self.fail("was closed by the broker")
-                        return
-                    waiter = waiters.pop(event.request_id, None)
-                    if waiter is not None:
-                        waiter.response = event  # type: ignore[assignment]
-                        waiter.wake.set()
-                    if isinstance(event, Error) and (event.close or event.request_id == 0):
-                        self.fail(f"was closed by the broker: {event.reason} ({event.code.name})")
-                        return
+                self._conn.receive_data(await self._stream.receive_some(RECEIVE_BYTES))
+                try:
+                    route_answers(self._conn, self._deliver, self.address)
+                except DelaydError as exc:  # closed, or an ERROR about the whole connection
+                    self.fail(f"was ended: {exc}")
+                    return
         finally:
             self._reading = False
-            for waiter in waiters.values():
+            for waiter in self._waiters.values():
                 waiter.wake.set()
+
+    def _deliver(self, answer: Response | Error) -> None:
+        waiter = self._waiters.pop(answer.request_id, None)
+        if waiter is not None:
+            waiter.response = answer  # type: ignore[assignment]
+            waiter.wake.set()
