@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 from delayd.client._ids import new_message_id
 from delayd.protocol import Message
@@ -14,25 +14,38 @@ from delayd.protocol import Message
 MAX_FRAME_MESSAGES = 1000
 MAX_FRAME_BYTES = 4 * 1024 * 1024  # well under the 16 MiB default max_frame_size
 _MESSAGE_OVERHEAD = 14 + 8 * 2  # fixed head of a message, and room for its two integers
+_OPTION_NAMES = "subject, body, at_ms, delay_ms, message_id, key and properties"
 
 
-def build_message(
-    subject: str,
-    body: bytes | bytearray | memoryview | str,
-    *,
-    at_ms: int | None = None,
-    delay_ms: int | None = None,
-    message_id: str | None = None,
-    key: str | None = None,
-    properties: Mapping[str, str] | None = None,
-) -> Message:
-    """The Message to send; a ``str`` body is sent as UTF-8.
+class SendOptions(TypedDict, total=False):
+    """The keyword arguments of ``send`` (and the keys, besides subject and body, of a
+    ``send_batch`` item given as a dict), each optional.
 
     ``at_ms`` (absolute due time, epoch ms UTC) and ``delay_ms`` (ms after the server
     receives it) are mutually exclusive; with neither, the message is not delayed.
-    Without ``message_id`` the client makes a unique, time-ordered one. Raises
-    ValueError for both times at once or a body that is not bytes or str.
+    Without ``message_id`` the client makes a unique, time-ordered one. ``key`` and
+    ``properties`` travel with the message to its consumers.
     """
+
+    at_ms: int | None
+    delay_ms: int | None
+    message_id: str | None
+    key: str | None
+    properties: Mapping[str, str] | None
+
+
+def build_message(
+    subject: str, body: bytes | bytearray | memoryview | str, **options: Unpack[SendOptions]
+) -> Message:
+    """The Message to send; a ``str`` body is sent as UTF-8.
+
+    Raises TypeError for an option SendOptions does not name, ValueError for both times
+    at once or a body that is not bytes or str.
+    """
+    unknown = sorted(set(options) - SendOptions.__optional_keys__)
+    if unknown:
+        raise TypeError(f"unexpected argument {unknown[0]!r}; send takes {_OPTION_NAMES}")
+    at_ms, delay_ms = options.get("at_ms"), options.get("delay_ms")
     if at_ms is not None and delay_ms is not None:
         raise ValueError("give at_ms (an absolute epoch-ms time) or delay_ms, not both")
     if isinstance(body, str):
@@ -41,10 +54,11 @@ def build_message(
         body = bytes(body)
     elif not isinstance(body, bytes):
         raise ValueError(f"body must be bytes or str, got {type(body).__name__}")
+    message_id, properties = options.get("message_id"), options.get("properties")
     return Message(
         message_id=new_message_id() if message_id is None else message_id,
         subject=subject,
-        key=key,
+        key=options.get("key"),
         properties={} if properties is None else dict(properties),
         body=body,
         at_ms=at_ms,

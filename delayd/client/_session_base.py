@@ -10,7 +10,7 @@ from typing import Generic, Protocol, TypeVar
 
 from delayd.address import parse_address
 from delayd.client._backoff import Backoff
-from delayd.errors import DelaydError, UnreachableError
+from delayd.errors import DelaydError, DelaydTimeout, UnreachableError
 
 
 class _Link(Protocol):
@@ -78,6 +78,13 @@ class SessionBase(Generic[LinkT]):
         if self.last_problem is None:
             return f"no answer from {self.addr}"
         return f"last problem: {self.last_problem!r}"
+
+    def took_too_long(self, what: str, timeout_s: float) -> DelaydTimeout:
+        """The error of a call that spent its ``timeout_s`` on ``what`` ("sending 3
+        message(s)") without an answer."""
+        return DelaydTimeout(
+            f"{what} at {self.addr} took over {timeout_s} s ({self.describe_problem()})"
+        )
 
     def succeeded(self) -> None:
         """A request got its answer: the server is healthy, restart the back-off."""
