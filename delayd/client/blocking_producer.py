@@ -13,16 +13,13 @@ commit acknowledges several frames with one fsync.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from types import TracebackType
 from typing import Any, TypeVar, Unpack
 
 from delayd import __version__
 from delayd.client import _calls as calls
-from delayd.client._backoff import Backoff
-from delayd.client._blocking_session import BlockingSession
+from delayd.client._blocking_client import BlockingClient
 from delayd.client._messages import (
     MAX_FRAME_MESSAGES,
     SendOptions,
@@ -39,7 +36,7 @@ CLIENT_NAME = f"delayd-python-blocking/{__version__}"
 T = TypeVar("T")
 
 
-class Producer:
+class Producer(BlockingClient):
     """Sends messages to a broker or to the delay server at ``addr`` (``"host:port"``).
 
     Connects on ``with`` (or on the first call). ``timeout_s`` bounds every call,
@@ -62,28 +59,10 @@ class Producer:
         client_name: str = CLIENT_NAME,
         retry_first_connect: bool = True,
     ) -> None:
-        self._session = BlockingSession(addr, token=token, client_name=client_name)
-        self._session.retry_first_connect = retry_first_connect
-        self.addr = addr
-        self.timeout_s = timeout_s
+        super().__init__(addr, token, client_name, timeout_s, retry_first_connect)
         self.busy_retries = busy_retries
         self.max_frame_messages = max_frame_messages
         self.max_in_flight = max_in_flight
-        self._busy_backoff = Backoff(initial_s=0.01, max_s=1.0)
-        self._lock = threading.Lock()
-        self._closed = False
-
-    def __enter__(self) -> Producer:
-        self.connect()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def connect(self) -> None:
         """Connect now rather than on the first send (DelaydTimeout, RejectedError,
@@ -97,10 +76,6 @@ class Producer:
         with self._lock:
             self._closed = True
             self._session.close()
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ConnectionClosedError("the producer is closed")
 
     def send(self, subject: str, body: bytes | str, **options: Unpack[SendOptions]) -> Receipt:
         """Send one message and wait until the server has stored it durably.

@@ -42,28 +42,19 @@ class Receipt:
     @classmethod
     def from_result(cls, message_id: str, result: SendResult) -> Receipt:
         """The receipt for ``message_id`` from its SEND_BATCH result."""
-        if result.due_ms is not None:
-            # The delay server: it sends due_ms, and its message_log sequence in the
-            # queue_offset slot (docs/protocol.md, "SEND_BATCH results").
-            return cls(
-                message_id,
-                result.code,
-                result.reason,
-                due_ms=result.due_ms,
-                sequence=result.queue_offset,
-                store_ms=result.store_ms,
-                commitlog_offset=result.commitlog_offset,
-                queue=result.queue,
-                queue_offset=result.queue_offset,  # as sent, for code that reads the slot
-            )
+        # The delay server sends due_ms, and its message_log sequence in the queue_offset
+        # slot (docs/protocol.md, "SEND_BATCH results"); a broker sends no due_ms.
+        from_delay_server = result.due_ms is not None
         return cls(
             message_id,
             result.code,
             result.reason,
+            due_ms=result.due_ms,
+            sequence=result.queue_offset if from_delay_server else None,
             store_ms=result.store_ms,
             commitlog_offset=result.commitlog_offset,
             queue=result.queue,
-            queue_offset=result.queue_offset,
+            queue_offset=result.queue_offset,  # as sent, also for code that reads the slot
         )
 
 
