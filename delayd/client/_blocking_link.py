@@ -15,21 +15,14 @@ from __future__ import annotations
 import math
 import socket
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from functools import partial
 
 from delayd.address import Address
 from delayd.errors import ConnectionClosedError, DelaydError, DelaydTimeout
-from delayd.protocol import (
-    CLIENT,
-    NEED_DATA,
-    Connection,
-    ConnectionClosed,
-    Error,
-    Request,
-    Response,
-)
-from delayd.protocol.answers import error_to_exception
+from delayd.protocol import CLIENT, Connection, Error, Request, Response
+from delayd.protocol.answers import error_to_exception, route_answers
 from delayd.protocol.handshake import say_hello_blocking
 
 RECEIVE_SIZE = 256 * 1024  # bytes per recv()
@@ -42,6 +35,8 @@ class BlockingLink:
         self.addr = addr
         self._sock = sock
         self._conn = conn
+        self._answers: deque[Response | Error] = deque()  # read, not yet handed out
+        self._ended: DelaydError | None = None  # why no answer follows those
         self.closed = False
 
     @classmethod
@@ -161,19 +156,22 @@ class BlockingLink:
         except OSError as exc:
             raise ConnectionClosedError(f"connection to {self.addr} lost: {exc!r}") from None
 
-    def _read_answer(self, deadline: float) -> Response:
-        """The next answer from the server (an ERROR about the connection is raised)."""
-        conn = self._conn
-        while True:
-            event = conn.next_event()
-            if event is NEED_DATA:
-                conn.receive_data(self._receive(deadline))
-                continue
-            if isinstance(event, ConnectionClosed):
-                raise ConnectionClosedError(f"{self.addr} closed the connection")
-            if isinstance(event, Error) and event.request_id == 0:
-                raise error_to_exception(event, f"connection to {self.addr}")
-            return event  # type: ignore[return-value]
+    def _read_answer(self, deadline: float) -> Response | Error:
+        """The next answer to a request; raises, once the answers that came before it
+        are handed out, what ended the connection (route_answers)."""
+        while not self._answers:
+            if self._ended is not None:
+                raise self._ended
+            self._conn.receive_data(self._receive(deadline))
+            try:
+                route_answers(self._conn, self._keep_answer, self.addr)
+            except DelaydError as exc:
+                self._ended = exc
+        return self._answers.popleft()
+
+    def _keep_answer(self, answer: Response | Error) -> None:
+        if answer.request_id:  # an ERROR about the whole connection is raised instead
+            self._answers.append(answer)
 
     def _receive(self, deadline: float) -> bytes:
         """The next bytes from the server; b"" once it closed."""
