@@ -40,7 +40,7 @@ import bench_common
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from delayd.address import parse_address  # noqa: E402
+from delayd.address import format_address, parse_address  # noqa: E402
 from delayd.protocol import (  # noqa: E402
     CLIENT,
     Connection,
@@ -92,7 +92,7 @@ class RawClient:
             partial(self.sock.recv, 65536),
             token=None,
             client_name="bench-intake",
-            peer=f"{host}:{port}",
+            peer=format_address(host, port),
         )
         self.decoder = FrameDecoder()
         self.next_id = 2
