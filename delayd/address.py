@@ -51,7 +51,7 @@ def parse_address(text: str, *, allow_port_zero: bool = False) -> Address:
     if any(c.isspace() for c in text):
         raise ValueError(f"address {text!r} contains white space; write it as {EXAMPLES}")
     host, colon, port_text = text.rpartition(":")
-    if not colon:
+    if not colon or text.endswith("]"):  # "[::1]": the colons are the address's
         raise ValueError(f"address {text!r} has no port; write HOST:PORT, such as {EXAMPLES}")
     if host.startswith("["):
         host = _bracketed_ipv6(text, host)

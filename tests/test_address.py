@@ -27,6 +27,7 @@ REFUSED = [
     ("2001:db8::7:443", "[2001:db8::7]:443 if 443 is the port, else [2001:db8::7:443]:PORT"),
     ("fe80::zz:1", "[::1]:20811"),
     ("127.0.0.1", "no port"),
+    ("[::1]", "no port"),
     ("localhost", "no port"),
     (":20811", "no host"),
     ("[::1]:", "port must be a number 1 to 65535"),
