@@ -44,6 +44,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import delayd  # noqa: E402
+from delayd.address import parse_address  # noqa: E402
 from delayd.client._blocking_link import BlockingLink  # noqa: E402
 from delayd.protocol import Message, Stats, StatsResult  # noqa: E402
 
@@ -100,9 +101,8 @@ def process_cpu_s(pid: int) -> float:
 
 def broker_fsyncs(addr: str) -> int:
     """The broker's fsync count, from STATS."""
-    host, port = addr.rsplit(":", 1)
     link = BlockingLink.open(
-        host, int(port), token=None, client_name="bench", deadline=time.monotonic() + 10
+        parse_address(addr), token=None, client_name="bench", deadline=time.monotonic() + 10
     )
     try:
         result = link.request(lambda rid: Stats(request_id=rid), time.monotonic() + 10)

@@ -39,6 +39,7 @@ import bench_common
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from delayd.address import parse_address  # noqa: E402
 from delayd.bench.raw_client import RawClient  # noqa: E402
 from delayd.protocol import (  # noqa: E402
     Message,
@@ -108,8 +109,7 @@ class IntakeClient(RawClient):
 
 
 def client_main(args: argparse.Namespace) -> None:
-    host, port = args.addr.rsplit(":", 1)
-    client = IntakeClient(host, int(port), "bench-intake")
+    client = IntakeClient(*parse_address(args.addr), "bench-intake")
     warmup = client.frames(20, seed=1)
     client.send_all(warmup, args.in_flight)
     frames = client.frames(args.messages // BATCH, seed=2)
@@ -126,7 +126,7 @@ def client_main(args: argparse.Namespace) -> None:
 def redis_client_main(args: argparse.Namespace) -> None:
     import redis
 
-    r = redis.Redis(port=int(args.addr.rsplit(":", 1)[1]))
+    r = redis.Redis(port=parse_address(args.addr).port)
     rng = random.Random(3)
     now = int(time.time() * 1000)
     rounds = [

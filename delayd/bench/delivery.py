@@ -50,6 +50,7 @@ import time
 from pathlib import Path
 
 import delayd
+from delayd.address import parse_address
 from delayd.bench import common
 from delayd.bench.raw_client import RawClient
 from delayd.protocol import Message
@@ -172,8 +173,7 @@ class Server:
 
     def stats(self) -> dict:
         """The server's STATS (replay lag and so on), over a fresh connection."""
-        host, port = self.intake.rsplit(":", 1)
-        with RawClient(host, int(port), "bench-delivery") as client:
+        with RawClient(*parse_address(self.intake), "bench-delivery") as client:
             return client.stats()
 
     def wait_replayed(self, timeout_s: float = 600) -> None:

@@ -5,8 +5,11 @@ STATS."""
 from __future__ import annotations
 
 import socket
+from functools import partial
 
 from delayd import protocol
+from delayd.address import format_address
+from delayd.protocol.handshake import say_hello_blocking
 
 
 class RawClient:
@@ -16,10 +19,14 @@ class RawClient:
     def __init__(self, host: str, port: int, client_name: str) -> None:
         self.sock = socket.create_connection((host, port))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn = protocol.Connection(protocol.CLIENT)
-        self.sock.sendall(conn.send(protocol.Hello(client_name=client_name, request_id=1)))
-        while conn.next_event() is protocol.NEED_DATA:
-            conn.receive_data(self.sock.recv(65536))
+        say_hello_blocking(
+            protocol.Connection(protocol.CLIENT),
+            self.sock.sendall,
+            partial(self.sock.recv, 65536),
+            token=None,
+            client_name=client_name,
+            peer=format_address(host, port),
+        )
         self.decoder = protocol.FrameDecoder()
         self._next_id = 2
 

@@ -18,7 +18,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from delayd.client._addr import parse_addr
+from delayd.address import Address, parse_address
 from delayd.durations import parse_duration_ms
 from delayd.serving.structured_logs import (
     DEFAULT_LOG_FORMAT,
@@ -32,14 +32,12 @@ SERVER_VARIABLE = "DELAYD_SERVER"
 BROKER_VARIABLE = "DELAYD_BROKER"
 TOKEN_VARIABLE = "DELAYD_TOKEN"
 
-Address = tuple[str, int]
-
 
 def address(text: str) -> str:
     """A ``HOST:PORT`` to connect to (``[v6]:PORT`` for IPv6), checked and returned as
     written, which is the form the clients take."""
     try:
-        parse_addr(text)
+        parse_address(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return str(text)
@@ -47,14 +45,10 @@ def address(text: str) -> str:
 
 def listen_address(text: str) -> Address:
     """A ``HOST:PORT`` to listen on -> (host, port); port 0 picks a free port."""
-    head, sep, port = text.strip().rpartition(":")
-    free_port = bool(sep) and port == "0"
-    # parse_addr is the parser of addresses to connect to, which refuses port 0.
     try:
-        host, number = parse_addr(f"{head}:1" if free_port else text.strip())
+        return parse_address(text, allow_port_zero=True)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-    return host, 0 if free_port else number
 
 
 def optional_listen_address(text: str) -> Address | None:

@@ -23,6 +23,7 @@ from functools import partial
 import trio
 from prometheus_client import CollectorRegistry
 
+from delayd.address import format_address
 from delayd.broker.broker import Broker
 from delayd.broker.config import DAY_MS, BrokerConfig, StartFrom
 from delayd.broker.metrics import collect_broker_metrics
@@ -185,7 +186,7 @@ async def _serve(args: argparse.Namespace, config: BrokerConfig) -> None:
                         )
                         await front.start(collect)
                     readiness.set_ready()
-                    print(f"delayd broker listening on {bound[0][0]}:{bound[0][1]}", flush=True)
+                    print(f"delayd broker listening on {format_address(*bound[0])}", flush=True)
                     async for signum in signals:
                         log.info("%s: shutting down", signal.Signals(signum).name)
                         break

@@ -103,6 +103,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
             group=args.group,
             token=args.token,
             commit=args.commit,
+            retry_first_connect=False,
         ) as consumer:
             while args.count is None or printed < args.count:
                 message = consumer.receive(timeout_s=args.timeout)

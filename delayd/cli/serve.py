@@ -32,6 +32,7 @@ from functools import partial
 
 import trio
 
+from delayd.address import format_address
 from delayd.cli.args import add_logging_options, listen_address, optional_listen_address
 from delayd.server.app import DelayServer, open_listeners, serve_metrics_early
 from delayd.server.config import ConfigError, ServeConfig, with_overrides
@@ -171,12 +172,13 @@ async def _serve(data_dir: str, config: ServeConfig) -> None:
                 run = partial(server.run, listeners=listeners, metrics=metrics)
                 bound = await nursery.start(run)
                 if bound.broker is not None:
-                    print("delayd serve broker listening on {}:{}".format(*bound.broker))
+                    print(f"delayd serve broker listening on {format_address(*bound.broker)}")
                 if bound.metrics is not None:
-                    print("delayd serve metrics on http://{}:{}/metrics".format(*bound.metrics))
+                    metrics_url = f"http://{format_address(*bound.metrics)}/metrics"
+                    print(f"delayd serve metrics on {metrics_url}")
                 if bound.http is not None:
-                    print("delayd serve http on http://{}:{}/v1".format(*bound.http))
-                print("delayd serve listening on {}:{}".format(*bound.intake), flush=True)
+                    print(f"delayd serve http on http://{format_address(*bound.http)}/v1")
+                print(f"delayd serve listening on {format_address(*bound.intake)}", flush=True)
                 async for signum in signals:
                     log.info("%s: shutting down", signal.Signals(signum).name)
                     break

@@ -1,8 +1,9 @@
 """What cancel and reschedule return, and the one place their arguments are checked.
 
-Shared by the async and blocking producers (I/O-free). A cancel's answer is exactly one
-of CANCELLED (it will not be delivered), ALREADY_DELIVERED (with ``dispatched_ms``) or
-UNKNOWN (no message with that id); never "maybe" (docs/cancel.md).
+Shared by the async and blocking producers (I/O-free; the requests are in _calls.py).
+A cancel's answer is exactly one of CANCELLED (it will not be delivered),
+ALREADY_DELIVERED (with ``dispatched_ms``) or UNKNOWN (no message with that id); never
+"maybe" (docs/cancel.md).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from delayd.protocol import (
     CancelResult,
     RescheduleOutcome,
     RescheduleResult,
+    Response,
 )
 
 CANCEL_BATCH_IDS = 1024  # ids per CANCEL_BATCH frame that cancel_many sends
@@ -35,7 +37,9 @@ class CancelReceipt:
         return self.outcome is CancelOutcome.CANCELLED
 
     @classmethod
-    def from_result(cls, message_id: str, result: CancelResult) -> CancelReceipt:
+    def from_result(cls, message_id: str, result: Response) -> CancelReceipt:
+        """The receipt of the answer to cancel_request(message_id)."""
+        assert isinstance(result, CancelResult)
         return cls(message_id, CancelOutcome(result.outcome), result.dispatched_ms)
 
 
@@ -56,9 +60,9 @@ class RescheduleReceipt:
         return self.outcome is RescheduleOutcome.RESCHEDULED
 
     @classmethod
-    def from_result(
-        cls, message_id: str, at_ms: int, result: RescheduleResult
-    ) -> RescheduleReceipt:
+    def from_result(cls, message_id: str, at_ms: int, result: Response) -> RescheduleReceipt:
+        """The receipt of the answer to reschedule_request(message_id, at_ms)."""
+        assert isinstance(result, RescheduleResult)
         return cls(message_id, RescheduleOutcome(result.outcome), at_ms, result.dispatched_ms)
 
 
@@ -78,9 +82,10 @@ def check_message_ids(message_ids: object) -> list[str]:
     return ids
 
 
-def batch_receipts(ids: tuple[str, ...], result: CancelBatchResult) -> list[CancelReceipt]:
+def batch_receipts(ids: tuple[str, ...], result: Response) -> list[CancelReceipt]:
     """The receipts of one CANCEL_BATCH frame; RemoteProtocolError when the server
     answered another number of results than ids."""
+    assert isinstance(result, CancelBatchResult)
     if len(result.results) != len(ids):
         raise RemoteProtocolError(
             f"CANCEL_BATCH of {len(ids)} ids answered with {len(result.results)} results"

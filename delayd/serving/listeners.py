@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import trio
 
+from delayd.address import format_address
 from delayd.errors import DelaydError
 
 
@@ -22,7 +23,7 @@ class ListenError(DelaydError):
         self.address = (host, port)
         reason = cause.strerror or str(cause)
         super().__init__(
-            f"cannot listen for {name} on {host}:{port}: {reason}. Another process "
+            f"cannot listen for {name} on {format_address(host, port)}: {reason}. Another process "
             f"(a running delayd?) may hold the port: stop it, or choose another address "
             f"for {name}."
         )
