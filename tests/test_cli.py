@@ -45,9 +45,9 @@ def test_types_read_the_right_forms(convert, text, value):
 @pytest.mark.parametrize(
     ("convert", "text", "says"),
     [
-        (cli_args.address, "nohost", "host:port"),
-        (cli_args.address, "h:0", "port must be 1..65535"),
-        (cli_args.address, "::1:20811", "host:port"),
+        (cli_args.address, "nohost", "has no port; write HOST:PORT"),
+        (cli_args.address, "h:0", "the port must be 1 to 65535"),
+        (cli_args.address, "::1:20811", "put an IPv6 address in brackets"),
         (cli_args.listen_address, "h:70000", "port must be"),
         (cli_args.duration_ms, "90", "use a number and a unit"),
         (cli_args.utc_time_ms, "2026-11-22T10:00:00", "no time zone"),
@@ -121,7 +121,7 @@ def test_a_bad_variable_is_named_in_the_error(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exited:
         parsed(monkeypatch, {"DELAYD_SERVER": "nohost"}, *SEND)
     assert exited.value.code == 2
-    assert "argument --server: DELAYD_SERVER: address must be 'host:port'" in (
+    assert "argument --server: DELAYD_SERVER: address 'nohost' has no port" in (
         capsys.readouterr().err
     )
     # A good flag never reads the bad variable.

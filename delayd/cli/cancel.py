@@ -39,7 +39,9 @@ def answer_json(message_id: str, outcome: str, dispatched_ms: int | None) -> str
 
 def run(args: argparse.Namespace) -> int:
     try:
-        with Producer(args.server, token=args.token, timeout_s=args.timeout) as producer:
+        with Producer(
+            args.server, token=args.token, timeout_s=args.timeout, retry_first_connect=False
+        ) as producer:
             receipt = producer.cancel(args.message_id)
     except (DelaydError, ValueError) as exc:
         print(f"delayd cancel: {exc}", file=sys.stderr)

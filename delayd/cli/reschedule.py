@@ -34,7 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        with Producer(args.server, token=args.token, timeout_s=args.timeout) as producer:
+        with Producer(
+            args.server, token=args.token, timeout_s=args.timeout, retry_first_connect=False
+        ) as producer:
             receipt = producer.reschedule(args.message_id, at_ms=args.at, delay_ms=args.delay)
     except (DelaydError, ValueError) as exc:
         print(f"delayd reschedule: {exc}", file=sys.stderr)

@@ -80,7 +80,9 @@ def run(args: argparse.Namespace) -> int:
         properties[name] = value
     body = sys.stdin.buffer.read() if args.body == "-" else args.body.encode()
     try:
-        with Producer(args.server, token=args.token, timeout_s=args.timeout) as producer:
+        with Producer(
+            args.server, token=args.token, timeout_s=args.timeout, retry_first_connect=False
+        ) as producer:
             receipt = producer.send(
                 args.subject,
                 body,
