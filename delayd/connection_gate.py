@@ -35,7 +35,7 @@ from delayd.connection_limits import ConnectionLimits
 from delayd.fdlimit import default_max_connections, soft_descriptor_limit
 from delayd.frame_budget import FrameBudget
 from delayd.protocol import Error, ErrorCode
-from delayd.protocol.codec import encode_event
+from delayd.protocol.bodies import encode_event
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from delayd.protocol import (
     Stats,
     StatsResult,
 )
-from delayd.protocol.codec import encode_event
+from delayd.protocol.bodies import encode_event
 from delayd.server.config import ConfigError, config_from_mapping
 from delayd.stream_events import read_and_dispatch
 

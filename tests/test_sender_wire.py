@@ -9,7 +9,7 @@ import pytest
 from delayd.logs import message_log, schedule_log
 from delayd.logs.message_log import MessageRecord, RecordFormatError
 from delayd.protocol import EncodedMessages, Message
-from delayd.protocol.codec import decode_message, encode_message
+from delayd.protocol.message_layout import decode_message, encode_message
 from delayd.sender.sender import Sender, _Item
 from delayd.sender.wire import read_head
 

@@ -32,7 +32,7 @@ import types
 from collections.abc import Mapping
 
 from delayd.errors import ConnectionClosedError, LocalProtocolError, RemoteProtocolError
-from delayd.protocol.codec import decode_event, encode_event
+from delayd.protocol.bodies import decode_event, encode_event
 from delayd.protocol.codes import RESPONSE_TO, Command, ErrorCode
 from delayd.protocol.events import (
     MIN_PROTOCOL_VERSION,

@@ -63,8 +63,8 @@ from delayd.logs.schedule_log import decode_scheduled
 from delayd.logs.schedule_reader import ScheduleReader
 from delayd.nowait import holding
 from delayd.protocol import EncodedMessages, Message
-from delayd.protocol.codec import encode_message
 from delayd.protocol.codes import ResultCode
+from delayd.protocol.message_layout import encode_message
 from delayd.sender.circuit import CircuitBreaker, CircuitState
 from delayd.sender.histogram import Histogram
 from delayd.sender.retry import RetryPolicy, dead_letter_subject
