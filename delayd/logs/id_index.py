@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from delayd.logs import message_log, schedule_log
 from delayd.logs.schedule_reader import ScheduleReader
 from storage.fs import REAL_FS, FileSystem
-from storage.indexfile import DEFAULT_SLOT_COUNT, IndexStore
+from storage.index_store import IndexStore
+from storage.indexfile import DEFAULT_SLOT_COUNT
 
 MINUTE_MS = 60_000
 OFFSET_BITS = 36
