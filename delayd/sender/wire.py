@@ -14,8 +14,15 @@ properties where message_log counts their bytes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 from delayd.logs import message_log, schedule_log
-from delayd.protocol.message_layout import DELIVERED_TAIL, delivered_head
+from delayd.protocol import EncodedMessages
+from delayd.protocol.message_layout import DELIVERED_TAIL, delivered_head, encode_message
+
+if TYPE_CHECKING:
+    from delayd.sender.ledger import Item
 
 TEXT_AT = schedule_log.HEAD_SIZE  # where message_id starts in a SCHEDULED payload
 TAIL = DELIVERED_TAIL  # due_ms, dispatched_ms: the wire's last two integers
@@ -48,3 +55,21 @@ def read_head(payload: bytes) -> ScheduledHead | None:
     if not head.properties_len:
         wire_head = delivered_head(head.id_len, head.subject_len, head.key_len, head.body_len)
     return ScheduledHead(head.due_ms, head.message_id, head.subject, head.key, wire_head)
+
+
+def encode_batch(batch: Sequence[Item], dispatched_ms: int) -> EncodedMessages:
+    """The batch in the wire encoding, as ``encode_message`` of each item's Message
+    would give it, mostly copied from the schedule_log payloads."""
+    out = bytearray()
+    bounds = [0]
+    tail = TAIL.pack
+    for item in batch:
+        head = item.wire_head
+        if head is None or item.dead:
+            out += encode_message(item.message(dispatched_ms))
+        else:
+            out += head
+            out += memoryview(item.payload)[TEXT_AT:]
+            out += tail(item.due_ms, dispatched_ms)
+        bounds.append(len(out))
+    return EncodedMessages(bytes(out), tuple(bounds))
