@@ -339,7 +339,8 @@ class StatsResult(Response):
 
 @dataclass(frozen=True, slots=True)
 class Cancel(Request):
-    """Reserved: cancel a pending delayed message."""
+    """Cancel a pending delayed message: it will not be delivered, unless it already
+    was (CancelResult says which; docs/cancel.md)."""
 
     command: ClassVar[Command] = Command.CANCEL
     message_id: str
@@ -380,7 +381,8 @@ class CancelBatchResult(Response):
 
 @dataclass(frozen=True, slots=True)
 class Reschedule(Request):
-    """Reserved: move a pending delayed message to ``at_ms`` (epoch ms)."""
+    """Move a pending delayed message to ``at_ms`` (epoch ms): it is delivered then
+    instead of at its old time, never both (docs/cancel.md)."""
 
     command: ClassVar[Command] = Command.RESCHEDULE
     message_id: str
