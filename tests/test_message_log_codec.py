@@ -96,14 +96,13 @@ def test_head_readers_agree_with_the_decoder(record, offset):
 
 
 @given(st.binary(max_size=120))
-def test_read_head_is_none_where_the_decoder_refuses(data):
+def test_read_head_is_none_only_where_the_decoder_refuses(data):
+    head = message_log.read_head(data)
     try:
         record = message_log.decode_message(data)
     except RecordFormatError:
-        assert message_log.read_head(data) is None
-    else:
-        head = message_log.read_head(data)
-        assert head is not None and head.message_id == record.message_id
+        return  # the head may hold while the properties do not
+    assert head is not None and head.message_id == record.message_id
 
 
 @given(records, st.integers(0, 2**64 - 1))

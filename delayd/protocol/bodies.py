@@ -323,13 +323,9 @@ class _SendResultBuilder:
         queue_offset: int | None = None,
         due_ms: int | None = None,
     ) -> None:
-        self.code = code
-        self.reason = reason
-        self.store_ms = store_ms
-        self.commitlog_offset = commitlog_offset
-        self.queue = queue
-        self.queue_offset = queue_offset
-        self.due_ms = due_ms
+        self.code, self.reason = code, reason
+        self.store_ms, self.commitlog_offset = store_ms, commitlog_offset
+        self.queue, self.queue_offset, self.due_ms = queue, queue_offset, due_ms
         self.__class__ = SendResult  # type: ignore[assignment]
 
 

@@ -27,12 +27,13 @@ import itertools
 import random
 from collections.abc import Callable, Iterable, Sequence
 
+from delayd.logs import message_log, schedule_log
 from delayd.logs.dispatch_log import EntryKind
-from delayd.logs.message_log import MessageRecord
+from delayd.logs.message_log import MessageRecord, RecordFormatError
 from delayd.logs.schedule_log import decode_scheduled
 from delayd.protocol import Message, ResultCode, SendResult
 from delayd.sender.retry import RetryPolicy, dead_letter_subject
-from delayd.sender.wire import ScheduledHead, read_head
+from delayd.sender.wire import wire_head
 from delayd.wheel.timer import OFFSET_BITS
 
 ACKED = (ResultCode.OK, ResultCode.DUPLICATE)
@@ -83,16 +84,16 @@ class Item:
         self.bucket_ms = bucket_ms
         self.offset = offset
         self.payload = payload
-        head = read_head(payload)
-        if head is None:  # malformed: the full decode raises and says why
-            record = decode_scheduled(payload).message
-            head = ScheduledHead(record.due_ms, record.message_id, record.subject, record.key, None)
         self._record: MessageRecord | None = None
+        head = message_log.read_head(payload, schedule_log.PREFIX_SIZE)
+        if head is None:  # malformed: the full decode raises and says why
+            decode_scheduled(payload)
+            raise RecordFormatError("the SCHEDULED payload's head does not hold")
         self.due_ms = head.due_ms
         self.message_id = head.message_id
         self.subject = head.subject
         self.key = head.key
-        self.wire_head = head.wire_head  # None: encode it from a Message
+        self.wire_head = wire_head(head)  # None: encode it from a Message
         self.attempts = 0
         self.dead = False
         self.reason = ""

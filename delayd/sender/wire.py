@@ -6,8 +6,8 @@ and message_id, subject, key, properties and body. The wire's message (docs/prot
 Message) holds the same id, subject, key and body bytes in the same order behind its own
 14-byte head, with its integers after the body. So for a message without properties the
 sender copies those bytes behind a new head and appends due_ms and dispatched_ms — the
-bytes ``message_layout.encode_message`` gives for the decoded Message — instead of decoding the
-record into a Message that the embedded broker then encodes again (docs/benchmarks.md,
+bytes ``message_layout.encode_message`` gives for the decoded Message — instead of
+decoding the record into a Message that the embedded broker then encodes again (docs/benchmarks.md,
 Delivery). A message with properties takes the Message path: the wire counts
 properties where message_log counts their bytes.
 """
@@ -28,33 +28,13 @@ TEXT_AT = schedule_log.HEAD_SIZE  # where message_id starts in a SCHEDULED paylo
 TAIL = DELIVERED_TAIL  # due_ms, dispatched_ms: the wire's last two integers
 
 
-class ScheduledHead:
-    """What the sender needs of a SCHEDULED payload: due_ms, message_id, subject and key
-    (decoded), and ``wire_head``, the wire head of its message (None when it has
-    properties: it must be encoded from a Message)."""
-
-    __slots__ = ("due_ms", "key", "message_id", "subject", "wire_head")
-
-    def __init__(
-        self, due_ms: int, message_id: str, subject: str, key: str | None, wire_head: bytes | None
-    ) -> None:
-        self.due_ms = due_ms
-        self.message_id = message_id
-        self.subject = subject
-        self.key = key
-        self.wire_head = wire_head
-
-
-def read_head(payload: bytes) -> ScheduledHead | None:
-    """The head of a SCHEDULED payload, or None when it is not a well-formed one (the
-    caller then decodes it the full way, which says what is wrong). Raises nothing."""
-    head = message_log.read_head(payload, schedule_log.PREFIX_SIZE)
-    if head is None:
+def wire_head(head: message_log.MessageHead) -> bytes | None:
+    """The wire head of the message whose message_log head is ``head`` (read at
+    schedule_log.PREFIX_SIZE of a SCHEDULED payload), as delivered: None when it has
+    properties (it must be encoded from a Message)."""
+    if head.properties_len:
         return None
-    wire_head = None
-    if not head.properties_len:
-        wire_head = delivered_head(head.id_len, head.subject_len, head.key_len, head.body_len)
-    return ScheduledHead(head.due_ms, head.message_id, head.subject, head.key, wire_head)
+    return delivered_head(head.id_len, head.subject_len, head.key_len, head.body_len)
 
 
 def encode_batch(batch: Sequence[Item], dispatched_ms: int) -> EncodedMessages:
