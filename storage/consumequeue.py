@@ -67,8 +67,6 @@ import xxhash
 from storage.errors import (
     CorruptionError,
     DiskFullError,
-    LogClosedError,
-    StorageError,
     is_disk_full,
 )
 from storage.framing import HEADER_SIZE
@@ -81,6 +79,7 @@ from storage.fs import (
     dirs_up_to,
     disk_full_error,
 )
+from storage.usable import Usable
 
 if TYPE_CHECKING:
     from storage.segmented_log import Record
@@ -142,7 +141,7 @@ class _Segment:
         self.count = count  # whole entries in the file
 
 
-class ConsumeQueue:
+class ConsumeQueue(Usable):
     """One queue's index of commitlog positions; see the module docstring.
 
     Not constructed directly: use :meth:`open`.
@@ -622,23 +621,8 @@ class ConsumeQueue:
             for base in list(self._readers):
                 self._close_reader(base)
 
-    def __enter__(self) -> ConsumeQueue:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise LogClosedError(f"consume queue {self.directory} is closed")
-
-    def _check_usable(self) -> None:
-        self._check_open()
-        if self._failed is not None:
-            raise StorageError(
-                f"consume queue {self.directory} failed earlier ({self._failed!r}); "
-                "reopen it to recover"
-            )
+    def _label(self) -> str:
+        return f"consume queue {self.directory}"
 
 
 class _CommitLog(Protocol):

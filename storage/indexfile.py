@@ -72,12 +72,12 @@ import xxhash
 from storage.errors import (
     CorruptionError,
     DiskFullError,
-    LogClosedError,
     StorageError,
     is_disk_full,
 )
 from storage.framing import crc32c
 from storage.fs import O_WRITE, REAL_FS, FileSystem, disk_full_error
+from storage.usable import Usable
 
 MAGIC = b"DIDX"
 VERSION = 2
@@ -180,7 +180,7 @@ def _slots_from_bytes(data: bytes) -> array:
     return slots
 
 
-class IndexFile:
+class IndexFile(Usable):
     """One index file; see the module docstring. Made by :meth:`create` or :meth:`open`.
 
     The newest file of a store is *active*: its slot table is in memory and it takes puts.
@@ -734,16 +734,8 @@ class IndexFile:
             self._closed = True
             self.fs.close(self._fd)
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise LogClosedError(f"index file {self.path} is closed")
-
-    def _check_usable(self) -> None:
-        self._check_open()
-        if self._failed is not None:
-            raise StorageError(
-                f"index file {self.path} failed earlier ({self._failed!r}); reopen it to recover"
-            )
+    def _label(self) -> str:
+        return f"index file {self.path}"
 
 
 class HashSource(NamedTuple):

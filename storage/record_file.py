@@ -28,19 +28,18 @@ from collections.abc import Iterator, Sequence
 from storage.errors import (
     CorruptionError,
     FsyncError,
-    LogClosedError,
     RecordTooLargeError,
-    StorageError,
     is_disk_full,
 )
 from storage.framing import HEADER, HEADER_SIZE, MAX_TYPE, TYPE_DATA, crc32c, type_seed
 from storage.fs import O_WRITE, REAL_FS, FileSystem, create_dirs_durably, disk_full_error
 from storage.scan import BadFrame, Record, read_frame, scan_frames, validate_frames
+from storage.usable import Usable
 
 DEFAULT_MAX_UNSYNCED_BYTES = 32 << 20
 
 
-class RecordFile:
+class RecordFile(Usable):
     """An append-only file of framed records (see the module docstring)."""
 
     def __init__(self, path: str, fs: FileSystem, fd: int, size: int, max_unsynced: int) -> None:
@@ -259,17 +258,5 @@ class RecordFile:
                 self._closed = True
                 self.fs.close(self._fd)
 
-    def __enter__(self) -> RecordFile:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise LogClosedError(f"{self.path} is closed")
-
-    def _check_usable(self) -> None:
-        self._check_open()
-        if self._failed is not None:
-            raise StorageError(f"{self.path} failed earlier ({self._failed}); reopen it to recover")
+    def _label(self) -> str:
+        return self.path

@@ -55,9 +55,7 @@ from storage.errors import (
     CorruptionError,
     DiskFullError,
     FsyncError,
-    LogClosedError,
     RecordTooLargeError,
-    StorageError,
     is_disk_full,
 )
 from storage.framing import (
@@ -71,6 +69,7 @@ from storage.framing import (
 )
 from storage.fs import O_READ, O_WRITE, REAL_FS, FileSystem, create_dirs_durably, disk_full_error
 from storage.scan import BadFrame, Record, read_frame, scan_frames, validate_frames
+from storage.usable import Usable
 
 SEGMENT_NAME_DIGITS = 20
 RECOVERY_CHECKPOINT = "recovery.checkpoint"
@@ -122,7 +121,7 @@ class _BadRecord(Exception):
         self.reason = reason
 
 
-class SegmentedLog:
+class SegmentedLog(Usable):
     """An append-only, crash-safe log; see the module docstring for the guarantees.
 
     Appends come from one thread (the event loop); ``flush()`` may run concurrently in a
@@ -656,19 +655,5 @@ class SegmentedLog:
             for base in list(self._readers):
                 self._close_reader(base)
 
-    def __enter__(self) -> SegmentedLog:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise LogClosedError(f"log {self.directory} is closed")
-
-    def _check_usable(self) -> None:
-        self._check_open()
-        if self._failed is not None:
-            raise StorageError(
-                f"log {self.directory} failed earlier ({self._failed!r}); reopen it to recover"
-            )
+    def _label(self) -> str:
+        return f"log {self.directory}"
