@@ -215,8 +215,6 @@ class IndexFile(Usable):
         self._header_dirty = False
         self._lock = threading.Lock()  # state, vs a flush in a worker thread
         self._flush_lock = threading.Lock()  # one flush at a time
-        self._failed: BaseException | None = None
-        self._closed = False
 
     # ------------------------------------------------------------------ creating, opening
 

@@ -157,8 +157,6 @@ class SegmentedLog(Usable):
         self._dir_dirty = False
         self._state_lock = threading.Lock()  # appends vs a flush snapshot
         self._flush_lock = threading.Lock()  # one flush at a time
-        self._failed: BaseException | None = None
-        self._closed = False
 
     # ------------------------------------------------------------------ opening
 

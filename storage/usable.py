@@ -16,11 +16,11 @@ from storage.errors import LogClosedError, StorageError
 
 class Usable:
     """Mixin for storage objects: a context manager that closes, and the checks before
-    use. The class sets ``_closed``, ``_failed`` (the error that poisoned it, or None)
-    and says what it is in ``_label()`` ("log /data/x", "index file /data/y")."""
+    use. The class sets ``_closed`` on close and ``_failed`` to the error that poisoned
+    it, and says what it is in ``_label()`` ("log /data/x", "index file /data/y")."""
 
-    _closed: bool
-    _failed: BaseException | None
+    _closed: bool = False
+    _failed: BaseException | None = None
 
     def _label(self) -> str:
         raise NotImplementedError

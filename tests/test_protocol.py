@@ -64,6 +64,12 @@ def optional(strategy: st.SearchStrategy) -> st.SearchStrategy:
     return st.none() | strategy
 
 
+def optional_ints(table: tuple) -> dict[str, st.SearchStrategy]:
+    """Each optional integer of a layout's (bit, name, struct) table, in its range."""
+    ranges = {"q": i64, "Q": u64, "I": u32}
+    return {name: optional(ranges[fmt.format[-1]]) for _, name, fmt in table}
+
+
 messages = st.builds(
     Message,
     message_id=text.filter(bool),
@@ -71,25 +77,14 @@ messages = st.builds(
     key=optional(text),
     properties=st.dictionaries(text, text, max_size=4),
     body=bodies,
-    at_ms=optional(i64),
-    delay_ms=optional(i64),
-    store_ms=optional(i64),
-    commitlog_offset=optional(u64),
-    queue=optional(u32),
-    queue_offset=optional(u64),
-    due_ms=optional(i64),
-    dispatched_ms=optional(i64),
+    **optional_ints(p.message_layout.MSG_INTS),
 )
 message_lists = st.lists(messages, max_size=5).map(tuple)
 send_results = st.builds(
     p.SendResult,
     code=st.sampled_from(ResultCode),
     reason=text,
-    store_ms=optional(i64),
-    commitlog_offset=optional(u64),
-    queue=optional(u32),
-    queue_offset=optional(u64),
-    due_ms=optional(i64),
+    **optional_ints(p.bodies.RES_INTS),
 )
 stat_values = st.one_of(text, i64, st.floats(allow_nan=False))
 queues = st.lists(u32, max_size=8).map(tuple)

@@ -50,7 +50,7 @@ RES_QUEUE = 0x04  # u32
 RES_QUEUE_OFFSET = 0x08  # u64
 RES_DUE_MS = 0x10  # i64
 RES_KNOWN = 0x1F
-_RES_INTS = (
+RES_INTS = (
     (RES_STORE_MS, "store_ms", I64),
     (RES_COMMITLOG_OFFSET, "commitlog_offset", U64),
     (RES_QUEUE, "queue", U32),
@@ -130,13 +130,13 @@ def _enc_send_batch_result(out: bytearray, e: ev.SendBatchResult) -> None:
                 out += scheduled(r.code, _RES_SCHEDULED, 0, queue_offset, due_ms)
                 continue
         mask = 0
-        for bit, name, _ in _RES_INTS:
+        for bit, name, _ in RES_INTS:
             if getattr(r, name) is not None:
                 mask |= bit
         out += U8.pack(r.code)
         out += U8.pack(mask)
         put_str(out, r.reason, "reason")
-        for bit, name, fmt in _RES_INTS:
+        for bit, name, fmt in RES_INTS:
             if mask & bit:
                 out += fmt.pack(getattr(r, name))
 
@@ -408,7 +408,7 @@ def _dec_send_batch_result(r: BodyReader) -> ev.SendBatchResult:
         if mask & ~RES_KNOWN:
             raise r.error(f"unknown result field bits 0x{mask & ~RES_KNOWN:02x}")
         reason = r.text("reason")
-        ints = [r.fixed(fmt, name) if mask & bit else None for bit, name, fmt in _RES_INTS]
+        ints = [r.fixed(fmt, name) if mask & bit else None for bit, name, fmt in RES_INTS]
         results.append(_SendResultBuilder(code, reason, *ints))
     return ev.SendBatchResult(tuple(results), request_id=r.request_id)
 
