@@ -411,14 +411,8 @@ def test_read_heads_refuse_a_span_too_short_for_what_its_head_announces():
 def test_delivered_head_and_tail_make_the_encoding(message, dispatched_ms):
     layout = p.message_layout
     due_ms = message.due_ms or 0
-    m = Message(
-        message.message_id,
-        message.subject,
-        message.key,
-        body=message.body,
-        due_ms=due_ms,
-        dispatched_ms=dispatched_ms,
-    )
+    plain = Message(message.message_id, message.subject, message.key, body=message.body)
+    m = dataclasses.replace(plain, due_ms=due_ms, dispatched_ms=dispatched_ms)
     key = None if m.key is None else m.key.encode()
     texts = m.message_id.encode() + m.subject.encode() + (key or b"")
     head = layout.delivered_head(
