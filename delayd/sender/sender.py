@@ -57,14 +57,7 @@ from delayd.logs.schedule_reader import ScheduleReader
 from delayd.nowait import holding
 from delayd.sender.circuit import CircuitBreaker, CircuitState
 from delayd.sender.histogram import Histogram
-from delayd.sender.ledger import (
-    DEAD_LETTER_REASON,
-    ORIGINAL_SUBJECT,
-    Item,
-    Ledger,
-    Watcher,
-    Withdrawal,
-)
+from delayd.sender.ledger import Item, Ledger, Watcher, Withdrawal
 from delayd.sender.retry import RetryPolicy, dead_letter_subject
 from delayd.sender.routing import GroupWeight, Router
 from delayd.sender.targets import SendTarget, TargetUnavailable
@@ -75,16 +68,6 @@ from delayd.write_refusals import DISPATCH_LOG, WriteRefusals
 from storage.errors import DiskFullError
 
 log = logging.getLogger(__name__)
-
-__all__ = [
-    "DEAD_LETTER_REASON",
-    "ORIGINAL_SUBJECT",
-    "GroupStatistics",
-    "Sender",
-    "SenderConfig",
-    "Watcher",
-    "Withdrawal",
-]
 
 READ_INLINE_MAX = 64  # entries read on the event loop; more go to a worker thread
 LATENESS_BOUNDS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 5, 30, 300)
