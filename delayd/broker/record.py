@@ -65,7 +65,7 @@ def decode_record(payload: bytes, commitlog_offset: int) -> Message:
     except RemoteProtocolError as exc:
         raise RecordError(f"record at commitlog offset {commitlog_offset}: {exc}") from None
     # The Message was just built and nobody else holds it: filling one slot of a frozen
-    # dataclass through its descriptor is how the codec builds them in the first place.
+    # dataclass through its descriptor is how message_layout builds them in the first place.
     _set_commitlog_offset(message, commitlog_offset)
     return message
 
