@@ -50,8 +50,6 @@ class RecordFile(Store):
         self._fd = fd
         self._size = size
         self._durable = size
-        self._failed: FsyncError | None = None
-        self._closed = False
 
     @classmethod
     def open(

@@ -166,8 +166,6 @@ class SegmentedLog(Store):
         self._dir_dirty = False
         self._state_lock = threading.Lock()  # appends vs a flush snapshot
         self._flush_lock = threading.Lock()  # one flush at a time
-        self._failed: BaseException | None = None
-        self._closed = False
 
     # ------------------------------------------------------------------ opening
 
