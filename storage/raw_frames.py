@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from storage.errors import RawAppendRefused
 from storage.framing import HEADER, HEADER_SIZE, TYPE_END_OF_SEGMENT, crc32c
 from storage.fs import FileSystem
 from storage.scan import BadFrame, count_frames
@@ -76,6 +77,21 @@ def check_whole_frames(data: bytes | bytearray | memoryview, path: str, position
             "the bytes to append end with a partial record",
         )
     return walk
+
+
+def check_append(data: bytes, name: str, offset: int, end: int) -> FrameWalk:
+    """Walk ``data``, bytes to append at ``offset`` to the store ``name`` that ends at
+    ``end``. Raises RawAppendRefused unless ``offset`` is ``end`` and ``data`` is whole
+    frames with right CRCs."""
+    if offset != end:
+        raise RawAppendRefused(
+            f"{name}: raw bytes for offset {offset} but it ends at {end}; truncate or "
+            "fetch from the end"
+        )
+    try:
+        return check_whole_frames(data, name, offset)
+    except BadFrame as bad:
+        raise RawAppendRefused(f"{name}: refused raw bytes: {bad}") from None
 
 
 def pieces(walk: FrameWalk, max_bytes: int) -> list[int]:

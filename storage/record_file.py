@@ -35,7 +35,7 @@ from storage.errors import (
 )
 from storage.framing import HEADER, HEADER_SIZE, MAX_TYPE, TYPE_DATA, crc32c, type_seed
 from storage.fs import O_WRITE, REAL_FS, FileSystem, create_dirs_durably, disk_full_error
-from storage.raw_frames import check_boundary, check_whole_frames, pieces, whole_frames
+from storage.raw_frames import check_append, check_boundary, pieces, whole_frames
 from storage.scan import BadFrame, Record, read_frame, scan_frames, validate_frames
 from storage.store import Store
 from storage.torn_tail import DEFAULT_MAX_UNSYNCED_BYTES, is_torn_tail
@@ -266,15 +266,7 @@ class RecordFile(Store):
         has none); DiskFullError (nothing kept) when the disk is full.
         """
         self._check_usable()
-        if offset != self._size:
-            raise RawAppendRefused(
-                f"{self.path}: raw bytes for offset {offset} but the file ends at "
-                f"{self._size}; truncate or fetch from the end"
-            )
-        try:
-            walk = check_whole_frames(data, self.path, offset)
-        except BadFrame as bad:
-            raise RawAppendRefused(f"{self.path}: refused raw bytes: {bad}") from None
+        walk = check_append(data, self.path, offset, self._size)
         if walk.segment_ends:
             raise RawAppendRefused(
                 f"{self.path}: refused raw bytes: an end-of-segment marker at byte "

@@ -56,7 +56,6 @@ from storage.errors import (
     CorruptionError,
     DiskFullError,
     FsyncError,
-    RawAppendRefused,
     RecordTooLargeError,
     is_disk_full,
 )
@@ -70,7 +69,7 @@ from storage.framing import (
     type_seed,
 )
 from storage.fs import O_READ, O_WRITE, REAL_FS, FileSystem, create_dirs_durably, disk_full_error
-from storage.raw_frames import check_boundary, check_whole_frames, pieces, whole_frames
+from storage.raw_frames import check_append, check_boundary, pieces, whole_frames
 from storage.scan import BadFrame, Record, read_frame, scan_frames, validate_frames
 from storage.store import Store
 from storage.torn_tail import DEFAULT_MAX_UNSYNCED_BYTES, is_torn_tail
@@ -470,15 +469,7 @@ class SegmentedLog(Store):
         errors of append_batch otherwise.
         """
         self._check_usable()
-        if offset != self._end:
-            raise RawAppendRefused(
-                f"{self.described}: raw bytes for offset {offset} but the log ends at "
-                f"{self._end}; truncate or fetch from the end"
-            )
-        try:
-            walk = check_whole_frames(data, self.directory, offset)
-        except BadFrame as bad:
-            raise RawAppendRefused(f"{self.described}: refused raw bytes: {bad}") from None
+        walk = check_append(data, self.described, offset, self._end)
         if not data:
             return self._end
         mark = self._end

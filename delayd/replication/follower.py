@@ -26,19 +26,10 @@ from collections.abc import Awaitable, Callable
 import trio
 
 from delayd.errors import DelaydError
+from delayd.replication import wire
 from delayd.replication.connection import receive_event
 from delayd.replication.epochs import EpochHistory
 from delayd.replication.streams import DelayStreams, Stream
-from delayd.replication.wire import (
-    Durable,
-    Fenced,
-    Follow,
-    Records,
-    TruncateTo,
-    WireDecoder,
-    WireError,
-    encode,
-)
 from storage.errors import RawAppendRefused
 
 log = logging.getLogger(__name__)
@@ -85,7 +76,7 @@ class Follower:
         self._dirty: dict[str, Stream] = {}
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Follow until cancelled, reconnecting after every failure with a backoff
+        """wire.Follow until cancelled, reconnecting after every failure with a backoff
         that doubles from min_backoff_ms to max_backoff_ms (reset by a session that
         reached TRUNCATE_TO)."""
         task_status.started()
@@ -94,7 +85,7 @@ class Follower:
             sessions = self.sessions
             try:
                 await self.follow_once()
-            except* (OSError, trio.BrokenResourceError, WireError, FollowRefused) as failed:
+            except* (OSError, trio.BrokenResourceError, wire.WireError, FollowRefused) as failed:
                 self.last_error = failed.exceptions[0]
                 log.info(
                     "member %s of group %s: following %s:%d ended: %s",
@@ -116,20 +107,22 @@ class Follower:
         self._dirty = {}
         stream = await trio.open_tcp_stream(host, port)
         async with stream:
-            decoder = WireDecoder()
-            follow = Follow(self.group, self.member, self.history.last_epoch(), self.streams.ends())
-            await stream.send_all(encode(follow))
+            decoder = wire.WireDecoder()
+            follow = wire.Follow(
+                self.group, self.member, self.history.last_epoch(), self.streams.ends()
+            )
+            await stream.send_all(wire.encode(follow))
             answer = await receive_event(stream, decoder)
             if answer is None:
                 return
-            if isinstance(answer, Fenced):
+            if isinstance(answer, wire.Fenced):
                 raise FollowRefused(
                     f"the leader at {host}:{port} is fenced by epoch {answer.epoch}"
                 )
-            if not isinstance(answer, TruncateTo):
+            if not isinstance(answer, wire.TruncateTo):
                 raise FollowRefused(f"the leader answered FOLLOW with {type(answer).__name__}")
             if answer.epoch < self.history.last_epoch():
-                await stream.send_all(encode(Fenced(self.history.last_epoch())))
+                await stream.send_all(wire.encode(wire.Fenced(self.history.last_epoch())))
                 raise FollowRefused(
                     f"the leader at {host}:{port} leads epoch {answer.epoch}, older than "
                     f"epoch {self.history.last_epoch()} this member has seen: refused"
@@ -139,7 +132,7 @@ class Follower:
                 self.history.begin(answer.epoch, self.streams.ends())
             self.leader_epoch = answer.epoch
             self.sessions += 1
-            await stream.send_all(encode(Durable(self.streams.durable_ends())))
+            await stream.send_all(wire.encode(wire.Durable(self.streams.durable_ends())))
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._commit, stream)
                 await self._copy(stream, decoder, answer.epoch)
@@ -162,14 +155,14 @@ class Follower:
                 if self.on_truncated is not None:
                     await self.on_truncated(name, offset)
 
-    async def _copy(self, stream: trio.SocketStream, decoder: WireDecoder, epoch: int) -> None:
+    async def _copy(self, stream: trio.SocketStream, decoder: wire.WireDecoder, epoch: int) -> None:
         while True:
             event = await receive_event(stream, decoder)
             if event is None:
                 return
-            if isinstance(event, Fenced):
+            if isinstance(event, wire.Fenced):
                 raise FollowRefused(f"the leader says epoch {event.epoch} exists: it is fenced")
-            if not isinstance(event, Records):
+            if not isinstance(event, wire.Records):
                 raise FollowRefused(f"the leader sent {type(event).__name__} after TRUNCATE_TO")
             if event.epoch != epoch:
                 raise FollowRefused(
@@ -195,7 +188,7 @@ class Follower:
             self._appended = trio.Event()
             dirty, self._dirty = self._dirty, {}
             flushed = await trio.to_thread.run_sync(_flush_all, dirty)
-            await stream.send_all(encode(Durable(flushed)))
+            await stream.send_all(wire.encode(wire.Durable(flushed)))
 
 
 def _flush_all(streams: dict[str, Stream]) -> dict[str, int]:

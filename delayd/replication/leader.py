@@ -29,20 +29,11 @@ from collections.abc import Awaitable, Callable
 import trio
 
 from delayd.errors import DelaydError
+from delayd.replication import wire
 from delayd.replication.connection import receive_event
 from delayd.replication.epochs import EpochHistory
 from delayd.replication.in_sync import InSyncTracker
 from delayd.replication.streams import DelayStreams
-from delayd.replication.wire import (
-    Durable,
-    Fenced,
-    Follow,
-    Records,
-    TruncateTo,
-    WireDecoder,
-    WireError,
-    encode,
-)
 from delayd.serving.listeners import bound_addresses, open_listeners
 
 log = logging.getLogger(__name__)
@@ -238,20 +229,20 @@ class Leader:
                 await progress.wait()
 
     async def _serve_one(self, stream: trio.SocketStream) -> None:
-        decoder = WireDecoder()
+        decoder = wire.WireDecoder()
         try:
             async with stream:
                 with trio.move_on_after(FOLLOW_TIMEOUT_S):
                     follow = await receive_event(stream, decoder)
-                if not isinstance(follow, Follow):
+                if not isinstance(follow, wire.Follow):
                     log.warning("replication: a connection did not start with FOLLOW; closed")
                     return
                 await self._follower_session(stream, decoder, follow)
-        except* (trio.BrokenResourceError, trio.ClosedResourceError, WireError) as ended:
+        except* (trio.BrokenResourceError, trio.ClosedResourceError, wire.WireError) as ended:
             log.info("replication connection of group %s ended: %s", self.group, ended.exceptions)
 
     async def _follower_session(
-        self, stream: trio.SocketStream, decoder: WireDecoder, follow: Follow
+        self, stream: trio.SocketStream, decoder: wire.WireDecoder, follow: wire.Follow
     ) -> None:
         if follow.group != self.group:
             log.warning(
@@ -262,14 +253,14 @@ class Leader:
             )
             return
         if follow.last_epoch > self.epoch:
-            await stream.send_all(encode(Fenced(follow.last_epoch)))
+            await stream.send_all(wire.encode(wire.Fenced(follow.last_epoch)))
             self._fenced_by(follow.last_epoch)
             return
         previous = self._connections.pop(follow.member, None)
         if previous is not None:
             previous.cancel()  # the member reconnected: its old connection is dead
         targets = self._truncation(follow)
-        await stream.send_all(encode(TruncateTo(self.epoch, targets)))
+        await stream.send_all(wire.encode(wire.TruncateTo(self.epoch, targets)))
         positions = {name: targets.get(name, 0) for name in self.streams.names()}
         positions.update(targets)
         self.tracker.follower_reset(follow.member, positions)
@@ -286,7 +277,7 @@ class Leader:
                     del self._connections[follow.member]
                     self.connected.discard(follow.member)
 
-    def _truncation(self, follow: Follow) -> dict[str, int]:
+    def _truncation(self, follow: wire.Follow) -> dict[str, int]:
         """Where each of the follower's streams must be cut back to (module docstring)."""
         if follow.last_epoch == 0:
             # No history: nothing the follower holds is known to be the group's.
@@ -308,7 +299,9 @@ class Leader:
                     continue
                 data = source.read_raw(position, self.chunk_bytes)
                 acked = self._acked_changes(sent_acked)
-                await stream.send_all(encode(Records(self.epoch, name, position, data, acked)))
+                await stream.send_all(
+                    wire.encode(wire.Records(self.epoch, name, position, data, acked))
+                )
                 positions[name] = position + len(data)
                 sent = True
             if not sent:
@@ -322,17 +315,17 @@ class Leader:
         return changed
 
     async def _receive_reports(
-        self, stream: trio.SocketStream, decoder: WireDecoder, member: str
+        self, stream: trio.SocketStream, decoder: wire.WireDecoder, member: str
     ) -> None:
         while True:
             event = await receive_event(stream, decoder)
             if event is None:
                 raise trio.BrokenResourceError(f"follower {member} closed the connection")
-            if isinstance(event, Durable):
+            if isinstance(event, wire.Durable):
                 self.tracker.follower_durable(member, event.offsets)
                 self._wake()
-            elif isinstance(event, Fenced):
+            elif isinstance(event, wire.Fenced):
                 self._fenced_by(event.epoch)
                 return
             else:
-                raise WireError(f"follower {member} sent {type(event).__name__}, not DURABLE")
+                raise wire.WireError(f"follower {member} sent {type(event).__name__}, not DURABLE")
