@@ -6,6 +6,8 @@ import random
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from delayd.replication.epochs import EpochHistory, EpochHistoryError
 from delayd.replication.in_sync import InSyncTracker
@@ -79,6 +81,18 @@ def test_crc_and_size_are_checked_before_decoding() -> None:
     small.feed(encode(Records(1, "message_log", 0, b"x" * 100)))
     with pytest.raises(WireError, match="exceeds the limit of 64"):
         small.next_event()
+
+
+@given(st.binary(max_size=300), st.integers(1, 50))
+def test_random_bytes_decode_or_raise_wire_error(data: bytes, step: int) -> None:
+    decoder = WireDecoder(max_frame_size=1 << 16)
+    try:
+        for at in range(0, len(data), step):
+            decoder.feed(data[at : at + step])
+            while decoder.next_event() is not None:
+                pass
+    except WireError:
+        pass
 
 
 # ---------------------------------------------------------------- epoch history
@@ -191,3 +205,16 @@ def test_zero_min_in_sync_acks_on_the_leader_alone() -> None:
     assert tracker.acknowledged("message_log", 70) == 70
     with pytest.raises(ValueError, match="replica_lag_ms must be positive"):
         InSyncTracker(0, 1, {})
+
+
+def test_a_persisted_member_keeps_its_place_until_the_lag_has_passed() -> None:
+    """A new leader starts with the set the group persisted; a member of it that has
+    not connected yet counts (acks wait for it) for lag_ms, then leaves."""
+    tracker = InSyncTracker(1000, 1, {"message_log": 50})
+    tracker.start(frozenset({"b"}), 100)
+    assert tracker.acknowledged("message_log", 50) == 0  # waits for b
+    assert tracker.proposed(1099) == {"b"}
+    assert tracker.next_change_ms(1099) == 1100
+    assert tracker.proposed(1100) == frozenset()
+    tracker.follower_reset("b", {"message_log": 50})
+    assert tracker.proposed(1100) == {"b"}

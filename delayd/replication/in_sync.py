@@ -34,6 +34,10 @@ class InSyncTracker:
         self._events: deque[tuple[int, str, int]] = deque()  # the growth since
         self.durable: dict[str, dict[str, int]] = {}  # member -> stream -> durable end
         self.members: frozenset[str] = frozenset()  # the set the ack rule uses
+        # Until then a member of ``members`` that has not reported yet stays in sync:
+        # a new leader starts with the set the group persisted, whose followers need a
+        # moment to connect to it.
+        self.grace_until_ms = -1
         self.acked: dict[str, int] = {}
 
     # ------------------------------------------------------------------ inputs
@@ -58,23 +62,32 @@ class InSyncTracker:
         """Make ``members`` the set the ack rule uses (after it was persisted)."""
         self.members = frozenset(members)
 
+    def start(self, members: frozenset[str], now_ms: int) -> None:
+        """Begin with the set the group persisted: its followers count for acks at
+        once, and one that has not reported keeps its place for ``lag_ms``."""
+        self.apply(members)
+        self.grace_until_ms = now_ms + self.lag_ms
+
     # ------------------------------------------------------------------ outputs
 
     def proposed(self, now_ms: int) -> frozenset[str]:
         """The followers in sync at ``now_ms``."""
         self._fold(now_ms)
-        return frozenset(
+        in_sync = {
             member
             for member, durable in self.durable.items()
             if all(durable.get(stream, 0) >= end for stream, end in self.horizon.items())
-        )
+        }
+        if now_ms < self.grace_until_ms:
+            in_sync.update(member for member in self.members if member not in self.durable)
+        return frozenset(in_sync)
 
     def next_change_ms(self, now_ms: int) -> int | None:
         """When a follower of ``members`` that is in sync now falls out of sync if it
         reports nothing more: the time of the first growth it lacks, plus ``lag_ms``.
         None when none would."""
         self._fold(now_ms)
-        soonest = None
+        soonest = None if now_ms >= self.grace_until_ms else self.grace_until_ms
         for member in self.members:
             durable = self.durable.get(member, {})
             for time_ms, stream, end in self._events:

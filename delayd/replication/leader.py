@@ -74,7 +74,8 @@ class Leader:
     ``await nursery.start(leader.run, host, port)`` binds the listener (port 0: a free
     one, see ``addresses``), begins the epoch in ``history`` (when not begun yet) and
     serves until cancelled or fenced. Appenders must call ``streams.grew()`` after
-    every append and every flush, as intake notifies the replayer.
+    every append and every flush, as intake notifies the replayer. ``in_sync``: the
+    set the group persisted when this leader took over (InSyncTracker.start).
     """
 
     def __init__(
@@ -101,7 +102,7 @@ class Leader:
         self.on_in_sync_change = on_in_sync_change
         self.chunk_bytes = chunk_bytes
         self.tracker = InSyncTracker(replica_lag_ms, min_in_sync, streams.ends())
-        self.tracker.apply(in_sync)
+        self._initial_in_sync = in_sync
         self.addresses: list[tuple[str, int]] = []
         self.connected: set[str] = set()
         self.in_sync_changes = 0
@@ -179,6 +180,7 @@ class Leader:
             raise LeaderFenced(self.epoch, self.history.last_epoch())
         if self.history.last_epoch() < self.epoch:
             self.history.begin(self.epoch, self.streams.ends())
+        self.tracker.start(self._initial_in_sync, _now_ms())
         listeners = await open_listeners("replication", host, port)
         self.addresses = bound_addresses(listeners)
         with trio.CancelScope() as self._cancel:
