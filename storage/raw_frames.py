@@ -135,9 +135,9 @@ def whole_frames(
         raise bad.corruption() from None
 
 
-def check_boundary(fs: FileSystem, fd: int, path: str, position: int) -> None:
-    """Raise ValueError unless a record starts at byte ``position`` of ``fd`` (hopping
-    from header to header from the start of the file)."""
-    _, bad = count_frames(fs, fd, path, 0, position, TYPE_END_OF_SEGMENT)
+def check_boundary(fs: FileSystem, fd: int, path: str, position: int, start: int = 0) -> None:
+    """Raise ValueError unless a record starts at byte ``position`` of ``fd``, hopping
+    from header to header from ``start``, a record boundary at or below it."""
+    _, bad = count_frames(fs, fd, path, start, position, TYPE_END_OF_SEGMENT)
     if bad is not None:
         raise ValueError(f"{path}: byte {position} is not a record boundary ({bad.reason})")

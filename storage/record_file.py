@@ -49,6 +49,9 @@ class RecordFile(Store):
         self.fs = fs
         self.max_unsynced_bytes = max_unsynced
         self.truncated_bytes = 0  # torn tail cut when the file was opened
+        # Record boundaries known without a scan: where open began validating (the
+        # caller's trusted end) and the durable end; truncate checks from the nearest.
+        self._trusted_end = 0
         self._fd = fd
         self._size = size
         self._durable = size
@@ -119,6 +122,7 @@ class RecordFile(Store):
             raise
         record_file = cls(path, fs, fd, end, max_unsynced_bytes)
         record_file.truncated_bytes = cut
+        record_file._trusted_end = trusted_end
         return record_file
 
     @property
@@ -297,10 +301,12 @@ class RecordFile(Store):
         self._check_open()
         if not 0 <= offset <= self._size:
             raise ValueError(f"cannot truncate {self.path} to {offset}: size is {self._size}")
-        check_boundary(self.fs, self._fd, self.path, offset)
+        known = max(b for b in (0, self._trusted_end, self._durable) if b <= offset)
+        check_boundary(self.fs, self._fd, self.path, offset, known)
         self.fs.ftruncate(self._fd, offset)
         self.fs.fsync(self._fd)
         self._size = self._durable = offset
+        self._trusted_end = min(self._trusted_end, offset)
 
     @property
     def described(self) -> str:

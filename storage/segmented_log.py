@@ -502,7 +502,10 @@ class SegmentedLog(Store):
         if offset == self._end:
             return
         seg = self._segment_of(offset)
-        check_boundary(self.fs, self._read_fd(seg), seg.path, offset - seg.base)
+        # Durable ends and checkpoints are record boundaries: hop from the nearest one.
+        known = [seg.base] + [b for b in (self._durable, self._checkpointed) if b <= offset]
+        start = max(known) - seg.base
+        check_boundary(self.fs, self._read_fd(seg), seg.path, offset - seg.base, start)
         try:
             self._cut_back(offset)
         except BaseException as exc:
