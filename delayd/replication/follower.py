@@ -108,6 +108,9 @@ class Follower:
         stream = await trio.open_tcp_stream(host, port)
         async with stream:
             decoder = wire.WireDecoder()
+            # What a broken session left unsynced is made durable first: the ends
+            # FOLLOW reports are then durable, and the leader counts them as such.
+            await trio.to_thread.run_sync(self.streams.flush_all)
             follow = wire.Follow(
                 self.group, self.member, self.history.last_epoch(), self.streams.ends()
             )

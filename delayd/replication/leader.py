@@ -13,8 +13,9 @@ returns once the leader and every follower of the in-sync set have ``offset`` du
 and the set has at least ``min_in_sync`` followers (delayd.replication.in_sync). Before
 the set changes, ``on_in_sync_change(new_set)`` is awaited (the role persists it in
 etcd there): a follower stops counting for acks only once the group knows it may no
-longer campaign. With ``ack = "leader"`` it returns at once; ``lag()`` is what a
-failover could lose.
+longer campaign. If the hook raises, ``run`` raises it: a leader that cannot keep the
+group's record of the set true must stop. With ``ack = "leader"`` it returns at once;
+``lag()`` is what a failover could lose.
 
 A leader that meets a newer epoch (a follower that followed one, or says FENCED) stops:
 every waiter gets LeaderFenced, and ``run`` returns.
