@@ -275,3 +275,64 @@ def test_power_loss_during_raw_append_and_truncate(mode: str, tmp_path: Path) ->
         else:
             shutil.rmtree(root)
     assert not failures, f"failed at crash points {sorted(failures)}: {list(failures.values())[:3]}"
+
+
+FILE_PATH = "/data/bucket"
+FILE_STREAM = b"".join(encode_record(p) for p in payloads(7, 24))
+
+
+def file_workload(progress: Progress) -> Callable[[CrashSimFileSystem], None]:
+    """raw_workload for a RecordFile (a dispatch_log bucket): copy, cut, copy other."""
+
+    def run(fs: CrashSimFileSystem) -> None:
+        fs.mkdir("/data")
+        fs.fsync_dir("/")
+        ends = walk_frames(FILE_STREAM, "f", 0).ends
+        file = RecordFile.open(FILE_PATH, fs=fs, max_unsynced_bytes=3000)
+        for step, end in enumerate(ends[1::4]):
+            file.append_raw(file.end_offset, FILE_STREAM[file.end_offset : end])
+            if step % 2:
+                progress.acked_a = file.flush()
+        progress.cut = ends[len(ends) // 3]
+        file.truncate(progress.cut)
+        progress.cut_done = True
+        other = encode_record(b"B" * 700) * 3
+        file.append_raw(progress.cut, other)
+        file.flush()
+        progress.acked_b = len(other)
+        file.close()
+
+    return run
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_power_loss_during_a_record_files_raw_append_and_truncate(
+    mode: str, tmp_path: Path
+) -> None:
+    other = encode_record(b"B" * 700) * 3
+    failures: dict[int, str] = {}
+    for k in range(crash_points(file_workload(Progress())) + 1):
+        progress = Progress()
+        fs = run_to_crash(file_workload(progress), k, 512)
+        root = tmp_path / f"k{k}"
+        fs.materialize(str(root), mode, random.Random(f"{k}:{mode}"))
+        try:
+            if not (root / "data" / "bucket").exists():
+                assert progress.acked_a == 0, "a flushed file vanished"
+                continue
+            with RecordFile.open(str(root) + FILE_PATH) as file:
+                got = file.read_raw(0, 1 << 20) if file.end_offset else b""
+                assert len(got) == file.end_offset  # whole records, nothing else
+            if not progress.cut_done:
+                assert FILE_STREAM.startswith(got), "bytes that were never appended"
+                floor = progress.acked_a if progress.cut is None else progress.cut
+                assert len(got) >= floor, f"lost durable bytes: {len(got)} < {floor}"
+            else:
+                assert got[: progress.cut] == FILE_STREAM[: progress.cut]
+                assert other.startswith(got[progress.cut :]), "bytes past the cut"
+                assert len(got) >= progress.cut + progress.acked_b
+        except Exception as exc:
+            failures[k] = f"{type(exc).__name__}: {exc}"
+        else:
+            shutil.rmtree(root)
+    assert not failures, f"failed at crash points {sorted(failures)}: {list(failures.values())[:3]}"
