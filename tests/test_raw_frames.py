@@ -260,20 +260,32 @@ def test_raw_workload_covers_flushes_and_the_cut() -> None:
     assert fs.ops > 40
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_power_loss_during_raw_append_and_truncate(mode: str, tmp_path: Path) -> None:
+def power_loss_failures(
+    workload: Callable[[Progress], Callable[[CrashSimFileSystem], None]],
+    check: Callable[[Path, Progress], None],
+    mode: str,
+    tmp_path: Path,
+) -> dict[int, str]:
+    """Cut the power at every crash point of ``workload`` and ``check`` what the disk
+    holds then; the failures, by crash point."""
     failures: dict[int, str] = {}
-    for k in range(crash_points(raw_workload(Progress())) + 1):
+    for k in range(crash_points(workload(Progress())) + 1):
         progress = Progress()
-        fs = run_to_crash(raw_workload(progress), k, 512)
+        fs = run_to_crash(workload(progress), k, 512)
         root = tmp_path / f"k{k}"
         fs.materialize(str(root), mode, random.Random(f"{k}:{mode}"))
         try:
-            check_raw_recovered(root, progress)
+            check(root, progress)
         except Exception as exc:
             failures[k] = f"{type(exc).__name__}: {exc}"
         else:
             shutil.rmtree(root)
+    return failures
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_power_loss_during_raw_append_and_truncate(mode: str, tmp_path: Path) -> None:
+    failures = power_loss_failures(raw_workload, check_raw_recovered, mode, tmp_path)
     assert not failures, f"failed at crash points {sorted(failures)}: {list(failures.values())[:3]}"
 
 
@@ -296,43 +308,37 @@ def file_workload(progress: Progress) -> Callable[[CrashSimFileSystem], None]:
         progress.cut = ends[len(ends) // 3]
         file.truncate(progress.cut)
         progress.cut_done = True
-        other = encode_record(b"B" * 700) * 3
-        file.append_raw(progress.cut, other)
+        file.append_raw(progress.cut, FILE_OTHER)
         file.flush()
-        progress.acked_b = len(other)
+        progress.acked_b = len(FILE_OTHER)
         file.close()
 
     return run
+
+
+FILE_OTHER = encode_record(b"B" * 700) * 3
+
+
+def check_file_recovered(root: Path, progress: Progress) -> None:
+    if not (root / "data" / "bucket").exists():
+        assert progress.acked_a == 0, "a flushed file vanished"
+        return
+    with RecordFile.open(str(root) + FILE_PATH) as file:
+        got = file.read_raw(0, 1 << 20) if file.end_offset else b""
+        assert len(got) == file.end_offset  # whole records, nothing else
+    if not progress.cut_done:
+        assert FILE_STREAM.startswith(got), "bytes that were never appended"
+        floor = progress.acked_a if progress.cut is None else progress.cut
+        assert len(got) >= floor, f"lost durable bytes: {len(got)} < {floor}"
+    else:
+        assert got[: progress.cut] == FILE_STREAM[: progress.cut], "the kept prefix changed"
+        assert FILE_OTHER.startswith(got[progress.cut :]), "bytes past the cut not appended"
+        assert len(got) >= progress.cut + progress.acked_b, "lost durable bytes after the cut"
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_power_loss_during_a_record_files_raw_append_and_truncate(
     mode: str, tmp_path: Path
 ) -> None:
-    other = encode_record(b"B" * 700) * 3
-    failures: dict[int, str] = {}
-    for k in range(crash_points(file_workload(Progress())) + 1):
-        progress = Progress()
-        fs = run_to_crash(file_workload(progress), k, 512)
-        root = tmp_path / f"k{k}"
-        fs.materialize(str(root), mode, random.Random(f"{k}:{mode}"))
-        try:
-            if not (root / "data" / "bucket").exists():
-                assert progress.acked_a == 0, "a flushed file vanished"
-                continue
-            with RecordFile.open(str(root) + FILE_PATH) as file:
-                got = file.read_raw(0, 1 << 20) if file.end_offset else b""
-                assert len(got) == file.end_offset  # whole records, nothing else
-            if not progress.cut_done:
-                assert FILE_STREAM.startswith(got), "bytes that were never appended"
-                floor = progress.acked_a if progress.cut is None else progress.cut
-                assert len(got) >= floor, f"lost durable bytes: {len(got)} < {floor}"
-            else:
-                assert got[: progress.cut] == FILE_STREAM[: progress.cut]
-                assert other.startswith(got[progress.cut :]), "bytes past the cut"
-                assert len(got) >= progress.cut + progress.acked_b
-        except Exception as exc:
-            failures[k] = f"{type(exc).__name__}: {exc}"
-        else:
-            shutil.rmtree(root)
+    failures = power_loss_failures(file_workload, check_file_recovered, mode, tmp_path)
     assert not failures, f"failed at crash points {sorted(failures)}: {list(failures.values())[:3]}"

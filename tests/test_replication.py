@@ -23,6 +23,7 @@ from delayd.replication import (
     FollowRefused,
     Leader,
     LeaderFenced,
+    LeaderStopped,
     dispatch_stream,
 )
 from storage.crashfs import CrashSimFileSystem, SimulatedCrash
@@ -386,3 +387,21 @@ async def _copy_on(
             await caught_up(member, source)
         nursery.cancel_scope.cancel()
     return setup_ops, ops
+
+
+async def test_stopping_the_leader_releases_every_waiter(tmp_path: Path) -> None:
+    with members(tmp_path, "a") as (a,):
+        leader = Leader(a.streams, a.history, 2, group=GROUP)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(leader.run, "127.0.0.1", 0)
+            end = a.append_messages(2)  # no follower: min_in_sync=1 is never met
+            nursery.start_soon(_stop_soon, leader)
+            with trio.fail_after(5), pytest.raises(LeaderStopped, match="was stopped"):
+                await leader.wait_acknowledged(MESSAGE_LOG, end)
+        assert leader.stopped is not None
+        assert a.history.last_epoch() == 2  # run began the epoch
+
+
+async def _stop_soon(leader: Leader) -> None:
+    await trio.sleep(0.05)
+    leader.stop()
