@@ -37,3 +37,31 @@ def test_storage_does_not_depend_on_trio_except_the_flusher():
         if any(n == "trio" or n.startswith("trio.") for n in names)
     }
     assert users == {"storage/flusher.py"}
+
+
+REPLICATION_MAY_IMPORT = (
+    "storage",
+    "delayd.replication",
+    "delayd.protocol",
+    "delayd.logs",
+    "delayd.serving",
+    "delayd.cluster",
+    "delayd.errors",
+    "delayd.version",
+)
+
+
+def test_replication_imports_only_the_layers_below_it():
+    """Replication copies logs between members; the servers, the broker, the clients
+    and the CLI sit above it and wire it in."""
+    offenders = {
+        path: sorted(
+            name
+            for name in names
+            if (name == "delayd" or name.startswith("delayd."))
+            and not any(name == ok or name.startswith(ok + ".") for ok in REPLICATION_MAY_IMPORT)
+        )
+        for path, names in imported_modules("delayd/replication").items()
+    }
+    assert {p: n for p, n in offenders.items() if n} == {}
+    assert len(offenders) >= 6  # the scan really saw the package
