@@ -33,7 +33,13 @@ from functools import partial
 import trio
 
 from delayd.address import format_address
-from delayd.cli.args import add_logging_options, listen_address, optional_listen_address
+from delayd.cli.args import (
+    add_cluster_options,
+    add_logging_options,
+    listen_address,
+    optional_listen_address,
+)
+from delayd.cluster.config import cluster_with_flags
 from delayd.server.app import DelayServer, open_listeners, serve_metrics_early
 from delayd.server.config import ConfigError, ServeConfig, with_overrides
 from delayd.server.config_env import load_effective_config
@@ -91,6 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="HOST:PORT|off",
         help="the HTTP/JSON API, docs/http.md (default 127.0.0.1:20890; 'off')",
     )
+    add_cluster_options(parser)
     add_logging_options(parser)
     # None: not given, so that [log] of the file (or DELAYD_LOG_*) applies.
     parser.set_defaults(log_format=None, log_level=None)
@@ -108,6 +115,12 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str] | None = N
         value = getattr(args, name)
         if value is not _UNSET:
             config = dataclasses.replace(config, **{name: value})
+    try:
+        cluster = cluster_with_flags(config.cluster, args)
+        if cluster is not config.cluster:
+            config = dataclasses.replace(config, cluster=cluster)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     return config
 
 
