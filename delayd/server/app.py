@@ -206,6 +206,7 @@ class DelayServer:
         self.readiness.watch(self.refusals.reason)
         self._broker_address: str | None = None
         self._delivery_collector: DeliveryCollector | None = None
+        self._delivery_stop_lock = trio.Lock()
         self.http: HttpListener | None = None  # the HTTP API, once it serves
         # Metrics that read the logs, only when someone can scrape them: the pending
         # count adds a call per replayed record and a start-up count.
@@ -560,9 +561,15 @@ class DelayServer:
                     membership.keys.group,
                     membership.view.role.name.lower(),
                 )
+                await self._stop_delivery()
+                delivering.cancel_scope.cancel()
+
+    async def _stop_delivery(self) -> None:
+        """Stop delivery once, however many ask (a demotion during the shutdown)."""
+        async with self._delivery_stop_lock:
+            if self.delivery.running:
                 await self.delivery.stop()
                 self.delivery.running = False
-                delivering.cancel_scope.cancel()
 
     def _renew_delivery(self) -> None:
         """A new Delivery in place of a stopped one, wired as ``open`` wires the first."""
@@ -624,8 +631,7 @@ class DelayServer:
                 listeners.start_soon(self.http.stop)
         await self.writer.flush()
         await self.replayer.stop()
-        if self.delivery.running:
-            await self.delivery.stop()
+        await self._stop_delivery()
         # The embedded broker's producers (other delay servers, clients) get the same:
         # every SEND_BATCH appended is answered before its connection closes.
         await self.broker_listener.stop(SHUTDOWN_GRACE_S)
