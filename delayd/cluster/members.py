@@ -59,6 +59,7 @@ class MemberInfo:
     broker: str = ""
     replication: str = ""
     metrics: str = ""
+    http: str = ""  # the HTTP/JSON API of a delay server
 
     def __post_init__(self) -> None:
         check_name("member id", self.member_id)

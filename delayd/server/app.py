@@ -461,6 +461,7 @@ class DelayServer:
             broker=address(bound.broker),
             replication=address(replication),
             metrics=address(bound.metrics),
+            http=address(bound.http),
         )
 
     async def _serve_http(
@@ -481,7 +482,12 @@ class DelayServer:
 
         assert listeners.http is not None  # bound by open_listeners
         backend = Backend(
-            self.intake, self.broker, self.message_status, self.config.token, storage_failed
+            self.intake,
+            self.broker,
+            self.message_status,
+            self.config.token,
+            storage_failed,
+            membership=self.membership,
         )
         self.http = open_api(
             backend,

@@ -74,7 +74,7 @@ class Membership:
         leader = self.view.leader
         if leader is None:
             return None
-        return getattr(leader, "broker" if listener == "broker" else "intake") or None
+        return getattr(leader, listener if listener in ("broker", "http") else "intake") or None
 
     def refusal(self, listener: str) -> str:
         """The reason of a NOT_LEADER answer on ``listener`` (counted for /metrics)."""
