@@ -33,7 +33,7 @@ LISTENERS = ("intake", "broker", "http")  # what a NOT_LEADER answer is counted 
 def member_id_for(address: str) -> str:
     """A member id from the address clients reach the member at (``10.0.0.1:20801`` ->
     ``10.0.0.1-20801``): the same on every restart, which the in-sync set relies on."""
-    return re.sub(r"[^A-Za-z0-9._-]", "-", address).strip("-._")[:128]
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", address).strip("-._")[:128]
 
 
 class Membership:
