@@ -21,7 +21,7 @@ import trio
 import delayd
 from delayd.cluster.etcd import EtcdClient
 from delayd.cluster.group_state import GroupState, lookup_group
-from delayd.cluster.members import DEFAULT_PREFIX, GroupKeys
+from delayd.cluster.members import DEFAULT_PREFIX, GroupKeys, MemberInfo
 from delayd.protocol import (
     Cancel,
     CommitOffset,
@@ -35,6 +35,7 @@ from delayd.protocol import (
     SendBatchResult,
 )
 from delayd.protocol.redirect import leader_in
+from tests.broker_support import BrokerProcess
 from tests.etcd_support import EtcdProxy, EtcdServer, etcd_server  # noqa: F401
 from tests.intake_support import DELAYD, ROOT, RawClient, ServeProcess, _env
 
@@ -318,3 +319,34 @@ async def test_a_leader_cut_from_etcd_stops_acknowledging(
         client.close()
     finally:
         group.close()
+
+
+def test_a_broker_group_follower_names_its_leader_and_a_consumer_follows(
+    tmp_path: Path,
+    etcd_server: EtcdServer,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+):
+    for name, value in member_env().items():
+        monkeypatch.setenv(name, value)  # BrokerProcess passes its environment on
+    name = f"b{uuid.uuid4().hex[:10]}"
+    flags = ("--etcd", etcd_server.url, "--group", name)
+    brokers = [BrokerProcess(tmp_path / "a", *flags), BrokerProcess(tmp_path / "b", *flags)]
+    try:
+        leader = brokers[0].start()
+        leader_id = addr(leader.address).replace(":", "-")
+        leads = lambda: (state(etcd_server.url, name).leader or MemberInfo("x")).member_id  # noqa: E731
+        wait_until(lambda: leads() == leader_id, 10, "the first broker leads")
+        follower = brokers[1].start()
+        wait_until(lambda: len(state(etcd_server.url, name).members) == 2, 10, "both registered")
+        with follower.client() as raw:
+            answer = raw.request(JoinGroup("c", "orders", "c-1"))
+        assert not_leader(answer) == addr(leader.address)
+        members = f"{addr(follower.address)},{addr(leader.address)}"
+        with delayd.Producer(members, timeout_s=5) as producer:
+            assert producer.send("orders", b"x", message_id="b-1").ok
+        with delayd.Consumer(members, subject="orders", group="c", timeout_s=5) as consumer:
+            message = consumer.receive(timeout_s=5)
+        assert message is not None and message.message_id == "b-1"
+    finally:
+        for broker in brokers:
+            broker.close()

@@ -20,7 +20,6 @@ import logging
 import os
 import signal
 from functools import partial
-from typing import TYPE_CHECKING
 
 import trio
 from prometheus_client import CollectorRegistry
@@ -45,6 +44,7 @@ from delayd.cluster.config import (
     cluster_from_environment,
     cluster_with_flags,
 )
+from delayd.cluster.members import MemberInfo
 from delayd.serving.connection_limits import (
     DEFAULT_FRAME_TIMEOUT_MS,
     DEFAULT_HELLO_TIMEOUT_MS,
@@ -56,9 +56,6 @@ from delayd.serving.listeners import bound_addresses, open_listeners
 from delayd.serving.metrics_http import Readiness, serve_metrics
 from delayd.serving.structured_logs import configure_logging
 from storage.flusher import FlushMode, FlushPolicy
-
-if TYPE_CHECKING:
-    from delayd.cluster.members import MemberInfo
 
 log = logging.getLogger("delayd.broker")
 
