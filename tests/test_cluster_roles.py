@@ -33,6 +33,8 @@ from delayd.protocol import (
     Reschedule,
     SendBatch,
     SendBatchResult,
+    Stats,
+    StatsResult,
 )
 from delayd.protocol.redirect import leader_in
 from tests.broker_support import BrokerProcess
@@ -153,6 +155,10 @@ def test_one_leads_and_the_follower_answers_not_leader_naming_it(group: Group):
     ]
     for make in requests:
         assert not_leader(intake.request(make)) == addr(leader.address)
+    stats = intake.request(lambda rid: Stats(request_id=rid))  # answered by every member
+    assert isinstance(stats, StatsResult)
+    assert stats.stats["cluster.role"] == "follower"
+    assert stats.stats["cluster.leader"] == member_id(leader)
     intake.close()
 
     broker = RawClient(follower.broker_address)

@@ -11,6 +11,10 @@ Start-up takes the data directory's lock (one writer at a time), then binds its 
 then recovers: another process holding the directory or a port in use ends it at
 once, exit 1, with a message naming the holder or the listener and address. Exit 2
 for a bad configuration.
+
+With --etcd URL --group NAME (or DELAYD_CLUSTER_* variables) the broker is a member of
+a replicated broker group (docs/replication.md): only its leader serves; the other
+members answer NOT_LEADER naming the leader's address.
 """
 
 from __future__ import annotations

@@ -17,6 +17,10 @@ said at once).
 The configuration is the defaults, then --config, then DELAYD_<TABLE>_<KEY>
 environment variables, then the flags (docs/configuration.md); --print-config prints
 it as TOML and exits.
+
+With --etcd URL --group NAME the server is a member of a replicated group
+(docs/replication.md): only the group's leader takes requests and delivers; the other
+members answer NOT_LEADER naming it. Without --etcd it runs alone.
 """
 
 from __future__ import annotations

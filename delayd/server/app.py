@@ -350,6 +350,12 @@ class DelayServer:
         }
         for code, count in sorted(receiver.refused_total.items()):
             out[f"intake.refused_total/{code.name.lower()}"] = count
+        if self.membership is not None:
+            view = self.membership.view
+            out["cluster.group"] = self.config.cluster.group
+            out["cluster.role"] = view.role.name.lower()
+            out["cluster.epoch"] = view.epoch or 0
+            out["cluster.leader"] = view.leader.member_id if view.leader else ""
         return out
 
     def request_stop(self) -> None:
