@@ -6,18 +6,27 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Callable
 
 import pytest
 import trio
 
 import delayd
+from delayd.client._async_link import AsyncLink
 from delayd.client._backoff import Backoff
 from delayd.client._blocking_session import BlockingSession
 from delayd.client._leader import LeaderFinder
 from delayd.cluster.config import ClusterConfig, cluster_from_environment
 from delayd.errors import NotLeaderError, RejectedError, UnreachableError
 from delayd.group_address import GroupAddress, parse_group_address
-from delayd.protocol import Error, ErrorCode, ResultCode, SendResult
+from delayd.protocol import (
+    CancelOutcome,
+    CancelResult,
+    Error,
+    ErrorCode,
+    ResultCode,
+    SendResult,
+)
 from delayd.protocol.answers import error_to_exception
 from delayd.protocol.redirect import leader_in, not_leader_reason
 from delayd.sender import RemoteTarget
@@ -232,3 +241,72 @@ async def test_sender_target_follows_not_leader_to_the_leader(nursery):
     assert [r.code for r in await target.send_batch(due("n", 1))] == [ResultCode.OK]
     assert target.address == leader_addr and target.addresses == (follower_addr, leader_addr)
     await target.aclose()
+
+
+# --------------------------------------------------------------------- in virtual time
+
+
+class FakeLink:
+    """An AsyncLink stand-in: ``answer(addr)`` is what each request gets."""
+
+    def __init__(self, addr: str, answer: Callable[[str], object]) -> None:
+        self.addr = addr
+        self.answer = answer
+        self.failure: str | None = None
+
+    @property
+    def closed(self) -> bool:
+        return self.failure is not None
+
+    async def run(self) -> None:
+        await trio.sleep_forever()
+
+    async def request(self, build):
+        await trio.sleep(0.001)  # a round trip
+        answer = self.answer(self.addr)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    def abort(self, reason: str) -> None:
+        self.failure = reason
+
+
+def fake_members(monkeypatch, answer: Callable[[str], object]) -> list[str]:
+    """Make the async clients' links FakeLinks; returns the addresses connected to."""
+    opened: list[str] = []
+
+    async def open_link(address, **_):
+        opened.append(str(address))
+        await trio.sleep(0.001)
+        return FakeLink(str(address), answer)
+
+    monkeypatch.setattr(AsyncLink, "open", open_link)
+    return opened
+
+
+def refusal(leader: str | None) -> NotLeaderError:
+    reason = not_leader_reason("g", "follower" if leader else "candidate", 3, leader)
+    return NotLeaderError(ErrorCode.NOT_LEADER, reason, leader)
+
+
+async def test_a_redirect_is_followed_at_once(monkeypatch, autojump_clock):
+    answered = CancelResult(CancelOutcome.CANCELLED)
+    opened = fake_members(monkeypatch, lambda a: answered if a == "h2:2" else refusal("h2:2"))
+    async with delayd.open_producer("h1:1,h2:2", timeout_s=5) as producer:
+        started = trio.current_time()
+        receipt = await producer.cancel("m-1")
+        took_s = trio.current_time() - started
+    assert receipt.cancelled and opened == ["h1:1", "h2:2"]
+    assert took_s < 0.01  # a round trip, a connection, a round trip: no back-off
+
+
+async def test_no_leader_anywhere_backs_off_until_the_time_out(monkeypatch, autojump_clock):
+    opened = fake_members(monkeypatch, lambda a: refusal(None))
+    async with delayd.open_producer("h1:1,h2:2", timeout_s=3) as producer:
+        started = trio.current_time()
+        with pytest.raises(delayd.DelaydTimeout, match="members tried: h1:1, h2:2"):
+            await producer.cancel("m-1")
+        assert trio.current_time() - started == pytest.approx(3, abs=0.01)
+    # Each member asked in turn, spaced by the back-off (50 ms doubling to 2 s), not spun.
+    assert opened[:4] == ["h1:1", "h2:2", "h1:1", "h2:2"] and 5 <= len(opened) <= 9
