@@ -310,3 +310,23 @@ async def test_no_leader_anywhere_backs_off_until_the_time_out(monkeypatch, auto
         assert trio.current_time() - started == pytest.approx(3, abs=0.01)
     # Each member asked in turn, spaced by the back-off (50 ms doubling to 2 s), not spun.
     assert opened[:4] == ["h1:1", "h2:2", "h1:1", "h2:2"] and 5 <= len(opened) <= 9
+
+
+def test_serve_reads_cluster_from_the_file_and_the_environment():
+    from delayd.server.config import ConfigError, config_from_mapping
+    from delayd.server.config_env import load_effective_config
+
+    config = load_effective_config(
+        None, {"DELAYD_CLUSTER_ETCD": "http://e:2379", "DELAYD_CLUSTER_GROUP": "g1"}
+    )
+    assert config.cluster.etcd == ("http://e:2379",) and config.cluster.group == "g1"
+    wildcard = {"server": {"listen": "0.0.0.0:20801"}, "cluster": {"etcd": ["http://e:2379"]}}
+    wildcard["cluster"]["group"] = "g1"
+    with pytest.raises(ConfigError, match="--advertise HOST"):
+        config_from_mapping(wildcard)
+    wildcard["cluster"]["advertise"] = "10.0.0.1"
+    assert config_from_mapping(wildcard).cluster.advertised("0.0.0.0") == "10.0.0.1"
+    with pytest.raises(ConfigError, match=r"config: cluster\.ack must be sync or leader"):
+        config_from_mapping({"cluster": {"ack": "all"}})
+    with pytest.raises(ConfigError, match=r"unknown key; keys of \[cluster\]"):
+        config_from_mapping({"cluster": {"acks": "sync"}})
