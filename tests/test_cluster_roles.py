@@ -356,3 +356,46 @@ def test_a_broker_group_follower_names_its_leader_and_a_consumer_follows(
     finally:
         for broker in brokers:
             broker.close()
+
+
+async def test_a_leader_that_steps_down_and_leads_again_delivers_again(
+    tmp_path: Path,
+    etcd_server: EtcdServer,  # noqa: F811
+    nursery: trio.Nursery,
+):
+    proxy = EtcdProxy(etcd_server.url)
+    await nursery.start(proxy.serve)
+    group = Group(tmp_path, etcd_server.url)
+    try:
+        member = await trio.to_thread.run_sync(group.start, "a", proxy.url)
+        leads = lambda: group.leader_id() == member_id(member)  # noqa: E731
+        await trio.to_thread.run_sync(wait_until, leads, 10, "the member leads")
+
+        def send(message_id: str, delay_ms: int) -> None:
+            with delayd.Producer(addr(member.address), timeout_s=5) as producer:
+                assert producer.send("orders", b"x", message_id=message_id, delay_ms=delay_ms).ok
+
+        # Due while the member does not lead: delivered once it leads again, by the
+        # delivery built anew at that promotion.
+        await trio.to_thread.run_sync(send, "due-later", 1500)
+        proxy.cut()
+        await trio.sleep(LEASE_TTL_MS / 1000)  # stepped down: delivery stopped
+        proxy.heal()
+        await trio.to_thread.run_sync(wait_until, leads, 10, "the member leads again")
+        await trio.to_thread.run_sync(send, "due-now", 0)
+
+        def consume() -> set[str]:
+            got: set[str] = set()
+            broker = addr(member.broker_address)
+            with delayd.Consumer(broker, subject="orders", group="c", timeout_s=5) as consumer:
+                while len(got) < 2:
+                    message = consumer.receive(timeout_s=5)
+                    assert message is not None, f"only {got} delivered"
+                    got.add(message.message_id)
+            return got
+
+        assert await trio.to_thread.run_sync(consume) == {"due-later", "due-now"}
+        log = member.log_path.read_text()
+        assert log.count(": delivering") == 2 and log.count(": stopping delivery") == 1
+    finally:
+        group.close()
