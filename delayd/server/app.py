@@ -7,7 +7,11 @@ after recovery); ``open`` (blocking, run in a worker thread) recovers: message_l
 the broker. ``run`` then starts every task with ``nursery.start`` and reports the
 bound addresses once all of them listen.
 
-Shutdown (``request_stop``, on SIGTERM/SIGINT): stop accepting (binary and HTTP) and
+A member of a replicated group (``[cluster] etcd``; docs/replication.md) joins it once
+its listeners are bound, answers NOT_LEADER unless it leads, and delivers only while it
+leads: delivery starts at each promotion and stops at each demotion.
+
+Shutdown (``request_stop``, on SIGTERM/SIGINT): resign (a member of a group), stop accepting (binary and HTTP) and
 let in-flight batches be acknowledged, flush message_log, let the replayer copy
 everything durable and write its checkpoint, stop delivery, stop the broker's listener
 the same way (appended batches answered), stop the broker (it flushes and checkpoints
