@@ -11,11 +11,11 @@ A member of a replicated group (``[cluster] etcd``; docs/replication.md) joins i
 its listeners are bound, answers NOT_LEADER unless it leads, and delivers only while it
 leads: delivery starts at each promotion and stops at each demotion.
 
-Shutdown (``request_stop``, on SIGTERM/SIGINT): resign (a member of a group), stop accepting (binary and HTTP) and
-let in-flight batches be acknowledged, flush message_log, let the replayer copy
-everything durable and write its checkpoint, stop delivery, stop the broker's listener
-the same way (appended batches answered), stop the broker (it flushes and checkpoints
-itself), close files.
+Shutdown (``request_stop``, on SIGTERM/SIGINT): resign (a member of a group), stop
+accepting (binary and HTTP) and let in-flight batches be answered, flush message_log,
+let the replayer copy everything durable and write its checkpoint, stop delivery, stop
+the broker's listener the same way (appended batches answered), stop the broker (it
+flushes and checkpoints itself), close files.
 """
 
 from __future__ import annotations
