@@ -29,6 +29,7 @@ if TYPE_CHECKING:
         DelaydError,
         DelaydTimeout,
         LocalProtocolError,
+        NotLeaderError,
         ProtocolError,
         RejectedError,
         RemoteProtocolError,
@@ -47,6 +48,7 @@ __all__ = [
     "DelaydTimeout",
     "LocalProtocolError",
     "Message",
+    "NotLeaderError",
     "Producer",
     "ProtocolError",
     "Receipt",
@@ -64,6 +66,7 @@ __all__ = [
 # delayd` stays cheap for the servers and the CLI, which do not need anyio.
 _ERRORS = {"BusyError", "ConnectionClosedError", "DelaydError", "DelaydTimeout"}
 _ERRORS |= {"LocalProtocolError", "ProtocolError", "RejectedError", "RemoteProtocolError"}
+_ERRORS |= {"NotLeaderError"}
 _PROTOCOL = {"CancelOutcome", "Message", "RescheduleOutcome", "ResultCode"}
 
 

@@ -7,6 +7,7 @@
     │   ├── LocalProtocolError      ... because this side tried to send something invalid
     │   └── RemoteProtocolError     ... because the peer sent something invalid
     ├── RejectedError               the server refused a request; ``reason`` says what to change
+    │   └── NotLeaderError          ... as it does not lead its group; ``leader`` names who does
     ├── BusyError                   the server is overloaded; retrying later is correct
     ├── ConnectionClosedError       the connection is gone; pending requests are lost
     ├── UnreachableError            no connection could be made (nothing listening, no route)
@@ -35,6 +36,7 @@ __all__ = [
     "EtcdError",
     "EtcdUnavailable",
     "LocalProtocolError",
+    "NotLeaderError",
     "ProtocolError",
     "RejectedError",
     "RemoteProtocolError",
@@ -83,6 +85,18 @@ class RejectedError(DelaydError):
         super().__init__(f"{reason} ({getattr(code, 'name', code)})")
         self.code = code
         self.reason = reason
+
+
+class NotLeaderError(RejectedError):
+    """The server is a member of a group that does not lead it now (ERROR NOT_LEADER).
+
+    ``leader`` is the leader's ``host:port`` for the listener asked, or None when the
+    member knows no leader (an election is under way). Sending the same request to the
+    leader is safe: message ids make a resent message a DUPLICATE."""
+
+    def __init__(self, code: int, reason: str, leader: str | None) -> None:
+        super().__init__(code, reason)
+        self.leader = leader
 
 
 class BusyError(DelaydError):

@@ -168,7 +168,7 @@ class SilentServer:
 # is stored.
 DROP_ACK = "drop-ack"
 HANG = "hang"  # store nothing and never answer (the connection stays open)
-SendHook = Callable[[SendBatch], list[SendResult] | str | None]
+SendHook = Callable[[SendBatch], list[SendResult] | Error | str | None]
 
 
 class ScriptedServer:
@@ -238,7 +238,10 @@ class ScriptedServer:
                             return  # close without answering
                     else:
                         results = verdict
-                    answer = SendBatchResult(results, request_id=event.request_id)
+                    if isinstance(results, Error):  # the whole request refused
+                        answer = Error(results.code, results.reason, request_id=event.request_id)
+                    else:
+                        answer = SendBatchResult(results, request_id=event.request_id)
                 else:
                     answer = Error(7, "not implemented here", request_id=event.request_id)
                 sock.sendall(conn.send(answer))

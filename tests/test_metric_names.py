@@ -46,6 +46,9 @@ UNITS = {
     "fds",
     "info",
     "state",
+    "revision",
+    "elections",
+    "members",
 }
 # 0/1 gauges: a flag has no unit, as Prometheus's own ``up``.
 FLAGS = {"delayd_intake_id_filter_warm"}
@@ -123,6 +126,27 @@ def test_every_exported_name_follows_the_rules(exported):
         assert exported[name].samples, name
 
 
+def exported_by_a_group_member() -> dict[str, Family]:
+    """The metrics only a member of a group exports (delayd.serving.membership_metrics),
+    from its collector: a server running alone, as the live one above, has none."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from delayd.cluster.config import ClusterConfig
+    from delayd.serving.membership import Membership
+    from delayd.serving.membership_metrics import MembershipCollector
+
+    registry = CollectorRegistry(auto_describe=False)
+    config = ClusterConfig(etcd=("http://127.0.0.1:2379",), group="g")
+    registry.register(MembershipCollector(Membership(config)))
+    return parse_exposition(generate_latest(registry).decode())
+
+
+def test_a_group_members_metrics_follow_them_too():
+    families = exported_by_a_group_member()
+    assert naming_problems(families) == []
+    assert "delayd_cluster_not_leader_requests_total" in families
+
+
 def renamed_in_the_docs() -> dict[str, str]:
     """old -> new, from the "Renamed metrics" table of docs/operations.md."""
     text = (ROOT / "docs" / "operations.md").read_text()
@@ -136,6 +160,7 @@ def test_the_docs_name_only_exported_metrics(exported):
     an old name in the table of renames, whose new name it exports."""
     renamed = renamed_in_the_docs()
     assert len(renamed) >= 20
+    exported = {**exported, **exported_by_a_group_member()}
     names = set(exported) | {n for family in exported.values() for n in family.sample_names()}
     assert set(renamed.values()) <= names
     documented = set()

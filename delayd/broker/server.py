@@ -13,7 +13,10 @@ budget come from the broker's ConnectionLimits.
 
 A bad argument gets ERROR INVALID_REQUEST (a RejectedError's code); a storage failure
 in one request gets ERROR INTERNAL, and the broker keeps serving the others; CANCEL,
-CANCEL_BATCH and RESCHEDULE get ERROR UNSUPPORTED, naming the delay server. A graceful
+CANCEL_BATCH and RESCHEDULE get ERROR UNSUPPORTED, naming the delay server. A member of
+a group that does not lead it (``membership``) answers every request but STATS with
+ERROR NOT_LEADER naming the leader's broker address, and a leader that steps down
+answers the SEND_BATCHes in flight so too (docs/replication.md). A graceful
 stop (``broker_listener(...).stop``) answers every SEND_BATCH appended and drops held
 PULLs (they commit nothing), then closes with FIN: a batch is stored and answered, or
 not stored.
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -57,6 +61,9 @@ from delayd.serving.nowait_acquire import acquire
 from delayd.serving.stoppable_listener import StoppableListener
 from storage.errors import StorageError
 
+if TYPE_CHECKING:  # only a member of a group has one (it needs the etcd client)
+    from delayd.serving.membership import Membership
+
 log = logging.getLogger(__name__)
 
 SERVER_NAME = "delayd-broker"
@@ -90,19 +97,21 @@ def broker_listener(
     token: str | None = None,
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
     gate: ConnectionGate | None = None,
+    membership: Membership | None = None,
 ) -> StoppableListener[BrokerConnection]:
     """The broker's listener with a graceful stop: ``serve`` it as serve_broker does,
     then ``stop(grace_s)`` answers every SEND_BATCH appended before closing (a held
     PULL is dropped: nothing is committed by it) — delayd.serving.stoppable_listener. ``gate``:
     its cap and counts (for /metrics); by default one of the broker's
-    ``connection_limits``."""
+    ``connection_limits``. ``membership``: the group whose leader alone serves (None:
+    this broker runs alone)."""
     if gate is None:
         gate = ConnectionGate("broker", broker.config.connection_limits)
     # The connections count their protocol errors on the gate that admitted them.
     counted = gate
 
     def connection(stream: trio.SocketStream) -> BrokerConnection:
-        return BrokerConnection(broker, stream, token, max_frame_size, counted)
+        return BrokerConnection(broker, stream, token, max_frame_size, counted, membership)
 
     return StoppableListener("the broker", connection, gate)
 
@@ -122,9 +131,18 @@ class BrokerConnection(ServerConnection[SendBatchResult]):
         token: str | None,
         max_frame_size: int,
         gate: ConnectionGate,
+        membership: Membership | None = None,
     ) -> None:
         super().__init__(stream, token=token, max_frame_size=max_frame_size, gate=gate)
         self.broker = broker
+        self.membership = membership
+
+    def _not_leader(self, request_id: int) -> Error | None:
+        """ERROR NOT_LEADER when this member may not act as leader now, else None."""
+        membership = self.membership
+        if membership is None or membership.may_lead():
+            return None
+        return Error(ErrorCode.NOT_LEADER, membership.refusal("broker"), request_id=request_id)
 
     async def run(self) -> None:
         try:
@@ -135,6 +153,9 @@ class BrokerConnection(ServerConnection[SendBatchResult]):
     async def _serve(self, event: Event, requests: trio.Nursery) -> None:
         broker = self.broker
         rid = event.request_id
+        if not isinstance(event, Stats) and (refused := self._not_leader(rid)) is not None:
+            await self._answer(refused)
+            return
         if isinstance(event, SendBatch):
             await acquire(self._slots)  # released by the acker once answered
             try:
@@ -211,7 +232,7 @@ class BrokerConnection(ServerConnection[SendBatchResult]):
                 self._slots.release()
             return
         for result in ready:
-            await self._answer(result)
+            await self._answer(self._not_leader(result.request_id) or result)
             self._slots.release()
 
     async def _pull(self, event: Pull) -> None:
@@ -227,7 +248,7 @@ class BrokerConnection(ServerConnection[SendBatchResult]):
             answer: Event = PullResult(encoded=encoded, request_id=event.request_id)
         except Exception as exc:
             answer = self._error_for(exc, event)
-        await self._answer(answer)
+        await self._answer(self._not_leader(event.request_id) or answer)
 
     async def _commit_durable(self, event: CommitOffset) -> None:
         """Answer a durable COMMIT_OFFSET once offsets.json holds it (a task, so the

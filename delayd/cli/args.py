@@ -19,7 +19,9 @@ from collections.abc import Callable
 from typing import Any
 
 from delayd.address import Address, parse_address
+from delayd.cluster.config import etcd_urls
 from delayd.durations import parse_duration_ms
+from delayd.group_address import parse_group_address
 from delayd.serving.structured_logs import (
     DEFAULT_LOG_FORMAT,
     DEFAULT_LOG_LEVEL,
@@ -34,13 +36,40 @@ TOKEN_VARIABLE = "DELAYD_TOKEN"
 
 
 def address(text: str) -> str:
-    """A ``HOST:PORT`` to connect to (``[v6]:PORT`` for IPv6), checked and returned as
-    written, which is the form the clients take."""
+    """A ``HOST:PORT`` to connect to (``[v6]:PORT`` for IPv6), a group's member list
+    ``H1:P1,H2:P2`` or ``etcd://HOST:PORT/GROUP`` (delayd.group_address), checked and
+    returned as written, which is the form the clients take."""
     try:
-        parse_address(text)
+        parse_group_address(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return str(text)
+
+
+def etcd_endpoints(text: str) -> tuple[str, ...]:
+    """etcd's client URLs, comma-separated (``http://10.0.0.1:2379,http://10.0.0.2:2379``)."""
+    try:
+        return etcd_urls(text, "--etcd")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_cluster_options(parser: argparse.ArgumentParser) -> None:
+    """``--etcd``, ``--group`` and ``--advertise`` of a server that may join a group
+    (docs/replication.md); without ``--etcd`` it runs alone."""
+    parser.add_argument(
+        "--etcd", type=etcd_endpoints, metavar="URL[,URL]",
+        help="etcd's client URLs: join the group --group (default: [cluster] etcd; none: "
+        "run alone)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--group", metavar="NAME", help="the group this server is a member of ([cluster] group)"
+    )
+    parser.add_argument(
+        "--advertise", metavar="HOST",
+        help="the host other members and clients reach this server at (default: the "
+        "listen host, which must then not be a wildcard)",
+    )  # fmt: skip
 
 
 def listen_address(text: str) -> Address:

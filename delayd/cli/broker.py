@@ -11,12 +11,17 @@ Start-up takes the data directory's lock (one writer at a time), then binds its 
 then recovers: another process holding the directory or a port in use ends it at
 once, exit 1, with a message naming the holder or the listener and address. Exit 2
 for a bad configuration.
+
+With --etcd URL --group NAME (or DELAYD_CLUSTER_* variables) the broker is a member of
+a replicated broker group (docs/replication.md): only its leader serves; the other
+members answer NOT_LEADER naming the leader's address.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 from functools import partial
 
@@ -29,6 +34,7 @@ from delayd.broker.config import DAY_MS, BrokerConfig, StartFrom
 from delayd.broker.metrics import collect_broker_metrics
 from delayd.broker.server import broker_listener
 from delayd.cli.args import (
+    add_cluster_options,
     add_logging_options,
     add_token_option,
     count,
@@ -36,6 +42,13 @@ from delayd.cli.args import (
     non_negative_count,
     optional_listen_address,
 )
+from delayd.cluster.config import (
+    DEFAULT_BROKER_REPLICATION_PORT,
+    ClusterConfig,
+    cluster_from_environment,
+    cluster_with_flags,
+)
+from delayd.cluster.members import MemberInfo
 from delayd.serving.connection_limits import (
     DEFAULT_FRAME_TIMEOUT_MS,
     DEFAULT_HELLO_TIMEOUT_MS,
@@ -43,7 +56,7 @@ from delayd.serving.connection_limits import (
 )
 from delayd.serving.data_dir import serve_data_dir
 from delayd.serving.gc_tuning import tune_gc_for_serving
-from delayd.serving.listeners import open_listeners
+from delayd.serving.listeners import bound_addresses, open_listeners
 from delayd.serving.metrics_http import Readiness, serve_metrics
 from delayd.serving.structured_logs import configure_logging
 from storage.flusher import FlushMode, FlushPolicy
@@ -127,6 +140,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="BYTES",
         help="large frames still arriving, all connections together; more wait",
     )
+    add_cluster_options(parser)
     add_logging_options(parser)
 
 
@@ -145,17 +159,35 @@ def run(args: argparse.Namespace) -> int:
             frame_timeout_ms=args.frame_timeout_ms,
             max_unfinished_frame_bytes=args.max_unfinished_frame_bytes,
         )
+        cluster = cluster_with_flags(cluster_from_environment(os.environ), args)
+        if cluster.enabled:
+            cluster.advertised(args.listen.host)  # a wildcard listen host needs --advertise
     except ValueError as exc:
         log.error("bad configuration: %s", exc)
         return 2
-    return serve_data_dir(log, args.data, "delayd broker", _serve, args, config)
+    return serve_data_dir(log, args.data, "delayd broker", _serve, args, config, cluster)
 
 
-async def _serve(args: argparse.Namespace, config: BrokerConfig) -> None:
+async def _serve(args: argparse.Namespace, config: BrokerConfig, cluster: ClusterConfig) -> None:
     # Ports first: a clash is reported at once, not after recovery (delayd.serving.listeners).
     # Clients wait in the backlog while the broker recovers; /healthz answers and
     # /readyz says "recovering" meanwhile.
     listeners = await open_listeners("the broker", *args.listen)
+    replication = None
+    if cluster.enabled:
+        address = cluster.replication_address(args.listen.host, DEFAULT_BROKER_REPLICATION_PORT)
+        try:
+            replication = await open_listeners("replication", *address)
+        except BaseException:
+            for listener in listeners:
+                await listener.aclose()
+            raise
+    membership = None
+    if cluster.enabled:
+        # Imported here: only a member needs the etcd client and its HTTP stack.
+        from delayd.serving.membership import Membership
+
+        membership = Membership(cluster)
     async with trio.open_nursery() as early:
         registry = CollectorRegistry(auto_describe=False)
         readiness = Readiness(f"recovering {args.data}")
@@ -167,7 +199,7 @@ async def _serve(args: argparse.Namespace, config: BrokerConfig) -> None:
                 log.info("metrics on http://%s:%d/metrics", *m_bound[0])
             broker = await trio.to_thread.run_sync(partial(Broker.open, args.data, config))
         except BaseException:
-            for listener in listeners:
+            for listener in [*listeners, *(replication or ())]:
                 await listener.aclose()
             raise
         tune_gc_for_serving()
@@ -176,9 +208,16 @@ async def _serve(args: argparse.Namespace, config: BrokerConfig) -> None:
             with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                 async with trio.open_nursery() as front:
                     host, port = args.listen
-                    server = broker_listener(broker, token=args.token)
+                    server = broker_listener(broker, token=args.token, membership=membership)
                     serve = partial(server.serve, host, port, listeners=listeners)
                     bound = await front.start(serve)
+                    if membership is not None:
+                        info = _member_info(cluster, args.listen.host, bound[0][1], replication)
+                        await root.start(membership.run, info)
+                        if args.metrics_listen is not None:
+                            from delayd.serving.membership_metrics import MembershipCollector
+
+                            registry.register(MembershipCollector(membership))
                     if args.metrics_listen is not None:
                         gate = server.gate  # connection metrics of the broker's listener
                         collect = partial(
@@ -190,9 +229,31 @@ async def _serve(args: argparse.Namespace, config: BrokerConfig) -> None:
                     async for signum in signals:
                         log.info("%s: shutting down", signal.Signals(signum).name)
                         break
+                    if membership is not None:
+                        # Resign first: a follower takes over at once; what is in flight
+                        # here is answered NOT_LEADER, not acknowledged.
+                        membership.resign()
                     # Every SEND_BATCH appended is answered before its connection closes.
                     await server.stop(SHUTDOWN_GRACE_S)
                     front.cancel_scope.cancel()
             root.cancel_scope.cancel()
         early.cancel_scope.cancel()  # /metrics goes last
+    for listener in replication or ():
+        await listener.aclose()
     log.info("delayd broker stopped")
+
+
+def _member_info(
+    cluster: ClusterConfig,
+    listen_host: str,
+    port: int,
+    replication: list[trio.SocketListener] | None,
+) -> MemberInfo:
+    """This broker as the group's members and clients reach it."""
+    from delayd.serving.membership import member_id_for
+
+    broker = cluster.address_of(listen_host, port)
+    replication_address = ""
+    if replication:
+        replication_address = cluster.address_of(listen_host, bound_addresses(replication)[0][1])
+    return MemberInfo(member_id_for(broker), broker=broker, replication=replication_address)

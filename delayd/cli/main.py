@@ -26,6 +26,7 @@ COMMANDS = {
         "delayd.cli.consume",
         "print messages of a subject, as a member of a consumer group",
     ),
+    "cluster": ("delayd.cli.cluster", "show replicated groups: members, roles, epochs (etcd)"),
     "top": ("delayd.cli.top", "live terminal view of delay servers, from their /metrics"),
     "inspect": (
         "delayd.cli.inspect",

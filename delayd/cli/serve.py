@@ -17,6 +17,10 @@ said at once).
 The configuration is the defaults, then --config, then DELAYD_<TABLE>_<KEY>
 environment variables, then the flags (docs/configuration.md); --print-config prints
 it as TOML and exits.
+
+With --etcd URL --group NAME the server is a member of a replicated group
+(docs/replication.md): only the group's leader takes requests and delivers; the other
+members answer NOT_LEADER naming it. Without --etcd it runs alone.
 """
 
 from __future__ import annotations
@@ -33,7 +37,13 @@ from functools import partial
 import trio
 
 from delayd.address import format_address
-from delayd.cli.args import add_logging_options, listen_address, optional_listen_address
+from delayd.cli.args import (
+    add_cluster_options,
+    add_logging_options,
+    listen_address,
+    optional_listen_address,
+)
+from delayd.cluster.config import cluster_with_flags
 from delayd.server.app import DelayServer, open_listeners, serve_metrics_early
 from delayd.server.config import ConfigError, ServeConfig, with_overrides
 from delayd.server.config_env import load_effective_config
@@ -91,6 +101,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="HOST:PORT|off",
         help="the HTTP/JSON API, docs/http.md (default 127.0.0.1:20890; 'off')",
     )
+    add_cluster_options(parser)
     add_logging_options(parser)
     # None: not given, so that [log] of the file (or DELAYD_LOG_*) applies.
     parser.set_defaults(log_format=None, log_level=None)
@@ -108,6 +119,12 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str] | None = N
         value = getattr(args, name)
         if value is not _UNSET:
             config = dataclasses.replace(config, **{name: value})
+    try:
+        cluster = cluster_with_flags(config.cluster, args)
+        if cluster is not config.cluster:
+            config = dataclasses.replace(config, cluster=cluster)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     return config
 
 

@@ -9,7 +9,7 @@ import anyio.abc
 
 from delayd.client._async_link import AsyncLink
 from delayd.client._session_base import SessionBase
-from delayd.errors import BusyError, ConnectionClosedError
+from delayd.errors import BusyError, ConnectionClosedError, EtcdError, NotLeaderError
 
 # Failures worth another connection attempt: the server is not there (yet), restarting,
 # or shutting down. Wrong tokens and protocol errors are not retried: the next attempt
@@ -48,9 +48,11 @@ class AsyncSession(SessionBase[AsyncLink]):
         async with self._lock:
             while self._link is None or self._link.closed:
                 await anyio.sleep(self._backoff.wait_s(anyio.current_time()))
+                if self.finder.needs_lookup and not await self._lookup():
+                    continue
                 try:
                     link = await AsyncLink.open(
-                        self.address, token=self._token, client_name=self._client_name
+                        self.next_address(), token=self._token, client_name=self._client_name
                     )
                 except RETRYABLE_CONNECT_ERRORS as exc:
                     self.connect_failed(exc, anyio.current_time())
@@ -59,6 +61,28 @@ class AsyncSession(SessionBase[AsyncLink]):
                 self.connects += 1
                 self._task_group.start_soon(link.run)
             return self._link
+
+    async def _lookup(self) -> bool:
+        """Read the group's members and leader from etcd; False (after counting it as
+        a failed connection) when etcd cannot say."""
+        from delayd.cluster.group_state import lookup_group
+
+        target = self.finder.target
+        try:
+            self.learned(await lookup_group(target.etcd, target.group))
+            if self.finder.needs_lookup:
+                raise LookupError(f"etcd lists no member of group {target.group}")
+        except (EtcdError, LookupError) as exc:
+            self.lookup_failed(exc, anyio.current_time())
+            return False
+        return True
+
+    def redirected(self, link: AsyncLink, exc: NotLeaderError) -> None:
+        """``link``'s server answered NOT_LEADER: drop it, go where it said
+        (SessionBase.redirect); the caller sends the request again."""
+        self.redirect(exc, anyio.current_time())
+        if link is self._link:
+            link.abort("not the leader")
 
     def lost(self, link: AsyncLink, exc: BaseException) -> None:
         """A request on ``link`` failed with the connection: the next link() reconnects."""

@@ -17,12 +17,16 @@ class BlockingClient:
     Subclasses define ``connect()`` and ``close()``; ``with`` calls both.
     """
 
+    listener = "intake"  # a member's address etcd:// resolves to (SessionBase)
+
     def __init__(
         self, addr: str, token: str | None, client_name: str, timeout_s: float, retry: bool
     ) -> None:
         """``retry``: whether a first connection that cannot be made is retried
         (SessionBase.retry_first_connect)."""
-        self._session = BlockingSession(addr, token=token, client_name=client_name)
+        self._session = BlockingSession(
+            addr, token=token, client_name=client_name, listener=self.listener
+        )
         self._session.retry_first_connect = retry
         self.addr = addr
         self.timeout_s = timeout_s

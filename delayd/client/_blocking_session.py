@@ -7,7 +7,13 @@ import time
 
 from delayd.client._blocking_link import BlockingLink
 from delayd.client._session_base import SessionBase
-from delayd.errors import BusyError, ConnectionClosedError, DelaydTimeout
+from delayd.errors import (
+    BusyError,
+    ConnectionClosedError,
+    DelaydTimeout,
+    EtcdError,
+    NotLeaderError,
+)
 
 # As in the async session: worth another attempt, unlike a wrong token or a peer that
 # does not speak the protocol. A time-out of one attempt (a server that accepted the
@@ -46,9 +52,11 @@ class BlockingSession(SessionBase[BlockingLink]):
             # One attempt may take the rest of the time, but no more than a short while
             # when waiting for ever, so a hung server is retried rather than waited on.
             attempt_deadline = deadline if not math.isinf(deadline) else time.monotonic() + 10
+            if self.finder.needs_lookup and not self._lookup():
+                continue
             try:
                 self._link = BlockingLink.open(
-                    self.address,
+                    self.next_address(),
                     token=self._token,
                     client_name=self._client_name,
                     deadline=attempt_deadline,
@@ -57,6 +65,31 @@ class BlockingSession(SessionBase[BlockingLink]):
                 self.connect_failed(exc, time.monotonic())
                 continue
             self.connects += 1
+
+    def _lookup(self) -> bool:
+        """Read the group's members and leader from etcd (in a trio run of its own:
+        this thread runs none); False (after counting it as a failed connection) when
+        etcd cannot say."""
+        import trio
+
+        from delayd.cluster.group_state import lookup_group
+
+        target = self.finder.target
+        try:
+            self.learned(trio.run(lookup_group, target.etcd, target.group))
+            if self.finder.needs_lookup:
+                raise LookupError(f"etcd lists no member of group {target.group}")
+        except (EtcdError, LookupError) as exc:
+            self.lookup_failed(exc, time.monotonic())
+            return False
+        return True
+
+    def redirected(self, exc: NotLeaderError) -> None:
+        """The server answered NOT_LEADER: drop the link, go where it said
+        (SessionBase.redirect); the caller sends the request again."""
+        self.redirect(exc, time.monotonic())
+        if self._link is not None:
+            self._link.close()
 
     def lost(self, exc: BaseException) -> None:
         """The current link failed: close it; the next link() reconnects after back-off."""

@@ -40,6 +40,7 @@ from delayd.errors import (
     ConnectionClosedError,
     DelaydError,
     DelaydTimeout,
+    NotLeaderError,
     RejectedError,
 )
 from delayd.protocol import (
@@ -224,6 +225,11 @@ class AsyncConsumer:
                     self._session.lost(link, exc)  # closes it: its state is unknown
                 if not retry:
                     return
+            except NotLeaderError as exc:
+                if link is not None:
+                    self._session.redirected(link, exc)  # committed again at the leader
+                if not retry:
+                    return
             finally:
                 self._state.flushed(anyio.current_time())
 
@@ -243,6 +249,9 @@ class AsyncConsumer:
                     result = await link.request(self.subscription.join)
                 except ConnectionClosedError as exc:
                     self._session.lost(link, exc)
+                    continue
+                except NotLeaderError as exc:
+                    self._session.redirected(link, exc)  # join the leader instead
                     continue
                 except BusyError as exc:
                     self._session.last_problem = exc
@@ -283,6 +292,9 @@ class AsyncConsumer:
                 link.abort("closed: no answer to PULL in time")
         except ConnectionClosedError as exc:
             self._session.lost(link, exc)
+        except NotLeaderError as exc:
+            # The group's leader moved: join it there; it resumes from the committed offsets.
+            self._session.redirected(link, exc)
         except RejectedError as exc:
             if exc.code == ErrorCode.INVALID_REQUEST and self._joins == joins_before:
                 # The broker dropped this member (no heartbeat for too long): join again.
@@ -374,7 +386,9 @@ async def open_consumer(
     first connection cannot be made (as open_producer's).
     """
     async with background_task_group() as tg:
-        session = AsyncSession(addr, token=token, client_name=client_name, task_group=tg)
+        session = AsyncSession(
+            addr, token=token, client_name=client_name, task_group=tg, listener="broker"
+        )
         session.retry_first_connect = retry_first_connect
         consumer = AsyncConsumer(
             session,

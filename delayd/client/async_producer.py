@@ -29,7 +29,7 @@ from delayd.client._messages import SendOptions, build_message, coerce_batch, sp
 from delayd.client._task_group import background_task_group
 from delayd.client.cancel_receipt import CancelReceipt, RescheduleReceipt
 from delayd.client.receipt import Receipt, still_busy, stored_or_raise
-from delayd.errors import BusyError, ConnectionClosedError, DelaydTimeout
+from delayd.errors import BusyError, ConnectionClosedError, DelaydTimeout, NotLeaderError
 from delayd.protocol import Message, SendBatchResult
 from delayd.version import __version__
 
@@ -121,10 +121,11 @@ class AsyncProducer:
         raise self._session.took_too_long(f"sending {len(batch)} message(s)", self.timeout_s)
 
     async def _send_frame(self, messages: list[Message]) -> list[Receipt]:
-        """Send one SEND_BATCH, again after a lost connection, and BUSY messages again.
+        """Send one SEND_BATCH, again after a lost connection or to the leader a
+        NOT_LEADER answer names, and BUSY messages again.
 
-        Resending after a lost connection is safe because the ids are the same and the
-        server drops ids it has stored already (answering DUPLICATE, which is success).
+        Resending is safe because the ids are the same and the server drops ids it has
+        stored already (answering DUPLICATE, which is success).
         """
         receipts: list[Receipt | None] = [None] * len(messages)
         todo = list(range(len(messages)))
@@ -136,6 +137,9 @@ class AsyncProducer:
                 response = await link.request(calls.send_batch(pending))
             except ConnectionClosedError as exc:
                 self._session.lost(link, exc)
+                continue
+            except NotLeaderError as exc:
+                self._session.redirected(link, exc)  # the same ids again, at the leader
                 continue
             except BusyError as exc:
                 # The whole request was refused as busy (or the server is stopping).
@@ -222,6 +226,9 @@ class AsyncProducer:
                 except ConnectionClosedError as exc:
                     self._session.lost(link, exc)
                     continue
+                except NotLeaderError as exc:
+                    self._session.redirected(link, exc)
+                    continue
                 self._session.succeeded()
                 return call.finish(response)
         self._session.abort()
@@ -243,7 +250,9 @@ async def open_producer(
     client_name: str = CLIENT_NAME,
     retry_first_connect: bool = True,
 ) -> AsyncIterator[AsyncProducer]:
-    """An async producer connected to ``addr`` (``"host:port"``), closed on exit.
+    """An async producer connected to ``addr``, closed on exit: ``"host:port"``, a
+    group's members ``"h1:p1,h2:p2"`` or ``"etcd://host:port/GROUP"`` (the group's leader
+    is found, and followed across a failover: docs/clients.md, "Addresses").
 
     Connects (HELLO, with ``token`` when given) before the body runs, retrying with
     back-off for up to ``timeout_s`` — or, with ``retry_first_connect=False``, raising

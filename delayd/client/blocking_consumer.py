@@ -35,6 +35,7 @@ from delayd.errors import (
     ConnectionClosedError,
     DelaydError,
     DelaydTimeout,
+    NotLeaderError,
     RejectedError,
 )
 from delayd.protocol import (
@@ -54,7 +55,8 @@ CLIENT_NAME = f"delayd-python-blocking/{__version__}"
 
 
 class Consumer(BlockingClient):
-    """Pulls messages of ``subject`` as a member of ``group`` at ``addr`` (``"host:port"``).
+    """Pulls messages of ``subject`` as a member of ``group`` at ``addr`` (``"host:port"``,
+    or a broker group: ``"h1:p1,h2:p2"``, ``"etcd://host:port/GROUP"``; docs/clients.md).
 
     Connects and joins on ``with`` (or on the first receive). Iterate it, or call
     ``receive(timeout_s=...)``. With ``auto_commit`` a message is committed once the
@@ -67,6 +69,8 @@ class Consumer(BlockingClient):
     UnreachableError at once (as the Producer's). Raises ValueError for a malformed
     ``addr`` or an unknown ``commit`` mode.
     """
+
+    listener = "broker"  # etcd:// resolves to the members' broker addresses
 
     def __init__(
         self,
@@ -211,8 +215,10 @@ class Consumer(BlockingClient):
                 for queue, offset in due:
                     link.request(self._commit_request(queue, offset), request_deadline)
                     self._state.committed(queue, offset)
-            except (ConnectionClosedError, DelaydTimeout) as exc:
-                if isinstance(exc, ConnectionClosedError) or self._session.current is None:
+            except (ConnectionClosedError, DelaydTimeout, NotLeaderError) as exc:
+                if isinstance(exc, NotLeaderError):
+                    self._session.redirected(exc)  # committed again at the leader
+                elif isinstance(exc, ConnectionClosedError) or self._session.current is None:
                     self._session.lost(exc)
                 if not retry:
                     return
@@ -240,6 +246,14 @@ class Consumer(BlockingClient):
                 self._session.lost(exc)
                 if time.monotonic() >= deadline:
                     raise DelaydTimeout(f"could not join at {self.addr} in time") from None
+                continue
+            except NotLeaderError as exc:
+                self._session.redirected(exc)  # join the leader instead
+                if time.monotonic() >= deadline:
+                    raise DelaydTimeout(
+                        f"could not join at {self.addr} in time "
+                        f"({self._session.describe_problem()})"
+                    ) from None
                 continue
             except BusyError as exc:
                 self._session.last_problem = exc
@@ -285,6 +299,11 @@ class Consumer(BlockingClient):
             self._session.succeeded()
             self._busy_backoff.reset()
             self._state.add_pulled(result.messages)
+        elif isinstance(result, NotLeaderError):
+            # The group's leader moved: join it there; it resumes from the committed offsets.
+            self._session.redirected(result)
+            self._joined = None
+            return
         elif isinstance(result, RejectedError):
             if result.code != ErrorCode.INVALID_REQUEST or self._joins != joins_before:
                 raise result
@@ -296,8 +315,9 @@ class Consumer(BlockingClient):
             raise result
         # A refused commit is an answer about the subscription: raised like a refused pull.
         for index in range(len(due)):
-            if isinstance(answers.get(index), DelaydError):
-                raise answers[index]
+            answer = answers.get(index)
+            if isinstance(answer, DelaydError) and not isinstance(answer, NotLeaderError):
+                raise answer
 
     def _commit_request(self, queue: int, offset: int) -> Callable[[int], CommitOffset]:
         return partial(self.subscription.commit, queue, offset, self._state.sync_commits)

@@ -30,7 +30,13 @@ from delayd.client._messages import (
 )
 from delayd.client.cancel_receipt import CancelReceipt, RescheduleReceipt
 from delayd.client.receipt import Receipt, still_busy, stored_or_raise
-from delayd.errors import BusyError, ConnectionClosedError, DelaydError, DelaydTimeout
+from delayd.errors import (
+    BusyError,
+    ConnectionClosedError,
+    DelaydError,
+    DelaydTimeout,
+    NotLeaderError,
+)
 from delayd.protocol import Message, Response, SendBatch, SendBatchResult
 from delayd.version import __version__
 
@@ -133,6 +139,10 @@ class Producer(BlockingClient):
                     self._session.lost(exc)  # send the unanswered frames again
                     todo = [i for i in todo if i not in answers]
                     continue
+                except NotLeaderError as exc:
+                    self._session.redirected(exc)  # the unanswered frames go to the leader
+                    todo = [i for i in todo if i not in answers]
+                    continue
                 except DelaydTimeout:
                     what = f"cancel_many ({len(batches)} CANCEL_BATCH frame(s))"
                     raise self._timed_out(what) from None
@@ -171,6 +181,9 @@ class Producer(BlockingClient):
                 except ConnectionClosedError as exc:
                     self._session.lost(exc)
                     continue
+                except NotLeaderError as exc:
+                    self._session.redirected(exc)
+                    continue
                 except DelaydTimeout:
                     raise self._timed_out(call.what) from None
                 self._session.succeeded()
@@ -196,6 +209,11 @@ class Producer(BlockingClient):
                 continue
             except DelaydTimeout:
                 raise self._timed_out(f"sending {len(batch)} message(s)") from None
+            if round_.not_leader is not None:
+                # Its frames were not stored here: the same ids again, at the leader.
+                self._session.redirected(round_.not_leader)
+                todo = round_.unfinished()
+                continue
             self._session.succeeded()
             todo = round_.unfinished()
             if todo:
@@ -233,6 +251,7 @@ class _Round:
             self._indexes.append(todo[position : position + len(frame)])
             position += len(frame)
         self._again: list[int] = []  # BUSY: to send again
+        self.not_leader: NotLeaderError | None = None  # a frame answered NOT_LEADER
         self._answered: set[int] = set()  # frames answered
 
     def builds(self) -> list[Callable[[int], SendBatch]]:
@@ -243,6 +262,10 @@ class _Round:
         indexes = self._indexes[frame_index]
         if isinstance(answer, BusyError):
             self._again.extend(indexes)  # the whole frame was refused as busy
+            return
+        if isinstance(answer, NotLeaderError):
+            self.not_leader = answer
+            self._again.extend(indexes)
             return
         if isinstance(answer, DelaydError):
             raise answer

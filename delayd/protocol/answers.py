@@ -13,12 +13,14 @@ from delayd.errors import (
     BusyError,
     ConnectionClosedError,
     DelaydError,
+    NotLeaderError,
     RejectedError,
     RemoteProtocolError,
 )
 from delayd.protocol.codes import ErrorCode
 from delayd.protocol.connection import NEED_DATA, Connection
 from delayd.protocol.events import ConnectionClosed, Error, Response
+from delayd.protocol.redirect import leader_in
 
 # The server says *our* bytes broke the protocol: a bug on this side or a peer that
 # speaks another protocol. Retrying the same bytes cannot help.
@@ -38,13 +40,16 @@ def error_to_exception(error: Error, what: str) -> DelaydError:
 
     BUSY and SHUTTING_DOWN give BusyError (retryable), the protocol codes a
     RemoteProtocolError carrying the code, everything else (UNAUTHORIZED,
-    INVALID_REQUEST, UNSUPPORTED, INTERNAL) a RejectedError with the server's reason.
+    INVALID_REQUEST, UNSUPPORTED, INTERNAL) a RejectedError with the server's reason,
+    NOT_LEADER a NotLeaderError naming the leader (delayd.protocol.redirect).
     """
     text = f"{what}: {error.reason} ({error.code.name})"
     if error.code.is_retryable:
         return BusyError(text)
     if error.code in _PROTOCOL_CODES:
         return RemoteProtocolError(text, code=error.code, request_id=error.request_id)
+    if error.code is ErrorCode.NOT_LEADER:
+        return NotLeaderError(error.code, f"{what}: {error.reason}", leader_in(error.reason))
     if error.code is ErrorCode.UNAUTHORIZED:
         return RejectedError(
             error.code, f"{what}: {error.reason} — check the token given to the client"

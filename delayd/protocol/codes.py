@@ -64,6 +64,7 @@ class ErrorCode(enum.IntEnum):
     DISK_FULL = 12  # the server's disk is full: nothing was stored; retry later
     TOO_MANY_CONNECTIONS = 14  # the server holds its max_connections: connect again later
     TIMEOUT = 15  # HELLO, or a started frame, not finished within the server's deadline
+    NOT_LEADER = 16  # a group member that does not lead: the reason names the leader
 
     @property
     def is_retryable(self) -> bool:

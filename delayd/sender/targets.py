@@ -29,6 +29,7 @@ from delayd.protocol import (
     Connection,
     EncodedMessages,
     Error,
+    ErrorCode,
     Message,
     Response,
     ResultCode,
@@ -38,6 +39,7 @@ from delayd.protocol import (
 )
 from delayd.protocol.answers import route_answers
 from delayd.protocol.handshake import say_hello
+from delayd.protocol.redirect import leader_in
 from delayd.version import __version__
 
 if TYPE_CHECKING:
@@ -57,6 +59,15 @@ class TargetUnavailable(DelaydError):
 
     The batch may or may not have been stored: send it again, here or elsewhere.
     """
+
+
+class NotLeaderTarget(TargetUnavailable):
+    """The broker is a member of a group that does not lead it (ERROR NOT_LEADER):
+    nothing was stored; ``leader`` is the leader's address, or None when unknown."""
+
+    def __init__(self, message: str, leader: str | None) -> None:
+        super().__init__(message)
+        self.leader = leader
 
 
 class SendTarget(Protocol):
@@ -120,6 +131,10 @@ class RemoteTarget:
 
     A batch too large for one frame is split in halves until each part fits; a single
     message too large for a frame comes back refused (BODY_TOO_LARGE), not raised.
+
+    When ``addresses`` are the members of a replicated broker group, a member that does
+    not lead answers NOT_LEADER naming the leader: the batch goes there at once (the
+    leader joins the addresses when it is not one of them), within the same time-out.
     Raises ValueError for a malformed address, no address, or a time-out <= 0.
     """
 
@@ -137,7 +152,7 @@ class RemoteTarget:
         if timeout_s <= 0 or connect_timeout_s <= 0:
             raise ValueError("timeout_s and connect_timeout_s must be positive (seconds)")
         self.name = name
-        self.addresses = tuple(addresses)
+        self.addresses: tuple[str, ...] = tuple(addresses)
         try:
             self._endpoints = [parse_address(address) for address in self.addresses]
         except ValueError as exc:
@@ -168,13 +183,37 @@ class RemoteTarget:
         link = None
         try:
             with trio.fail_after(self.timeout_s):
-                link = await self._connected()
-                return await self._send(link, list(messages))
+                for _ in range(len(self.addresses) + 1):
+                    link = await self._connected()
+                    try:
+                        return await self._send(link, list(messages))
+                    except NotLeaderTarget as exc:
+                        link.fail("was left: not the leader")
+                        if not self._follow(exc.leader):
+                            raise
+                raise TargetUnavailable(
+                    f"broker group {self.name}: no member of {', '.join(self.addresses)} leads"
+                )
         except trio.TooSlowError:
             where = link.address if link is not None else " or ".join(self.addresses)
             raise TargetUnavailable(
                 f"broker group {self.name}: no answer from {where} within {self.timeout_s} s"
             ) from None
+
+    def _follow(self, leader: str | None) -> bool:
+        """Make ``leader`` the address tried next; False when it names none (the
+        circuit breaker and retry policy take it from there)."""
+        if leader is None:
+            return False
+        if leader not in self.addresses:
+            try:
+                endpoint = parse_address(leader)
+            except ValueError:
+                return False
+            self.addresses = (*self.addresses, leader)
+            self._endpoints.append(endpoint)
+        self._current = self.addresses.index(leader)
+        return True
 
     async def _send(self, link: _Link, messages: list[Message]) -> list[SendResult]:
         try:
@@ -327,6 +366,11 @@ class _Link:
         finally:
             self._waiters.pop(request_id, None)
         response = waiter.response
+        if isinstance(response, Error) and response.code is ErrorCode.NOT_LEADER:
+            raise NotLeaderTarget(
+                f"broker group {self.group}: {self.address}: {response.reason}",
+                leader_in(response.reason),
+            )
         if isinstance(response, Error):
             raise TargetUnavailable(
                 f"broker group {self.group}: {self.address} refused the batch: "

@@ -17,6 +17,12 @@ from typing import Any
 
 from delayd.address import Address, parse_address
 from delayd.broker.config import BrokerConfig
+from delayd.cluster.config import (
+    CLUSTER_KEYS,
+    CLUSTER_STRING_KEYS,
+    ClusterConfig,
+    cluster_from_table,
+)
 from delayd.logs import message_log, schedule_log
 from delayd.logs.bucket_files import DEFAULT_MAX_OPEN
 from delayd.logs.buckets import DEFAULT_SEGMENT_SCALE, check_segment_scale
@@ -164,6 +170,7 @@ class ServeConfig:
     )
     log_format: str = DEFAULT_LOG_FORMAT
     log_level: str = DEFAULT_LOG_LEVEL
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)  # no etcd: runs alone
 
     def __post_init__(self) -> None:
         if not self.broker_groups:
@@ -193,6 +200,11 @@ class ServeConfig:
             raise ConfigError(f"intake.max_record_bytes must be at least {smallest}")
         if any(group.embedded for group in self.broker_groups):
             self._check_embedded_broker_takes_what_intake_accepts()
+        if self.cluster.enabled:
+            try:
+                self.cluster.advertised(self.listen.host)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         try:
             self.connection_limits  # noqa: B018  # validates the [server] connection keys
         except ValueError as exc:
@@ -333,6 +345,7 @@ def table_keys() -> dict[str, frozenset[str]]:
     """Every table with a fixed set of keys (not ``[[broker_groups]]``), and its keys."""
     tables = {table: frozenset(keys) for table, keys in _SCHEMA.items()}
     tables["broker"] = frozenset([*_BROKER_KEYS, "flush", "subject_queues"])
+    tables["cluster"] = CLUSTER_KEYS
     return tables
 
 
@@ -362,7 +375,8 @@ def string_keys() -> frozenset[str]:
         for f in dataclasses.fields(BrokerConfig)
         if isinstance(f.default, enum.Enum)
     }
-    return frozenset(fixed | enums)
+    clusters = {f"cluster.{key}" for key in CLUSTER_STRING_KEYS}
+    return frozenset(fixed | enums | clusters)
 
 
 def read_toml(path: str) -> dict[str, Any]:
@@ -395,8 +409,17 @@ def config_from_mapping(
         if table == "broker_groups":
             values["broker_groups"] = _broker_groups(entries, source)
             continue
-        if table != "broker" and table not in _SCHEMA:
-            known = ", ".join(sorted([*_SCHEMA, "broker", "broker_groups"]))
+        if table == "cluster" and isinstance(entries, Mapping):
+            names = {
+                key: labels.get(f"cluster.{key}", f"{source}: cluster.{key}") for key in entries
+            }
+            try:
+                values["cluster"] = cluster_from_table(entries, names, source)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+            continue
+        if table not in ("broker", "cluster") and table not in _SCHEMA:
+            known = ", ".join(sorted([*_SCHEMA, "broker", "broker_groups", "cluster"]))
             raise ConfigError(f"{source}: unknown table [{table}]; known tables: {known}")
         if not isinstance(entries, Mapping):
             raise ConfigError(f"{source}: {table} must be a table ([{table}])")

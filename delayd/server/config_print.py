@@ -88,4 +88,20 @@ def config_to_toml(config: ServeConfig) -> str:
         else:
             lines.append(f"addresses = {_toml(list(group.addresses))}")
         lines.append(f"weight = {group.weight}")
+    lines += ["", "[cluster]", *_cluster_lines(config)]
     return "\n".join(lines) + "\n"
+
+
+def _cluster_lines(config: ServeConfig) -> list[str]:
+    cluster = config.cluster
+    lines = [
+        f"etcd = {_toml(list(cluster.etcd))}",
+        f"group = {_toml(cluster.group)}",
+        f"advertise = {_toml(cluster.advertise)}",
+        f"lease_ttl_ms = {cluster.lease_ttl_ms}",
+        f"ack = {_toml(cluster.ack.value)}",
+        f"min_in_sync = {cluster.min_in_sync}",
+    ]
+    if cluster.replication_listen is not None:
+        lines.append(f"replication_listen = {_toml(str(cluster.replication_listen))}")
+    return lines

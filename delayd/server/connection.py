@@ -10,6 +10,11 @@ resolved (docs/cancel.md); a CANCEL_BATCH is one append and one answer. SEND_BAT
 and CANCEL_BATCHes take the skeleton's slots, single tombstones MAX_TOMBSTONES_IN_FLIGHT
 of their own; at a graceful stop every one of them is answered.
 
+A member of a group that does not lead it (``membership``, delayd.serving.membership)
+answers SEND_BATCH, CANCEL, CANCEL_BATCH and RESCHEDULE with ERROR NOT_LEADER naming
+the leader's intake address; the leader asks ``may_lead()`` again before each answer, so
+what was in flight when it stepped down is answered NOT_LEADER too, never acknowledged.
+
 Requests the delay server does not serve get ERROR UNSUPPORTED naming its broker. A full
 disk is an answer: a SEND_BATCH gets DISK_FULL results, a cancel or reschedule ERROR
 DISK_FULL (both retryable; nothing was stored). Any other StorageError from message_log
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -49,12 +55,18 @@ from delayd.serving.connection_gate import ConnectionGate
 from delayd.serving.nowait_acquire import acquire
 from storage.errors import DiskFullError, StorageError
 
+if TYPE_CHECKING:  # only a member of a group has one (it needs the etcd client)
+    from delayd.serving.membership import Membership
+
 log = logging.getLogger(__name__)
 
 SERVER_NAME = "delayd-serve"
 # Single CANCEL / RESCHEDULE frames awaiting their answer per connection: tiny, and each
 # waits for two group-commit fsyncs, so a pipelining client needs many in flight.
 MAX_TOMBSTONES_IN_FLIGHT = 1024
+
+
+_LEADER_ONLY = (SendBatch, Cancel, CancelBatch, Reschedule)
 
 
 class DelayConnection(ServerConnection[tuple[Intake, int]]):
@@ -73,15 +85,27 @@ class DelayConnection(ServerConnection[tuple[Intake, int]]):
         stats: Callable[[], dict[str, str | int | float]],
         broker_address: str | None,
         gate: ConnectionGate,
+        membership: Membership | None = None,
     ) -> None:
         super().__init__(stream, token=token, max_frame_size=max_frame_size, gate=gate)
+        self.membership = membership
         self.intake = intake
         self.stats = stats
         self.broker_address = broker_address
         self._tombstone_slots = trio.Semaphore(MAX_TOMBSTONES_IN_FLIGHT)
 
+    def _not_leader(self, request_id: int) -> Error | None:
+        """ERROR NOT_LEADER when this member may not act as leader now, else None."""
+        membership = self.membership
+        if membership is None or membership.may_lead():
+            return None
+        return Error(ErrorCode.NOT_LEADER, membership.refusal("intake"), request_id=request_id)
+
     async def _serve(self, event: Event, requests: trio.Nursery) -> None:
         rid = event.request_id
+        if isinstance(event, _LEADER_ONLY) and (refused := self._not_leader(rid)) is not None:
+            await self._answer(refused)
+            return
         if isinstance(event, SendBatch):
             await acquire(self._slots)
             try:
@@ -169,6 +193,9 @@ class DelayConnection(ServerConnection[tuple[Intake, int]]):
     async def _settle_batch(self, answers: list[Answer], request_id: int) -> None:
         try:
             await self.intake.settle_all(answers)
+            if (refused := self._not_leader(request_id)) is not None:
+                await self._answer(refused)
+                return
             results = tuple((a.outcome, a.dispatched_ms) for a in answers)
             await self._answer(CancelBatchResult(results, request_id=request_id))  # type: ignore[arg-type]
         finally:
@@ -177,6 +204,9 @@ class DelayConnection(ServerConnection[tuple[Intake, int]]):
     async def _settle(self, answer: Answer, request_id: int) -> None:
         try:
             await self.intake.settle(answer)
+            if (refused := self._not_leader(request_id)) is not None:
+                await self._answer(refused)
+                return
             if answer.is_cancel:
                 result: Event = CancelResult(
                     answer.outcome, answer.dispatched_ms, request_id=request_id
@@ -196,7 +226,8 @@ class DelayConnection(ServerConnection[tuple[Intake, int]]):
         try:
             answers = await self.intake.acknowledge_all([intake for intake, _ in ready])
             for (_, request_id), results in zip(ready, answers, strict=True):
-                await self._answer(SendBatchResult(results, request_id=request_id))
+                refused = self._not_leader(request_id)
+                await self._answer(refused or SendBatchResult(results, request_id=request_id))
                 self._slots.release()
                 held -= 1
         finally:
