@@ -191,21 +191,6 @@ def dispatch_path(root: str, bucket_ms: int) -> str:
     return os.path.join(layout.dispatch_log_dir(root), bucket_name(bucket_ms))
 
 
-def flip_byte(path: str, position: int) -> None:
-    """Damage one byte, as bit rot would."""
-    with open(path, "r+b") as file:
-        file.seek(position)
-        byte = file.read(1)
-        file.seek(position)
-        file.write(bytes([byte[0] ^ 0xFF]))
-
-
-def append_bytes(path: str, data: bytes) -> None:
-    """Bytes at the end of a file, as a write cut short by a crash leaves them."""
-    with open(path, "ab") as file:
-        file.write(data)
-
-
 # Tiny inputs: compiling generated code for every query plan would cost more than
 # interpreting it (NO_CODEGEN is Spark's own test setting); and a JVM that lives for a
 # minute gains nothing from the optimising JIT compiler (C2), whose compiling competes

@@ -6,6 +6,8 @@ real broker targets, which the process tests use)."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import trio
@@ -68,7 +70,17 @@ class RecordingTarget:
 
 
 class Pipeline:
-    """message_log → replayer → schedule_log → wheel → sender → targets, in-process."""
+    """message_log → replayer → schedule_log → wheel → sender → targets, in-process.
+
+    A test owns it in a ``with`` block, which closes its files however the test ends,
+    and runs its tasks in ``async with pipeline.running():`` inside it::
+
+        with Pipeline(data, [target]) as pipeline:
+            ids = pipeline.schedule([T0 + 1000])
+            async with pipeline.running():
+                await trio.sleep(2)
+            assert received_ids([target]) == ids
+    """
 
     _ids = itertools.count(1)
 
@@ -131,6 +143,15 @@ class Pipeline:
             await nursery.start(delivery.manager.run)
             task_status.started()
 
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        """``run``'s tasks, started before the block and cancelled when it ends, so
+        that what a test asserts after it is what the run left behind."""
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.run)
+            yield
+            nursery.cancel_scope.cancel()
+
     async def stop(self) -> None:
         await self.replayer.stop()
         await self.delivery.sender.flush()
@@ -139,6 +160,12 @@ class Pipeline:
         self.delivery.close()
         self.replayer.close()
         self.log.close()
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
 
 def received_ids(targets: list[RecordingTarget]) -> list[str]:

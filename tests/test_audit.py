@@ -31,14 +31,13 @@ from tests.audit_support import (
     T0,
     DelayData,
     Scheduled,
-    append_bytes,
     dispatch_path,
-    flip_byte,
     read_table,
     schedule_path,
     sends_and_cancels,
     spark_session,  # noqa: F401 - the shared session fixture
 )
+from tests.damage_support import append_bytes, flip_byte
 from tests.intake_support import ServeProcess
 
 AS_OF = T0 + 60 * MINUTE  # 11:00; grace 60 s, so due before 10:59 is judged

@@ -30,7 +30,8 @@ from storage.fs import O_READ, REAL_FS
 from storage.record_file import RecordFile
 from storage.scan import scan_frames
 from storage.segmented_log import SegmentedLog
-from tests.audit_support import T0, DelayData, append_bytes, flip_byte
+from tests.audit_support import T0, DelayData
+from tests.damage_support import append_bytes, flip_byte
 
 MESSAGES = st.lists(
     st.builds(

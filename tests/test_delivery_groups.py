@@ -18,7 +18,6 @@ from delayd.logs.dispatch_log import DispatchEntry, EntryKind
 from delayd.sender.sender import DEAD_LETTER_REASON, ORIGINAL_SUBJECT
 from tests.delivery_support import (
     SUBJECT,
-    Processes,
     SteadySender,
     assert_never_early,
     broker_stats,
@@ -46,13 +45,6 @@ FAST_FAILOVER = (
     "[delivery]\nfailure_threshold = 2\nopen_ms = 100\nmax_open_ms = 400\n"
     "retry_base_ms = 20\nretry_max_ms = 200\n"
 )
-
-
-@pytest.fixture
-def procs(tmp_path):
-    processes = Processes(tmp_path)
-    yield processes
-    processes.close()
 
 
 def send(

@@ -19,7 +19,6 @@ from storage.checkpoint import read_checkpoint
 from storage.fs import REAL_FS
 from tests.delivery_support import (
     SUBJECT,
-    Processes,
     SteadySender,
     assert_never_early,
     check_dispatch_log,
@@ -34,13 +33,6 @@ from tests.delivery_support import (
 from tests.intake_support import check_exactly_once, interrupt, terminate
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def procs(tmp_path):
-    processes = Processes(tmp_path)
-    yield processes
-    processes.close()
 
 
 def test_schedule_consume_round_trip(procs, tmp_path):

@@ -45,11 +45,6 @@ NOW = 1_795_341_600_000
 MINUTE = 60_000
 
 
-@pytest.fixture
-def clock():
-    return trio.testing.MockClock(autojump_threshold=0.05)
-
-
 async def until(condition, timeout_s: float = 120) -> None:
     """Wait (virtual time) until ``condition()``: worker threads let the autojump clock
     run ahead, so a fixed sleep is no bound on what they finish."""
@@ -267,49 +262,43 @@ async def test_the_replayer_pauses_on_a_full_disk_and_catches_up(clock):
 async def test_delivered_messages_are_held_until_their_entries_find_room(clock):
     fs = sim()
     target = RecordingTarget("a")
-    pipeline = Pipeline("/data", [target], fs=fs)
-    ids = pipeline.schedule([T0 + 1000 + i for i in range(5)])
-    async with trio.open_nursery() as nursery:
-        await nursery.start(pipeline.run)
-        await trio.sleep(0.5)
-        fs.capacity = fs.used_bytes()  # room for no dispatch_log entry
-        sender = pipeline.delivery.sender
-        await until(lambda: len(target.received) == 5)
-        await until(lambda: sender.refusals.refusing(DISPATCH_LOG))
-        await trio.sleep(2)
-        assert sorted(r.message.message_id for r in target.received) == sorted(ids)
-        assert sender.in_flight == 5  # held: a cancel finds them in doubt, not lost
-        fs.capacity = None
-        await until(lambda: sender.in_flight == 0)
-        assert not sender.refusals.refusing(DISPATCH_LOG)
-        await pipeline.stop()
-        nursery.cancel_scope.cancel()
-    entries = [e for es in dispatch_entries("/data", fs).values() for e in es]
-    assert (
-        sorted(e.kind for e in entries if e.kind is not EntryKind.COMPLETE)
-        == [EntryKind.DISPATCHED] * 5
-    )
-    assert len(target.received) == 5  # each sent once: nothing resent for the wait
-    pipeline.close()
+    with Pipeline("/data", [target], fs=fs) as pipeline:
+        ids = pipeline.schedule([T0 + 1000 + i for i in range(5)])
+        async with pipeline.running():
+            await trio.sleep(0.5)
+            fs.capacity = fs.used_bytes()  # room for no dispatch_log entry
+            sender = pipeline.delivery.sender
+            await until(lambda: len(target.received) == 5)
+            await until(lambda: sender.refusals.refusing(DISPATCH_LOG))
+            await trio.sleep(2)
+            assert sorted(r.message.message_id for r in target.received) == sorted(ids)
+            assert sender.in_flight == 5  # held: a cancel finds them in doubt, not lost
+            fs.capacity = None
+            await until(lambda: sender.in_flight == 0)
+            assert not sender.refusals.refusing(DISPATCH_LOG)
+            await pipeline.stop()
+        entries = [e for es in dispatch_entries("/data", fs).values() for e in es]
+        assert (
+            sorted(e.kind for e in entries if e.kind is not EntryKind.COMPLETE)
+            == [EntryKind.DISPATCHED] * 5
+        )
+        assert len(target.received) == 5  # each sent once: nothing resent for the wait
 
 
 async def test_a_broker_disk_full_is_retried_without_dead_lettering(clock):
     target = RecordingTarget("a", refuse=ResultCode.DISK_FULL)
     fs = sim()
     retry = RetryPolicy(max_attempts=3, base_ms=1000, max_ms=1000)
-    pipeline = Pipeline("/data", [target], fs=fs, sender=SenderConfig(retry=retry))
-    [message_id] = pipeline.schedule([T0 + 1000])
-    async with trio.open_nursery() as nursery:
-        await nursery.start(pipeline.run)
-        await until(lambda: target.calls > 4)  # more sends than max_attempts
-        assert set(target.subjects) == {"orders"}  # never the dead-letter subject
-        target.refuse = None
-        await until(lambda: len(target.received) == 1)
-        await pipeline.stop()
-        nursery.cancel_scope.cancel()
-    [got] = target.received
-    assert got.message.message_id == message_id and got.message.subject == "orders"
-    pipeline.close()
+    with Pipeline("/data", [target], fs=fs, sender=SenderConfig(retry=retry)) as pipeline:
+        [message_id] = pipeline.schedule([T0 + 1000])
+        async with pipeline.running():
+            await until(lambda: target.calls > 4)  # more sends than max_attempts
+            assert set(target.subjects) == {"orders"}  # never the dead-letter subject
+            target.refuse = None
+            await until(lambda: len(target.received) == 1)
+            await pipeline.stop()
+        [got] = target.received
+        assert got.message.message_id == message_id and got.message.subject == "orders"
 
 
 # ------------------------------------------------------------------ broker commitlog
