@@ -170,7 +170,14 @@ def sends_and_cancels(data: DelayData, as_of_ms: int) -> dict[str, Scheduled]:
     data.entry(kept["early"], kept["early"].due_ms + 1)
     kept["early-newer"] = data.accept("sent-before-1", T0 + 2 * MINUTE)
     data.cancel(kept["early-newer"], at_ms=T0 + 10_000)
-    # Not findings.
+    cancels_and_moves_done_right(data)
+    return kept
+
+
+def cancels_and_moves_done_right(data: DelayData) -> None:
+    """What is not a finding: a cancel that withdrew the only record, a message moved
+    (a second record of its id, not a second send), moved and then cancelled, a cancel
+    answered ALREADY_DELIVERED (nothing written but the tombstone)."""
     data.cancel(data.accept("cancelled-ok", T0 + MINUTE + 1_000), at_ms=T0)
     moved = data.accept("moved-ok", T0 + 3_000)
     copy = data.reschedule(moved, T0 + MINUTE + 3_000, at_ms=T0)
@@ -179,8 +186,7 @@ def sends_and_cancels(data: DelayData, as_of_ms: int) -> dict[str, Scheduled]:
     data.cancel(data.reschedule(moved, T0 + 2 * MINUTE + 4_000, at_ms=T0), at_ms=T0 + 1)
     sent = data.accept("sent-then-cancel", T0 + 6_000)
     data.entry(sent, sent.due_ms + 3)
-    data.tombstone("sent-then-cancel", T0 + 20_000)  # ALREADY_DELIVERED: nothing written
-    return kept
+    data.tombstone("sent-then-cancel", T0 + 20_000)
 
 
 def schedule_path(root: str, bucket_ms: int) -> str:

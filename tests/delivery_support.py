@@ -9,6 +9,7 @@ and what a broker holds is counted from its queue ends.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import socket
@@ -18,6 +19,7 @@ from collections import Counter
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import delayd
 from delayd.errors import DelaydError, ProtocolError
@@ -40,6 +42,7 @@ from tests.broker_support import RawClient as BrokerClient
 from tests.intake_support import RawClient, Scheduled, ServeProcess, read_schedule_log
 
 SUBJECT = "orders"
+Child = TypeVar("Child", ServeProcess, BrokerProcess)
 
 
 def hostport(address: tuple[str, int] | None) -> str:
@@ -71,16 +74,22 @@ def poll(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
 
 class Processes:
     """Starts ``delayd serve`` and ``delayd broker`` children; ``close`` kills every one
-    still running (the fixtures call it, so that none outlives its test)."""
+    still running (the ``procs`` fixture calls it, so that none outlives its test)."""
 
     def __init__(self, tmp_path: Path) -> None:
         self.tmp_path = tmp_path
         self.started: list[ServeProcess | BrokerProcess] = []
 
-    def serve(self, data: Path, *extra: str) -> ServeProcess:
-        process = ServeProcess(data, *extra)
+    def add(self, process: Child) -> Child:
+        """Take ``process`` (made, not started) into the set that ``close`` kills."""
         self.started.append(process)
-        return process.start()
+        return process
+
+    def start(self, process: Child) -> Child:
+        return self.add(process).start()
+
+    def serve(self, data: Path, *extra: str) -> ServeProcess:
+        return self.start(ServeProcess(data, *extra))
 
     def broker(self, name: str, port: int = 0) -> BrokerProcess:
         """A broker over ``tmp_path/<name>`` on ``port`` (0: a free one); started again
@@ -93,12 +102,12 @@ class Processes:
             "off",
             log_path=self.tmp_path / f"{name}-broker.log",
         )
-        self.started.append(process)
-        return process.start()
+        return self.start(process)
 
     def close(self) -> None:
-        for process in self.started:
-            process.close()
+        with contextlib.ExitStack() as stack:  # every one, even when one fails to close
+            for process in self.started:
+                stack.callback(process.close)
 
 
 def groups_toml(**groups: tuple[str, int]) -> str:

@@ -31,6 +31,7 @@ from tests.audit_support import (
     T0,
     DelayData,
     Scheduled,
+    cancels_and_moves_done_right,
     dispatch_path,
     read_table,
     schedule_path,
@@ -310,10 +311,8 @@ def test_the_formats_read_as_spark_tables(spark, tmp_path):
 
 
 @pytest.fixture
-def server(tmp_path):
-    process = ServeProcess(tmp_path / "data")
-    yield process
-    process.close()
+def server(procs, tmp_path):
+    return procs.add(ServeProcess(tmp_path / "data"))
 
 
 def dispatched_entries(data_dir: str) -> int:
@@ -479,15 +478,7 @@ def test_ids_sent_twice_and_cancelled_ids_delivered_are_found(spark, tmp_path, c
 def test_sends_cancels_and_moves_done_right_audit_clean(spark, tmp_path, capsys):
     root, out = str(tmp_path / "data"), str(tmp_path / "out")
     with DelayData(root) as data:
-        data.cancel(data.accept("cancelled-ok", T0 + MINUTE + 1_000), at_ms=T0)
-        moved = data.accept("moved-ok", T0 + 3_000)
-        copy = data.reschedule(moved, T0 + MINUTE + 3_000, at_ms=T0)
-        data.entry(copy, copy.due_ms + 4)
-        moved = data.accept("moved-cancelled", T0 + 4_000)
-        data.cancel(data.reschedule(moved, T0 + 2 * MINUTE + 4_000, at_ms=T0), at_ms=T0 + 1)
-        sent = data.accept("sent-then-cancel", T0 + 6_000)
-        data.entry(sent, sent.due_ms + 3)
-        data.tombstone("sent-then-cancel", T0 + 20_000)
+        cancels_and_moves_done_right(data)
 
     status = main(["audit", "--data", root, "--out", out, "--as-of", AS_OF_TEXT])
 

@@ -35,17 +35,13 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
-def brokers(tmp_path):
-    started: list[BrokerProcess] = []
+def brokers(procs, tmp_path):
+    """Make brokers over ``tmp_path``/``data`` (not started); all killed at the end."""
 
     def make(*extra: str, data: str = "data") -> BrokerProcess:
-        broker = BrokerProcess(tmp_path / data, *extra)
-        started.append(broker)
-        return broker
+        return procs.add(BrokerProcess(tmp_path / data, *extra))
 
-    yield make
-    for broker in started:
-        broker.close()
+    return make
 
 
 def test_produce_consume_round_trip_query_stats_and_metrics(brokers):

@@ -158,24 +158,16 @@ def test_an_invalid_override_is_refused_at_start(tmp_path):
     assert not (tmp_path / "data").exists()  # refused before the data directory is touched
 
 
-def test_log_keys_of_the_file_take_effect(tmp_path):
+def test_log_keys_of_the_file_take_effect(tmp_path, procs):
     """[log] is read after logging was set up from the flags: the file's format and
     level replace them (json; warning hides the info lines a start writes)."""
     path = write(tmp_path / "d.toml", '[log]\nformat = "json"\nlevel = "warning"\n')
-    server = ServeProcess(tmp_path / "data", "--config", path)
-    try:
-        server.start()
-        assert server.stop() == 0
-    finally:
-        server.close()
+    server = procs.start(ServeProcess(tmp_path / "data", "--config", path))
+    assert server.stop() == 0
     assert server.log_path.read_text() == ""  # nothing at warning or above
     path = write(tmp_path / "d.toml", '[log]\nformat = "json"\n')
-    server = ServeProcess(tmp_path / "data", "--config", path)
-    try:
-        server.start()
-        assert server.stop() == 0
-    finally:
-        server.close()
+    server = procs.start(ServeProcess(tmp_path / "data", "--config", path))
+    assert server.stop() == 0
     records = [json.loads(line) for line in server.log_path.read_text().splitlines()]
     assert any(r["msg"] == "delayd serve stopped" for r in records)
     # A flag still beats the file.

@@ -10,8 +10,6 @@ import socket
 import time
 import urllib.request
 
-import pytest
-
 from delayd.protocol import (
     CLIENT,
     NEED_DATA,
@@ -34,19 +32,6 @@ from tests.intake_support import RawClient, ServeProcess, ok
 MIB = 1024 * 1024
 REQUESTS = 30_000  # pipelined by each client that never reads
 SAMPLE = re.compile(r"^(\w+)(\{[^}]*\})? (\S+)$")
-
-
-@pytest.fixture
-def servers():
-    started: list[ServeProcess | BrokerProcess] = []
-
-    def start(server):
-        started.append(server)
-        return server.start()
-
-    yield start
-    for server in started:
-        server.close()
 
 
 def scrape(address: tuple[str, int]) -> dict[str, float]:
@@ -112,14 +97,12 @@ class Peer:
         self.sock.close()
 
 
-def test_idle_and_slowloris_connections_are_closed_and_a_good_client_keeps_working(
-    tmp_path, servers
-):
+def test_idle_and_slowloris_connections_are_closed_and_a_good_client_keeps_working(tmp_path, procs):
     deadlines = {
         "DELAYD_SERVER_HELLO_TIMEOUT_MS": "1000",
         "DELAYD_SERVER_FRAME_TIMEOUT_MS": "2000",
     }
-    server = servers(ServeProcess(tmp_path / "data", env=deadlines))
+    server = procs.start(ServeProcess(tmp_path / "data", env=deadlines))
     idle = [Peer(server.address, hello=False) for _ in range(200)]
     half_hello = [Peer(server.address, hello=False) for _ in range(50)]
     hello = Connection(CLIENT).send(Hello(request_id=1))
@@ -158,10 +141,10 @@ def test_idle_and_slowloris_connections_are_closed_and_a_good_client_keeps_worki
     assert sent > 20
 
 
-def test_connections_to_the_descriptor_limit_are_refused_and_delivery_goes_on(tmp_path, servers):
+def test_connections_to_the_descriptor_limit_are_refused_and_delivery_goes_on(tmp_path, procs):
     """RLIMIT_NOFILE 300: each listener takes 75 connections (delayd.fdlimit), the rest
     of the descriptors stay with the logs, so bucket files still open and deliver."""
-    server = servers(ServeProcess(tmp_path / "data", nofile=300))
+    server = procs.start(ServeProcess(tmp_path / "data", nofile=300))
     peers = [Peer(server.address) for _ in range(150)]
     answers = [peer.receive() for peer in peers]
     admitted = [p for p, a in zip(peers, answers, strict=True) if isinstance(a, HelloOk)]
@@ -201,10 +184,10 @@ def test_connections_to_the_descriptor_limit_are_refused_and_delivery_goes_on(tm
     assert metrics["process_max_fds"] == 300
 
 
-def test_unfinished_large_frames_cost_the_budget_not_their_size(tmp_path, servers):
+def test_unfinished_large_frames_cost_the_budget_not_their_size(tmp_path, procs):
     """40 connections each send 15 MiB of a 16 MiB frame and stop: four frames get the
     default 64 MiB budget, the others wait unread; without it the server held 600 MB."""
-    server = servers(ServeProcess(tmp_path / "data"))
+    server = procs.start(ServeProcess(tmp_path / "data"))
     peers = [Peer(server.address) for _ in range(40)]
     for peer in peers:
         assert isinstance(peer.receive(), HelloOk)
@@ -269,12 +252,12 @@ def pump(blobs: dict[socket.socket, bytes], seconds: float) -> dict[socket.socke
     return sent
 
 
-def test_pipelined_requests_never_read_stall_only_their_senders(tmp_path, servers):
+def test_pipelined_requests_never_read_stall_only_their_senders(tmp_path, procs):
     """4 clients pipeline CANCELs and 4 SEND_BATCHes and never read: once their answers
     fill the socket and the writer's queue their readers stop, so the server stops
     taking their requests (the counts stop moving) and never closes them, its memory
     stays bounded, and /healthz and another client answer at once."""
-    server = servers(ServeProcess(tmp_path / "data"))
+    server = procs.start(ServeProcess(tmp_path / "data"))
     peers = []
     for kind in ("cancel", "send") * 4:
         peer = Peer(server.address)
@@ -316,8 +299,8 @@ def test_pipelined_requests_never_read_stall_only_their_senders(tmp_path, server
     assert grown < 100, f"RSS grew by {grown:.0f} MB"
 
 
-def test_the_broker_caps_connections_and_counts_refusals(tmp_path, servers):
-    broker = servers(BrokerProcess(tmp_path / "data", "--max-connections", "5"))
+def test_the_broker_caps_connections_and_counts_refusals(tmp_path, procs):
+    broker = procs.start(BrokerProcess(tmp_path / "data", "--max-connections", "5"))
     peers = [Peer(broker.address) for _ in range(7)]
     answers = [peer.receive() for peer in peers]
     assert sum(isinstance(a, HelloOk) for a in answers) == 5
@@ -345,11 +328,11 @@ def test_the_broker_caps_connections_and_counts_refusals(tmp_path, servers):
     assert metrics["process_resident_memory_bytes"] > 0
 
 
-def test_accept_outlives_running_out_of_descriptors(tmp_path, servers):
+def test_accept_outlives_running_out_of_descriptors(tmp_path, procs):
     """A cap set above what RLIMIT_NOFILE allows: accept fails with EMFILE. The
     listener retries and counts it, and serves again once descriptors are free."""
     env = {"DELAYD_SERVER_MAX_CONNECTIONS": "1000"}
-    server = servers(ServeProcess(tmp_path / "data", env=env, nofile=200))
+    server = procs.start(ServeProcess(tmp_path / "data", env=env, nofile=200))
     peers = []
     for _ in range(260):  # beyond the limit: the last ones wait in the backlog
         sock = socket.create_connection(server.address, timeout=10)

@@ -7,11 +7,11 @@ import urllib.request
 
 from delayd.protocol import Message
 from tests.intake_support import RawClient, terminate
-from tests.test_intake_server import metrics, poll, serve  # noqa: F401  (fixture)
+from tests.test_intake_server import metrics, poll
 
 
-def test_delivery_metrics_follow_the_workload(serve, tmp_path):  # noqa: F811
-    server = serve(None, "--metrics-listen", "127.0.0.1:0")
+def test_delivery_metrics_follow_the_workload(procs, tmp_path):
+    server = procs.serve(tmp_path / "data", "--metrics-listen", "127.0.0.1:0")
     url = "http://{}:{}/readyz".format(*server.metrics_address)
 
     def ready() -> bool:

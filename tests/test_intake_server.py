@@ -52,21 +52,6 @@ pytestmark = pytest.mark.slow
 MINUTE = 60_000
 
 
-@pytest.fixture
-def serve(tmp_path):
-    """Start ``delayd serve`` processes; all are killed at the end of the test."""
-    started: list[ServeProcess] = []
-
-    def start(data: Path | None = None, *extra: str) -> ServeProcess:
-        process = ServeProcess(data or tmp_path / "data", *extra)
-        started.append(process)
-        return process.start()
-
-    yield start
-    for process in started:
-        process.close()
-
-
 def poll(condition, timeout_s: float = 20.0) -> None:
     """Ask until ``condition()`` holds (a server state seen through requests; there is
     no event to wait for across processes)."""
@@ -79,9 +64,9 @@ def now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-def test_accepted_messages_land_in_their_buckets_with_their_contents(serve, tmp_path):
+def test_accepted_messages_land_in_their_buckets_with_their_contents(procs, tmp_path):
     config = write_config(tmp_path / "c.toml", "[schedule_log]\nsegment_scale_minutes = 5\n")
-    server = serve(None, "--config", config)
+    server = procs.serve(tmp_path / "data", "--config", config)
     client = RawClient(server.address)
     base = now_ms()
     rng = random.Random(4)
@@ -154,12 +139,12 @@ def stats(client: RawClient) -> dict:
     return answer.stats
 
 
-def test_refusals_past_due_and_metrics(serve, tmp_path):
+def test_refusals_past_due_and_metrics(procs, tmp_path):
     config = write_config(
         tmp_path / "c.toml",
         "[intake]\nmax_delay_ms = 86_400_000\nmax_body_bytes = 1000\nmax_properties_bytes = 64\n",
     )
-    server = serve(None, "--config", config, "--metrics-listen", "127.0.0.1:0")
+    server = procs.serve(tmp_path / "data", "--config", config, "--metrics-listen", "127.0.0.1:0")
     client = RawClient(server.address)
     before = now_ms()
     batch = [
@@ -214,9 +199,9 @@ def frame(command: int, request_id: int, body: bytes, flags: int = 0) -> bytes:
     return head + struct.pack("<I", crc32c.crc32c(body, crc32c.crc32c(head))) + body
 
 
-def test_bad_input_gets_an_error_and_never_crashes_the_server(serve, tmp_path):
+def test_bad_input_gets_an_error_and_never_crashes_the_server(procs, tmp_path):
     config = write_config(tmp_path / "c.toml", '[server]\ntoken = "s3cret"\n')
-    server = serve(None, "--config", config)
+    server = procs.serve(tmp_path / "data", "--config", config)
     address = server.address
     hello = encode_event(Hello(token="s3cret", request_id=1))
     cases = [
@@ -315,7 +300,7 @@ class SteadySender(threading.Thread):
             client.close()
 
 
-def test_kill_9_during_a_steady_send_never_loses_or_duplicates(serve, tmp_path):
+def test_kill_9_during_a_steady_send_never_loses_or_duplicates(procs, tmp_path):
     config = write_config(
         tmp_path / "c.toml",
         "[replay]\ncheckpoint_interval_ms = 40\n"
@@ -328,7 +313,7 @@ def test_kill_9_during_a_steady_send_never_loses_or_duplicates(serve, tmp_path):
     acked: dict[str, int] = {}
     rounds = 22
     for round_no in range(rounds):
-        server = serve(data, "--config", config)
+        server = procs.serve(data, "--config", config)
         sender = SteadySender(server.address, round_no, rng.randrange(2**32))
         sender.start()
         assert sender.started_acking.wait(20), server.log_tail()
@@ -338,7 +323,7 @@ def test_kill_9_during_a_steady_send_never_loses_or_duplicates(serve, tmp_path):
         assert sender.error is None, sender.error
         acked.update(sender.acked)
         server.close()
-    server = serve(data, "--config", config)
+    server = procs.serve(data, "--config", config)
     terminate(server)  # a graceful stop replays everything and checkpoints
     scheduled = check_exactly_once(data, 1)
     lost = [mid for mid in acked if mid not in scheduled]
@@ -352,11 +337,11 @@ def test_kill_9_during_a_steady_send_never_loses_or_duplicates(serve, tmp_path):
     assert len(cuts) == rounds + 1 and any(cuts), cuts
 
 
-def test_torn_tails_after_kill_are_cut_and_replayed(serve, tmp_path):
+def test_torn_tails_after_kill_are_cut_and_replayed(procs, tmp_path):
     # No checkpoint until shutdown, so everything the killed run wrote is past it.
     config = write_config(tmp_path / "c.toml", "[replay]\ncheckpoint_interval_ms = 3600000\n")
     data = tmp_path / "data"
-    server = serve(data, "--config", config)
+    server = procs.serve(data, "--config", config)
     sender = SteadySender(server.address, 0, 7)
     sender.start()
     assert sender.started_acking.wait(20)
@@ -373,7 +358,7 @@ def test_torn_tails_after_kill_are_cut_and_replayed(serve, tmp_path):
         f.truncate(size - 50)
         f.seek(0, 2)
         f.write(b"\x00\x00\xffjunk")
-    server = serve(data, "--config", config)
+    server = procs.serve(data, "--config", config)
     terminate(server)
     log = server.log_path.read_text()
     assert "message_log: cut a torn tail of 18 bytes" in log
@@ -390,9 +375,9 @@ def stats_of(server: ServeProcess) -> dict:
         client.close()
 
 
-def test_changing_segment_scale_or_a_taken_port_is_refused(serve, tmp_path):
+def test_changing_segment_scale_or_a_taken_port_is_refused(procs, tmp_path):
     data = tmp_path / "data"
-    server = serve(data)
+    server = procs.serve(data)
     client = RawClient(server.address)
     ok(client.send_batch([Message("a", "orders", delay_ms=1)]))
     client.close()
@@ -431,11 +416,11 @@ def test_bad_configuration_is_refused_naming_the_key(tmp_path, text, words):
     assert not (tmp_path / "data").exists()  # refused before touching the data
 
 
-def test_a_graceful_stop_answers_every_batch_it_appended(serve, tmp_path):
+def test_a_graceful_stop_answers_every_batch_it_appended(procs, tmp_path):
     """SIGTERM while a client has 40 SEND_BATCHes pipelined: every batch the server
     appended is answered (OK) before the connection closes — none is left appended and
     unanswered — and every OK message is in schedule_log after the restart."""
-    server = serve(tmp_path / "data")
+    server = procs.serve(tmp_path / "data")
     client = RawClient(server.address)
     due = int(time.time() * 1000) + 3_600_000
     batches = [
