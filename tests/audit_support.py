@@ -14,8 +14,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-import pytest
-
 from delayd.logs import layout, message_log, tombstone
 from delayd.logs.bucket_files import BucketFiles
 from delayd.logs.buckets import bucket_name, bucket_of
@@ -201,25 +199,13 @@ def dispatch_path(root: str, bucket_ms: int) -> str:
 # interpreting it (NO_CODEGEN is Spark's own test setting); and a JVM that lives for a
 # minute gains nothing from the optimising JIT compiler (C2), whose compiling competes
 # with the tests for the cores — C1 alone starts Spark ~20% faster (measured).
-TEST_CONF = {
+SPARK_TEST_CONF = {
     "spark.sql.shuffle.partitions": "2",
     "spark.sql.codegen.wholeStage": "false",
     "spark.sql.codegen.factoryMode": "NO_CODEGEN",
     "spark.sql.adaptive.enabled": "false",
     "spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1",
 }
-
-
-@pytest.fixture(scope="session")
-def spark_session():
-    """One local SparkSession for the audit tests of a run (a JVM start costs seconds;
-    they are all in tests/test_audit.py); `delayd audit` run in-process finds it and
-    leaves it running."""
-    from delayd.audit.session import local_session
-
-    spark = local_session("local[2]", TEST_CONF)
-    yield spark
-    spark.stop()
 
 
 def read_table(out: str, name: str) -> list[dict]:

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import uuid
+from collections.abc import Iterator
+
 import pytest
 import trio.testing
 
+from tests.audit_support import SPARK_TEST_CONF
 from tests.delivery_support import Processes
+from tests.etcd_support import EtcdServer
 
 
 @pytest.fixture
@@ -26,3 +31,32 @@ def procs(tmp_path):
         yield processes
     finally:
         processes.close()
+
+
+@pytest.fixture(scope="session")
+def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
+    """The session's etcd (one per xdist worker)."""
+    server = EtcdServer(tmp_path_factory.mktemp("etcd") / "data").start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def etcd_prefix(etcd_server: EtcdServer) -> str:
+    """A key prefix no other test uses, so tests sharing the etcd never see each other."""
+    return f"/test/{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture(scope="session")
+def spark_session():
+    """One local SparkSession for the audit tests of a run (a JVM start costs seconds);
+    `delayd audit` run in-process finds it and leaves it running."""
+    from delayd.audit.session import local_session  # pyspark: only the audit tests load it
+
+    spark = local_session("local[2]", SPARK_TEST_CONF)
+    try:
+        yield spark
+    finally:
+        spark.stop()

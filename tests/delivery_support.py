@@ -291,11 +291,13 @@ def check_dispatch_log(data_dir: Path) -> dict[str, tuple[Scheduled, DispatchEnt
 
 
 class SteadySender(threading.Thread):
-    """Sends batches of messages due ``delay_ms`` (a range) after receipt, ``in_flight``
-    requests pipelined, until ``stop`` is set or the connection breaks (the server was
-    killed or stopped). ``acked`` maps the id of every acknowledged message to its
-    due_ms; ``sent`` holds every id sent, acknowledged or not. ``started_acking`` is set
-    once ``warm`` messages were acknowledged (or the sender ended)."""
+    """Sends batches of messages due ``delay_ms`` (a range) after receipt — a share
+    ``past_due`` of them due at once — with bodies of up to ``max_body`` bytes,
+    ``in_flight`` requests pipelined, ``pause_s`` between answers, until ``stop`` is set
+    or the connection breaks (the server was killed or stopped). ``acked`` maps the id
+    of every acknowledged message to its due_ms; ``sent`` holds every id sent,
+    acknowledged or not. ``started_acking`` is set once ``warm`` messages were
+    acknowledged (or the sender ended)."""
 
     def __init__(
         self,
@@ -308,6 +310,8 @@ class SteadySender(threading.Thread):
         in_flight: int = 2,
         pause_s: float = 0.005,
         warm: int = 20,
+        past_due: float = 0.1,
+        max_body: int = 100,
     ) -> None:
         super().__init__(name=f"sender-{prefix}", daemon=True)
         self.address = address
@@ -318,6 +322,8 @@ class SteadySender(threading.Thread):
         self.in_flight = in_flight
         self.pause_s = pause_s
         self.warm = warm
+        self.past_due = past_due
+        self.max_body = max_body
         self.sent: set[str] = set()
         self.acked: dict[str, int] = {}
         self.stop = threading.Event()
@@ -329,9 +335,9 @@ class SteadySender(threading.Thread):
         for _ in range(self.batch_size):
             message_id = f"{self.prefix}-{len(self.sent)}"
             self.sent.add(message_id)
-            # one in ten is due at once: past-due handling under the same crashes
-            delay = 0 if self.rng.random() < 0.1 else self.rng.randint(*self.delay_ms)
-            body = self.rng.randbytes(self.rng.randrange(100))
+            # due at once: past-due handling under the same crashes
+            delay = 0 if self.rng.random() < self.past_due else self.rng.randint(*self.delay_ms)
+            body = self.rng.randbytes(self.rng.randrange(self.max_body))
             out.append(Message(message_id, SUBJECT, body=body, delay_ms=delay))
         return out
 

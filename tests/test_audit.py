@@ -36,7 +36,6 @@ from tests.audit_support import (
     read_table,
     schedule_path,
     sends_and_cancels,
-    spark_session,  # noqa: F401 - the shared session fixture
 )
 from tests.damage_support import append_bytes, flip_byte
 from tests.intake_support import ServeProcess
@@ -48,7 +47,7 @@ DELIVERY_TIMEOUT_S = 30.0
 
 
 @pytest.fixture(scope="module")
-def spark(spark_session):  # noqa: F811 - the fixture imported above
+def spark(spark_session):
     return spark_session
 
 

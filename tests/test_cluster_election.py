@@ -20,8 +20,6 @@ from delayd.cluster.members import NO_LEADER, GroupKeys, MemberInfo, Role, View,
 from tests.etcd_support import (
     EtcdProxy,
     EtcdServer,
-    etcd_prefix,  # noqa: F401 - fixture
-    etcd_server,  # noqa: F401 - fixture
     start_cluster,
 )
 
@@ -156,8 +154,8 @@ def settled(members: list[Running]) -> bool:
 
 
 async def test_three_members_elect_exactly_one_leader_and_register(
-    etcd_server,  # noqa: F811 - fixture
-    etcd_prefix,  # noqa: F811 - fixture
+    etcd_server,
+    etcd_prefix,
 ):
     async with trio.open_nursery() as nursery:
         members = [
@@ -185,8 +183,8 @@ async def test_three_members_elect_exactly_one_leader_and_register(
 
 
 async def test_a_resigning_leader_hands_over_fast_and_epochs_grow(
-    etcd_server,  # noqa: F811 - fixture
-    etcd_prefix,  # noqa: F811 - fixture
+    etcd_server,
+    etcd_prefix,
 ):
     async with trio.open_nursery() as nursery:
         members = [
@@ -210,8 +208,8 @@ async def test_a_resigning_leader_hands_over_fast_and_epochs_grow(
 
 @pytest.mark.slow
 async def test_a_leader_cut_off_from_etcd_steps_down_before_its_lease_expires(
-    etcd_server,  # noqa: F811 - fixture
-    etcd_prefix,  # noqa: F811 - fixture
+    etcd_server,
+    etcd_prefix,
 ):
     async with trio.open_nursery() as nursery:
         proxy = EtcdProxy(etcd_server.url)
@@ -245,8 +243,8 @@ async def test_a_leader_cut_off_from_etcd_steps_down_before_its_lease_expires(
 
 @pytest.mark.slow
 async def test_a_follower_cut_off_from_etcd_leaves_and_comes_back(
-    etcd_server,  # noqa: F811 - fixture
-    etcd_prefix,  # noqa: F811 - fixture
+    etcd_server,
+    etcd_prefix,
 ):
     async with trio.open_nursery() as nursery:
         proxy = EtcdProxy(etcd_server.url)
@@ -319,8 +317,8 @@ async def test_losing_one_etcd_of_three_changes_no_role(tmp_path):
 
 
 async def test_may_lead_is_false_past_the_deadline_even_before_the_step_down_runs(
-    etcd_server,  # noqa: F811 - fixture
-    etcd_prefix,  # noqa: F811 - fixture
+    etcd_server,
+    etcd_prefix,
 ):
     async with trio.open_nursery() as nursery:
         stalled = await Running(etcd_server.url, etcd_prefix, "stalled").start(nursery)
@@ -334,8 +332,8 @@ async def test_may_lead_is_false_past_the_deadline_even_before_the_step_down_run
 
 @pytest.mark.slow
 async def test_a_member_that_is_not_eligible_never_campaigns(
-    etcd_server,  # noqa: F811 - fixture
-    etcd_prefix,  # noqa: F811 - fixture
+    etcd_server,
+    etcd_prefix,
 ):
     ready = False
     async with trio.open_nursery() as nursery:
@@ -413,8 +411,8 @@ class MemberProcess:
 @pytest.mark.parametrize("how", ["kill -9", "SIGTERM"])
 async def test_a_leader_process_that_dies_is_replaced(
     how,
-    etcd_server,  # noqa: F811 - fixture
-    etcd_prefix,  # noqa: F811 - fixture
+    etcd_server,
+    etcd_prefix,
 ):
     async with trio.open_nursery() as nursery:
         child = await MemberProcess(etcd_server.url, etcd_prefix, "child").start(nursery)

@@ -28,13 +28,11 @@ from tests.etcd_support import (
     EtcdProxy,
     EtcdServer,
     dead_url,
-    etcd_prefix,  # noqa: F401 - fixture
-    etcd_server,  # noqa: F401 - fixture
 )
 
 
 @pytest.fixture
-async def etcd(etcd_server):  # noqa: F811 - fixture
+async def etcd(etcd_server):
     async with EtcdClient([etcd_server.url]) as client:
         yield client
 
@@ -52,7 +50,7 @@ def test_endpoints_must_be_urls():
         EtcdClient([])
 
 
-async def test_put_get_range_delete(etcd, etcd_prefix):  # noqa: F811 - fixture
+async def test_put_get_range_delete(etcd, etcd_prefix):
     p = etcd_prefix
     first = await etcd.put(f"{p}/k/a", "1")
     second = await etcd.put(f"{p}/k/b", b"\x00\xff")
@@ -76,7 +74,7 @@ async def test_put_get_range_delete(etcd, etcd_prefix):  # noqa: F811 - fixture
     assert await etcd.get(f"{p}/kz") is not None
 
 
-async def test_txn_create_revision_is_a_compare_and_set(etcd, etcd_prefix):  # noqa: F811
+async def test_txn_create_revision_is_a_compare_and_set(etcd, etcd_prefix):
     key = f"{etcd_prefix}/leader"
     take = ([Compare.create_revision(key, 0)], [Put(key, "a")], [Get(key)])
 
@@ -104,7 +102,7 @@ async def test_txn_create_revision_is_a_compare_and_set(etcd, etcd_prefix):  # n
     assert await etcd.get(key) is None
 
 
-async def test_leases(etcd, etcd_prefix):  # noqa: F811 - fixture
+async def test_leases(etcd, etcd_prefix):
     lease = await etcd.lease_grant(5)
     assert lease.ttl_s == 5
     await etcd.put(f"{etcd_prefix}/on-lease", "x", lease=lease.id)
@@ -128,7 +126,7 @@ async def test_leases(etcd, etcd_prefix):  # noqa: F811 - fixture
         assert etcd.endpoints[0] in str(caught.value)
 
 
-async def test_a_lease_expires_after_its_ttl(etcd, etcd_prefix):  # noqa: F811 - fixture
+async def test_a_lease_expires_after_its_ttl(etcd, etcd_prefix):
     lease = await etcd.lease_grant(1)
     await etcd.put(f"{etcd_prefix}/k", "x", lease=lease.id)
     with trio.fail_after(3):
@@ -136,7 +134,7 @@ async def test_a_lease_expires_after_its_ttl(etcd, etcd_prefix):  # noqa: F811 -
             await trio.sleep(0.05)
 
 
-async def test_watch_sees_puts_and_deletes_in_order(etcd, etcd_prefix):  # noqa: F811
+async def test_watch_sees_puts_and_deletes_in_order(etcd, etcd_prefix):
     start = await etcd.put(f"{etcd_prefix}/w/a", "1")
     await etcd.put(f"{etcd_prefix}/w/b", "2")
     await etcd.delete(f"{etcd_prefix}/w/a")
@@ -155,7 +153,7 @@ async def test_watch_sees_puts_and_deletes_in_order(etcd, etcd_prefix):  # noqa:
     ]
 
 
-async def test_watch_from_now_sees_only_later_changes(etcd, etcd_prefix):  # noqa: F811
+async def test_watch_from_now_sees_only_later_changes(etcd, etcd_prefix):
     key = f"{etcd_prefix}/now"
     await etcd.put(key, "before")
     with trio.fail_after(2):
@@ -167,8 +165,8 @@ async def test_watch_from_now_sees_only_later_changes(etcd, etcd_prefix):  # noq
 
 
 async def test_watch_resumes_after_a_lost_connection_without_gaps_or_repeats(
-    etcd_server,  # noqa: F811 - fixture
-    etcd_prefix,  # noqa: F811 - fixture
+    etcd_server,
+    etcd_prefix,
 ):
     async with trio.open_nursery() as nursery:
         proxy = EtcdProxy(etcd_server.url)
@@ -245,7 +243,7 @@ async def test_a_stopped_etcd_is_unavailable_at_once_naming_the_endpoint(tmp_pat
     assert isinstance(caught.value, DelaydError)
 
 
-async def test_the_next_endpoint_takes_over_and_stays_preferred(etcd_server):  # noqa: F811
+async def test_the_next_endpoint_takes_over_and_stays_preferred(etcd_server):
     dead = dead_url()
     async with EtcdClient([dead, etcd_server.url]) as etcd:
         await etcd.put("/endpoints", "v")
@@ -257,7 +255,7 @@ async def test_the_next_endpoint_takes_over_and_stays_preferred(etcd_server):  #
     assert dead in str(caught.value)
 
 
-async def test_an_etcd_that_does_not_answer_times_out_as_unavailable(etcd_server):  # noqa: F811
+async def test_an_etcd_that_does_not_answer_times_out_as_unavailable(etcd_server):
     async with trio.open_nursery() as nursery:
         proxy = EtcdProxy(etcd_server.url)
         await nursery.start(proxy.serve)

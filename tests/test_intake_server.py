@@ -10,7 +10,6 @@ import re
 import signal
 import socket
 import struct
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -37,6 +36,7 @@ from delayd.protocol import (
 )
 from delayd.replay.state import read_replay_checkpoint
 from storage.fs import REAL_FS
+from tests.delivery_support import SteadySender
 from tests.intake_support import (
     RawClient,
     ServeProcess,
@@ -238,68 +238,6 @@ def test_bad_input_gets_an_error_and_never_crashes_the_server(procs, tmp_path):
     assert set(check_exactly_once(tmp_path / "data", 1)) == {"after"}
 
 
-class SteadySender(threading.Thread):
-    """Sends batches with unique ids as fast as acks come back (a few batches in
-    flight), recording every acknowledged message, until the connection dies."""
-
-    IN_FLIGHT = 4
-    BATCH = 25
-
-    def __init__(self, address, round_no: int, seed: int) -> None:
-        super().__init__(daemon=True)
-        self.address = address
-        self.round_no = round_no
-        self.rng = random.Random(seed)
-        self.acked: dict[str, int] = {}  # id -> due_ms
-        self.sent = 0
-        self.started_acking = threading.Event()
-        self.error: BaseException | None = None
-
-    def batch(self) -> list[Message]:
-        out = []
-        for _ in range(self.BATCH):
-            self.sent += 1
-            out.append(
-                Message(
-                    f"r{self.round_no}-{self.sent}",
-                    "orders",
-                    body=self.rng.randbytes(self.rng.randrange(200)),
-                    delay_ms=self.rng.randrange(20 * MINUTE),
-                )
-            )
-        return out
-
-    def run(self) -> None:
-        try:
-            client = RawClient(self.address)
-        except OSError as exc:
-            self.error = exc
-            return
-        pending: dict[int, list[Message]] = {}
-        try:
-            while True:
-                while len(pending) < self.IN_FLIGHT:
-                    batch = self.batch()
-                    rid = client.send(lambda r, b=batch: SendBatch(b, request_id=r))
-                    pending[rid] = batch
-                answer = client.receive()
-                if isinstance(answer, ConnectionClosed):
-                    return  # the server was killed between frames
-                assert isinstance(answer, SendBatchResult), answer
-                for m, result in zip(pending.pop(answer.request_id), answer.results, strict=True):
-                    assert result.code is ResultCode.OK, result
-                    self.acked[m.message_id] = result.due_ms
-                if len(self.acked) >= 100:
-                    self.started_acking.set()
-        except (OSError, ProtocolError):
-            pass  # the server was killed (in the middle of a frame)
-        except BaseException as exc:
-            self.error = exc
-        finally:
-            self.started_acking.set()
-            client.close()
-
-
 def test_kill_9_during_a_steady_send_never_loses_or_duplicates(procs, tmp_path):
     config = write_config(
         tmp_path / "c.toml",
@@ -314,7 +252,18 @@ def test_kill_9_during_a_steady_send_never_loses_or_duplicates(procs, tmp_path):
     rounds = 22
     for round_no in range(rounds):
         server = procs.serve(data, "--config", config)
-        sender = SteadySender(server.address, round_no, rng.randrange(2**32))
+        sender = SteadySender(
+            server.address,
+            f"r{round_no}",
+            rng.randrange(2**32),
+            delay_ms=(0, 20 * MINUTE - 1),
+            batch=25,
+            in_flight=4,
+            pause_s=0,
+            warm=100,
+            past_due=0,
+            max_body=200,
+        )
         sender.start()
         assert sender.started_acking.wait(20), server.log_tail()
         time.sleep(rng.uniform(0.0, 0.2))  # the workload's length, not a synchronisation
