@@ -290,40 +290,36 @@ def check_dispatch_log(data_dir: Path) -> dict[str, tuple[Scheduled, DispatchEnt
 # --------------------------------------------------------------------- live traffic
 
 
+@dataclass(frozen=True)
+class Workload:
+    """What a SteadySender sends: batches of ``batch`` messages due ``delay_ms`` (a
+    range) after receipt — a share ``past_due`` of them due at once — with bodies of up
+    to ``max_body`` bytes; ``in_flight`` requests pipelined, ``pause_s`` after each
+    answer. Its sender starts acking once ``warm`` messages were acknowledged."""
+
+    delay_ms: tuple[int, int] = (0, 1500)
+    past_due: float = 0.1
+    max_body: int = 100
+    batch: int = 10
+    in_flight: int = 2
+    pause_s: float = 0.005
+    warm: int = 20
+
+
 class SteadySender(threading.Thread):
-    """Sends batches of messages due ``delay_ms`` (a range) after receipt — a share
-    ``past_due`` of them due at once — with bodies of up to ``max_body`` bytes,
-    ``in_flight`` requests pipelined, ``pause_s`` between answers, until ``stop`` is set
-    or the connection breaks (the server was killed or stopped). ``acked`` maps the id
-    of every acknowledged message to its due_ms; ``sent`` holds every id sent,
-    acknowledged or not. ``started_acking`` is set once ``warm`` messages were
-    acknowledged (or the sender ended)."""
+    """Sends ``load`` until ``stop`` is set or the connection breaks (the server was
+    killed or stopped). ``acked`` maps the id of every acknowledged message to its
+    due_ms; ``sent`` holds every id sent, acknowledged or not. ``started_acking`` is set
+    once ``load.warm`` messages were acknowledged (or the sender ended)."""
 
     def __init__(
-        self,
-        address: tuple[str, int],
-        prefix: str,
-        seed: int,
-        *,
-        delay_ms: tuple[int, int] = (0, 1500),
-        batch: int = 10,
-        in_flight: int = 2,
-        pause_s: float = 0.005,
-        warm: int = 20,
-        past_due: float = 0.1,
-        max_body: int = 100,
+        self, address: tuple[str, int], prefix: str, seed: int, load: Workload = Workload()
     ) -> None:
         super().__init__(name=f"sender-{prefix}", daemon=True)
         self.address = address
         self.prefix = prefix
         self.rng = random.Random(seed)
-        self.delay_ms = delay_ms
-        self.batch_size = batch
-        self.in_flight = in_flight
-        self.pause_s = pause_s
-        self.warm = warm
-        self.past_due = past_due
-        self.max_body = max_body
+        self.load = load
         self.sent: set[str] = set()
         self.acked: dict[str, int] = {}
         self.stop = threading.Event()
@@ -332,12 +328,14 @@ class SteadySender(threading.Thread):
 
     def _batch(self) -> list[Message]:
         out = []
-        for _ in range(self.batch_size):
+        for _ in range(self.load.batch):
             message_id = f"{self.prefix}-{len(self.sent)}"
             self.sent.add(message_id)
-            # due at once: past-due handling under the same crashes
-            delay = 0 if self.rng.random() < self.past_due else self.rng.randint(*self.delay_ms)
-            body = self.rng.randbytes(self.rng.randrange(self.max_body))
+            if self.rng.random() < self.load.past_due:
+                delay = 0  # past-due handling under the same crashes
+            else:
+                delay = self.rng.randint(*self.load.delay_ms)
+            body = self.rng.randbytes(self.rng.randrange(self.load.max_body))
             out.append(Message(message_id, SUBJECT, body=body, delay_ms=delay))
         return out
 
@@ -351,7 +349,7 @@ class SteadySender(threading.Thread):
         pending: dict[int, list[Message]] = {}
         try:
             while pending or not self.stop.is_set():
-                while len(pending) < self.in_flight and not self.stop.is_set():
+                while len(pending) < self.load.in_flight and not self.stop.is_set():
                     batch = self._batch()
                     rid = client.send(lambda r, b=batch: SendBatch(b, request_id=r))
                     pending[rid] = batch
@@ -362,9 +360,9 @@ class SteadySender(threading.Thread):
                 for m, result in zip(pending.pop(answer.request_id), answer.results, strict=True):
                     assert result.code is ResultCode.OK, result
                     self.acked[m.message_id] = result.due_ms
-                if len(self.acked) >= self.warm:
+                if len(self.acked) >= self.load.warm:
                     self.started_acking.set()
-                time.sleep(self.pause_s)  # pacing: a steady stream, not a flood
+                time.sleep(self.load.pause_s)  # pacing: a steady stream, not a flood
         except (OSError, ProtocolError):
             pass  # killed in the middle of a frame
         except BaseException as exc:

@@ -20,6 +20,7 @@ from storage.fs import REAL_FS
 from tests.delivery_support import (
     SUBJECT,
     SteadySender,
+    Workload,
     assert_never_early,
     check_dispatch_log,
     consume,
@@ -79,7 +80,7 @@ def test_schedule_consume_round_trip(procs, tmp_path):
 def test_sigterm_with_messages_pending_then_restart(procs, tmp_path):
     data = tmp_path / "data"
     server = procs.serve(data)
-    sender = SteadySender(server.address, "t", 7, delay_ms=(200, 2500), warm=100)
+    sender = SteadySender(server.address, "t", 7, Workload(delay_ms=(200, 2500), warm=100))
     sender.start()
     assert sender.started_acking.wait(20), server.log_tail()
     # Stop once some messages were delivered and the rest are pending, while the

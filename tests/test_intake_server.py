@@ -36,7 +36,7 @@ from delayd.protocol import (
 )
 from delayd.replay.state import read_replay_checkpoint
 from storage.fs import REAL_FS
-from tests.delivery_support import SteadySender
+from tests.delivery_support import SteadySender, Workload
 from tests.intake_support import (
     RawClient,
     ServeProcess,
@@ -50,6 +50,16 @@ from tests.intake_support import (
 
 pytestmark = pytest.mark.slow
 MINUTE = 60_000
+# As fast as acks come back, a few batches in flight, due within 20 minutes.
+FLOOD = Workload(
+    delay_ms=(0, 20 * MINUTE - 1),
+    past_due=0,
+    max_body=200,
+    batch=25,
+    in_flight=4,
+    pause_s=0,
+    warm=100,
+)
 
 
 def poll(condition, timeout_s: float = 20.0) -> None:
@@ -252,18 +262,7 @@ def test_kill_9_during_a_steady_send_never_loses_or_duplicates(procs, tmp_path):
     rounds = 22
     for round_no in range(rounds):
         server = procs.serve(data, "--config", config)
-        sender = SteadySender(
-            server.address,
-            f"r{round_no}",
-            rng.randrange(2**32),
-            delay_ms=(0, 20 * MINUTE - 1),
-            batch=25,
-            in_flight=4,
-            pause_s=0,
-            warm=100,
-            past_due=0,
-            max_body=200,
-        )
+        sender = SteadySender(server.address, f"r{round_no}", rng.randrange(2**32), FLOOD)
         sender.start()
         assert sender.started_acking.wait(20), server.log_tail()
         time.sleep(rng.uniform(0.0, 0.2))  # the workload's length, not a synchronisation
@@ -291,7 +290,7 @@ def test_torn_tails_after_kill_are_cut_and_replayed(procs, tmp_path):
     config = write_config(tmp_path / "c.toml", "[replay]\ncheckpoint_interval_ms = 3600000\n")
     data = tmp_path / "data"
     server = procs.serve(data, "--config", config)
-    sender = SteadySender(server.address, 0, 7)
+    sender = SteadySender(server.address, "r0", 7, FLOOD)
     sender.start()
     assert sender.started_acking.wait(20)
     poll(lambda: len(sender.acked) >= 300 and stats_of(server)["replay.lag_records"] == 0)
