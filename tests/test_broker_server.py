@@ -327,13 +327,13 @@ def test_wrong_or_missing_token_is_refused_before_any_command(brokers):
 def test_invalid_arguments_name_the_flag(tmp_path):
     import subprocess
 
-    from tests.broker_support import DELAYD, ROOT, _env
+    from tests.process_support import DELAYD, ROOT, child_env
 
     for flag, value in (("--listen", "nowhere"), ("--queues", "0"), ("--flush", "never")):
         done = subprocess.run(
             [*DELAYD, "broker", "--data", str(tmp_path), flag, value],
             cwd=ROOT,
-            env=_env(),
+            env=child_env(),
             capture_output=True,
             text=True,
             timeout=30,

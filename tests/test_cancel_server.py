@@ -25,7 +25,8 @@ from tests.delivery_support import (
     now_ms,
     poll,
 )
-from tests.intake_support import ROOT, RawClient, write_config
+from tests.intake_support import RawClient, write_config
+from tests.process_support import ROOT
 
 pytestmark = pytest.mark.slow
 

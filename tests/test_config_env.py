@@ -23,7 +23,8 @@ from delayd.server.config import (
 from delayd.server.config_env import environment_overrides, load_effective_config
 from delayd.server.config_print import config_to_toml
 from storage.flusher import FlushMode
-from tests.intake_support import DELAYD, ROOT, ServeProcess, _env
+from tests.intake_support import ServeProcess
+from tests.process_support import DELAYD, ROOT, child_env
 
 DOCS = ROOT / "docs" / "configuration.md"
 
@@ -126,7 +127,7 @@ def run_serve(*args: str, env: dict[str, str] | None = None) -> subprocess.Compl
         cwd=ROOT,
         capture_output=True,
         text=True,
-        env={**_env(), **(env or {})},
+        env={**child_env(), **(env or {})},
         timeout=30,
         check=False,
     )

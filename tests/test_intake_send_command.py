@@ -9,7 +9,8 @@ import subprocess
 import pytest
 
 from delayd.client.send_command import format_utc, parse_duration_ms, parse_property, parse_utc_ms
-from tests.intake_support import DELAYD, ROOT, ServeProcess, _env, check_exactly_once, terminate
+from tests.intake_support import ServeProcess, check_exactly_once, terminate
+from tests.process_support import DELAYD, ROOT, child_env
 
 
 @pytest.mark.parametrize(
@@ -68,7 +69,12 @@ def test_properties():
 
 def send(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [*DELAYD, "send", *args], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=30
+        [*DELAYD, "send", *args],
+        cwd=ROOT,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
 
 

@@ -14,7 +14,8 @@ import pytest
 
 from delayd.logsetup import configure_logging, fields
 from tests.broker_support import BrokerProcess
-from tests.intake_support import DELAYD, ROOT, ServeProcess, _env, write_config
+from tests.intake_support import ServeProcess, write_config
+from tests.process_support import DELAYD, ROOT, child_env
 
 KV_PAIR = re.compile(r'(\S+?)=("(?:[^"\\]|\\.)*"|\S*)')
 
@@ -132,7 +133,7 @@ def test_serve_reports_a_bad_configuration_as_a_log_record(tmp_path):
         [*args, "--log-format", "kv", "--log-level", "warning"],
         cwd=ROOT,
         capture_output=True,
-        env=_env(),
+        env=child_env(),
         timeout=30,
         check=False,
     )

@@ -22,16 +22,8 @@ from delayd.server.app import DelayServer, open_listeners, serve_metrics_early
 from delayd.server.config import ServeConfig
 from storage.dirlock import LOCK_NAME, read_holder
 from tests.broker_support import BrokerProcess
-from tests.intake_support import (
-    DELAYD,
-    ROOT,
-    RawClient,
-    ServeProcess,
-    _env,
-    ok,
-    read_message_log,
-    terminate,
-)
+from tests.intake_support import RawClient, ServeProcess, ok, read_message_log, terminate
+from tests.process_support import DELAYD, ROOT, child_env
 from tests.test_metrics_http import http_get
 
 REFUSAL_TIMEOUT_S = 10.0  # a refused start exits in well under a second
@@ -44,7 +36,7 @@ def run_to_exit(*args: str) -> tuple[int, str, float]:
         [*DELAYD, *args],
         cwd=ROOT,
         capture_output=True,
-        env=_env(),
+        env=child_env(),
         timeout=REFUSAL_TIMEOUT_S,
         check=False,
     )

@@ -40,7 +40,7 @@ from delayd.top import (
     server_view,
 )
 from delayd.top.render import fmt_bytes, fmt_rate, fmt_seconds
-from tests.intake_support import ROOT, _env
+from tests.process_support import ROOT, child_env
 
 T = 1_795_341_600_000  # 2026-11-22T10:00:00Z
 HORIZON_PENDING = {"1m": 12_000, "10m": 3_000, "1h": 600, "1d": 0, "later": 6_000}
@@ -322,7 +322,7 @@ def test_many_servers_scroll_to_the_selected_one_and_an_unreachable_one_says_why
 
 
 def delayd_env() -> dict[str, str]:
-    env = _env()
+    env = child_env()
     env.update(COLUMNS="80", LINES="24")
     return env
 
@@ -375,7 +375,7 @@ def top_in_a_terminal(*targets: str) -> Iterator[tuple[subprocess.Popen, int]]:
     leaving, a process still running is killed and the terminal closed."""
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
-    env = _env()
+    env = child_env()
     env.update(TERM="xterm-256color")
     for name in ("COLUMNS", "LINES"):
         env.pop(name, None)

@@ -1,0 +1,61 @@
+"""`delayd` children of the tests: the command, where it runs and with what environment,
+and the end of a child's life that ``delayd serve`` and ``delayd broker`` share."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DELAYD = [sys.executable, "-m", "delayd"]
+
+
+def child_env() -> dict[str, str]:
+    """This process's environment with the checkout first on PYTHONPATH, so that a
+    child runs the code under test (a worktree's, not an installed copy)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+class ChildProcess:
+    """A server child: ``stop()`` is SIGTERM and returns the exit code (a graceful
+    shutdown gives 0); ``kill()`` is kill -9; ``close()`` (the ``procs`` fixture calls
+    it) makes sure the child does not outlive its test. Subclasses start it and set
+    ``proc``; ``log_path`` holds its stderr."""
+
+    proc: subprocess.Popen[bytes] | None
+    log_path: Path
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout_s)
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait(10)
+
+    def close(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
