@@ -10,7 +10,7 @@ import trio.testing
 
 from tests.audit_support import SPARK_TEST_CONF
 from tests.delivery_support import Processes
-from tests.etcd_support import EtcdServer
+from tests.etcd_support import EtcdProxy, EtcdServer
 
 
 @pytest.fixture
@@ -60,3 +60,12 @@ def spark_session():
         yield spark
     finally:
         spark.stop()
+
+
+@pytest.fixture
+async def etcd_proxy(etcd_server: EtcdServer, nursery: trio.Nursery) -> EtcdProxy:
+    """A proxy in front of the session's etcd that can cut or reset the link, serving
+    in the test's trio run until the test ends."""
+    proxy = EtcdProxy(etcd_server.url)
+    await nursery.start(proxy.serve)
+    return proxy

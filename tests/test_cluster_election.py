@@ -18,7 +18,6 @@ from delayd.cluster.election import GroupMember, check_lease_ttl_ms
 from delayd.cluster.etcd import EtcdClient, KeyValue
 from delayd.cluster.members import NO_LEADER, GroupKeys, MemberInfo, Role, View, view_of
 from tests.etcd_support import (
-    EtcdProxy,
     EtcdServer,
     start_cluster,
 )
@@ -208,19 +207,16 @@ async def test_a_resigning_leader_hands_over_fast_and_epochs_grow(
 
 @pytest.mark.slow
 async def test_a_leader_cut_off_from_etcd_steps_down_before_its_lease_expires(
-    etcd_server,
-    etcd_prefix,
+    etcd_server, etcd_prefix, etcd_proxy
 ):
     async with trio.open_nursery() as nursery:
-        proxy = EtcdProxy(etcd_server.url)
-        await nursery.start(proxy.serve)
-        cut_off = await Running(proxy.url, etcd_prefix, "cut").start(nursery)
+        cut_off = await Running(etcd_proxy.url, etcd_prefix, "cut").start(nursery)
         await wait_for(lambda: cut_off.role is Role.LEADER, what="the first leader")
         other = await Running(etcd_server.url, etcd_prefix, "other").start(nursery)
         await wait_for(lambda: settled([cut_off, other]), what="a follower")
         old_epoch = cut_off.member.epoch
 
-        proxy.cut()  # a partition: renewals from "cut" hang, etcd hears nothing
+        etcd_proxy.cut()  # a partition: renewals from "cut" hang, etcd hears nothing
         cut_at = trio.current_time()
         await wait_for(lambda: other.role is Role.LEADER, timeout_s=4, what="a new leader")
         stepped_down = cut_off.last_took(Role.CANDIDATE)
@@ -235,7 +231,7 @@ async def test_a_leader_cut_off_from_etcd_steps_down_before_its_lease_expires(
         assert other.member.epoch > old_epoch
         assert took_over - cut_at < TTL_MS / 1000 + 1.5  # etcd checks expiries every 0.5 s
 
-        proxy.heal()  # the old leader comes back with a new lease, and follows
+        etcd_proxy.heal()  # the old leader comes back with a new lease, and follows
         await wait_for(lambda: settled([cut_off, other]), what="the old leader following")
         assert cut_off.member.leader.member_id == "other"
         nursery.cancel_scope.cancel()
@@ -243,22 +239,19 @@ async def test_a_leader_cut_off_from_etcd_steps_down_before_its_lease_expires(
 
 @pytest.mark.slow
 async def test_a_follower_cut_off_from_etcd_leaves_and_comes_back(
-    etcd_server,
-    etcd_prefix,
+    etcd_server, etcd_prefix, etcd_proxy
 ):
     async with trio.open_nursery() as nursery:
-        proxy = EtcdProxy(etcd_server.url)
-        await nursery.start(proxy.serve)
         leader = await Running(etcd_server.url, etcd_prefix, "leader").start(nursery)
         await wait_for(lambda: leader.role is Role.LEADER, what="the leader")
-        follower = await Running(proxy.url, etcd_prefix, "follower").start(nursery)
+        follower = await Running(etcd_proxy.url, etcd_prefix, "follower").start(nursery)
         await wait_for(lambda: settled([leader, follower]), what="a follower")
         epoch = leader.member.epoch
 
-        proxy.cut()
+        etcd_proxy.cut()
         await wait_for(lambda: follower.role is Role.CANDIDATE, what="the follower leaving")
         assert "leaving the group: no lease renewal answered" in follower.changes[-1][2]
-        proxy.heal()
+        etcd_proxy.heal()
         await wait_for(lambda: settled([leader, follower]), what="the follower back")
         assert leader.member.epoch == epoch  # the leader never noticed
         assert [view.role for _, view, _ in leader.changes] == [Role.LEADER]

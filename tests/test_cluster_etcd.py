@@ -25,7 +25,6 @@ from delayd.cluster.etcd import (
 )
 from delayd.errors import DelaydError, EtcdError, EtcdUnavailable
 from tests.etcd_support import (
-    EtcdProxy,
     EtcdServer,
     dead_url,
 )
@@ -165,27 +164,22 @@ async def test_watch_from_now_sees_only_later_changes(etcd, etcd_prefix):
 
 
 async def test_watch_resumes_after_a_lost_connection_without_gaps_or_repeats(
-    etcd_server,
-    etcd_prefix,
+    etcd_server, etcd_prefix, etcd_proxy
 ):
-    async with trio.open_nursery() as nursery:
-        proxy = EtcdProxy(etcd_server.url)
-        await nursery.start(proxy.serve)
-        async with EtcdClient([etcd_server.url]) as direct, EtcdClient([proxy.url]) as watched:
-            key = f"{etcd_prefix}/resume"
-            start = await direct.put(key, "1")
-            values = []
-            with trio.fail_after(4):
-                async with watched.watch(key, start_revision=start) as events:
-                    async for event in events:
-                        values.append(event.kv.value)
-                        if event.kv.value == b"1":
-                            proxy.reset()  # every connection through the proxy drops
-                            await direct.put(key, "2")
-                            await direct.put(key, "3")
-                        if event.kv.value == b"3":
-                            break
-        nursery.cancel_scope.cancel()
+    async with EtcdClient([etcd_server.url]) as direct, EtcdClient([etcd_proxy.url]) as watched:
+        key = f"{etcd_prefix}/resume"
+        start = await direct.put(key, "1")
+        values = []
+        with trio.fail_after(4):
+            async with watched.watch(key, start_revision=start) as events:
+                async for event in events:
+                    values.append(event.kv.value)
+                    if event.kv.value == b"1":
+                        etcd_proxy.reset()  # every connection through the proxy drops
+                        await direct.put(key, "2")
+                        await direct.put(key, "3")
+                    if event.kv.value == b"3":
+                        break
     assert values == [b"1", b"2", b"3"]
 
 
@@ -255,17 +249,13 @@ async def test_the_next_endpoint_takes_over_and_stays_preferred(etcd_server):
     assert dead in str(caught.value)
 
 
-async def test_an_etcd_that_does_not_answer_times_out_as_unavailable(etcd_server):
-    async with trio.open_nursery() as nursery:
-        proxy = EtcdProxy(etcd_server.url)
-        await nursery.start(proxy.serve)
-        proxy.cut()
-        async with EtcdClient([proxy.url], timeout_s=0.2) as etcd:
-            started = trio.current_time()
-            with pytest.raises(EtcdUnavailable) as caught:
-                await etcd.put("/partitioned", "v")
-            assert trio.current_time() - started < 1
-        nursery.cancel_scope.cancel()
+async def test_an_etcd_that_does_not_answer_times_out_as_unavailable(etcd_proxy):
+    etcd_proxy.cut()
+    async with EtcdClient([etcd_proxy.url], timeout_s=0.2) as etcd:
+        started = trio.current_time()
+        with pytest.raises(EtcdUnavailable) as caught:
+            await etcd.put("/partitioned", "v")
+        assert trio.current_time() - started < 1
     assert caught.value.outcome_unknown
     assert "may or may not have been applied" in str(caught.value)
-    assert proxy.url in str(caught.value)
+    assert etcd_proxy.url in str(caught.value)
