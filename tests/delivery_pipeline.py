@@ -6,7 +6,7 @@ real broker targets, which the process tests use)."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -151,6 +151,19 @@ class Pipeline:
             await nursery.start(self.run)
             yield
             nursery.cancel_scope.cancel()
+
+    async def run_until(self, deadline_ms: int, done: Callable[[], bool] | None = None) -> None:
+        """Run the tasks until virtual ``deadline_ms`` (epoch ms), and then, when
+        ``done`` is given, on until ``done()`` (a minute of virtual time at most): the
+        autojump clock moves on while a worker thread (a chunk of a big load) still runs,
+        so on a loaded machine a fixed deadline can come before work that was due long
+        before it. Stops (the replayer, the sender's flush) before the tasks end."""
+        async with self.running():
+            await trio.sleep_until((deadline_ms - self.delivery.ticker.origin_ms) / 1000)
+            give_up = trio.current_time() + 60
+            while done is not None and not done() and trio.current_time() < give_up:
+                await trio.sleep(0.1)
+            await self.stop()
 
     async def stop(self) -> None:
         await self.replayer.stop()

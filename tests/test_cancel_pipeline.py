@@ -309,9 +309,7 @@ async def test_a_restart_keeps_cancels_and_moves(tmp_path, clock):
     second = RecordingTarget("a")
     with Pipeline(str(tmp_path), [second]) as again:
         await trio.sleep_until(1)
-        async with again.running():
-            await trio.sleep_until(7 * MINUTE / 1000)
-            await again.stop()
+        await again.run_until(T0 + 7 * MINUTE)
         assert sorted((r.message.message_id, r.at_ms) for r in second.received) == sorted(
             [(kept, T0 + 4 * MINUTE), (moved, T0 + 5 * MINUTE + 7)]
         )
@@ -403,15 +401,13 @@ async def test_a_cancel_while_an_acknowledged_batch_waits_for_the_dispatch_lock(
         assert counted[EntryKind.DISPATCHED] == 1 and counted[EntryKind.CANCELLED] == 0
 
 
-async def deliver_then_lose_the_entries(data: str, dues: list[int], until_s: float):
-    """A first run delivers ``dues`` (those due by ``until_s``) to a deduping broker;
+async def deliver_then_lose_the_entries(data: str, dues: list[int], until_ms: int):
+    """A first run delivers ``dues`` (those due by ``until_ms``) to a deduping broker;
     then its dispatch_log is lost. Returns (ids, the broker)."""
     broker = DedupingTarget("a")
     with Pipeline(data, [broker]) as pipeline:
         ids = pipeline.schedule(dues)
-        async with pipeline.running():
-            await trio.sleep_until(until_s)
-            await pipeline.stop()
+        await pipeline.run_until(until_ms)
     lose_dispatch_log(data)
     return ids, broker
 
@@ -425,7 +421,7 @@ async def test_a_restart_that_lost_dispatch_entries_answers_from_the_resend(tmp_
     and never sent, is in the same doubt: it is delivered now, and the cancel says so."""
     data = str(tmp_path)
     (first, moved, overdue), broker = await deliver_then_lose_the_entries(
-        data, [T0 + 1000, T0 + 2000, T0 + 7000], until_s=5
+        data, [T0 + 1000, T0 + 2000, T0 + 7000], until_ms=T0 + 5000
     )
     assert received_ids([broker]) == [first, moved]
 
@@ -467,7 +463,7 @@ async def test_a_restart_that_lost_dispatch_entries_keeps_a_held_message_in_doub
     ALREADY_DELIVERED."""
     data = str(tmp_path)
     (_, second), broker = await deliver_then_lose_the_entries(
-        data, [T0 + 1000, T0 + 2000], until_s=5
+        data, [T0 + 1000, T0 + 2000], until_ms=T0 + 5000
     )
     hang = trio.Event()
     target = DedupingTarget("a", stored=broker.stored, hang=hang)

@@ -28,19 +28,6 @@ from tests.delivery_pipeline import (
 MINUTE = 60_000
 
 
-async def run_until(pipeline: Pipeline, deadline_ms: int, done=None) -> None:
-    """Run ``pipeline`` until virtual ``deadline_ms``, and then, when ``done`` is
-    given, on until ``done()`` (a minute of virtual time at most): the autojump clock
-    moves on while a worker thread (a chunk of a big load) still runs, so on a loaded
-    machine a fixed deadline can come before work that was due long before it."""
-    async with pipeline.running():
-        await trio.sleep_until((deadline_ms - T0) / 1000)
-        give_up = trio.current_time() + 60
-        while done is not None and not done() and trio.current_time() < give_up:
-            await trio.sleep(0.1)
-        await pipeline.stop()
-
-
 async def test_messages_fire_at_their_exact_virtual_millisecond(tmp_path, clock):
     target = RecordingTarget("a")
     with Pipeline(str(tmp_path), [target]) as pipeline:
@@ -61,7 +48,7 @@ async def test_messages_fire_at_their_exact_virtual_millisecond(tmp_path, clock)
         ]
         dues = {T0 + d for d in offsets_ms}
         ids = pipeline.schedule(sorted(dues))
-        await run_until(pipeline, T0 + 7_200_000 + 2 * MINUTE)
+        await pipeline.run_until(T0 + 7_200_000 + 2 * MINUTE)
         got = {r.message.message_id: r for r in target.received}
         assert sorted(got) == sorted(ids)
         for r in target.received:
@@ -118,7 +105,7 @@ async def test_gaps_and_appends_to_the_bucket_being_loaded(tmp_path, clock):
 
         manager.reader.scan_dues = scan_while_the_replayer_appends
         expected = len(first) + len(bulk) + 20
-        await run_until(pipeline, T0 + 8 * MINUTE, lambda: len(target.received) >= expected)
+        await pipeline.run_until(T0 + 8 * MINUTE, lambda: len(target.received) >= expected)
         assert manager.entries_added == 20  # canAdd took exactly the appended ones
         assert manager.reader.size(bucket_of(big, 1)) > loading_end[0]
         counts = Counter(received_ids([target]))
@@ -133,7 +120,7 @@ async def test_restart_loads_only_what_dispatch_log_does_not_list(tmp_path, cloc
     with Pipeline(str(tmp_path), [target]) as pipeline:
         early = pipeline.schedule([T0 + 1000 + i for i in range(50)])
         late = pipeline.schedule([T0 + 30_000 + i for i in range(50)])  # same bucket
-        await run_until(pipeline, T0 + 10_000)
+        await pipeline.run_until(T0 + 10_000)
     assert sorted(received_ids([target])) == sorted(early)
 
     # Restart: "now" is still in the bucket; only the 50 late ones are loaded.
@@ -240,7 +227,7 @@ async def test_key_affinity_keeps_a_key_on_one_group(tmp_path, clock, scale):
     a, b = RecordingTarget("a"), RecordingTarget("b")
     with Pipeline(str(tmp_path), [a, b], segment_scale_minutes=scale) as pipeline:
         ids = pipeline.schedule([T0 + 100 * i for i in range(1, 100)], key="order-42")
-        await run_until(pipeline, T0 + 20_000)
+        await pipeline.run_until(T0 + 20_000)
         assert sorted(received_ids([a, b])) == sorted(ids)
         assert {len(a.received), len(b.received)} == {0, len(ids)}
 
