@@ -152,6 +152,18 @@ def settled(members: list[Running]) -> bool:
     )
 
 
+async def leader_and_follower(
+    nursery: trio.Nursery, prefix: str, first: tuple[str, str], second: tuple[str, str]
+) -> tuple[Running, Running]:
+    """Start ``first`` and wait until it leads, then ``second`` and wait until it
+    follows; each is (etcd url, member id)."""
+    leader = await Running(first[0], prefix, first[1]).start(nursery)
+    await wait_for(lambda: leader.role is Role.LEADER, what="the first leader")
+    follower = await Running(second[0], prefix, second[1]).start(nursery)
+    await wait_for(lambda: settled([leader, follower]), what="a follower")
+    return leader, follower
+
+
 async def test_three_members_elect_exactly_one_leader_and_register(
     etcd_server,
     etcd_prefix,
@@ -210,10 +222,9 @@ async def test_a_leader_cut_off_from_etcd_steps_down_before_its_lease_expires(
     etcd_server, etcd_prefix, etcd_proxy
 ):
     async with trio.open_nursery() as nursery:
-        cut_off = await Running(etcd_proxy.url, etcd_prefix, "cut").start(nursery)
-        await wait_for(lambda: cut_off.role is Role.LEADER, what="the first leader")
-        other = await Running(etcd_server.url, etcd_prefix, "other").start(nursery)
-        await wait_for(lambda: settled([cut_off, other]), what="a follower")
+        cut_off, other = await leader_and_follower(
+            nursery, etcd_prefix, (etcd_proxy.url, "cut"), (etcd_server.url, "other")
+        )
         old_epoch = cut_off.member.epoch
 
         etcd_proxy.cut()  # a partition: renewals from "cut" hang, etcd hears nothing
@@ -242,10 +253,9 @@ async def test_a_follower_cut_off_from_etcd_leaves_and_comes_back(
     etcd_server, etcd_prefix, etcd_proxy
 ):
     async with trio.open_nursery() as nursery:
-        leader = await Running(etcd_server.url, etcd_prefix, "leader").start(nursery)
-        await wait_for(lambda: leader.role is Role.LEADER, what="the leader")
-        follower = await Running(etcd_proxy.url, etcd_prefix, "follower").start(nursery)
-        await wait_for(lambda: settled([leader, follower]), what="a follower")
+        leader, follower = await leader_and_follower(
+            nursery, etcd_prefix, (etcd_server.url, "leader"), (etcd_proxy.url, "follower")
+        )
         epoch = leader.member.epoch
 
         etcd_proxy.cut()
