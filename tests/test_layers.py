@@ -20,9 +20,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 LEAVES = ("delayd.version", "delayd.address", "delayd.durations", "delayd.timestamps")
 
 # The root modules that host the two servers (listeners, connections, process set-up,
-# metrics), which go together into the package delayd.serving, whose row only
-# delayd.server and delayd.broker (and the HTTP API and the commands) name. Four serve
-# lower layers as well and cannot join it as they are: fdlimit (logs), nowait and
+# metrics); they go into the package delayd.serving, which only delayd.server and
+# delayd.broker build on (and the HTTP API, and the commands). Four of them serve lower
+# layers too, so they cannot join it as they are: fdlimit (logs), nowait and
 # write_refusals (replay, sender), logsetup (cluster).
 HOSTING = (
     "delayd.fdlimit",
@@ -132,14 +132,14 @@ UNTIL_THE_LEAVES = {
 }
 
 # Rows for units that the moves under way create (not in the tree yet), and rows of the
-# root modules that they empty into delayd.serving and delayd.cli. A row whose unit is
-# not in the tree is an error unless it is named here; the lead removes this tolerance
-# (and the rows of the modules that left) after merging the moves.
+# root modules they move into packages (delayd.serving, delayd.server). A row whose
+# unit is not in the tree is an error unless it is named here; the lead removes this
+# tolerance (and the rows of the modules that left) after merging the moves.
 MOVING = {*LEAVES, "delayd.http", "delayd.receiver", *HOSTING}
 
 
-def module_name(path: pathlib.Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
+def module_name(path: pathlib.Path, root: pathlib.Path = ROOT) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -153,22 +153,30 @@ def unit_of(module: str) -> str | None:
     return ".".join(parts[:2])
 
 
-def imported_names(path: pathlib.Path) -> set[str]:
+def imported_names(path: pathlib.Path, root: pathlib.Path = ROOT) -> set[str]:
     """Every module an import statement in the file names (also inside functions and
-    ``if TYPE_CHECKING``: a type is a dependency too). ``from delayd import X`` names
-    ``delayd.X`` when X is a unit, else the package root."""
+    ``if TYPE_CHECKING``: a type is a dependency too), relative ones made absolute.
+    ``from delayd import X`` names ``delayd.X`` when X is a unit, else the package root
+    (``__version__``, the re-exported clients)."""
+    module = module_name(path, root)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
-            if node.module == "delayd":
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # 1: this package, 2: its parent, ...
+                parts = package.split(".")
+                above = ".".join(parts[: len(parts) - node.level + 1])
+                base = f"{above}.{base}" if base else above
+            if base == "delayd" or not node.module:
                 names.update(
-                    f"delayd.{alias.name}"
-                    for alias in node.names
-                    if f"delayd.{alias.name}" in RULES
+                    f"{base}.{a.name}" if f"{base}.{a.name}" in RULES or node.level else base
+                    for a in node.names
                 )
+            else:
+                names.add(base)
     return names
 
 
@@ -348,3 +356,19 @@ def test_importing_the_audit_log_readers_loads_no_trio():
         [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, check=True
     ).stdout
     assert out.strip() == "[]"
+
+
+def test_relative_imports_are_read_as_absolute(tmp_path):
+    package = tmp_path / "delayd" / "client"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("from .producer import Producer\n")
+    (package / "producer.py").write_text(
+        "from . import _ids\nfrom ..server import app\nfrom delayd import __version__, errors\n"
+    )
+    assert imported_names(package / "__init__.py", tmp_path) == {"delayd.client.producer"}
+    assert imported_names(package / "producer.py", tmp_path) == {
+        "delayd.client._ids",
+        "delayd.server",
+        "delayd",
+        "delayd.errors",
+    }
