@@ -32,16 +32,10 @@ from delayd.protocol import (
     SendBatchResult,
     SendResult,
 )
+from tests.process_support import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 DELAYD = str(Path(sys.executable).with_name("delayd"))
-
-
-def free_port() -> int:
-    """A loopback port that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class BrokerProcess:

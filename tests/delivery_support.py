@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-import socket
 import threading
 import time
 from collections import Counter
@@ -54,15 +53,7 @@ def now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-def free_port() -> int:
-    """A loopback port that was free a moment ago (for a broker that must come back on
-    the address the delay server's configuration names)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def poll(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+def poll(condition: Callable[[], bool], timeout_s: float = 20.0, what: str = "condition") -> None:
     """Ask until ``condition()`` holds: the state of another process, seen through
     requests or its files, has no event to wait for."""
     deadline = time.monotonic() + timeout_s

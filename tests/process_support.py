@@ -1,16 +1,27 @@
 """`delayd` children of the tests: the command, where it runs and with what environment,
-and the end of a child's life that ``delayd serve`` and ``delayd broker`` share."""
+and what ``delayd serve`` and ``delayd broker`` children share: the end of their life
+and their /metrics."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DELAYD = [sys.executable, "-m", "delayd"]
+
+
+def free_port() -> int:
+    """A loopback port that was free a moment ago (for a child that must listen, or come
+    back, on an address known before it starts)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def child_env() -> dict[str, str]:
@@ -29,6 +40,7 @@ class ChildProcess:
 
     proc: subprocess.Popen[bytes] | None
     log_path: Path
+    metrics_address: tuple[str, int] | None
 
     @property
     def alive(self) -> bool:
@@ -52,6 +64,15 @@ class ChildProcess:
             self.proc.wait(10)
         if self.proc.stdout is not None:
             self.proc.stdout.close()
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample its /metrics shows now, by ``name{labels}`` as exposed."""
+        assert self.metrics_address is not None, "started without a metrics listener"
+        url = "http://{}:{}/metrics".format(*self.metrics_address)
+        with urllib.request.urlopen(url, timeout=10) as response:
+            lines = response.read().decode().splitlines()
+        samples = (line.rsplit(" ", 1) for line in lines if line and not line.startswith("#"))
+        return {name: float(value) for name, value in samples}
 
     def log_tail(self, lines: int = 40) -> str:
         try:

@@ -5,7 +5,6 @@ memory stays bounded, a well-behaved client keeps working, and /metrics counts i
 
 from __future__ import annotations
 
-import re
 import socket
 import time
 import urllib.request
@@ -31,19 +30,6 @@ from tests.intake_support import RawClient, ServeProcess, ok
 
 MIB = 1024 * 1024
 REQUESTS = 30_000  # pipelined by each client that never reads
-SAMPLE = re.compile(r"^(\w+)(\{[^}]*\})? (\S+)$")
-
-
-def scrape(address: tuple[str, int]) -> dict[str, float]:
-    """Every sample of /metrics, by ``name{labels}`` as exposed."""
-    url = "http://{}:{}/metrics".format(*address)
-    with urllib.request.urlopen(url, timeout=5) as response:
-        text = response.read().decode()
-    out = {}
-    for line in text.splitlines():
-        if match := SAMPLE.match(line):
-            out[match.group(1) + (match.group(2) or "")] = float(match.group(3))
-    return out
 
 
 def key(name: str, **labels: str) -> str:
@@ -123,7 +109,7 @@ def test_idle_and_slowloris_connections_are_closed_and_a_good_client_keeps_worki
     for peer in idle + half_hello + half_frame:
         assert peer.closing_error().code is ErrorCode.TIMEOUT
         peer.close()
-    metrics = scrape(server.metrics_address)
+    metrics = server.metrics()
     assert (
         metrics[key("delayd_connection_hello_failures_total", listener="intake", code="timeout")]
         == 250
@@ -136,7 +122,7 @@ def test_idle_and_slowloris_connections_are_closed_and_a_good_client_keeps_worki
     while metrics[key("delayd_connections_open", listener="intake")] != 1:  # the good client
         assert time.monotonic() < deadline, "timed-out connections still counted open"
         time.sleep(0.05)
-        metrics = scrape(server.metrics_address)
+        metrics = server.metrics()
     ok(good.send_batch([Message("last", "orders", delay_ms=600_000)]))
     assert sent > 20
 
@@ -160,16 +146,14 @@ def test_connections_to_the_descriptor_limit_are_refused_and_delivery_goes_on(tm
     for peer in admitted[:10]:
         peer.close()
     deadline = time.monotonic() + 10
-    while scrape(server.metrics_address)[key("delayd_connections_open", listener="intake")] > 65:
+    while server.metrics()[key("delayd_connections_open", listener="intake")] > 65:
         assert time.monotonic() < deadline, "closed connections still counted open"
         time.sleep(0.05)
     good = RawClient(server.address)  # connects once others closed
     messages = [Message(f"d{i}", "orders", delay_ms=100 + 50 * i) for i in range(20)]
     ok(good.send_batch(messages))
     deadline = time.monotonic() + 15
-    while (metrics := scrape(server.metrics_address))[
-        'delayd_delivery_sent_total{group="local"}'
-    ] < 20:
+    while (metrics := server.metrics())['delayd_delivery_sent_total{group="local"}'] < 20:
         assert time.monotonic() < deadline, "delivery stopped under the descriptor limit"
         time.sleep(0.1)
     assert server.proc.poll() is None
@@ -220,7 +204,7 @@ def test_unfinished_large_frames_cost_the_budget_not_their_size(tmp_path, procs)
     assert len(pending) == 36  # four sent all their 15 MiB; the others are held back
     good = RawClient(server.address)  # small frames need no budget
     ok(good.send_batch([Message("small", "orders", delay_ms=600_000)]))
-    metrics = scrape(server.metrics_address)
+    metrics = server.metrics()
     grown = rss_mb(server.proc.pid) - before
     assert (
         metrics[key("delayd_connection_unfinished_frame_bytes", listener="intake")] == 4 * 16 * MIB
@@ -280,7 +264,7 @@ def test_pipelined_requests_never_read_stall_only_their_senders(tmp_path, procs)
     for _ in range(3):
         pump(blobs, 1.0)
         assert healthy(server.metrics_address, 1)
-    counts = scrape(server.metrics_address)
+    counts = server.metrics()
     taken = (
         counts[key("delayd_cancels_total", outcome="unknown")],
         counts["delayd_intake_accepted_total"],
@@ -290,7 +274,7 @@ def test_pipelined_requests_never_read_stall_only_their_senders(tmp_path, procs)
     ok(good.send_batch([Message("good", "orders", delay_ms=600_000)]))
     assert time.monotonic() - started < 1.0
     time.sleep(1.0)
-    counts = scrape(server.metrics_address)
+    counts = server.metrics()
     assert counts[key("delayd_cancels_total", outcome="unknown")] == taken[0], "still reading"
     assert counts["delayd_intake_accepted_total"] == taken[1] + 1, "still reading"
     assert 4 * 1000 < taken[0] < 4 * REQUESTS and 4 * 64 < taken[1] < 4 * REQUESTS
@@ -317,7 +301,7 @@ def test_the_broker_caps_connections_and_counts_refusals(tmp_path, procs):
     other.send(Stats(request_id=other.conn.next_request_id()))
     assert type(other.receive()).__name__ == "StatsResult"
     assert time.monotonic() - started < 2.0
-    metrics = scrape(broker.metrics_address)
+    metrics = broker.metrics()
     assert (
         metrics[
             key("delayd_connections_refused_total", listener="broker", reason="max_connections")
@@ -344,7 +328,7 @@ def test_accept_outlives_running_out_of_descriptors(tmp_path, procs):
     deadline = time.monotonic() + 10
     while True:
         try:
-            metrics = scrape(server.metrics_address)
+            metrics = server.metrics()
             break
         except OSError:  # the metrics listener may still be short of descriptors
             assert time.monotonic() < deadline
@@ -356,7 +340,7 @@ def test_accept_outlives_running_out_of_descriptors(tmp_path, procs):
     good = RawClient(server.address)
     ok(good.send_batch([Message("after", "orders", delay_ms=100)]))
     deadline = time.monotonic() + 10
-    while scrape(server.metrics_address)['delayd_delivery_sent_total{group="local"}'] < 1:
+    while server.metrics()['delayd_delivery_sent_total{group="local"}'] < 1:
         assert time.monotonic() < deadline, "delivery stopped after EMFILE"
         time.sleep(0.1)
     assert "max_connections 1000 is more than the descriptor limit" in server.log_tail(400)

@@ -25,7 +25,6 @@ from tests.delivery_support import (
     consume,
     dispatched_count,
     exactly_once,
-    free_port,
     groups_toml,
     hostport,
     now_ms,
@@ -35,6 +34,7 @@ from tests.delivery_support import (
     stored_count,
 )
 from tests.intake_support import check_exactly_once, terminate, write_config
+from tests.process_support import free_port
 
 pytestmark = pytest.mark.slow
 ROUNDS_WITH_GROUPS = 6

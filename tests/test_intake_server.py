@@ -11,7 +11,6 @@ import signal
 import socket
 import struct
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -36,7 +35,7 @@ from delayd.protocol import (
 )
 from delayd.replay.state import read_replay_checkpoint
 from storage.fs import REAL_FS
-from tests.delivery_support import SteadySender, Workload
+from tests.delivery_support import SteadySender, Workload, now_ms, poll
 from tests.intake_support import (
     RawClient,
     ServeProcess,
@@ -60,18 +59,6 @@ FLOOD = Workload(
     pause_s=0,
     warm=100,
 )
-
-
-def poll(condition, timeout_s: float = 20.0) -> None:
-    """Ask until ``condition()`` holds (a server state seen through requests; there is
-    no event to wait for across processes)."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-
-
-def now_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 def test_accepted_messages_land_in_their_buckets_with_their_contents(procs, tmp_path):
@@ -130,19 +117,6 @@ def test_accepted_messages_land_in_their_buckets_with_their_contents(procs, tmp_
     assert checkpoint.next_sequence == 201  # shutdown replayed all and checkpointed
 
 
-def metrics(server: ServeProcess) -> dict[str, float]:
-    assert server.metrics_address is not None
-    url = "http://{}:{}/metrics".format(*server.metrics_address)
-    with urllib.request.urlopen(url, timeout=10) as response:
-        text = response.read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("delayd_"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
-
-
 def stats(client: RawClient) -> dict:
     answer = client.request(lambda rid: Stats(request_id=rid))
     assert isinstance(answer, StatsResult)
@@ -185,7 +159,7 @@ def test_refusals_past_due_and_metrics(procs, tmp_path):
     assert "max_delay" in results[1].reason and "max_body_bytes" in results[2].reason
     # STATS reports replay lag; once it is 0 every accepted message is in schedule_log
     poll(lambda: stats(client)["replay.lag_records"] == 0)
-    values = metrics(server)
+    values = server.metrics()
     assert values["delayd_intake_accepted_total"] == 2
     assert values["delayd_intake_past_due_total"] == 1
     assert values['delayd_intake_refused_total{reason="delay_too_long"}'] == 1

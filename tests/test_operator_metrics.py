@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import time
-import urllib.request
 
 from delayd.logs import layout
 from delayd.logs.buckets import bucket_of
@@ -15,7 +14,6 @@ from delayd.protocol import Message
 from tests.broker_support import BrokerProcess, messages
 from tests.delivery_support import poll
 from tests.intake_support import RawClient, ServeProcess, terminate
-from tests.test_intake_server import metrics
 
 SECOND_MS = 1000
 MINUTE_MS = 60 * SECOND_MS
@@ -37,7 +35,7 @@ BANDS = {"1m": 2 + 3, "10m": 4, "1h": 5, "1d": 6, "later": 7}
 
 
 def pending(server) -> dict[str, float]:
-    values = metrics(server)
+    values = server.metrics()
     return {
         band: values[f'delayd_pending_messages{{horizon="{band}"}}']
         for band in ("1m", "10m", "1h", "1d", "later")
@@ -74,18 +72,18 @@ def test_pending_by_horizon_follows_schedule_and_dispatch_logs(procs, tmp_path):
     first_due = min(r.due_ms for r in results)
     assert first_due >= sent_at_ms + 8 * SECOND_MS
     oldest = "delayd_store_oldest_undelivered_bucket_start_ms"
-    assert metrics(server)[oldest] == bucket_of(first_due, 1)
+    assert server.metrics()[oldest] == bucket_of(first_due, 1)
 
     # Delivered: they leave the 1m band, nothing else moves.
-    poll(lambda: metrics(server)['delayd_delivery_sent_total{group="local"}'] == 2, 20, "2 sent")
+    poll(lambda: server.metrics()['delayd_delivery_sent_total{group="local"}'] == 2, 20, "2 sent")
     after = {**BANDS, "1m": 3}
     poll(lambda: pending(server) == after, 5, f"pending == {after}")
     second_due = min(r.due_ms for r in results if r.due_ms > first_due + 10 * SECOND_MS)
-    assert metrics(server)[oldest] == bucket_of(second_due, 1)
+    assert server.metrics()[oldest] == bucket_of(second_due, 1)
 
     # The store: what the files hold, once the walk after the workload has run.
     def store_matches() -> bool:
-        values = metrics(server)
+        values = server.metrics()
         for log, directory in (
             ("message_log", layout.message_log_dir(str(data))),
             ("schedule_log", layout.schedule_log_dir(str(data))),
@@ -101,8 +99,8 @@ def test_pending_by_horizon_follows_schedule_and_dispatch_logs(procs, tmp_path):
 
     poll(store_matches, 15, "store metrics equal to the files")
     buckets = {bucket_of(r.due_ms, 1) for r in results}
-    assert metrics(server)['delayd_store_segments{log="schedule_log"}'] == len(buckets)
-    assert metrics(server)['delayd_store_segments{log="dispatch_log"}'] >= 1
+    assert server.metrics()['delayd_store_segments{log="schedule_log"}'] == len(buckets)
+    assert server.metrics()['delayd_store_segments{log="dispatch_log"}'] >= 1
     client.close()
     terminate(server)
 
@@ -110,7 +108,7 @@ def test_pending_by_horizon_follows_schedule_and_dispatch_logs(procs, tmp_path):
     assert time.time_ns() // 1_000_000 < sent_at_ms + 35 * SECOND_MS, "too slow for 45 s"
     server = procs.serve(data)
     poll(lambda: pending(server) == after, 10, f"pending == {after} after a restart")
-    assert metrics(server)[oldest] == bucket_of(second_due, 1)
+    assert server.metrics()[oldest] == bucket_of(second_due, 1)
     terminate(server)
 
 
@@ -128,19 +126,8 @@ def test_metrics_listen_on_without_a_flag(tmp_path, procs):
     assert server.metrics_address is not None
     poll(lambda: bool(pending(server)), 5, "the start-up count")
     assert pending(server) == dict.fromkeys(BANDS, 0)
-    assert "delayd_store_oldest_undelivered_bucket_start_ms" not in metrics(server)
+    assert "delayd_store_oldest_undelivered_bucket_start_ms" not in server.metrics()
     assert server.stop() == 0
-
-
-def scrape(address: tuple[str, int]) -> dict[str, float]:
-    url = "http://{}:{}/metrics".format(*address)
-    with urllib.request.urlopen(url, timeout=10) as response:
-        text = response.read().decode()
-    return {
-        name: float(value)
-        for name, value in (line.rsplit(" ", 1) for line in text.splitlines())
-        if name.startswith("delayd_")
-    }
 
 
 def test_broker_consumer_lag_per_group_and_subject_and_its_store(tmp_path, procs):
@@ -159,7 +146,7 @@ def test_broker_consumer_lag_per_group_and_subject_and_its_store(tmp_path, procs
         c.join("k", "audit", "k1")
         c.commit_all("k", c.pull("audit", "k", "k1", 100, 0))
     assert broker.metrics_address is not None
-    values = scrape(broker.metrics_address)
+    values = broker.metrics()
     lag = "delayd_broker_subject_consumer_lag"
     assert values[f'{lag}{{group="g",subject="orders"}}'] == 12 - 5
     assert values[f'{lag}{{group="h",subject="orders"}}'] == 12
@@ -170,7 +157,7 @@ def test_broker_consumer_lag_per_group_and_subject_and_its_store(tmp_path, procs
     assert files >= 1
 
     def walked() -> bool:
-        now = scrape(broker.metrics_address)
+        now = broker.metrics()
         return (
             now['delayd_store_segments{log="broker_commitlog"}'] == files
             and now['delayd_store_bytes{log="broker_commitlog"}'] == size

@@ -35,7 +35,6 @@ from tests.delivery_support import (
     poll,
 )
 from tests.intake_support import write_config
-from tests.test_intake_server import metrics
 
 pytestmark = pytest.mark.slow
 MINUTE = 60_000
@@ -123,7 +122,7 @@ def test_served_retention_deletes_delivers_and_restarts(procs, tmp_path):
         30,
         "replayed segments deleted",
     )
-    values = metrics(server)
+    values = server.metrics()
     assert values['delayd_retention_deleted_total{log="schedule_log"}'] >= 2
     assert values['delayd_retention_deleted_total{log="dispatch_log"}'] >= 2
     assert values['delayd_retention_deleted_total{log="message_log"}'] == len(segments_before) - 1
@@ -133,7 +132,7 @@ def test_served_retention_deletes_delivers_and_restarts(procs, tmp_path):
     # dispatch_log every second).
     poll(
         lambda: (
-            sum(v for k, v in metrics(server).items() if k.startswith("delayd_pending_messages{"))
+            sum(v for k, v in server.metrics().items() if k.startswith("delayd_pending_messages{"))
             == 0
         ),
         10,
