@@ -6,8 +6,8 @@ real broker targets, which the process tests use)."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 
 import trio
@@ -24,6 +24,7 @@ from delayd.server.delivery import Delivery
 from storage.fs import O_READ, REAL_FS, FileSystem
 from storage.scan import scan_frames
 from storage.segmented_log import SegmentedLog
+from tests.trio_support import running
 
 # Trio's clock starts at 0; the pipeline's epoch ms at trio time 0 is fixed so tests
 # can name due times exactly.
@@ -143,14 +144,10 @@ class Pipeline:
             await nursery.start(delivery.manager.run)
             task_status.started()
 
-    @asynccontextmanager
-    async def running(self) -> AsyncIterator[None]:
+    def running(self) -> AbstractAsyncContextManager[None]:
         """``run``'s tasks, started before the block and cancelled when it ends, so
         that what a test asserts after it is what the run left behind."""
-        async with trio.open_nursery() as nursery:
-            await nursery.start(self.run)
-            yield
-            nursery.cancel_scope.cancel()
+        return running(self.run)
 
     async def run_until(self, deadline_ms: int, done: Callable[[], bool] | None = None) -> None:
         """Run the tasks until virtual ``deadline_ms`` (epoch ms), and then, when

@@ -40,6 +40,7 @@ from storage.flusher import LogWriter
 from storage.segmented_log import SegmentedLog
 from tests.delivery_pipeline import T0, Pipeline, RecordingTarget, dispatch_entries
 from tests.intake_support import check_exactly_once, read_message_log
+from tests.trio_support import running
 
 NOW = 1_795_341_600_000
 MINUTE = 60_000
@@ -105,8 +106,7 @@ def records(count: int, first_sequence: int, dues: list[int]) -> list[bytes]:
 async def test_intake_answers_disk_full_and_resumes_with_dense_sequences(tmp_path):
     fs = sim()
     intake = make_intake(fs)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(intake.writer.run)
+    async with running(intake.writer.run):
         first = await intake.send_batch(batch("a", 20))
         assert {r.code for r in first} == {ResultCode.OK}
 
@@ -127,7 +127,6 @@ async def test_intake_answers_disk_full_and_resumes_with_dense_sequences(tmp_pat
         assert after[0].queue_offset == 21  # sequences stay dense: b's were given back
         assert not intake.refusals.refusing(MESSAGE_LOG)
         fs.materialize(str(tmp_path / "after"), "drop", random.Random(0))
-        nursery.cancel_scope.cancel()
     logged = read_message_log(tmp_path / "after" / "data")
     assert [r.message_id for _, r in logged] == [
         *(f"a-{i}" for i in range(20)),
@@ -143,8 +142,7 @@ async def test_intake_stops_at_its_reserve_before_the_disk_is_full():
     # Ask the file system every batch: by default the guard asks once per MiB appended,
     # which would not notice a disk that shrinks at once, as this one is about to.
     intake.space.recheck_bytes = 1
-    async with trio.open_nursery() as nursery:
-        await nursery.start(intake.writer.run)
+    async with running(intake.writer.run):
         await intake.send_batch(batch("z", 1))
         intake.replayer.replay_available()  # the id index's file exists: sizes settle
         fs.capacity = fs.used_bytes() + reserve + 4000
@@ -172,7 +170,6 @@ async def test_intake_stops_at_its_reserve_before_the_disk_is_full():
         fs.capacity += 1 << 20
         after = await intake.send_batch(batch("c", 20))
         assert {r.code for r in after} == {ResultCode.OK}
-        nursery.cancel_scope.cancel()
 
 
 async def test_a_cancel_into_a_full_message_log_raises_disk_full():
@@ -239,8 +236,7 @@ async def test_the_replayer_pauses_on_a_full_disk_and_catches_up(clock):
     log.append_batch(records(10, 1, [NOW + MINUTE]), message_log.TYPE_MESSAGE)
     log.flush()
     fs.capacity = fs.used_bytes()
-    async with trio.open_nursery() as nursery:
-        await nursery.start(replayer.run)
+    async with running(replayer.run):
         replayer.notify(10)
         await trio.sleep(5)
         assert replayer.position == 0 and replayer.refusals.refusing(SCHEDULE_LOG)
@@ -250,7 +246,6 @@ async def test_the_replayer_pauses_on_a_full_disk_and_catches_up(clock):
         assert not replayer.refusals.refusing(SCHEDULE_LOG)
         assert not replayer.refusals.refusing(CHECKPOINT)
         await replayer.stop()
-        nursery.cancel_scope.cancel()
     assert replayer.replayed_total == 10
     replayer.close()
     log.close()
