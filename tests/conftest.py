@@ -49,6 +49,15 @@ def etcd_prefix(etcd_server: EtcdServer) -> str:
     return f"/test/{uuid.uuid4().hex[:12]}"
 
 
+@pytest.fixture
+async def etcd_proxy(etcd_server: EtcdServer, nursery: trio.Nursery) -> EtcdProxy:
+    """A proxy in front of the session's etcd that can cut or reset the link, serving
+    in the test's trio run until the test ends."""
+    proxy = EtcdProxy(etcd_server.url)
+    await nursery.start(proxy.serve)
+    return proxy
+
+
 @pytest.fixture(scope="session")
 def spark_session():
     """One local SparkSession for the audit tests of a run (a JVM start costs seconds);
@@ -60,12 +69,3 @@ def spark_session():
         yield spark
     finally:
         spark.stop()
-
-
-@pytest.fixture
-async def etcd_proxy(etcd_server: EtcdServer, nursery: trio.Nursery) -> EtcdProxy:
-    """A proxy in front of the session's etcd that can cut or reset the link, serving
-    in the test's trio run until the test ends."""
-    proxy = EtcdProxy(etcd_server.url)
-    await nursery.start(proxy.serve)
-    return proxy
