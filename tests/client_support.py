@@ -9,11 +9,9 @@ BUSY. ``SilentServer`` accepts connections and never answers (time-outs).
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -32,10 +30,7 @@ from delayd.protocol import (
     SendBatchResult,
     SendResult,
 )
-from tests.process_support import free_port
-
-REPO = Path(__file__).resolve().parent.parent
-DELAYD = str(Path(sys.executable).with_name("delayd"))
+from tests.process_support import DELAYD, ROOT, child_env, free_port
 
 
 class BrokerProcess:
@@ -70,7 +65,7 @@ class BrokerProcess:
         if self.finished:
             raise RuntimeError("this BrokerProcess is finished")
         # No metrics listener: its fixed default port would collide between test brokers.
-        args = [DELAYD, "broker", "--data", str(self.data_dir), "--listen", self.addr]
+        args = [*DELAYD, "broker", "--data", str(self.data_dir), "--listen", self.addr]
         args += ["--metrics-listen", "off"]
         if self.token is not None:
             args += ["--token", self.token]
@@ -81,8 +76,8 @@ class BrokerProcess:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            cwd=REPO,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            cwd=ROOT,
+            env={**child_env(), "PYTHONUNBUFFERED": "1"},
         )
         ready = threading.Event()
 

@@ -20,7 +20,8 @@ import pytest
 import delayd
 from delayd.errors import RejectedError
 from delayd.protocol import ErrorCode, Message
-from tests.client_support import DELAYD, REPO, BrokerProcess
+from tests.client_support import BrokerProcess
+from tests.process_support import DELAYD, ROOT, child_env
 
 BACKENDS = ["trio", "asyncio"]
 pytestmark = pytest.mark.slow
@@ -360,11 +361,12 @@ def test_wrong_token_is_refused_clearly(tmp_path: Path) -> None:
 
 def delayd_consume(*args: str, timeout_s: float = 20) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [DELAYD, "consume", *args],
+        [*DELAYD, "consume", *args],
         capture_output=True,
         text=True,
         timeout=timeout_s,
-        cwd=REPO,
+        cwd=ROOT,
+        env=child_env(),
         check=False,
     )
 
