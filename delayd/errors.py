@@ -9,6 +9,7 @@
     ├── RejectedError               the server refused a request; ``reason`` says what to change
     ├── BusyError                   the server is overloaded; retrying later is correct
     ├── ConnectionClosedError       the connection is gone; pending requests are lost
+    ├── UnreachableError            no connection could be made (nothing listening, no route)
     ├── DelaydTimeout               a deadline passed (also a builtin ``TimeoutError``)
     └── EtcdError                   etcd answered with an error (``code``: its gRPC code)
         └── EtcdUnavailable         no etcd endpoint could be reached, or none answered in time
@@ -38,6 +39,7 @@ __all__ = [
     "RejectedError",
     "RemoteProtocolError",
     "StorageError",
+    "UnreachableError",
 ]
 
 
@@ -89,6 +91,13 @@ class BusyError(DelaydError):
 
 class ConnectionClosedError(DelaydError):
     """The connection was closed; requests still waiting for an answer are lost."""
+
+
+class UnreachableError(DelaydError):
+    """No connection to the server could be made: refused (nothing listens on that
+    port), no route, an unknown host. Raised at once only by a client told not to retry
+    its first connection (a command-line call, where a wrong address is likelier than a
+    server still starting); otherwise connections are retried until the time-out."""
 
 
 class DelaydTimeout(DelaydError, TimeoutError):

@@ -67,8 +67,6 @@ import xxhash
 from storage.errors import (
     CorruptionError,
     DiskFullError,
-    LogClosedError,
-    StorageError,
     is_disk_full,
 )
 from storage.framing import HEADER_SIZE
@@ -81,6 +79,7 @@ from storage.fs import (
     dirs_up_to,
     disk_full_error,
 )
+from storage.store import Store
 
 if TYPE_CHECKING:
     from storage.segmented_log import Record
@@ -142,7 +141,7 @@ class _Segment:
         self.count = count  # whole entries in the file
 
 
-class ConsumeQueue:
+class ConsumeQueue(Store):
     """One queue's index of commitlog positions; see the module docstring.
 
     Not constructed directly: use :meth:`open`.
@@ -609,6 +608,10 @@ class ConsumeQueue:
 
     # ------------------------------------------------------------------ closing
 
+    @property
+    def described(self) -> str:
+        return f"consume queue {self.directory}"
+
     def close(self) -> None:
         """Flush (unless an earlier write failed) and release every file."""
         if self._closed:
@@ -621,24 +624,6 @@ class ConsumeQueue:
             self.fs.close(self._write_fd)
             for base in list(self._readers):
                 self._close_reader(base)
-
-    def __enter__(self) -> ConsumeQueue:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise LogClosedError(f"consume queue {self.directory} is closed")
-
-    def _check_usable(self) -> None:
-        self._check_open()
-        if self._failed is not None:
-            raise StorageError(
-                f"consume queue {self.directory} failed earlier ({self._failed!r}); "
-                "reopen it to recover"
-            )
 
 
 class _CommitLog(Protocol):

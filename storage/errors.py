@@ -1,4 +1,10 @@
-"""Errors raised by storage/. The delayd error tree re-parents these (STYLE.md #9)."""
+"""Errors raised by storage/, rooted at StorageError.
+
+delayd.errors re-exports StorageError and CorruptionError but does not re-parent them
+under DelaydError: storage/ knows nothing of delayd (DESIGN.md, "Layers"), so nothing
+here can derive from a delayd class. Code that wants "anything delayd can raise"
+catches ``(DelaydError, StorageError)``.
+"""
 
 from __future__ import annotations
 

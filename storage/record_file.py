@@ -3,7 +3,8 @@
 The delay server keeps one schedule_log file and one dispatch_log file per time bucket
 (named by the bucket, not by an offset), so a bucket is a RecordFile rather than a
 SegmentedLog. Offsets are byte positions in the file. The framing, the scanner and the
-torn-tail rule are the segmented log's (storage/framing.py, storage/scan.py):
+torn-tail rule are the segmented log's (storage/framing.py, storage/scan.py,
+storage/torn_tail.py):
 
 * on open the file is scanned from ``trusted_end`` (a length the caller knows to be
   durable, e.g. from its checkpoint; 0 scans everything) to the end; the first invalid
@@ -28,19 +29,17 @@ from collections.abc import Iterator, Sequence
 from storage.errors import (
     CorruptionError,
     FsyncError,
-    LogClosedError,
     RecordTooLargeError,
-    StorageError,
     is_disk_full,
 )
 from storage.framing import HEADER, HEADER_SIZE, MAX_TYPE, TYPE_DATA, crc32c, type_seed
 from storage.fs import O_WRITE, REAL_FS, FileSystem, create_dirs_durably, disk_full_error
 from storage.scan import BadFrame, Record, read_frame, scan_frames, validate_frames
+from storage.store import Store
+from storage.torn_tail import DEFAULT_MAX_UNSYNCED_BYTES, is_torn_tail
 
-DEFAULT_MAX_UNSYNCED_BYTES = 32 << 20
 
-
-class RecordFile:
+class RecordFile(Store):
     """An append-only file of framed records (see the module docstring)."""
 
     def __init__(self, path: str, fs: FileSystem, fd: int, size: int, max_unsynced: int) -> None:
@@ -102,7 +101,12 @@ class RecordFile:
                 end, _ = validate_frames(fs, fd, path, trusted_end, size)
                 cut = 0
             except BadFrame as bad:
-                if size - bad.position > max_unsynced_bytes:
+                if not is_torn_tail(
+                    bad.position,
+                    size,
+                    durable_end=trusted_end,
+                    max_unsynced_bytes=max_unsynced_bytes,
+                ):
                     raise bad.corruption() from None
                 end, cut = bad.position, size - bad.position
                 fs.ftruncate(fd, end)
@@ -250,6 +254,10 @@ class RecordFile:
         self.fs.fsync(self._fd)
         self._size = self._durable = offset
 
+    @property
+    def described(self) -> str:
+        return self.path
+
     def close(self) -> None:
         if not self._closed:
             try:
@@ -258,18 +266,3 @@ class RecordFile:
             finally:
                 self._closed = True
                 self.fs.close(self._fd)
-
-    def __enter__(self) -> RecordFile:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise LogClosedError(f"{self.path} is closed")
-
-    def _check_usable(self) -> None:
-        self._check_open()
-        if self._failed is not None:
-            raise StorageError(f"{self.path} failed earlier ({self._failed}); reopen it to recover")

@@ -19,7 +19,8 @@ How recovery tells a torn tail from corruption
     lies within ``max_unsynced_bytes`` of the end of the log. Recovery scans from the
     recovery checkpoint (a durable offset written every ``checkpoint_every_bytes`` of
     flushed data, so reopening costs time proportional to the tail, not to the log); the
-    first invalid record it meets is:
+    first invalid record it meets is judged by storage.torn_tail (the one rule, which
+    inspect and the audit apply too):
 
     * a torn tail if it lies within ``max_unsynced_bytes`` of the end: the log is cut
       there (later segments removed) and the cut is reported in ``recovery``;
@@ -55,9 +56,7 @@ from storage.errors import (
     CorruptionError,
     DiskFullError,
     FsyncError,
-    LogClosedError,
     RecordTooLargeError,
-    StorageError,
     is_disk_full,
 )
 from storage.framing import (
@@ -71,13 +70,14 @@ from storage.framing import (
 )
 from storage.fs import O_READ, O_WRITE, REAL_FS, FileSystem, create_dirs_durably, disk_full_error
 from storage.scan import BadFrame, Record, read_frame, scan_frames, validate_frames
+from storage.store import Store
+from storage.torn_tail import DEFAULT_MAX_UNSYNCED_BYTES, is_torn_tail
 
 SEGMENT_NAME_DIGITS = 20
 RECOVERY_CHECKPOINT = "recovery.checkpoint"
 EOS_SIZE = len(END_OF_SEGMENT_RECORD)  # HEADER_SIZE + 0 payload bytes
 
 DEFAULT_SEGMENT_SIZE = 1 << 30  # 1 GiB, as RocketMQ's commitlog
-DEFAULT_MAX_UNSYNCED_BYTES = 32 << 20
 DEFAULT_CHECKPOINT_EVERY_BYTES = 32 << 20
 MAX_OPEN_READERS = 64  # read-only fds kept open for sealed segments
 
@@ -88,6 +88,14 @@ def segment_name(base: int) -> str:
 
 def is_segment_name(name: str) -> bool:
     return len(name) == SEGMENT_NAME_DIGITS and name.isdigit()
+
+
+def read_recovery_checkpoint(fs: FileSystem, directory: str) -> int | None:
+    """The offset below which the log in ``directory`` was durable when last flushed
+    (recovery scans from there), or None when it has no recovery checkpoint. Raises
+    CorruptionError when the checkpoint file is damaged."""
+    data = read_checkpoint(fs, os.path.join(directory, RECOVERY_CHECKPOINT))
+    return None if data is None else int.from_bytes(data, "little")
 
 
 @dataclass
@@ -122,7 +130,7 @@ class _BadRecord(Exception):
         self.reason = reason
 
 
-class SegmentedLog:
+class SegmentedLog(Store):
     """An append-only, crash-safe log; see the module docstring for the guarantees.
 
     Appends come from one thread (the event loop); ``flush()`` may run concurrently in a
@@ -216,7 +224,9 @@ class SegmentedLog:
             end = self._scan_to_end(start)
         except _BadRecord as bad:
             end = bad.segment.base + bad.position
-            if file_end - end > self.max_unsynced_bytes:
+            if not is_torn_tail(
+                end, file_end, durable_end=start, max_unsynced_bytes=self.max_unsynced_bytes
+            ):
                 raise CorruptionError(
                     bad.segment.path, bad.position, bad.length, bad.reason
                 ) from None
@@ -237,8 +247,7 @@ class SegmentedLog:
         self._checkpointed = start
 
     def _read_recovery_checkpoint(self) -> int | None:
-        data = read_checkpoint(self.fs, os.path.join(self.directory, RECOVERY_CHECKPOINT))
-        return None if data is None else int.from_bytes(data, "little")
+        return read_recovery_checkpoint(self.fs, self.directory)
 
     def _scan_to_end(self, start: int) -> int:
         """Validate every record from ``start``; the logical end, or raise _BadRecord."""
@@ -636,6 +645,10 @@ class SegmentedLog:
             self.fs.fsync_dir(self.directory)
         return len(doomed)
 
+    @property
+    def described(self) -> str:
+        return f"log {self.directory}"
+
     def close(self) -> None:
         """Flush, write the recovery checkpoint and release every file."""
         if self._closed:
@@ -655,20 +668,3 @@ class SegmentedLog:
                     seg.write_fd = None
             for base in list(self._readers):
                 self._close_reader(base)
-
-    def __enter__(self) -> SegmentedLog:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise LogClosedError(f"log {self.directory} is closed")
-
-    def _check_usable(self) -> None:
-        self._check_open()
-        if self._failed is not None:
-            raise StorageError(
-                f"log {self.directory} failed earlier ({self._failed!r}); reopen it to recover"
-            )

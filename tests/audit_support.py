@@ -21,6 +21,8 @@ from delayd.logs.dispatch_log import EntryKind, check_group_name, encode_entry
 from delayd.logs.message_log import TYPE_MESSAGE, MessageRecord, encode_record
 from delayd.logs.schedule_log import TYPE_SCHEDULED, encode_scheduled
 from delayd.logs.tombstone import Tombstone
+from delayd.replay.state import ReplayCheckpoint, ensure_segment_scale, write_replay_checkpoint
+from storage.fs import REAL_FS
 from storage.segmented_log import SegmentedLog
 
 T0 = 1_795_341_600_000  # 2026-11-22T10:00:00Z
@@ -45,10 +47,17 @@ class Scheduled:
 
 
 class DelayData:
-    """A data directory being written; use as a context manager (closes the files)."""
+    """A data directory being written; use as a context manager (closes the files).
+
+    Buckets are one minute wide (segment_scale 1, stored as the server stores it), and
+    closing writes the replay checkpoint at the end of message_log, as a server that
+    replayed everything leaves it: damage the audit finds in a bucket is then judged as
+    recovery would judge it in a bucket it never reopens for a scan (delayd.logs.log_files).
+    """
 
     def __init__(self, root: str, *, segment_size: int = 1 << 20) -> None:
         self.root = root
+        ensure_segment_scale(REAL_FS, root, 1)
         self.message_log = SegmentedLog.open(
             layout.message_log_dir(root), segment_size=segment_size
         )
@@ -63,9 +72,12 @@ class DelayData:
         self.close()
 
     def close(self) -> None:
+        end = self.message_log.end_offset
         self.message_log.close()
         self.schedule_log.close()
         self.dispatch_log.close()
+        checkpoint = ReplayCheckpoint(end, self.sequence + 1, {})
+        write_replay_checkpoint(REAL_FS, self.root, checkpoint)
 
     def accept(
         self,

@@ -251,6 +251,10 @@ class ScriptedServer:
 
     def close(self) -> None:
         self._closed.set()
+        # Closing alone leaves the port listening while the accept thread is blocked in
+        # accept(); shutting it down wakes that thread, and connections are refused.
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()
         for sock in self._open:
             with contextlib.suppress(OSError):

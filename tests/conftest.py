@@ -62,7 +62,7 @@ async def etcd_proxy(etcd_server: EtcdServer, nursery: trio.Nursery) -> EtcdProx
 def spark_session():
     """One local SparkSession for the audit tests of a run (a JVM start costs seconds);
     `delayd audit` run in-process finds it and leaves it running."""
-    from delayd.audit.session import local_session  # pyspark: only the audit tests load it
+    from delayd.audit.spark.session import local_session  # pyspark: only the audit tests load it
 
     spark = local_session("local[2]", SPARK_TEST_CONF)
     try:

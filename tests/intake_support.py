@@ -40,6 +40,7 @@ from tests.process_support import DELAYD, ROOT, ChildProcess, child_env
 READY = re.compile(r"delayd serve listening on (\S+):(\d+)")
 BROKER = re.compile(r"delayd serve broker listening on (\S+):(\d+)")
 METRICS = re.compile(r"delayd serve metrics on http://(\S+):(\d+)/metrics")
+HTTP = re.compile(r"delayd serve http on http://(\S+):(\d+)/v1")
 START_TIMEOUT_S = 30.0
 
 
@@ -53,15 +54,18 @@ class ServeProcess(ChildProcess):
         *extra: str,
         log_path: Path | None = None,
         metrics_listen: str | None = "127.0.0.1:0",
+        http_listen: str | None = "off",
         env: dict[str, str] | None = None,
         nofile: int | None = None,
     ) -> None:
         """``metrics_listen``: the flag's value; None passes no flag (the configured
-        default applies). ``env``: variables added to the child's environment.
+        default applies); ``http_listen`` the same for the HTTP API (off unless asked:
+        its default port would collide too). ``env``: variables added to the child's environment.
         ``nofile``: the child's RLIMIT_NOFILE, soft and hard (it cannot raise it)."""
         self.data_dir = data_dir
         self.extra = list(extra)
         self.metrics_listen = metrics_listen
+        self.http_listen = http_listen
         self.env = {**child_env(), **(env or {})}
         self.nofile = nofile
         self.log_path = log_path or data_dir.parent / f"{data_dir.name}-serve.log"
@@ -69,6 +73,7 @@ class ServeProcess(ChildProcess):
         self.address: tuple[str, int] | None = None
         self.broker_address: tuple[str, int] | None = None
         self.metrics_address: tuple[str, int] | None = None
+        self.http_address: tuple[str, int] | None = None
         self.stdout = ""
 
     def start(self) -> ServeProcess:
@@ -87,6 +92,8 @@ class ServeProcess(ChildProcess):
             # Its own free port: the default (127.0.0.1:20880) would collide between
             # test servers. ``extra`` may name another (the last flag wins).
             args += ["--metrics-listen", self.metrics_listen]
+        if self.http_listen is not None:
+            args += ["--http-listen", self.http_listen]
         args += self.extra
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
@@ -112,6 +119,8 @@ class ServeProcess(ChildProcess):
             self.broker_address = (broker.group(1), int(broker.group(2)))
         if metrics := METRICS.search(self.stdout):
             self.metrics_address = (metrics.group(1), int(metrics.group(2)))
+        if http := HTTP.search(self.stdout):
+            self.http_address = (http.group(1), int(http.group(2)))
         return self
 
     def _limit_descriptors(self) -> None:
@@ -131,6 +140,8 @@ class ServeProcess(ChildProcess):
         args = [*DELAYD, "serve", "--data", str(self.data_dir)]
         if self.metrics_listen is not None:
             args += ["--metrics-listen", "off"]
+        if self.http_listen is not None:
+            args += ["--http-listen", "off"]
         args += self.extra
         done = subprocess.run(
             args, cwd=ROOT, capture_output=True, env=self.env, timeout=timeout_s, check=False

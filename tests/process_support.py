@@ -11,6 +11,7 @@ import subprocess
 import sys
 import urllib.request
 from pathlib import Path
+from typing import Self
 
 ROOT = Path(__file__).resolve().parent.parent
 DELAYD = [sys.executable, "-m", "delayd"]
@@ -35,12 +36,27 @@ def child_env() -> dict[str, str]:
 class ChildProcess:
     """A server child: ``stop()`` is SIGTERM and returns the exit code (a graceful
     shutdown gives 0); ``kill()`` is kill -9; ``close()`` (the ``procs`` fixture calls
-    it) makes sure the child does not outlive its test. Subclasses start it and set
-    ``proc``; ``log_path`` holds its stderr."""
+    it) makes sure the child does not outlive its test; as a context manager it is started
+    and closed. Subclasses start it and set ``proc``; ``log_path`` holds its stderr."""
 
     proc: subprocess.Popen[bytes] | None
     log_path: Path
     metrics_address: tuple[str, int] | None
+
+    def start(self) -> Self:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        """Started, for a fixture wider than a test (where ``procs`` cannot hold it);
+        closed on leaving, and at once if it fails to start."""
+        try:
+            return self.start()
+        except BaseException:
+            self.close()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def alive(self) -> bool:
@@ -65,12 +81,16 @@ class ChildProcess:
         if self.proc.stdout is not None:
             self.proc.stdout.close()
 
-    def metrics(self) -> dict[str, float]:
-        """Every sample its /metrics shows now, by ``name{labels}`` as exposed."""
+    def metrics_page(self) -> str:
+        """Its /metrics as exposed now, ``# HELP`` and ``# TYPE`` lines included."""
         assert self.metrics_address is not None, "started without a metrics listener"
         url = "http://{}:{}/metrics".format(*self.metrics_address)
         with urllib.request.urlopen(url, timeout=10) as response:
-            lines = response.read().decode().splitlines()
+            return response.read().decode()
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample its /metrics shows now, by ``name{labels}`` as exposed."""
+        lines = self.metrics_page().splitlines()
         samples = (line.rsplit(" ", 1) for line in lines if line and not line.startswith("#"))
         return {name: float(value) for name, value in samples}
 

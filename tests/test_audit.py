@@ -15,14 +15,14 @@ import time
 import pytest
 
 import delayd
-from delayd.audit import files, job
 from delayd.audit.config import AuditConfig, Server
-from delayd.audit.decode_dispatch import dispatch_batches
-from delayd.audit.result import ERROR, NOTICE
+from delayd.audit.read.dispatch import dispatch_batches
+from delayd.audit.report.result import ERROR, NOTICE
 from delayd.audit.schemas import DISPATCH_LOG, SCHEDULE_LOG
-from delayd.audit.sources import spark_schema
-from delayd.cli import main
-from delayd.logs import layout
+from delayd.audit.spark import job
+from delayd.audit.spark.sources import spark_schema
+from delayd.cli.main import main
+from delayd.logs import layout, log_files
 from delayd.logs.dispatch_log import FRAMED_SIZE, EntryKind, encode_entry
 from delayd.protocol.codes import CancelOutcome, RescheduleOutcome
 from storage.framing import encode_record
@@ -318,7 +318,7 @@ def dispatched_entries(data_dir: str) -> int:
     """DISPATCHED entries in the data directory's dispatch_log, read as the audit reads."""
     return sum(
         batch.column("kind").to_pylist().count("dispatched")
-        for log_file in files.list_files(data_dir, files.DISPATCH_LOG)
+        for log_file in log_files.list_files(data_dir, log_files.DISPATCH_LOG)
         for batch in dispatch_batches(log_file, "probe")
     )
 

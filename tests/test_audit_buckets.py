@@ -1,8 +1,8 @@
 """What the audit decides where a bucket is read, without Spark: the flags of every
-record (judge.py), each bucket's counts and percentiles and the histograms that add up
-across buckets (tally.py), the hash ranges that find one id across buckets and servers
-(ids.py) — each against a plain, row-by-row reading of docs/audit.md — and what the
-records of one id decide (id_checks.py)."""
+record (judge/verdicts.py), each bucket's counts and percentiles and the histograms that add up
+across buckets (counting.py), the hash ranges that find one id across buckets and servers
+(id_ranges.py) — each against a plain, row-by-row reading of docs/audit.md — and what the
+records of one id decide (judge/id_checks.py)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import pyarrow as pa
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from delayd.audit import id_checks, ids, tally
-from delayd.audit.judge import FLAGS, judge
+from delayd.audit.judge import counting, id_checks, id_ranges
+from delayd.audit.judge.pairing import DISPATCH_PROBLEMS
+from delayd.audit.judge.verdicts import FLAGS, judge
 from delayd.audit.kinds import CORRUPT, ERROR, FORMAT, TORN_TAIL
-from delayd.audit.pairs import DISPATCH_PROBLEMS
 from delayd.audit.schemas import PAIRED, RECORD
 from delayd.logs.dispatch_log import EntryKind
 from tests.audit_support import MINUTE, T0
@@ -174,7 +174,7 @@ def test_bucket_percentiles_are_exact_and_histograms_add_up(per_bucket, runs):
         }
     )
 
-    counts = tally.bucket_counts(judged, judged["bucket"]).to_pylist()
+    counts = counting.bucket_counts(judged, judged["bucket"]).to_pylist()
 
     assert len(counts) == len(per_bucket)
     for row, mine in zip(counts, per_bucket, strict=True):
@@ -188,10 +188,10 @@ def test_bucket_percentiles_are_exact_and_histograms_add_up(per_bucket, runs):
     pairs = [
         (row["lateness_ms"], row["records"])
         for piece in pieces
-        for row in tally.histogram(piece).to_pylist()
+        for row in counting.histogram(piece).to_pylist()
     ]
     everything = [ms for _, ms in lateness]
-    assert tally.percentiles(pairs) == {
+    assert counting.percentiles(pairs) == {
         "lateness_p50_ms": nearest_rank(everything, 50),
         "lateness_p99_ms": nearest_rank(everything, 99),
         "lateness_max_ms": max(everything),
@@ -216,11 +216,11 @@ def test_nearest_rank_at_every_bucket_size():
         }
     )
 
-    counts = tally.bucket_counts(judged, judged["bucket"]).to_pylist()
+    counts = counting.bucket_counts(judged, judged["bucket"]).to_pylist()
 
     expected = [(math.ceil(size / 2) - 1, math.ceil(0.99 * size) - 1) for size in range(1, 201)]
     assert [(r["lateness_p50_ms"], r["lateness_p99_ms"]) for r in counts] == expected
-    merged = [tally.percentiles((ms, 1) for ms in range(size)) for size in range(1, 201)]
+    merged = [counting.percentiles((ms, 1) for ms in range(size)) for size in range(1, 201)]
     assert [(p["lateness_p50_ms"], p["lateness_p99_ms"]) for p in merged] == expected
 
 
@@ -244,7 +244,7 @@ def test_hash_ranges_find_every_repeated_id_and_the_latest_offset(records, tasks
     dispatched more than once (with the buckets that hold them), the ids of one server
     sent more than once or cancelled and delivered (with the buckets of their records
     there), and the highest message_log offset of each moved id."""
-    id_hash = ids.id_hashes(pa.array([f"id-{r[1]}" for r in records], pa.string()))
+    id_hash = id_ranges.id_hashes(pa.array([f"id-{r[1]}" for r in records], pa.string()))
     rows = [
         (*record, h, offset)
         for offset, (record, h) in enumerate(zip(records, id_hash.to_pylist(), strict=True))
@@ -254,7 +254,7 @@ def test_hash_ranges_find_every_repeated_id_and_the_latest_offset(records, tasks
     for task in range(tasks):
         for server in ("a", "b"):
             mine = [r for n, r in enumerate(rows) if n % tasks == task and r[0] == server]
-            part = ids.part(
+            part = id_ranges.part(
                 pa.array([r[6] for r in mine], pa.int64()),
                 pa.array([r[2] for r in mine], pa.int64()),
                 pa.array([r[3] * US_PER_MS for r in mine], PAIRED.field("bucket").type),
@@ -262,27 +262,29 @@ def test_hash_ranges_find_every_repeated_id_and_the_latest_offset(records, tasks
                 pa.array([1000 * r[1] + r[4] for r in mine], pa.int64()),
                 pa.array([r[5] for r in mine], pa.int8()),
             )
-            blobs += [(range_, server, blob) for range_, blob in ids.blobs([part])]
+            blobs += [(range_, server, blob) for range_, blob in id_ranges.blobs([part])]
 
     found = set()
     for range_ in {range_ for range_, _, _ in blobs}:
         mine = [(server, blob) for r, server, blob in blobs if r == range_]
-        found |= set(ids.merge(mine, moved))
+        found |= set(id_ranges.merge(mine, moved))
 
     dispatches: dict[int, int] = {}
     for r in rows:
         dispatches[r[6]] = dispatches.get(r[6], 0) + r[2]
-    expected = {(ids.CANDIDATE, r[0], r[6], r[3]) for r in rows if r[2] and dispatches[r[6]] > 1}
+    expected = {
+        (id_ranges.CANDIDATE, r[0], r[6], r[3]) for r in rows if r[2] and dispatches[r[6]] > 1
+    }
     delivered = (EntryKind.DISPATCHED.value, EntryKind.DEAD_LETTERED.value)
     for server, h in {(r[0], r[6]) for r in rows}:
         same = [r for r in rows if (r[0], r[6]) == (server, h)]
         sent_twice = len({r[4] for r in same}) > 1
         cancelled = any(r[5] == EntryKind.CANCELLED.value for r in same)
         if sent_twice or (cancelled and any(r[5] in delivered for r in same)):
-            expected |= {(ids.SAME_ID, server, h, r[3]) for r in same}
+            expected |= {(id_ranges.SAME_ID, server, h, r[3]) for r in same}
     for server, h in moved:
         offsets = [r[7] for r in rows if (r[0], r[6]) == (server, h)]
-        expected.add((ids.LATEST, server, h, max(offsets)))
+        expected.add((id_ranges.LATEST, server, h, max(offsets)))
     assert found == expected
 
 

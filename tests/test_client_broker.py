@@ -415,4 +415,4 @@ def test_consume_command_plain_lines_and_errors(broker: BrokerProcess) -> None:
         == f'{receipt.queue}:{receipt.queue_offset} {receipt.message_id} key=k "one\\ntwo"\n'
     )
     bad = delayd_consume("--broker", "nowhere", "--subject", "s", "--group", "g")
-    assert bad.returncode == 2 and "host:port" in bad.stderr
+    assert bad.returncode == 2 and "'nowhere' has no port; write HOST:PORT" in bad.stderr

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from delayd.cli import main
+from delayd.cli.main import main
 from delayd.inspect import files as inspect_files
 from delayd.inspect import report
 from delayd.inspect.report import WHEEL_CHECKPOINT
@@ -20,6 +20,7 @@ from delayd.logs import layout, message_log, schedule_log
 from delayd.logs.bucket_files import BucketFiles
 from delayd.logs.buckets import bucket_name, bucket_of
 from delayd.logs.dispatch_log import EntryKind, check_group_name, encode_entry
+from delayd.logs.log_files import total_bytes
 from delayd.logs.message_log import MessageRecord
 from delayd.replay.state import ReplayCheckpoint, ensure_segment_scale, write_replay_checkpoint
 from delayd.wheel.cursor import LoadCursors
@@ -27,7 +28,7 @@ from storage.checkpoint import write_checkpoint
 from storage.framing import HEADER_SIZE
 from storage.fs import REAL_FS
 from storage.record_file import RecordFile
-from storage.segmented_log import SegmentedLog
+from storage.segmented_log import RECOVERY_CHECKPOINT, SegmentedLog
 from tests.damage_support import cut, flip_byte
 
 T = 1_704_067_200_000  # 2024-01-01T00:00:00Z: in the past, so due times have passed
@@ -388,14 +389,22 @@ def test_find_tells_waiting_from_overdue_by_the_time_now(written):
 
 @dataclass
 class Planted:
+    # The recovery checkpoint says the log was durable up to the last segment (as a
+    # flush past checkpoint_every_bytes writes it): below it a bad record is corruption,
+    # above it (within the unsynced window) a torn tail.
     corrupt_segment: str  # first (sealed) message_log segment, record 1 flipped
     corrupt_at: int  # byte position in that file
     torn_segment: str  # last message_log segment, last record cut short
     torn_at: int
+    # schedule_log buckets are judged as the replayer's recovery opens them: the replay
+    # checkpoint lists this one's length as durable, so a shorter file is corruption.
     torn_bucket: str  # schedule_log: last record cut short
     torn_bucket_at: int
-    corrupt_bucket: str  # schedule_log: middle record flipped, one record after it
-    corrupt_bucket_at: int
+    # No record after the replay checkpoint maps to this bucket (m-11, which would,
+    # is the torn tail of message_log): recovery reopens it at its full length and never
+    # cuts it, so a flipped record is corruption wherever it lies.
+    flipped_bucket: str
+    flipped_bucket_at: int
 
 
 def plant_damage(w: Written) -> Planted:
@@ -404,13 +413,15 @@ def plant_damage(w: Written) -> Planted:
     corrupt_at = first_segment[1]
     flip_byte(os.path.join(layout.message_log_dir(w.data), names[0]), corrupt_at + HEADER_SIZE + 3)
     last = os.path.join(layout.message_log_dir(w.data), names[-1])
+    checkpoint = os.path.join(layout.message_log_dir(w.data), RECOVERY_CHECKPOINT)
+    write_checkpoint(REAL_FS, checkpoint, int(names[-1]).to_bytes(8, "little"))
     torn_at = w.messages[-1][0] - int(names[-1])
     cut(last, os.path.getsize(last) - 4)
     second, third = w.bucket(1), w.bucket(2)
     torn_bucket_at = second.records[-1][0]
     cut(w.path("schedule_log", second.name), torn_bucket_at + 20)
-    corrupt_bucket_at = third.records[1][0]
-    flip_byte(w.path("schedule_log", third.name), corrupt_bucket_at + HEADER_SIZE + 30)
+    flipped_bucket_at = third.records[1][0]
+    flip_byte(w.path("schedule_log", third.name), flipped_bucket_at + HEADER_SIZE + 30)
     return Planted(
         names[0],
         corrupt_at,
@@ -419,7 +430,7 @@ def plant_damage(w: Written) -> Planted:
         second.name,
         torn_bucket_at,
         third.name,
-        corrupt_bucket_at,
+        flipped_bucket_at,
     )
 
 
@@ -430,8 +441,8 @@ def test_damage_is_reported_where_it_was_planted(written, capsys):
     assert damages == [
         ("corrupt", planted.corrupt_segment, planted.corrupt_at),
         ("torn tail", planted.torn_segment, planted.torn_at),
-        ("torn tail", planted.torn_bucket, planted.torn_bucket_at),
-        ("corrupt", planted.corrupt_bucket, planted.corrupt_bucket_at),
+        ("corrupt", planted.torn_bucket, planted.torn_bucket_at),
+        ("corrupt", planted.flipped_bucket, planted.flipped_bucket_at),
     ]
     reasons = [d["reason"] for d in doc["damages"]]
     assert reasons[0] == "crc mismatch" and "runs past the end" in reasons[1]
@@ -443,14 +454,14 @@ def test_damage_is_reported_where_it_was_planted(written, capsys):
     )
     buckets = {b["name"]: b["schedule_log"] for b in doc["buckets"]}
     assert buckets[planted.torn_bucket]["records"] == 2
-    assert buckets[planted.corrupt_bucket]["records"] == 1
+    assert buckets[planted.flipped_bucket]["records"] == 1
 
     lines = text_lines(capsys, written.data, "summary")
     marked = [line.split()[1] for line in lines if line.startswith("! ")]
     assert marked == [
         planted.corrupt_segment,
         planted.torn_segment,
-        *sorted([planted.torn_bucket, planted.corrupt_bucket]),
+        *sorted([planted.torn_bucket, planted.flipped_bucket]),
     ]
     at = lines.index("damage  4")
     assert lines[at + 1].split()[:4] == [
@@ -460,7 +471,7 @@ def test_damage_is_reported_where_it_was_planted(written, capsys):
         str(planted.corrupt_at),
     ]
     assert lines[at + 2].strip() == "crc mismatch"
-    assert lines[at + 5].startswith(f"  torn tail  delay/schedule_log/{planted.torn_bucket} @ ")
+    assert lines[at + 5].startswith(f"  corrupt    delay/schedule_log/{planted.torn_bucket} @ ")
 
 
 def test_a_segment_before_the_last_cut_short_is_corrupt_not_torn(written, capsys):
@@ -490,13 +501,13 @@ def test_listings_stop_at_damage_in_a_file_and_go_on_in_the_next(written, capsys
     ]
     assert offsets == expected
     assert [d["kind"] for d in doc["damages"]] == ["corrupt", "torn tail"]
-    doc = inspect_json(capsys, written.data, "bucket", planted.corrupt_bucket)
+    doc = inspect_json(capsys, written.data, "bucket", planted.flipped_bucket)
     assert [r["offset"] for r in doc["records"]] == [0]
     ((kind, position),) = [(d["kind"], d["position"]) for d in doc["damages"]]
-    assert (kind, position) == ("corrupt", planted.corrupt_bucket_at)
-    lines = text_lines(capsys, written.data, "bucket", planted.corrupt_bucket)
+    assert (kind, position) == ("corrupt", planted.flipped_bucket_at)
+    lines = text_lines(capsys, written.data, "bucket", planted.flipped_bucket)
     assert lines[-3] == "damage"
-    assert lines[-2].startswith(f"  corrupt    delay/schedule_log/{planted.corrupt_bucket} @ ")
+    assert lines[-2].startswith(f"  corrupt    delay/schedule_log/{planted.flipped_bucket} @ ")
 
 
 def test_zero_filled_tail_is_torn_and_an_unreadable_entry_is_corrupt(written, capsys):
@@ -566,11 +577,11 @@ def test_progress_accounts_for_every_byte_scanned(written, monkeypatch):
     monkeypatch.setattr(inspect_files, "PROGRESS_EVERY_RECORDS", 1)
     steps: list[int] = []
     report.summary(REAL_FS, written.data, steps.append)
-    assert sum(steps) == report.total_bytes(REAL_FS, written.data)
+    assert sum(steps) == total_bytes(written.data)
     assert all(step >= 0 for step in steps) and len(steps) > COUNT
     steps.clear()
     report.find_message(REAL_FS, written.data, "m-1", T, steps.append)
-    scanned = report.total_bytes(REAL_FS, written.data) - sum(
+    scanned = total_bytes(written.data) - sum(
         os.path.getsize(os.path.join(layout.dispatch_log_dir(written.data), n))
         for n in os.listdir(layout.dispatch_log_dir(written.data))
     )

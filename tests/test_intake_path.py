@@ -12,10 +12,10 @@ import trio
 import delayd
 from delayd.logs import layout
 from delayd.protocol import Message, ResultCode
-from delayd.receiver import IntakeLimits, Receiver
 from delayd.replay import open_replayer
 from delayd.server import DelayServer, ServeConfig
 from delayd.server.intake import IntakePath
+from delayd.server.receiver import IntakeLimits, Receiver
 from storage.crashfs import CrashSimFileSystem
 from storage.flusher import FlushMode, FlushPolicy, LogWriter
 from storage.fs import REAL_FS, FileSystem
@@ -96,6 +96,7 @@ async def test_delay_server_in_process_with_the_public_producer(tmp_path):
         listen=("127.0.0.1", 0),
         broker_listen=None,
         metrics_listen=None,
+        http_listen=None,
         flush=FlushPolicy(FlushMode.ASYNC, interval_ms=20),
     )
     server = await trio.to_thread.run_sync(DelayServer.open, str(tmp_path), config)

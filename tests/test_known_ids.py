@@ -18,9 +18,9 @@ from delayd.logs import layout
 from delayd.logs.known_ids import MIN_WORD_BITS, KnownIds
 from delayd.logs.message_log import TYPE_MESSAGE
 from delayd.protocol import Message, ResultCode
-from delayd.receiver import IntakeLimits, Receiver
 from delayd.replay import open_replayer
 from delayd.server.intake import IntakePath
+from delayd.server.receiver import IntakeLimits, Receiver
 from storage.crashfs import CrashSimFileSystem
 from storage.flusher import LogWriter
 from storage.fs import REAL_FS, FileSystem, OsFileSystem

@@ -46,7 +46,7 @@ def run_to_exit(*args: str) -> tuple[int, str, float]:
 def second_serve(data: Path) -> tuple[int, str, float]:
     return run_to_exit(
         "serve", "--data", str(data), "--listen", "127.0.0.1:0", "--broker-listen",
-        "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
+        "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0", "--http-listen", "off",
     )  # fmt: skip
 
 
@@ -152,7 +152,12 @@ def taken_port():
 
 @pytest.mark.parametrize(
     ("flag", "name"),
-    [("--listen", "intake"), ("--broker-listen", "the broker"), ("--metrics-listen", "metrics")],
+    [
+        ("--listen", "intake"),
+        ("--broker-listen", "the broker"),
+        ("--metrics-listen", "metrics"),
+        ("--http-listen", "the HTTP API"),
+    ],
 )
 def test_a_port_in_use_stops_serve_before_recovery(tmp_path, taken_port, flag, name):
     """Each listener is bound before recovery: the clash ends the start at once, exit 1,
@@ -160,7 +165,7 @@ def test_a_port_in_use_stops_serve_before_recovery(tmp_path, taken_port, flag, n
     made (only the lock file exists)."""
     data = tmp_path / "data"
     ports = {"--listen": "127.0.0.1:0", "--broker-listen": "127.0.0.1:0"}
-    ports["--metrics-listen"] = "127.0.0.1:0"
+    ports["--metrics-listen"] = ports["--http-listen"] = "127.0.0.1:0"
     ports[flag] = f"127.0.0.1:{taken_port}"
     args = [part for pair in ports.items() for part in pair]
     code, log, seconds = run_to_exit("serve", "--data", str(data), *args)
@@ -190,7 +195,10 @@ async def test_health_and_readiness_answer_while_the_server_recovers(tmp_path):
     503 "recovering" while DelayServer.open runs (held here between the two steps);
     then the server's collectors join the same endpoint and /readyz turns 200."""
     config = ServeConfig(
-        listen=("127.0.0.1", 0), broker_listen=None, metrics_listen=("127.0.0.1", 0)
+        listen=("127.0.0.1", 0),
+        broker_listen=None,
+        metrics_listen=("127.0.0.1", 0),
+        http_listen=None,
     )
     listeners = await open_listeners(config)
     async with trio.open_nursery() as nursery:

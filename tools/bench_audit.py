@@ -90,7 +90,7 @@ def source_throughput(
     nothing else. delayd.reconciled reads both logs: its records/s are schedule_log
     records (each with its dispatch_log entry) judged."""
     from delayd.audit.config import DEFAULT_GRACE_MS, DEFAULT_LATE_MS
-    from delayd.audit.session import local_session
+    from delayd.audit.spark.session import local_session
 
     spark = local_session(master)
     readers = {log: spark.read.format(f"delayd.{log}") for log in ("schedule_log", "dispatch_log")}
@@ -120,14 +120,14 @@ def source_throughput(
 
 def decode_throughput(data_dir: str, records: int) -> None:
     """The decoders alone, one Python process, no Spark: the ceiling of one task."""
-    from delayd.audit import files
-    from delayd.audit.decode_dispatch import dispatch_batches
-    from delayd.audit.decode_messages import schedule_batches
+    from delayd.audit.read.dispatch import dispatch_batches
+    from delayd.audit.read.messages import schedule_batches
+    from delayd.logs import log_files
 
     for log, decode in (("schedule_log", schedule_batches), ("dispatch_log", dispatch_batches)):
         started = time.monotonic()
         rows = 0
-        for log_file in files.list_files(data_dir, log):
+        for log_file in log_files.list_files(data_dir, log):
             for batch in decode(log_file, "bench"):
                 rows += batch.num_rows
         seconds = time.monotonic() - started

@@ -558,8 +558,9 @@ def latency_producer(args: argparse.Namespace) -> None:
     from delayd.protocol import Message, ResultCode, SendBatch
 
     pin(1)
-    host, port = args.address.rsplit(":", 1)
-    client = RawClient((host, int(port)), "latency-producer")
+    from delayd.address import parse_address
+
+    client = RawClient(parse_address(args.address), "latency-producer")
     interval = args.interval_ms / 1000
     deadline = time.monotonic()
     acks: list[int] = []

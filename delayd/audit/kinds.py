@@ -3,7 +3,7 @@ that imports nothing (the command must load without pyarrow and pyspark)."""
 
 from __future__ import annotations
 
-# What a problem row is (the ``problem`` column; frames.py says how each is told apart).
+# What a problem row is (the ``problem`` column; read/frames.py says how each is told apart).
 TORN_TAIL = "torn_tail"  # the file ends inside a record: a crash, or a writer still writing
 CORRUPT = "corrupt"  # a bad frame before the end: reading that file stopped there
 FORMAT = "format"  # a frame whose CRC holds but whose payload this version cannot read

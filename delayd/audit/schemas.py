@@ -84,7 +84,7 @@ MESSAGE_LOG = pa.schema(
 )
 
 
-# pairs.py: one row per schedule_log row of a bucket, with what that bucket's
+# judge/pairing.py: one row per schedule_log row of a bucket, with what that bucket's
 # dispatch_log file says about its offset; also one row per offset with entries and no
 # schedule_log row.
 PAIRED = pa.schema(
@@ -107,13 +107,13 @@ PAIRED = pa.schema(
 )
 
 
-# What a run of buckets hands the job (delayd.reconciled, reconciled.py). Times are epoch
+# What a run of buckets hands the job (delayd.reconciled, judge/bucket_runs.py). Times are epoch
 # ms; counts are records. Each row is one of:
 #
 # * a bucket's counts (``summary``), a lateness value and how many dispatched records of
 #   the run have it (``lateness``), a finding (``finding``), a problem a reader met
 #   (``problem``), a record moved before the cutoff (``moved``: its copy is looked for),
-#   or the run's records of one id hash range (``ids``: ids.py) — one struct set,
+#   or the run's records of one id hash range (``ids``: judge/id_ranges.py) — one struct set,
 #   every other column null;
 # * when asked (option ``records``): a schedule_log record (``record``) — the records of
 #   a few buckets read again — or only its message_log offset (``scheduled_offset``),
@@ -174,11 +174,11 @@ RECORD = pa.struct(  # what a finding about a record shows, and its id's hash
         pa.field("offset", pa.int64()),
         pa.field("message_log_offset", pa.int64()),
         pa.field("message_id", pa.string()),
-        pa.field("id_hash", pa.int64()),  # ids.id_hashes
+        pa.field("id_hash", pa.int64()),  # id_ranges.id_hashes
         pa.field("due_ms", pa.int64()),
         pa.field("dispatched_ms", pa.int64()),  # the first DISPATCHED entry's at_ms
         pa.field("dispatches", pa.int64()),  # DISPATCHED entries
-        pa.field("lateness_ms", pa.int64()),  # null when withdrawn (judge.py)
+        pa.field("lateness_ms", pa.int64()),  # null when withdrawn (judge/verdicts.py)
         pa.field("sequence", pa.int64()),  # the send's (a reschedule's copy keeps it)
         pa.field("fate", pa.int8()),  # the first entry's EntryKind value, null for none
     ]

@@ -7,14 +7,13 @@
 - ``Receipt``: what a send returns; consumers yield ``delayd.protocol.Message``;
   ``CancelReceipt`` / ``RescheduleReceipt``: what ``cancel`` / ``reschedule`` return.
 
-Shared, I/O-free pieces: ``_addr`` (``host:port``), ``_ids`` (message ids), ``_backoff``,
-``_messages`` (send arguments to Messages, frames), ``_errors`` (ERROR frames to
-exceptions), ``_consumer_state`` (prefetch, dedupe, offsets). The links (``_async_link``,
-``_blocking_link``) move bytes through ``delayd.protocol.Connection``; the sessions
-reconnect them with back-off.
+Shared, I/O-free pieces: ``_ids`` (message ids), ``_backoff``, ``_messages`` (send
+arguments to Messages, frames), ``_consumer_state`` (prefetch, dedupe, offsets),
+``_session_base`` (address, back-off, first connection). The links (``_async_link``,
+``_blocking_link``) move bytes through ``delayd.protocol.Connection`` and open with
+``delayd.protocol.handshake``; the sessions reconnect them with back-off.
 """
 
-from delayd.client._addr import parse_addr
 from delayd.client._ids import new_message_id
 from delayd.client.async_consumer import AsyncConsumer, open_consumer
 from delayd.client.async_producer import AsyncProducer, open_producer
@@ -34,5 +33,4 @@ __all__ = [
     "new_message_id",
     "open_consumer",
     "open_producer",
-    "parse_addr",
 ]

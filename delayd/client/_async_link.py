@@ -18,19 +18,11 @@ from collections.abc import Callable
 import anyio
 import anyio.abc
 
-from delayd.client._errors import error_to_exception
-from delayd.errors import ConnectionClosedError, DelaydError, RemoteProtocolError
-from delayd.protocol import (
-    CLIENT,
-    NEED_DATA,
-    Connection,
-    ConnectionClosed,
-    Error,
-    Hello,
-    HelloOk,
-    Request,
-    Response,
-)
+from delayd.address import Address
+from delayd.errors import ConnectionClosedError, DelaydError
+from delayd.protocol import CLIENT, Connection, Error, Request, Response
+from delayd.protocol.answers import error_to_exception, route_answers
+from delayd.protocol.handshake import say_hello
 
 RECEIVE_SIZE = 256 * 1024  # bytes per read; a full PULL_RESULT in a few reads
 # What the socket layer raises when the peer goes away, on either backend.
@@ -70,49 +62,54 @@ class AsyncLink:
         return self.failure is not None
 
     @classmethod
-    async def open(cls, host: str, port: int, *, token: str | None, client_name: str) -> AsyncLink:
-        """Connect to ``host:port`` and do HELLO.
+    async def open(cls, address: Address, *, token: str | None, client_name: str) -> AsyncLink:
+        """Connect to ``address`` and do HELLO (delayd.protocol.handshake).
 
-        Raises OSError when the connection cannot be made, ConnectionClosedError when it
-        closes during HELLO, RejectedError (UNAUTHORIZED) for a wrong or missing token,
-        BusyError when the server is shutting down, ProtocolError when the peer does not
-        speak the delayd protocol. No time-out here: the caller bounds the whole call.
+        Raises OSError when the connection cannot be made, and what say_hello raises:
+        ConnectionClosedError when it closes during HELLO, RejectedError (UNAUTHORIZED)
+        for a wrong or missing token, BusyError when the server is shutting down,
+        ProtocolError when the peer does not speak the delayd protocol. No time-out
+        here: the caller bounds the whole call.
         """
-        addr = f"{host}:{port}"
-        stream = await anyio.connect_tcp(host, port)
+        addr = str(address)
+        stream = await anyio.connect_tcp(*address)
         try:
             # Requests are small and answered at once; Nagle would add up to 40 ms each.
             raw = stream.extra(anyio.abc.SocketAttribute.raw_socket)
             raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = Connection(CLIENT)
-            hello = Hello(token=token, client_name=client_name, request_id=conn.next_request_id())
-            await stream.send(conn.send(hello))
-            while True:
-                event = conn.next_event()
-                if event is NEED_DATA:
-                    try:
-                        data = await stream.receive(RECEIVE_SIZE)
-                    except anyio.EndOfStream:
-                        data = b""
-                    conn.receive_data(data)
-                elif isinstance(event, HelloOk):
-                    return cls(stream, conn, addr)
-                elif isinstance(event, Error):
-                    raise error_to_exception(event, f"HELLO to {addr}")
-                else:
-                    raise ConnectionClosedError(f"{addr} closed the connection during HELLO")
+            link = cls(stream, Connection(CLIENT), addr)
+            await say_hello(
+                link._conn,
+                stream.send,
+                link._receive,
+                token=token,
+                client_name=client_name,
+                peer=addr,
+            )
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await stream.aclose()
             raise
+        return link
+
+    async def _receive(self) -> bytes:
+        """The next bytes from the server; b"" once it closed."""
+        try:
+            return await self._stream.receive(RECEIVE_SIZE)
+        except anyio.EndOfStream:
+            return b""
 
     async def run(self) -> None:
         """The reader: route answers to their requests until the link ends. Never raises."""
         try:
             with self._scope:
                 try:
-                    await self._read_loop()
-                except RemoteProtocolError as exc:
+                    while True:
+                        self._conn.receive_data(await self._receive())
+                        route_answers(self._conn, self._deliver, self.addr)
+                except DelaydError as exc:
+                    # Closed, or an ERROR about the whole connection, or bytes that break
+                    # the protocol: every waiting request fails with it.
                     self._fail(exc)
                 except _LINK_ERRORS as exc:
                     self._fail(ConnectionClosedError(f"connection to {self.addr} lost: {exc!r}"))
@@ -123,29 +120,11 @@ class AsyncLink:
             with anyio.CancelScope(shield=True):
                 await self._stream.aclose()
 
-    async def _read_loop(self) -> None:
-        conn, waiters = self._conn, self._waiters
-        while True:
-            try:
-                data = await self._stream.receive(RECEIVE_SIZE)
-            except anyio.EndOfStream:
-                data = b""
-            conn.receive_data(data)
-            while True:
-                event = conn.next_event()
-                if event is NEED_DATA:
-                    break
-                if isinstance(event, ConnectionClosed):
-                    self._fail(ConnectionClosedError(f"{self.addr} closed the connection"))
-                    return
-                waiter = waiters.pop(event.request_id, None)
-                if waiter is not None:
-                    waiter.response = event  # type: ignore[assignment]
-                    waiter.done.set()
-                if isinstance(event, Error) and (event.close or event.request_id == 0):
-                    # About the whole connection: every waiting request fails with it.
-                    self._fail(error_to_exception(event, f"connection to {self.addr}"))
-                    return
+    def _deliver(self, answer: Response | Error) -> None:
+        waiter = self._waiters.pop(answer.request_id, None)
+        if waiter is not None:
+            waiter.response = answer
+            waiter.done.set()
 
     def _fail(self, exc: DelaydError) -> None:
         if self.failure is None:

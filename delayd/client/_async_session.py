@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import anyio
 import anyio.abc
 
-from delayd.client._addr import parse_addr
 from delayd.client._async_link import AsyncLink
-from delayd.client._backoff import Backoff
+from delayd.client._session_base import SessionBase
 from delayd.errors import BusyError, ConnectionClosedError
 
 # Failures worth another connection attempt: the server is not there (yet), restarting,
@@ -16,48 +17,30 @@ from delayd.errors import BusyError, ConnectionClosedError
 RETRYABLE_CONNECT_ERRORS = (OSError, ConnectionClosedError, BusyError)
 
 
-class AsyncSession:
+class AsyncSession(SessionBase[AsyncLink]):
     """Hands out a working AsyncLink, reconnecting after losses.
 
     Readers of new links run in ``task_group``, which the producer or consumer owns.
     Consecutive failures (a connection that could not be made, a link lost) are spaced
-    by ``backoff``; a successful request (``succeeded()``) resets it.
+    by ``backoff``; a successful request (``succeeded()``) resets it. Without
+    ``retry_first_connect``, a first connection that fails raises (SessionBase).
     """
 
-    def __init__(
-        self,
-        addr: str,
-        *,
-        token: str | None,
-        client_name: str,
-        task_group: anyio.abc.TaskGroup,
-        backoff: Backoff | None = None,
-    ) -> None:
-        self.host, self.port = parse_addr(addr)
-        self.addr = addr
-        self._token = token
-        self._client_name = client_name
+    def __init__(self, addr: str, *, task_group: anyio.abc.TaskGroup, **options: Any) -> None:
+        """``options``: SessionBase's (token, client_name, backoff)."""
+        super().__init__(addr, **options)
         self._task_group = task_group
-        self._backoff = backoff or Backoff()
-        self._link: AsyncLink | None = None
         self._lock = anyio.Lock()
-        self.last_problem: BaseException | None = None  # for time-out messages
-        self.connects = 0  # links opened so far (statistics, tests)
-
-    @property
-    def current(self) -> AsyncLink | None:
-        """The open link, if any, without connecting."""
-        link = self._link
-        return link if link is not None and not link.closed else None
 
     async def link(self) -> AsyncLink:
         """The current link, or a new one once the back-off since the last failure ran;
         retries until cancelled.
 
         Raises what AsyncLink.open raises that is not retryable (RejectedError for a
-        wrong token, ProtocolError); the caller's deadline bounds the retries. The
-        back-off runs from the last failure, not from this call, so a call cancelled by
-        a deadline shorter than the delay does not push the next attempt further away.
+        wrong token, ProtocolError), and what SessionBase.connect_failed raises; the
+        caller's deadline bounds the retries. The back-off runs from the last failure,
+        not from this call, so a call cancelled by a deadline shorter than the delay
+        does not push the next attempt further away.
         """
         link = self._link
         if link is not None and not link.closed:
@@ -67,22 +50,15 @@ class AsyncSession:
                 await anyio.sleep(self._backoff.wait_s(anyio.current_time()))
                 try:
                     link = await AsyncLink.open(
-                        self.host, self.port, token=self._token, client_name=self._client_name
+                        self.address, token=self._token, client_name=self._client_name
                     )
                 except RETRYABLE_CONNECT_ERRORS as exc:
-                    self.last_problem = exc
-                    self._backoff.failed(anyio.current_time())
+                    self.connect_failed(exc, anyio.current_time())
                     continue
                 self._link = link
                 self.connects += 1
                 self._task_group.start_soon(link.run)
             return self._link
-
-    def describe_problem(self) -> str:
-        """The last failure in words, for time-out messages."""
-        if self.last_problem is None:
-            return f"no answer from {self.addr}"
-        return f"last problem: {self.last_problem!r}"
 
     def lost(self, link: AsyncLink, exc: BaseException) -> None:
         """A request on ``link`` failed with the connection: the next link() reconnects."""
@@ -90,10 +66,6 @@ class AsyncSession:
         if link is self._link:
             self._backoff.failed(anyio.current_time())
             link.abort("dropped after a failed request")
-
-    def succeeded(self) -> None:
-        """A request got its answer: the server is healthy, restart the back-off."""
-        self._backoff.reset()
 
     def abort(self) -> None:
         """Close the current link (after a time-out it is in an unknown state)."""

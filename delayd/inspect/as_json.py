@@ -7,6 +7,7 @@ A body is ``body`` when it is UTF-8 text and ``body_base64`` otherwise.
 from __future__ import annotations
 
 import base64
+import dataclasses
 from typing import Any
 
 from delayd.inspect.files import Damage
@@ -71,15 +72,13 @@ def entry(e: DispatchEntry) -> JSON:
     }
 
 
+def _fields(value: Any, **replaced: object) -> JSON:
+    """The fields of the dataclass ``value`` by name, those in ``replaced`` replaced."""
+    return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)} | replaced
+
+
 def _segment(s: SegmentInfo) -> JSON:
-    return {
-        "name": s.name,
-        "base_offset": s.base_offset,
-        "bytes": s.bytes,
-        "records": s.records,
-        "sealed": s.sealed,
-        "damage": damage(s.damage),
-    }
+    return _fields(s, damage=damage(s.damage))
 
 
 def _bucket(b: BucketInfo) -> JSON:
@@ -147,14 +146,7 @@ def summary(s: Summary) -> JSON:
 
 
 def _message_row(row: MessageRow) -> JSON:
-    return {
-        "offset": row.offset,
-        "next_offset": row.next_offset,
-        "segment": row.segment,
-        "type": row.type,
-        "message": None if row.message is None else message(row.message),
-        "error": row.error,
-    }
+    return _fields(row, message=None if row.message is None else message(row.message))
 
 
 def _schedule_row(row: ScheduleRow) -> JSON:

@@ -6,12 +6,11 @@ inspecting must not change what it looks at (a damaged directory is evidence).
 
 A scan stops at the first invalid frame of a file: a framed file cannot be resynced,
 since any byte after a bad length could be taken for a header. The stop is reported as
-a ``Damage``, classified as the stores would on open (docs/storage-format.md):
+a ``Damage``, judged by storage.torn_tail as the stores judge it on open
+(docs/storage-format.md):
 
-* **torn tail** — an interrupted last write: the bad frame is the file's last (it runs
-  past the end, or its length ends exactly there) or everything from it on is zero
-  bytes, it lies within the unsynced window of the end (``max_unsynced_bytes``), and the
-  file may be written to (not a sealed message_log segment). Recovery cuts it quietly.
+* **torn tail** — what recovery would cut quietly: a bad frame at or after what the log
+  knows durable and within the unsynced window (``max_unsynced_bytes``) of the log's end.
 * **corrupt** — anything else: bytes that were once written correctly. The server
   refuses to open such a file.
 """
@@ -19,13 +18,13 @@ a ``Damage``, classified as the stores would on open (docs/storage-format.md):
 from __future__ import annotations
 
 import contextlib
-import os
+import dataclasses
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 
+from delayd.logs.log_files import LogFile
 from storage.fs import O_READ, FileSystem
-from storage.record_file import DEFAULT_MAX_UNSYNCED_BYTES
-from storage.scan import READ_CHUNK, BadFrame, Record, scan_frames
+from storage.scan import BadFrame, Record, scan_frames
 
 TORN_TAIL = "torn tail"
 CORRUPT = "corrupt"
@@ -53,43 +52,26 @@ class FileEnd:
     damage: Damage | None
 
 
-def _all_zero(fs: FileSystem, fd: int, position: int, size: int) -> bool:
-    """Whether bytes ``[position, size)`` of the file are all zero (a zero-filled tail,
-    what some file systems leave after a crash extended a file)."""
-    while position < size:
-        chunk = fs.pread(fd, min(READ_CHUNK, size - position), position)
-        if not chunk:
-            return True  # the file is shorter than it was a moment ago
-        if chunk.count(0) != len(chunk):
-            return False
-        position += len(chunk)
-    return True
-
-
-def classify(fs: FileSystem, fd: int, bad: BadFrame, size: int, *, may_be_torn: bool) -> Damage:
-    """The Damage a BadFrame of a file of ``size`` bytes stands for (module docstring)."""
-    tail = size - bad.position
-    torn = (
-        may_be_torn
-        and tail <= DEFAULT_MAX_UNSYNCED_BYTES
-        and (bad.position + bad.length >= size or _all_zero(fs, fd, bad.position, size))
+def classify(file: LogFile, bad: BadFrame, size: int) -> Damage:
+    """The Damage a BadFrame of ``file``, now ``size`` bytes long, stands for."""
+    torn = dataclasses.replace(file, size=size).is_torn_tail(bad.position)
+    return Damage(
+        TORN_TAIL if torn else CORRUPT, bad.path, bad.position, size - bad.position, bad.reason
     )
-    return Damage(TORN_TAIL if torn else CORRUPT, bad.path, bad.position, tail, bad.reason)
 
 
 def scan_file(
     fs: FileSystem,
-    path: str,
+    file: LogFile,
     *,
-    base: int = 0,
     start: int = 0,
-    may_be_torn: bool = True,
     on_bytes: Callable[[int], None] | None = None,
 ) -> Generator[Record, None, FileEnd]:
-    """The records of the file at ``path`` from byte ``start``, offsets counted from
-    ``base``; returns (``yield from``) how the scan ended. ``on_bytes`` is told every
-    few thousand records how many more bytes were read (for progress). Raises OSError
-    when the file cannot be opened."""
+    """The records of ``file`` from byte ``start``, offsets counted from its base;
+    returns (``yield from``) how the scan ended. ``on_bytes`` is told every few
+    thousand records how many more bytes were read (for progress). Raises OSError when
+    the file cannot be opened."""
+    path, base = file.path, file.base
     fd = fs.open(path, O_READ)
     try:
         size = fs.fsize(fd)
@@ -110,32 +92,13 @@ def scan_file(
                     on_bytes(record.next_offset - base - reported)
                     reported = record.next_offset - base
         except BadFrame as bad:
-            damage = classify(fs, fd, bad, size, may_be_torn=may_be_torn)
+            damage = classify(file, bad, size)
             end = FileEnd(size, bad.position, False, damage)
         if on_bytes is not None:
             on_bytes(size - reported)
         return end
     finally:
         fs.close(fd)
-
-
-def file_size(fs: FileSystem, path: str) -> int:
-    fd = fs.open(path, O_READ)
-    try:
-        return fs.fsize(fd)
-    finally:
-        fs.close(fd)
-
-
-def list_names(fs: FileSystem, directory: str, keep: Callable[[str], bool]) -> list[str]:
-    """The names in ``directory`` that ``keep`` accepts, sorted; [] when it is missing."""
-    if not fs.exists(directory):
-        return []
-    return sorted(name for name in fs.listdir(directory) if keep(name))
-
-
-def join(directory: str, name: str) -> str:
-    return os.path.join(directory, name)
 
 
 def records_of(

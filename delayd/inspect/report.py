@@ -11,33 +11,33 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from bisect import bisect_right
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from delayd.inspect.files import (
-    CORRUPT,
-    Damage,
-    FileEnd,
-    file_size,
-    join,
-    list_names,
-    records_of,
-    scan_file,
-)
+from delayd.inspect.files import CORRUPT, TORN_TAIL, Damage, FileEnd, records_of, scan_file
 from delayd.logs import dispatch_log, layout, message_log, schedule_log
-from delayd.logs.buckets import is_bucket_name, parse_bucket_name
+from delayd.logs.buckets import parse_bucket_name
 from delayd.logs.dispatch_log import DispatchEntry, EntryKind
+from delayd.logs.log_files import (
+    DISPATCH_LOG,
+    MESSAGE_LOG,
+    SCHEDULE_LOG,
+    LogFile,
+    bucket_file,
+    list_files,
+)
 from delayd.logs.message_log import MessageRecord, RecordFormatError
 from delayd.logs.schedule_log import ScheduleRecord
+from delayd.replay.recovery import scanned_buckets
 from delayd.replay.state import ReplayCheckpoint, decode_replay_checkpoint
 from delayd.wheel.cursor import LoadCursors
 from storage.checkpoint import read_checkpoint
 from storage.errors import CorruptionError
 from storage.fs import FileSystem
 from storage.scan import Record
-from storage.segmented_log import is_segment_name
 
 # The wheel manager checkpoints its LoadCursors here (LoadCursors.to_bytes in a storage
 # checkpoint file); delayd.logs.layout should name it once the wheel writes it.
@@ -54,16 +54,6 @@ class InspectError(Exception):
 # ---------------------------------------------------------------- files
 
 
-@dataclass(frozen=True, slots=True)
-class Segment:
-    """One message_log segment file."""
-
-    name: str
-    base: int  # logical offset of its first byte
-    path: str
-    is_last: bool
-
-
 def check_data_dir(fs: FileSystem, data_dir: str) -> None:
     """Raise InspectError unless ``data_dir`` holds a delay server's directory."""
     if not fs.exists(layout.delay_dir(data_dir)):
@@ -72,44 +62,15 @@ def check_data_dir(fs: FileSystem, data_dir: str) -> None:
         )
 
 
-def message_log_segments(fs: FileSystem, data_dir: str) -> list[Segment]:
-    directory = layout.message_log_dir(data_dir)
-    names = list_names(fs, directory, is_segment_name)
-    return [
-        Segment(name, int(name), join(directory, name), i == len(names) - 1)
-        for i, name in enumerate(names)
-    ]
+def message_log_segments(fs: FileSystem, data_dir: str) -> list[LogFile]:
+    return list_files(data_dir, MESSAGE_LOG, fs)
 
 
 def bucket_names(fs: FileSystem, data_dir: str) -> tuple[list[str], list[str]]:
     """Names of the schedule_log and of the dispatch_log bucket files, each sorted."""
     return (
-        list_names(fs, layout.schedule_log_dir(data_dir), is_bucket_name),
-        list_names(fs, layout.dispatch_log_dir(data_dir), is_bucket_name),
-    )
-
-
-def total_bytes(fs: FileSystem, data_dir: str) -> int:
-    """Bytes in message_log, schedule_log and dispatch_log: the work of a full scan."""
-    schedule, dispatch = bucket_names(fs, data_dir)
-    return (
-        sum(file_size(fs, s.path) for s in message_log_segments(fs, data_dir))
-        + sum(file_size(fs, join(layout.schedule_log_dir(data_dir), n)) for n in schedule)
-        + sum(file_size(fs, join(layout.dispatch_log_dir(data_dir), n)) for n in dispatch)
-    )
-
-
-def _scan_segment(
-    fs: FileSystem, segment: Segment, start: int = 0, on_bytes: OnBytes | None = None
-) -> Generator[Record, None, FileEnd]:
-    # A segment that is not the last was sealed: nothing in it can be a torn tail.
-    return scan_file(
-        fs,
-        segment.path,
-        base=segment.base,
-        start=start,
-        may_be_torn=segment.is_last,
-        on_bytes=on_bytes,
+        [file.name for file in list_files(data_dir, SCHEDULE_LOG, fs)],
+        [file.name for file in list_files(data_dir, DISPATCH_LOG, fs)],
     )
 
 
@@ -122,15 +83,14 @@ def _check_bucket(name: str) -> str:
 
 
 def _schedule_offsets(
-    fs: FileSystem, data_dir: str, name: str, on_bytes: OnBytes | None = None
+    fs: FileSystem, file: LogFile | None, on_bytes: OnBytes | None = None
 ) -> tuple[list[int], FileEnd | None]:
-    """Offsets of the records of schedule_log bucket ``name``, and how its scan ended
+    """Offsets of the records of a schedule_log bucket ``file``, and how its scan ended
     (None when the bucket has no file)."""
-    path = join(layout.schedule_log_dir(data_dir), name)
-    if not fs.exists(path):
+    if file is None:
         return [], None
     ends: list[FileEnd] = []
-    offsets = [r.offset for r in records_of(scan_file(fs, path, on_bytes=on_bytes), ends)]
+    offsets = [r.offset for r in records_of(scan_file(fs, file, on_bytes=on_bytes), ends)]
     return offsets, ends[0]
 
 
@@ -159,17 +119,19 @@ def read_dispatch_file(
     An entry whose crc holds but that this version cannot read (decode_entry's
     CorruptionError) ends the file like a bad frame: nothing after it is read.
     """
-    path = join(layout.dispatch_log_dir(data_dir), name)
-    if not fs.exists(path):
+    file = bucket_file(data_dir, DISPATCH_LOG, name, fs)
+    if file is None:
         return None
+    path = file.path
     entries: list[tuple[int, DispatchEntry]] = []
     ends: list[FileEnd] = []
-    with contextlib.closing(records_of(scan_file(fs, path, on_bytes=on_bytes), ends)) as records:
+    with contextlib.closing(records_of(scan_file(fs, file, on_bytes=on_bytes), ends)) as records:
         for record in records:
             try:
                 entry = dispatch_log.decode_entry(record.type, record.payload, path, record.offset)
             except CorruptionError as exc:
-                size = file_size(fs, path)
+                # The frame's crc holds: no crash explains it, whatever its position.
+                size = file.size
                 damage = Damage(CORRUPT, path, exc.offset, size - exc.offset, exc.reason)
                 return DispatchFile(path, entries, FileEnd(size, exc.offset, False, damage))
             entries.append((record.offset, entry))
@@ -240,15 +202,18 @@ class Summary:
         return found
 
 
-def _seam_problem(segment: Segment, end: FileEnd, follower: Segment) -> str | None:
-    """What is wrong where ``segment`` meets ``follower``, the segment after it: as
-    SegmentedLog's recovery, a segment that is not the last must end with the marker,
-    and the next one must start where it ends."""
+def _seam_problem(segment: LogFile, end: FileEnd, follower: LogFile | None) -> str | None:
+    """What is wrong where ``segment`` ends (``follower`` is the segment after it, None
+    for the last): as SegmentedLog's recovery, nothing may follow an end-of-segment
+    marker, a segment that is not the last must end with one, and the next segment
+    must start where it ends."""
     ends_at = segment.base + end.stopped_at
+    if end.sealed and end.stopped_at < end.size:
+        return f"{end.size - end.stopped_at} bytes after the end-of-segment marker"
+    if follower is None:
+        return None
     if not end.sealed:
         return "no end-of-segment marker, but a later segment exists"
-    if end.stopped_at < end.size:
-        return f"{end.size - end.stopped_at} bytes after the end-of-segment marker"
     if follower.base != ends_at:
         return f"ends at offset {ends_at}, but the next segment starts at {follower.base}"
     return None
@@ -257,17 +222,17 @@ def _seam_problem(segment: Segment, end: FileEnd, follower: Segment) -> str | No
 def _segment_infos(fs: FileSystem, data_dir: str, on_bytes: OnBytes | None) -> list[SegmentInfo]:
     segments = message_log_segments(fs, data_dir)
     infos = []
-    for segment, follower in zip(segments, [*segments[1:], None], strict=True):
+    followers: list[LogFile | None] = [*segments[1:], None] if segments else []
+    for segment, follower in zip(segments, followers, strict=True):
         ends: list[FileEnd] = []
-        records = sum(1 for _ in records_of(_scan_segment(fs, segment, 0, on_bytes), ends))
+        records = sum(1 for _ in records_of(scan_file(fs, segment, on_bytes=on_bytes), ends))
         end = ends[0]
         damage = end.damage
-        if damage is None and follower is not None:
-            problem = _seam_problem(segment, end, follower)
-            if problem is not None:
-                damage = Damage(
-                    CORRUPT, segment.path, end.stopped_at, end.size - end.stopped_at, problem
-                )
+        problem = None if damage else _seam_problem(segment, end, follower)
+        if problem is not None:
+            # Recovery meets a bad seam as it meets a bad frame: the same rule judges it.
+            kind = TORN_TAIL if segment.is_torn_tail(end.stopped_at) else CORRUPT
+            damage = Damage(kind, segment.path, end.stopped_at, end.size - end.stopped_at, problem)
         infos.append(SegmentInfo(segment.name, segment.base, end.size, records, end.sealed, damage))
     return infos
 
@@ -283,10 +248,16 @@ def _dispatch_info(dispatch: DispatchFile) -> DispatchInfo:
 
 
 def bucket_info(
-    fs: FileSystem, data_dir: str, name: str, on_bytes: OnBytes | None = None
+    fs: FileSystem,
+    data_dir: str,
+    name: str,
+    scanned: Mapping[int, int] | None,
+    on_bytes: OnBytes | None = None,
 ) -> BucketInfo:
-    """One bucket's schedule_log and dispatch_log, counted."""
-    offsets, end = _schedule_offsets(fs, data_dir, name, on_bytes)
+    """One bucket's schedule_log and dispatch_log, counted; ``scanned`` is
+    delayd.replay.recovery.scanned_buckets'."""
+    schedule = bucket_file(data_dir, SCHEDULE_LOG, name, fs, scanned)
+    offsets, end = _schedule_offsets(fs, schedule, on_bytes)
     dispatch = read_dispatch_file(fs, data_dir, name, on_bytes)
     done = dispatch.by_offset() if dispatch else {}
     info = _dispatch_info(dispatch) if dispatch else None
@@ -319,7 +290,7 @@ def read_checkpoints(fs: FileSystem, data_dir: str) -> CheckpointInfo:
     readers: dict[str, tuple[str, Callable[[bytes, str], object]]] = {
         "meta": (layout.meta_checkpoint_path(data_dir), _decode_meta),
         "replay": (layout.replay_checkpoint_path(data_dir), decode_replay_checkpoint),
-        "wheel": (join(directory, WHEEL_CHECKPOINT), _decode_wheel),
+        "wheel": (os.path.join(directory, WHEEL_CHECKPOINT), _decode_wheel),
     }
     values: dict[str, object] = {}
     errors: dict[str, str] = {}
@@ -339,10 +310,12 @@ def summary(fs: FileSystem, data_dir: str, on_bytes: OnBytes | None = None) -> S
     """Every segment and bucket counted, every checkpoint decoded."""
     check_data_dir(fs, data_dir)
     schedule, dispatch = bucket_names(fs, data_dir)
+    names = sorted({*schedule, *dispatch})
+    scanned = scanned_buckets(fs, data_dir)
     return Summary(
         data_dir=data_dir,
         message_log=_segment_infos(fs, data_dir, on_bytes),
-        buckets=[bucket_info(fs, data_dir, n, on_bytes) for n in sorted({*schedule, *dispatch})],
+        buckets=[bucket_info(fs, data_dir, n, scanned, on_bytes) for n in names],
         checkpoints=read_checkpoints(fs, data_dir),
     )
 
@@ -385,7 +358,7 @@ class Listing(Generic[RowT]):
     damages: list[Damage]
 
 
-def _message_row(record: Record, segment: Segment) -> MessageRow:
+def _message_row(record: Record, segment: LogFile) -> MessageRow:
     kind = message_log.describe_type(record.type)
     if record.type != message_log.TYPE_MESSAGE:
         return MessageRow(record.offset, record.next_offset, segment.name, kind, None)
@@ -416,7 +389,7 @@ def list_message_log(
     rows: list[MessageRow] = []
     ends: list[FileEnd] = []
     for segment in segments[first:]:
-        scan = _scan_segment(fs, segment, start - segment.base if segment.base <= start else 0)
+        scan = scan_file(fs, segment, start=start - segment.base if segment.base <= start else 0)
         with contextlib.closing(records_of(scan, ends)) as records:
             for record in records:
                 if len(rows) == limit:
@@ -443,19 +416,22 @@ def list_bucket(
     """Up to ``limit`` records of schedule_log bucket ``name`` from byte ``start``, each
     with its dispatch_log entries. Raises InspectError for a bucket with no file."""
     check_data_dir(fs, data_dir)
-    path = join(layout.schedule_log_dir(data_dir), _check_bucket(name))
-    if not fs.exists(path):
+    file = bucket_file(
+        data_dir, SCHEDULE_LOG, _check_bucket(name), fs, scanned_buckets(fs, data_dir)
+    )
+    if file is None:
+        path = os.path.join(layout.schedule_log_dir(data_dir), name)
         raise InspectError(f"schedule_log has no bucket {name} ({path})")
     dispatch = read_dispatch_file(fs, data_dir, name)
     by_offset = dispatch.by_offset() if dispatch else {}
     later = [dispatch.end.damage] if dispatch and dispatch.end.damage else []
     rows: list[ScheduleRow] = []
     ends: list[FileEnd] = []
-    with contextlib.closing(records_of(scan_file(fs, path, start=start), ends)) as records:
+    with contextlib.closing(records_of(scan_file(fs, file, start=start), ends)) as records:
         for record in records:
             if len(rows) == limit:
                 return Listing(start, rows, record.offset, later)
-            rows.append(_schedule_row(record, path, by_offset))
+            rows.append(_schedule_row(record, file.path, by_offset))
     return Listing(start, rows, None, [e.damage for e in ends if e.damage] + later)
 
 
@@ -477,7 +453,10 @@ class DispatchReport:
 def dispatch_report(fs: FileSystem, data_dir: str, name: str) -> DispatchReport:
     """Raises InspectError when the bucket has neither a schedule_log nor a dispatch_log."""
     check_data_dir(fs, data_dir)
-    offsets, end = _schedule_offsets(fs, data_dir, _check_bucket(name))
+    schedule = bucket_file(
+        data_dir, SCHEDULE_LOG, _check_bucket(name), fs, scanned_buckets(fs, data_dir)
+    )
+    offsets, end = _schedule_offsets(fs, schedule)
     dispatch = read_dispatch_file(fs, data_dir, name)
     if dispatch is None and end is None:
         raise InspectError(f"bucket {name} has neither a schedule_log nor a dispatch_log file")
@@ -560,7 +539,7 @@ def find_message(
     ends: list[FileEnd] = []
     in_log: dict[int, tuple[str, MessageRecord]] = {}
     for segment in message_log_segments(fs, data_dir):
-        records = records_of(_scan_segment(fs, segment, 0, on_bytes), ends)
+        records = records_of(scan_file(fs, segment, on_bytes=on_bytes), ends)
         for record in _holding(records, needle):
             if record.type != message_log.TYPE_MESSAGE:
                 continue
@@ -569,9 +548,9 @@ def find_message(
                 if message.message_id == message_id:
                     in_log[record.offset] = (segment.name, message)
     scheduled: dict[int, tuple[str, int, MessageRecord]] = {}
-    schedule_dir = layout.schedule_log_dir(data_dir)
-    for name in bucket_names(fs, data_dir)[0]:
-        records = records_of(scan_file(fs, join(schedule_dir, name), on_bytes=on_bytes), ends)
+    for bucket in list_files(data_dir, SCHEDULE_LOG, fs, scanned_buckets(fs, data_dir)):
+        name = bucket.name
+        records = records_of(scan_file(fs, bucket, on_bytes=on_bytes), ends)
         for record in _holding(records, needle):
             with contextlib.suppress(RecordFormatError):
                 decoded = schedule_log.decode_scheduled(record.payload)

@@ -8,7 +8,9 @@ same Connection.
 
 Modules, bottom up: ``codes`` (every number on the wire), ``frames`` (header,
 encode_frame, FrameDecoder), ``events`` (Message and the event classes), ``codec``
-(event bodies to bytes and back), ``connection`` (the state machine).
+(event bodies to bytes and back), ``connection`` (the state machine); on top, the client
+side every opener shares: ``answers`` (answers to their requests, ERRORs to exceptions)
+and ``handshake`` (HELLO).
 """
 
 from delayd.errors import LocalProtocolError, ProtocolError, RemoteProtocolError

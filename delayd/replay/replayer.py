@@ -39,10 +39,10 @@ from delayd.logs.bucket_files import BucketFiles
 from delayd.logs.buckets import bucket_of, bucket_width_ms
 from delayd.logs.id_index import IdIndex, scheduled_id
 from delayd.logs.known_ids import KnownIds
-from delayd.nowait import holding
 from delayd.replay.recovery import RecoveryReport
 from delayd.replay.state import ReplayCheckpoint, write_replay_checkpoint
-from delayd.write_refusals import CHECKPOINT, SCHEDULE_LOG, WriteRefusals
+from delayd.serving.nowait_acquire import holding
+from delayd.serving.write_refusals import CHECKPOINT, SCHEDULE_LOG, WriteRefusals
 from storage.errors import DiskFullError, StorageError
 from storage.framing import HEADER_SIZE
 from storage.fs import FileSystem
@@ -484,11 +484,10 @@ class Replayer:
                 try:
                     replayed = await self._replay_step()
                 except DiskFullError as exc:
-                    self.refusals.refuse(SCHEDULE_LOG, exc)
-                    if self._stopping:
+                    next_wait_s = await self._wait_for_space(SCHEDULE_LOG, exc, full_wait_s)
+                    if next_wait_s is None:
                         return  # recovery replays the rest from the checkpoint
-                    await trio.sleep(full_wait_s)
-                    full_wait_s = min(2 * full_wait_s, DISK_FULL_RETRY_S[1])
+                    full_wait_s = next_wait_s
                     continue
                 if replayed:
                     self.refusals.clear(SCHEDULE_LOG)
@@ -511,11 +510,10 @@ class Replayer:
                         await trio.to_thread.run_sync(self.checkpoint)
                     except DiskFullError as exc:
                         # The old checkpoint stands (replay from it is idempotent).
-                        self.refusals.refuse(CHECKPOINT, exc)
-                        if self._stopping:
-                            return  # a shutdown does not wait for space
-                        await trio.sleep(full_wait_s)
-                        full_wait_s = min(2 * full_wait_s, DISK_FULL_RETRY_S[1])
+                        next_wait_s = await self._wait_for_space(CHECKPOINT, exc, full_wait_s)
+                        if next_wait_s is None:
+                            return
+                        full_wait_s = next_wait_s
                         continue
                     self.refusals.clear(CHECKPOINT)
                     last_checkpoint = trio.current_time()
@@ -531,6 +529,16 @@ class Replayer:
                     await self._wake.wait()
         finally:
             self._stopped.set()
+
+    async def _wait_for_space(self, log: str, exc: DiskFullError, wait_s: float) -> float | None:
+        """After ``log`` found the disk full: refuse its writes (/readyz, metrics), wait
+        ``wait_s`` and return the next, doubled back-off (up to DISK_FULL_RETRY_S[1]);
+        None at once when stopping, as a shutdown does not wait for space."""
+        self.refusals.refuse(log, exc)
+        if self._stopping:
+            return None
+        await trio.sleep(wait_s)
+        return min(2 * wait_s, DISK_FULL_RETRY_S[1])
 
     async def _replay_step(self) -> int:
         """One step of ``replay_available`` for the event loop. Appends to open files

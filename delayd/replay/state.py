@@ -108,6 +108,24 @@ def write_replay_checkpoint(fs: FileSystem, data_dir: str, checkpoint: ReplayChe
     write_checkpoint(fs, path, encode_replay_checkpoint(checkpoint))
 
 
+def read_segment_scale(fs: FileSystem, data_dir: str) -> int | None:
+    """The segment_scale (minutes) stored with the data, or None when there is none yet.
+    Raises CorruptionError when the meta file is unreadable."""
+    path = layout.meta_checkpoint_path(data_dir)
+    data = read_checkpoint(fs, path)
+    if data is None:
+        return None
+    try:
+        meta = json.loads(data)
+        stored = meta["segment_scale_minutes"]
+        if meta["format"] != META_FORMAT:
+            raise ValueError(f"format {meta['format']}, this version reads {META_FORMAT}")
+        check_segment_scale(stored)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptionError(path, 0, len(data), f"meta checkpoint unreadable: {exc}") from None
+    return stored
+
+
 def ensure_segment_scale(fs: FileSystem, data_dir: str, segment_scale: int) -> int:
     """Check ``segment_scale`` (minutes) against the one stored with the data, storing
     it when the data directory is new. Returns it.
@@ -119,20 +137,12 @@ def ensure_segment_scale(fs: FileSystem, data_dir: str, segment_scale: int) -> i
     check_segment_scale(segment_scale)
     path = layout.meta_checkpoint_path(data_dir)
     create_dirs_durably(fs, layout.checkpoint_dir(data_dir))
-    data = read_checkpoint(fs, path)
-    if data is None:
+    stored = read_segment_scale(fs, data_dir)
+    if stored is None:
         _refuse_data_without_meta(fs, data_dir, path)
         meta = {"format": META_FORMAT, "segment_scale_minutes": segment_scale}
         write_checkpoint(fs, path, json.dumps(meta, sort_keys=True).encode())
         return segment_scale
-    try:
-        meta = json.loads(data)
-        stored = meta["segment_scale_minutes"]
-        if meta["format"] != META_FORMAT:
-            raise ValueError(f"format {meta['format']}, this version reads {META_FORMAT}")
-        check_segment_scale(stored)
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CorruptionError(path, 0, len(data), f"meta checkpoint unreadable: {exc}") from None
     if stored != segment_scale:
         raise SegmentScaleMismatchError(data_dir, stored, segment_scale)
     return segment_scale

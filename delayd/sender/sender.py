@@ -61,7 +61,6 @@ from delayd.logs.dispatch_log import EntryKind, check_group_name
 from delayd.logs.message_log import MessageRecord
 from delayd.logs.schedule_log import decode_scheduled
 from delayd.logs.schedule_reader import ScheduleReader
-from delayd.nowait import holding
 from delayd.protocol import EncodedMessages, Message
 from delayd.protocol.codec import encode_message
 from delayd.protocol.codes import ResultCode
@@ -71,9 +70,10 @@ from delayd.sender.retry import RetryPolicy, dead_letter_subject
 from delayd.sender.routing import GroupWeight, Router
 from delayd.sender.targets import SendTarget, TargetUnavailable
 from delayd.sender.wire import TAIL, TEXT_AT, ScheduledHead, read_head
+from delayd.serving.nowait_acquire import holding
+from delayd.serving.write_refusals import DISPATCH_LOG, WriteRefusals
 from delayd.wheel.manager import WheelManager
 from delayd.wheel.timer import OFFSET_BITS, DueEntries
-from delayd.write_refusals import DISPATCH_LOG, WriteRefusals
 from storage.errors import DiskFullError
 
 log = logging.getLogger(__name__)
@@ -81,7 +81,9 @@ log = logging.getLogger(__name__)
 ACKED = (ResultCode.OK, ResultCode.DUPLICATE)
 READ_INLINE_MAX = 64  # entries read on the event loop; more go to a worker thread
 PARKED_RETRY_S = 0.05  # how often messages with no usable group look again
-LATENESS_BOUNDS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 5, 30, 300)
+# Lateness is whole milliseconds: an on-time delivery is exactly 0, which the 0 bucket
+# keeps at 0 in a quantile (with 1 ms as the first bound it would read as 0.5 ms).
+LATENESS_BOUNDS_S = (0, 5e-4, 1e-3, 2e-3, 5e-3, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 5, 30, 300)
 BATCH_BOUNDS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
 DEAD_LETTER_REASON = "delayd.dead_letter.reason"
 ORIGINAL_SUBJECT = "delayd.original_subject"

@@ -17,28 +17,28 @@ library brings anyio, which the servers do without.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Protocol
 
 import trio
 
-from delayd import __version__
+from delayd.address import Address, parse_address
 from delayd.errors import DelaydError, LocalProtocolError, ProtocolError
 from delayd.protocol import (
     CLIENT,
-    NEED_DATA,
     Connection,
-    ConnectionClosed,
     EncodedMessages,
     Error,
-    ErrorCode,
-    Hello,
-    HelloOk,
     Message,
+    Response,
     ResultCode,
     SendBatch,
     SendBatchResult,
     SendResult,
 )
+from delayd.protocol.answers import route_answers
+from delayd.protocol.handshake import say_hello
+from delayd.version import __version__
 
 if TYPE_CHECKING:
     from delayd.broker import Broker
@@ -138,7 +138,10 @@ class RemoteTarget:
             raise ValueError("timeout_s and connect_timeout_s must be positive (seconds)")
         self.name = name
         self.addresses = tuple(addresses)
-        self._endpoints = [_host_port(address) for address in self.addresses]
+        try:
+            self._endpoints = [parse_address(address) for address in self.addresses]
+        except ValueError as exc:
+            raise ValueError(f"broker group {name!r}: {exc}") from None
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
         self._token = token
@@ -198,11 +201,11 @@ class RemoteTarget:
             for step in range(count):
                 index = (self._current + step) % count
                 address = self.addresses[index]
-                host, port = self._endpoints[index]
+                endpoint = self._endpoints[index]
                 with trio.move_on_after(self.connect_timeout_s):
                     try:
-                        link = await _Link.open(self.name, address, host, port, self._token)
-                    except (*_LINK_ERRORS, TargetUnavailable) as exc:
+                        link = await _Link.open(self.name, address, endpoint, self._token)
+                    except (*_LINK_ERRORS, DelaydError) as exc:
                         problems.append(f"{address}: {exc}")
                         continue
                     if self._closed:  # aclose() ran while this connected
@@ -220,13 +223,6 @@ class RemoteTarget:
         if self._link is not None:
             self._link.fail("was closed by the sender")
         await trio.lowlevel.checkpoint()
-
-
-def _host_port(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
-        raise ValueError(f"broker address {address!r} is not HOST:PORT ([V6]:PORT for IPv6)")
-    return host.removeprefix("[").removesuffix("]"), int(port)
 
 
 class _Waiter:
@@ -264,33 +260,26 @@ class _Link:
         self.failure: str | None = None
 
     @classmethod
-    async def open(cls, group: str, address: str, host: str, port: int, token: str | None) -> _Link:
-        """Connect and do HELLO. Raises OSError or a trio stream error when the
-        connection fails, ProtocolError for a peer that does not speak the protocol,
-        TargetUnavailable when the broker refuses the HELLO or closes the connection."""
-        stream = await trio.open_tcp_stream(host, port)  # TCP_NODELAY is trio's default
+    async def open(cls, group: str, address: str, endpoint: Address, token: str | None) -> _Link:
+        """Connect and do HELLO (delayd.protocol.handshake). Raises OSError or a trio
+        stream error when the connection fails, and what say_hello raises: RejectedError
+        for a wrong token, BusyError for a broker shutting down, ConnectionClosedError,
+        ProtocolError for a peer that does not speak the protocol."""
+        stream = await trio.open_tcp_stream(*endpoint)  # TCP_NODELAY is trio's default
         try:
             conn = Connection(CLIENT)
-            hello = Hello(token=token, client_name=CLIENT_NAME, request_id=conn.next_request_id())
-            await stream.send_all(conn.send(hello))
-            while True:
-                event = conn.next_event()
-                if event is NEED_DATA:
-                    conn.receive_data(await stream.receive_some(RECEIVE_BYTES))
-                elif isinstance(event, HelloOk):
-                    return cls(group, address, stream, conn)
-                elif isinstance(event, Error):
-                    hint = ""
-                    if event.code is ErrorCode.UNAUTHORIZED:
-                        hint = " (check the token configured for the broker group)"
-                    raise TargetUnavailable(
-                        f"HELLO refused: {event.reason} ({event.code.name}){hint}"
-                    )
-                else:
-                    raise TargetUnavailable("the broker closed the connection during HELLO")
+            await say_hello(
+                conn,
+                stream.send_all,
+                partial(stream.receive_some, RECEIVE_BYTES),
+                token=token,
+                client_name=CLIENT_NAME,
+                peer=address,
+            )
         except BaseException:
             stream.socket.close()
             raise
+        return cls(group, address, stream, conn)
 
     def fail(self, reason: str) -> None:
         """End the link: close the socket (a task blocked on it wakes with
@@ -351,23 +340,22 @@ class _Link:
     async def _read_until(self, mine: _Waiter) -> None:
         """Read answers, handing each to its waiter, until ``mine`` has one or the link
         ends; then wake the other waiters so that one of them reads on."""
-        conn, waiters = self._conn, self._waiters
         self._reading = True
         try:
             while mine.response is None:
-                conn.receive_data(await self._stream.receive_some(RECEIVE_BYTES))
-                while (event := conn.next_event()) is not NEED_DATA:
-                    if isinstance(event, ConnectionClosed):
-                        self.fail("was closed by the broker")
-                        return
-                    waiter = waiters.pop(event.request_id, None)
-                    if waiter is not None:
-                        waiter.response = event  # type: ignore[assignment]
-                        waiter.wake.set()
-                    if isinstance(event, Error) and (event.close or event.request_id == 0):
-                        self.fail(f"was closed by the broker: {event.reason} ({event.code.name})")
-                        return
+                self._conn.receive_data(await self._stream.receive_some(RECEIVE_BYTES))
+                try:
+                    route_answers(self._conn, self._deliver, self.address)
+                except DelaydError as exc:  # closed, or an ERROR about the whole connection
+                    self.fail(f"was ended: {exc}")
+                    return
         finally:
             self._reading = False
-            for waiter in waiters.values():
+            for waiter in self._waiters.values():
                 waiter.wake.set()
+
+    def _deliver(self, answer: Response | Error) -> None:
+        waiter = self._waiters.pop(answer.request_id, None)
+        if waiter is not None:
+            waiter.response = answer  # type: ignore[assignment]
+            waiter.wake.set()

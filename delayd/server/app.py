@@ -1,5 +1,5 @@
 """DelayServer: the delay server's process — message_log, replayer, intake listener,
-the embedded broker and /metrics — under one root nursery.
+the HTTP API, the embedded broker and /metrics — under one root nursery.
 
 Start-up: ``open_listeners`` binds every port first (a clash is reported at once, not
 after recovery); ``open`` (blocking, run in a worker thread) recovers: message_log
@@ -7,10 +7,11 @@ after recovery); ``open`` (blocking, run in a worker thread) recovers: message_l
 the broker. ``run`` then starts every task with ``nursery.start`` and reports the
 bound addresses once all of them listen.
 
-Shutdown (``request_stop``, on SIGTERM/SIGINT): stop accepting and let in-flight
-batches be acknowledged, flush message_log, let the replayer copy everything durable and
-write its checkpoint, stop delivery, stop the broker's listener the same way (appended
-batches answered), stop the broker (it flushes and checkpoints itself), close files.
+Shutdown (``request_stop``, on SIGTERM/SIGINT): stop accepting (binary and HTTP) and
+let in-flight batches be acknowledged, flush message_log, let the replayer copy
+everything durable and write its checkpoint, stop delivery, stop the broker's listener
+the same way (appended batches answered), stop the broker (it flushes and checkpoints
+itself), close files.
 """
 
 from __future__ import annotations
@@ -25,14 +26,10 @@ from prometheus_client import CollectorRegistry
 from delayd.broker import Broker
 from delayd.broker.metrics import BrokerCollector
 from delayd.broker.server import broker_listener
-from delayd.connection_gate import ConnectionGate
-from delayd.connection_metrics import register_connection_metrics
-from delayd.listen import bound_addresses
-from delayd.listen import open_listeners as bind
+from delayd.http import Backend, HttpListener, open_api
 from delayd.logs import layout
 from delayd.logs.known_ids import KnownIds
-from delayd.metrics_http import Readiness, serve_metrics
-from delayd.receiver import Receiver
+from delayd.logs.message_status import UNKNOWN, MessageStatus, message_status
 from delayd.replay import Replayer, open_replayer
 from delayd.server.config import Address, ServeConfig
 from delayd.server.connection import DelayConnection
@@ -42,17 +39,17 @@ from delayd.server.intake import IntakePath
 from delayd.server.listener import IntakeListener
 from delayd.server.metrics import IntakeCollector
 from delayd.server.pending_metrics import PendingCollector, PendingTracker, chained
+from delayd.server.receiver import Receiver
 from delayd.server.retention import Retention, remove_orphans
 from delayd.server.retention_metrics import RetentionCollector
-from delayd.store_metrics import (
-    RESUME_FREE_BYTES,
-    DiskCollector,
-    FreeSpace,
-    StoreCollector,
-    StoreSizes,
-    broker_directories,
-)
-from delayd.write_refusals import WriteRefusals
+from delayd.serving.connection_gate import ConnectionGate
+from delayd.serving.connection_metrics import register_connection_metrics
+from delayd.serving.listeners import bound_addresses
+from delayd.serving.listeners import open_listeners as bind
+from delayd.serving.metrics_http import Readiness, serve_metrics
+from delayd.serving.store_metrics import RESUME_FREE_BYTES, StoreMetrics, broker_directories
+from delayd.serving.write_refusals import WriteRefusals
+from storage.errors import StorageError
 from storage.flusher import FlushMode, LogWriter
 from storage.fs import REAL_FS, FileSystem
 from storage.segmented_log import SegmentedLog
@@ -72,33 +69,37 @@ class ServeListeners:
     intake: list[trio.SocketListener]
     broker: list[trio.SocketListener] | None
     metrics: list[trio.SocketListener] | None
+    http: list[trio.SocketListener] | None = None
 
     async def aclose(self) -> None:
-        for group in (self.intake, self.broker, self.metrics):
+        for group in (self.intake, self.broker, self.metrics, self.http):
             for listener in group or ():
                 await listener.aclose()
 
 
 async def open_listeners(config: ServeConfig) -> ServeListeners:
-    """Bind the intake, broker and metrics listeners ``config`` asks for, in that order.
+    """Bind the intake, broker, metrics and HTTP listeners ``config`` asks for, in that order.
     Raises ListenError naming the first that cannot be bound (those bound before it
     are closed again)."""
     bound: list[list[trio.SocketListener]] = []
     try:
         intake = await bind("intake", *config.listen)
         bound.append(intake)
-        broker = metrics = None
+        broker = metrics = http = None
         if config.broker_listen is not None:
             broker = await bind("the broker", *config.broker_listen)
             bound.append(broker)
         if config.metrics_listen is not None:
             metrics = await bind("metrics", *config.metrics_listen)
+            bound.append(metrics)
+        if config.http_listen is not None:
+            http = await bind("the HTTP API", *config.http_listen)
     except BaseException:
         for group in bound:
             for listener in group:
                 await listener.aclose()
         raise
-    return ServeListeners(intake, broker, metrics)
+    return ServeListeners(intake, broker, metrics, http)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +138,7 @@ class BoundAddresses:
     intake: Address
     broker: Address | None
     metrics: Address | None
+    http: Address | None = None
 
 
 class DelayServer:
@@ -178,27 +180,27 @@ class DelayServer:
             writer.refusals = self.refusals
         self.readiness.watch(self.refusals.reason)
         self._broker_address: str | None = None
+        self.http: HttpListener | None = None  # the HTTP API, once it serves
         # Metrics that read the logs, only when someone can scrape them: the pending
         # count adds a call per replayed record and a start-up count.
         self.pending: PendingTracker | None = None
-        self.store_sizes: StoreSizes | None = None
-        self.free_space: FreeSpace | None = None
+        self.store_metrics: StoreMetrics | None = None
         if config.metrics_listen is not None:
-            # Writes are taken to resume a MiB above intake's reserve: below it intake
-            # still refuses, and readiness must say so.
-            resume = config.limits.min_free_bytes + RESUME_FREE_BYTES
-            self.free_space = FreeSpace(delivery.data_dir, self.refusals, resume_free_bytes=resume)
             self.pending = self._pending_tracker(delivery)
             replayer.on_scheduled = chained(replayer.on_scheduled, self.pending.on_scheduled)
             data_dir = delivery.data_dir
-            self.store_sizes = StoreSizes(
-                {
-                    "message_log": layout.message_log_dir(data_dir),
-                    "schedule_log": layout.schedule_log_dir(data_dir),
-                    "dispatch_log": layout.dispatch_log_dir(data_dir),
-                    "id_index": layout.id_index_dir(data_dir),
-                    **broker_directories(broker.store.directory),
-                }
+            directories = {
+                "message_log": layout.message_log_dir(data_dir),
+                "schedule_log": layout.schedule_log_dir(data_dir),
+                "dispatch_log": layout.dispatch_log_dir(data_dir),
+                "id_index": layout.id_index_dir(data_dir),
+                **broker_directories(broker.store.directory),
+            }
+            # Writes are taken to resume a MiB above intake's reserve: below it intake
+            # still refuses, and readiness must say so.
+            resume = config.limits.min_free_bytes + RESUME_FREE_BYTES
+            self.store_metrics = StoreMetrics(
+                directories, data_dir, self.refusals, resume_free_bytes=resume
             )
         # Deletes replayed message_log segments and delivered buckets once they are old
         # enough (docs/operations.md, "Retention"); runs once delivery does.
@@ -350,11 +352,9 @@ class DelayServer:
                     self._broker_address = "{}:{}".format(*broker_bound)
                 metrics_bound = None
                 if config.metrics_listen is not None:
-                    assert self.pending is not None and self.store_sizes is not None
+                    assert self.pending is not None and self.store_metrics is not None
                     await root.start(self.pending.run)
-                    await root.start(self.store_sizes.run)
-                    assert self.free_space is not None
-                    await root.start(self.free_space.run)
+                    await root.start(self.store_metrics.run)
                     if metrics is not None:
                         registry = metrics.registry
                     else:
@@ -363,8 +363,7 @@ class DelayServer:
                     registry.register(BrokerCollector(self.broker))
                     registry.register(DeliveryCollector(self.delivery))
                     registry.register(PendingCollector(self.pending))
-                    registry.register(StoreCollector(self.store_sizes))
-                    registry.register(DiskCollector(self.free_space))
+                    self.store_metrics.register(registry)
                     if self.retention is not None:
                         registry.register(RetentionCollector(self.retention))
                     gates = {"intake": self.listener.gate, "broker": self.broker_listener.gate}
@@ -380,10 +379,14 @@ class DelayServer:
                             serve_metrics, readiness=self.readiness, listeners=listeners.metrics
                         )
                         metrics_bound = (await root.start(serve, registry, host, port))[0]
+                http_bound = None
+                if config.http_listen is not None:
+                    http_bound = await root.start(self._serve_http, root, listeners)
                 host, port = config.listen
                 serve_intake = partial(self.listener.serve, listeners=listeners.intake)
                 intake_bound = await root.start(serve_intake, host, port)
-                task_status.started(BoundAddresses(intake_bound[0], broker_bound, metrics_bound))
+                bound = BoundAddresses(intake_bound[0], broker_bound, metrics_bound, http_bound)
+                task_status.started(bound)
                 root.start_soon(self._start_delivery, root, self.message_log.durable_offset)
                 await self._stop.wait()
                 await self._shutdown()
@@ -396,6 +399,41 @@ class DelayServer:
             self.message_log.close()
             if self.known is not None:
                 self.known.close()
+
+    async def _serve_http(
+        self,
+        root: trio.Nursery,
+        listeners: ServeListeners,
+        *,
+        task_status: trio.TaskStatus[Address],
+    ) -> None:
+        """The HTTP API (delayd.http) on the same intake path and broker; a log that
+        cannot be written stops the server, as it does from the binary listener."""
+
+        def storage_failed(exc: StorageError) -> None:
+            async def fail() -> None:
+                raise exc
+
+            root.start_soon(fail)
+
+        assert listeners.http is not None  # bound by open_listeners
+        backend = Backend(
+            self.intake, self.broker, self.message_status, self.config.token, storage_failed
+        )
+        self.http = open_api(
+            backend,
+            listeners.http,
+            max_record_bytes=self.config.limits.max_record_bytes,
+            grace_s=SHUTDOWN_GRACE_S,
+        )
+        await self.http.serve(task_status=task_status)
+
+    def message_status(self, message_id: str) -> MessageStatus:
+        """Where the message with ``message_id`` is (delayd.logs.message_status)."""
+        index = self.replayer.index
+        if index is None:
+            return UNKNOWN
+        return message_status(message_id, index, self.delivery.dispatch, self.known)
 
     async def _start_delivery(self, root: trio.Nursery, replay_target: int) -> None:
         """Start delivery once the replayer has caught up with what message_log held
@@ -458,7 +496,10 @@ class DelayServer:
 
     async def _shutdown(self) -> None:
         log.info("shutting down: no new requests; answering those in flight")
-        await self.listener.stop(SHUTDOWN_GRACE_S)
+        async with trio.open_nursery() as listeners:
+            listeners.start_soon(self.listener.stop, SHUTDOWN_GRACE_S)
+            if self.http is not None:
+                listeners.start_soon(self.http.stop)
         await self.writer.flush()
         await self.replayer.stop()
         if self.delivery.running:

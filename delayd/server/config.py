@@ -15,37 +15,38 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from delayd.address import Address, parse_address
 from delayd.broker.config import BrokerConfig
-from delayd.connection_limits import (
+from delayd.logs import message_log, schedule_log
+from delayd.logs.bucket_files import DEFAULT_MAX_OPEN
+from delayd.logs.buckets import DEFAULT_SEGMENT_SCALE, check_segment_scale
+from delayd.logs.dispatch_log import check_group_name
+from delayd.protocol.frames import DEFAULT_MAX_FRAME_SIZE
+from delayd.replay.replayer import DEFAULT_BATCH_RECORDS, DEFAULT_CHECKPOINT_INTERVAL_S
+from delayd.sender.retry import RetryPolicy
+from delayd.sender.sender import SenderConfig
+from delayd.server.receiver import IntakeLimits
+from delayd.serving.connection_limits import (
     DEFAULT_FRAME_TIMEOUT_MS,
     DEFAULT_HELLO_TIMEOUT_MS,
     DEFAULT_MAX_UNFINISHED_FRAME_BYTES,
     ConnectionLimits,
 )
-from delayd.logs import message_log, schedule_log
-from delayd.logs.bucket_files import DEFAULT_MAX_OPEN
-from delayd.logs.buckets import DEFAULT_SEGMENT_SCALE, check_segment_scale
-from delayd.logs.dispatch_log import check_group_name
-from delayd.logsetup import (
+from delayd.serving.structured_logs import (
     DEFAULT_LOG_FORMAT,
     DEFAULT_LOG_LEVEL,
     LOG_FORMATS,
     LOG_LEVELS,
 )
-from delayd.protocol.frames import DEFAULT_MAX_FRAME_SIZE
-from delayd.receiver import IntakeLimits
-from delayd.replay.replayer import DEFAULT_BATCH_RECORDS, DEFAULT_CHECKPOINT_INTERVAL_S
-from delayd.sender.retry import RetryPolicy
-from delayd.sender.sender import SenderConfig
 from storage.flusher import FlushMode, FlushPolicy
 from storage.framing import HEADER_SIZE
 from storage.record_file import DEFAULT_MAX_UNSYNCED_BYTES as BUCKET_MAX_UNSYNCED_BYTES
 from storage.segmented_log import DEFAULT_MAX_UNSYNCED_BYTES, DEFAULT_SEGMENT_SIZE, EOS_SIZE
 
-DEFAULT_LISTEN = ("127.0.0.1", 20801)
-DEFAULT_BROKER_LISTEN = ("127.0.0.1", 20811)
-DEFAULT_METRICS_LISTEN = ("127.0.0.1", 20880)  # the issue's port; loopback: not exposed
-Address = tuple[str, int]
+DEFAULT_LISTEN = Address("127.0.0.1", 20801)
+DEFAULT_BROKER_LISTEN = Address("127.0.0.1", 20811)
+DEFAULT_METRICS_LISTEN = Address("127.0.0.1", 20880)  # the issue's port; loopback: not exposed
+DEFAULT_HTTP_LISTEN = Address("127.0.0.1", 20890)  # the HTTP/JSON API (docs/http.md)
 
 
 class ConfigError(ValueError):
@@ -104,27 +105,30 @@ class BrokerGroupConfig:
                 'addresses = ["HOST:PORT", ...], not both'
             )
         for address in self.addresses:
-            parse_address(address, f"broker_groups.{self.name}.addresses")
+            try:
+                parse_address(address)
+            except ValueError as exc:
+                raise ConfigError(f"broker_groups.{self.name}.addresses: {exc}") from None
         if self.weight < 1:
             raise ConfigError(f"broker_groups.{self.name}.weight must be >= 1")
 
 
-def parse_address(text: str, what: str) -> Address:
-    """``HOST:PORT`` (``[v6]:PORT`` for IPv6; port 0 picks a free port) -> (host, port).
+def parse_listen_address(text: str, what: str) -> Address:
+    """A listener's ``HOST:PORT`` (delayd.address; port 0 picks a free port).
 
     Raises ConfigError naming ``what``.
     """
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not (port.isascii() and port.isdigit()) or int(port) > 65535:
-        raise ConfigError(f"{what}: {text!r} is not HOST:PORT (port 0..65535)")
-    return host.strip("[]"), int(port)
+    try:
+        return parse_address(text, allow_port_zero=True)
+    except ValueError as exc:
+        raise ConfigError(f"{what}: {exc}") from None
 
 
-def parse_optional_address(text: str, what: str) -> Address | None:
-    """As parse_address, or None for ``off``."""
+def parse_optional_listen_address(text: str, what: str) -> Address | None:
+    """As parse_listen_address, or None for ``off``."""
     if text.strip().lower() in ("", "off", "none"):
         return None
-    return parse_address(text, what)
+    return parse_listen_address(text, what)
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,9 +138,10 @@ class ServeConfig:
     listen: Address = DEFAULT_LISTEN
     broker_listen: Address | None = DEFAULT_BROKER_LISTEN  # None: embedded broker, no port
     metrics_listen: Address | None = DEFAULT_METRICS_LISTEN  # None: no /metrics endpoint
+    http_listen: Address | None = DEFAULT_HTTP_LISTEN  # None: no HTTP API
     token: str | None = field(default=None, repr=False)
     max_frame_bytes: int = DEFAULT_MAX_FRAME_SIZE
-    # The intake listener's connections (delayd.connection_limits); 0 = by the fd limit.
+    # The intake listener's connections (delayd.serving.connection_limits); 0 = by the fd limit.
     max_connections: int = 0
     hello_timeout_ms: int = DEFAULT_HELLO_TIMEOUT_MS
     frame_timeout_ms: int = DEFAULT_FRAME_TIMEOUT_MS
@@ -196,12 +201,7 @@ class ServeConfig:
     @property
     def connection_limits(self) -> ConnectionLimits:
         """The limits of the intake listener (the embedded broker's are in ``broker``)."""
-        return ConnectionLimits(
-            self.max_connections,
-            self.hello_timeout_ms,
-            self.frame_timeout_ms,
-            self.max_unfinished_frame_bytes,
-        )
+        return ConnectionLimits.of(self)
 
     def _check_embedded_broker_takes_what_intake_accepts(self) -> None:
         """A message intake accepts and the embedded broker (the only group, usually)
@@ -257,15 +257,24 @@ def _choice(*choices: str) -> Callable[[Any, str], str]:
 # table -> key -> (check, where the value goes: ServeConfig field, or "limits.x")
 _SCHEMA: dict[str, dict[str, tuple[Callable[[Any, str], Any], str]]] = {
     "server": {
-        "listen": (lambda v, k: parse_address(_str(v, k), k), "listen"),
-        "broker_listen": (lambda v, k: parse_optional_address(_str(v, k), k), "broker_listen"),
-        "metrics_listen": (lambda v, k: parse_optional_address(_str(v, k), k), "metrics_listen"),
+        "listen": (lambda v, k: parse_listen_address(_str(v, k), k), "listen"),
+        "broker_listen": (
+            lambda v, k: parse_optional_listen_address(_str(v, k), k),
+            "broker_listen",
+        ),
+        "metrics_listen": (
+            lambda v, k: parse_optional_listen_address(_str(v, k), k),
+            "metrics_listen",
+        ),
         "token": (_str, "token"),
         "max_frame_bytes": (_int, "max_frame_bytes"),
         "max_connections": (_non_negative, "max_connections"),
         "hello_timeout_ms": (_int, "hello_timeout_ms"),
         "frame_timeout_ms": (_int, "frame_timeout_ms"),
         "max_unfinished_frame_bytes": (_int, "max_unfinished_frame_bytes"),
+    },
+    "http": {
+        "listen": (lambda v, k: parse_optional_listen_address(_str(v, k), k), "http_listen"),
     },
     "log": {
         "format": (_choice(*LOG_FORMATS), "log_format"),
@@ -342,6 +351,7 @@ def string_keys() -> frozenset[str]:
         "server.broker_listen",
         "server.metrics_listen",
         "server.token",
+        "http.listen",
         "message_log.flush",
         "log.format",
         "log.level",

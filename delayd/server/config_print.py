@@ -14,18 +14,16 @@ import enum
 import json
 from typing import Any
 
+from delayd.address import format_address
 from delayd.logs.buckets import bucket_width_ms
 from delayd.server.config import Address, ServeConfig, key_targets, table_keys
 
-_ADDRESS_KEYS = {"listen", "broker_listen", "metrics_listen"}
+_ADDRESS_KEYS = {"listen", "broker_listen", "metrics_listen", "http_listen"}
 
 
-def format_address(address: Address | None) -> str:
+def format_listen_address(address: Address | None) -> str:
     """``HOST:PORT`` (``[v6]:PORT``) as the configuration reads it; ``off`` for None."""
-    if address is None:
-        return "off"
-    host, port = address
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return "off" if address is None else format_address(*address)
 
 
 def _value(config: ServeConfig, target: str) -> Any:
@@ -33,7 +31,7 @@ def _value(config: ServeConfig, target: str) -> Any:
     if not field:
         value = getattr(config, head)
         if head in _ADDRESS_KEYS:
-            return format_address(value)
+            return format_listen_address(value)
         if head == "load_ahead_ms" and value is None:
             return 2 * bucket_width_ms(config.segment_scale_minutes)
         return value

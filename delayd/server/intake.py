@@ -34,9 +34,9 @@ import trio
 from delayd.logs import tombstone
 from delayd.logs.message_log import TYPE_MESSAGE
 from delayd.protocol import EncodedMessages, Message, ResultCode, SendResult
-from delayd.receiver import Intake, Receiver
 from delayd.replay import Replayer
-from delayd.write_refusals import MESSAGE_LOG, WriteRefusals
+from delayd.server.receiver import Intake, Receiver
+from delayd.serving.write_refusals import MESSAGE_LOG, WriteRefusals
 from storage.errors import DiskFullError
 from storage.flusher import FlushMode, LogWriter
 from storage.space import FreeSpaceGuard
@@ -142,7 +142,8 @@ class IntakePath:
         return [self.receiver.acknowledge(intake) for intake in intakes]
 
     async def send_batch(self, messages: Sequence[Message]) -> list[SendResult]:
-        """Both halves at once, for callers that need no pipelining order (tests)."""
+        """Both halves at once, for callers that need no pipelining order (the HTTP
+        API, whose requests are independent; tests)."""
         await self.make_room()
         return await self.acknowledge(self.append(messages))
 

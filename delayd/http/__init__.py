@@ -1,0 +1,28 @@
+"""The HTTP/JSON API of the delay server (docs/http.md): routes, request and response
+models, problem details, the body limit, and the listener that serves them."""
+
+from __future__ import annotations
+
+import trio
+
+from delayd.http.limits import BodyLimit, body_limit_bytes
+from delayd.http.listener import HttpListener
+from delayd.http.routes import Backend, build_app
+
+
+def open_api(
+    backend: Backend,
+    listeners: list[trio.SocketListener],
+    *,
+    max_record_bytes: int,
+    grace_s: float,
+) -> HttpListener:
+    """The API over ``backend``, to serve on the bound ``listeners`` (``serve``), with
+    a body limit that fits the intake's largest record."""
+    app = BodyLimit(build_app(backend), body_limit_bytes(max_record_bytes))
+    listener = HttpListener(app, listeners, grace_s=grace_s)
+    listener.on_stop.append(backend.stop_pulls)
+    return listener
+
+
+__all__ = ["Backend", "HttpListener", "build_app", "open_api"]

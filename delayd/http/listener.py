@@ -1,0 +1,68 @@
+"""The HTTP listener: the API served by hypercorn's trio worker, in the server's nursery.
+
+The sockets are bound before recovery with the other listeners (delayd.serving.listeners); here
+hypercorn takes them over (a duplicate of each descriptor, ``fd://``; the bound ones
+are closed), so a port clash is still reported at once and connections made during
+recovery wait in the backlog.
+
+``stop`` is the graceful shutdown: long polls are answered with what they have, no
+new connection is accepted, and requests in flight get ``grace_s`` to finish (a send
+being acknowledged is answered), as on the binary listener.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from functools import partial
+from typing import Any
+
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve
+
+from delayd.serving.listeners import bound_addresses
+
+log = logging.getLogger(__name__)
+
+Address = tuple[str, int]
+KEEP_ALIVE_S = 75  # longer than a typical proxy's or client pool's idle time
+
+
+class HttpListener:
+    """Serves ``app`` on bound ``listeners`` until ``stop``."""
+
+    def __init__(self, app: Any, listeners: list[trio.SocketListener], *, grace_s: float) -> None:
+        self.app = app
+        self.listeners = listeners
+        self.grace_s = grace_s
+        self.on_stop: list[Any] = []  # callables run when the stop begins
+        self._stop = trio.Event()
+        self._stopped = trio.Event()
+
+    async def serve(self, *, task_status: trio.TaskStatus[Address]) -> None:
+        """Serve until ``stop``; reports the first bound address once it accepts."""
+        address = bound_addresses(self.listeners)[0]
+        config = Config()
+        config.bind = [f"fd://{os.dup(listener.socket.fileno())}" for listener in self.listeners]
+        for listener in self.listeners:
+            await listener.aclose()
+        config.graceful_timeout = self.grace_s
+        config.keep_alive_timeout = KEEP_ALIVE_S
+        config.accesslog = None
+        config.errorlog = log
+        config.include_server_header = False
+        try:
+            async with trio.open_nursery() as nursery:
+                run = partial(serve, self.app, config, shutdown_trigger=self._stop.wait)
+                await nursery.start(run)
+                task_status.started(address)
+        finally:
+            self._stopped.set()
+
+    async def stop(self) -> None:
+        """Stop: see the module docstring. Returns once the listener is closed."""
+        for hook in self.on_stop:
+            hook()
+        self._stop.set()
+        await self._stopped.wait()
