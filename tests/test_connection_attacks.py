@@ -128,7 +128,7 @@ def test_idle_and_slowloris_connections_are_closed_and_a_good_client_keeps_worki
 
 
 def test_connections_to_the_descriptor_limit_are_refused_and_delivery_goes_on(tmp_path, procs):
-    """RLIMIT_NOFILE 300: each listener takes 75 connections (delayd.serving.descriptor_limit),
+    """RLIMIT_NOFILE 300: each listener takes 75 connections (delayd.serving.connection_limits),
     the rest of the descriptors stay with the logs, so bucket files still open and deliver."""
     server = procs.start(ServeProcess(tmp_path / "data", nofile=300))
     peers = [Peer(server.address) for _ in range(150)]

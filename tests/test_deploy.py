@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from delayd.server.app import SHUTDOWN_GRACE_S
-from delayd.serving.descriptor_limit import MAX_DESCRIPTORS
+from storage.descriptor_limit import MAX_DESCRIPTORS
 from tests.exported_metrics import exported_by_a_live_server, parse_exposition
 from tests.process_support import DELAYD, ROOT, child_env
 
@@ -214,7 +214,7 @@ def test_systemd_unit_outwaits_the_graceful_stop_and_lifts_the_descriptor_limit(
     settings = unit_settings()
     assert int(settings["TimeoutStopSec"]) >= 2 * SHUTDOWN_GRACE_S + STOP_MARGIN_S
     assert settings["KillSignal"] == "SIGTERM"
-    # The most the server raises its soft limit to (delayd/serving/descriptor_limit.py).
+    # The most the server raises its soft limit to (storage/descriptor_limit.py).
     assert int(settings["LimitNOFILE"]) == MAX_DESCRIPTORS
     assert settings["Restart"] == "on-failure"
 

@@ -1,5 +1,5 @@
 """The servers raise their soft descriptor limit to the hard one at start
-(delayd.serving.descriptor_limit): a distribution's default of 1,024 would run out with
+(storage.descriptor_limit): a distribution's default of 1,024 would run out with
 enough bucket files and connections."""
 
 import resource
@@ -13,7 +13,7 @@ WANTED = 1 << 20 if HARD == resource.RLIM_INFINITY else min(HARD, 1 << 20)
 
 PROBE = """
 import resource, sys
-from delayd.serving.descriptor_limit import raise_descriptor_limit
+from storage.descriptor_limit import raise_descriptor_limit
 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
 resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[1]), hard))
 print(raise_descriptor_limit(), resource.getrlimit(resource.RLIMIT_NOFILE)[0])

@@ -27,7 +27,7 @@ from delayd.sender.retry import RetryPolicy
 from delayd.sender.sender import SenderConfig
 from delayd.server.intake import IntakePath
 from delayd.server.receiver import IntakeLimits, Receiver
-from delayd.serving.write_refusals import (
+from delayd.write_refusals import (
     BROKER_COMMITLOG,
     CHECKPOINT,
     DISPATCH_LOG,

@@ -1,4 +1,4 @@
-"""Structured logs (delayd.serving.structured_logs): key=value and JSON lines, levels, fields,
+"""Structured logs (delayd.structured_logs): key=value and JSON lines, levels, fields,
 tracebacks on one line; and `delayd serve` / `delayd broker` wired to them without
 touching their ready lines on stdout."""
 
@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from delayd.serving.structured_logs import configure_logging, fields
+from delayd.structured_logs import configure_logging, fields
 from tests.broker_support import BrokerProcess
 from tests.intake_support import ServeProcess, write_config
 from tests.process_support import DELAYD, ROOT, child_env

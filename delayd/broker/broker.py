@@ -53,7 +53,7 @@ from delayd.protocol.codec import (
 )
 from delayd.protocol.codes import ErrorCode, ResultCode
 from delayd.protocol.events import EncodedMessages, Message, SendResult, validate_subject
-from delayd.serving.write_refusals import BROKER_COMMITLOG, CHECKPOINT, WriteRefusals
+from delayd.write_refusals import BROKER_COMMITLOG, CHECKPOINT, WriteRefusals
 from storage.errors import DiskFullError
 from storage.fs import REAL_FS, FileSystem
 

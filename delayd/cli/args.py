@@ -20,7 +20,7 @@ from typing import Any
 
 from delayd.address import Address, parse_address
 from delayd.durations import parse_duration_ms
-from delayd.serving.structured_logs import (
+from delayd.structured_logs import (
     DEFAULT_LOG_FORMAT,
     DEFAULT_LOG_LEVEL,
     LOG_FORMATS,

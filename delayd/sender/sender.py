@@ -61,6 +61,7 @@ from delayd.logs.dispatch_log import EntryKind, check_group_name
 from delayd.logs.message_log import MessageRecord
 from delayd.logs.schedule_log import decode_scheduled
 from delayd.logs.schedule_reader import ScheduleReader
+from delayd.nowait_acquire import holding
 from delayd.protocol import EncodedMessages, Message
 from delayd.protocol.codec import encode_message
 from delayd.protocol.codes import ResultCode
@@ -70,10 +71,9 @@ from delayd.sender.retry import RetryPolicy, dead_letter_subject
 from delayd.sender.routing import GroupWeight, Router
 from delayd.sender.targets import SendTarget, TargetUnavailable
 from delayd.sender.wire import TAIL, TEXT_AT, ScheduledHead, read_head
-from delayd.serving.nowait_acquire import holding
-from delayd.serving.write_refusals import DISPATCH_LOG, WriteRefusals
 from delayd.wheel.manager import WheelManager
 from delayd.wheel.timer import OFFSET_BITS, DueEntries
+from delayd.write_refusals import DISPATCH_LOG, WriteRefusals
 from storage.errors import DiskFullError
 
 log = logging.getLogger(__name__)

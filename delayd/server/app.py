@@ -48,7 +48,7 @@ from delayd.serving.listeners import bound_addresses
 from delayd.serving.listeners import open_listeners as bind
 from delayd.serving.metrics_http import Readiness, serve_metrics
 from delayd.serving.store_metrics import RESUME_FREE_BYTES, StoreMetrics, broker_directories
-from delayd.serving.write_refusals import WriteRefusals
+from delayd.write_refusals import WriteRefusals
 from storage.errors import StorageError
 from storage.flusher import FlushMode, LogWriter
 from storage.fs import REAL_FS, FileSystem

@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import trio
 
+from delayd.nowait_acquire import acquire
 from delayd.protocol import (
     Cancel,
     CancelBatch,
@@ -46,7 +47,6 @@ from delayd.server.intake import IntakePath
 from delayd.server.receiver import Intake
 from delayd.serving.connection import ServerConnection
 from delayd.serving.connection_gate import ConnectionGate
-from delayd.serving.nowait_acquire import acquire
 from storage.errors import DiskFullError, StorageError
 
 log = logging.getLogger(__name__)
