@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from delayd.http.openapi import openapi_document, render
+from delayd.server.http.openapi import openapi_document, render
 from tests.intake_support import ServeProcess
 from tests.process_support import ROOT
 

@@ -26,7 +26,6 @@ from prometheus_client import CollectorRegistry
 from delayd.broker import Broker
 from delayd.broker.metrics import BrokerCollector
 from delayd.broker.server import broker_listener
-from delayd.http import Backend, HttpListener, open_api
 from delayd.logs import layout
 from delayd.logs.known_ids import KnownIds
 from delayd.logs.message_status import UNKNOWN, MessageStatus, message_status
@@ -35,6 +34,7 @@ from delayd.server.config import Address, ServeConfig
 from delayd.server.connection import DelayConnection
 from delayd.server.delivery import Delivery, build_targets
 from delayd.server.delivery_metrics import DeliveryCollector
+from delayd.server.http import Backend, HttpListener, open_api
 from delayd.server.intake import IntakePath
 from delayd.server.listener import IntakeListener
 from delayd.server.metrics import IntakeCollector
@@ -407,7 +407,7 @@ class DelayServer:
         *,
         task_status: trio.TaskStatus[Address],
     ) -> None:
-        """The HTTP API (delayd.http) on the same intake path and broker; a log that
+        """The HTTP API (delayd.server.http) on the same intake path and broker; a log that
         cannot be written stops the server, as it does from the binary listener."""
 
         def storage_failed(exc: StorageError) -> None:
