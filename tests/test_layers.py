@@ -17,43 +17,28 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # clients), or ``delayd.X``: a package with all its modules, or a root module.
 
 # Leaf modules import nothing from delayd; every delayd unit may import them.
-LEAVES = ("delayd.version", "delayd.address", "delayd.durations", "delayd.timestamps")
-
-# The root modules that host the two servers (listeners, connections, process set-up,
-# metrics); they go into the package delayd.serving, which only delayd.server and
-# delayd.broker build on (and the HTTP API, and the commands). Four of them serve lower
-# layers too, so they cannot join it as they are: fdlimit (logs), nowait and
-# write_refusals (replay, sender), logsetup (cluster).
-HOSTING = (
-    "delayd.fdlimit",
-    "delayd.nowait",
-    "delayd.write_refusals",
-    "delayd.answer_queue",
-    "delayd.gcsetup",
-    "delayd.logsetup",
-    "delayd.stream_writer",
-    "delayd.frame_budget",
-    "delayd.connection_limits",
-    "delayd.connection_gate",
-    "delayd.connection_metrics",
-    "delayd.listen",
-    "delayd.stoppable_listener",
-    "delayd.metrics_http",
-    "delayd.store_metrics",
-    "delayd.stream_events",
-    "delayd.serving",
+LEAVES = (
+    "delayd.version",
+    "delayd.address",
+    "delayd.durations",
+    "delayd.timestamps",
+    "delayd.message_ids",
+    "delayd.structured_logs",
+    "delayd.nowait_acquire",
 )
+# What the delay server builds on: the process that runs intake, replay, the wheel, the
+# sender, the embedded broker and the HTTP API.
 SERVER = (
     "storage",
     "delayd.errors",
     "delayd.protocol",
+    "delayd.write_refusals",
     "delayd.logs",
     "delayd.wheel",
     "delayd.replay",
+    "delayd.serving",
     "delayd.broker",
     "delayd.sender",
-    "delayd.receiver",
-    *HOSTING,
 )
 
 # Bottom-up: a row may name only rows above it (lower layers), so the table is itself
@@ -63,55 +48,32 @@ ROWS: list[tuple[str, Iterable[str]]] = [
     *((leaf, ()) for leaf in LEAVES),
     ("delayd.errors", ["storage"]),
     ("delayd.protocol", ["delayd.errors"]),
-    ("delayd.fdlimit", ()),
-    ("delayd.nowait", ()),
-    ("delayd.write_refusals", ["storage"]),
-    ("delayd.logs", ["storage", "delayd.fdlimit"]),
+    ("delayd.write_refusals", ["storage"]),  # which logs refuse writes on a full disk
+    ("delayd.logs", ["storage"]),
     ("delayd.wheel", ["storage", "delayd.logs"]),
-    (
-        "delayd.replay",
-        ["storage", "delayd.errors", "delayd.logs", "delayd.nowait", "delayd.write_refusals"],
-    ),
-    ("delayd.answer_queue", ()),
-    ("delayd.gcsetup", ()),
-    ("delayd.logsetup", ()),
-    ("delayd.stream_writer", ()),
-    ("delayd.frame_budget", ["delayd.protocol"]),
-    ("delayd.connection_limits", ["delayd.fdlimit"]),
-    (
-        "delayd.connection_gate",
-        ["delayd.protocol", "delayd.fdlimit", "delayd.frame_budget", "delayd.connection_limits"],
-    ),
-    ("delayd.connection_metrics", ["delayd.connection_gate"]),
-    ("delayd.listen", ["delayd.errors"]),
-    ("delayd.stoppable_listener", ["delayd.listen", "delayd.connection_gate"]),
-    ("delayd.metrics_http", ["delayd.listen"]),
-    ("delayd.store_metrics", ["delayd.write_refusals"]),
-    (
-        "delayd.stream_events",
-        ["delayd.errors", "delayd.protocol", "delayd.frame_budget", "delayd.connection_gate"],
-    ),
-    ("delayd.serving", ["storage", "delayd.errors", "delayd.protocol", *HOSTING[:-1]]),
-    ("delayd.cluster", ["delayd.errors", "delayd.logsetup"]),
+    ("delayd.replay", ["storage", "delayd.errors", "delayd.logs", "delayd.write_refusals"]),
+    # What hosts the two servers: only they (and the commands) build on it.
+    ("delayd.serving", ["storage", "delayd.errors", "delayd.protocol", "delayd.write_refusals"]),
+    ("delayd.cluster", ["delayd.errors"]),
     ("delayd.client", ["delayd.errors", "delayd.protocol"]),
     ("delayd", ["delayd.client", "delayd.errors", "delayd.protocol"]),  # its public names
-    ("delayd.broker", ["storage", "delayd.errors", "delayd.protocol", *HOSTING]),
+    (
+        "delayd.broker",
+        ["storage", "delayd.errors", "delayd.protocol", "delayd.write_refusals", "delayd.serving"],
+    ),
     (
         "delayd.sender",
         [
             "storage",
             "delayd.errors",
             "delayd.protocol",
+            "delayd.write_refusals",
             "delayd.logs",
             "delayd.wheel",
-            "delayd.nowait",
-            "delayd.write_refusals",
             "delayd.broker",  # the embedded broker is a delivery target
         ],
     ),
-    ("delayd.receiver", ["delayd.protocol", "delayd.logs", "delayd.sender"]),
-    ("delayd.http", SERVER),
-    ("delayd.server", [*SERVER, "delayd.http"]),  # the server starts the HTTP API
+    ("delayd.server", SERVER),  # with its HTTP API (delayd.server.http)
     ("delayd.inspect", ["storage", "delayd.logs", "delayd.wheel", "delayd.replay"]),
     ("delayd.top", ["delayd.logs"]),
     ("delayd.audit", ["storage", "delayd.logs", "delayd.replay"]),
@@ -123,25 +85,9 @@ ROWS += [
 ]
 RULES: dict[str, frozenset[str]] = {name: frozenset(allowed) for name, allowed in ROWS}
 
-# Imports that break the table today, tolerated by unit pair. The version and the
-# duration parser are getting leaf modules, which end the first four; the last two
-# break the rule the HTTP API was given (it may import what delayd.server may, and the
-# server starts it), for the lead to settle: move the code or change the row. The lead
-# empties this once they are gone.
-TOLERATED = {
-    ("delayd.client", "delayd"),  # from delayd import __version__
-    ("delayd.sender", "delayd"),  # from delayd import __version__
-    ("delayd.connection_metrics", "delayd"),  # from delayd import __version__
-    ("delayd.audit", "delayd.client"),  # the duration parser of `delayd send`
-    ("delayd.http", "delayd.server"),  # IntakePath, Answer: types only, yet a cycle
-    ("delayd.http", "delayd.client"),  # new_message_id
-}
-
-# Rows for units that the moves under way create (not in the tree yet), and rows of the
-# root modules they move into packages (delayd.serving, delayd.server). A row whose
-# unit is not in the tree is an error unless it is named here; the lead removes this
-# tolerance (and the rows of the modules that left) after merging the moves.
-MOVING = {*LEAVES, "delayd.http", "delayd.receiver", *HOSTING}
+# Imports that break the table and pass all the same, by unit pair: none. When one
+# appears, move the code to the layer it belongs to rather than list the pair here.
+TOLERATED: set[tuple[str, str]] = set()
 
 
 def module_name(path: pathlib.Path, root: pathlib.Path = ROOT) -> str:
@@ -241,7 +187,7 @@ def test_every_package_and_root_module_has_a_row():
 
 
 def test_every_row_names_a_unit_of_the_tree():
-    assert sorted(RULES.keys() - units_in_tree() - MOVING) == []
+    assert sorted(RULES.keys() - units_in_tree()) == []
 
 
 def test_rows_name_only_rows_above_them():
@@ -261,7 +207,7 @@ def test_the_clients_and_storage_stay_out_of_the_servers():
     using_the_cli = sorted(name for name, allowed in RULES.items() if "delayd.cli" in allowed)
     assert using_the_cli == ["delayd.__main__"]
     using_serving = {name for name, allowed in RULES.items() if "delayd.serving" in allowed}
-    assert using_serving == {"delayd.server", "delayd.broker", "delayd.http", "delayd.cli"}
+    assert using_serving == {"delayd.server", "delayd.broker", "delayd.cli"}
 
 
 def test_the_checker_catches_what_the_table_forbids():
@@ -324,32 +270,12 @@ def test_the_protocol_is_sans_io():
 
 
 # The audit's executor side, which Spark's Python workers run: they have pyarrow and
-# delayd's own code, but neither trio nor pyspark. Named by stage package, and by the
-# modules that hold those stages until the audit is grouped by stage (the lead drops
-# those names after merging it).
+# delayd's own code, but neither trio nor pyspark.
 AUDIT_EXECUTOR = (
     "delayd.audit.read",
     "delayd.audit.judge",
-    *(
-        f"delayd.audit.{name}"
-        for name in (
-            "files",
-            "frames",
-            "batches",
-            "fields",
-            "schemas",
-            "kinds",
-            "decode_messages",
-            "decode_dispatch",
-            "pairs",
-            "judge",
-            "tally",
-            "findings",
-            "ids",
-            "id_checks",
-            "reconciled",
-        )
-    ),
+    "delayd.audit.schemas",
+    "delayd.audit.kinds",
 )
 
 
