@@ -91,3 +91,9 @@ class FsyncError(StorageError):
             "be trusted to be on disk, so this store stops; restart the process to "
             "recover from the files (never retry the fsync)"
         )
+
+
+class RawAppendRefused(StorageError):
+    """Raw framed bytes (a replica's copy) were refused before anything was written:
+    they were meant for another offset than the log's end, or a frame in them is cut
+    short or fails its CRC. The log is unchanged."""

@@ -23,7 +23,7 @@ from delayd.protocol import (
     SendBatch,
     Stats,
 )
-from delayd.protocol.codec import encode_event
+from delayd.protocol.bodies import encode_event
 from delayd.protocol.frames import HEADER_PREFIX, HEADER_SIZE
 from tests.broker_support import BrokerProcess
 from tests.intake_support import RawClient, ServeProcess, ok

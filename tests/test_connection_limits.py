@@ -24,7 +24,7 @@ from delayd.protocol import (
     Stats,
     StatsResult,
 )
-from delayd.protocol.codec import encode_event
+from delayd.protocol.bodies import encode_event
 from delayd.server.config import ConfigError, config_from_mapping
 from delayd.serving.connection_gate import ConnectionGate
 from delayd.serving.connection_limits import ConnectionLimits, default_max_connections

@@ -7,7 +7,7 @@ import pytest
 
 from delayd.logs import message_log
 from delayd.protocol import Message, ResultCode, SendBatch, SendResult
-from delayd.protocol.codec import decode_event, encode_event
+from delayd.protocol.bodies import decode_event, encode_event
 from delayd.protocol.frames import HEADER_SIZE
 from delayd.server.receiver import DEFAULT_MAX_DELAY_MS, Intake, IntakeLimits, Receiver
 

@@ -25,7 +25,9 @@ from storage.crashfs import CrashSimFileSystem
 from storage.flusher import LogWriter
 from storage.fs import REAL_FS, FileSystem, OsFileSystem
 from storage.hashfilter import HashFilter
-from storage.indexfile import IndexStore, default_hash, read_key_hashes
+from storage.index_hashes import read_key_hashes
+from storage.index_store import IndexStore
+from storage.indexfile import default_hash
 from storage.segmented_log import SegmentedLog
 from tests.trio_support import running
 

@@ -27,7 +27,7 @@ LEAVES = (
     "delayd.nowait_acquire",
 )
 # What the delay server builds on: the process that runs intake, replay, the wheel, the
-# sender, the embedded broker and the HTTP API.
+# sender, the embedded broker, the HTTP API and replication.
 SERVER = (
     "storage",
     "delayd.errors",
@@ -37,6 +37,7 @@ SERVER = (
     "delayd.wheel",
     "delayd.replay",
     "delayd.serving",
+    "delayd.replication",
     "delayd.broker",
     "delayd.sender",
 )
@@ -55,6 +56,18 @@ ROWS: list[tuple[str, Iterable[str]]] = [
     # What hosts the two servers: only they (and the commands) build on it.
     ("delayd.serving", ["storage", "delayd.errors", "delayd.protocol", "delayd.write_refusals"]),
     ("delayd.cluster", ["delayd.errors"]),
+    # Copies a member's logs to the others; the servers sit above it and wire it in.
+    (
+        "delayd.replication",
+        [
+            "storage",
+            "delayd.errors",
+            "delayd.protocol",
+            "delayd.logs",
+            "delayd.serving",
+            "delayd.cluster",
+        ],
+    ),
     ("delayd.client", ["delayd.errors", "delayd.protocol"]),
     ("delayd", ["delayd.client", "delayd.errors", "delayd.protocol"]),  # its public names
     (
@@ -207,7 +220,7 @@ def test_the_clients_and_storage_stay_out_of_the_servers():
     using_the_cli = sorted(name for name, allowed in RULES.items() if "delayd.cli" in allowed)
     assert using_the_cli == ["delayd.__main__"]
     using_serving = {name for name, allowed in RULES.items() if "delayd.serving" in allowed}
-    assert using_serving == {"delayd.server", "delayd.broker", "delayd.cli"}
+    assert using_serving == {"delayd.server", "delayd.broker", "delayd.replication", "delayd.cli"}
 
 
 def test_the_checker_catches_what_the_table_forbids():
@@ -234,13 +247,13 @@ def test_the_checker_catches_what_the_table_forbids():
 
 
 def test_a_package_without_a_row_is_found(tmp_path):
-    (tmp_path / "delayd" / "replication").mkdir(parents=True)
-    (tmp_path / "delayd" / "replication" / "__init__.py").write_text("")
+    (tmp_path / "delayd" / "teleport").mkdir(parents=True)
+    (tmp_path / "delayd" / "teleport" / "__init__.py").write_text("")
     (tmp_path / "delayd" / "version.py").write_text("")
     (tmp_path / "delayd" / "__init__.py").write_text("")
     units = units_in_tree(tmp_path)
-    assert units == {"storage", "delayd", "delayd.replication", "delayd.version"}
-    assert sorted(units - RULES.keys()) == ["delayd.replication"]
+    assert units == {"storage", "delayd", "delayd.teleport", "delayd.version"}
+    assert sorted(units - RULES.keys()) == ["delayd.teleport"]
 
 
 # ------------------------------------------------------------ what a layer must not use

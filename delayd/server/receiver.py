@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 from delayd.logs import message_log
 from delayd.logs.known_ids import KnownIds
 from delayd.protocol import EncodedMessages, Message, ResultCode, SendResult, validate_subject
-from delayd.protocol.codec import MSG_HEAD, MSG_KEY, new_send_result
+from delayd.protocol.bodies import new_send_result
+from delayd.protocol.message_layout import MSG_HEAD, MSG_KEY
 from delayd.sender.retry import DEAD_LETTER_PREFIX, MAX_DEAD_LETTERED_SUBJECT_LENGTH
 
 MS_PER_DAY = 86_400_000

@@ -32,7 +32,7 @@ from typing import Any
 import trio
 
 from delayd.protocol import Error, ErrorCode
-from delayd.protocol.codec import encode_event
+from delayd.protocol.bodies import encode_event
 from delayd.serving.connection_limits import ConnectionLimits, default_max_connections
 from delayd.serving.frame_budget import FrameBudget
 from storage.descriptor_limit import soft_descriptor_limit
