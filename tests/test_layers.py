@@ -26,15 +26,19 @@ LEAVES = (
     "delayd.structured_logs",
     "delayd.nowait_acquire",
 )
-# What the delay server builds on: the process that runs intake, replay, the wheel, the
-# sender, the embedded broker, the HTTP API and replication.
-SERVER = (
+# What delivery builds on: the due entries and the logs it reads and writes.
+DELIVERY = (
     "storage",
     "delayd.errors",
     "delayd.protocol",
     "delayd.write_refusals",
     "delayd.logs",
     "delayd.wheel",
+)
+# What the delay server builds on: the process that runs intake, replay, the wheel, the
+# sender, the embedded broker, the HTTP API and replication.
+SERVER = (
+    *DELIVERY,
     "delayd.replay",
     "delayd.serving",
     "delayd.replication",
@@ -74,18 +78,7 @@ ROWS: list[tuple[str, Iterable[str]]] = [
         "delayd.broker",
         ["storage", "delayd.errors", "delayd.protocol", "delayd.write_refusals", "delayd.serving"],
     ),
-    (
-        "delayd.sender",
-        [
-            "storage",
-            "delayd.errors",
-            "delayd.protocol",
-            "delayd.write_refusals",
-            "delayd.logs",
-            "delayd.wheel",
-            "delayd.broker",  # the embedded broker is a delivery target
-        ],
-    ),
+    ("delayd.sender", [*DELIVERY, "delayd.broker"]),  # the embedded broker is a target
     ("delayd.server", SERVER),  # with its HTTP API (delayd.server.http)
     ("delayd.inspect", ["storage", "delayd.logs", "delayd.wheel", "delayd.replay"]),
     ("delayd.top", ["delayd.logs"]),
