@@ -58,7 +58,7 @@ from delayd.serving.data_dir import serve_data_dir
 from delayd.serving.gc_tuning import tune_gc_for_serving
 from delayd.serving.listeners import bound_addresses, open_listeners
 from delayd.serving.metrics_http import Readiness, serve_metrics
-from delayd.serving.structured_logs import configure_logging
+from delayd.structured_logs import configure_logging
 from storage.flusher import FlushMode, FlushPolicy
 
 log = logging.getLogger("delayd.broker")
