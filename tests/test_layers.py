@@ -39,6 +39,7 @@ DELIVERY = (
 # sender, the embedded broker, the HTTP API and replication.
 SERVER = (
     *DELIVERY,
+    "delayd.cluster",
     "delayd.replay",
     "delayd.serving",
     "delayd.replication",
@@ -58,8 +59,15 @@ ROWS: list[tuple[str, Iterable[str]]] = [
     ("delayd.wheel", ["storage", "delayd.logs"]),
     ("delayd.replay", ["storage", "delayd.errors", "delayd.logs", "delayd.write_refusals"]),
     # What hosts the two servers: only they (and the commands) build on it.
-    ("delayd.serving", ["storage", "delayd.errors", "delayd.protocol", "delayd.write_refusals"]),
-    ("delayd.cluster", ["delayd.errors"]),
+    # "h1:p1,h2:p2" and "etcd://h:p/GROUP": built on the one HOST:PORT rule (a leaf).
+    ("delayd.group_address", []),
+    # etcd, membership and election: a group's members, the servers and the clients that
+    # find its leader build on it.
+    ("delayd.cluster", ["delayd.errors", "delayd.group_address"]),
+    (
+        "delayd.serving",
+        ["storage", "delayd.errors", "delayd.protocol", "delayd.write_refusals", "delayd.cluster"],
+    ),
     # Copies a member's logs to the others; the servers sit above it and wire it in.
     (
         "delayd.replication",
@@ -72,7 +80,10 @@ ROWS: list[tuple[str, Iterable[str]]] = [
             "delayd.cluster",
         ],
     ),
-    ("delayd.client", ["delayd.errors", "delayd.protocol"]),
+    (
+        "delayd.client",
+        ["delayd.errors", "delayd.protocol", "delayd.group_address", "delayd.cluster"],
+    ),
     ("delayd", ["delayd.client", "delayd.errors", "delayd.protocol"]),  # its public names
     (
         "delayd.broker",
