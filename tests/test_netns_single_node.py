@@ -16,7 +16,12 @@ from tests.delivery_support import now_ms, poll
 from tests.fault_checker import History, Report, check
 from tests.fault_load import LoadProcess
 from tests.intake_support import ServeProcess, write_config
-from tests.netns_support import Host, Network, netns_session, network  # noqa: F401
+from tests.netns_support import (
+    Host,
+    Network,
+    netns_session,  # noqa: F401 - fixture
+    network,  # noqa: F401 - fixture
+)
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 
@@ -97,7 +102,7 @@ def outcomes(process: LoadProcess, kind: str) -> list[str | None]:
     return [e["outcome"] for e in process.events(kind)]
 
 
-def test_kill_9_of_the_server_under_load(network: Network, tmp_path: Path) -> None:
+def test_kill_9_of_the_server_under_load(network: Network, tmp_path: Path) -> None:  # noqa: F811
     a, b = network.host("a"), network.host("b")
     server = serve_on(a, tmp_path)
     load = Load(a, tmp_path)
@@ -121,7 +126,7 @@ def test_kill_9_of_the_server_under_load(network: Network, tmp_path: Path) -> No
     server.close()
 
 
-def test_a_host_cut_from_the_network_under_load(network: Network, tmp_path: Path) -> None:
+def test_a_host_cut_from_the_network_under_load(network: Network, tmp_path) -> None:  # noqa: F811
     a, b = network.host("a"), network.host("b")
     server = serve_on(a, tmp_path)
     load = Load(a, tmp_path)
@@ -143,11 +148,11 @@ def test_a_host_cut_from_the_network_under_load(network: Network, tmp_path: Path
     server.close()
 
 
-def test_a_partition_between_two_hosts_leaves_the_third(network: Network, tmp_path) -> None:
+def test_a_partition_between_two_hosts_leaves_the_third(network, tmp_path) -> None:  # noqa: F811
     a, b, c = network.host("a"), network.host("b"), network.host("c")
     server = serve_on(a, tmp_path)
     load = Load(a, tmp_path)
-    consumer = load.consumer(c, "consumer")
+    load.consumer(c, "consumer")
     cut_off = load.producer(b, "cut-off", "--seed", "3", "--timeout-s", "1")
     reaching = load.producer(c, "reaching", "--seed", "4", "--timeout-s", "1")
     cut_off.wait_for("acked", 100)
