@@ -122,7 +122,8 @@ class History:
         """The history written by tests/fault_load.py processes: one JSON object a line.
         A line cut by a kill -9 (the last one of a file) is ignored."""
         history = cls()
-        commits: dict[tuple[str, str, int, int], int] = {}  # (consumer, group, q, offset)
+        # when each consumer's commits of a position landed: (consumer, group, q, offset)
+        commits: dict[tuple[str, str, int, int], list[int]] = defaultdict(list)
         seen: list[dict] = []
         for path in paths:
             for line in path.read_text().splitlines():
@@ -143,7 +144,7 @@ class History:
                     seen.append(event)
                 elif kind == "committed":
                     key = (event["consumer"], event["group"], event["queue"], event["offset"])
-                    commits[key] = event["ms"]
+                    commits[key].append(event["ms"])
         for event in seen:
             key = (event["consumer"], event["group"], event["queue"], event["offset"])
             history.seen(
@@ -154,16 +155,17 @@ class History:
                     event["due_ms"],
                     (event["queue"], event["offset"]),
                     event["group"],
-                    _commit_after(commits.get(key), event["seen_ms"]),
+                    _commit_after(commits[key], event["seen_ms"]),
                 )
             )
         return history
 
 
-def _commit_after(committed_ms: int | None, seen_ms: int) -> int | None:
-    """A commit of this position that landed after this copy was seen covers it (a
-    consumer commits what it received; an older commit was of an earlier copy)."""
-    return committed_ms if committed_ms is not None and committed_ms >= seen_ms else None
+def _commit_after(landed_ms: list[int], seen_ms: int) -> int | None:
+    """When the commit of a copy seen at ``seen_ms`` landed: the first commit of its
+    position by its consumer at or after then (a consumer commits what it received;
+    an earlier commit was of an earlier copy)."""
+    return min((ms for ms in landed_ms if ms >= seen_ms), default=None)
 
 
 @dataclass
