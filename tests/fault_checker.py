@@ -9,8 +9,9 @@ message a consumer received and whether its commit landed. ``check`` counts:
   lost), not cancelled, due by ``due_by_ms``, and seen by no consumer of any group.
   A cancel or reschedule whose answer never came leaves the message in doubt: not
   counted lost.
-- **early**: seen (the consumer's clock, ``seen_ms``) or dispatched (the delay server's
-  ``dispatched_ms``) before its due time less ``skew_ms``. The due time is the one the
+- **early**: seen (the consumer's clock, ``seen_ms``), dispatched (the delay server's
+  ``dispatched_ms``) or stored by the broker (``stored_ms``) before its due time less
+  ``skew_ms``. The due time is the one the
   server answered, moved by every RESCHEDULED answer (a reschedule whose answer never
   came allows either time, so the earlier one counts); for a send never answered, its
   earliest possible due time (the client's clock at sending plus the delay). Hosts in
@@ -45,11 +46,17 @@ class Sighting:
 
     message_id: str
     seen_ms: int
-    dispatched_ms: int | None = None
+    dispatched_ms: int | None = None  # when the delay server sent it to the broker
     due_ms: int | None = None  # as the message carried it
     position: tuple[int, int] | None = None  # (queue, queue_offset) at its broker
     group: str = ""
     committed_ms: int | None = None
+    stored_ms: int | None = None  # when the broker stored it
+
+    @property
+    def times(self) -> list[int]:
+        """Every time the message was somewhere: none may be before its due time."""
+        return [t for t in (self.seen_ms, self.dispatched_ms, self.stored_ms) if t is not None]
 
 
 @dataclass
@@ -156,6 +163,7 @@ class History:
                     (event["queue"], event["offset"]),
                     event["group"],
                     _commit_after(commits[key], event["seen_ms"]),
+                    event.get("stored_ms"),
                 )
             )
         return history
@@ -225,8 +233,7 @@ def check(history: History, *, due_by_ms: int, skew_ms: int = 0) -> Report:
     for i, sightings in by_id.items():
         due = _earliest_due(fates.get(i), sightings[0])
         for s in sightings:
-            times = [s.seen_ms] + ([s.dispatched_ms] if s.dispatched_ms is not None else [])
-            if due is not None and min(times) + skew_ms < due:
+            if due is not None and min(s.times) + skew_ms < due:
                 early.append(i)
                 break
     twice, redelivered = [], []

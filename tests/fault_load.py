@@ -131,6 +131,7 @@ def consume(args: argparse.Namespace, record: Recorder, stop: list[bool]) -> Non
                 id=message.message_id,
                 seen_ms=now_ms(),
                 dispatched_ms=message.dispatched_ms,
+                stored_ms=message.store_ms,
                 due_ms=message.due_ms,
                 **where,
                 **position,

@@ -56,17 +56,18 @@ def test_not_lost_when_not_due_yet_cancelled_or_in_doubt():
 
 
 def test_seen_or_dispatched_before_its_due_time_is_early():
-    history = acked("m1", "m2", "m3")
+    history = acked("m1", "m2", "m3", "m4")
     history.seen_all(
         [
             seen("m1", DUE - 1),
             seen("m2", DUE + 5, dispatched_ms=DUE - 1),  # the server sent it early
-            seen("m3", DUE),
+            seen("m3", DUE + 5, stored_ms=DUE - 1),  # the broker had it early
+            seen("m4", DUE, stored_ms=DUE),
         ]
     )
     report = check(history, due_by_ms=DUE)
-    assert report.early == ["m1", "m2"]
-    with pytest.raises(AssertionError, match=r"early: \['m1', 'm2'\]"):
+    assert report.early == ["m1", "m2", "m3"]
+    with pytest.raises(AssertionError, match=r"early: \['m1', 'm2', 'm3'\]"):
         report.assert_clean()
 
 
