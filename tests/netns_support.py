@@ -48,7 +48,7 @@ from tests.etcd_support import EtcdServer
 
 PREFIX = "dn"
 OWNED_NAME = re.compile(rf"^{PREFIX}(\d+)(?:br$|v\d+$|-)")
-CLIENT_PORT_ETCD = 2379
+LINK_UP_TIMEOUT_S = 5.0
 
 
 def _ip(*args: str, stdin: str | None = None) -> None:
@@ -231,8 +231,28 @@ class Host:
         self.is_cut = True
 
     def restore(self) -> None:
+        """Plug the cable back in; returns once the link is up at both ends (the
+        kernel brings a link whose carrier came back into use up to a second later).
+        As on a real network, a neighbour (ARP) request a host sent during the cut is
+        answered only when retried, so its first packets may wait up to a second."""
         _ip("link", "set", self.veth, "up", "master", self.network.bridge)
         self.is_cut = False
+        deadline = time.monotonic() + LINK_UP_TIMEOUT_S
+        while not self._link_up():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self}: link not up {LINK_UP_TIMEOUT_S} s after restore")
+            time.sleep(0.01)
+
+    def _link_up(self) -> bool:
+        inside = subprocess.run(
+            ["ip", "-n", self.namespace, "-o", "link", "show", "eth0"],
+            capture_output=True,
+            text=True,
+        )
+        port = subprocess.run(
+            ["bridge", "-o", "link", "show", "dev", self.veth], capture_output=True, text=True
+        )
+        return "state UP" in inside.stdout and "state forwarding" in port.stdout
 
     def kill_processes(self) -> None:
         """kill -9 everything running on this host."""
@@ -334,16 +354,49 @@ class EtcdHost:
         return self.server.url
 
 
+class _SessionNetwork:
+    """The worker's one network. A test module imports the fixtures, and pytest makes
+    a session fixture *per module* that holds it: this shares one network (and one
+    etcd) between them, closed when the last one is done."""
+
+    network: Network | None = None
+    etcd: EtcdHost | None = None
+    users = 0
+
+    @classmethod
+    @contextlib.contextmanager
+    def use(cls) -> Iterator[Network]:
+        require_netns()
+        if cls.network is None:
+            remove_stale()
+            cls.network = Network().start()
+        cls.users += 1
+        try:
+            yield cls.network
+        finally:
+            cls.users -= 1
+            if cls.users == 0:
+                if cls.etcd is not None:
+                    cls.etcd.server.stop()
+                cls.network.close()
+                cls.network = cls.etcd = None
+
+    @classmethod
+    def etcd_on(cls, network: Network, data_parent: Path) -> EtcdHost:
+        if cls.etcd is None:
+            host = network.host("etcd", lasting=True)
+            server = EtcdServer(
+                data_parent / "data", listen_host=host.address, command_prefix=host.command_prefix
+            )
+            cls.etcd = EtcdHost(host, server.start())
+        return cls.etcd
+
+
 @pytest.fixture(scope="session")
 def netns_session() -> Iterator[Network]:
     """The worker's network, for the whole session (fails on CI without root)."""
-    require_netns()
-    remove_stale()
-    network = Network().start()
-    try:
+    with _SessionNetwork.use() as network:
         yield network
-    finally:
-        network.close()
 
 
 @pytest.fixture
@@ -356,10 +409,7 @@ def network(netns_session: Network) -> Iterator[Network]:
 
 
 @pytest.fixture(scope="session")
-def netns_etcd(netns_session: Network, tmp_path_factory: pytest.TempPathFactory):
-    """One etcd per session (per xdist worker), on its own host of the network."""
-    host = netns_session.host("etcd", lasting=True)
-    data = Path(tmp_path_factory.mktemp("netns-etcd")) / "data"
-    server = EtcdServer(data, listen_host=host.address, command_prefix=host.command_prefix).start()
-    yield EtcdHost(host, server)
-    server.stop()
+def netns_etcd(netns_session: Network, tmp_path_factory: pytest.TempPathFactory) -> EtcdHost:
+    """One etcd per session (per xdist worker), on its own host of the network; it
+    stops with the network."""
+    return _SessionNetwork.etcd_on(netns_session, tmp_path_factory.mktemp("netns-etcd"))
