@@ -18,10 +18,13 @@ message a consumer received and whether its commit landed. ``check`` counts:
   network namespaces share one kernel clock, so tests there use ``skew_ms = 0``;
   separate machines need their clock error here.
 - **twice**: an id a consumer group received again *after* a commit covering an
-  earlier copy had landed (the broker had answered it: the group's committed offset
-  said "done"), or an id found at two positions (queue, offset) of a broker (stored
-  twice: a group reads both copies whatever it commits). A copy received again before
-  any commit of it landed is the at-least-once window, reported as ``redelivered``.
+  earlier copy had landed — the broker had answered it at or before the ms the copy
+  came, so the group's committed offset said "done". A commit covers its own message
+  and every one before it in the queue (a Sighting's ``committed_ms``, or
+  ``History.committed``). Also twice: an id found at two positions (queue, offset) of
+  a broker (stored twice: a group reads both copies whatever it commits). A copy
+  received again before any commit covering it landed is the at-least-once window,
+  reported as ``redelivered``.
 - **cancel violated**: an id answered CANCELLED that any consumer received. Histories
   never reuse an id after cancelling it, so every sighting counts.
 
@@ -79,6 +82,8 @@ class History:
     def __init__(self) -> None:
         self.fates: dict[str, _Fate] = defaultdict(_Fate)
         self.sightings: list[Sighting] = []
+        # (group, queue) -> (offset committed through, when it landed)
+        self.commits: dict[tuple[str, int], list[tuple[int, int]]] = defaultdict(list)
 
     # --- what producers were told -------------------------------------------------------
 
@@ -124,14 +129,18 @@ class History:
 
     # --- the load processes' records ------------------------------------------------------
 
+    def committed(self, group: str, queue: int, offset: int, landed_ms: int) -> None:
+        """A commit by ``group`` of ``queue`` through ``offset`` (that message and every
+        one before it in the queue) landed: the broker answered it at ``landed_ms``."""
+        self.commits[(group, queue)].append((offset, landed_ms))
+
+    # --- the load processes' records ------------------------------------------------------
+
     @classmethod
     def load(cls, paths: Iterable[Path]) -> History:
         """The history written by tests/fault_load.py processes: one JSON object a line.
         A line cut by a kill -9 (the last one of a file) is ignored."""
         history = cls()
-        # when each consumer's commits of a position landed: (consumer, group, q, offset)
-        commits: dict[tuple[str, str, int, int], list[int]] = defaultdict(list)
-        seen: list[dict] = []
         for path in paths:
             for line in path.read_text().splitlines():
                 try:
@@ -148,32 +157,20 @@ class History:
                 elif kind == "reschedule":
                     history.reschedule(event["id"], event["outcome"], event["due_ms"])
                 elif kind == "seen":
-                    seen.append(event)
+                    history.seen(
+                        Sighting(
+                            event["id"],
+                            event["seen_ms"],
+                            dispatched_ms=event["dispatched_ms"],
+                            due_ms=event["due_ms"],
+                            position=(event["queue"], event["offset"]),
+                            group=event["group"],
+                            stored_ms=event["stored_ms"],
+                        )
+                    )
                 elif kind == "committed":
-                    key = (event["consumer"], event["group"], event["queue"], event["offset"])
-                    commits[key].append(event["ms"])
-        for event in seen:
-            key = (event["consumer"], event["group"], event["queue"], event["offset"])
-            history.seen(
-                Sighting(
-                    event["id"],
-                    event["seen_ms"],
-                    event["dispatched_ms"],
-                    event["due_ms"],
-                    (event["queue"], event["offset"]),
-                    event["group"],
-                    _commit_after(commits[key], event["seen_ms"]),
-                    event.get("stored_ms"),
-                )
-            )
+                    history.committed(event["group"], event["queue"], event["offset"], event["ms"])
         return history
-
-
-def _commit_after(landed_ms: list[int], seen_ms: int) -> int | None:
-    """When the commit of a copy seen at ``seen_ms`` landed: the first commit of its
-    position by its consumer at or after then (a consumer commits what it received;
-    an earlier commit was of an earlier copy)."""
-    return min((ms for ms in landed_ms if ms >= seen_ms), default=None)
 
 
 @dataclass
@@ -238,7 +235,7 @@ def check(history: History, *, due_by_ms: int, skew_ms: int = 0) -> Report:
                 break
     twice, redelivered = [], []
     for i, sightings in by_id.items():
-        kind = _repeat(sightings)
+        kind = _repeat(sightings, history.commits)
         if kind == "twice":
             twice.append(i)
         elif kind == "redelivered":
@@ -267,7 +264,9 @@ def _earliest_due(fate: _Fate | None, sighting: Sighting) -> int | None:
     return min([current, *fate.unanswered_moves])
 
 
-def _repeat(sightings: list[Sighting]) -> str | None:
+def _repeat(
+    sightings: list[Sighting], commits: dict[tuple[str, int], list[tuple[int, int]]]
+) -> str | None:
     """ "twice", "redelivered" or None for one id's sightings (see the module's
     docstring)."""
     if len({s.position for s in sightings if s.position is not None}) > 1:
@@ -279,7 +278,23 @@ def _repeat(sightings: list[Sighting]) -> str | None:
     for group_sightings in by_group.values():
         for n, later in enumerate(group_sightings[1:], start=1):
             repeated = True
-            landed = [e.committed_ms for e in group_sightings[:n] if e.committed_ms is not None]
-            if any(ms <= later.seen_ms for ms in landed):
+            if _covered(later, group_sightings[:n], commits):
                 return "twice"
     return "redelivered" if repeated else None
+
+
+def _covered(
+    later: Sighting, earlier: list[Sighting], commits: dict[tuple[str, int], list[tuple[int, int]]]
+) -> bool:
+    """Whether a commit covering ``later``'s copy had landed (at or before the ms it
+    was seen): an earlier copy's own, or its group's commit of its queue through its
+    offset or further."""
+    if any(e.committed_ms is not None and e.committed_ms <= later.seen_ms for e in earlier):
+        return True
+    if later.position is None:
+        return False
+    queue, offset = later.position
+    return any(
+        through >= offset and landed_ms <= later.seen_ms
+        for through, landed_ms in commits.get((later.group, queue), ())
+    )

@@ -125,6 +125,23 @@ def test_seen_again_after_its_commit_landed_is_twice():
         report.assert_clean()
 
 
+def test_a_commit_covers_every_earlier_offset_of_its_queue():
+    history = acked("m5", "m6")
+    history.seen_all(
+        [
+            seen("m5", DUE, position=(0, 5), group="g"),  # its own commit failed
+            seen("m6", DUE + 1, position=(1, 5), group="g"),
+            seen("m5", DUE + 3, position=(0, 5), group="g"),
+            seen("m6", DUE + 3, position=(1, 5), group="g"),
+        ]
+    )
+    history.committed("g", 0, 7, DUE + 2)  # a later message of queue 0: covers m5
+    history.committed("g", 1, 4, DUE + 2)  # short of m6
+    history.committed("other", 1, 9, DUE + 2)  # another group's
+    report = check(history, due_by_ms=DUE)
+    assert (report.twice, report.redelivered) == (["m5"], ["m6"])
+
+
 def test_two_positions_at_a_broker_are_twice_whatever_was_committed():
     history = acked("m1")
     history.seen_all([seen("m1", DUE, position=(0, 1)), seen("m1", DUE + 1, position=(1, 7))])
@@ -192,7 +209,8 @@ def test_load_reads_the_load_processes_records(tmp_path):
         )
         + '{"event": "sent", "id": "c", "earlie'  # the line a kill -9 cut
     )
-    seen_a = {"event": "seen", "id": "a", "dispatched_ms": DUE, "due_ms": DUE, **where}
+    seen_a = {"event": "seen", "id": "a", "dispatched_ms": DUE, "stored_ms": DUE, **where}
+    seen_a["due_ms"] = DUE
     (tmp_path / "consumer.jsonl").write_text(
         lines(
             {**seen_a, "seen_ms": DUE, "offset": 0},
