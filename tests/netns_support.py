@@ -31,6 +31,7 @@ Needs root, ``ip`` (iproute2) and ``iptables`` (Debian: ``apt-get install iptabl
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import itertools
 import os
 import re
@@ -142,22 +143,19 @@ def worker_number() -> int:
     return int(worker[2:]) + 1 if worker.startswith("gw") and worker[2:].isdigit() else 0
 
 
-def free_subnet(start: int) -> int:
-    """The first N >= ``start`` (wrapping within 64..254) such that no route on this
-    machine overlaps 10.N.0.0/16."""
+def free_subnet(worker: int) -> int:
+    """An N such that no route on this machine overlaps 10.N.0.0/16, trying 64 +
+    ``worker`` first and then the next ones (wrapping within 64..254)."""
     routes = subprocess.run(["ip", "-4", "route", "show"], capture_output=True, text=True)
-    used = set()
+    routed = []
     for line in routes.stdout.splitlines():
-        destination = line.split()[0]
-        if destination == "default":
-            continue
-        octets = destination.split("/")[0].split(".")
-        prefix = int(destination.split("/")[1]) if "/" in destination else 32
-        if octets[0] == "10":
-            # a route wider than /16 covers every N; record the one it starts at
-            used.update(range(256) if prefix < 16 else [int(octets[1])])
-    for n in itertools.chain(range(start, 255), range(64, start)):
-        if n not in used:
+        with contextlib.suppress(ValueError):  # "default", "unreachable ...": no prefix
+            routed.append(ipaddress.ip_network(line.split()[0], strict=False))
+    candidates = range(64, 255)
+    first = worker % len(candidates)
+    for n in [*candidates[first:], *candidates[:first]]:
+        subnet = ipaddress.ip_network(f"10.{n}.0.0/16")
+        if not any(subnet.overlaps(r) for r in routed):
             return n
     raise RuntimeError("no free 10.N.0.0/16 for a test network: every one is routed")
 
@@ -281,7 +279,7 @@ class Network:
     def __init__(self) -> None:
         self.prefix = f"{PREFIX}{os.getpid()}"
         self.bridge = f"{self.prefix}br"
-        self.subnet = free_subnet(64 + worker_number())
+        self.subnet = free_subnet(worker_number())
         self.address = f"10.{self.subnet}.0.1"
         self.hosts: list[Host] = []
         self.partitions: set[tuple[Host, Host]] = set()

@@ -18,6 +18,7 @@ from tests.netns_support import (
     Host,
     Network,
     _ip,
+    free_subnet,
     netns_etcd,  # noqa: F401 - fixture
     netns_session,  # noqa: F401 - fixture
     network,  # noqa: F401 - fixture
@@ -189,6 +190,13 @@ def test_what_a_dead_run_left_is_removed_at_session_start():
         assert sleeper.wait(5) == -9
     finally:
         _ip("netns", "del", ours)
+
+
+def test_a_subnet_already_routed_is_skipped(netns_session: Network):  # noqa: F811
+    taken = netns_session.subnet
+    assert free_subnet(taken - 64) != taken
+    assert free_subnet(taken - 64 + 190) != taken  # wraps within 64..254
+    assert 64 <= free_subnet(10_000) <= 254
 
 
 def test_names_fit_linux_limits_and_differ_per_worker(monkeypatch):
