@@ -306,6 +306,8 @@ class Network:
     def partition(self, a: Host, b: Host) -> None:
         """a and b lose every packet between them, both ways; each still reaches the
         other hosts. Rules sit in a's namespace (INPUT from b, OUTPUT to b)."""
+        if (a, b) in self.partitions or (b, a) in self.partitions:
+            return
         a.iptables(f"-A INPUT -s {b.address} -j DROP\n-A OUTPUT -d {b.address} -j DROP\n")
         self.partitions.add((a, b))
 
