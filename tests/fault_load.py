@@ -20,6 +20,7 @@ SIGTERM ends either after the call in progress.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import signal
@@ -44,6 +45,8 @@ def command(role: str, server: str, history: Path, *args: str) -> list[str]:
 
 
 class Recorder:
+    """Writes one history event a line, with the time it happened (epoch ms)."""
+
     def __init__(self, out: IO[str]) -> None:
         self.out = out
 
@@ -57,7 +60,7 @@ def produce(args: argparse.Namespace, record: Recorder, stop: list[bool]) -> Non
     pending: list[tuple[str, int]] = []  # (id, due_ms) acknowledged, not yet touched
     sent = 0
     with delayd.Producer(args.server, timeout_s=args.timeout_s) as producer:
-        for batch_no in range(10**9):
+        for batch_no in itertools.count():
             if stop:
                 return
             batch = []
@@ -81,29 +84,37 @@ def produce(args: argparse.Namespace, record: Recorder, stop: list[bool]) -> Non
                     pending.append((receipt.message_id, receipt.due_ms))
             soon = [p for p in pending if p[1] > now_ms() + SOON_MS]
             if soon and batch_no % 3 == 0:
-                touch(producer, record, "cancel", rng.choice(soon), rng, pending)
+                cancel(producer, record, pick(rng, soon, pending))
             elif soon and batch_no % 5 == 0:
-                touch(producer, record, "reschedule", rng.choice(soon), rng, pending)
+                reschedule(
+                    producer, record, pick(rng, soon, pending), now_ms() + rng.randint(0, 1000)
+                )
             time.sleep(args.pause_s)
 
 
-def touch(producer, record: Recorder, what: str, target, rng, pending: list) -> None:
-    """Cancel or reschedule ``target`` (id, due_ms), recording the answer or None."""
-    pending.remove(target)
-    message_id = target[0]
-    at_ms = now_ms() + rng.randint(0, 1000)
+def pick(rng: random.Random, choices: list[tuple[str, int]], pending: list) -> str:
+    """One of ``choices`` (id, due_ms), taken out of ``pending``: its id."""
+    choice = rng.choice(choices)
+    pending.remove(choice)
+    return choice[0]
+
+
+def cancel(producer: delayd.Producer, record: Recorder, message_id: str) -> None:
     try:
-        if what == "cancel":
-            outcome = producer.cancel(message_id).outcome.name
-        else:
-            outcome = producer.reschedule(message_id, at_ms=at_ms).outcome.name
+        outcome = producer.cancel(message_id).outcome.name
     except DelaydError as exc:
-        record("error", call=what, error=type(exc).__name__)
-        outcome = None
-    if what == "cancel":
-        record("cancel", id=message_id, outcome=outcome)
-    else:
-        record("reschedule", id=message_id, outcome=outcome, due_ms=at_ms)
+        record("error", call="cancel", error=type(exc).__name__)
+        outcome = None  # no answer: cancelled or not
+    record("cancel", id=message_id, outcome=outcome)
+
+
+def reschedule(producer: delayd.Producer, record: Recorder, message_id: str, at_ms: int) -> None:
+    try:
+        outcome = producer.reschedule(message_id, at_ms=at_ms).outcome.name
+    except DelaydError as exc:
+        record("error", call="reschedule", error=type(exc).__name__)
+        outcome = None  # no answer: moved or not
+    record("reschedule", id=message_id, outcome=outcome, due_ms=at_ms)
 
 
 def consume(args: argparse.Namespace, record: Recorder, stop: list[bool]) -> None:
