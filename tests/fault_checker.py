@@ -33,6 +33,7 @@ message a consumer received and whether its commit landed. ``check`` counts:
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections import defaultdict
 from collections.abc import Iterable
@@ -140,36 +141,41 @@ class History:
     def load(cls, paths: Iterable[Path]) -> History:
         """The history written by tests/fault_load.py processes: one JSON object a line.
         A line cut by a kill -9 (the last one of a file) is ignored."""
-        history = cls()
+        events = []
         for path in paths:
             for line in path.read_text().splitlines():
-                try:
-                    event = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                kind = event.pop("event")
-                if kind == "sent":
-                    history.sent(event["id"], event["earliest_due_ms"])
-                elif kind == "acked":
-                    history.acked(event["id"], event["due_ms"], duplicate=event["duplicate"])
-                elif kind == "cancel":
-                    history.cancel(event["id"], event["outcome"])
-                elif kind == "reschedule":
-                    history.reschedule(event["id"], event["outcome"], event["due_ms"])
-                elif kind == "seen":
-                    history.seen(
-                        Sighting(
-                            event["id"],
-                            event["seen_ms"],
-                            dispatched_ms=event["dispatched_ms"],
-                            due_ms=event["due_ms"],
-                            position=(event["queue"], event["offset"]),
-                            group=event["group"],
-                            stored_ms=event["stored_ms"],
-                        )
+                with contextlib.suppress(json.JSONDecodeError):
+                    events.append(json.loads(line))
+        return cls.from_events(events)
+
+    @classmethod
+    def from_events(cls, events: Iterable[dict]) -> History:
+        """The history of tests/fault_load.py's events (decoded lines)."""
+        history = cls()
+        for event in events:
+            kind = event["event"]
+            if kind == "sent":
+                history.sent(event["id"], event["earliest_due_ms"])
+            elif kind == "acked":
+                history.acked(event["id"], event["due_ms"], duplicate=event["duplicate"])
+            elif kind == "cancel":
+                history.cancel(event["id"], event["outcome"])
+            elif kind == "reschedule":
+                history.reschedule(event["id"], event["outcome"], event["due_ms"])
+            elif kind == "seen":
+                history.seen(
+                    Sighting(
+                        event["id"],
+                        event["seen_ms"],
+                        dispatched_ms=event["dispatched_ms"],
+                        due_ms=event["due_ms"],
+                        position=(event["queue"], event["offset"]),
+                        group=event["group"],
+                        stored_ms=event["stored_ms"],
                     )
-                elif kind == "committed":
-                    history.committed(event["group"], event["queue"], event["offset"], event["ms"])
+                )
+            elif kind == "committed":
+                history.committed(event["group"], event["queue"], event["offset"], event["ms"])
         return history
 
 

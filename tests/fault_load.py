@@ -186,19 +186,20 @@ class LoadProcess:
             stdout=subprocess.DEVNULL,
             stderr=open(history.with_suffix(".log"), "ab"),  # noqa: SIM115 (the child owns it)
         )
+        self._events: list[dict] = []
+        self._read_to = 0  # bytes of the history read into _events
 
-    def events(self, kind: str) -> list[dict]:
-        if not self.history.exists():
-            return []
-        out = []
-        for line in self.history.read_text().splitlines():
-            try:
-                event = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if event["event"] == kind:
-                out.append(event)
-        return out
+    def events(self, kind: str | None = None) -> list[dict]:
+        """The events recorded so far (of ``kind``), read incrementally: polling a
+        history of thousands of lines costs only what was added since."""
+        if self.history.exists():
+            with open(self.history, "rb") as f:
+                f.seek(self._read_to)
+                added = f.read()
+            complete = added[: added.rfind(b"\n") + 1]  # a line being written waits
+            self._read_to += len(complete)
+            self._events += [json.loads(line) for line in complete.splitlines()]
+        return [e for e in self._events if kind is None or e["event"] == kind]
 
     def wait_for(self, kind: str, count: int, timeout_s: float = 20.0) -> None:
         """Until the history holds ``count`` events of ``kind`` (raises with the
