@@ -226,6 +226,7 @@ class Consumer:
         if not retry and (self._joined is None or self._joined is not self._session.current):
             return
         while due := self._state.commits_due():
+            link: BlockingLink | None = None
             try:
                 link = self._member_link(deadline)
                 request_deadline = min(deadline, time.monotonic() + self.timeout_s)
@@ -233,8 +234,12 @@ class Consumer:
                     link.request(partial(self._commit_request, queue, offset), request_deadline)
                     self._state.committed(queue, offset)
             except (ConnectionClosedError, DelaydTimeout) as exc:
-                if isinstance(exc, ConnectionClosedError) or self._session.current is None:
-                    self._session.lost(exc)
+                # Only a link that failed is a failed attempt. Without one the session
+                # has counted its own attempts; counting a call that the back-off did
+                # not let try would restart the back-off, and a caller polling with a
+                # shorter time-out would never connect again.
+                if link is not None:
+                    self._session.lost(exc)  # closes it: its state is unknown
                 if not retry:
                     return
                 if time.monotonic() >= deadline:
