@@ -73,7 +73,7 @@ def produce(args: argparse.Namespace, record: Recorder, stop: list[bool]) -> Non
             try:
                 receipts = producer.send_batch(batch)
             except DelaydError as exc:
-                record("error", call="send", error=type(exc).__name__)
+                record("error", call="send", error=type(exc).__name__, detail=str(exc))
                 continue
             for receipt in receipts:
                 if receipt.ok:
@@ -103,7 +103,7 @@ def cancel(producer: delayd.Producer, record: Recorder, message_id: str) -> None
     try:
         outcome = producer.cancel(message_id).outcome.name
     except DelaydError as exc:
-        record("error", call="cancel", error=type(exc).__name__)
+        record("error", call="cancel", error=type(exc).__name__, detail=str(exc))
         outcome = None  # no answer: cancelled or not
     record("cancel", id=message_id, outcome=outcome)
 
@@ -112,7 +112,7 @@ def reschedule(producer: delayd.Producer, record: Recorder, message_id: str, at_
     try:
         outcome = producer.reschedule(message_id, at_ms=at_ms).outcome.name
     except DelaydError as exc:
-        record("error", call="reschedule", error=type(exc).__name__)
+        record("error", call="reschedule", error=type(exc).__name__, detail=str(exc))
         outcome = None  # no answer: moved or not
     record("reschedule", id=message_id, outcome=outcome, due_ms=at_ms)
 
@@ -132,7 +132,7 @@ def consume(args: argparse.Namespace, record: Recorder, stop: list[bool]) -> Non
             try:
                 message = consumer.receive(timeout_s=0.2)
             except DelaydError as exc:
-                record("error", call="receive", error=type(exc).__name__)
+                record("error", call="receive", error=type(exc).__name__, detail=str(exc))
                 continue
             if message is None:
                 continue
@@ -150,7 +150,7 @@ def consume(args: argparse.Namespace, record: Recorder, stop: list[bool]) -> Non
             try:
                 consumer.commit(message)
             except DelaydError as exc:
-                record("error", call="commit", error=type(exc).__name__)
+                record("error", call="commit", error=type(exc).__name__, detail=str(exc))
                 continue
             record("committed", **where, **position)
 
