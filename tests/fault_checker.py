@@ -182,6 +182,7 @@ class History:
 @dataclass
 class Report:
     acked: int
+    duplicates: int  # of those, answered DUPLICATE (a retry of a send whose answer was lost)
     seen: int  # distinct ids any consumer received
     lost: list[str]
     early: list[str]
@@ -196,7 +197,8 @@ class Report:
 
     def summary(self) -> str:
         return (
-            f"{self.acked} acknowledged, {self.seen} seen; lost {len(self.lost)}, "
+            f"{self.acked} acknowledged ({self.duplicates} as DUPLICATE), {self.seen} seen; "
+            f"lost {len(self.lost)}, "
             f"early {len(self.early)} (skew allowance {self.skew_ms} ms), "
             f"twice {len(self.twice)}, cancel violated {len(self.cancel_violated)}; "
             f"{len(self.redelivered)} redelivered before their commit landed"
@@ -249,6 +251,7 @@ def check(history: History, *, due_by_ms: int, skew_ms: int = 0) -> Report:
     cancel_violated = [i for i, f in fates.items() if f.cancelled and i in by_id]
     return Report(
         acked=sum(1 for f in fates.values() if f.acked_due_ms is not None),
+        duplicates=sum(1 for f in fates.values() if f.duplicate),
         seen=len(by_id),
         lost=sorted(lost),
         early=sorted(early),

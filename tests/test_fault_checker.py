@@ -30,7 +30,8 @@ def test_a_clean_history_counts_nothing():
     history.acked("m2", DUE, duplicate=True)  # a retry after a lost answer
     history.seen_all([seen("m1", DUE, committed_ms=DUE + 1), seen("m2", DUE + 3)])
     report = check(history, due_by_ms=DUE + 100)
-    assert report.clean and (report.acked, report.seen) == (2, 2)
+    assert report.clean and (report.acked, report.duplicates, report.seen) == (2, 1, 2)
+    assert report.summary().startswith("2 acknowledged (1 as DUPLICATE), 2 seen; lost 0")
     report.assert_clean()
 
 
