@@ -11,6 +11,7 @@ import trio.testing
 from tests.audit_support import SPARK_TEST_CONF
 from tests.delivery_support import Processes
 from tests.etcd_support import EtcdProxy, EtcdServer
+from tests.netns_support import EtcdHost, Network, remove_stale, require_netns
 
 
 @pytest.fixture
@@ -69,3 +70,39 @@ def spark_session():
         yield spark
     finally:
         spark.stop()
+
+
+@pytest.fixture(scope="session")
+def netns_session() -> Iterator[Network]:
+    """The worker's network, for the whole session (fails on CI without root)."""
+    require_netns()
+    remove_stale()
+    network = Network().start()
+    try:
+        yield network
+    finally:
+        network.close()
+
+
+@pytest.fixture
+def network(netns_session: Network) -> Iterator[Network]:
+    """The network for one test: the hosts it makes are destroyed after it (their
+    processes killed first), its partitions healed and cut links restored, so the
+    session's own hosts (etcd) come back whole for the next test."""
+    yield netns_session
+    netns_session.reset()
+
+
+@pytest.fixture(scope="session")
+def netns_etcd(
+    netns_session: Network, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[EtcdHost]:
+    """One etcd per session (per xdist worker), on its own host of the network."""
+    host = netns_session.host("etcd", lasting=True)
+    data = tmp_path_factory.mktemp("netns-etcd") / "data"
+    server = EtcdServer(data, listen_host=host.address, command_prefix=host.command_prefix)
+    server.start()
+    try:
+        yield EtcdHost(host, server)
+    finally:
+        server.stop()

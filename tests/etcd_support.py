@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
 import trio
@@ -59,9 +60,20 @@ class EtcdServer:
     """One etcd server in a child process, on free loopback ports: a cluster of its own
     (``start()``), or one member of ``start_cluster()``'s."""
 
-    def __init__(self, data_dir: Path, name: str = "test") -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        name: str = "test",
+        *,
+        listen_host: str = "127.0.0.1",
+        command_prefix: Sequence[str] = (),
+    ) -> None:
+        """``listen_host``: the address its URLs name; ``command_prefix``: put before
+        the etcd command (``ip netns exec NS``: etcd on a host of tests/netns_support)."""
         self.data_dir = data_dir
         self.name = name
+        self.listen_host = listen_host
+        self.command_prefix = list(command_prefix)
         self.log_path = data_dir.parent / f"{data_dir.name}.log"
         self.proc: subprocess.Popen | None = None
         self.url = ""
@@ -71,7 +83,7 @@ class EtcdServer:
     def start(self) -> EtcdServer:
         """Start etcd on free ports and return once it reports itself healthy."""
         for attempt in range(START_ATTEMPTS):
-            self.url, self.peer_url = (f"http://127.0.0.1:{free_port()}" for _ in range(2))
+            self.url, self.peer_url = (f"http://{self.listen_host}:{free_port()}" for _ in range(2))
             self.initial_cluster = f"{self.name}={self.peer_url}"
             self._spawn()
             if self._wait_healthy():
@@ -92,6 +104,7 @@ class EtcdServer:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [
+                    *self.command_prefix,
                     etcd_binary(),
                     f"--name={self.name}",
                     f"--data-dir={self.data_dir}",

@@ -57,11 +57,15 @@ class ServeProcess(ChildProcess):
         http_listen: str | None = "off",
         env: dict[str, str] | None = None,
         nofile: int | None = None,
+        command_prefix: tuple[str, ...] = (),
     ) -> None:
         """``metrics_listen``: the flag's value; None passes no flag (the configured
         default applies); ``http_listen`` the same for the HTTP API (off unless asked:
         its default port would collide too). ``env``: variables added to the child's environment.
-        ``nofile``: the child's RLIMIT_NOFILE, soft and hard (it cannot raise it)."""
+        ``nofile``: the child's RLIMIT_NOFILE, soft and hard (it cannot raise it).
+        ``command_prefix``: put before the command (``ip netns exec NS``: on a host of
+        tests/netns_support; its ``--listen``/``--broker-listen`` in ``extra`` then)."""
+        self.command_prefix = list(command_prefix)
         self.data_dir = data_dir
         self.extra = list(extra)
         self.metrics_listen = metrics_listen
@@ -79,6 +83,7 @@ class ServeProcess(ChildProcess):
     def start(self) -> ServeProcess:
         assert self.proc is None or self.proc.poll() is not None
         args = [
+            *self.command_prefix,
             *DELAYD,
             "serve",
             "--data",

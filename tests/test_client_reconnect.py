@@ -133,6 +133,34 @@ def test_blocking_consumer_receives_again_after_an_outage(tmp_path: Path) -> Non
                 assert message.message_id in before + after[:-1]
 
 
+def test_blocking_consumer_with_a_commit_pending_reconnects_after_an_outage(tmp_path):
+    """commit="sync": the message handed out before the kill is committed on the next
+    receive, so every short receive during the outage first tries that commit. A try
+    that the back-off does not allow yet is no failed attempt (before the fix it
+    restarted the back-off, so once that passed the caller's time-out no receive ever
+    connected again)."""
+    with BrokerProcess(tmp_path) as broker:
+        before = send_all(broker.addr, "rc", [b"b0"])
+        opts = {"subject": "rc", "group": "g", "timeout_s": 2, "commit": "sync"}
+        with delayd.Consumer(broker.addr, **opts) as consumer:
+            assert consumer.receive(timeout_s=5).message_id == before[0]
+            broker.kill()
+            assert poll_through_outage(lambda: consumer.receive(timeout_s=0.2)) >= 2
+            broker.start()
+            after = send_all(broker.addr, "rc", [b"a0"])
+            ends = time.monotonic() + BACKOFF_CAP_S + 2 * SHORT_S
+            received = None
+            while received is None and time.monotonic() < ends:
+                try:
+                    received = consumer.receive(timeout_s=0.2)
+                except DelaydTimeout:
+                    continue  # the back-off since the last failed attempt is running
+            assert received is not None, "the consumer never connected again"
+            # b0's commit landed before anything else was handed out (sync), so the
+            # next message is the one produced after the restart.
+            assert received.message_id == after[0]
+
+
 @pytest.mark.parametrize("backend", ["trio", "asyncio"])
 def test_async_consumer_receives_again_after_an_outage(tmp_path: Path, backend: str) -> None:
     async def scenario(broker: BrokerProcess) -> None:

@@ -209,6 +209,7 @@ class Consumer(BlockingClient):
         if not retry and (self._joined is None or self._joined is not self._session.current):
             return
         while due := self._state.commits_due():
+            link: BlockingLink | None = None
             try:
                 link = self._member_link(deadline)
                 request_deadline = min(deadline, time.monotonic() + self.timeout_s)
@@ -218,8 +219,12 @@ class Consumer(BlockingClient):
             except (ConnectionClosedError, DelaydTimeout, NotLeaderError) as exc:
                 if isinstance(exc, NotLeaderError):
                     self._session.redirected(exc)  # committed again at the leader
-                elif isinstance(exc, ConnectionClosedError) or self._session.current is None:
-                    self._session.lost(exc)
+                elif link is not None:
+                    # Only a link that failed is a failed attempt. Without one the session
+                    # has counted its own attempts; counting a call that the back-off did
+                    # not let try would restart the back-off, and a caller polling with a
+                    # shorter time-out would never connect again.
+                    self._session.lost(exc)  # closes it: its state is unknown
                 if not retry:
                     return
                 if time.monotonic() >= deadline:

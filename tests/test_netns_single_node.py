@@ -1,0 +1,185 @@
+"""The fault harness on today's single-node server, with real processes on real hosts:
+``delayd serve`` on host a; producers and consumers (tests/fault_load.py, the public
+blocking clients) on other hosts; faults are a kill -9, a pulled cable and a
+partition. After each run the checker (tests/fault_checker.py) must count 0 lost,
+0 early, 0 twice and every CANCELLED honoured.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.delivery_support import now_ms
+from tests.fault_checker import History, Report, check
+from tests.fault_load import LoadProcess
+from tests.intake_support import ServeProcess, write_config
+from tests.netns_support import (
+    Host,
+    Network,
+)
+
+pytestmark = [pytest.mark.netns, pytest.mark.slow]
+
+PORT, BROKER_PORT = 7000, 7001  # every host has all its ports: no free-port races
+KILLS = 2
+FAULT_S = 2.0  # how long a cut or a partition lasts: twice the clients' time-out
+SETTLE_S = 10.0  # after the last due time, for the consumers to see everything
+
+
+def serve_on(host: Host, tmp_path: Path) -> ServeProcess:
+    config = write_config(
+        tmp_path / "serve.toml",
+        "[replay]\ncheckpoint_interval_ms = 100\n"
+        "[wheel]\nload_ahead_ms = 300\n"
+        "[delivery]\nmax_batch = 32\ndispatch_flush_interval_ms = 100\n",
+    )
+    process = ServeProcess(
+        tmp_path / "data",
+        "--config",
+        config,
+        "--listen",
+        f"{host.address}:{PORT}",
+        "--broker-listen",
+        f"{host.address}:{BROKER_PORT}",
+        metrics_listen="off",
+        command_prefix=tuple(host.command_prefix),
+    )
+    return process.start()
+
+
+class Load:
+    """Producers and consumers of one test, and the checker over their histories."""
+
+    def __init__(self, server: Host, tmp_path: Path) -> None:
+        self.delay_server = f"{server.address}:{PORT}"
+        self.broker = f"{server.address}:{BROKER_PORT}"
+        self.tmp_path = tmp_path
+        self.producers: list[LoadProcess] = []
+        self.consumers: list[LoadProcess] = []
+
+    def producer(self, host: Host, name: str, *args: str) -> LoadProcess:
+        path = self.tmp_path / f"{name}.jsonl"
+        process = LoadProcess(host, "produce", self.delay_server, path, "--prefix", name, *args)
+        self.producers.append(process)
+        return process
+
+    def consumer(self, host: Host, name: str) -> LoadProcess:
+        path = self.tmp_path / f"{name}.jsonl"
+        process = LoadProcess(host, "consume", self.broker, path, "--prefix", name)
+        self.consumers.append(process)
+        return process
+
+    def history(self) -> History:
+        processes = [*self.producers, *self.consumers]
+        return History.from_events(e for p in processes for e in p.events())
+
+    def finish(self) -> Report:
+        """Stop the producers, wait until every acknowledged message fell due and was
+        seen, stop the consumers, and check."""
+        for producer in self.producers:
+            producer.stop()
+        dues = [e["due_ms"] for p in self.producers for e in p.events("acked")]
+        dues += [e["due_ms"] for p in self.producers for e in p.events("reschedule")]
+        last_due_ms = max(dues)
+        time.sleep(max(0.0, (last_due_ms - now_ms()) / 1000))
+        deadline = time.monotonic() + SETTLE_S
+        while check(self.history(), due_by_ms=last_due_ms).lost and time.monotonic() < deadline:
+            time.sleep(0.1)  # the consumers are still catching up (if not, the check says who)
+        time.sleep(0.3)  # a copy coming twice would come now
+        for consumer in self.consumers:
+            consumer.stop()
+        report = check(self.history(), due_by_ms=last_due_ms)
+        print(report.summary())
+        report.assert_clean()
+        return report
+
+
+def outcomes(process: LoadProcess, kind: str) -> list[str | None]:
+    return [e["outcome"] for e in process.events(kind)]
+
+
+def test_kill_9_of_the_server_under_load(network: Network, tmp_path: Path) -> None:
+    a, b = network.host("a"), network.host("b")
+    server = serve_on(a, tmp_path)
+    load = Load(a, tmp_path)
+    consumer = load.consumer(b, "consumer")
+    producer = load.producer(b, "producer", "--seed", "1")
+    consumer.wait_for("seen", 20)
+    rng = random.Random(20)
+    kills_ms = []
+    for _ in range(KILLS):
+        producer.wait_for("acked", len(producer.events("acked")) + 100)
+        time.sleep(rng.uniform(0, 0.2))  # the kill's moment, not a synchronisation
+        server.kill()
+        kills_ms.append(now_ms())
+        server.start()
+    producer.wait_for("acked", len(producer.events("acked")) + 100)
+    report = load.finish()
+
+    acked_ms = [e["ms"] for e in producer.events("acked")]
+    seen_ms = [e["seen_ms"] for e in consumer.events("seen")]
+    for start_ms, end_ms in itertools.pairwise([*kills_ms, max(acked_ms)]):
+        assert any(start_ms < ms <= end_ms for ms in acked_ms), "acks after each restart"
+    assert min(seen_ms) < kills_ms[0] and max(seen_ms) > kills_ms[-1]
+    assert "CANCELLED" in outcomes(producer, "cancel")
+    assert "RESCHEDULED" in outcomes(producer, "reschedule")
+    assert report.acked >= 100 * (KILLS + 1)
+    assert server.log_path.read_text().count("delivering: replay caught up") == KILLS + 1
+    server.close()
+
+
+def test_a_host_cut_from_the_network_under_load(network: Network, tmp_path) -> None:
+    a, b = network.host("a"), network.host("b")
+    server = serve_on(a, tmp_path)
+    load = Load(a, tmp_path)
+    consumer = load.consumer(b, "consumer")
+    producer = load.producer(b, "producer", "--seed", "2", "--timeout-s", "1")
+    producer.wait_for("acked", 100)
+    a.cut()
+    time.sleep(FAULT_S)
+    a.restore()
+    restored_ms = now_ms()
+    producer.wait_for("acked", len(producer.events("acked")) + 150)
+    report = load.finish()
+
+    errors = producer.events("error") + consumer.events("error")
+    assert any(e["error"] == "DelaydTimeout" for e in errors), "the clients saw the cut"
+    assert any(e["ms"] > restored_ms for e in producer.events("acked"))
+    assert any(e["seen_ms"] > restored_ms for e in consumer.events("seen"))
+    assert report.acked >= 250
+    server.close()
+
+
+def test_a_partition_between_two_hosts_leaves_the_third(network, tmp_path) -> None:
+    a, b, c = network.host("a"), network.host("b"), network.host("c")
+    server = serve_on(a, tmp_path)
+    load = Load(a, tmp_path)
+    load.consumer(c, "consumer")
+    cut_off = load.producer(b, "cut-off", "--seed", "3", "--timeout-s", "1")
+    reaching = load.producer(c, "reaching", "--seed", "4", "--timeout-s", "1")
+    cut_off.wait_for("acked", 100)
+    reaching.wait_for("acked", 100)
+    network.partition(a, b)
+    partitioned_ms = now_ms()
+    time.sleep(FAULT_S)
+    healing_ms = now_ms()  # the partition holds until heal() begins
+    network.heal()
+    cut_off.wait_for("acked", len(cut_off.events("acked")) + 100)
+    load.finish()
+
+    def acked_between(process: LoadProcess, start_ms: int, end_ms: int) -> int:
+        """Acks recorded in the partition, once what was in flight when it began had
+        its 1 s time-out (and a slow machine its margin)."""
+        return sum(start_ms + 1500 < e["ms"] < end_ms for e in process.events("acked"))
+
+    # b's answers stopped within the timeout; c's went on all the while
+    assert acked_between(cut_off, partitioned_ms, healing_ms) == 0
+    assert acked_between(reaching, partitioned_ms, healing_ms) > 20
+    assert any(e["error"] == "DelaydTimeout" for e in cut_off.events("error"))
+    assert not reaching.events("error")
+    server.close()
