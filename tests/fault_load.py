@@ -34,7 +34,7 @@ import delayd
 from delayd.errors import DelaydError
 from delayd.protocol import Message
 from tests.delivery_support import SUBJECT, now_ms, poll
-from tests.intake_support import ROOT, _env
+from tests.process_support import ROOT, child_env
 
 SOON_MS = 500  # a cancel or reschedule picks a message due at least this far out
 
@@ -182,7 +182,7 @@ class LoadProcess:
         self.process: subprocess.Popen = host.popen(
             command(role, server, history, *args),
             cwd=ROOT,
-            env=_env(),
+            env=child_env(),
             stdout=subprocess.DEVNULL,
             stderr=open(history.with_suffix(".log"), "ab"),  # noqa: SIM115 (the child owns it)
         )
