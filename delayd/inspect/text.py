@@ -11,6 +11,7 @@ from delayd.inspect.report import (
     CANCELLED,
     DEAD_LETTERED,
     DISPATCHED,
+    NOT_MOVED,
     NOT_REPLAYED,
     OVERDUE,
     RESCHEDULED,
@@ -37,6 +38,7 @@ KIND_WORDS = {
     EntryKind.CANCELLED: "cancelled",
     EntryKind.COMPLETE: "complete",
     EntryKind.RESCHEDULED: "rescheduled",
+    EntryKind.NOT_MOVED: "not moved",
 }
 
 
@@ -308,7 +310,7 @@ def _found_lines(f: FoundMessage, now_ms: int) -> list[str]:
     elif f.status == OVERDUE:
         lines.append(f"  NOT DISPATCHED, overdue by {duration_ms(now_ms - m.due_ms)}")
     else:
-        assert f.status in (DISPATCHED, DEAD_LETTERED, CANCELLED, RESCHEDULED)
+        assert f.status in (DISPATCHED, DEAD_LETTERED, CANCELLED, RESCHEDULED, NOT_MOVED)
         lines.extend(fit("  " + _entry_line(e, m.due_ms)) for e in f.dispatch)
     return lines
 

@@ -11,9 +11,12 @@ bucket) and the dispatch lock (the sender records nothing) held, so the message 
 exactly one of those places and no await can move it meanwhile. docs/cancel.md has the
 argument, the formats and what recovery does.
 
-The *current* record of an id is the one with the highest message_log offset: the
-original, or the copy the latest reschedule appended (stamped with its tombstone's
-offset). Older ones were moved away (RESCHEDULED entries).
+The *current* record of an id is the one with the highest message_log offset that is
+not a void copy: the original, or the copy the latest successful reschedule appended
+(stamped with its tombstone's offset). Older ones were moved away (RESCHEDULED
+entries). A reschedule (type 5) appends its copy whatever it decides, as every
+follower's replay does (delayd.logs.moves); a copy it does not move the message to is
+recorded NOT_MOVED, never delivered.
 """
 
 from __future__ import annotations
@@ -25,10 +28,10 @@ from dataclasses import dataclass
 
 import trio
 
-from delayd.logs import message_log, schedule_log, tombstone
+from delayd.logs import message_log, moves, tombstone
 from delayd.logs.dispatch_files import DispatchFiles
 from delayd.logs.dispatch_log import DispatchEntry, EntryKind, find_entry
-from delayd.logs.id_index import IdIndex, Location
+from delayd.logs.id_index import Location
 from delayd.protocol.codes import CancelOutcome, RescheduleOutcome
 from delayd.replay.replayer import Replayer, TombstoneRecord
 from delayd.sender.sender import Sender, Withdrawal
@@ -163,31 +166,47 @@ class Canceller:
         if index is None:
             raise RuntimeError("cancel and reschedule need the id index")
         answer = self._waiting.pop(offset, None) or Answer(stone.is_cancel)
-        current = self._current(index, stone.message_id)
+        locations = index.lookup(stone.message_id)
+        current = self._current(locations)
+        # The copy every member's replay appends for this tombstone (type 5), moved to
+        # or not: appended in this synchronous block, so "both" and "neither" stay
+        # impossible, at the place a follower's replay puts it.
+        copy = None
+        if stone.due_ms is not None and stone.always_copies:
+            copy = moves.moved_copy(locations, stone.due_ms)
+        fate = None
+        if current is not None:
+            fate = self._withdraw(current, answer, is_cancel=stone.is_cancel)
+        moved = fate is EntryKind.RESCHEDULED
+        if moved and copy is None:  # type 4: the copy is appended only when it moves
+            assert stone.due_ms is not None and current is not None
+            copy = moves.moved_copy([current], stone.due_ms)
+        if copy is not None:
+            bucket_ms, copy_offset = replayer.append_copy(offset, copy)
+            if not moved:
+                self._void(bucket_ms, copy_offset, message_log.due_ms_of(copy))
         if current is None:
             self._answer(answer, None)
-            return
-        fate = self._withdraw(current, answer, is_cancel=stone.is_cancel)
-        if fate is None:
-            return  # in doubt: the sender's watcher answers
-        if fate is EntryKind.RESCHEDULED:
-            assert stone.due_ms is not None
-            # The same message payload (id, sequence, body...) with the new due_ms,
-            # which is its first field; the SCHEDULED prefix is rebuilt by append_copy.
-            message = current.payload[schedule_log.PREFIX_SIZE :]
-            moved = message_log.DUE_MS.pack(stone.due_ms) + message[message_log.DUE_MS.size :]
-            replayer.append_copy(offset, moved)
+        elif moved:
             self._answer(answer, EntryKind.RESCHEDULED)
-            return
-        kind, at_ms = fate
-        self._answer(answer, kind, at_ms)
+        elif fate is not None:  # None: in doubt, the sender's watcher answers
+            kind, at_ms = fate
+            self._answer(answer, kind, at_ms)
 
-    @staticmethod
-    def _current(index: IdIndex, message_id: str) -> Location | None:
-        locations = index.lookup(message_id)
-        if len(locations) <= 1:  # the usual case: one record, never moved
-            return locations[0] if locations else None
-        return max(locations, key=lambda location: location.message_log_offset)
+    def _current(self, locations: list[Location]) -> Location | None:
+        """The record that holds the message now (delayd.logs.moves.current)."""
+        return moves.current(locations, lambda at: self._entry(at.bucket_ms, at.offset))
+
+    def _void(self, bucket_ms: int, offset: int, due_ms: int) -> None:
+        """Record the copy just appended at (bucket, offset) NOT_MOVED and take it out
+        of the loading path the append offered it to (the wheel, a loading bucket's
+        skip set): it must never be sent. Nothing can have sent it (appended under the
+        locks this decision holds)."""
+        where = self.manager.withdraw(bucket_ms, offset, due_ms)
+        if where not in (Whereabouts.REMOVED, Whereabouts.SKIPPED, Whereabouts.NOT_LOADED):
+            log.error("reschedule: the void copy %s@%d is %s", bucket_ms, offset, where.value)
+        bucket_id = self.manager.bucket_id(bucket_ms) if where is Whereabouts.REMOVED else None
+        self._record(bucket_ms, offset, EntryKind.NOT_MOVED, self.clock(), bucket_id)
 
     def _withdraw(
         self, at: Location, answer: Answer, *, is_cancel: bool
@@ -306,6 +325,8 @@ class Canceller:
 
     def _answer(self, answer: Answer, kind: EntryKind | None, at_ms: int | None = None) -> None:
         """Fill ``answer`` from the fate of the message (None: no such id)."""
+        if kind is EntryKind.NOT_MOVED:
+            kind = None  # a lone void copy: its original went with retention
         if answer.is_cancel:
             if kind is None:
                 outcome = CancelOutcome.UNKNOWN
