@@ -99,7 +99,7 @@ PAIRED = pa.schema(
         pa.field("schedule_detail", pa.string()),
         pa.field("dispatches", pa.int64()),  # DISPATCHED entries
         pa.field("dead_letters", pa.int64()),  # DEAD_LETTERED entries
-        pa.field("withdrawals", pa.int64()),  # CANCELLED, RESCHEDULED, NOT_MOVED entries
+        pa.field("withdrawals", pa.int64()),  # CANCELLED and RESCHEDULED entries
         pa.field("fate", pa.int8()),  # the first entry's EntryKind value
         pa.field("dispatched_ms", pa.int64()),  # the first DISPATCHED entry's at_ms
         pa.field("first_entry_ms", pa.int64()),

@@ -10,7 +10,7 @@ aggregating the entries, shuffling both sides and sorting them for a full outer 
 more than half of the audit's time (docs/benchmarks.md, "Audit").
 
 Per (bucket, offset), of the entries that are records and not COMPLETE marks:
-``dispatches``, ``dead_letters``, ``withdrawals`` (CANCELLED, RESCHEDULED, NOT_MOVED), ``fate``
+``dispatches``, ``dead_letters``, ``withdrawals`` (CANCELLED or RESCHEDULED), ``fate``
 (the EntryKind value of the first entry by position: delayd.logs.dispatch_log),
 ``dispatched_ms`` (the earliest DISPATCHED entry's time) and ``first_entry_ms`` (the
 earliest of all). Every schedule_log row meets the entries of its offset — its problem
@@ -70,9 +70,9 @@ def _name(kind: EntryKind) -> str:
 
 _KIND_NAMES = pa.array([_name(kind) for kind in EntryKind], pa.string())
 _KIND_VALUES = pa.array([kind.value for kind in EntryKind], pa.int8())
-_WITHDRAWALS = pa.array(
-    [_name(kind) for kind in (EntryKind.CANCELLED, EntryKind.RESCHEDULED, EntryKind.NOT_MOVED)]
-)
+# Entries that answered "done" to a cancel or reschedule. NOT_MOVED answers nothing: a
+# reschedule replayed after a crash may void a copy that the run before delivered.
+_WITHDRAWALS = pa.array([_name(EntryKind.CANCELLED), _name(EntryKind.RESCHEDULED)])
 
 # (column, aggregation) per (bucket, offset), and the name of the result in PAIRED.
 # "first" is in input order (use_threads=False): the entries are sorted by position.
