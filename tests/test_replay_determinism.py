@@ -206,6 +206,24 @@ async def test_a_follower_derives_byte_identical_buckets(tmp_path, clock):
     assert_follower_derives_the_same(leader, follower, ids, [5, 3, 1, 4, 2, None])
 
 
+async def test_a_follower_running_the_replay_task_derives_the_same(tmp_path, clock):
+    """The follower as a server runs it: ``Replayer.run`` until stopped, its tombstone
+    steps under the append lock, then a checkpoint."""
+    leader, follower = str(tmp_path / "leader"), str(tmp_path / "follower")
+    ids = await run_leader(leader)
+    copy_replicated_logs(leader, follower)
+    log = SegmentedLog.open(layout.message_log_dir(follower))
+    replayer = open_replayer(follower, log, segment_scale=SCALE)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(replayer.run)
+        await replayer.stop()
+    assert replayer.tombstones_total == 13 and replayer.checkpointed_position == log.end_offset
+    replayer.close()
+    log.close()
+    assert files_of(layout.schedule_log_dir(follower)) == files_of(layout.schedule_log_dir(leader))
+    assert lookups(follower, ids) == lookups(leader, ids)
+
+
 async def test_a_follower_replays_the_reschedules_of_an_older_version(tmp_path, clock):
     """Reschedules of type 4 (written before groups) appended their copy only when the
     message moved. A follower, or a member that rebuilds its derived state from the
@@ -217,6 +235,49 @@ async def test_a_follower_replays_the_reschedules_of_an_older_version(tmp_path, 
     assert counted[EntryKind.NOT_MOVED] == 0  # nothing void: no copy when refused
     assert counted[EntryKind.RESCHEDULED] == 5
     assert_follower_derives_the_same(leader, follower, ids, [2, 7, None])
+
+
+async def test_a_restart_that_lost_a_void_entry_voids_the_same_copy(tmp_path, clock):
+    """A crash after a refused reschedule, before the replay checkpoint, that lost its
+    NOT_MOVED entry: the restart replays the tombstone again, appends the same copy at
+    the same offset and voids it again. Nothing is delivered twice or lost."""
+    data = str(tmp_path / "data")
+    pipeline = Pipeline(data, [RecordingTarget("a")])
+    pipeline.replayer.checkpoint_interval_s = 3600.0
+    delivered, pending = pipeline.schedule([T0 + 1000, T0 + 3 * MINUTE])
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pipeline.run)
+        await trio.sleep(3)
+        refused = RescheduleOutcome.ALREADY_DELIVERED
+        assert await reschedule(pipeline, delivered, T0 + 2 * MINUTE) is refused
+        moved = RescheduleOutcome.RESCHEDULED
+        assert await reschedule(pipeline, pending, T0 + 2 * MINUTE + 1) is moved
+        nursery.cancel_scope.cancel()
+    assert pipeline.replayer.checkpointed_position < pipeline.log.end_offset
+    pipeline.close()  # as a crash: no checkpoint past the tombstones
+    buckets = files_of(layout.schedule_log_dir(data))
+    void_bucket = os.path.join(layout.dispatch_log_dir(data), "202611221002")
+    assert [e.kind for e in dispatch_entries(data)["202611221002"]] == [EntryKind.NOT_MOVED]
+    os.truncate(void_bucket, 0)  # its only entry, lost
+
+    target = RecordingTarget("a")
+    again = Pipeline(data, [target])
+    async with trio.open_nursery() as nursery:
+        await trio.sleep_until(4)
+        await nursery.start(again.run)
+        await trio.sleep_until(5 * MINUTE / 1000)
+        await again.stop()
+        nursery.cancel_scope.cancel()
+    again.close()
+    assert [(r.message.message_id, r.at_ms) for r in target.received] == [
+        (pending, T0 + 2 * MINUTE + 1)
+    ]
+    assert files_of(layout.schedule_log_dir(data)) == buckets  # the same copies, in place
+    assert again.delivery.canceller.reschedules[refused] == 1  # replayed, refused again
+    # The void copy (first in the bucket) voided again; the moved one behind it sent.
+    entries = dispatch_entries(data)["202611221002"]
+    assert [(e.kind, e.offset) for e in entries][:1] == [(EntryKind.NOT_MOVED, 0)]
+    assert [e.offset > 0 for e in entries if e.kind is EntryKind.DISPATCHED] == [True]
 
 
 @pytest.mark.parametrize("seed", range(3))
