@@ -15,7 +15,7 @@ import pytest
 import trio
 import trio.testing
 
-from delayd.logs import layout, tombstone
+from delayd.logs import layout
 from delayd.logs.dispatch_log import EntryKind
 from delayd.protocol import SendResult
 from delayd.protocol.codes import CancelOutcome, RescheduleOutcome, ResultCode
@@ -39,22 +39,12 @@ def clock():
     return trio.testing.MockClock(autojump_threshold=0.05)
 
 
-def append_tombstone(pipeline: Pipeline, message_id: str, due_ms: int | None = None) -> Answer:
-    """What the intake path does for CANCEL / RESCHEDULE: a durable tombstone."""
-    stone = tombstone.Tombstone(message_id, pipeline.now_ms(), due_ms)
-    (offset,) = pipeline.log.append_batch([tombstone.encode(stone)], stone.rtype)
-    pipeline.log.flush()
-    answer = pipeline.delivery.canceller.expect(offset, is_cancel=stone.is_cancel)
-    pipeline.replayer.notify(0)
-    return answer
-
-
 async def cancel(pipeline: Pipeline, message_id: str) -> Answer:
-    return await pipeline.delivery.canceller.wait(append_tombstone(pipeline, message_id))
+    return await pipeline.delivery.canceller.wait(pipeline.append_tombstone(message_id))
 
 
 async def reschedule(pipeline: Pipeline, message_id: str, due_ms: int) -> Answer:
-    answer = append_tombstone(pipeline, message_id, due_ms)
+    answer = pipeline.append_tombstone(message_id, due_ms)
     return await pipeline.delivery.canceller.wait(answer)
 
 
@@ -176,7 +166,7 @@ async def test_cancel_in_the_due_millisecond_is_exact(tmp_path, clock):
         for message_id, due in zip(ids, dues, strict=True):
             await trio.sleep_until(pipeline.delivery.ticker.deadline(due))
             assert pipeline.now_ms() == due
-            answers[message_id] = append_tombstone(pipeline, message_id)
+            answers[message_id] = pipeline.append_tombstone(message_id)
         for answer in answers.values():
             await pipeline.delivery.canceller.wait(answer)
         await trio.sleep(2)
@@ -205,7 +195,7 @@ async def test_cancel_waits_for_an_in_flight_batch_that_succeeds(tmp_path, clock
         await nursery.start(pipeline.run)
         await trio.sleep_until(1.5)
         assert target.calls == 1  # the batch is at the broker, unanswered
-        answer = append_tombstone(pipeline, message_id)
+        answer = pipeline.append_tombstone(message_id)
         await trio.sleep(3)
         assert not answer.decided  # never "maybe": it waits for the outcome
         hang.set()
@@ -226,7 +216,7 @@ async def test_cancel_of_an_in_flight_batch_the_broker_refuses_is_not_retried(tm
     async with trio.open_nursery() as nursery:
         await nursery.start(pipeline.run)
         await trio.sleep_until(1.5)
-        answer = append_tombstone(pipeline, doomed)
+        answer = pipeline.append_tombstone(doomed)
         await trio.sleep(1)
         assert not answer.decided
         hang.set()  # the batch in flight is refused: stored nowhere
@@ -437,7 +427,7 @@ async def test_a_cancel_while_an_acknowledged_batch_waits_for_the_dispatch_lock(
         await trio.sleep_until(1.5)
         assert target.calls == 1
         async with lock:
-            answer = append_tombstone(pipeline, message_id)
+            answer = pipeline.append_tombstone(message_id)
             await wait_for(lambda: lock.statistics().tasks_waiting == 1)  # the canceller
             hang.set()  # acknowledged; the sender queues for the lock behind it
             await wait_for(lambda: lock.statistics().tasks_waiting == 2)
@@ -486,9 +476,9 @@ async def test_a_restart_that_lost_dispatch_entries_answers_from_the_resend(tmp_
     (target,) = again.targets
     await trio.sleep_until(8)
     answers = [
-        append_tombstone(again, first),
-        append_tombstone(again, moved, T0 + 4 * MINUTE),
-        append_tombstone(again, overdue),
+        again.append_tombstone(first),
+        again.append_tombstone(moved, T0 + 4 * MINUTE),
+        again.append_tombstone(overdue),
     ]
     async with trio.open_nursery() as nursery:
         await nursery.start(again.run)
@@ -533,7 +523,7 @@ async def test_a_restart_that_lost_dispatch_entries_keeps_a_held_message_in_doub
         await nursery.start(again.run)
         sender = again.delivery.sender
         await wait_for(lambda: target.calls == 1 and sender.in_flight == 2)  # second: queued
-        answer = append_tombstone(again, second, None if is_cancel else T0 + 4 * MINUTE)
+        answer = again.append_tombstone(second, None if is_cancel else T0 + 4 * MINUTE)
         await trio.sleep(1)
         assert not answer.decided  # never "maybe": it waits for the send
         hang.set()

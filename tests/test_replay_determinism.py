@@ -21,11 +21,10 @@ import pytest
 import trio
 import trio.testing
 
-from delayd.logs import layout, tombstone
+from delayd.logs import layout
 from delayd.logs.dispatch_log import EntryKind
 from delayd.protocol.codes import CancelOutcome, RescheduleOutcome
 from delayd.replay import open_replayer
-from delayd.server.cancels import Answer
 from storage.segmented_log import SegmentedLog
 from tests.delivery_pipeline import T0, Pipeline, RecordingTarget, dispatch_entries
 
@@ -39,21 +38,8 @@ def clock():
     return trio.testing.MockClock(autojump_threshold=0.05)
 
 
-def append_tombstone(
-    pipeline: Pipeline, message_id: str, due_ms: int | None = None, *, always_copies: bool = True
-) -> Answer:
-    """What intake does for CANCEL / RESCHEDULE (``always_copies`` False: a reschedule
-    as versions before groups wrote it, type 4)."""
-    stone = tombstone.Tombstone(message_id, pipeline.now_ms(), due_ms, always_copies)
-    (offset,) = pipeline.log.append_batch([tombstone.encode(stone)], stone.rtype)
-    pipeline.log.flush()
-    answer = pipeline.delivery.canceller.expect(offset, is_cancel=stone.is_cancel)
-    pipeline.replayer.notify(0)
-    return answer
-
-
 async def cancel(pipeline: Pipeline, message_id: str) -> CancelOutcome:
-    answer = await pipeline.delivery.canceller.wait(append_tombstone(pipeline, message_id))
+    answer = await pipeline.delivery.canceller.wait(pipeline.append_tombstone(message_id))
     assert isinstance(answer.outcome, CancelOutcome)
     return answer.outcome
 
@@ -61,7 +47,7 @@ async def cancel(pipeline: Pipeline, message_id: str) -> CancelOutcome:
 async def reschedule(
     pipeline: Pipeline, message_id: str, due_ms: int, *, always_copies: bool = True
 ) -> RescheduleOutcome:
-    answer = append_tombstone(pipeline, message_id, due_ms, always_copies=always_copies)
+    answer = pipeline.append_tombstone(message_id, due_ms, always_copies=always_copies)
     await pipeline.delivery.canceller.wait(answer)
     assert isinstance(answer.outcome, RescheduleOutcome)
     return answer.outcome
