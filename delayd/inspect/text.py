@@ -257,8 +257,8 @@ def dispatch_lines(report: DispatchReport, data_dir: str) -> list[str]:
     if info is None:
         lines = [f"dispatch_log {report.bucket}: no file (nothing dispatched yet)"]
     else:
-        counts = ", ".join(
-            f"{n:,} {KIND_WORDS[EntryKind[kind.upper()]]}" for kind, n in info.entries.items()
+        counts = ", ".join(  # the kinds present: a line wide enough for all of them
+            f"{n:,} {KIND_WORDS[EntryKind[kind.upper()]]}" for kind, n in info.entries.items() if n
         )
         lines = [
             f"dispatch_log {report.bucket}: {len(report.entries):,} entries, {info.bytes:,} B",
