@@ -298,3 +298,42 @@ async def test_random_operations_derive_the_same_buckets(tmp_path, clock, seed):
     assert counted[EntryKind.RESCHEDULED] and counted[EntryKind.NOT_MOVED]  # both kinds
     steps: list[int | None] = [rng.randrange(1, 20) for _ in range(rng.randrange(1, 6))]
     assert_follower_derives_the_same(leader, follower, [*ids, "nobody"], [*steps, None], seed)
+
+
+async def test_a_promoted_follower_decides_what_replication_did_not_bring(tmp_path, clock):
+    """The old leader decided a cancel, a move and a refused move, but none of its
+    dispatch_log reached the follower. Promoted, the follower decides those tombstones
+    again before it delivers (``Canceller.take_over``): the cancelled message is never
+    sent, the moved one only at its new time, the delivered one's void copy never —
+    it is resent once (in doubt: the old leader may have sent it; a broker answers
+    DUPLICATE)."""
+    leader, follower = str(tmp_path / "leader"), str(tmp_path / "follower")
+    pipeline = Pipeline(leader, [RecordingTarget("a")])
+    sent, doomed, moved, kept = pipeline.schedule([T0 + 1000, *[T0 + 3 * MINUTE] * 3])
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pipeline.run)
+        await trio.sleep(3)
+        assert await reschedule(pipeline, sent, T0 + 5 * MINUTE) is (
+            RescheduleOutcome.ALREADY_DELIVERED
+        )
+        assert await cancel(pipeline, doomed) is CancelOutcome.CANCELLED
+        assert await reschedule(pipeline, moved, T0 + 4 * MINUTE) is RescheduleOutcome.RESCHEDULED
+        await pipeline.stop()
+        nursery.cancel_scope.cancel()
+    pipeline.close()
+    shutil.copytree(layout.message_log_dir(leader), layout.message_log_dir(follower))
+    replay_as_follower(follower, [None], random.Random(0))
+
+    target = RecordingTarget("a")
+    promoted = Pipeline(follower, [target])
+    assert await promoted.delivery.canceller.take_over(promoted.replayer) == 3
+    async with trio.open_nursery() as nursery:
+        await nursery.start(promoted.run)
+        await trio.sleep_until(6 * MINUTE / 1000)
+        await promoted.stop()
+        nursery.cancel_scope.cancel()
+    promoted.close()
+    got = {r.message.message_id: r.at_ms for r in target.received}
+    assert len(target.received) == len(got) == 3  # each once
+    assert got == {sent: got[sent], moved: T0 + 4 * MINUTE, kept: T0 + 3 * MINUTE}
+    assert got[sent] < T0 + 5 * MINUTE  # the resend, not the void copy

@@ -460,6 +460,14 @@ class Replayer:
                 # as a whole. Stop; a restart cuts them and replays from the checkpoint.
                 raise StorageError(f"replaying reschedule tombstones failed: {exc}") from exc
 
+    def replayed_tombstones(self) -> Iterator[TombstoneRecord]:
+        """The tombstones of message_log below ``position``, in order (read back from
+        disk): what a member that followed a leader decides again when it takes over."""
+        message_type = message_log.TYPE_MESSAGE
+        for offset, rtype, payload, _ in self.log.iter_from(0, self._position):
+            if rtype != message_type:
+                yield offset, rtype, payload
+
     def _moved_by_leader(self, locations: list[Location]) -> bool:
         """Whether a type-4 reschedule moved the id whose records are ``locations``:
         its current record (the latest: type 4 made no void copies) has RESCHEDULED

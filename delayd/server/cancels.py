@@ -161,6 +161,48 @@ class Canceller:
         """The replayer's: entries tombstones wrote are durable before it checkpoints."""
         await self.sender.flush()
 
+    async def take_over(self, replayer: Replayer) -> int:
+        """Decide again, before delivery starts, every tombstone a follower's replay
+        passed without deciding (``Replayer.derive_tombstones``); returns how many.
+
+        The old leader's decisions reach a follower with its dispatch_log, as far as
+        replication brought them. Deciding again is what a restart does with the
+        tombstones past its checkpoint, and gives the same answer where the entry is
+        there (a record moved by RESCHEDULED is moved again, a delivered or cancelled
+        one stays so); where it is missing, the new leader decides now. Every record
+        the old leader held may have been sent by it: ``earlier_end`` moves to the log's
+        end, so a due one without an entry is in doubt (docs/cancel.md, case 0). A copy
+        is never appended here (replay did that): one that does not hold the message
+        is voided (NOT_MOVED) where it lies. Type 4 reschedules were decided by the
+        servers that wrote them; they are left as replay copied them."""
+        self.earlier_end = replayer.log.end_offset
+        decided = 0
+        async with holding(replayer.append_lock), holding(self.dispatch_lock):
+            try:
+                for offset, rtype, payload in replayer.replayed_tombstones():
+                    stone = tombstone.decode(rtype, payload)
+                    if stone.is_cancel or stone.always_copies:
+                        self._decide_again(replayer, offset, stone)
+                        decided += 1
+            finally:
+                with trio.CancelScope(shield=True):
+                    await self._write_entries_off_loop()
+        await self.sender.flush()
+        return decided
+
+    def _decide_again(self, replayer: Replayer, offset: int, stone: tombstone.Tombstone) -> None:
+        """``_resolve`` for a tombstone whose copy replay already appended."""
+        assert replayer.index is not None
+        found = replayer.index.lookup(stone.message_id)
+        current = self._current([at for at in found if at.message_log_offset < offset])
+        if current is None:
+            fate = None
+        else:
+            fate = self._withdraw(current, Answer(stone.is_cancel), is_cancel=stone.is_cancel)
+        copy = next((at for at in found if at.message_log_offset == offset), None)
+        if copy is not None and fate is not EntryKind.RESCHEDULED:
+            self._void(copy.bucket_ms, copy.offset, copy.due_ms)
+
     def _resolve(self, replayer: Replayer, offset: int, stone: tombstone.Tombstone) -> None:
         index = replayer.index
         if index is None:
