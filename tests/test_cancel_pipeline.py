@@ -39,12 +39,17 @@ def clock():
     return trio.testing.MockClock(autojump_threshold=0.05)
 
 
+def append_tombstone(pipeline: Pipeline, message_id: str, due_ms: int | None = None) -> Answer:
+    """What the intake path does for CANCEL / RESCHEDULE: a durable tombstone."""
+    return pipeline.append_tombstone(message_id, due_ms)
+
+
 async def cancel(pipeline: Pipeline, message_id: str) -> Answer:
-    return await pipeline.delivery.canceller.wait(pipeline.append_tombstone(message_id))
+    return await pipeline.delivery.canceller.wait(append_tombstone(pipeline, message_id))
 
 
 async def reschedule(pipeline: Pipeline, message_id: str, due_ms: int) -> Answer:
-    answer = pipeline.append_tombstone(message_id, due_ms)
+    answer = append_tombstone(pipeline, message_id, due_ms)
     return await pipeline.delivery.canceller.wait(answer)
 
 
@@ -166,7 +171,7 @@ async def test_cancel_in_the_due_millisecond_is_exact(tmp_path, clock):
         for message_id, due in zip(ids, dues, strict=True):
             await trio.sleep_until(pipeline.delivery.ticker.deadline(due))
             assert pipeline.now_ms() == due
-            answers[message_id] = pipeline.append_tombstone(message_id)
+            answers[message_id] = append_tombstone(pipeline, message_id)
         for answer in answers.values():
             await pipeline.delivery.canceller.wait(answer)
         await trio.sleep(2)
@@ -195,7 +200,7 @@ async def test_cancel_waits_for_an_in_flight_batch_that_succeeds(tmp_path, clock
         await nursery.start(pipeline.run)
         await trio.sleep_until(1.5)
         assert target.calls == 1  # the batch is at the broker, unanswered
-        answer = pipeline.append_tombstone(message_id)
+        answer = append_tombstone(pipeline, message_id)
         await trio.sleep(3)
         assert not answer.decided  # never "maybe": it waits for the outcome
         hang.set()
@@ -216,7 +221,7 @@ async def test_cancel_of_an_in_flight_batch_the_broker_refuses_is_not_retried(tm
     async with trio.open_nursery() as nursery:
         await nursery.start(pipeline.run)
         await trio.sleep_until(1.5)
-        answer = pipeline.append_tombstone(doomed)
+        answer = append_tombstone(pipeline, doomed)
         await trio.sleep(1)
         assert not answer.decided
         hang.set()  # the batch in flight is refused: stored nowhere
@@ -427,7 +432,7 @@ async def test_a_cancel_while_an_acknowledged_batch_waits_for_the_dispatch_lock(
         await trio.sleep_until(1.5)
         assert target.calls == 1
         async with lock:
-            answer = pipeline.append_tombstone(message_id)
+            answer = append_tombstone(pipeline, message_id)
             await wait_for(lambda: lock.statistics().tasks_waiting == 1)  # the canceller
             hang.set()  # acknowledged; the sender queues for the lock behind it
             await wait_for(lambda: lock.statistics().tasks_waiting == 2)
@@ -476,9 +481,9 @@ async def test_a_restart_that_lost_dispatch_entries_answers_from_the_resend(tmp_
     (target,) = again.targets
     await trio.sleep_until(8)
     answers = [
-        again.append_tombstone(first),
-        again.append_tombstone(moved, T0 + 4 * MINUTE),
-        again.append_tombstone(overdue),
+        append_tombstone(again, first),
+        append_tombstone(again, moved, T0 + 4 * MINUTE),
+        append_tombstone(again, overdue),
     ]
     async with trio.open_nursery() as nursery:
         await nursery.start(again.run)
@@ -523,7 +528,7 @@ async def test_a_restart_that_lost_dispatch_entries_keeps_a_held_message_in_doub
         await nursery.start(again.run)
         sender = again.delivery.sender
         await wait_for(lambda: target.calls == 1 and sender.in_flight == 2)  # second: queued
-        answer = again.append_tombstone(second, None if is_cancel else T0 + 4 * MINUTE)
+        answer = append_tombstone(again, second, None if is_cancel else T0 + 4 * MINUTE)
         await trio.sleep(1)
         assert not answer.decided  # never "maybe": it waits for the send
         hang.set()
