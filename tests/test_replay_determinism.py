@@ -125,6 +125,17 @@ def assert_follower_derives_the_same(
     assert any(len(records) > 1 for records in leader_index.values())  # copies were made
 
 
+async def deliver_until(pipeline: Pipeline, until_ms: int) -> None:
+    """Run ``pipeline`` (a restarted or promoted member) until ``until_ms`` on the
+    pipeline's clock, stop and close it."""
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pipeline.run)
+        await trio.sleep_until((until_ms - T0) / 1000)
+        await pipeline.stop()
+        nursery.cancel_scope.cancel()
+    pipeline.close()
+
+
 def entry_kinds(data: str) -> Counter[EntryKind]:
     return Counter(e.kind for entries in dispatch_entries(data).values() for e in entries)
 
@@ -248,13 +259,7 @@ async def test_a_restart_that_lost_a_void_entry_voids_the_same_copy(tmp_path, cl
 
     target = RecordingTarget("a")
     again = Pipeline(data, [target])
-    async with trio.open_nursery() as nursery:
-        await trio.sleep_until(4)
-        await nursery.start(again.run)
-        await trio.sleep_until(5 * MINUTE / 1000)
-        await again.stop()
-        nursery.cancel_scope.cancel()
-    again.close()
+    await deliver_until(again, T0 + 5 * MINUTE)
     assert [(r.message.message_id, r.at_ms) for r in target.received] == [
         (pending, T0 + 2 * MINUTE + 1)
     ]
@@ -327,12 +332,7 @@ async def test_a_promoted_follower_decides_what_replication_did_not_bring(tmp_pa
     target = RecordingTarget("a")
     promoted = Pipeline(follower, [target])
     assert await promoted.delivery.canceller.take_over(promoted.replayer) == 3
-    async with trio.open_nursery() as nursery:
-        await nursery.start(promoted.run)
-        await trio.sleep_until(6 * MINUTE / 1000)
-        await promoted.stop()
-        nursery.cancel_scope.cancel()
-    promoted.close()
+    await deliver_until(promoted, T0 + 6 * MINUTE)
     got = {r.message.message_id: r.at_ms for r in target.received}
     assert len(target.received) == len(got) == 3  # each once
     assert got == {sent: got[sent], moved: T0 + 4 * MINUTE, kept: T0 + 3 * MINUTE}
