@@ -461,10 +461,11 @@ class Replayer:
                 raise StorageError(f"replaying reschedule tombstones failed: {exc}") from exc
 
     def replayed_tombstones(self) -> Iterator[TombstoneRecord]:
-        """The tombstones of message_log below ``position``, in order (read back from
-        disk): what a member that followed a leader decides again when it takes over."""
+        """The tombstones message_log still holds below ``position``, in order (read
+        back from disk): what a member that followed a leader decides again when it
+        takes over. Segments retention deleted were replayed and decided long before."""
         message_type = message_log.TYPE_MESSAGE
-        for offset, rtype, payload, _ in self.log.iter_from(0, self._position):
+        for offset, rtype, payload, _ in self.log.iter_from(self.log.min_offset, self._position):
             if rtype != message_type:
                 yield offset, rtype, payload
 
