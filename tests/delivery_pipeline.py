@@ -12,13 +12,14 @@ from dataclasses import dataclass, field
 
 import trio
 
-from delayd.logs import layout, message_log
+from delayd.logs import layout, message_log, tombstone
 from delayd.logs.dispatch_log import DispatchEntry, EntryKind, decode_records
 from delayd.logs.message_log import MessageRecord
 from delayd.protocol import Message, SendResult
 from delayd.protocol.codes import ResultCode
 from delayd.replay import open_replayer
 from delayd.sender.targets import TargetUnavailable
+from delayd.server.cancels import Answer
 from delayd.server.config import ServeConfig
 from delayd.server.delivery import Delivery
 from storage.fs import O_READ, REAL_FS, FileSystem
@@ -129,6 +130,19 @@ class Pipeline:
         self.log.flush()
         self.replayer.notify(self.sequence)
         return ids
+
+    def append_tombstone(
+        self, message_id: str, due_ms: int | None = None, *, always_copies: bool = True
+    ) -> Answer:
+        """What intake does for CANCEL / RESCHEDULE: a durable tombstone, whose Answer
+        the canceller fills (``always_copies`` False: a reschedule of type 4, as
+        versions before replication wrote it)."""
+        stone = tombstone.Tombstone(message_id, self.now_ms(), due_ms, always_copies)
+        (offset,) = self.log.append_batch([tombstone.encode(stone)], stone.rtype)
+        self.log.flush()
+        answer = self.delivery.canceller.expect(offset, is_cancel=stone.is_cancel)
+        self.replayer.notify(0)
+        return answer
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """The replayer and the delivery tasks, as the server starts them; but the

@@ -85,7 +85,7 @@ def expected_flags(row: dict, stops: dict[int, int], damaged: set[int]) -> dict[
     dispatches = row["dispatches"] or 0
     dead_letters = row["dead_letters"] or 0
     fate = row["fate"]
-    withdrawn = fate in (EntryKind.CANCELLED, EntryKind.RESCHEDULED)
+    withdrawn = fate in (EntryKind.CANCELLED, EntryKind.RESCHEDULED, EntryKind.NOT_MOVED)
     due_ms = row["due_ms"]
     scheduled = due_ms is not None
     handled = fate is not None

@@ -15,7 +15,7 @@ import pytest
 import trio
 import trio.testing
 
-from delayd.logs import layout, tombstone
+from delayd.logs import layout
 from delayd.logs.dispatch_log import EntryKind
 from delayd.protocol import SendResult
 from delayd.protocol.codes import CancelOutcome, RescheduleOutcome, ResultCode
@@ -35,12 +35,7 @@ MINUTE = 60_000
 
 def append_tombstone(pipeline: Pipeline, message_id: str, due_ms: int | None = None) -> Answer:
     """What the intake path does for CANCEL / RESCHEDULE: a durable tombstone."""
-    stone = tombstone.Tombstone(message_id, pipeline.now_ms(), due_ms)
-    (offset,) = pipeline.log.append_batch([tombstone.encode(stone)], stone.rtype)
-    pipeline.log.flush()
-    answer = pipeline.delivery.canceller.expect(offset, is_cancel=stone.is_cancel)
-    pipeline.replayer.notify(0)
-    return answer
+    return pipeline.append_tombstone(message_id, due_ms)
 
 
 async def cancel(pipeline: Pipeline, message_id: str) -> Answer:

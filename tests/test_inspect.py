@@ -220,6 +220,7 @@ def test_summary_counts_what_was_written(written, capsys):
         "cancelled": 1,
         "complete": 1,
         "rescheduled": 0,
+        "not_moved": 0,
     }
     assert buckets[first.name]["dispatch_log"]["bytes"] == 5 * (HEADER_SIZE + 32)
     assert [buckets[b.name]["undispatched"] for b in (first, second, third)] == [0, 2, 3]
@@ -322,7 +323,7 @@ def test_dispatch_state_of_a_bucket(written, capsys):
     assert doc["undispatched"] == [second.offset_of("m-4"), second.offset_of("m-7")]
     assert doc["complete_up_to"] is None
     lines = text_lines(capsys, written.data, "dispatch", first.name)
-    assert lines[1] == "  2 dispatched, 1 dead-lettered, 1 cancelled, 1 complete, 0 rescheduled"
+    assert lines[1] == "  2 dispatched, 1 dead-lettered, 1 cancelled, 1 complete"
     assert lines[5].split() == ["0", "dispatched", "0", "2024-01-01T00:00:00.003Z", "billing"]
     lines = text_lines(capsys, written.data, "dispatch", written.bucket(2).name)
     assert lines[0].endswith("no file (nothing dispatched yet)")

@@ -164,8 +164,9 @@ def test_unknown_record_types_are_refused_by_name():
     message_log.check_type(message_log.TYPE_MESSAGE, "/d/message_log", 0)
     message_log.check_type(message_log.TYPE_CANCEL, "/d/message_log", 0)  # issue 8
     message_log.check_type(message_log.TYPE_RESCHEDULE, "/d/message_log", 0)
-    with pytest.raises(RecordFormatError, match=r"type 5 \(unknown type 5\) is not supported"):
-        message_log.check_type(5, "/d/message_log", 14)
+    message_log.check_type(message_log.TYPE_RESCHEDULE_COPY, "/d/message_log", 0)
+    with pytest.raises(RecordFormatError, match=r"type 6 \(unknown type 6\) is not supported"):
+        message_log.check_type(6, "/d/message_log", 14)
     with pytest.raises(RecordFormatError, match="type 200"):
         message_log.check_type(200, "/d/message_log", 14)
     with pytest.raises(RecordFormatError, match="schedule_log record of type 3"):

@@ -481,11 +481,13 @@ DISPATCHED = "dispatched"
 DEAD_LETTERED = "dead_lettered"
 CANCELLED = "cancelled"
 RESCHEDULED = "rescheduled"  # moved: a copy with the new due time is in another record
+NOT_MOVED = "not_moved"  # the void copy of a refused reschedule: never delivered
 _STATUS_OF_KIND = (
     (EntryKind.DISPATCHED, DISPATCHED),
     (EntryKind.DEAD_LETTERED, DEAD_LETTERED),
     (EntryKind.CANCELLED, CANCELLED),
     (EntryKind.RESCHEDULED, RESCHEDULED),
+    (EntryKind.NOT_MOVED, NOT_MOVED),
 )
 
 

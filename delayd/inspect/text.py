@@ -11,6 +11,7 @@ from delayd.inspect.report import (
     CANCELLED,
     DEAD_LETTERED,
     DISPATCHED,
+    NOT_MOVED,
     NOT_REPLAYED,
     OVERDUE,
     RESCHEDULED,
@@ -37,6 +38,7 @@ KIND_WORDS = {
     EntryKind.CANCELLED: "cancelled",
     EntryKind.COMPLETE: "complete",
     EntryKind.RESCHEDULED: "rescheduled",
+    EntryKind.NOT_MOVED: "not moved",
 }
 
 
@@ -255,8 +257,8 @@ def dispatch_lines(report: DispatchReport, data_dir: str) -> list[str]:
     if info is None:
         lines = [f"dispatch_log {report.bucket}: no file (nothing dispatched yet)"]
     else:
-        counts = ", ".join(
-            f"{n:,} {KIND_WORDS[EntryKind[kind.upper()]]}" for kind, n in info.entries.items()
+        counts = ", ".join(  # the kinds present: a line wide enough for all of them
+            f"{n:,} {KIND_WORDS[EntryKind[kind.upper()]]}" for kind, n in info.entries.items() if n
         )
         lines = [
             f"dispatch_log {report.bucket}: {len(report.entries):,} entries, {info.bytes:,} B",
@@ -308,7 +310,7 @@ def _found_lines(f: FoundMessage, now_ms: int) -> list[str]:
     elif f.status == OVERDUE:
         lines.append(f"  NOT DISPATCHED, overdue by {duration_ms(now_ms - m.due_ms)}")
     else:
-        assert f.status in (DISPATCHED, DEAD_LETTERED, CANCELLED, RESCHEDULED)
+        assert f.status in (DISPATCHED, DEAD_LETTERED, CANCELLED, RESCHEDULED, NOT_MOVED)
         lines.extend(fit("  " + _entry_line(e, m.due_ms)) for e in f.dispatch)
     return lines
 

@@ -31,6 +31,11 @@ The frame's type byte says what the entry is:
     RESCHEDULED    6  the record was moved away at ``at_ms`` (``group`` empty): a copy
                       with the new due time was appended to schedule_log, behind the
                       RESCHEDULE tombstone's message_log offset (docs/cancel.md)
+    NOT_MOVED      7  the record is the copy a RESCHEDULE tombstone appended although
+                      the message was not moved (delivered, cancelled, in doubt): it is
+                      never delivered, and the id's current record is the one before it.
+                      Replay appends the copy on every member of a group; the leader's
+                      decision lives here (docs/cancel.md, "Reschedules and replication")
 
 An offset has one entry, except after a crash (an entry repeated by replay, or a resend
 whose DISPATCHED entry was lost): readers take the first entry of an offset as its fate.
@@ -67,6 +72,7 @@ class EntryKind(IntEnum):
     CANCELLED = 4
     COMPLETE = 5
     RESCHEDULED = 6
+    NOT_MOVED = 7
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,8 +35,19 @@ from storage.framing import FIRST_USER_TYPE, HEADER_SIZE
 # Record types in message_log (the frame's type byte; storage reserves 0 and 1).
 TYPE_MESSAGE = FIRST_USER_TYPE  # 2: an accepted message, layout above
 TYPE_CANCEL = 3  # a cancel tombstone: delayd.logs.tombstone, docs/cancel.md
-TYPE_RESCHEDULE = 4  # a reschedule tombstone: delayd.logs.tombstone, docs/cancel.md
-TOMBSTONE_TYPES = {TYPE_CANCEL: "cancel", TYPE_RESCHEDULE: "reschedule"}
+# Reschedule tombstones (delayd.logs.tombstone, docs/cancel.md). Type 4, written before
+# groups replicated, appends the moved copy only when the replaying server moved the
+# message; type 5 always appends it (and the leader voids a copy it did not move in
+# dispatch_log), so every member derives the same schedule_log from message_log. Both
+# mean the same to a reader of the answers (the audit, inspect): one name.
+TYPE_RESCHEDULE = 4
+TYPE_RESCHEDULE_COPY = 5
+RESCHEDULE_TYPES = (TYPE_RESCHEDULE, TYPE_RESCHEDULE_COPY)
+TOMBSTONE_TYPES = {
+    TYPE_CANCEL: "cancel",
+    TYPE_RESCHEDULE: "reschedule",
+    TYPE_RESCHEDULE_COPY: "reschedule",
+}
 
 HEAD = struct.Struct("<qQqBHHHII")
 HEAD_SIZE = HEAD.size  # 8 + 8 + 8 + 1 + 2 + 2 + 2 + 4 + 4 = 39

@@ -23,9 +23,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from delayd.logs import moves
 from delayd.logs.dispatch_files import DispatchFiles
-from delayd.logs.dispatch_log import EntryKind, find_entry
-from delayd.logs.id_index import IdIndex
+from delayd.logs.dispatch_log import DispatchEntry, EntryKind, find_entry
+from delayd.logs.id_index import IdIndex, Location
 from delayd.logs.known_ids import KnownIds
 
 
@@ -66,9 +67,15 @@ def message_status(
         # Accepted and durable, not in the index until the replayer reaches it.
         due_ms = None if known is None else known.held_due_ms(message_id.encode())
         return UNKNOWN if due_ms is None else MessageStatus(MessageState.PENDING, due_ms)
-    current = max(locations, key=lambda location: location.message_log_offset)
     files = dispatch.files  # reads see entries not yet flushed: they are pwritten
-    entry = find_entry(files.fs, files.path(current.bucket_ms), current.offset)
+
+    def entry_of(at: Location) -> DispatchEntry | None:
+        return find_entry(files.fs, files.path(at.bucket_ms), at.offset)
+
+    current = moves.current(locations, entry_of)
+    if current is None:  # only void copies are left (the original went with retention)
+        return UNKNOWN
+    entry = entry_of(current)
     state = None if entry is None else _FATES.get(entry.kind)
     if entry is None or state is None:
         return MessageStatus(MessageState.PENDING, current.due_ms)

@@ -9,7 +9,14 @@ take no sequence: sequences number messages only.
 Payloads (little-endian, under the storage frame's CRC like every record)::
 
     cancel     := receive_ms:i64 id_len:u16 id:byte[id_len]                (type 3)
-    reschedule := due_ms:i64 receive_ms:i64 id_len:u16 id:byte[id_len]     (type 4)
+    reschedule := due_ms:i64 receive_ms:i64 id_len:u16 id:byte[id_len]     (type 5; 4)
+
+A reschedule of type 5 (RESCHEDULE_COPY, written by this version) makes every replay
+append the moved copy, whether or not the leader moves the message: schedule_log is
+then a function of message_log alone, the same on every member of a group, and the
+leader records a copy it did not move as NOT_MOVED in dispatch_log. Type 4, written
+before, has the same payload; its copy was appended only when the message moved
+(docs/cancel.md, "Reschedules and replication").
 
 ``due_ms`` is the new due time, computed once on receipt as for a message (a time in
 the past is stored as ``receive_ms``: due at once). It comes first, at the offset where
@@ -26,6 +33,7 @@ from delayd.logs.message_log import (
     MAX_TEXT_BYTES,
     TYPE_CANCEL,
     TYPE_RESCHEDULE,
+    TYPE_RESCHEDULE_COPY,
     RecordFormatError,
 )
 
@@ -40,11 +48,13 @@ assert RESCHEDULE_HEAD_SIZE == 8 + 8 + 2
 @dataclass(frozen=True, slots=True)
 class Tombstone:
     """A decoded tombstone. ``due_ms`` is the new due time (epoch ms) of a reschedule,
-    None for a cancel."""
+    None for a cancel. ``always_copies``: a reschedule whose replay appends the moved
+    copy in any case (type 5); False for one of type 4 (see the module docstring)."""
 
     message_id: str
     receive_ms: int
     due_ms: int | None = None
+    always_copies: bool = True
 
     @property
     def is_cancel(self) -> bool:
@@ -52,7 +62,9 @@ class Tombstone:
 
     @property
     def rtype(self) -> int:
-        return TYPE_CANCEL if self.due_ms is None else TYPE_RESCHEDULE
+        if self.due_ms is None:
+            return TYPE_CANCEL
+        return TYPE_RESCHEDULE_COPY if self.always_copies else TYPE_RESCHEDULE
 
 
 def _id_bytes(message_id: str) -> bytes:
@@ -75,7 +87,7 @@ def decode(rtype: int, payload: bytes | memoryview) -> Tombstone:
     """The Tombstone of a record of type ``rtype``. Raises RecordFormatError."""
     if rtype == TYPE_CANCEL:
         head, due_ms = CANCEL_HEAD, None
-    elif rtype == TYPE_RESCHEDULE:
+    elif rtype in (TYPE_RESCHEDULE, TYPE_RESCHEDULE_COPY):
         head = RESCHEDULE_HEAD
     else:
         raise RecordFormatError(f"record type {rtype} is not a tombstone")
@@ -96,4 +108,4 @@ def decode(rtype: int, payload: bytes | memoryview) -> Tombstone:
         message_id = bytes(payload[head.size :]).decode()
     except UnicodeDecodeError:
         raise RecordFormatError("tombstone message_id is not valid UTF-8") from None
-    return Tombstone(message_id, receive_ms, due_ms)
+    return Tombstone(message_id, receive_ms, due_ms, rtype != TYPE_RESCHEDULE)

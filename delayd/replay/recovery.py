@@ -112,7 +112,7 @@ def replayed_bucket(record: Record, segment_scale: int) -> int | None:
     ``record`` appends to: a MESSAGE's due time's; a RESCHEDULE's new due time's, where
     it appends the moved copy (its due_ms is at the same offset as a message's:
     delayd.logs.tombstone); None for a CANCEL, which appends nothing."""
-    if record.type in (message_log.TYPE_MESSAGE, message_log.TYPE_RESCHEDULE):
+    if record.type == message_log.TYPE_MESSAGE or record.type in message_log.RESCHEDULE_TYPES:
         return bucket_of(message_log.due_ms_of(record.payload), segment_scale)
     return None
 

@@ -13,6 +13,12 @@ order: a step holds either messages or tombstones, never both, so a tombstone is
 to ``on_tombstones`` after every message before it is in schedule_log and in the id
 index, and before any message after it (docs/cancel.md).
 
+Without ``on_tombstones`` (a follower of a group, offline tools) the replayer derives
+what tombstones put in schedule_log and the id index itself (``derive_tombstones``) and
+writes nothing to dispatch_log: the leader's decisions arrive in its dispatch_log. The
+leader's canceller appends the same copies at the same places (delayd.logs.moves), so
+every member's bucket files are byte-identical.
+
 The work is synchronous (``replay_available``, ``checkpoint``) so that tests can drive
 it step by step on the crash simulator; ``run`` is the trio task of the server.
 
@@ -34,10 +40,11 @@ from typing import TypeVar
 
 import trio
 
-from delayd.logs import message_log, schedule_log
+from delayd.logs import layout, message_log, moves, schedule_log, tombstone
 from delayd.logs.bucket_files import BucketFiles
-from delayd.logs.buckets import bucket_of, bucket_width_ms
-from delayd.logs.id_index import IdIndex, scheduled_id
+from delayd.logs.buckets import bucket_name, bucket_of, bucket_width_ms
+from delayd.logs.dispatch_log import EntryKind, find_entry
+from delayd.logs.id_index import IdIndex, Location, scheduled_id
 from delayd.logs.known_ids import KnownIds
 from delayd.nowait_acquire import holding
 from delayd.replay.recovery import RecoveryReport
@@ -138,8 +145,8 @@ class Replayer:
         self.segment_scale = segment_scale
         self.recovery = recovery
         self.on_scheduled: OnScheduled | None = on_scheduled
-        # Without a handler (offline tools) tombstones are passed over; the server sets
-        # both hooks (delayd.server.delivery).
+        # Without a handler (a follower, offline tools) derive_tombstones replays them;
+        # a leader sets both hooks (delayd.server.delivery).
         self.on_tombstones: OnTombstones | None = None
         self.before_checkpoint: BeforeCheckpoint | None = None
         self.index = index
@@ -229,6 +236,8 @@ class Replayer:
         if step.tombstones:
             if self.on_tombstones is not None:
                 raise RuntimeError("tombstones need the async run loop (on_tombstones is set)")
+            self.derive_tombstones(step.tombstones)
+            self.tombstones_total += len(step.tombstones)
             self._finish(step, {})
             return step.count
         self._finish(step, self._append(step.groups))
@@ -420,6 +429,58 @@ class Replayer:
         if not step.tombstones:
             self.replayed_total += step.count
 
+    def derive_tombstones(self, records: list[TombstoneRecord]) -> None:
+        """Replay tombstones without deciding anything (no ``on_tombstones``): append
+        the copy each reschedule appends on the leader, index it and offer it to
+        ``on_scheduled``; write nothing to dispatch_log. A cancel appends nothing.
+
+        A reschedule of type 5 always copies (delayd.logs.moves). One of type 4 (written
+        before groups) copied only when the message moved, which its server recorded
+        as RESCHEDULED on the record it moved: that entry, read from the dispatch_log
+        the leader wrote, says whether to copy. Without the id index there is nothing
+        to copy from: tombstones are passed over."""
+        index = self.index
+        if index is None:
+            return
+        for offset, rtype, payload in records:
+            if rtype not in message_log.RESCHEDULE_TYPES:
+                continue
+            stone = tombstone.decode(rtype, payload)
+            assert stone.due_ms is not None
+            locations = index.lookup(stone.message_id)
+            if not stone.always_copies and not self._moved_by_leader(locations):
+                continue
+            copy = moves.moved_copy(locations, stone.due_ms)
+            if copy is None:
+                continue
+            try:
+                self.append_copy(offset, copy)
+            except DiskFullError as exc:
+                # Copies before it are appended and indexed: the step cannot run again
+                # as a whole. Stop; a restart cuts them and replays from the checkpoint.
+                raise StorageError(f"replaying reschedule tombstones failed: {exc}") from exc
+
+    def replayed_tombstones(self) -> Iterator[TombstoneRecord]:
+        """The tombstones message_log still holds below ``position``, in order (read
+        back from disk): what a member that followed a leader decides again when it
+        takes over. Segments retention deleted were replayed and decided long before."""
+        message_type = message_log.TYPE_MESSAGE
+        for offset, rtype, payload, _ in self.log.iter_from(self.log.min_offset, self._position):
+            if rtype != message_type:
+                yield offset, rtype, payload
+
+    def _moved_by_leader(self, locations: list[Location]) -> bool:
+        """Whether a type-4 reschedule moved the id whose records are ``locations``:
+        its current record (the latest: type 4 made no void copies) has RESCHEDULED
+        for its fate. Only the reschedule being replayed can have written it."""
+        current = moves.latest(locations)
+        if current is None:
+            return False
+        directory = layout.dispatch_log_dir(self.data_dir)
+        path = f"{directory}/{bucket_name(current.bucket_ms)}"
+        entry = find_entry(self.fs, path, current.offset)
+        return entry is not None and entry.kind is EntryKind.RESCHEDULED
+
     def append_copy(self, message_log_offset: int, message_payload: bytes) -> tuple[int, int]:
         """Append a SCHEDULED record for ``message_payload`` (a MESSAGE payload, e.g. a
         rescheduled copy with its new due time) on behalf of the message_log record at
@@ -549,7 +610,9 @@ class Replayer:
             return 0
         if step.tombstones:
             async with holding(self.append_lock):
-                if self.on_tombstones is not None:
+                if self.on_tombstones is None:
+                    self.derive_tombstones(step.tombstones)
+                else:
                     try:
                         await self.on_tombstones(self, step.tombstones)
                     except DiskFullError as exc:

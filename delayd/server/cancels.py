@@ -11,9 +11,12 @@ bucket) and the dispatch lock (the sender records nothing) held, so the message 
 exactly one of those places and no await can move it meanwhile. docs/cancel.md has the
 argument, the formats and what recovery does.
 
-The *current* record of an id is the one with the highest message_log offset: the
-original, or the copy the latest reschedule appended (stamped with its tombstone's
-offset). Older ones were moved away (RESCHEDULED entries).
+The *current* record of an id is the one with the highest message_log offset that is
+not a void copy: the original, or the copy the latest successful reschedule appended
+(stamped with its tombstone's offset). Older ones were moved away (RESCHEDULED
+entries). A reschedule (type 5) appends its copy whatever it decides, as every
+follower's replay does (delayd.logs.moves); a copy it does not move the message to is
+recorded NOT_MOVED, never delivered.
 """
 
 from __future__ import annotations
@@ -25,10 +28,10 @@ from dataclasses import dataclass
 
 import trio
 
-from delayd.logs import message_log, schedule_log, tombstone
+from delayd.logs import message_log, moves, tombstone
 from delayd.logs.dispatch_files import DispatchFiles
 from delayd.logs.dispatch_log import DispatchEntry, EntryKind, find_entry
-from delayd.logs.id_index import IdIndex, Location
+from delayd.logs.id_index import Location
 from delayd.nowait_acquire import holding
 from delayd.protocol.codes import CancelOutcome, RescheduleOutcome
 from delayd.replay.replayer import Replayer, TombstoneRecord
@@ -158,36 +161,94 @@ class Canceller:
         """The replayer's: entries tombstones wrote are durable before it checkpoints."""
         await self.sender.flush()
 
+    async def take_over(self, replayer: Replayer) -> int:
+        """Decide again, before delivery starts, every tombstone a follower's replay
+        passed without deciding (``Replayer.derive_tombstones``); returns how many.
+
+        The old leader's decisions reach a follower with its dispatch_log, as far as
+        replication brought them. Deciding again is what a restart does with the
+        tombstones past its checkpoint, and gives the same answer where the entry is
+        there (a record moved by RESCHEDULED is moved again, a delivered or cancelled
+        one stays so); where it is missing, the new leader decides now. Every record
+        the old leader held may have been sent by it: ``earlier_end`` moves to the log's
+        end, so a due one without an entry is in doubt (docs/cancel.md, case 0). A copy
+        is never appended here (replay did that): one that does not hold the message
+        is voided (NOT_MOVED) where it lies. Type 4 reschedules were decided by the
+        servers that wrote them; they are left as replay copied them."""
+        self.earlier_end = replayer.log.end_offset
+        decided = 0
+        async with holding(replayer.append_lock), holding(self.dispatch_lock):
+            try:
+                for offset, rtype, payload in replayer.replayed_tombstones():
+                    stone = tombstone.decode(rtype, payload)
+                    if stone.is_cancel or stone.always_copies:
+                        self._decide_again(replayer, offset, stone)
+                        decided += 1
+            finally:
+                with trio.CancelScope(shield=True):
+                    await self._write_entries_off_loop()
+        await self.sender.flush()
+        return decided
+
+    def _decide_again(self, replayer: Replayer, offset: int, stone: tombstone.Tombstone) -> None:
+        """``_resolve`` for a tombstone whose copy replay already appended."""
+        assert replayer.index is not None
+        found = replayer.index.lookup(stone.message_id)
+        current = self._current([at for at in found if at.message_log_offset < offset])
+        if current is None:
+            fate = None
+        else:
+            fate = self._withdraw(current, Answer(stone.is_cancel), is_cancel=stone.is_cancel)
+        copy = next((at for at in found if at.message_log_offset == offset), None)
+        if copy is not None and fate is not EntryKind.RESCHEDULED:
+            self._void(copy.bucket_ms, copy.offset, copy.due_ms)
+
     def _resolve(self, replayer: Replayer, offset: int, stone: tombstone.Tombstone) -> None:
         index = replayer.index
         if index is None:
             raise RuntimeError("cancel and reschedule need the id index")
         answer = self._waiting.pop(offset, None) or Answer(stone.is_cancel)
-        current = self._current(index, stone.message_id)
+        locations = index.lookup(stone.message_id)
+        current = self._current(locations)
+        # The copy every member's replay appends for this tombstone (type 5), moved to
+        # or not: appended in this synchronous block, so "both" and "neither" stay
+        # impossible, at the place a follower's replay puts it.
+        copy = None
+        if stone.due_ms is not None and stone.always_copies:
+            copy = moves.moved_copy(locations, stone.due_ms)
+        fate = None
+        if current is not None:
+            fate = self._withdraw(current, answer, is_cancel=stone.is_cancel)
+        moved = fate is EntryKind.RESCHEDULED
+        if moved and copy is None:  # type 4: the copy is appended only when it moves
+            assert stone.due_ms is not None and current is not None
+            copy = moves.moved_copy([current], stone.due_ms)
+        if copy is not None:
+            bucket_ms, copy_offset = replayer.append_copy(offset, copy)
+            if not moved:
+                self._void(bucket_ms, copy_offset, message_log.due_ms_of(copy))
         if current is None:
             self._answer(answer, None)
-            return
-        fate = self._withdraw(current, answer, is_cancel=stone.is_cancel)
-        if fate is None:
-            return  # in doubt: the sender's watcher answers
-        if fate is EntryKind.RESCHEDULED:
-            assert stone.due_ms is not None
-            # The same message payload (id, sequence, body...) with the new due_ms,
-            # which is its first field; the SCHEDULED prefix is rebuilt by append_copy.
-            message = current.payload[schedule_log.PREFIX_SIZE :]
-            moved = message_log.DUE_MS.pack(stone.due_ms) + message[message_log.DUE_MS.size :]
-            replayer.append_copy(offset, moved)
+        elif moved:
             self._answer(answer, EntryKind.RESCHEDULED)
-            return
-        kind, at_ms = fate
-        self._answer(answer, kind, at_ms)
+        elif fate is not None:  # None: in doubt, the sender's watcher answers
+            kind, at_ms = fate
+            self._answer(answer, kind, at_ms)
 
-    @staticmethod
-    def _current(index: IdIndex, message_id: str) -> Location | None:
-        locations = index.lookup(message_id)
-        if len(locations) <= 1:  # the usual case: one record, never moved
-            return locations[0] if locations else None
-        return max(locations, key=lambda location: location.message_log_offset)
+    def _current(self, locations: list[Location]) -> Location | None:
+        """The record that holds the message now (delayd.logs.moves.current)."""
+        return moves.current(locations, lambda at: self._entry(at.bucket_ms, at.offset))
+
+    def _void(self, bucket_ms: int, offset: int, due_ms: int) -> None:
+        """Record the copy just appended at (bucket, offset) NOT_MOVED and take it out
+        of the loading path the append offered it to (the wheel, a loading bucket's
+        skip set): it must never be sent. Nothing can have sent it (appended under the
+        locks this decision holds)."""
+        where = self.manager.withdraw(bucket_ms, offset, due_ms)
+        if where not in (Whereabouts.REMOVED, Whereabouts.SKIPPED, Whereabouts.NOT_LOADED):
+            log.error("reschedule: the void copy %s@%d is %s", bucket_ms, offset, where.value)
+        bucket_id = self.manager.bucket_id(bucket_ms) if where is Whereabouts.REMOVED else None
+        self._record(bucket_ms, offset, EntryKind.NOT_MOVED, self.clock(), bucket_id)
 
     def _withdraw(
         self, at: Location, answer: Answer, *, is_cancel: bool
@@ -306,6 +367,8 @@ class Canceller:
 
     def _answer(self, answer: Answer, kind: EntryKind | None, at_ms: int | None = None) -> None:
         """Fill ``answer`` from the fate of the message (None: no such id)."""
+        if kind is EntryKind.NOT_MOVED:
+            kind = None  # a lone void copy: its original went with retention
         if answer.is_cancel:
             if kind is None:
                 outcome = CancelOutcome.UNKNOWN

@@ -70,6 +70,8 @@ def _name(kind: EntryKind) -> str:
 
 _KIND_NAMES = pa.array([_name(kind) for kind in EntryKind], pa.string())
 _KIND_VALUES = pa.array([kind.value for kind in EntryKind], pa.int8())
+# Entries that answered "done" to a cancel or reschedule. NOT_MOVED answers nothing: a
+# reschedule replayed after a crash may void a copy that the run before delivered.
 _WITHDRAWALS = pa.array([_name(EntryKind.CANCELLED), _name(EntryKind.RESCHEDULED)])
 
 # (column, aggregation) per (bucket, offset), and the name of the result in PAIRED.

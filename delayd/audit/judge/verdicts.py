@@ -7,8 +7,10 @@ What crosses buckets — one message id at several records, a moved record's cop
 message_log check — is left to the job (spark/across_buckets.py, spark/message_check.py).
 
 The first entry of an offset (in file order) is its *fate* (delayd.logs.dispatch_log);
-a CANCELLED or RESCHEDULED fate *withdraws* the record (docs/cancel.md): it is settled,
-never overdue, never in the lateness figures. Definitions (docs/audit.md has them with
+a CANCELLED, RESCHEDULED or NOT_MOVED fate *withdraws* the record (docs/cancel.md): it
+is settled, never overdue, never in the lateness figures. NOT_MOVED is the copy a
+refused reschedule appended (every member of a group appends it): counted in no flag
+but ``scheduled``. Definitions (docs/audit.md has them with
 examples); ``cutoff = as_of - grace``:
 
 * dispatched: the record has at least one DISPATCHED entry and was not withdrawn;
@@ -46,7 +48,9 @@ import pyarrow.compute as pc
 from delayd.audit.kinds import CORRUPT, TORN_TAIL
 from delayd.logs.dispatch_log import EntryKind
 
-_WITHDRAWN = pa.array([EntryKind.CANCELLED.value, EntryKind.RESCHEDULED.value], pa.int8())
+_WITHDRAWN = pa.array(
+    [EntryKind.CANCELLED.value, EntryKind.RESCHEDULED.value, EntryKind.NOT_MOVED.value], pa.int8()
+)
 _DELIVERED = pa.array([EntryKind.DISPATCHED.value, EntryKind.DEAD_LETTERED.value], pa.int8())
 _STOPS = pa.array([TORN_TAIL, CORRUPT])  # problems after which reading a file stops
 

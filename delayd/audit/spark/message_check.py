@@ -4,11 +4,13 @@ Each message_log record is looked up by its offset among the schedule_log record
 ``message_log_offset`` (the replayer copies the offset into every record it writes;
 docs/replay.md). A MESSAGE must be found once. A rescheduled message has more records,
 but only its first carries the MESSAGE's offset: each copy carries the offset of the
-RESCHEDULE tombstone that moved it (docs/cancel.md), so a RESCHEDULE is found once or
-not at all — not at all when there was nothing to move (the id was unknown, cancelled
-or already delivered: the server writes no copy and, as the tombstone says nothing of
-the answer, the audit checks the converse instead: every moved record has its copy,
-across_buckets.py). A CANCEL is never found.
+RESCHEDULE tombstone that appended it (docs/cancel.md), so a RESCHEDULE is found once
+or not at all — not at all when the id had no record, or, for a tombstone of type 4
+(written before replication), when there was nothing to move (cancelled or already
+delivered: that version wrote no copy and, as the tombstone says nothing of the answer,
+the audit checks the converse instead: every moved record has its copy,
+across_buckets.py). A type 5 tombstone's copy is there whatever the answer, void
+(NOT_MOVED) when it was not moved. A CANCEL is never found.
 
 A record not found whose due time lies in a bucket where reading schedule_log stopped
 early may be in the part that could not be read: it is ``unverified``. Which bucket a
