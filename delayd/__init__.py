@@ -6,12 +6,12 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["Consumer", "Producer", "__version__", "open_consumer", "open_producer"]
+__all__ = ["ClientTls", "Consumer", "Producer", "__version__", "open_consumer", "open_producer"]
 
 if TYPE_CHECKING:
-    from delayd.client import Consumer, Producer, open_consumer, open_producer
+    from delayd.client import ClientTls, Consumer, Producer, open_consumer, open_producer
 
-_CLIENT_NAMES = frozenset({"Consumer", "Producer", "open_consumer", "open_producer"})
+_CLIENT_NAMES = frozenset({"ClientTls", "Consumer", "Producer", "open_consumer", "open_producer"})
 
 
 def __getattr__(name: str) -> Any:

@@ -5,7 +5,8 @@ Prints ``delayd broker listening on HOST:PORT`` on stdout once it accepts connec
 (stderr, one line each: ``--log-format kv|json``, ``--log-level``; delayd.logsetup).
 Shutdown: stop accepting and reading, answer every SEND_BATCH already appended, close
 connections (FIN after the last answer), then flush the commitlog, checkpoint the
-consume queues and index, persist offsets, exit 0.
+consume queues and index, persist offsets, exit 0. SIGHUP reads the TLS files again
+(``--tls-cert``, ``--tls-key``, ``--tls-client-ca``; delayd.tls) for new connections.
 
 Start-up takes the data directory's lock (storage.dirlock: one writer at a time), then
 binds its ports (delayd.listen), then recovers: another process holding the directory
@@ -37,6 +38,7 @@ from delayd.listen import open_listeners
 from delayd.logsetup import add_logging_arguments, configure_logging
 from delayd.metrics_http import Readiness, serve_metrics
 from delayd.serving import serve_data_dir
+from delayd.tls import ServerTls, ServerTlsConfig, TlsError, add_server_tls_arguments, reload_tls
 from storage.flusher import FlushMode, FlushPolicy
 
 log = logging.getLogger("delayd.broker")
@@ -159,6 +161,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="BYTES",
         help="large frames still arriving, all connections together; more wait",
     )
+    add_server_tls_arguments(parser)
     add_logging_arguments(parser)
 
 
@@ -177,13 +180,15 @@ def run(args: argparse.Namespace) -> int:
             frame_timeout_ms=args.frame_timeout_ms,
             max_unfinished_frame_bytes=args.max_unfinished_frame_bytes,
         )
-    except ValueError as exc:
+        tls_config = ServerTlsConfig.from_files(args.tls_cert, args.tls_key, args.tls_client_ca)
+        tls = None if tls_config is None else ServerTls(tls_config)
+    except (ValueError, TlsError) as exc:
         log.error("bad configuration: %s", exc)
         return 2
-    return serve_data_dir(log, args.data, "delayd broker", _serve, args, config)
+    return serve_data_dir(log, args.data, "delayd broker", _serve, args, config, tls)
 
 
-async def _serve(args: argparse.Namespace, config: BrokerConfig) -> None:
+async def _serve(args: argparse.Namespace, config: BrokerConfig, tls: ServerTls | None) -> None:
     # Ports first: a clash is reported at once, not after recovery (delayd.listen).
     # Clients wait in the backlog while the broker recovers; /healthz answers and
     # /readyz says "recovering" meanwhile.
@@ -194,7 +199,9 @@ async def _serve(args: argparse.Namespace, config: BrokerConfig) -> None:
         try:
             if args.metrics_listen is not None:
                 metrics_listeners = await open_listeners("metrics", *args.metrics_listen)
-                serve = partial(serve_metrics, readiness=readiness, listeners=metrics_listeners)
+                serve = partial(
+                    serve_metrics, readiness=readiness, listeners=metrics_listeners, tls=tls
+                )
                 m_bound = await early.start(serve, registry, *args.metrics_listen)
                 log.info("metrics on http://%s:%d/metrics", *m_bound[0])
             broker = await trio.to_thread.run_sync(partial(Broker.open, args.data, config))
@@ -205,10 +212,11 @@ async def _serve(args: argparse.Namespace, config: BrokerConfig) -> None:
         tune_gc_for_serving()
         async with trio.open_nursery() as root:
             await root.start(broker.run)
-            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            stopping = (signal.SIGTERM, signal.SIGINT)
+            with trio.open_signal_receiver(*stopping, signal.SIGHUP) as signals:
                 async with trio.open_nursery() as front:
                     host, port = args.listen
-                    server = broker_listener(broker, token=args.token)
+                    server = broker_listener(broker, token=args.token, tls=tls)
                     serve = partial(server.serve, host, port, listeners=listeners)
                     bound = await front.start(serve)
                     if args.metrics_listen is not None:
@@ -220,6 +228,9 @@ async def _serve(args: argparse.Namespace, config: BrokerConfig) -> None:
                     readiness.set_ready()
                     print(f"delayd broker listening on {bound[0][0]}:{bound[0][1]}", flush=True)
                     async for signum in signals:
+                        if signum == signal.SIGHUP:
+                            reload_tls(tls)
+                            continue
                         log.info("%s: shutting down", signal.Signals(signum).name)
                         break
                     # Every SEND_BATCH appended is answered before its connection closes.

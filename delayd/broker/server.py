@@ -72,6 +72,7 @@ from delayd.protocol.frames import DEFAULT_MAX_FRAME_SIZE
 from delayd.stoppable_listener import StoppableListener, linger
 from delayd.stream_events import read_and_dispatch
 from delayd.stream_writer import FrameWriter
+from delayd.tls import ServerTls, peer_of
 from storage.errors import StorageError
 
 log = logging.getLogger(__name__)
@@ -90,16 +91,20 @@ async def serve_broker(
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
     listeners: list[trio.SocketListener] | None = None,
     gate: ConnectionGate | None = None,
+    tls: ServerTls | None = None,
     task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Listen on host:port (0: any free port), or on ``listeners`` already bound there
     (delayd.listen: bound before recovery), and serve until cancelled.
 
     ``gate``: the listener's cap and counts (for /metrics); by default one of the
-    broker's ``connection_limits``. Reports the bound (host, port) addresses through
-    ``task_status.started``. Raises ListenError when host:port cannot be bound.
+    broker's ``connection_limits``. ``tls``: serve over TLS (delayd.tls). Reports the
+    bound (host, port) addresses through ``task_status.started``. Raises ListenError
+    when host:port cannot be bound.
     """
-    listener = broker_listener(broker, token=token, max_frame_size=max_frame_size, gate=gate)
+    listener = broker_listener(
+        broker, token=token, max_frame_size=max_frame_size, gate=gate, tls=tls
+    )
     await listener.serve(host, port, listeners=listeners, task_status=task_status)
 
 
@@ -109,21 +114,22 @@ def broker_listener(
     token: str | None = None,
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
     gate: ConnectionGate | None = None,
+    tls: ServerTls | None = None,
 ) -> StoppableListener[BrokerConnection]:
     """The broker's listener with a graceful stop: ``serve`` it as serve_broker does,
     then ``stop(grace_s)`` answers every SEND_BATCH appended before closing (a held
     PULL is dropped: nothing is committed by it) — delayd.stoppable_listener. ``gate``:
     its cap and counts (for /metrics); by default one of the broker's
-    ``connection_limits``."""
+    ``connection_limits``. ``tls``: serve over TLS (delayd.tls)."""
     if gate is None:
         gate = ConnectionGate("broker", broker.config.connection_limits)
     # The connections count their protocol errors on the gate that admitted them.
     counted = gate
 
-    def connection(stream: trio.SocketStream) -> BrokerConnection:
+    def connection(stream: trio.abc.Stream) -> BrokerConnection:
         return BrokerConnection(broker, stream, token, max_frame_size, counted)
 
-    return StoppableListener("the broker", connection, gate)
+    return StoppableListener("the broker", connection, gate, tls)
 
 
 class BrokerConnection:
@@ -132,7 +138,7 @@ class BrokerConnection:
     def __init__(
         self,
         broker: Broker,
-        stream: trio.SocketStream,
+        stream: trio.abc.Stream,
         token: str | None,
         max_frame_size: int,
         gate: ConnectionGate,
@@ -147,10 +153,7 @@ class BrokerConnection:
         self._cancel = trio.CancelScope()
         self._read_scope = trio.CancelScope()
         self._stopping = False
-        try:
-            self.peer = "{}:{}".format(*stream.socket.getpeername()[:2])
-        except OSError:
-            self.peer = "?"
+        self.peer = peer_of(stream)
 
     async def run(self) -> None:
         try:

@@ -13,6 +13,7 @@ one (with back-off) and retries, which keeps the state here simple.
 from __future__ import annotations
 
 import socket
+import ssl
 from collections.abc import Callable
 
 import anyio
@@ -31,10 +32,32 @@ from delayd.protocol import (
     Request,
     Response,
 )
+from delayd.tls import ClientTls, handshake_failure
 
 RECEIVE_SIZE = 256 * 1024  # bytes per read; a full PULL_RESULT in a few reads
 # What the socket layer raises when the peer goes away, on either backend.
 _LINK_ERRORS = (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError)
+
+
+async def _connect(host: str, port: int, tls: ClientTls | None) -> anyio.abc.ByteStream:
+    """A TCP stream to host:port, with the TLS handshake done when ``tls`` is given.
+    Raises OSError, ConnectionClosedError or TlsError (delayd.tls.handshake_failure)."""
+    if tls is None:
+        return await anyio.connect_tcp(host, port)
+    try:
+        # Not standard_compatible: a server's close without close_notify is EOF (the
+        # frames carry their own lengths; delayd.tls).
+        return await anyio.connect_tcp(
+            host,
+            port,
+            ssl_context=tls.ssl_context,
+            tls_hostname=tls.server_name or host,
+            tls_standard_compatible=False,
+        )
+    except ssl.SSLError as exc:
+        raise handshake_failure(exc, f"{host}:{port}") from None
+    except (anyio.EndOfStream, anyio.BrokenResourceError):
+        raise ConnectionClosedError(f"{host}:{port} closed the connection during TLS") from None
 
 
 class _Waiter:
@@ -55,7 +78,7 @@ class AsyncLink:
     the owner's task group; ``abort()`` ends it.
     """
 
-    def __init__(self, stream: anyio.abc.SocketStream, conn: Connection, addr: str) -> None:
+    def __init__(self, stream: anyio.abc.ByteStream, conn: Connection, addr: str) -> None:
         self.addr = addr
         self._stream = stream
         self._conn = conn
@@ -70,16 +93,26 @@ class AsyncLink:
         return self.failure is not None
 
     @classmethod
-    async def open(cls, host: str, port: int, *, token: str | None, client_name: str) -> AsyncLink:
-        """Connect to ``host:port`` and do HELLO.
+    async def open(
+        cls,
+        host: str,
+        port: int,
+        *,
+        token: str | None,
+        client_name: str,
+        tls: ClientTls | None = None,
+    ) -> AsyncLink:
+        """Connect to ``host:port`` (over TLS when ``tls`` is given) and do HELLO.
 
         Raises OSError when the connection cannot be made, ConnectionClosedError when it
         closes during HELLO, RejectedError (UNAUTHORIZED) for a wrong or missing token,
         BusyError when the server is shutting down, ProtocolError when the peer does not
-        speak the delayd protocol. No time-out here: the caller bounds the whole call.
+        speak the delayd protocol, ssl.SSLError when TLS fails after the handshake (the
+        server refused the client's certificate). No time-out here: the caller bounds
+        the whole call.
         """
         addr = f"{host}:{port}"
-        stream = await anyio.connect_tcp(host, port)
+        stream = await _connect(host, port, tls)
         try:
             # Requests are small and answered at once; Nagle would add up to 40 ms each.
             raw = stream.extra(anyio.abc.SocketAttribute.raw_socket)

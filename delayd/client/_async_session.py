@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ssl
+
 import anyio
 import anyio.abc
 
@@ -9,6 +11,7 @@ from delayd.client._addr import parse_addr
 from delayd.client._async_link import AsyncLink
 from delayd.client._backoff import Backoff
 from delayd.errors import BusyError, ConnectionClosedError
+from delayd.tls import ClientTls, handshake_failure
 
 # Failures worth another connection attempt: the server is not there (yet), restarting,
 # or shutting down. Wrong tokens and protocol errors are not retried: the next attempt
@@ -32,9 +35,13 @@ class AsyncSession:
         client_name: str,
         task_group: anyio.abc.TaskGroup,
         backoff: Backoff | None = None,
+        tls: ClientTls | None = None,
     ) -> None:
         self.host, self.port = parse_addr(addr)
         self.addr = addr
+        self._tls = tls
+        if tls is not None:
+            tls.ssl_context  # noqa: B018  # its files read now: a TlsError names them
         self._token = token
         self._client_name = client_name
         self._task_group = task_group
@@ -55,7 +62,7 @@ class AsyncSession:
         retries until cancelled.
 
         Raises what AsyncLink.open raises that is not retryable (RejectedError for a
-        wrong token, ProtocolError); the caller's deadline bounds the retries. The
+        wrong token, TlsError, ProtocolError); the caller's deadline bounds the retries. The
         back-off runs from the last failure, not from this call, so a call cancelled by
         a deadline shorter than the delay does not push the next attempt further away.
         """
@@ -66,9 +73,7 @@ class AsyncSession:
             while self._link is None or self._link.closed:
                 await anyio.sleep(self._backoff.wait_s(anyio.current_time()))
                 try:
-                    link = await AsyncLink.open(
-                        self.host, self.port, token=self._token, client_name=self._client_name
-                    )
+                    link = await self._open_link()
                 except RETRYABLE_CONNECT_ERRORS as exc:
                     self.last_problem = exc
                     self._backoff.failed(anyio.current_time())
@@ -77,6 +82,18 @@ class AsyncSession:
                 self.connects += 1
                 self._task_group.start_soon(link.run)
             return self._link
+
+    async def _open_link(self) -> AsyncLink:
+        try:
+            return await AsyncLink.open(
+                self.host,
+                self.port,
+                token=self._token,
+                client_name=self._client_name,
+                tls=self._tls,
+            )
+        except ssl.SSLError as exc:  # after the handshake: the client's certificate refused
+            raise handshake_failure(exc, self.addr) from None
 
     def describe_problem(self) -> str:
         """The last failure in words, for time-out messages."""

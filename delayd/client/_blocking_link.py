@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import socket
+import ssl
 import time
 from collections.abc import Callable, Sequence
 
@@ -30,8 +31,25 @@ from delayd.protocol import (
     Request,
     Response,
 )
+from delayd.tls import ClientTls, handshake_failure
 
 RECEIVE_SIZE = 256 * 1024  # bytes per recv()
+
+
+def _secure(sock: socket.socket, host: str, addr: str, tls: ClientTls) -> ssl.SSLSocket:
+    """``sock`` with the TLS handshake done (within the socket's time-out); closed on
+    failure. Raises DelaydTimeout, TlsError, ConnectionClosedError or OSError."""
+    try:
+        return tls.ssl_context.wrap_socket(sock, server_hostname=tls.server_name or host)
+    except TimeoutError:
+        sock.close()
+        raise DelaydTimeout(f"TLS handshake with {addr} timed out") from None
+    except ssl.SSLError as exc:
+        sock.close()
+        raise handshake_failure(exc, addr) from None
+    except BaseException:
+        sock.close()
+        raise
 
 
 class BlockingLink:
@@ -45,9 +63,17 @@ class BlockingLink:
 
     @classmethod
     def open(
-        cls, host: str, port: int, *, token: str | None, client_name: str, deadline: float
+        cls,
+        host: str,
+        port: int,
+        *,
+        token: str | None,
+        client_name: str,
+        deadline: float,
+        tls: ClientTls | None = None,
     ) -> BlockingLink:
-        """Connect and do HELLO before ``deadline`` (monotonic seconds).
+        """Connect (over TLS when ``tls`` is given) and do HELLO before ``deadline``
+        (monotonic seconds). A certificate refused in the handshake is a TlsError.
 
         Raises OSError when the connection cannot be made, DelaydTimeout at the
         deadline, ConnectionClosedError when the server closes during HELLO,
@@ -62,6 +88,8 @@ class BlockingLink:
             sock = socket.create_connection((host, port), timeout=remaining)
         except TimeoutError:
             raise DelaydTimeout(f"connecting to {addr} timed out") from None
+        if tls is not None:
+            sock = _secure(sock, host, addr, tls)
         link = cls(sock, Connection(CLIENT), addr)
         try:
             # Requests are small and answered at once; Nagle would add up to 40 ms each.

@@ -9,6 +9,7 @@ from delayd.client._addr import parse_addr
 from delayd.client._backoff import Backoff
 from delayd.client._blocking_link import BlockingLink
 from delayd.errors import BusyError, ConnectionClosedError, DelaydTimeout
+from delayd.tls import ClientTls
 
 # As in the async session: worth another attempt, unlike a wrong token or a peer that
 # does not speak the protocol. A time-out of one attempt (a server that accepted the
@@ -29,9 +30,13 @@ class BlockingSession:
         token: str | None,
         client_name: str,
         backoff: Backoff | None = None,
+        tls: ClientTls | None = None,
     ) -> None:
         self.host, self.port = parse_addr(addr)
         self.addr = addr
+        self._tls = tls
+        if tls is not None:
+            tls.ssl_context  # noqa: B018  # its files read now: a TlsError names them
         self._token = token
         self._client_name = client_name
         self._backoff = backoff or Backoff()
@@ -75,6 +80,7 @@ class BlockingSession:
                     token=self._token,
                     client_name=self._client_name,
                     deadline=attempt_deadline,
+                    tls=self._tls,
                 )
             except RETRYABLE_CONNECT_ERRORS as exc:
                 self.last_problem = exc

@@ -48,6 +48,7 @@ from delayd.protocol import (
     SendBatch,
     SendBatchResult,
 )
+from delayd.tls import ClientTls
 
 CLIENT_NAME = f"delayd-python-async/{__version__}"
 
@@ -296,18 +297,21 @@ async def open_producer(
     addr: str,
     *,
     token: str | None = None,
+    tls: ClientTls | None = None,
     timeout_s: float = 10.0,
     busy_retries: int = 5,
     client_name: str = CLIENT_NAME,
 ) -> AsyncIterator[AsyncProducer]:
     """An async producer connected to ``addr`` (``"host:port"``), closed on exit.
 
-    Connects (HELLO, with ``token`` when given) before the body runs, retrying with
-    back-off for up to ``timeout_s``. Raises ValueError for a malformed ``addr``,
-    RejectedError for a wrong token, DelaydTimeout when the server cannot be reached.
+    Connects (HELLO, with ``token`` when given; over TLS with ``tls``) before the body
+    runs, retrying with back-off for up to ``timeout_s``. Raises ValueError for a
+    malformed ``addr``, RejectedError for a wrong token, TlsError for a certificate
+    refused (by either side) or a TLS file that cannot be used, DelaydTimeout when the
+    server cannot be reached.
     """
     async with background_task_group() as tg:
-        session = AsyncSession(addr, token=token, client_name=client_name, task_group=tg)
+        session = AsyncSession(addr, token=token, client_name=client_name, task_group=tg, tls=tls)
         producer = AsyncProducer(session, timeout_s=timeout_s, busy_retries=busy_retries)
         try:
             with anyio.move_on_after(timeout_s) as scope:

@@ -54,6 +54,7 @@ from delayd.protocol import (
     Request,
     Response,
 )
+from delayd.tls import ClientTls
 
 CLIENT_NAME = f"delayd-python-blocking/{__version__}"
 
@@ -68,7 +69,8 @@ class Consumer:
     durable on the broker before the next message is handed out (at most one message
     comes again after a crash; docs/clients.md). ``timeout_s`` bounds every request;
     iterating waits for messages for ever, reconnecting while the broker is away.
-    Raises ValueError for a malformed ``addr`` or an unknown ``commit`` mode.
+    ``tls``: connect over TLS (delayd.tls.ClientTls). Raises ValueError for a malformed
+    ``addr`` or an unknown ``commit`` mode, TlsError for a TLS file that cannot be used.
     """
 
     def __init__(
@@ -78,6 +80,7 @@ class Consumer:
         subject: str,
         group: str,
         token: str | None = None,
+        tls: ClientTls | None = None,
         auto_commit: bool = True,
         commit: str = "periodic",
         consumer_id: str | None = None,
@@ -87,7 +90,7 @@ class Consumer:
         heartbeat_interval_s: float = 3.0,
         client_name: str = CLIENT_NAME,
     ) -> None:
-        self._session = BlockingSession(addr, token=token, client_name=client_name)
+        self._session = BlockingSession(addr, token=token, client_name=client_name, tls=tls)
         self.addr = addr
         self.subject = subject
         self.group = group

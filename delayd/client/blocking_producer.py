@@ -58,6 +58,7 @@ from delayd.protocol import (
     SendBatch,
     SendBatchResult,
 )
+from delayd.tls import ClientTls
 
 CLIENT_NAME = f"delayd-python-blocking/{__version__}"
 
@@ -67,7 +68,10 @@ class Producer:
 
     Connects on ``with`` (or on the first call). ``timeout_s`` bounds every call,
     reconnection and retries included (DelaydTimeout); BUSY messages are sent again up
-    to ``busy_retries`` times with back-off. Raises ValueError for a malformed ``addr``.
+    to ``busy_retries`` times with back-off. ``tls``: connect over TLS (a CA file,
+    and a certificate and key for mutual TLS; delayd.tls.ClientTls). Raises ValueError
+    for a malformed ``addr``, TlsError for a TLS file that cannot be used, and on a
+    call for a certificate the client refused.
     """
 
     def __init__(
@@ -75,13 +79,14 @@ class Producer:
         addr: str,
         *,
         token: str | None = None,
+        tls: ClientTls | None = None,
         timeout_s: float = 10.0,
         busy_retries: int = 5,
         max_frame_messages: int = MAX_FRAME_MESSAGES,
         max_in_flight: int = 8,
         client_name: str = CLIENT_NAME,
     ) -> None:
-        self._session = BlockingSession(addr, token=token, client_name=client_name)
+        self._session = BlockingSession(addr, token=token, client_name=client_name, tls=tls)
         self.addr = addr
         self.timeout_s = timeout_s
         self.busy_retries = busy_retries

@@ -18,6 +18,7 @@ import sys
 from delayd.client import Producer
 from delayd.client.send_command import format_utc, parse_server
 from delayd.errors import DelaydError
+from delayd.tls import add_client_tls_arguments, client_tls_from_args
 
 EXIT_NOT_DONE = 3  # a definite answer, but not the one asked for
 
@@ -37,6 +38,7 @@ def add_common(parser: argparse.ArgumentParser) -> None:
         "--server", required=True, type=parse_server, metavar="HOST:PORT", help="delay server"
     )
     parser.add_argument("--token", help="shared secret, if the server requires one")
+    add_client_tls_arguments(parser)
     parser.add_argument(
         "--timeout", type=float, default=10.0, metavar="SECONDS", help="give up after this long"
     )
@@ -52,7 +54,9 @@ def answer_json(message_id: str, outcome: str, dispatched_ms: int | None) -> str
 
 def run(args: argparse.Namespace) -> int:
     try:
-        with Producer(args.server, token=args.token, timeout_s=args.timeout) as producer:
+        with Producer(
+            args.server, token=args.token, tls=client_tls_from_args(args), timeout_s=args.timeout
+        ) as producer:
             receipt = producer.cancel(args.message_id)
     except (DelaydError, ValueError) as exc:
         print(f"delayd cancel: {exc}", file=sys.stderr)

@@ -18,6 +18,7 @@ from typing import Any, TextIO
 from delayd.client._consumer_state import COMMIT_MODES
 from delayd.errors import DelaydError
 from delayd.protocol import Message
+from delayd.tls import add_client_tls_arguments, client_tls_from_args
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -41,6 +42,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         help="exit when no message came for this long (default: wait for ever)",
     )
     parser.add_argument("--token", help="shared secret, if the broker requires one")
+    add_client_tls_arguments(parser)
     parser.add_argument(
         "--commit",
         choices=COMMIT_MODES,
@@ -100,6 +102,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
             subject=args.subject,
             group=args.group,
             token=args.token,
+            tls=client_tls_from_args(args),
             commit=args.commit,
         ) as consumer:
             while args.count is None or printed < args.count:

@@ -20,6 +20,7 @@ from delayd.client import Producer
 from delayd.client.cancel_command import EXIT_NOT_DONE, add_common
 from delayd.client.send_command import format_utc, parse_duration_ms, parse_utc_ms
 from delayd.errors import DelaydError
+from delayd.tls import client_tls_from_args
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -39,7 +40,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
 
 def run(args: argparse.Namespace) -> int:
     try:
-        with Producer(args.server, token=args.token, timeout_s=args.timeout) as producer:
+        with Producer(
+            args.server, token=args.token, tls=client_tls_from_args(args), timeout_s=args.timeout
+        ) as producer:
             receipt = producer.reschedule(args.message_id, at_ms=args.at, delay_ms=args.delay)
     except (DelaydError, ValueError) as exc:
         print(f"delayd reschedule: {exc}", file=sys.stderr)

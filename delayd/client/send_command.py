@@ -24,6 +24,7 @@ from typing import Any
 from delayd.client import Producer, Receipt
 from delayd.client._addr import parse_addr
 from delayd.errors import DelaydError
+from delayd.tls import add_client_tls_arguments, client_tls_from_args
 
 _UNITS_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
@@ -122,6 +123,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         help="a property (repeatable)",
     )
     parser.add_argument("--token", help="shared secret, if the server requires one")
+    add_client_tls_arguments(parser)
     parser.add_argument(
         "--timeout", type=float, default=10.0, metavar="SECONDS", help="give up after this long"
     )
@@ -137,7 +139,9 @@ def run(args: argparse.Namespace) -> int:
         properties[name] = value
     body = sys.stdin.buffer.read() if args.body == "-" else args.body.encode()
     try:
-        with Producer(args.server, token=args.token, timeout_s=args.timeout) as producer:
+        with Producer(
+            args.server, token=args.token, tls=client_tls_from_args(args), timeout_s=args.timeout
+        ) as producer:
             receipt = producer.send(
                 args.subject,
                 body,

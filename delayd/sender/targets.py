@@ -16,6 +16,7 @@ library brings anyio, which the servers do without.
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
@@ -39,6 +40,7 @@ from delayd.protocol import (
     SendBatchResult,
     SendResult,
 )
+from delayd.tls import ClientTls, handshake_failure, transport_of
 
 if TYPE_CHECKING:
     from delayd.broker import Broker
@@ -113,10 +115,11 @@ class RemoteTarget:
     Holds one connection, opened on the first call and again on the first call after it
     failed. ``addresses`` (``"host:port"``, ``"[v6]:port"``) are tried in order,
     starting with the one that worked last, each for at most ``connect_timeout_s``
-    (TCP connect and HELLO). ``timeout_s`` bounds a whole ``send_batch``, connecting
-    included; a request not answered by then ends the connection, since its outcome
-    and the stream's state are unknown. Concurrent calls share the connection, their
-    frames pipelined, so the broker's group commit acknowledges them together.
+    (TCP connect, the TLS handshake when ``tls`` is given, and HELLO). ``timeout_s``
+    bounds a whole ``send_batch``, connecting included; a request not answered by then
+    ends the connection, since its outcome and the stream's state are unknown.
+    Concurrent calls share the connection, their frames pipelined, so the broker's
+    group commit acknowledges them together.
 
     A batch too large for one frame is split in halves until each part fits; a single
     message too large for a frame comes back refused (BODY_TOO_LARGE), not raised.
@@ -129,6 +132,7 @@ class RemoteTarget:
         addresses: Sequence[str],
         *,
         token: str | None = None,
+        tls: ClientTls | None = None,
         timeout_s: float = 5.0,
         connect_timeout_s: float = 1.0,
     ) -> None:
@@ -142,6 +146,7 @@ class RemoteTarget:
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
         self._token = token
+        self._tls = tls
         self._current = 0  # index of the address that worked last: tried first
         self._link: _Link | None = None
         self._connecting = trio.Lock()
@@ -201,7 +206,9 @@ class RemoteTarget:
                 host, port = self._endpoints[index]
                 with trio.move_on_after(self.connect_timeout_s):
                     try:
-                        link = await _Link.open(self.name, address, host, port, self._token)
+                        link = await _Link.open(
+                            self.name, address, host, port, self._token, self._tls
+                        )
                     except (*_LINK_ERRORS, TargetUnavailable) as exc:
                         problems.append(f"{address}: {exc}")
                         continue
@@ -229,6 +236,30 @@ def _host_port(address: str) -> tuple[str, int]:
     return host.removeprefix("[").removesuffix("]"), int(port)
 
 
+async def _connect(host: str, port: int, tls: ClientTls | None) -> trio.abc.Stream:
+    """A TCP stream to host:port, with the TLS handshake done when ``tls`` is given.
+    Raises OSError, a trio stream error, or TargetUnavailable for a refused handshake."""
+    tcp = await trio.open_tcp_stream(host, port)  # TCP_NODELAY is trio's default
+    if tls is None:
+        return tcp
+    server_name = tls.server_name or host
+    # https_compatible: a broker's close without close_notify is EOF (delayd.tls).
+    context = tls.ssl_context
+    stream = trio.SSLStream(tcp, context, server_hostname=server_name, https_compatible=True)
+    try:
+        await stream.do_handshake()
+    except trio.BrokenResourceError as exc:
+        tcp.socket.close()
+        if isinstance(exc.__cause__, ssl.SSLError):
+            failure = handshake_failure(exc.__cause__, f"{host}:{port}")
+            raise TargetUnavailable(str(failure)) from None
+        raise
+    except BaseException:
+        tcp.socket.close()
+        raise
+    return stream
+
+
 class _Waiter:
     """A request waiting for its answer. ``wake`` is set when the answer came, when the
     link failed, or when the reader's part is free to take."""
@@ -251,12 +282,11 @@ class _Link:
     answer that will arrive for nobody), so a cancelled request ends the link.
     """
 
-    def __init__(
-        self, group: str, address: str, stream: trio.SocketStream, conn: Connection
-    ) -> None:
+    def __init__(self, group: str, address: str, stream: trio.abc.Stream, conn: Connection) -> None:
         self.group = group
         self.address = address
         self._stream = stream
+        self._socket = transport_of(stream).socket  # type: ignore[attr-defined]
         self._conn = conn
         self._waiters: dict[int, _Waiter] = {}  # by request id
         self._writing = trio.StrictFIFOLock()  # one frame at a time on the stream
@@ -264,11 +294,20 @@ class _Link:
         self.failure: str | None = None
 
     @classmethod
-    async def open(cls, group: str, address: str, host: str, port: int, token: str | None) -> _Link:
-        """Connect and do HELLO. Raises OSError or a trio stream error when the
-        connection fails, ProtocolError for a peer that does not speak the protocol,
-        TargetUnavailable when the broker refuses the HELLO or closes the connection."""
-        stream = await trio.open_tcp_stream(host, port)  # TCP_NODELAY is trio's default
+    async def open(
+        cls,
+        group: str,
+        address: str,
+        host: str,
+        port: int,
+        token: str | None,
+        tls: ClientTls | None = None,
+    ) -> _Link:
+        """Connect (over TLS with ``tls``) and do HELLO. Raises OSError or a trio stream
+        error when the connection fails, ProtocolError for a peer that does not speak the
+        protocol, TargetUnavailable when the broker refuses the TLS handshake or the
+        HELLO, or closes the connection."""
+        stream = await _connect(host, port, tls)
         try:
             conn = Connection(CLIENT)
             hello = Hello(token=token, client_name=CLIENT_NAME, request_id=conn.next_request_id())
@@ -289,7 +328,7 @@ class _Link:
                 else:
                     raise TargetUnavailable("the broker closed the connection during HELLO")
         except BaseException:
-            stream.socket.close()
+            transport_of(stream).socket.close()  # type: ignore[attr-defined]
             raise
 
     def fail(self, reason: str) -> None:
@@ -297,7 +336,7 @@ class _Link:
         ClosedResourceError) and wake every waiting request."""
         if self.failure is None:
             self.failure = reason
-            self._stream.socket.close()
+            self._socket.close()
         for waiter in self._waiters.values():
             waiter.wake.set()
 

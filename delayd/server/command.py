@@ -7,7 +7,8 @@ listening on HOST:PORT`` and ``delayd serve metrics on http://HOST:PORT/metrics`
 127.0.0.1:20880, the HTTP API: 127.0.0.1:20890, unless configured otherwise). Logs go to
 stderr, one line each (``--log-format kv|json``, ``--log-level``, or ``[log]`` of the
 configuration; delayd.logsetup). On SIGTERM or SIGINT: stop accepting, answer what is in
-flight, flush, write the replay checkpoint, exit 0. Exit 2 for a bad configuration, 1
+flight, flush, write the replay checkpoint, exit 0. On SIGHUP: read the TLS certificate,
+key and CA files again for new connections (delayd.tls). Exit 2 for a bad configuration, 1
 when the data directory cannot be served (corruption, a changed segment_scale, another
 process holding it: storage.dirlock) or a port cannot be bound (delayd.listen; bound
 before recovery, so that is said at once).
@@ -48,6 +49,7 @@ from delayd.server.config import (
 from delayd.server.config_env import load_effective_config
 from delayd.server.config_print import config_to_toml
 from delayd.serving import serve_data_dir
+from delayd.tls import ServerTls, ServerTlsConfig, TlsError, add_server_tls_arguments, reload_tls
 
 log = logging.getLogger("delayd.serve")
 
@@ -116,6 +118,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="HOST:PORT|off",
         help="the HTTP/JSON API, docs/http.md (default 127.0.0.1:20890; 'off')",
     )
+    add_server_tls_arguments(parser)
     add_logging_arguments(parser)
     # None: not given, so that [log] of the file (or DELAYD_LOG_*) applies.
     parser.set_defaults(log_format=None, log_level=None)
@@ -133,6 +136,14 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str] | None = N
         value = getattr(args, name)
         if value is not _UNSET:
             config = dataclasses.replace(config, **{name: value})
+    if args.tls_cert is not None or args.tls_key is not None or args.tls_client_ca is not None:
+        # The flags replace [tls] as a whole: a certificate from one and a key from the
+        # other would be a pair nobody chose.
+        try:
+            tls = ServerTlsConfig.from_files(args.tls_cert, args.tls_key, args.tls_client_ca)
+        except ValueError as exc:
+            raise ConfigError(f"flags: {exc}") from None
+        config = dataclasses.replace(config, tls=tls)
     return config
 
 
@@ -151,13 +162,18 @@ def run(args: argparse.Namespace) -> int:
     if args.data is None:
         log.error("bad configuration: --data DIR is required to serve")
         return 2
-    return serve_data_dir(log, args.data, "delayd serve", _serve, args.data, config)
+    try:
+        tls = None if config.tls is None else ServerTls(config.tls)
+    except TlsError as exc:
+        log.error("bad configuration: %s", exc)
+        return 2
+    return serve_data_dir(log, args.data, "delayd serve", _serve, args.data, config, tls)
 
 
 RECOVERY_REPORT_INTERVAL_S = 2.0
 
 
-async def _open(data_dir: str, config: ServeConfig) -> DelayServer:
+async def _open(data_dir: str, config: ServeConfig, tls: ServerTls | None) -> DelayServer:
     """DelayServer.open in a worker thread; while it takes long (recovery of big logs),
     a line every RECOVERY_REPORT_INTERVAL_S says it is still at it, so that a slow
     start does not look like a hung one."""
@@ -170,12 +186,13 @@ async def _open(data_dir: str, config: ServeConfig) -> DelayServer:
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(report, trio.current_time())
-        server = await trio.to_thread.run_sync(DelayServer.open, data_dir, config)
+        open_server = partial(DelayServer.open, data_dir, config, tls=tls)
+        server = await trio.to_thread.run_sync(open_server)
         nursery.cancel_scope.cancel()
     return server
 
 
-async def _serve(data_dir: str, config: ServeConfig) -> None:
+async def _serve(data_dir: str, config: ServeConfig, tls: ServerTls | None) -> None:
     # Every port first: a clash is reported now, not after a long recovery. Producers'
     # connections wait in the backlog until recovery is done; /healthz answers and
     # /readyz says "recovering" meanwhile.
@@ -184,15 +201,17 @@ async def _serve(data_dir: str, config: ServeConfig) -> None:
         metrics = None
         if listeners.metrics is not None:
             recovering = f"recovering {data_dir}"
-            metrics = await early.start(serve_metrics_early, listeners.metrics, recovering)
+            serve_early = partial(serve_metrics_early, tls=tls)
+            metrics = await early.start(serve_early, listeners.metrics, recovering)
             listeners = dataclasses.replace(listeners, metrics=None)  # served from here on
         try:
-            server = await _open(data_dir, config)
+            server = await _open(data_dir, config, tls)
         except BaseException:
             await listeners.aclose()
             raise
         tune_gc_for_serving()  # after recovery: what it built is frozen (delayd/gcsetup.py)
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        stopping = (signal.SIGTERM, signal.SIGINT)
+        with trio.open_signal_receiver(*stopping, signal.SIGHUP) as signals:
             async with trio.open_nursery() as nursery:
                 run = partial(server.run, listeners=listeners, metrics=metrics)
                 bound = await nursery.start(run)
@@ -204,6 +223,9 @@ async def _serve(data_dir: str, config: ServeConfig) -> None:
                     print("delayd serve http on http://{}:{}/v1".format(*bound.http))
                 print("delayd serve listening on {}:{}".format(*bound.intake), flush=True)
                 async for signum in signals:
+                    if signum == signal.SIGHUP:
+                        reload_tls(tls)
+                        continue
                     log.info("%s: shutting down", signal.Signals(signum).name)
                     break
                 server.request_stop()

@@ -70,6 +70,7 @@ from delayd.server.intake import IntakePath
 from delayd.stoppable_listener import linger
 from delayd.stream_events import read_and_dispatch
 from delayd.stream_writer import FrameWriter
+from delayd.tls import peer_of
 from storage.errors import DiskFullError, StorageError
 
 log = logging.getLogger(__name__)
@@ -108,10 +109,7 @@ class DelayConnection:
         self._tombstone_slots = trio.Semaphore(MAX_TOMBSTONES_IN_FLIGHT)
         self._read_scope = trio.CancelScope()
         self._stopping = False
-        try:
-            self.peer = "{}:{}".format(*stream.socket.getpeername()[:2])  # type: ignore[attr-defined]
-        except (AttributeError, OSError):
-            self.peer = "?"
+        self.peer = peer_of(stream)
 
     async def run(self) -> None:
         try:
