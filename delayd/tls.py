@@ -29,6 +29,7 @@ import contextlib
 import functools
 import logging
 import os
+import signal
 import ssl
 from dataclasses import dataclass
 
@@ -249,12 +250,19 @@ async def _send_alert(stream: trio.SocketStream, secure: trio.SSLStream[trio.Soc
             pass
 
 
-def reload_tls(tls: ServerTls | None) -> None:
-    """What a server does on SIGHUP: reload ``tls``, or log that there is nothing to."""
-    if tls is None:
-        log.info("SIGHUP: no TLS configured, nothing to reload")
-    else:
-        tls.reload()
+async def reload_on_sighup(
+    tls: ServerTls | None, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Reload ``tls`` on every SIGHUP until cancelled (logging that there is nothing to
+    reload without TLS). Started before a server's recovery: SIGHUP's default action
+    would end the process."""
+    with trio.open_signal_receiver(signal.SIGHUP) as signals:
+        task_status.started()
+        async for _ in signals:
+            if tls is None:
+                log.info("SIGHUP: no TLS configured, nothing to reload")
+            else:
+                tls.reload()
 
 
 def _reason_of(exc: BaseException) -> str:

@@ -41,9 +41,9 @@ def pki(tmp_path: Path) -> Pki:
 
 
 @asynccontextmanager
-async def tls_broker(data_dir: Path, tls: ServerTls):
-    """A broker in this process, its listener on a free loopback port over ``tls``;
-    yields its ``host:port``."""
+async def tls_broker(data_dir: Path, tls: ServerTls | None):
+    """A broker in this process, its listener on a free loopback port over ``tls``
+    (None: plain TCP); yields its ``host:port``."""
     config = BrokerConfig(
         index_slot_count=1009,
         index_max_entries=50,
@@ -161,6 +161,15 @@ async def test_a_plain_client_of_a_tls_listener_fails_and_the_listener_goes_on(
         async with open_producer(addr, tls=pki.client(), timeout_s=5) as producer:
             receipt = await producer.send("orders", b"after")
             assert receipt.code is ResultCode.OK
+
+
+async def test_a_tls_client_of_a_plain_listener_is_told_to_check_the_server(
+    pki: Pki, tmp_path: Path
+):
+    async with tls_broker(tmp_path / "b", None) as addr:
+        with pytest.raises(TlsError, match="is the server listening with TLS"):
+            async with open_producer(addr, tls=pki.client(), timeout_s=5):
+                pass
 
 
 async def test_with_the_ca_every_client_and_the_sender_work(pki: Pki, tmp_path: Path):

@@ -38,7 +38,13 @@ from delayd.listen import open_listeners
 from delayd.logsetup import add_logging_arguments, configure_logging
 from delayd.metrics_http import Readiness, serve_metrics
 from delayd.serving import serve_data_dir
-from delayd.tls import ServerTls, ServerTlsConfig, TlsError, add_server_tls_arguments, reload_tls
+from delayd.tls import (
+    ServerTls,
+    ServerTlsConfig,
+    TlsError,
+    add_server_tls_arguments,
+    reload_on_sighup,
+)
 from storage.flusher import FlushMode, FlushPolicy
 
 log = logging.getLogger("delayd.broker")
@@ -194,6 +200,7 @@ async def _serve(args: argparse.Namespace, config: BrokerConfig, tls: ServerTls 
     # /readyz says "recovering" meanwhile.
     listeners = await open_listeners("the broker", *args.listen)
     async with trio.open_nursery() as early:
+        await early.start(reload_on_sighup, tls)  # SIGHUP: the TLS files again
         registry = CollectorRegistry(auto_describe=False)
         readiness = Readiness(f"recovering {args.data}")
         try:
@@ -212,8 +219,7 @@ async def _serve(args: argparse.Namespace, config: BrokerConfig, tls: ServerTls 
         tune_gc_for_serving()
         async with trio.open_nursery() as root:
             await root.start(broker.run)
-            stopping = (signal.SIGTERM, signal.SIGINT)
-            with trio.open_signal_receiver(*stopping, signal.SIGHUP) as signals:
+            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                 async with trio.open_nursery() as front:
                     host, port = args.listen
                     server = broker_listener(broker, token=args.token, tls=tls)
@@ -228,9 +234,6 @@ async def _serve(args: argparse.Namespace, config: BrokerConfig, tls: ServerTls 
                     readiness.set_ready()
                     print(f"delayd broker listening on {bound[0][0]}:{bound[0][1]}", flush=True)
                     async for signum in signals:
-                        if signum == signal.SIGHUP:
-                            reload_tls(tls)
-                            continue
                         log.info("%s: shutting down", signal.Signals(signum).name)
                         break
                     # Every SEND_BATCH appended is answered before its connection closes.

@@ -49,7 +49,13 @@ from delayd.server.config import (
 from delayd.server.config_env import load_effective_config
 from delayd.server.config_print import config_to_toml
 from delayd.serving import serve_data_dir
-from delayd.tls import ServerTls, ServerTlsConfig, TlsError, add_server_tls_arguments, reload_tls
+from delayd.tls import (
+    ServerTls,
+    ServerTlsConfig,
+    TlsError,
+    add_server_tls_arguments,
+    reload_on_sighup,
+)
 
 log = logging.getLogger("delayd.serve")
 
@@ -198,6 +204,7 @@ async def _serve(data_dir: str, config: ServeConfig, tls: ServerTls | None) -> N
     # /readyz says "recovering" meanwhile.
     listeners = await open_listeners(config)
     async with trio.open_nursery() as early:
+        await early.start(reload_on_sighup, tls)  # SIGHUP: the TLS files again
         metrics = None
         if listeners.metrics is not None:
             recovering = f"recovering {data_dir}"
@@ -210,8 +217,7 @@ async def _serve(data_dir: str, config: ServeConfig, tls: ServerTls | None) -> N
             await listeners.aclose()
             raise
         tune_gc_for_serving()  # after recovery: what it built is frozen (delayd/gcsetup.py)
-        stopping = (signal.SIGTERM, signal.SIGINT)
-        with trio.open_signal_receiver(*stopping, signal.SIGHUP) as signals:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with trio.open_nursery() as nursery:
                 run = partial(server.run, listeners=listeners, metrics=metrics)
                 bound = await nursery.start(run)
@@ -223,9 +229,6 @@ async def _serve(data_dir: str, config: ServeConfig, tls: ServerTls | None) -> N
                     print("delayd serve http on http://{}:{}/v1".format(*bound.http))
                 print("delayd serve listening on {}:{}".format(*bound.intake), flush=True)
                 async for signum in signals:
-                    if signum == signal.SIGHUP:
-                        reload_tls(tls)
-                        continue
                     log.info("%s: shutting down", signal.Signals(signum).name)
                     break
                 server.request_stop()
