@@ -296,10 +296,14 @@ def handshake_failure(exc: ssl.SSLError, address: str) -> DelaydError:
     if isinstance(exc, ssl.SSLCertVerificationError):
         hint = (
             f"{exc.verify_message}: give the CA that signed the server's certificate "
-            "(tls_ca / --tls-ca), and connect by a name the certificate carries"
+            "(ClientTls ca_file, --tls-ca, tls_ca_file), and connect by a name the "
+            "certificate carries"
         )
     elif "certificate required" in reason or "unknown ca" in reason or "bad certificate" in reason:
-        hint = "the server requires a client certificate its client CA signed (tls_cert, tls_key)"
+        hint = (
+            "the server requires a client certificate its client CA signed (ClientTls "
+            "cert_file and key_file, --tls-cert and --tls-key, tls_cert_file and tls_key_file)"
+        )
     elif "wrong version number" in reason or "record layer failure" in reason:
         hint = "is the server listening with TLS?"
     else:

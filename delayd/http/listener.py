@@ -22,6 +22,7 @@ import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
 
+from delayd.connection_limits import DEFAULT_HELLO_TIMEOUT_MS
 from delayd.listen import bound_addresses
 from delayd.tls import ServerTls
 
@@ -29,6 +30,9 @@ log = logging.getLogger(__name__)
 
 Address = tuple[str, int]
 KEEP_ALIVE_S = 75  # longer than a typical proxy's or client pool's idle time
+# A TLS handshake not done by then is dropped: the binary listeners' HELLO deadline
+# (hypercorn's own default, 60 s, would let a stalled client hold a descriptor longer).
+TLS_HANDSHAKE_TIMEOUT_S = DEFAULT_HELLO_TIMEOUT_MS / 1000
 
 
 class HttpListener:
@@ -60,6 +64,7 @@ class HttpListener:
             await listener.aclose()
         config.graceful_timeout = self.grace_s
         config.keep_alive_timeout = KEEP_ALIVE_S
+        config.ssl_handshake_timeout = TLS_HANDSHAKE_TIMEOUT_S
         config.accesslog = None
         config.errorlog = log
         config.include_server_header = False
