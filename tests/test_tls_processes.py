@@ -178,13 +178,17 @@ def test_the_documented_openssl_commands_make_a_working_mutual_tls_setup(tmp_pat
     server.start()
     try:
         url = f"https://localhost:{server.http_address[1]}/openapi.json"
-        curl = ["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "--cacert", files["ca.pem"]]
+        curl = ["curl", "-s", "-o", "/dev/null", "--cacert", files["ca.pem"]]
+        curl += ["-w", "%{http_code} HTTP/%{http_version}"]
         # No client certificate: the handshake is refused, there is no HTTP status.
         refused = subprocess.run([*curl, url], capture_output=True, text=True, check=False)
-        assert refused.returncode != 0 and refused.stdout == "000"
+        assert refused.returncode != 0 and refused.stdout.startswith("000")
         client = ["--cert", str(pki / "client.pem"), "--key", str(pki / "client.key")]
         ok = subprocess.run([*curl, *client, url], capture_output=True, text=True, check=True)
-        assert ok.stdout == "200"
+        assert ok.stdout == "200 HTTP/2"  # ALPN offers h2 on the HTTP API
+        metrics = f"https://localhost:{server.metrics_address[1]}/healthz"
+        ok = subprocess.run([*curl, *client, metrics], capture_output=True, text=True, check=True)
+        assert ok.stdout.startswith("200 HTTP/1")  # no ALPN on /metrics: HTTP/1.x
         mutual = ClientTls(str(pki / "ca.pem"), str(pki / "client.pem"), str(pki / "client.key"))
         assert sends(server.address, mutual) is ResultCode.OK
     finally:
