@@ -38,7 +38,7 @@ from delayd.protocol import (
 ROOT = Path(__file__).resolve().parent.parent
 DELAYD = [sys.executable, "-m", "delayd"]
 READY = re.compile(r"delayd broker listening on (\S+):(\d+)")
-METRICS = re.compile(r"metrics on http://(\S+):(\d+)/metrics")
+METRICS = re.compile(r"metrics on https?://(\S+):(\d+)/metrics")
 START_TIMEOUT_S = 20.0
 
 

@@ -39,9 +39,9 @@ def addr(address: tuple[str, int] | None) -> str:
     return "{}:{}".format(*address)
 
 
-def wait_for_log(server: ServeProcess, text: str, count: int = 1, timeout_s: float = 10) -> None:
+def wait_for_log(server: ServeProcess | BrokerProcess, text: str, timeout_s: float = 10) -> None:
     deadline = time.monotonic() + timeout_s
-    while server.log_path.read_text(errors="replace").count(text) < count:
+    while text not in server.log_path.read_text(errors="replace"):
         assert time.monotonic() < deadline, f"no {text!r} in the log:\n{server.log_tail()}"
         time.sleep(0.05)
 
@@ -73,6 +73,7 @@ def test_every_listener_of_serve_speaks_tls_and_sighup_rotates_the_certificate(t
     )
     server.start()
     try:
+        assert "metrics on https://" in server.stdout and "http on https://" in server.stdout
         # Intake and the embedded broker: a message in, delivered, consumed over TLS.
         with Producer(addr(server.address), tls=old.client(), timeout_s=5) as producer:
             assert producer.send("orders", b"hello", message_id="m-1").code is ResultCode.OK
@@ -128,8 +129,10 @@ def test_serve_refuses_to_start_with_a_tls_file_it_cannot_use(tmp_path):
 
 
 def test_the_sender_delivers_to_a_broker_group_over_tls(tmp_path):
-    pki = make_pki(tmp_path / "pki")
-    broker = BrokerProcess(tmp_path / "broker", *tls_flags(pki.server_cert, pki.server_key))
+    pki, new = make_pki(tmp_path / "pki"), make_pki(tmp_path / "new")
+    cert, key = tmp_path / "served.pem", tmp_path / "served.key"
+    copy_pair(pki, cert, key)
+    broker = BrokerProcess(tmp_path / "broker", *tls_flags(str(cert), str(key)))
     broker.start()
     server = None
     try:
@@ -150,6 +153,13 @@ def test_the_sender_delivers_to_a_broker_group_over_tls(tmp_path):
         assert sorted(m.message_id for m in got if m is not None) == sorted(
             r.message_id for r in receipts
         )
+        # delayd broker: /metrics over TLS, and SIGHUP rotates its certificate too.
+        metrics = https_get(broker.metrics_address, "/metrics", pki.ca_file)
+        assert metrics.status_code == 200 and "delayd_broker" in metrics.text
+        copy_pair(new, cert, key)
+        broker.proc.send_signal(1)
+        wait_for_log(broker, "TLS reloaded")
+        assert sends(broker.address, new.client()) is ResultCode.OK
     finally:
         if server is not None:
             server.close()

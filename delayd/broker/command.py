@@ -210,7 +210,8 @@ async def _serve(args: argparse.Namespace, config: BrokerConfig, tls: ServerTls 
                     serve_metrics, readiness=readiness, listeners=metrics_listeners, tls=tls
                 )
                 m_bound = await early.start(serve, registry, *args.metrics_listen)
-                log.info("metrics on http://%s:%d/metrics", *m_bound[0])
+                scheme = "http" if tls is None else "https"
+                log.info("metrics on %s://%s:%d/metrics", scheme, *m_bound[0])
             broker = await trio.to_thread.run_sync(partial(Broker.open, args.data, config))
         except BaseException:
             for listener in listeners:

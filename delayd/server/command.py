@@ -3,7 +3,7 @@
 Prints ``delayd serve listening on HOST:PORT`` on stdout once it accepts producers (the
 real port when ``--listen`` asks for port 0), preceded by ``delayd serve broker
 listening on HOST:PORT`` and ``delayd serve metrics on http://HOST:PORT/metrics`` and
-``delayd serve http on http://HOST:PORT/v1`` when those listen (metrics:
+``delayd serve http on http://HOST:PORT/v1`` when those listen (https with TLS; metrics:
 127.0.0.1:20880, the HTTP API: 127.0.0.1:20890, unless configured otherwise). Logs go to
 stderr, one line each (``--log-format kv|json``, ``--log-level``, or ``[log]`` of the
 configuration; delayd.logsetup). On SIGTERM or SIGINT: stop accepting, answer what is in
@@ -221,12 +221,14 @@ async def _serve(data_dir: str, config: ServeConfig, tls: ServerTls | None) -> N
             async with trio.open_nursery() as nursery:
                 run = partial(server.run, listeners=listeners, metrics=metrics)
                 bound = await nursery.start(run)
+                scheme = "http" if tls is None else "https"
                 if bound.broker is not None:
                     print("delayd serve broker listening on {}:{}".format(*bound.broker))
                 if bound.metrics is not None:
-                    print("delayd serve metrics on http://{}:{}/metrics".format(*bound.metrics))
+                    where = "{}://{}:{}/metrics".format(scheme, *bound.metrics)
+                    print(f"delayd serve metrics on {where}")
                 if bound.http is not None:
-                    print("delayd serve http on http://{}:{}/v1".format(*bound.http))
+                    print("delayd serve http on {}://{}:{}/v1".format(scheme, *bound.http))
                 print("delayd serve listening on {}:{}".format(*bound.intake), flush=True)
                 async for signum in signals:
                     log.info("%s: shutting down", signal.Signals(signum).name)
