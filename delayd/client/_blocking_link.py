@@ -199,6 +199,8 @@ class BlockingLink:
                     data = self._sock.recv(RECEIVE_SIZE)
                 except TimeoutError:
                     raise DelaydTimeout(f"no answer from {self.addr} in time") from None
+                except ssl.SSLError as exc:  # the server refused this client's certificate
+                    raise handshake_failure(exc, self.addr) from None
                 except OSError as exc:
                     raise ConnectionClosedError(
                         f"connection to {self.addr} lost: {exc!r}"

@@ -210,7 +210,7 @@ class RemoteTarget:
                             self.name, address, host, port, self._token, self._tls
                         )
                     except (*_LINK_ERRORS, TargetUnavailable) as exc:
-                        problems.append(f"{address}: {exc}")
+                        problems.append(f"{address}: {_why(exc, address)}")
                         continue
                     if self._closed:  # aclose() ran while this connected
                         link.fail("was closed by the sender")
@@ -227,6 +227,14 @@ class RemoteTarget:
         if self._link is not None:
             self._link.fail("was closed by the sender")
         await trio.lowlevel.checkpoint()
+
+
+def _why(exc: BaseException, address: str) -> str:
+    """``exc`` in words; a trio stream error says nothing itself, but the TLS error
+    behind it does (the broker refused the sender's certificate)."""
+    if isinstance(exc.__cause__, ssl.SSLError):
+        return str(handshake_failure(exc.__cause__, address))
+    return str(exc) or type(exc).__name__
 
 
 def _host_port(address: str) -> tuple[str, int]:
