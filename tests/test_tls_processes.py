@@ -19,7 +19,7 @@ from delayd.client import ClientTls, Consumer, Producer
 from delayd.errors import DelaydError
 from delayd.protocol import ResultCode
 from tests.broker_support import BrokerProcess
-from tests.intake_support import ServeProcess
+from tests.intake_support import DELAYD, ServeProcess
 from tests.tls_support import Pki, make_pki
 
 pytestmark = pytest.mark.slow
@@ -201,5 +201,19 @@ def test_the_documented_openssl_commands_make_a_working_mutual_tls_setup(tmp_pat
         assert ok.stdout.startswith("200 HTTP/1")  # no ALPN on /metrics: HTTP/1.x
         mutual = ClientTls(str(pki / "ca.pem"), str(pki / "client.pem"), str(pki / "client.key"))
         assert sends(server.address, mutual) is ResultCode.OK
+        # The CLI, from the environment (what the docs show as flags).
+        env = {
+            **server.env,
+            "DELAYD_TLS_CA": files["ca.pem"],
+            "DELAYD_TLS_CERT": str(pki / "client.pem"),
+            "DELAYD_TLS_KEY": str(pki / "client.key"),
+        }
+        send = [*DELAYD, "send", "--server", f"localhost:{server.address[1]}"]
+        send += ["--subject", "orders", "--delay", "10s", "hello"]
+        sent = subprocess.run(send, capture_output=True, text=True, env=env, check=False)
+        assert sent.returncode == 0 and '"message_id"' in sent.stdout, sent.stderr
+        del env["DELAYD_TLS_CERT"], env["DELAYD_TLS_KEY"]
+        refused = subprocess.run(send, capture_output=True, text=True, env=env, check=False)
+        assert refused.returncode == 1 and "certificate required" in refused.stderr
     finally:
         server.close()
