@@ -2,6 +2,6 @@
 
 import sys
 
-from delayd.cli import main
+from delayd.cli.main import main
 
 sys.exit(main())

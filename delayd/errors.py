@@ -7,8 +7,10 @@
     │   ├── LocalProtocolError      ... because this side tried to send something invalid
     │   └── RemoteProtocolError     ... because the peer sent something invalid
     ├── RejectedError               the server refused a request; ``reason`` says what to change
+    │   └── NotLeaderError          ... as it does not lead its group; ``leader`` names who does
     ├── BusyError                   the server is overloaded; retrying later is correct
     ├── ConnectionClosedError       the connection is gone; pending requests are lost
+    ├── UnreachableError            no connection could be made (nothing listening, no route)
     ├── DelaydTimeout               a deadline passed (also a builtin ``TimeoutError``)
     └── EtcdError                   etcd answered with an error (``code``: its gRPC code)
         └── EtcdUnavailable         no etcd endpoint could be reached, or none answered in time
@@ -34,10 +36,12 @@ __all__ = [
     "EtcdError",
     "EtcdUnavailable",
     "LocalProtocolError",
+    "NotLeaderError",
     "ProtocolError",
     "RejectedError",
     "RemoteProtocolError",
     "StorageError",
+    "UnreachableError",
 ]
 
 
@@ -83,12 +87,31 @@ class RejectedError(DelaydError):
         self.reason = reason
 
 
+class NotLeaderError(RejectedError):
+    """The server is a member of a group that does not lead it now (ERROR NOT_LEADER).
+
+    ``leader`` is the leader's ``host:port`` for the listener asked, or None when the
+    member knows no leader (an election is under way). Sending the same request to the
+    leader is safe: message ids make a resent message a DUPLICATE."""
+
+    def __init__(self, code: int, reason: str, leader: str | None) -> None:
+        super().__init__(code, reason)
+        self.leader = leader
+
+
 class BusyError(DelaydError):
     """The server is overloaded or shutting down; the same request may succeed later."""
 
 
 class ConnectionClosedError(DelaydError):
     """The connection was closed; requests still waiting for an answer are lost."""
+
+
+class UnreachableError(DelaydError):
+    """No connection to the server could be made: refused (nothing listens on that
+    port), no route, an unknown host. Raised at once only by a client told not to retry
+    its first connection (a command-line call, where a wrong address is likelier than a
+    server still starting); otherwise connections are retried until the time-out."""
 
 
 class DelaydTimeout(DelaydError, TimeoutError):

@@ -1,48 +1,29 @@
-"""TLS for every listener and every client: the one place its rules live.
+"""TLS: the rules every listener and every client share, and the client's part.
 
-A server gets one ``ServerTls`` from ``[tls]`` of its configuration (or the
-``--tls-*`` flags): a certificate and key, and optionally a client CA, which turns on
-mutual TLS (every client must present a certificate that CA signed). Every listener
-of the process uses it: intake, broker, metrics and the HTTP API.
-
-Handshakes run in each connection's own task, never in the accept loop, and within the
-listener's HELLO deadline: a client that stalls its handshake holds one task and one
-descriptor until then, as a client that stalls its HELLO does. Server streams are
-``https_compatible``: closing sends no close_notify (it could block on a client that
-does not read, in a shielded close) and a client that closes without one is at EOF.
-The protocol's frames carry their own lengths, so a cut stream is seen as one.
-
-``ServerTls.reload`` (on SIGHUP) reads the files again: new connections get the new
-certificate, connections already open keep theirs, and files that cannot be used are
-logged and the old context kept, so a bad rotation never stops a serving process.
+A server reads ``[tls]`` of its configuration (or the ``--tls-*`` flags) into a
+``ServerTlsConfig``: a certificate and key, and optionally a client CA, which turns on
+mutual TLS (every client must present a certificate that CA signed). What the server
+does with it — contexts, handshakes in each connection's task, SIGHUP reload — is
+delayd.serving.tls.
 
 Clients describe what they trust with ``ClientTls`` (a CA file, or the system's trust
 store; a certificate and key for mutual TLS). A certificate the client refuses, or a
 refusal from the server, is a ``TlsError``: not retried, since the next attempt would
-fail the same way.
+fail the same way. Streams on both sides treat a close without close_notify as EOF:
+the protocol's frames carry their own lengths, so a cut stream is seen as one.
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import functools
-import logging
-import os
-import signal
 import ssl
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import trio
-
-from delayd.connection_gate import RateLimitedLog
 from delayd.errors import ConnectionClosedError, DelaydError
 
-log = logging.getLogger(__name__)
-
-# The HTTP API's protocols (hypercorn serves both); the other listeners offer none, so
-# that an HTTP/2 client of /metrics falls back to HTTP/1.x, the only one served there.
-HTTP_ALPN = ("h2", "http/1.1")
+if TYPE_CHECKING:
+    import trio
 
 
 class TlsError(DelaydError):
@@ -108,25 +89,10 @@ class ClientTls:
         context = ssl.create_default_context()
         context.minimum_version = ssl.TLSVersion.TLSv1_2
         if self.ca_file is not None:
-            _load_ca(context, self.ca_file, "CA file")
+            load_ca(context, self.ca_file, "CA file")
         if self.cert_file is not None and self.key_file is not None:
-            _load_chain(context, self.cert_file, self.key_file)
+            load_chain(context, self.cert_file, self.key_file)
         return context
-
-
-def server_context(config: ServerTlsConfig, alpn: tuple[str, ...] = ()) -> ssl.SSLContext:
-    """A server context from ``config``'s files (TLS 1.2 at least; a client certificate
-    required and verified when ``client_ca_file`` is set). Raises TlsError naming the
-    file and what is wrong with it."""
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.minimum_version = ssl.TLSVersion.TLSv1_2
-    _load_chain(context, config.cert_file, config.key_file)
-    if config.client_ca_file is not None:
-        _load_ca(context, config.client_ca_file, "client CA file")
-        context.verify_mode = ssl.CERT_REQUIRED
-    if alpn:
-        context.set_alpn_protocols(list(alpn))
-    return context
 
 
 def _readable(path: str, what: str) -> None:
@@ -138,146 +104,38 @@ def _readable(path: str, what: str) -> None:
         raise TlsError(f"TLS {what} {path}: cannot be read: {exc.strerror}") from None
 
 
-def _load_chain(context: ssl.SSLContext, cert_file: str, key_file: str) -> None:
+def load_chain(context: ssl.SSLContext, cert_file: str, key_file: str) -> None:
+    """Load a certificate and its key into ``context``. Raises TlsError naming the
+    files and what is wrong with them."""
     _readable(cert_file, "certificate file")
     _readable(key_file, "key file")
     try:
         context.load_cert_chain(cert_file, key_file)
     except ssl.SSLError as exc:
         raise TlsError(
-            f"TLS certificate file {cert_file} with key file {key_file}: {_reason(exc)} "
+            f"TLS certificate file {cert_file} with key file {key_file}: {ssl_reason(exc)} "
             "(both must be PEM, the key unencrypted and the one of that certificate)"
         ) from None
 
 
-def _load_ca(context: ssl.SSLContext, ca_file: str, what: str) -> None:
+def load_ca(context: ssl.SSLContext, ca_file: str, what: str) -> None:
+    """Trust the CA certificates in ``ca_file`` (``what`` names it in errors). Raises
+    TlsError naming the file and what is wrong with it."""
     _readable(ca_file, what)
     try:
         context.load_verify_locations(cafile=ca_file)
     except ssl.SSLError as exc:
         raise TlsError(
-            f"TLS {what} {ca_file}: {_reason(exc)} (it must hold PEM certificates)"
+            f"TLS {what} {ca_file}: {ssl_reason(exc)} (it must hold PEM certificates)"
         ) from None
 
 
-def _reason(exc: ssl.SSLError) -> str:
+def ssl_reason(exc: ssl.SSLError) -> str:
     """OpenSSL's reason in words ("KEY_VALUES_MISMATCH" -> "key values mismatch")."""
     reason = getattr(exc, "reason", None)
     if isinstance(reason, str):
         return reason.lower().replace("_", " ")
     return str(exc)
-
-
-class ServerTls:
-    """A server's TLS contexts, replaced on ``reload``; see the module docstring.
-
-    Raises TlsError (naming the file) when the files cannot be used at start."""
-
-    def __init__(self, config: ServerTlsConfig) -> None:
-        self.config = config
-        self.context, self.http_context = self._load()
-        self.handshake_failures = 0
-        self._log = RateLimitedLog(log)
-
-    def _load(self) -> tuple[ssl.SSLContext, ssl.SSLContext]:
-        return server_context(self.config), server_context(self.config, HTTP_ALPN)
-
-    def reload(self) -> bool:
-        """Read the files again for connections accepted from now on; True when they
-        were taken. Files that cannot be used are logged and the contexts in use kept."""
-        try:
-            self.context, self.http_context = self._load()
-        except TlsError as exc:
-            log.error("TLS reload failed, still serving the certificate loaded before: %s", exc)
-            return False
-        log.info("TLS reloaded: new connections get %s", self.config.cert_file)
-        return True
-
-    async def accept(
-        self, stream: trio.SocketStream, timeout_s: float
-    ) -> trio.SSLStream[trio.SocketStream] | None:
-        """``stream`` with the TLS handshake done within ``timeout_s``, or None (logged,
-        rate-limited, and counted) when the client failed it or ran out of time. The
-        caller closes ``stream`` either way."""
-        secure = trio.SSLStream(stream, self.context, server_side=True, https_compatible=True)
-        with trio.move_on_after(timeout_s):
-            try:
-                await secure.do_handshake()
-            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-                self._failed(stream, _reason_of(exc))
-                await _send_alert(stream, secure)
-                return None
-            return secure
-        self._failed(stream, f"no handshake within {timeout_s:g} s")
-        return None
-
-    def _failed(self, stream: trio.SocketStream, reason: str) -> None:
-        self.handshake_failures += 1
-        self._log.warning("handshake", "TLS handshake with %s failed: %s", peer_of(stream), reason)
-
-    def http_front_context(self) -> ssl.SSLContext:
-        """A context for a server that builds its one context at start (hypercorn):
-        every handshake switches, as its ClientHello arrives, to the HTTP context
-        current then, so that ``reload`` reaches new connections there too."""
-        front = server_context(self.config, HTTP_ALPN)
-
-        def switch(ssl_object: ssl.SSLObject, _name: str | None, _front: ssl.SSLContext) -> None:
-            ssl_object.context = self.http_context
-
-        front.sni_callback = switch
-        return front
-
-
-# After a refused handshake: how long the client gets to read the alert and close.
-ALERT_LINGER_S = 1.0
-
-
-async def _send_alert(stream: trio.SocketStream, secure: trio.SSLStream[trio.SocketStream]) -> None:
-    """Send the alert of a handshake this server refused (no client certificate, an
-    unknown CA), then FIN, and read what the client still sends until it closes: trio
-    drops the alert with the broken stream, and a close with the client's first bytes
-    unread would reset the connection, so the client would see a reset, not why.
-    ``_outgoing`` is where trio's SSLStream keeps the bytes OpenSSL wrote."""
-    alert = secure._outgoing.read() if hasattr(secure, "_outgoing") else b""
-    with (
-        trio.move_on_after(ALERT_LINGER_S),
-        contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError),
-    ):
-        if alert:
-            await stream.send_all(alert)
-        await stream.send_eof()
-        while await stream.receive_some(4096):
-            pass
-
-
-async def reload_on_sighup(
-    tls: ServerTls | None, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
-) -> None:
-    """Reload ``tls`` on every SIGHUP until cancelled (logging that there is nothing to
-    reload without TLS). Started before a server's recovery: SIGHUP's default action
-    would end the process."""
-    with trio.open_signal_receiver(signal.SIGHUP) as signals:
-        task_status.started()
-        async for _ in signals:
-            if tls is None:
-                log.info("SIGHUP: no TLS configured, nothing to reload")
-            else:
-                tls.reload()
-
-
-def _reason_of(exc: BaseException) -> str:
-    cause = exc.__cause__
-    if isinstance(cause, ssl.SSLError):
-        return _reason(cause)
-    return str(cause or exc) or "the client closed the connection"
-
-
-def peer_of(stream: trio.abc.Stream) -> str:
-    """``host:port`` of the peer of a socket stream, also under TLS; ``?`` if unknown."""
-    try:
-        return "{}:{}".format(*transport_of(stream).socket.getpeername()[:2])  # type: ignore[attr-defined]
-    except (AttributeError, OSError, TypeError):
-        return "?"
 
 
 def transport_of(stream: trio.abc.Stream) -> trio.abc.Stream:
@@ -292,7 +150,7 @@ def handshake_failure(exc: ssl.SSLError, address: str) -> DelaydError:
     server did (no or an unknown client certificate), and what to check."""
     if isinstance(exc, (ssl.SSLEOFError, ssl.SSLZeroReturnError)):
         return ConnectionClosedError(f"{address} closed the connection during the TLS handshake")
-    reason = _reason(exc)
+    reason = ssl_reason(exc)
     if isinstance(exc, ssl.SSLCertVerificationError):
         hint = (
             f"{exc.verify_message}: give the CA that signed the server's certificate "
@@ -309,51 +167,3 @@ def handshake_failure(exc: ssl.SSLError, address: str) -> DelaydError:
     else:
         hint = "check the TLS settings of the client and the server"
     return TlsError(f"TLS with {address} failed: {reason}; {hint}")
-
-
-def add_client_tls_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--tls-ca``, ``--tls-cert`` and ``--tls-key`` for a client command, defaulting
-    to ``DELAYD_TLS_CA``, ``DELAYD_TLS_CERT`` and ``DELAYD_TLS_KEY``."""
-    env = os.environ.get
-    parser.add_argument(
-        "--tls-ca",
-        metavar="FILE",
-        default=env("DELAYD_TLS_CA"),
-        help="connect with TLS, trusting the CA in FILE (PEM; env DELAYD_TLS_CA)",
-    )
-    parser.add_argument(
-        "--tls-cert",
-        metavar="FILE",
-        default=env("DELAYD_TLS_CERT"),
-        help="client certificate for mutual TLS (PEM; env DELAYD_TLS_CERT)",
-    )
-    parser.add_argument(
-        "--tls-key",
-        metavar="FILE",
-        default=env("DELAYD_TLS_KEY"),
-        help="the client certificate's key (PEM; env DELAYD_TLS_KEY)",
-    )
-
-
-def client_tls_from_args(args: argparse.Namespace) -> ClientTls | None:
-    """The ClientTls of ``add_client_tls_arguments``, or None (plain TCP) when none of
-    them is given. Raises TlsError for a certificate without its key."""
-    if args.tls_ca is None and args.tls_cert is None and args.tls_key is None:
-        return None
-    try:
-        return ClientTls(args.tls_ca, args.tls_cert, args.tls_key)
-    except ValueError as exc:
-        raise TlsError(f"{exc} (--tls-cert, --tls-key)") from None
-
-
-def add_server_tls_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--tls-cert``, ``--tls-key`` and ``--tls-client-ca`` for a server command."""
-    parser.add_argument(
-        "--tls-cert", metavar="FILE", help="serve every listener with TLS: certificate (PEM)"
-    )
-    parser.add_argument("--tls-key", metavar="FILE", help="the certificate's key (PEM)")
-    parser.add_argument(
-        "--tls-client-ca",
-        metavar="FILE",
-        help="require client certificates signed by the CA in FILE (mutual TLS)",
-    )

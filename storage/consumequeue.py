@@ -163,8 +163,6 @@ class ConsumeQueue(Store):
         self._dir_dirty = False  # a segment was created since the last directory fsync
         self._dirs_to_sync: list[str] = []  # created by open, made durable by flush
         self._flush_lock = threading.Lock()  # flush vs roll / truncate / close
-        self._failed: BaseException | None = None
-        self._closed = False
 
     # ------------------------------------------------------------------ opening
 

@@ -1,4 +1,10 @@
-"""Errors raised by storage/. The delayd error tree re-parents these (STYLE.md #9)."""
+"""Errors raised by storage/, rooted at StorageError.
+
+delayd.errors re-exports StorageError and CorruptionError but does not re-parent them
+under DelaydError: storage/ knows nothing of delayd (DESIGN.md, "Layers"), so nothing
+here can derive from a delayd class. Code that wants "anything delayd can raise"
+catches ``(DelaydError, StorageError)``.
+"""
 
 from __future__ import annotations
 
@@ -85,3 +91,9 @@ class FsyncError(StorageError):
             "be trusted to be on disk, so this store stops; restart the process to "
             "recover from the files (never retry the fsync)"
         )
+
+
+class RawAppendRefused(StorageError):
+    """Raw framed bytes (a replica's copy) were refused before anything was written:
+    they were meant for another offset than the log's end, or a frame in them is cut
+    short or fails its CRC. The log is unchanged."""

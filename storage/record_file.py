@@ -29,11 +29,13 @@ from collections.abc import Iterator, Sequence
 from storage.errors import (
     CorruptionError,
     FsyncError,
+    RawAppendRefused,
     RecordTooLargeError,
     is_disk_full,
 )
 from storage.framing import HEADER, HEADER_SIZE, MAX_TYPE, TYPE_DATA, crc32c, type_seed
 from storage.fs import O_WRITE, REAL_FS, FileSystem, create_dirs_durably, disk_full_error
+from storage.raw_frames import check_append, check_boundary, pieces, whole_frames
 from storage.scan import BadFrame, Record, read_frame, scan_frames, validate_frames
 from storage.store import Store
 from storage.torn_tail import DEFAULT_MAX_UNSYNCED_BYTES, is_torn_tail
@@ -47,11 +49,12 @@ class RecordFile(Store):
         self.fs = fs
         self.max_unsynced_bytes = max_unsynced
         self.truncated_bytes = 0  # torn tail cut when the file was opened
+        # Record boundaries known without a scan: where open began validating (the
+        # caller's trusted end) and the durable end; truncate checks from the nearest.
+        self._trusted_end = 0
         self._fd = fd
         self._size = size
         self._durable = size
-        self._failed: FsyncError | None = None
-        self._closed = False
 
     @classmethod
     def open(
@@ -117,6 +120,7 @@ class RecordFile(Store):
             raise
         record_file = cls(path, fs, fd, end, max_unsynced_bytes)
         record_file.truncated_bytes = cut
+        record_file._trusted_end = trusted_end
         return record_file
 
     @property
@@ -241,18 +245,66 @@ class RecordFile(Store):
         except BadFrame as bad:
             raise bad.corruption() from None
 
+    def read_raw(self, offset: int, max_bytes: int) -> bytes:
+        """The framed bytes from ``offset`` (a record boundary) as they lie in the file:
+        whole records only, at most ``max_bytes`` of them unless the first record alone
+        is longer (then exactly that record). Empty at the end. Every CRC is checked.
+        Raises ValueError past the end, CorruptionError."""
+        self._check_open()
+        if not 0 <= offset <= self._size:
+            raise ValueError(f"offset {offset} is outside {self.path} [0, {self._size}]")
+        if offset == self._size:
+            return b""
+        size = min(max(max_bytes, HEADER_SIZE), self._size - offset)
+        data = self.fs.pread(self._fd, size, offset)
+        return whole_frames(self.fs, self._fd, self.path, offset, self._size, data)
+
+    def append_raw(self, offset: int, data: bytes) -> int:
+        """Append framed bytes copied from another file's ``read_raw`` at ``offset``,
+        which must be this file's end; returns the new end. Durable after flush().
+
+        Raises RawAppendRefused (nothing written) when ``offset`` is not the end or a
+        frame is cut short, fails its CRC or is an END_OF_SEGMENT marker (a bucket file
+        has none); DiskFullError (nothing kept) when the disk is full.
+        """
+        self._check_usable()
+        walk = check_append(data, self.path, offset, self._size)
+        if walk.segment_ends:
+            raise RawAppendRefused(
+                f"{self.path}: refused raw bytes: an end-of-segment marker at byte "
+                f"{offset + walk.segment_ends[0] - HEADER_SIZE}; a record file holds none"
+            )
+        mark = self._size
+        try:
+            start = 0
+            for stop in pieces(walk, self.max_unsynced_bytes):
+                if self.unsynced_bytes + stop - start > self.max_unsynced_bytes:
+                    self.flush()
+                self._write(data[start:stop])
+                start = stop
+        except OSError as exc:
+            if not is_disk_full(exc):
+                raise
+            self._undo_append(mark)
+            raise disk_full_error(self.fs, self.path, exc) from None
+        return self._size
+
     def truncate(self, offset: int) -> None:
         """Drop every record at or after ``offset`` (a record boundary) and fsync.
 
-        For callers that make appends idempotent by cutting what a crashed run wrote
-        after their checkpoint (the replayer).
+        Replication cuts a divergent tail with it; the replayer makes its appends
+        idempotent by cutting what a crashed run wrote after its checkpoint. Raises
+        ValueError when ``offset`` is past the end or not a record boundary.
         """
         self._check_open()
         if not 0 <= offset <= self._size:
             raise ValueError(f"cannot truncate {self.path} to {offset}: size is {self._size}")
+        known = max(b for b in (0, self._trusted_end, self._durable) if b <= offset)
+        check_boundary(self.fs, self._fd, self.path, offset, known)
         self.fs.ftruncate(self._fd, offset)
         self.fs.fsync(self._fd)
         self._size = self._durable = offset
+        self._trusted_end = min(self._trusted_end, offset)
 
     @property
     def described(self) -> str:

@@ -69,6 +69,7 @@ from storage.framing import (
     type_seed,
 )
 from storage.fs import O_READ, O_WRITE, REAL_FS, FileSystem, create_dirs_durably, disk_full_error
+from storage.raw_frames import check_append, check_boundary, pieces, whole_frames
 from storage.scan import BadFrame, Record, read_frame, scan_frames, validate_frames
 from storage.store import Store
 from storage.torn_tail import DEFAULT_MAX_UNSYNCED_BYTES, is_torn_tail
@@ -166,8 +167,6 @@ class SegmentedLog(Store):
         self._dir_dirty = False
         self._state_lock = threading.Lock()  # appends vs a flush snapshot
         self._flush_lock = threading.Lock()  # one flush at a time
-        self._failed: BaseException | None = None
-        self._closed = False
 
     # ------------------------------------------------------------------ opening
 
@@ -365,57 +364,148 @@ class SegmentedLog(Store):
                 pending += need
             self._write(seg, b"".join(parts))
         except BaseException as exc:
-            if self._failed is None and is_disk_full(exc):
-                self._undo_append(mark)
-                path = self._segment_of(mark).path if self._bases else self.directory
-                raise disk_full_error(self.fs, path, exc) from None
-            # Any other failed write leaves the file in an unknown state; refuse further
-            # appends rather than guess (reopen runs recovery).
-            if self._failed is None:
-                self._failed = exc
+            self._refuse_append(exc, mark)
             raise
         return offsets
 
+    def _refuse_append(self, exc: BaseException, mark: int) -> None:
+        """An append that began at ``mark`` failed with ``exc``: raise DiskFullError
+        with the log cut back to ``mark`` when the disk was full; otherwise the file is
+        in an unknown state, so the log refuses every further use (reopen runs
+        recovery) and the caller re-raises ``exc``."""
+        if self._failed is None and is_disk_full(exc):
+            self._undo_append(mark)
+            path = self._segment_of(mark).path if self._bases else self.directory
+            raise disk_full_error(self.fs, path, exc) from None
+        if self._failed is None:
+            self._failed = exc
+
     def _undo_append(self, mark: int) -> None:
-        """Cut the log back to ``mark``, where an append that ran out of space began:
-        remove the segments it created, truncate the partial tail, fsync the cut (so a
-        power loss cannot bring back records whose append was refused). Marks the log
-        failed if even that fails."""
-        fs = self.fs
+        """Cut the log back to ``mark``, where an append that ran out of space began
+        (``_cut_back``). Marks the log failed if even that fails."""
         try:
-            # No flush may sync a descriptor closed here (flush takes the same locks,
-            # in this order).
-            with self._flush_lock, self._state_lock:
-                keep = self._segment_of(mark) if self._bases else None
-                removed = False
-                for base in list(self._bases.irange(keep.base + 1 if keep else 0)):
-                    doomed = self._segments.pop(base)
-                    self._bases.remove(base)
-                    self._dirty.pop(base, None)
-                    self._close_reader(base)
-                    if doomed.write_fd is not None:
-                        fs.close(doomed.write_fd)
-                    fs.unlink(doomed.path)
-                    removed = True
-                if keep is not None:
-                    if keep.write_fd is None:  # rolled during the batch: write here again
-                        keep.write_fd = fs.open(keep.path, O_WRITE)
-                    fs.ftruncate(keep.write_fd, mark - keep.base)
-                    fs.fsync(keep.write_fd)
-                    keep.size = mark - keep.base
-                if removed:
-                    fs.fsync_dir(self.directory)
-                self._end = mark
-                self._durable = min(self._durable, mark)
-                self._unsynced_bytes = self._end - self._durable
-                if keep is not None and self._unsynced_bytes:
-                    self._dirty[keep.base] = keep
-                if self._checkpointed > mark:
-                    # An inline flush of the refused batch checkpointed past the cut:
-                    # recovery would find the log shorter than its checkpoint.
-                    fs.unlink(os.path.join(self.directory, RECOVERY_CHECKPOINT))
-                    fs.fsync_dir(self.directory)
-                    self._checkpointed = self.min_offset
+            self._cut_back(mark)
+        except BaseException as exc:
+            self._failed = exc
+            raise
+
+    def _cut_back(self, mark: int) -> None:
+        """Cut the log back to ``mark`` (a record boundary at or below the end), durably.
+
+        The order makes every crash point safe: a power loss part way leaves the log as
+        it was or shorter, never one recovery calls corrupt. The recovery checkpoint
+        goes first when it lies past the cut (recovery refuses a log shorter than its
+        checkpoint); then the segments wholly past the cut, newest first, with the
+        directory synced (a sealed segment left last is a whole log); then the cut of
+        the segment that holds ``mark``, fsynced.
+        """
+        fs = self.fs
+        # No flush may sync a descriptor closed here (flush takes the same locks, in
+        # this order).
+        with self._flush_lock, self._state_lock:
+            if self._checkpointed > mark:
+                fs.unlink(os.path.join(self.directory, RECOVERY_CHECKPOINT))
+                fs.fsync_dir(self.directory)
+                self._checkpointed = min(self.min_offset, mark)
+            keep = self._segment_of(mark) if self._bases else None
+            removed = False
+            for base in reversed(list(self._bases.irange(keep.base + 1 if keep else 0))):
+                doomed = self._segments.pop(base)
+                self._bases.remove(base)
+                self._dirty.pop(base, None)
+                self._close_reader(base)
+                if doomed.write_fd is not None:
+                    fs.close(doomed.write_fd)
+                fs.unlink(doomed.path)
+                removed = True
+            if removed:
+                fs.fsync_dir(self.directory)
+            if keep is not None:
+                if keep.write_fd is None:  # sealed or rolled away from: write here again
+                    self._close_reader(keep.base)
+                    keep.write_fd = fs.open(keep.path, O_WRITE)
+                fs.ftruncate(keep.write_fd, mark - keep.base)
+                fs.fsync(keep.write_fd)
+                keep.size = mark - keep.base
+            self._end = mark
+            self._durable = min(self._durable, mark)
+            self._unsynced_bytes = self._end - self._durable
+            if keep is not None and self._unsynced_bytes:
+                self._dirty[keep.base] = keep
+
+    # ------------------------------------------------------------------ raw frames
+
+    def read_raw(self, offset: int, max_bytes: int) -> bytes:
+        """The framed bytes from ``offset`` (a record boundary) as they lie on disk,
+        END_OF_SEGMENT markers included: whole records only, at most ``max_bytes`` of
+        them unless the first record alone is longer (then exactly that record), and
+        never past the end of ``offset``'s segment. Empty at the end of the log.
+
+        Every CRC is checked. Raises ValueError outside [min_offset, end_offset],
+        CorruptionError when the bytes at ``offset`` are not whole valid records.
+        """
+        self._check_open()
+        if not self.min_offset <= offset <= self._end:
+            raise ValueError(f"offset {offset} is outside the log [{self.min_offset}, {self._end}]")
+        if offset == self._end:
+            return b""
+        seg = self._segment_of(offset)
+        position = offset - seg.base
+        limit = min(seg.size, self._end - seg.base)
+        fd = self._read_fd(seg)
+        data = self.fs.pread(fd, min(max(max_bytes, HEADER_SIZE), limit - position), position)
+        return whole_frames(self.fs, fd, seg.path, position, limit, data)
+
+    def append_raw(self, offset: int, data: bytes) -> int:
+        """Append framed bytes copied from another log's ``read_raw`` at ``offset``,
+        which must be this log's end; returns the new end. An END_OF_SEGMENT marker in
+        ``data`` seals the segment and the next bytes start a new one, so the segments
+        match the source's whatever this log's segment_size. Durable after flush().
+
+        Raises RawAppendRefused (nothing written) when ``offset`` is not the end or a
+        frame is cut short or fails its CRC; DiskFullError (nothing kept) and the
+        errors of append_batch otherwise.
+        """
+        self._check_usable()
+        walk = check_append(data, self.described, offset, self._end)
+        if not data:
+            return self._end
+        mark = self._end
+        try:
+            start = 0
+            for stop in pieces(walk, self.max_unsynced_bytes):
+                seg = self._active_segment()
+                self._write(seg, data[start:stop])
+                if stop in walk.segment_ends:
+                    with self._state_lock:
+                        self._retired_fds.append(seg.write_fd)
+                        seg.write_fd = None
+                start = stop
+        except BaseException as exc:
+            self._refuse_append(exc, mark)
+            raise
+        return self._end
+
+    def truncate(self, offset: int) -> None:
+        """Cut the log back to ``offset``, a record boundary in [min_offset, end_offset],
+        durably: segments wholly past it removed, the cut fsynced (``_cut_back``).
+        Raises ValueError when ``offset`` is outside the log or not a record boundary.
+        """
+        self._check_usable()
+        if not self.min_offset <= offset <= self._end:
+            raise ValueError(
+                f"cannot truncate {self.described} to {offset}: it holds "
+                f"[{self.min_offset}, {self._end}]"
+            )
+        if offset == self._end:
+            return
+        seg = self._segment_of(offset)
+        # Durable ends and checkpoints are record boundaries: hop from the nearest one.
+        known = [seg.base] + [b for b in (self._durable, self._checkpointed) if b <= offset]
+        start = max(known) - seg.base
+        check_boundary(self.fs, self._read_fd(seg), seg.path, offset - seg.base, start)
+        try:
+            self._cut_back(offset)
         except BaseException as exc:
             self._failed = exc
             raise

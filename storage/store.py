@@ -13,12 +13,12 @@ from storage.errors import LogClosedError, StorageError
 
 
 class Store:
-    """Base of SegmentedLog, RecordFile and ConsumeQueue. A subclass sets ``_closed``
-    and ``_failed`` in its constructor, names itself in ``described`` and releases its
-    files in ``close``."""
+    """Base of SegmentedLog, RecordFile, ConsumeQueue and IndexFile. A subclass sets
+    ``_closed`` when it closes and ``_failed`` to the error that poisoned it, names itself
+    in ``described`` and releases its files in ``close``."""
 
-    _closed: bool
-    _failed: BaseException | None
+    _closed: bool = False
+    _failed: BaseException | None = None
 
     @property
     def described(self) -> str:

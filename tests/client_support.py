@@ -34,7 +34,7 @@ from delayd.protocol import (
 )
 
 REPO = Path(__file__).resolve().parent.parent
-DELAYD = str(Path(sys.executable).with_name("delayd"))
+DELAYD = [sys.executable, "-m", "delayd"]  # not the console script, which an install names
 
 
 def free_port() -> int:
@@ -76,7 +76,7 @@ class BrokerProcess:
         if self.finished:
             raise RuntimeError("this BrokerProcess is finished")
         # No metrics listener: its fixed default port would collide between test brokers.
-        args = [DELAYD, "broker", "--data", str(self.data_dir), "--listen", self.addr]
+        args = [*DELAYD, "broker", "--data", str(self.data_dir), "--listen", self.addr]
         args += ["--metrics-listen", "off"]
         if self.token is not None:
             args += ["--token", self.token]
@@ -168,7 +168,7 @@ class SilentServer:
 # is stored.
 DROP_ACK = "drop-ack"
 HANG = "hang"  # store nothing and never answer (the connection stays open)
-SendHook = Callable[[SendBatch], list[SendResult] | str | None]
+SendHook = Callable[[SendBatch], list[SendResult] | Error | str | None]
 
 
 class ScriptedServer:
@@ -238,7 +238,10 @@ class ScriptedServer:
                             return  # close without answering
                     else:
                         results = verdict
-                    answer = SendBatchResult(results, request_id=event.request_id)
+                    if isinstance(results, Error):  # the whole request refused
+                        answer = Error(results.code, results.reason, request_id=event.request_id)
+                    else:
+                        answer = SendBatchResult(results, request_id=event.request_id)
                 else:
                     answer = Error(7, "not implemented here", request_id=event.request_id)
                 sock.sendall(conn.send(answer))
@@ -262,6 +265,10 @@ class ScriptedServer:
 
     def close(self) -> None:
         self._closed.set()
+        # Closing alone leaves the port listening while the accept thread is blocked in
+        # accept(); shutting it down wakes that thread, and connections are refused.
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()
         for sock in self._open:
             with contextlib.suppress(OSError):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import trio
 import trio.testing
 
-from delayd.answer_queue import AnswerQueue
+from delayd.serving.answer_queue import AnswerQueue
 
 
 async def test_take_all_waits_then_returns_everything_queued_in_order(autojump_clock):

@@ -21,7 +21,7 @@ from delayd.audit.report.result import ERROR, NOTICE
 from delayd.audit.schemas import DISPATCH_LOG, SCHEDULE_LOG
 from delayd.audit.spark import job
 from delayd.audit.spark.sources import spark_schema
-from delayd.cli import main
+from delayd.cli.main import main
 from delayd.logs import layout, log_files
 from delayd.logs.dispatch_log import FRAMED_SIZE, EntryKind, encode_entry
 from delayd.protocol.codes import CancelOutcome, RescheduleOutcome

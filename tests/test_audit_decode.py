@@ -401,7 +401,7 @@ def test_the_delayd_command_loads_without_pyspark_and_pyarrow(tmp_path):
         "        if name.split('.')[0] in ('pyspark', 'pyarrow'):\n"
         "            raise ModuleNotFoundError(name=name)\n"
         "sys.meta_path.insert(0, Block())\n"
-        "from delayd.cli import main\n"
+        "from delayd.cli.main import main\n"
         "sys.exit(main(sys.argv[1:]))\n"
     )
     env = dict(os.environ, PYTHONPATH=os.getcwd())

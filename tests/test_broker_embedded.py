@@ -18,7 +18,7 @@ from delayd.protocol import Command, Message, ResultCode, SendBatch, decode_even
 from delayd.protocol.frames import HEADER_SIZE
 from storage import framing
 from storage.consumequeue import ENTRY
-from storage.indexfile import file_name
+from storage.index_store import file_name
 
 CONFIG = BrokerConfig(index_slot_count=1009, index_max_entries=50, dedupe_max_ids=1000)
 

@@ -99,9 +99,9 @@ def test_produce_consume_round_trip_query_stats_and_metrics(brokers):
     assert broker.metrics_address is not None
     host, port = broker.metrics_address
     text = urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5).read().decode()
-    assert "delayd_broker_messages_stored_total 9.0" in text
-    assert "delayd_broker_duplicates_total 0.0" in text
-    assert 'delayd_broker_consumer_lag{group="g",queue="0",subject="orders"} 0.0' in text
+    assert "delayd_broker_stored_messages_total 9.0" in text
+    assert "delayd_broker_duplicate_messages_total 0.0" in text
+    assert 'delayd_broker_consumer_lag_messages{group="g",queue="0",subject="orders"} 0.0' in text
     health = urllib.request.urlopen(f"http://{host}:{port}/healthz", timeout=5).read()
     assert health == b"ok\n"
     assert broker.stop() == 0

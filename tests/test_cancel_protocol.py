@@ -17,7 +17,7 @@ from delayd.protocol import (
     Hello,
     HelloOk,
 )
-from delayd.protocol.codec import decode_event, encode_event
+from delayd.protocol.bodies import decode_event, encode_event
 from delayd.protocol.codes import Command
 from delayd.protocol.frames import HEADER_SIZE
 

@@ -79,7 +79,7 @@ def test_cli_cancel_and_reschedule(procs, tmp_path):
     with delayd.Producer(address) as producer:
         first = producer.send("orders", "a", delay_ms=60_000).message_id
         second = producer.send("orders", "b", delay_ms=60_000).message_id
-        with pytest.raises(ValueError, match="exactly one of at_ms and delay_ms"):
+        with pytest.raises(ValueError, match="exactly one of at, delay, at_ms and delay_ms"):
             producer.reschedule(second)
 
     def cli(*args: str) -> tuple[int, dict]:

@@ -360,7 +360,7 @@ def test_wrong_token_is_refused_clearly(tmp_path: Path) -> None:
 
 def delayd_consume(*args: str, timeout_s: float = 20) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [DELAYD, "consume", *args],
+        [*DELAYD, "consume", *args],
         capture_output=True,
         text=True,
         timeout=timeout_s,
@@ -413,4 +413,4 @@ def test_consume_command_plain_lines_and_errors(broker: BrokerProcess) -> None:
         == f'{receipt.queue}:{receipt.queue_offset} {receipt.message_id} key=k "one\\ntwo"\n'
     )
     bad = delayd_consume("--broker", "nowhere", "--subject", "s", "--group", "g")
-    assert bad.returncode == 2 and "host:port" in bad.stderr
+    assert bad.returncode == 2 and "'nowhere' has no port; write HOST:PORT" in bad.stderr

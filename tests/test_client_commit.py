@@ -212,7 +212,14 @@ def test_consume_command_sync_commit_survives_a_broker_kill(broker: BrokerProces
     def consume(count: int) -> list[str]:
         done = subprocess.run(
             [
-                *(DELAYD, "consume", "--broker", broker.addr, "--subject", "c", "--group", "g"),
+                *DELAYD,
+                "consume",
+                "--broker",
+                broker.addr,
+                "--subject",
+                "c",
+                "--group",
+                "g",
                 *("--json", "--count", str(count), "--timeout", "2", "--commit", "sync"),
             ],
             capture_output=True,

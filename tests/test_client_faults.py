@@ -13,9 +13,16 @@ import anyio
 import pytest
 
 import delayd
-from delayd.errors import BusyError, DelaydTimeout, RejectedError
+from delayd.errors import BusyError, DelaydTimeout, RejectedError, UnreachableError
 from delayd.protocol import ErrorCode, ResultCode, SendBatch, SendResult
-from tests.client_support import DROP_ACK, HANG, ScriptedServer, SendHook, SilentServer
+from tests.client_support import (
+    DROP_ACK,
+    HANG,
+    ScriptedServer,
+    SendHook,
+    SilentServer,
+    free_port,
+)
 
 BACKENDS = ["trio", "asyncio"]
 
@@ -263,6 +270,59 @@ def test_blocking_wrong_token_is_refused_at_once() -> None:
         assert info.value.code == ErrorCode.UNAUTHORIZED
         with delayd.Producer(server.addr, token="s3cret") as producer:
             assert producer.send("s", b"x").ok
+
+
+# --- nobody listening ---------------------------------------------------------------------
+
+UNREACHABLE = r"cannot connect to 127\.0\.0\.1:\d+: Connection refused\. Is `delayd serve`"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_async_first_connect_fails_at_once_when_not_retried(backend: str) -> None:
+    addr = f"127.0.0.1:{free_port()}"
+
+    async def scenario() -> None:
+        started = time.monotonic()
+        with pytest.raises(UnreachableError, match=UNREACHABLE):
+            async with delayd.open_producer(addr, retry_first_connect=False):
+                pass
+        with pytest.raises(UnreachableError, match=UNREACHABLE):
+            async with delayd.open_consumer(
+                addr, subject="s", group="g", retry_first_connect=False
+            ):
+                pass
+        assert time.monotonic() - started < 0.5  # no back-off, no time-out
+        with pytest.raises(DelaydTimeout, match=r"within 0\.3 s"):
+            async with delayd.open_producer(addr, timeout_s=0.3):  # retried by default
+                pass
+
+    anyio.run(scenario, backend=backend)
+
+
+def test_blocking_first_connect_fails_at_once_when_not_retried() -> None:
+    addr = f"127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    with pytest.raises(UnreachableError, match=UNREACHABLE):
+        delayd.Producer(addr, retry_first_connect=False).send("s", b"x")
+    with pytest.raises(UnreachableError, match=UNREACHABLE):
+        delayd.Consumer(addr, subject="s", group="g", retry_first_connect=False).connect()
+    assert time.monotonic() - started < 0.5
+    started = time.monotonic()
+    with pytest.raises(DelaydTimeout, match="ConnectionRefused"):
+        delayd.Producer(addr, timeout_s=0.3).send("s", b"x")  # retried by default
+    assert time.monotonic() - started >= 0.3
+
+
+def test_reconnections_after_the_first_are_retried_either_way() -> None:
+    server = ScriptedServer(on_send=drop_first_ack())
+    with server, delayd.Producer(server.addr, retry_first_connect=False, timeout_s=0.5) as p:
+        assert p.send("s", b"x").ok  # the lost ack: reconnected and sent again
+        assert server.connections == 2
+        server.close()
+        started = time.monotonic()
+        with pytest.raises(DelaydTimeout, match="ConnectionRefused"):
+            p.send("s", b"y")  # the server is gone: retried until the time-out
+        assert time.monotonic() - started >= 0.5
 
 
 # --- closing ------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from delayd.protocol import (
     SendBatch,
     Stats,
 )
-from delayd.protocol.codec import encode_event
+from delayd.protocol.bodies import encode_event
 from delayd.protocol.frames import HEADER_PREFIX, HEADER_SIZE
 from tests.broker_support import BrokerProcess
 from tests.intake_support import RawClient, ServeProcess, ok
@@ -150,7 +150,7 @@ def test_idle_and_slowloris_connections_are_closed_and_a_good_client_keeps_worki
         == 20
     )
     deadline = time.monotonic() + 5  # a handler ends a moment after its socket closed
-    while metrics[key("delayd_connections_open", listener="intake")] != 1:  # the good client
+    while metrics[key("delayd_open_connections", listener="intake")] != 1:  # the good client
         assert time.monotonic() < deadline, "timed-out connections still counted open"
         time.sleep(0.05)
         metrics = scrape(server.metrics_address)
@@ -159,8 +159,8 @@ def test_idle_and_slowloris_connections_are_closed_and_a_good_client_keeps_worki
 
 
 def test_connections_to_the_descriptor_limit_are_refused_and_delivery_goes_on(tmp_path, servers):
-    """RLIMIT_NOFILE 300: each listener takes 75 connections (delayd.fdlimit), the rest
-    of the descriptors stay with the logs, so bucket files still open and deliver."""
+    """RLIMIT_NOFILE 300: each listener takes 75 connections (delayd.serving.descriptor_limit),
+    the rest of the descriptors stay with the logs, so bucket files still open and deliver."""
     server = servers(ServeProcess(tmp_path / "data", nofile=300))
     peers = [Peer(server.address) for _ in range(150)]
     answers = [peer.receive() for peer in peers]
@@ -177,7 +177,7 @@ def test_connections_to_the_descriptor_limit_are_refused_and_delivery_goes_on(tm
     for peer in admitted[:10]:
         peer.close()
     deadline = time.monotonic() + 10
-    while scrape(server.metrics_address)[key("delayd_connections_open", listener="intake")] > 65:
+    while scrape(server.metrics_address)[key("delayd_open_connections", listener="intake")] > 65:
         assert time.monotonic() < deadline, "closed connections still counted open"
         time.sleep(0.05)
     good = RawClient(server.address)  # connects once others closed
@@ -185,18 +185,18 @@ def test_connections_to_the_descriptor_limit_are_refused_and_delivery_goes_on(tm
     ok(good.send_batch(messages))
     deadline = time.monotonic() + 15
     while (metrics := scrape(server.metrics_address))[
-        'delayd_delivery_sent_total{group="local"}'
+        'delayd_delivery_sent_messages_total{group="local"}'
     ] < 20:
         assert time.monotonic() < deadline, "delivery stopped under the descriptor limit"
         time.sleep(0.1)
     assert server.proc.poll() is None
     assert (
         metrics[
-            key("delayd_connections_refused_total", listener="intake", reason="max_connections")
+            key("delayd_refused_connections_total", listener="intake", reason="max_connections")
         ]
         == 76  # 75 of the 150, and the latecomer
     )
-    assert metrics[key("delayd_connections_max", listener="intake")] == 75
+    assert metrics[key("delayd_max_connections", listener="intake")] == 75
     assert 0 < metrics["process_open_fds"] < 300
     assert metrics["process_max_fds"] == 300
 
@@ -242,7 +242,7 @@ def test_unfinished_large_frames_cost_the_budget_not_their_size(tmp_path, server
     assert (
         metrics[key("delayd_connection_unfinished_frame_bytes", listener="intake")] == 4 * 16 * MIB
     )
-    assert metrics[key("delayd_connection_frames_waiting_for_budget", listener="intake")] == 36
+    assert metrics[key("delayd_connection_budget_waiting_frames", listener="intake")] == 36
     assert grown < 64 + 40 * 0.5 + 40, f"RSS grew by {grown:.0f} MB"
     assert healthy(server.metrics_address, 2)
 
@@ -299,8 +299,8 @@ def test_pipelined_requests_never_read_stall_only_their_senders(tmp_path, server
         assert healthy(server.metrics_address, 1)
     counts = scrape(server.metrics_address)
     taken = (
-        counts[key("delayd_cancels_total", outcome="unknown")],
-        counts["delayd_intake_accepted_total"],
+        counts[key("delayd_cancel_requests_total", outcome="unknown")],
+        counts["delayd_intake_accepted_messages_total"],
     )
     good = RawClient(server.address)
     started = time.monotonic()
@@ -308,10 +308,11 @@ def test_pipelined_requests_never_read_stall_only_their_senders(tmp_path, server
     assert time.monotonic() - started < 1.0
     time.sleep(1.0)
     counts = scrape(server.metrics_address)
-    assert counts[key("delayd_cancels_total", outcome="unknown")] == taken[0], "still reading"
-    assert counts["delayd_intake_accepted_total"] == taken[1] + 1, "still reading"
+    unknown = key("delayd_cancel_requests_total", outcome="unknown")
+    assert counts[unknown] == taken[0], "still reading"
+    assert counts["delayd_intake_accepted_messages_total"] == taken[1] + 1, "still reading"
     assert 4 * 1000 < taken[0] < 4 * REQUESTS and 4 * 64 < taken[1] < 4 * REQUESTS
-    assert counts[key("delayd_connections_open", listener="intake")] == 9  # none closed
+    assert counts[key("delayd_open_connections", listener="intake")] == 9  # none closed
     grown = rss_mb(server.proc.pid) - before
     assert grown < 100, f"RSS grew by {grown:.0f} MB"
 
@@ -337,11 +338,11 @@ def test_the_broker_caps_connections_and_counts_refusals(tmp_path, servers):
     metrics = scrape(broker.metrics_address)
     assert (
         metrics[
-            key("delayd_connections_refused_total", listener="broker", reason="max_connections")
+            key("delayd_refused_connections_total", listener="broker", reason="max_connections")
         ]
         == 2
     )
-    assert metrics[key("delayd_connections_open", listener="broker")] == 5
+    assert metrics[key("delayd_open_connections", listener="broker")] == 5
     assert metrics["process_resident_memory_bytes"] > 0
 
 
@@ -367,13 +368,13 @@ def test_accept_outlives_running_out_of_descriptors(tmp_path, servers):
             assert time.monotonic() < deadline
             time.sleep(0.1)
     assert (
-        metrics[key("delayd_connections_refused_total", listener="intake", reason="descriptors")]
+        metrics[key("delayd_refused_connections_total", listener="intake", reason="descriptors")]
         > 0
     )
     good = RawClient(server.address)
     ok(good.send_batch([Message("after", "orders", delay_ms=100)]))
     deadline = time.monotonic() + 10
-    while scrape(server.metrics_address)['delayd_delivery_sent_total{group="local"}'] < 1:
+    while scrape(server.metrics_address)['delayd_delivery_sent_messages_total{group="local"}'] < 1:
         assert time.monotonic() < deadline, "delivery stopped after EMFILE"
         time.sleep(0.1)
     assert "max_connections 1000 is more than the descriptor limit" in server.log_tail(400)

@@ -1,4 +1,4 @@
-"""Connection limits in process (delayd.stream_events, connection_gate, frame_budget):
+"""Connection limits in process (delayd.serving.frame_reader, connection_gate, frame_budget):
 the HELLO and frame deadlines on virtual time, the frame budget, the connection cap on
 a real loopback listener, and the rate-limited log of failed HELLOs."""
 
@@ -10,11 +10,7 @@ import logging
 import pytest
 import trio
 
-from delayd.connection_gate import ConnectionGate
-from delayd.connection_limits import ConnectionLimits
 from delayd.errors import RemoteProtocolError
-from delayd.fdlimit import default_max_connections
-from delayd.frame_budget import FrameBudget
 from delayd.protocol import (
     CLIENT,
     NEED_DATA,
@@ -28,9 +24,13 @@ from delayd.protocol import (
     Stats,
     StatsResult,
 )
-from delayd.protocol.codec import encode_event
+from delayd.protocol.bodies import encode_event
 from delayd.server.config import ConfigError, config_from_mapping
-from delayd.stream_events import read_and_dispatch
+from delayd.serving.connection_gate import ConnectionGate
+from delayd.serving.connection_limits import ConnectionLimits
+from delayd.serving.descriptor_limit import default_max_connections
+from delayd.serving.frame_budget import FrameBudget
+from delayd.serving.frame_reader import read_and_dispatch
 
 LIMITS = ConnectionLimits(
     max_connections=2,
@@ -271,7 +271,7 @@ async def test_connections_beyond_the_cap_are_refused_with_a_reason(autojump_clo
 
 async def test_failed_hellos_are_logged_once_per_interval_with_a_count(autojump_clock, caplog):
     gate = ConnectionGate("test", ConnectionLimits())
-    caplog.set_level(logging.WARNING, logger="delayd.connection_gate")
+    caplog.set_level(logging.WARNING, logger="delayd.serving.connection_gate")
     secret = "s3cret-token"
     for _ in range(50):
         server = Connection(SERVER, token="right")

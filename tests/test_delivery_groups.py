@@ -15,7 +15,7 @@ import pytest
 
 import delayd
 from delayd.logs.dispatch_log import DispatchEntry, EntryKind
-from delayd.sender.sender import DEAD_LETTER_REASON, ORIGINAL_SUBJECT
+from delayd.sender.ledger import DEAD_LETTER_REASON, ORIGINAL_SUBJECT
 from tests.delivery_support import (
     SUBJECT,
     Processes,

@@ -27,7 +27,7 @@ def test_delivery_metrics_follow_the_workload(serve, tmp_path):  # noqa: F811
     later = [Message(f"later-{i}", "orders", delay_ms=7_200_000) for i in range(3)]
     near = [Message(f"near-{i}", "orders", delay_ms=30_000) for i in range(4)]
     client.send_batch(soon + later + near)
-    poll(lambda: metrics(server)['delayd_delivery_sent_total{group="local"}'] == 5)
+    poll(lambda: metrics(server)['delayd_delivery_sent_messages_total{group="local"}'] == 5)
     values = metrics(server)
     assert values["delayd_delivery_lateness_seconds_count"] == 5
     assert values['delayd_delivery_lateness_seconds_bucket{le="+Inf"}'] == 5
@@ -36,7 +36,7 @@ def test_delivery_metrics_follow_the_workload(serve, tmp_path):  # noqa: F811
     assert values["delayd_wheel_entries"] == 4
     assert values["delayd_wheel_outstanding_messages"] == 4
     assert values['delayd_delivery_circuit_state{group="local"}'] == 0
-    assert values['delayd_delivery_failed_total{group="local"}'] == 0
+    assert values['delayd_delivery_failed_messages_total{group="local"}'] == 0
     assert values["delayd_delivery_in_flight_messages"] == 0
     assert values["delayd_wheel_loaded_ahead_seconds"] > 0
     client.close()

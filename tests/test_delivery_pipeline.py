@@ -14,8 +14,9 @@ import trio.testing
 from delayd.logs.buckets import bucket_name, bucket_of
 from delayd.logs.dispatch_log import EntryKind
 from delayd.protocol.codes import ResultCode
+from delayd.sender.ledger import DEAD_LETTER_REASON, ORIGINAL_SUBJECT
 from delayd.sender.retry import RetryPolicy
-from delayd.sender.sender import DEAD_LETTER_REASON, ORIGINAL_SUBJECT, SenderConfig
+from delayd.sender.sender import SenderConfig
 from tests.delivery_pipeline import (
     T0,
     Pipeline,

@@ -22,12 +22,12 @@ from delayd.logs import layout, message_log
 from delayd.logs.dispatch_log import EntryKind
 from delayd.logs.message_log import MessageRecord
 from delayd.protocol import Message, ResultCode
-from delayd.receiver import IntakeLimits, Receiver
 from delayd.replay import open_replayer
 from delayd.sender.retry import RetryPolicy
 from delayd.sender.sender import SenderConfig
 from delayd.server.intake import IntakePath
-from delayd.write_refusals import (
+from delayd.server.receiver import IntakeLimits, Receiver
+from delayd.serving.write_refusals import (
     BROKER_COMMITLOG,
     CHECKPOINT,
     DISPATCH_LOG,

@@ -136,7 +136,7 @@ def test_a_full_disk_refuses_intake_keeps_serving_and_resumes_when_space_returns
             lambda: metric(http_get(metrics, "/metrics")[1], "delayd_store_free_bytes") < 1 << 20
         )
         status, text = http_get(metrics, "/metrics")
-        assert metric(text, 'delayd_intake_refused_total{reason="disk_full"}') >= 2 * BATCH
+        assert metric(text, 'delayd_intake_refused_messages_total{reason="disk_full"}') >= 2 * BATCH
 
         # Not a byte left (a second filler takes what the refusals left): a cancel is
         # refused too, ERROR DISK_FULL on the same connection.

@@ -16,6 +16,7 @@ from storage import indexfile
 from storage.crashfs import MODES, CrashSimFileSystem, crash_points, run_to_crash
 from storage.errors import CorruptionError
 from storage.framing import crc32c
+from storage.index_store import IndexStore, file_name
 from storage.indexfile import (
     ENTRY,
     ENTRY_SIZE,
@@ -24,8 +25,6 @@ from storage.indexfile import (
     HEADER_V1,
     SLOT_SIZE,
     IndexFile,
-    IndexStore,
-    file_name,
 )
 from storage.indexfile import _decode_header as decode_header
 

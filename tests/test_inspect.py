@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from delayd.cli import main
+from delayd.cli.main import main
 from delayd.inspect import files as inspect_files
 from delayd.inspect import report
 from delayd.inspect.report import WHEEL_CHECKPOINT

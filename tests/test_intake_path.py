@@ -12,10 +12,10 @@ import trio
 import delayd
 from delayd.logs import layout
 from delayd.protocol import Message, ResultCode
-from delayd.receiver import IntakeLimits, Receiver
 from delayd.replay import open_replayer
 from delayd.server import DelayServer, ServeConfig
 from delayd.server.intake import IntakePath
+from delayd.server.receiver import IntakeLimits, Receiver
 from storage.crashfs import CrashSimFileSystem
 from storage.flusher import FlushMode, FlushPolicy, LogWriter
 from storage.fs import REAL_FS, FileSystem

@@ -1,4 +1,4 @@
-"""The receiver's decisions (delayd.receiver): one table row per rule, sequences, busy,
+"""The receiver's decisions (delayd.server.receiver): one table row per rule, sequences, busy,
 counters. Pure: the clock is an argument."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import pytest
 
 from delayd.logs import message_log
 from delayd.protocol import Message, ResultCode, SendBatch, SendResult
-from delayd.protocol.codec import decode_event, encode_event
+from delayd.protocol.bodies import decode_event, encode_event
 from delayd.protocol.frames import HEADER_SIZE
-from delayd.receiver import DEFAULT_MAX_DELAY_MS, Intake, IntakeLimits, Receiver
+from delayd.server.receiver import DEFAULT_MAX_DELAY_MS, Intake, IntakeLimits, Receiver
 
 NOW = 1_795_341_600_000  # 2026-11-22T10:00:00Z
 DAY = 86_400_000

@@ -8,54 +8,8 @@ import subprocess
 
 import pytest
 
-from delayd.client.send_command import format_utc, parse_duration_ms, parse_property, parse_utc_ms
+from delayd.cli.send import parse_property
 from tests.intake_support import DELAYD, ROOT, ServeProcess, _env, check_exactly_once, terminate
-
-
-@pytest.mark.parametrize(
-    ("text", "ms"),
-    [
-        ("250ms", 250),
-        ("90s", 90_000),
-        ("15m", 900_000),
-        ("2h", 7_200_000),
-        ("7d", 604_800_000),
-        ("1.5h", 5_400_000),
-        ("0s", 0),
-        ("0.5ms", None),
-        ("90", None),
-        ("3y", None),
-        ("-5s", None),
-        ("s", None),
-        ("1e3s", None),
-    ],
-)
-def test_durations(text, ms):
-    if ms is None:
-        with pytest.raises(argparse.ArgumentTypeError):
-            parse_duration_ms(text)
-    else:
-        assert parse_duration_ms(text) == ms
-
-
-@pytest.mark.parametrize(
-    ("text", "ms"),
-    [
-        ("2026-11-22T10:00:00Z", 1_795_341_600_000),
-        ("2026-11-22T10:00:00.250Z", 1_795_341_600_250),
-        ("2026-11-22T11:00:00+01:00", 1_795_341_600_000),
-        ("2026-11-22T10:00:00", None),  # no zone
-        ("22/11/2026", None),
-        ("tomorrow", None),
-    ],
-)
-def test_utc_times(text, ms):
-    if ms is None:
-        with pytest.raises(argparse.ArgumentTypeError):
-            parse_utc_ms(text)
-    else:
-        assert parse_utc_ms(text) == ms
-        assert parse_utc_ms(format_utc(ms)) == ms
 
 
 def test_properties():

@@ -191,14 +191,14 @@ def test_refusals_past_due_and_metrics(serve, tmp_path):
     # STATS reports replay lag; once it is 0 every accepted message is in schedule_log
     poll(lambda: stats(client)["replay.lag_records"] == 0)
     values = metrics(server)
-    assert values["delayd_intake_accepted_total"] == 2
-    assert values["delayd_intake_past_due_total"] == 1
-    assert values['delayd_intake_refused_total{reason="delay_too_long"}'] == 1
-    assert values['delayd_intake_refused_total{reason="body_too_large"}'] == 1
-    assert values['delayd_intake_refused_total{reason="invalid_delay"}'] == 2
-    assert values['delayd_intake_refused_total{reason="busy"}'] == 0
+    assert values["delayd_intake_accepted_messages_total"] == 2
+    assert values["delayd_intake_past_due_messages_total"] == 1
+    assert values['delayd_intake_refused_messages_total{reason="delay_too_long"}'] == 1
+    assert values['delayd_intake_refused_messages_total{reason="body_too_large"}'] == 1
+    assert values['delayd_intake_refused_messages_total{reason="invalid_delay"}'] == 2
+    assert values['delayd_intake_refused_messages_total{reason="busy"}'] == 0
     assert values["delayd_replay_lag_records"] == 0
-    assert "delayd_broker_messages_stored_total" in values  # the embedded broker's too
+    assert "delayd_broker_stored_messages_total" in values  # the embedded broker's too
     client.close()
     terminate(server)
     scheduled = check_exactly_once(tmp_path / "data", 1)

@@ -19,14 +19,16 @@ from delayd.logs import layout
 from delayd.logs.known_ids import MIN_WORD_BITS, KnownIds
 from delayd.logs.message_log import TYPE_MESSAGE
 from delayd.protocol import Message, ResultCode
-from delayd.receiver import IntakeLimits, Receiver
 from delayd.replay import open_replayer
 from delayd.server.intake import IntakePath
+from delayd.server.receiver import IntakeLimits, Receiver
 from storage.crashfs import CrashSimFileSystem
 from storage.flusher import LogWriter
 from storage.fs import REAL_FS, FileSystem, OsFileSystem
 from storage.hashfilter import HashFilter
-from storage.indexfile import IndexStore, default_hash, read_key_hashes
+from storage.index_hashes import read_key_hashes
+from storage.index_store import IndexStore
+from storage.indexfile import default_hash
 from storage.segmented_log import SegmentedLog
 
 NOW = 1_795_341_600_000

@@ -70,6 +70,42 @@ def test_message_round_trip(record):
 
 
 @given(records, st.integers(0, 2**64 - 1))
+def test_head_readers_agree_with_the_decoder(record, offset):
+    payload = message_log.encode_record(record)
+    message_id = record.message_id.encode()
+    assert message_log.identity_of(payload) == (record.due_ms, message_id, record.receive_ms)
+    scheduled = schedule_log.encode_scheduled(offset, payload)
+    at = schedule_log.PREFIX_SIZE
+    assert message_log.message_id_of(scheduled, at) == message_id
+    assert message_log.receive_ms_of(scheduled, at) == record.receive_ms
+    head = message_log.read_head(scheduled, at)
+    assert head is not None
+    assert (head.due_ms, head.message_id, head.subject, head.key) == (
+        record.due_ms,
+        record.message_id,
+        record.subject,
+        record.key,
+    )
+    props = message_log.encode_properties(record.properties)
+    assert (head.subject_len, head.properties_len, head.body_len) == (
+        len(record.subject.encode()),
+        len(props),
+        len(record.body),
+    )
+    assert head.key_len == (None if record.key is None else len(record.key.encode()))
+
+
+@given(st.binary(max_size=120))
+def test_read_head_is_none_only_where_the_decoder_refuses(data):
+    head = message_log.read_head(data)
+    try:
+        record = message_log.decode_message(data)
+    except RecordFormatError:
+        return  # the head may hold while the properties do not
+    assert head is not None and head.message_id == record.message_id
+
+
+@given(records, st.integers(0, 2**64 - 1))
 def test_schedule_round_trip_embeds_the_message_unchanged(record, offset):
     payload = schedule_log.encode_scheduled(offset, message_log.encode_record(record))
     decoded = schedule_log.decode_scheduled(payload)

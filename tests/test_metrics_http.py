@@ -1,4 +1,4 @@
-"""delayd.metrics_http over real HTTP on loopback: /metrics, /healthz, and /readyz
+"""delayd.serving.metrics_http over real HTTP on loopback: /metrics, /healthz, and /readyz
 following the process's Readiness (503 with the reason while starting, 200 once ready)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from functools import partial
 import trio
 from prometheus_client import CollectorRegistry, Counter
 
-from delayd.metrics_http import Readiness, serve_metrics
+from delayd.serving.metrics_http import Readiness, serve_metrics
 
 
 async def http_get(address: tuple[str, int], path: str, method: str = "GET") -> tuple[int, str]:

@@ -73,15 +73,16 @@ def test_pending_by_horizon_follows_schedule_and_dispatch_logs(serve, tmp_path):
     # The oldest undelivered bucket is that of the 8 s messages.
     first_due = min(r.due_ms for r in results)
     assert first_due >= sent_at_ms + 8 * SECOND_MS
-    oldest = "delayd_store_oldest_undelivered_bucket_start_ms"
-    assert metrics(server)[oldest] == bucket_of(first_due, 1)
+    oldest = "delayd_store_oldest_undelivered_bucket_start_timestamp_seconds"
+    assert metrics(server)[oldest] == bucket_of(first_due, 1) / 1000
 
     # Delivered: they leave the 1m band, nothing else moves.
-    poll(lambda: metrics(server)['delayd_delivery_sent_total{group="local"}'] == 2, 20, "2 sent")
+    sent = 'delayd_delivery_sent_messages_total{group="local"}'
+    poll(lambda: metrics(server)[sent] == 2, 20, "2 sent")
     after = {**BANDS, "1m": 3}
     poll(lambda: pending(server) == after, 5, f"pending == {after}")
     second_due = min(r.due_ms for r in results if r.due_ms > first_due + 10 * SECOND_MS)
-    assert metrics(server)[oldest] == bucket_of(second_due, 1)
+    assert metrics(server)[oldest] == bucket_of(second_due, 1) / 1000
 
     # The store: what the files hold, once the walk after the workload has run.
     def store_matches() -> bool:
@@ -110,7 +111,7 @@ def test_pending_by_horizon_follows_schedule_and_dispatch_logs(serve, tmp_path):
     assert time.time_ns() // 1_000_000 < sent_at_ms + 35 * SECOND_MS, "too slow for 45 s"
     server = serve(data)
     poll(lambda: pending(server) == after, 10, f"pending == {after} after a restart")
-    assert metrics(server)[oldest] == bucket_of(second_due, 1)
+    assert metrics(server)[oldest] == bucket_of(second_due, 1) / 1000
     terminate(server)
 
 
@@ -128,7 +129,8 @@ def test_metrics_listen_on_without_a_flag(tmp_path):
         assert server.metrics_address is not None
         poll(lambda: bool(pending(server)), 5, "the start-up count")
         assert pending(server) == dict.fromkeys(BANDS, 0)
-        assert "delayd_store_oldest_undelivered_bucket_start_ms" not in metrics(server)
+        oldest = "delayd_store_oldest_undelivered_bucket_start_timestamp_seconds"
+        assert oldest not in metrics(server)
         assert server.stop() == 0
     finally:
         server.close()
@@ -164,7 +166,7 @@ def test_broker_consumer_lag_per_group_and_subject_and_its_store(tmp_path):
             c.commit_all("k", c.pull("audit", "k", "k1", 100, 0))
         assert broker.metrics_address is not None
         values = scrape(broker.metrics_address)
-        lag = "delayd_broker_subject_consumer_lag"
+        lag = "delayd_broker_subject_consumer_lag_messages"
         assert values[f'{lag}{{group="g",subject="orders"}}'] == 12 - 5
         assert values[f'{lag}{{group="h",subject="orders"}}'] == 12
         assert values[f'{lag}{{group="k",subject="audit"}}'] == 0

@@ -39,7 +39,7 @@ from delayd.protocol import (
     ResultCode,
     State,
 )
-from delayd.protocol.codec import decode_event, encode_event
+from delayd.protocol.bodies import decode_event, encode_event
 from delayd.protocol.frames import HEADER_PREFIX
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -64,6 +64,12 @@ def optional(strategy: st.SearchStrategy) -> st.SearchStrategy:
     return st.none() | strategy
 
 
+def optional_ints(table: tuple) -> dict[str, st.SearchStrategy]:
+    """Each optional integer of a layout's (bit, name, struct) table, in its range."""
+    ranges = {"q": i64, "Q": u64, "I": u32}
+    return {name: optional(ranges[fmt.format[-1]]) for _, name, fmt in table}
+
+
 messages = st.builds(
     Message,
     message_id=text.filter(bool),
@@ -71,25 +77,14 @@ messages = st.builds(
     key=optional(text),
     properties=st.dictionaries(text, text, max_size=4),
     body=bodies,
-    at_ms=optional(i64),
-    delay_ms=optional(i64),
-    store_ms=optional(i64),
-    commitlog_offset=optional(u64),
-    queue=optional(u32),
-    queue_offset=optional(u64),
-    due_ms=optional(i64),
-    dispatched_ms=optional(i64),
+    **optional_ints(p.message_layout.MSG_INTS),
 )
 message_lists = st.lists(messages, max_size=5).map(tuple)
 send_results = st.builds(
     p.SendResult,
     code=st.sampled_from(ResultCode),
     reason=text,
-    store_ms=optional(i64),
-    commitlog_offset=optional(u64),
-    queue=optional(u32),
-    queue_offset=optional(u64),
-    due_ms=optional(i64),
+    **optional_ints(p.bodies.RES_INTS),
 )
 stat_values = st.one_of(text, i64, st.floats(allow_nan=False))
 queues = st.lists(u32, max_size=8).map(tuple)
@@ -257,7 +252,7 @@ def test_many_small_frames_fed_in_odd_chunks():
 
 
 def test_decoded_messages_are_ordinary_messages():
-    # The decoder builds Message without __init__ (codec._MessageBuilder); the result must
+    # The decoder builds Message without __init__ (message_layout._MessageBuilder); the result must
     # be indistinguishable from one built normally.
     (decoded,) = decode_all([encode_event(p.SendBatch([SAMPLE_MESSAGE], request_id=1))])[0].messages
     assert decoded == SAMPLE_MESSAGE
@@ -274,7 +269,7 @@ def test_decoded_send_results_are_ordinary_send_results():
     (decoded,) = decode_all([frame])[0].results
     assert decoded == result and repr(decoded) == repr(result)
     assert decoded.code is ResultCode.DUPLICATE
-    assert p.codec.new_send_result(ResultCode.OK, "", 1, 2, 3, 4, 5) == p.SendResult(
+    assert p.bodies.new_send_result(ResultCode.OK, "", 1, 2, 3, 4, 5) == p.SendResult(
         ResultCode.OK, "", 1, 2, 3, 4, 5
     )
 
@@ -299,9 +294,13 @@ def test_stamp_messages_is_stamp_message_of_each(batch, store_ms, data):
     indices = sorted(data.draw(st.sets(st.integers(0, len(batch) - 1))))
     queues = [data.draw(u32) for _ in indices]
     offsets = [data.draw(u64) for _ in indices]
-    stamped = p.codec.stamp_messages(spans.data, spans.bounds, indices, store_ms, queues, offsets)
+    stamped = p.message_layout.stamp_messages(
+        spans.data, spans.bounds, indices, store_ms, queues, offsets
+    )
     assert stamped == [
-        p.codec.stamp_message(spans.data, spans.bounds[i], spans.bounds[i + 1], store_ms, q, o)
+        p.message_layout.stamp_message(
+            spans.data, spans.bounds[i], spans.bounds[i + 1], store_ms, q, o
+        )
         for i, q, o in zip(indices, queues, offsets, strict=True)
     ]
 
@@ -319,16 +318,18 @@ def test_stamp_messages_of_a_delay_servers_deliveries():
     spans = decoded.encoded
     indices = list(range(len(batch)))
     queues, offsets = [3] * len(batch), [10 + i for i in indices]
-    stamped = p.codec.stamp_messages(spans.data, spans.bounds, indices, 99, queues, offsets)
+    stamped = p.message_layout.stamp_messages(
+        spans.data, spans.bounds, indices, 99, queues, offsets
+    )
     for i, record in enumerate(stamped):
-        stored = p.codec.decode_message(record)
+        stored = p.message_layout.decode_message(record)
         assert (stored.store_ms, stored.queue, stored.queue_offset) == (99, 3, 10 + i)
         assert (stored.due_ms, stored.dispatched_ms, stored.key) == (
             batch[i].due_ms,
             batch[i].dispatched_ms,
             batch[i].key,
         )
-        assert record == p.codec.stamp_message(
+        assert record == p.message_layout.stamp_message(
             spans.data, spans.bounds[i], spans.bounds[i + 1], 99, 3, 10 + i
         )
 
@@ -344,8 +345,8 @@ def test_decoded_send_batch_keeps_each_message_span(batch, request_id):
     assert len(spans) == len(batch)
     for i, message in enumerate(batch):
         start, end = spans.bounds[i], spans.bounds[i + 1]
-        assert spans.data[start:end] == p.codec.encode_message(message)
-        assert p.codec.decode_message(spans.data, start, end) == message
+        assert spans.data[start:end] == p.message_layout.encode_message(message)
+        assert p.message_layout.decode_message(spans.data, start, end) == message
     # Senders never see it: it takes no part in comparisons or repr, and encoding
     # ignores it.
     assert decoded == p.SendBatch(batch, request_id=request_id)
@@ -358,8 +359,8 @@ def test_decoded_send_batch_keeps_each_message_span(batch, request_id):
 def test_stamped_and_delivered_bytes_equal_encoding_the_message(
     message, store_ms, queue, queue_offset, offset
 ):
-    codec = p.codec
-    data = b"junk" + codec.encode_message(message) + b"more"
+    layout = p.message_layout
+    data = b"junk" + layout.encode_message(message) + b"more"
     stored = dataclasses.replace(
         message,
         at_ms=None,
@@ -369,31 +370,75 @@ def test_stamped_and_delivered_bytes_equal_encoding_the_message(
         queue=queue,
         queue_offset=queue_offset,
     )
-    record = codec.stamp_message(data, 4, len(data) - 4, store_ms, queue, queue_offset)
-    assert record == codec.encode_message(stored)
+    record = layout.stamp_message(data, 4, len(data) - 4, store_ms, queue, queue_offset)
+    assert record == layout.encode_message(stored)
     delivered = dataclasses.replace(stored, commitlog_offset=offset)
-    assert codec.with_commitlog_offset(record, offset) == codec.encode_message(delivered)
-    assert codec.with_commitlog_offset(codec.encode_message(delivered), 7) == (
-        codec.encode_message(dataclasses.replace(delivered, commitlog_offset=7))
+    assert layout.with_commitlog_offset(record, offset) == layout.encode_message(delivered)
+    assert layout.with_commitlog_offset(layout.encode_message(delivered), 7) == (
+        layout.encode_message(dataclasses.replace(delivered, commitlog_offset=7))
     )
-    ints = tuple(getattr(message, attr) for _, attr, _ in codec.MSG_INTS)
-    assert codec.message_ints(codec.encode_message(message)) == ints
+    ints = tuple(getattr(message, attr) for _, attr, _ in layout.MSG_INTS)
+    assert layout.message_ints(layout.encode_message(message)) == ints
+
+
+@given(batch=message_lists)
+def test_read_heads_agree_with_the_decoder(batch):
+    layout = p.message_layout
+    encoded = p.EncodedMessages.join([layout.encode_message(m) for m in batch])
+    heads = layout.read_heads(encoded.data, encoded.bounds)
+    for m, (mask, message_id, subject, key, count, body_len, due_ms) in zip(
+        batch, heads, strict=True
+    ):
+        assert (message_id, subject) == (m.message_id.encode(), m.subject.encode())
+        assert key == (None if m.key is None else m.key.encode())
+        assert (count, body_len, due_ms) == (len(m.properties), len(m.body), m.due_ms)
+        assert bool(mask & layout.MSG_AT_MS) == (m.at_ms is not None)
+
+
+def test_read_heads_refuse_a_span_too_short_for_what_its_head_announces():
+    layout = p.message_layout
+    data = layout.encode_message(Message("m", "subject", due_ms=5))
+    with pytest.raises(ValueError, match="head"):
+        layout.read_heads(data, (0, 5))
+    with pytest.raises(ValueError, match="due_ms"):
+        layout.read_heads(data, (0, len(data) - 8))
+    plain = layout.encode_message(Message("m", "subject"))
+    with pytest.raises(ValueError, match="more bytes"):
+        layout.read_heads(plain, (0, len(plain) - 1))
+
+
+@given(message=messages, dispatched_ms=i64)
+def test_delivered_head_and_tail_make_the_encoding(message, dispatched_ms):
+    layout = p.message_layout
+    due_ms = message.due_ms or 0
+    plain = Message(message.message_id, message.subject, message.key, body=message.body)
+    m = dataclasses.replace(plain, due_ms=due_ms, dispatched_ms=dispatched_ms)
+    key = None if m.key is None else m.key.encode()
+    texts = m.message_id.encode() + m.subject.encode() + (key or b"")
+    head = layout.delivered_head(
+        len(m.message_id.encode()),
+        len(m.subject.encode()),
+        None if key is None else len(key),
+        len(m.body),
+    )
+    tail = layout.DELIVERED_TAIL.pack(due_ms, dispatched_ms)
+    assert head + texts + m.body + tail == layout.encode_message(m)
 
 
 def test_message_ints_refuses_a_message_too_short_for_its_integers():
-    data = p.codec.encode_message(Message("m", "s", store_ms=5))
+    data = p.message_layout.encode_message(Message("m", "s", store_ms=5))
     with pytest.raises(ValueError, match="too short"):
-        p.codec.message_ints(data[:-1])
+        p.message_layout.message_ints(data[:-1])
     with pytest.raises(ValueError, match="head"):
-        p.codec.message_ints(data[:5])
+        p.message_layout.message_ints(data[:5])
     with pytest.raises(RemoteProtocolError, match="trailing"):
-        p.codec.decode_message(data + b"x")
+        p.message_layout.decode_message(data + b"x")
 
 
 @settings(max_examples=100, deadline=None)
 @given(batch=message_lists, request_id=request_ids)
 def test_pull_result_from_encoded_messages_is_the_same_frame(batch, request_id):
-    parts = [p.codec.encode_message(m) for m in batch]
+    parts = [p.message_layout.encode_message(m) for m in batch]
     encoded = p.EncodedMessages.join(parts)
     assert len(encoded) == len(batch)
     for kind in (p.PullResult, p.QueryResult):
@@ -403,7 +448,7 @@ def test_pull_result_from_encoded_messages_is_the_same_frame(batch, request_id):
 
 
 def test_pull_result_with_both_messages_and_encoded_is_refused():
-    encoded = p.EncodedMessages.join([p.codec.encode_message(SAMPLE_MESSAGE)])
+    encoded = p.EncodedMessages.join([p.message_layout.encode_message(SAMPLE_MESSAGE)])
     event = p.PullResult([SAMPLE_MESSAGE], encoded=encoded, request_id=1)
     with pytest.raises(LocalProtocolError, match="both"):
         encode_event(event)

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import delayd.protocol as p
 from delayd.errors import ProtocolError
 from delayd.protocol import CLIENT, NEED_DATA, SERVER, Connection, ConnectionClosed, Message
-from delayd.protocol.codec import encode_event
+from delayd.protocol.bodies import encode_event
 from delayd.protocol.frames import HEADER_PREFIX
 
 FUZZ = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -12,18 +12,18 @@ import pytest
 import trio
 import trio.testing
 
-from delayd.cli import main
+from delayd.cli.main import main
 from delayd.logs import layout, message_log, tombstone
 from delayd.logs.buckets import bucket_name, bucket_of
 from delayd.logs.dispatch_files import DispatchFiles
 from delayd.logs.dispatch_log import EntryKind
 from delayd.logs.message_log import MessageRecord
 from delayd.protocol.codes import CancelOutcome
-from delayd.receiver import IntakeLimits
 from delayd.sender.retry import RetryPolicy
 from delayd.sender.sender import SenderConfig
 from delayd.server.config import ConfigError, RetentionConfig, ServeConfig
 from delayd.server.config_env import load_effective_config
+from delayd.server.receiver import IntakeLimits
 from delayd.server.retention import Retention, remove_orphans
 from storage.checkpoint import write_checkpoint
 from storage.fs import REAL_FS

@@ -22,8 +22,8 @@ from delayd.logs.buckets import bucket_name, bucket_of
 from delayd.logs.dispatch_files import DispatchFiles
 from delayd.logs.dispatch_log import EntryKind
 from delayd.logs.message_log import MessageRecord
-from delayd.receiver import IntakeLimits
 from delayd.replay.state import ensure_segment_scale
+from delayd.server.receiver import IntakeLimits
 from storage.fs import REAL_FS
 from tests.delivery_pipeline import Pipeline, RecordingTarget
 from tests.delivery_support import (
@@ -135,9 +135,10 @@ def test_served_retention_deletes_delivers_and_restarts(procs, tmp_path):
         "replayed segments deleted",
     )
     values = metrics(server)
-    assert values['delayd_retention_deleted_total{log="schedule_log"}'] >= 2
-    assert values['delayd_retention_deleted_total{log="dispatch_log"}'] >= 2
-    assert values['delayd_retention_deleted_total{log="message_log"}'] == len(segments_before) - 1
+    assert values['delayd_retention_deleted_files_total{log="schedule_log"}'] >= 2
+    assert values['delayd_retention_deleted_files_total{log="dispatch_log"}'] >= 2
+    deleted_segments = values['delayd_retention_deleted_files_total{log="message_log"}']
+    assert deleted_segments == len(segments_before) - 1
     assert values['delayd_retention_deleted_bytes_total{log="schedule_log"}'] > 0
     assert "retention: deleted" in server.log_path.read_text()
     # The pending count forgot the deleted buckets, and counts nothing left (it reads

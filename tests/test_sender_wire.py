@@ -9,9 +9,9 @@ import pytest
 from delayd.logs import message_log, schedule_log
 from delayd.logs.message_log import MessageRecord, RecordFormatError
 from delayd.protocol import EncodedMessages, Message
-from delayd.protocol.codec import decode_message, encode_message
-from delayd.sender.sender import Sender, _Item
-from delayd.sender.wire import read_head
+from delayd.protocol.message_layout import decode_message, encode_message
+from delayd.sender.ledger import Item
+from delayd.sender.wire import encode_batch
 
 
 def scheduled(key: str | None = None, properties: dict | None = None, body=b"body") -> bytes:
@@ -47,11 +47,10 @@ def expected(payload: bytes, dispatched_ms: int) -> bytes:
 @pytest.mark.parametrize("body", [b"", b"x" * 1000])
 def test_the_copied_wire_message_equals_the_encoded_message(key, body):
     payload = scheduled(key=key, body=body)
-    head = read_head(payload)
-    assert head is not None and head.wire_head is not None
-    assert (head.message_id, head.subject, head.key) == ("id-é-1", "orders.eu", key)
-    item = _Item(3, 0, 64, payload)
-    encoded = Sender._encode([item, item], 1_795_341_600_125)
+    item = Item(3, 0, 64, payload)
+    assert item.wire_head is not None
+    assert (item.message_id, item.subject, item.key) == ("id-é-1", "orders.eu", key)
+    encoded = encode_batch([item, item], 1_795_341_600_125)
     one = expected(payload, 1_795_341_600_125)
     assert encoded == EncodedMessages(one + one, (0, len(one), 2 * len(one)))
     assert decode_message(encoded.data, 0, len(one)).due_ms == 1_795_341_600_123
@@ -59,13 +58,12 @@ def test_the_copied_wire_message_equals_the_encoded_message(key, body):
 
 def test_properties_and_dead_letters_go_through_a_message():
     payload = scheduled(properties={"trace": "abc", "ü": "v"})
-    head = read_head(payload)
-    assert head is not None and head.wire_head is None  # the wire counts properties
-    item = _Item(3, 0, 64, payload)
-    assert Sender._encode([item], 5).data == expected(payload, 5)
-    plain = _Item(3, 0, 64, scheduled())
+    item = Item(3, 0, 64, payload)
+    assert item.wire_head is None  # the wire counts properties
+    assert encode_batch([item], 5).data == expected(payload, 5)
+    plain = Item(3, 0, 64, scheduled())
     plain.dead, plain.reason = True, "BODY_TOO_LARGE: test"
-    dead = decode_message(Sender._encode([plain], 5).data)
+    dead = decode_message(encode_batch([plain], 5).data)
     assert dead.subject == "DLQ.orders.eu" and dead.properties["delayd.original_subject"]
 
 
@@ -79,6 +77,6 @@ def test_properties_and_dead_letters_go_through_a_message():
 )
 def test_a_malformed_record_is_refused_by_the_full_decoder(damage):
     payload = damage(scheduled())
-    assert read_head(payload) is None
+    assert message_log.read_head(payload, schedule_log.PREFIX_SIZE) is None
     with pytest.raises(RecordFormatError):
-        _Item(3, 0, 64, payload)
+        Item(3, 0, 64, payload)

@@ -1,4 +1,4 @@
-"""StoreSizes (delayd.store_metrics): what a walk counts, and that it walks at most every
+"""StoreSizes (delayd.serving.store_metrics): what a walk counts, and that it walks at most every
 min_interval_s (trio's MockClock; the walk itself is real, over tmp_path)."""
 
 from __future__ import annotations
@@ -7,14 +7,14 @@ import errno
 
 import trio
 
-from delayd.store_metrics import (
+from delayd.serving.store_metrics import (
     DirectorySize,
     DiskCollector,
     FreeSpace,
     StoreSizes,
     directory_size,
 )
-from delayd.write_refusals import MESSAGE_LOG, WriteRefusals
+from delayd.serving.write_refusals import MESSAGE_LOG, WriteRefusals
 from storage.errors import DiskFullError
 
 

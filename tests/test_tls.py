@@ -23,12 +23,13 @@ from delayd.broker import Broker, BrokerConfig
 from delayd.broker.server import serve_broker
 from delayd.client import ClientTls, Consumer, Producer, open_producer
 from delayd.errors import DelaydTimeout
-from delayd.metrics_http import serve_metrics
 from delayd.protocol import Message, ResultCode
 from delayd.sender import RemoteTarget, TargetUnavailable
 from delayd.server.config import ConfigError, config_from_mapping
 from delayd.server.config_print import config_to_toml
-from delayd.tls import ServerTls, ServerTlsConfig, TlsError, server_context
+from delayd.serving.metrics_http import serve_metrics
+from delayd.serving.tls import ServerTls, server_context
+from delayd.tls import ServerTlsConfig, TlsError
 from tests.tls_support import Pki, make_pki
 
 CONFIG = BrokerConfig(index_slot_count=1009, index_max_entries=50, dedupe_max_ids=1000)

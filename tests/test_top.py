@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from rich.console import Console
 
 from delayd.logs.buckets import bucket_name
-from delayd.metrics_http import serve_metrics
+from delayd.serving.metrics_http import serve_metrics
 from delayd.top import (
     Scrape,
     ServerView,
@@ -49,13 +49,15 @@ class FakeServer:
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.accepted = Counter("delayd_intake_accepted", "accepted", registry=r)
-        self.refused = Counter("delayd_intake_refused", "refused", ["reason"], registry=r)
+        self.accepted = Counter("delayd_intake_accepted_messages", "accepted", registry=r)
+        self.refused = Counter("delayd_intake_refused_messages", "refused", ["reason"], registry=r)
         self.lag_records = Gauge("delayd_replay_lag_records", "lag", registry=r)
         self.lag_bytes = Gauge("delayd_replay_lag_bytes", "lag", registry=r)
         self.entries = Gauge("delayd_wheel_entries", "entries", registry=r)
         self.ahead = Gauge("delayd_wheel_loaded_ahead_seconds", "ahead", registry=r)
-        self.loading_bucket = Gauge("delayd_wheel_loading_bucket_start_ms", "b", registry=r)
+        self.loading_bucket = Gauge(
+            "delayd_wheel_loading_bucket_start_timestamp_seconds", "b", registry=r
+        )
         self.loading_offset = Gauge("delayd_wheel_loading_offset_bytes", "o", registry=r)
         self.loaded_offset = Gauge("delayd_wheel_loaded_offset_bytes", "o", registry=r)
         self.pending = Gauge("delayd_pending_messages", "pending", ["horizon"], registry=r)
@@ -66,13 +68,13 @@ class FakeServer:
             registry=r,
         )
         self.batch = Histogram(
-            "delayd_delivery_batch_size", "batch", buckets=(1, 10, 100, 1000), registry=r
+            "delayd_delivery_batch_size_messages", "batch", buckets=(1, 10, 100, 1000), registry=r
         )
         group = ["group"]
-        self.sent = Counter("delayd_delivery_sent", "sent", group, registry=r)
-        self.failed = Counter("delayd_delivery_failed", "failed", group, registry=r)
-        self.retried = Counter("delayd_delivery_retried", "retried", group, registry=r)
-        self.dead = Counter("delayd_delivery_dead_lettered", "dead", group, registry=r)
+        self.sent = Counter("delayd_delivery_sent_messages", "sent", group, registry=r)
+        self.failed = Counter("delayd_delivery_failed_messages", "failed", group, registry=r)
+        self.retried = Counter("delayd_delivery_retried_messages", "retried", group, registry=r)
+        self.dead = Counter("delayd_delivery_dead_lettered_messages", "dead", group, registry=r)
         self.circuit = Gauge("delayd_delivery_circuit_state", "circuit", group, registry=r)
 
     def page(self) -> str:
@@ -86,7 +88,7 @@ def first_state(server: FakeServer) -> None:
     server.lag_bytes.set(3482)  # 3.4 KiB
     server.entries.set(12_345)
     server.ahead.set(118)
-    server.loading_bucket.set(T)
+    server.loading_bucket.set(T / 1000)
     server.loading_offset.set(1_300_000)
     server.loaded_offset.set(1_200_000)
     for horizon, count in HORIZON_PENDING.items():
@@ -178,6 +180,39 @@ def test_model_rates_percentiles_and_groups_from_two_scrapes():
     assert view.open_circuits == 1
 
 
+def on_time_lateness(buckets: tuple[float, ...], deliveries: int) -> Snapshot:
+    registry = CollectorRegistry()
+    lateness = Histogram(
+        "delayd_delivery_lateness_seconds", "lateness", buckets=buckets, registry=registry
+    )
+    for _ in range(deliveries):
+        lateness.observe(0.0)
+    return Snapshot.parse(generate_latest(registry).decode())
+
+
+@pytest.mark.parametrize("buckets", [(0.001, 0.005), (0.0, 0.0005, 0.001, 0.005)])
+def test_on_time_deliveries_read_as_zero_lateness(buckets):
+    """Every delivery at its due millisecond: p50 and p99 are 0, over the interval and
+    since start, from a server with a 0 bucket and from one whose lowest bound is 1 ms
+    (interpolation alone would say 500 µs and 990 µs)."""
+    before, after = on_time_lateness(buckets, 10), on_time_lateness(buckets, 30)
+    for view in (
+        server_view("a:1", Scrape(2.0, after), Scrape(1.0, before)),
+        server_view("a:1", Scrape(2.0, after)),
+    ):
+        assert (view.lateness_p50_s, view.lateness_p99_s) == (0.0, 0.0)
+    lines = frame(TopModel([server_view("a:1", Scrape(2.0, after))], now_ms=T))
+    assert "0 µs" in line_with(lines, "lateness p50")
+    # One late delivery among them: the quantiles are the buckets' again.
+    registry = CollectorRegistry()
+    lateness = Histogram(
+        "delayd_delivery_lateness_seconds", "lateness", buckets=buckets, registry=registry
+    )
+    lateness.observe(0.004)
+    late = Snapshot.parse(generate_latest(registry).decode())
+    assert server_view("a:1", Scrape(1.0, late)).lateness_p99_s > 0.001
+
+
 def test_model_without_a_previous_scrape_or_after_a_restart():
     before, after = two_scrapes()
     alone = server_view("a:1", after)
@@ -193,7 +228,8 @@ def test_model_without_a_previous_scrape_or_after_a_restart():
 def test_a_failed_scrape_or_a_server_without_delivery_metrics():
     down = server_view("a:1", Scrape(1.0, error="connection refused"))
     assert down.error == "connection refused"
-    page = "# TYPE delayd_intake_accepted_total counter\ndelayd_intake_accepted_total 7\n"
+    accepted = "delayd_intake_accepted_messages_total"
+    page = f"# TYPE {accepted} counter\n{accepted} 7\n"
     intake_only = server_view("a:1", Scrape(2.0, Snapshot.parse(page)))
     assert intake_only.error is None and intake_only.wheel_entries is None
     assert intake_only.groups == [] and intake_only.pending == {}

@@ -24,7 +24,6 @@ Cases (targets from issue 3):
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import io
 import math
@@ -45,6 +44,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import delayd  # noqa: E402
+from delayd.address import parse_address  # noqa: E402
 from delayd.client._blocking_link import BlockingLink  # noqa: E402
 from delayd.protocol import Message, Stats, StatsResult  # noqa: E402
 
@@ -59,10 +59,9 @@ class Broker:
     """A ``delayd broker`` child process, pinned to CPU 0 when taskset exists."""
 
     def __init__(self, data: str) -> None:
-        delayd_bin = str(Path(sys.executable).with_name("delayd"))
         # Port 0: the broker picks a free port and prints it (a port probed free here
         # could be taken again before the broker binds it).
-        args = [delayd_bin, "broker", "--data", data, "--listen", "127.0.0.1:0"]
+        args = [sys.executable, "-m", "delayd", "broker", "--data", data, "--listen", "127.0.0.1:0"]
         args += ["--metrics-listen", "off", "--log-level", "warning"]
         self.pinned = shutil.which("taskset") is not None and (os.cpu_count() or 1) >= 2
         if self.pinned:
@@ -102,9 +101,8 @@ def process_cpu_s(pid: int) -> float:
 
 def broker_fsyncs(addr: str) -> int:
     """The broker's fsync count, from STATS."""
-    host, port = addr.rsplit(":", 1)
     link = BlockingLink.open(
-        host, int(port), token=None, client_name="bench", deadline=time.monotonic() + 10
+        parse_address(addr), token=None, client_name="bench", deadline=time.monotonic() + 10
     )
     try:
         result = link.request(lambda rid: Stats(request_id=rid), time.monotonic() + 10)
@@ -266,8 +264,7 @@ def percentile(values: list[float], p: float) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smaller runs, under a minute")
+    parser = bench_common.bench_parser(__doc__, "smaller runs, under a minute")
     parser.add_argument("--profile", action="store_true", help="cProfile the client side")
     args = parser.parse_args()
     bench_common.emit_host_speed(emit)

@@ -16,7 +16,6 @@ under a minute. The server runs on CPU 0, this client on CPU 1 (taskset).
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import tempfile
@@ -112,8 +111,7 @@ def bench_memory(pending: int, cancels: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smaller runs (< 1 minute)")
+    parser = bench_common.bench_parser(__doc__, "smaller runs (< 1 minute)")
     parser.add_argument("--only", default="throughput,memory", help="throughput,memory")
     parser.add_argument("--cancels", type=int, help="messages for the throughput case")
     parser.add_argument("--pending", type=int, help="pending messages for the memory case")

@@ -24,7 +24,6 @@ The end-to-end figure — acknowledged intake before and after the check — is
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
@@ -38,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from delayd.logs import layout, message_log
 from delayd.logs.known_ids import KnownIds
 from delayd.protocol import Message
-from delayd.receiver import IntakeLimits, Receiver
 from delayd.replay import open_replayer
+from delayd.server.receiver import IntakeLimits, Receiver
 from storage.fs import OsFileSystem
 from storage.segmented_log import SegmentedLog
 
@@ -135,8 +134,7 @@ def measure(data: str, held: int, emit) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="200,000 ids held (< 1 minute)")
+    parser = bench_common.bench_parser(__doc__, "200,000 ids held (< 1 minute)")
     parser.add_argument("--held", type=int, help="ids held before measuring")
     args = parser.parse_args()
     held = args.held or (200_000 if args.quick else 2_000_000)

@@ -28,7 +28,6 @@ import select
 import shutil
 import signal
 import socket
-import ssl
 import subprocess
 import sys
 import tempfile
@@ -40,19 +39,13 @@ import bench_common
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from delayd.address import parse_address  # noqa: E402
+from delayd.bench.raw_client import RawClient  # noqa: E402
 from delayd.protocol import (  # noqa: E402
-    CLIENT,
-    NEED_DATA,
-    Connection,
-    FrameDecoder,
-    Hello,
     Message,
     ResultCode,
     SendBatch,
     SendBatchResult,
-    Stats,
-    StatsResult,
-    decode_event,
     encode_event,
 )
 
@@ -80,44 +73,22 @@ def pinned(cpu: str, args: list[str]) -> list[str]:
 # ----------------------------------------------------------------------------- client
 
 
-class RawClient:
-    """Just enough protocol for the benchmark: HELLO, pipelined SEND_BATCH, STATS;
-    over TLS trusting ``tls_ca`` (a CA file) when given."""
-
-    def __init__(self, host: str, port: int, tls_ca: str | None = None) -> None:
-        self.sock = socket.create_connection((host, port))
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if tls_ca is not None:
-            context = ssl.create_default_context(cafile=tls_ca)
-            self.sock = context.wrap_socket(self.sock, server_hostname=host)
-        conn = Connection(CLIENT)
-        self.sock.sendall(conn.send(Hello(client_name="bench-intake", request_id=1)))
-        while conn.next_event() is NEED_DATA:
-            conn.receive_data(self.sock.recv(65536))
-        self.decoder = FrameDecoder()
-        self.next_id = 2
+class IntakeClient(RawClient):
+    """The raw client, plus pipelined SEND_BATCH frames encoded before the clock starts."""
 
     def frames(self, count: int, seed: int) -> list[bytes]:
         """``count`` SEND_BATCH frames of BATCH messages with unique ids."""
         rng = random.Random(seed)
         out = []
         for _ in range(count):
+            request_id = self.next_request_id()
             messages = [
-                Message(f"m-{seed}-{self.next_id}-{i}", "orders", body=BODY,
+                Message(f"m-{seed}-{request_id}-{i}", "orders", body=BODY,
                         delay_ms=rng.randrange(HOUR_MS))
                 for i in range(BATCH)
             ]  # fmt: skip
-            out.append(encode_event(SendBatch(messages, request_id=self.next_id)))
-            self.next_id += 1
+            out.append(encode_event(SendBatch(messages, request_id=request_id)))
         return out
-
-    def receive(self):
-        while (frame := self.decoder.next_frame()) is None:
-            data = self.sock.recv(1 << 20)
-            if not data:
-                raise ConnectionError("server closed the connection")
-            self.decoder.feed(data)
-        return decode_event(frame.command, frame.flags, frame.request_id, frame.body)
 
     def send_all(self, frames: list[bytes], in_flight: int) -> tuple[int, float]:
         """Send every frame keeping ``in_flight`` outstanding; (messages acked, seconds)."""
@@ -136,18 +107,9 @@ class RawClient:
             acked += sum(1 for r in answer.results if r.code is ResultCode.OK)
         return acked, time.perf_counter() - started
 
-    def stats(self) -> dict:
-        rid = self.next_id
-        self.next_id += 1
-        self.sock.sendall(encode_event(Stats(request_id=rid)))
-        answer = self.receive()
-        assert isinstance(answer, StatsResult), answer
-        return answer.stats
-
 
 def client_main(args: argparse.Namespace) -> None:
-    host, port = args.addr.rsplit(":", 1)
-    client = RawClient(host, int(port), args.tls_ca)
+    client = IntakeClient(*parse_address(args.addr), "bench-intake", tls_ca=args.tls_ca)
     warmup = client.frames(20, seed=1)
     client.send_all(warmup, args.in_flight)
     frames = client.frames(args.messages // BATCH, seed=2)
@@ -164,7 +126,7 @@ def client_main(args: argparse.Namespace) -> None:
 def redis_client_main(args: argparse.Namespace) -> None:
     import redis
 
-    r = redis.Redis(port=int(args.addr.rsplit(":", 1)[1]))
+    r = redis.Redis(port=parse_address(args.addr).port)
     rng = random.Random(3)
     now = int(time.time() * 1000)
     rounds = [
@@ -205,7 +167,7 @@ def start_delayd(
     SERVER_CPU; (process, address)."""
     config = Path(data) / "bench.toml"
     config.write_text("[intake]\nmax_pending_acks = 1000000\nmax_replay_lag_records = 10000000\n")
-    args = [sys.executable, "-m", "delayd.cli", "serve", "--data", str(Path(data) / "d"),
+    args = [sys.executable, "-m", "delayd", "serve", "--data", str(Path(data) / "d"),
             "--config", str(config), "--listen", "127.0.0.1:0", "--broker-listen", "off",
             "--log-level", "warning", *extra]  # fmt: skip
     if "--metrics-listen" in _serve_help(repo):
@@ -232,7 +194,7 @@ def start_delayd(
 def _serve_help(repo: Path) -> str:
     """``delayd serve --help`` of checkout ``repo`` (older checkouts lack some flags)."""
     env = dict(os.environ, PYTHONPATH=str(repo))
-    args = [sys.executable, "-m", "delayd.cli", "serve", "--help"]
+    args = [sys.executable, "-m", "delayd", "serve", "--help"]
     return subprocess.run(args, cwd=repo, env=env, capture_output=True, text=True).stdout
 
 
@@ -301,10 +263,9 @@ def bench_redis(messages: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = bench_common.bench_parser(__doc__, "smaller runs (< 1 minute)")
     parser.add_argument("mode", nargs="?", default="bench",
                         choices=["bench", "client", "redis-client"])  # fmt: skip
-    parser.add_argument("--quick", action="store_true", help="smaller runs (< 1 minute)")
     parser.add_argument("--addr", help=argparse.SUPPRESS)
     parser.add_argument("--messages", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--in-flight", type=int, default=16, help=argparse.SUPPRESS)

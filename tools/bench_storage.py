@@ -9,7 +9,6 @@ Prints one JSON object per figure on stdout:
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import signal
@@ -140,10 +139,7 @@ def bench_reopen(root: str, total_bytes: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true", help="smaller cases, under a minute")
+    parser = bench_common.bench_parser(__doc__, "smaller cases, under a minute")
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     args = parser.parse_args()
     bench_common.emit_host_speed(emit)

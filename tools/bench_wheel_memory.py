@@ -27,7 +27,6 @@ Cases, all with the default geometry (1 ms tick, 1024 slots: 1.024 s rounds):
 
 from __future__ import annotations
 
-import argparse
 import gc
 import math
 import os
@@ -205,10 +204,7 @@ def bench_cascade(count: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true", help="1,000,000 entries")
+    parser = bench_common.bench_parser(__doc__, "1,000,000 entries")
     parser.add_argument("--entries", type=int, help="entries (default 10,000,000)")
     args = parser.parse_args()
     bench_common.emit_host_speed(emit)

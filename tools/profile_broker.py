@@ -120,21 +120,8 @@ def _print_profile(profiler: cProfile.Profile | None, phase: str) -> None:
 async def inproc(args: argparse.Namespace) -> None:
     import trio
 
+    from delayd import protocol as wire
     from delayd.broker import Broker, BrokerConfig
-    from delayd.protocol import (
-        CLIENT,
-        SERVER,
-        Connection,
-        Hello,
-        HelloOk,
-        JoinGroup,
-        JoinGroupResult,
-        Message,
-        Pull,
-        PullResult,
-        SendBatch,
-        SendBatchResult,
-    )
 
     data = tempfile.mkdtemp(prefix="profile-broker-", dir=args.dir)
     try:
@@ -144,7 +131,7 @@ async def inproc(args: argparse.Namespace) -> None:
         broker = Broker.open(data, config)
         async with trio.open_nursery() as nursery:
             await nursery.start(broker.run)
-            client, server = Connection(CLIENT), Connection(SERVER)
+            client, server = wire.Connection(wire.CLIENT), wire.Connection(wire.SERVER)
 
             def exchange(request: object, answer: Callable[[object], object]) -> object:
                 server.receive_data(client.send(request))
@@ -153,8 +140,8 @@ async def inproc(args: argparse.Namespace) -> None:
                 return client.next_event()
 
             exchange(
-                Hello(client_name="profile", request_id=1),
-                lambda e: HelloOk(1, request_id=e.request_id),
+                wire.Hello(client_name="profile", request_id=1),
+                lambda e: wire.HelloOk(1, request_id=e.request_id),
             )
 
             # Produce: frames encoded up front, as a producer would have sent them.
@@ -162,14 +149,16 @@ async def inproc(args: argparse.Namespace) -> None:
             frames = []
             for start in range(0, args.messages, FRAME_MESSAGES):
                 batch = [
-                    Message(f"m-{i:012d}", "bench", body=body)
+                    wire.Message(f"m-{i:012d}", "bench", body=body)
                     for i in range(start, min(args.messages, start + FRAME_MESSAGES))
                 ]
-                frames.append(client.send(SendBatch(batch, request_id=client.next_request_id())))
+                frames.append(
+                    client.send(wire.SendBatch(batch, request_id=client.next_request_id()))
+                )
             # The code being profiled may predate stored-bytes paths (--repo comparisons).
             encoded = hasattr(broker, "pull_encoded")
 
-            def append(event: SendBatch) -> list:
+            def append(event: wire.SendBatch) -> list:
                 if encoded:
                     return broker.append_batch(event.messages, broker.clock(), event.encoded)
                 return broker.append_batch(event.messages, broker.clock())
@@ -191,7 +180,7 @@ async def inproc(args: argparse.Namespace) -> None:
                     event = stages.timed("decode", server.next_event)
                     await store.make_room()
                     results = stages.timed("append", append, event)
-                    answers.append(SendBatchResult(results, request_id=event.request_id))
+                    answers.append(wire.SendBatchResult(results, request_id=event.request_id))
                 await stages.timed_async("durable", store.wait_durable)
                 for answer in answers:
                     stages.timed("encode_result", server.send, answer)
@@ -201,8 +190,8 @@ async def inproc(args: argparse.Namespace) -> None:
             _print_profile(profiler, "produce")
             # Consume: a new group PULLs everything back.
             joined = exchange(
-                JoinGroup("g", "bench", "c1", request_id=client.next_request_id()),
-                lambda e: JoinGroupResult(
+                wire.JoinGroup("g", "bench", "c1", request_id=client.next_request_id()),
+                lambda e: wire.JoinGroupResult(
                     broker.join(e.group, e.subject, e.consumer_id, None, broker.monotonic_ms()),
                     request_id=e.request_id,
                 ),
@@ -216,7 +205,7 @@ async def inproc(args: argparse.Namespace) -> None:
             if profiler:
                 profiler.enable()
             while True:
-                request = Pull("bench", "g", "c1", PULL_MESSAGES, 0)
+                request = wire.Pull("bench", "g", "c1", PULL_MESSAGES, 0)
                 server.receive_data(client.send(_with_id(request, client.next_request_id())))
                 event = stages.timed("decode_pull", server.next_event)
                 messages = await stages.timed_async(
@@ -231,9 +220,9 @@ async def inproc(args: argparse.Namespace) -> None:
                 frame = stages.timed(
                     "encode_pull_result",
                     server.send,
-                    PullResult(encoded=messages, request_id=event.request_id)
+                    wire.PullResult(encoded=messages, request_id=event.request_id)
                     if encoded
-                    else PullResult(messages, request_id=event.request_id),
+                    else wire.PullResult(messages, request_id=event.request_id),
                 )
                 before = time.thread_time_ns()
                 client.receive_data(frame)
@@ -558,8 +547,9 @@ def latency_producer(args: argparse.Namespace) -> None:
     from delayd.protocol import Message, ResultCode, SendBatch
 
     pin(1)
-    host, port = args.address.rsplit(":", 1)
-    client = RawClient((host, int(port)), "latency-producer")
+    from delayd.address import parse_address
+
+    client = RawClient(parse_address(args.address), "latency-producer")
     interval = args.interval_ms / 1000
     deadline = time.monotonic()
     acks: list[int] = []

@@ -77,8 +77,8 @@ def run_once(
     from delayd.logs.known_ids import KnownIds
     from delayd.logs.message_log import TYPE_MESSAGE
     from delayd.protocol import SERVER, Connection, Hello, SendBatchResult
-    from delayd.receiver import IntakeLimits, Receiver
     from delayd.replay import open_replayer
+    from delayd.server.receiver import IntakeLimits, Receiver
     from storage.segmented_log import SegmentedLog
 
     data = tempfile.mkdtemp(prefix="profile-intake-")

@@ -21,7 +21,6 @@ follows the number of steps per message more than the work done in them
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import os
 import signal
@@ -138,8 +137,7 @@ def trace_rate(rate: int, seconds: int, workdir: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="200/s for 3 s (< 1 minute)")
+    parser = bench_common.bench_parser(__doc__, "200/s for 3 s (< 1 minute)")
     parser.add_argument("--rates", default="200,1000", help="deliveries per second to trace")
     parser.add_argument("--seconds", type=int, default=5, help="window per rate")
     args = parser.parse_args()

@@ -13,7 +13,7 @@ By stage, each a package:
 * ``report`` — what a run found, as the console table and the HTML page.
 
 ``kinds`` names the problems, findings and severities, ``schemas`` the Arrow columns
-every stage shares, ``config`` what a run is asked to do; ``command`` is ``delayd
-audit``. ``spark`` needs pyspark, the ``audit`` extra; nothing outside this package
-imports it, so the server runs without it.
+every stage shares, ``config`` what a run is asked to do (``delayd audit`` is delayd/cli/audit.py).
+``spark`` needs pyspark, the ``audit`` extra; nothing outside this package but
+delayd/cli/audit.py imports it, so the server runs without it.
 """

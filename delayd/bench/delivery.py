@@ -9,7 +9,8 @@ Prints one JSON object per figure on stdout:
     delayd bench --only lateness,burst
     delayd bench --only lateness --consumer async
 
-``python tools/bench_delivery.py`` is the same, from a checkout (its own delayd first).
+``python tools/bench_delivery.py`` is the same, from a checkout (its own delayd first);
+the options are read by delayd/cli/bench.py.
 
 Cases (full / --quick):
 
@@ -36,13 +37,11 @@ stderr.
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import select
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -51,19 +50,10 @@ import time
 from pathlib import Path
 
 import delayd
+from delayd.address import parse_address
 from delayd.bench import common
-from delayd.protocol import (
-    CLIENT,
-    NEED_DATA,
-    Connection,
-    FrameDecoder,
-    Hello,
-    Message,
-    Stats,
-    StatsResult,
-    decode_event,
-    encode_event,
-)
+from delayd.bench.raw_client import RawClient
+from delayd.protocol import Message
 
 BODY = b"b" * 100
 SUBJECT = "due"
@@ -183,22 +173,8 @@ class Server:
 
     def stats(self) -> dict:
         """The server's STATS (replay lag and so on), over a fresh connection."""
-        host, port = self.intake.rsplit(":", 1)
-        with socket.create_connection((host, int(port))) as sock:
-            conn = Connection(CLIENT)
-            sock.sendall(conn.send(Hello(client_name="bench-delivery", request_id=1)))
-            while conn.next_event() is NEED_DATA:
-                conn.receive_data(sock.recv(65536))
-            decoder = FrameDecoder()
-            sock.sendall(encode_event(Stats(request_id=2)))
-            while (frame := decoder.next_frame()) is None:
-                data = sock.recv(1 << 20)
-                if not data:
-                    raise ConnectionError("server closed the connection")
-                decoder.feed(data)
-        answer = decode_event(frame.command, frame.flags, frame.request_id, frame.body)
-        assert isinstance(answer, StatsResult), answer
-        return answer.stats
+        with RawClient(*parse_address(self.intake), "bench-delivery") as client:
+            return client.stats()
 
     def wait_replayed(self, timeout_s: float = 600) -> None:
         deadline = time.monotonic() + timeout_s
@@ -415,42 +391,17 @@ def bench_memory_restart(count: int, parts: set[str]) -> None:
             server.stop()
 
 
-DESCRIPTION = __doc__.split("\n\n")[0]
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The benchmark's options (``delayd bench`` and ``tools/bench_delivery.py``)."""
-    parser.add_argument("--quick", action="store_true", help="smaller runs (< 1 minute)")
-    parser.add_argument("--only", default="lateness,burst,memory,restart",
-                        help="comma-separated cases (lateness,burst,memory,restart)")  # fmt: skip
-    parser.add_argument("--consumer", choices=["blocking", "async"], default="blocking",
-                        help="the lateness case's consumer")  # fmt: skip
-    parser.add_argument("--pending", type=int, help="messages for memory/restart")
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=DESCRIPTION)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-def run(args: argparse.Namespace) -> int:
-    """Run the cases ``args`` names (parsed by a parser with :func:`add_arguments`);
-    2 when it names an unknown one."""
-    parts = set(args.only.split(","))
-    unknown = parts - CASES
-    if unknown:
-        print(f"delayd bench: unknown case(s) {', '.join(sorted(unknown))}; "
-              f"choose from {', '.join(sorted(CASES))}", file=sys.stderr)  # fmt: skip
-        return 2
+def run(cases: set[str], *, quick: bool, consumer: str, pending: int | None) -> None:
+    """Run ``cases`` (of CASES), each in its full size or, ``quick``, its small one;
+    ``consumer`` is the lateness case's (blocking or async), ``pending`` the memory
+    and restart cases' message count (default by size)."""
     common.emit_host_speed(emit)
     if hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > CLIENT_CPU:
         os.sched_setaffinity(0, {CLIENT_CPU})
     log(f"load average {load_average()}")
-    if "lateness" in parts:
-        bench_lateness(*((2_000, 2_000) if args.quick else (20_000, 10_000)), args.consumer)
-    if "burst" in parts:
-        bench_burst(50_000 if args.quick else 500_000)
-    if parts & {"memory", "restart"}:
-        bench_memory_restart(args.pending or (200_000 if args.quick else 10_000_000), parts)
-    return 0
+    if "lateness" in cases:
+        bench_lateness(*((2_000, 2_000) if quick else (20_000, 10_000)), consumer)
+    if "burst" in cases:
+        bench_burst(50_000 if quick else 500_000)
+    if cases & {"memory", "restart"}:
+        bench_memory_restart(pending or (200_000 if quick else 10_000_000), cases)

@@ -39,21 +39,17 @@ from delayd.broker.record import encode_record, stamp_records
 from delayd.broker.routing import QueueSelector, key_hash
 from delayd.broker.store import BrokerStore, QueueKey, id_index_key, key_index_key
 from delayd.errors import RejectedError
-from delayd.protocol.codec import (
-    I64,
-    MAX_STR_BYTES,
-    MSG_AT_MS,
-    MSG_DELAY_MS,
-    MSG_DISPATCHED_MS,
-    MSG_DUE_MS,
-    MSG_HEAD,
-    MSG_KEY,
-    decode_message,
-    new_send_result,
-)
+from delayd.protocol.bodies import new_send_result
 from delayd.protocol.codes import ErrorCode, ResultCode
 from delayd.protocol.events import EncodedMessages, Message, SendResult, validate_subject
-from delayd.write_refusals import BROKER_COMMITLOG, CHECKPOINT, WriteRefusals
+from delayd.protocol.message_layout import (
+    MSG_AT_MS,
+    MSG_DELAY_MS,
+    decode_message,
+    read_heads,
+)
+from delayd.protocol.primitives import MAX_STR_BYTES
+from delayd.serving.write_refusals import BROKER_COMMITLOG, CHECKPOINT, WriteRefusals
 from storage.errors import DiskFullError
 from storage.fs import REAL_FS, FileSystem
 
@@ -479,31 +475,22 @@ class Broker:
         self, encoded: EncodedMessages
     ) -> list[tuple[bytes, str, str | None, bool, int | None]]:
         """Per encoded message: (id bytes, subject, key, passes the cheap checks,
-        due_ms), read from its head (docs/protocol.md, Message) without decoding it."""
-        data, bounds = encoded.data, encoded.bounds
-        unpack_head, unpack_i64 = MSG_HEAD.unpack_from, I64.unpack_from
+        due_ms), read from its head without decoding it (message_layout.read_heads)."""
         names = self._subject_names
         max_body = self.config.max_body_bytes
         out = []
-        for i in range(len(bounds) - 1):
-            start, end = bounds[i], bounds[i + 1]
-            mask, id_len, subject_len, key_len, count, body_len = unpack_head(data, start)
-            at = start + MSG_HEAD.size
-            message_id = data[at : at + id_len]
-            at += id_len
-            raw_subject = data[at : at + subject_len]
+        for mask, message_id, raw_subject, raw_key, count, body_len, due_ms in read_heads(
+            encoded.data, encoded.bounds
+        ):
             subject = names.get(raw_subject)
             if subject is None:
                 subject = raw_subject.decode()
                 if len(names) < MAX_CACHED_SUBJECTS:
                     names[raw_subject] = subject
-            at += subject_len
-            key = data[at : at + key_len].decode() if mask & MSG_KEY else None
-            # due_ms and dispatched_ms are the last two integers of the wire order.
-            due_ms = None
-            if mask & MSG_DUE_MS:
-                due_ms = unpack_i64(data, end - (16 if mask & MSG_DISPATCHED_MS else 8))[0]
-            plain = id_len > 0 and not mask & _DELAY_BITS and not count and body_len <= max_body
+            key = None if raw_key is None else raw_key.decode()
+            plain = (
+                bool(message_id) and not mask & _DELAY_BITS and not count and body_len <= max_body
+            )
             out.append((message_id, subject, key, plain, due_ms))
         return out
 

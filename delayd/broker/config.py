@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from delayd.connection_limits import (
+from delayd.serving.connection_limits import (
     DEFAULT_FRAME_TIMEOUT_MS,
     DEFAULT_HELLO_TIMEOUT_MS,
     DEFAULT_MAX_UNFINISHED_FRAME_BYTES,
@@ -52,7 +52,7 @@ class BrokerConfig:
     recent_cache_bytes: int = 64 * 1024 * 1024  # newest records of each queue, for PULL
     index_slot_count: int | None = None  # None: storage.indexfile's default (tests shrink)
     index_max_entries: int | None = None
-    # The broker's listener (delayd.connection_limits): 0 = from the descriptor limit.
+    # The broker's listener (delayd.serving.connection_limits): 0 = from the descriptor limit.
     max_connections: int = 0
     hello_timeout_ms: int = DEFAULT_HELLO_TIMEOUT_MS
     frame_timeout_ms: int = DEFAULT_FRAME_TIMEOUT_MS
@@ -94,12 +94,7 @@ class BrokerConfig:
     @property
     def connection_limits(self) -> ConnectionLimits:
         """The limits of the broker's listener."""
-        return ConnectionLimits(
-            self.max_connections,
-            self.hello_timeout_ms,
-            self.frame_timeout_ms,
-            self.max_unfinished_frame_bytes,
-        )
+        return ConnectionLimits.of(self)
 
     def queues_for(self, subject: str) -> int:
         """How many queues ``subject`` has."""

@@ -1,5 +1,5 @@
 """Prometheus metrics of the broker: the collectors ``delayd broker`` adds to the registry
-it serves (delayd.metrics_http, from before recovery: delayd.broker.command) on the
+it serves (delayd.serving.metrics_http, from before recovery: delayd.cli.broker) on the
 broker's event loop.
 
 Values are read from the Broker at scrape time by a custom collector (prometheus-client's
@@ -18,16 +18,10 @@ from prometheus_client.registry import Collector
 
 from delayd.broker.broker import Broker
 from delayd.broker.config import StartFrom
-from delayd.connection_gate import ConnectionGate
-from delayd.connection_metrics import register_connection_metrics
-from delayd.metrics_http import Readiness
-from delayd.store_metrics import (
-    DiskCollector,
-    FreeSpace,
-    StoreCollector,
-    StoreSizes,
-    broker_directories,
-)
+from delayd.serving.connection_gate import ConnectionGate
+from delayd.serving.connection_metrics import register_connection_metrics
+from delayd.serving.metrics_http import Readiness
+from delayd.serving.store_metrics import StoreMetrics, broker_directories
 
 log = logging.getLogger(__name__)
 
@@ -69,17 +63,17 @@ class BrokerCollector(Collector):
         broker = self.broker
         store = broker.store
         yield CounterMetricFamily(
-            "delayd_broker_messages_stored",
+            "delayd_broker_stored_messages",
             "Messages stored (OK results) since the broker started.",
             value=store.messages_stored,
         )
         yield CounterMetricFamily(
-            "delayd_broker_duplicates",
+            "delayd_broker_duplicate_messages",
             "Messages acknowledged DUPLICATE (id already stored) since the broker started.",
             value=broker.duplicates,
         )
         yield CounterMetricFamily(
-            "delayd_broker_refused",
+            "delayd_broker_refused_messages",
             "Messages refused (invalid subject, size, delayed...) since the broker started.",
             value=broker.refused,
         )
@@ -92,7 +86,7 @@ class BrokerCollector(Collector):
             "delayd_broker_dedupe_ids", "Message ids in the idempotency window.", len(broker.window)
         )
         ends = GaugeMetricFamily(
-            "delayd_broker_queue_end_offset",
+            "delayd_broker_queue_end_offset_messages",
             "One past the newest offset of each queue.",
             labels=["subject", "queue"],
         )
@@ -100,7 +94,7 @@ class BrokerCollector(Collector):
             ends.add_metric([subject, str(queue)], store.queue_end(subject, queue))
         yield ends
         lag = GaugeMetricFamily(
-            "delayd_broker_consumer_lag",
+            "delayd_broker_consumer_lag_messages",
             "Messages of a queue not yet committed by a consumer group.",
             labels=["group", "subject", "queue"],
         )
@@ -108,7 +102,7 @@ class BrokerCollector(Collector):
             lag.add_metric([group, subject, str(queue)], behind)
         yield lag
         by_subject = GaugeMetricFamily(
-            "delayd_broker_subject_consumer_lag",
+            "delayd_broker_subject_consumer_lag_messages",
             "Messages of a subject a consumer group has not committed, over all its queues "
             "(a queue the group never committed counts from where it would start).",
             labels=["group", "subject"],
@@ -131,15 +125,11 @@ async def collect_broker_metrics(
     system until cancelled. ``gate``: the broker listener's, for the connection metrics
     (process_* always). ``readiness``: made not ready while the commitlog refuses
     writes (a full disk)."""
-    sizes = StoreSizes(broker_directories(broker.store.directory))
-    space = FreeSpace(broker.store.directory, broker.refusals)
+    directory = broker.store.directory
+    store = StoreMetrics(broker_directories(directory), directory, broker.refusals)
     registry.register(BrokerCollector(broker))
-    registry.register(StoreCollector(sizes))
-    registry.register(DiskCollector(space))
+    store.register(registry)
     register_connection_metrics(registry, {"broker": gate} if gate is not None else {})
     if readiness is not None:
         readiness.watch(broker.refusals.reason)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(sizes.run)
-        await nursery.start(space.run)
-        task_status.started()
+    await store.run(task_status=task_status)

@@ -1,9 +1,9 @@
 """The commitlog record of one stored message: the wire protocol's message layout.
 
 A record's payload (inside the storage framing ``length crc type payload``, type
-RECORD_TYPE) is exactly one ``message`` of docs/protocol.md, made and read by the
-protocol's own codec, so the layout exists once. The broker fills ``store_ms``,
-``queue`` and ``queue_offset`` before appending, and the delay server ``due_ms`` /
+RECORD_TYPE) is exactly one ``message`` of docs/protocol.md, made and read by
+delayd.protocol.message_layout, so the layout exists once. The broker fills
+``store_ms``, ``queue`` and ``queue_offset`` before appending, and the delay server ``due_ms`` /
 ``dispatched_ms`` when it delivered the message; ``at_ms``/``delay_ms`` are never
 stored (the broker refuses them) and ``commitlog_offset`` is not stored either — it is
 where the record is, added on reading. docs/broker.md has the worked example.
@@ -17,17 +17,16 @@ with ``commitlog_offset`` spliced in (``delivered``). Both give exactly the byte
 from __future__ import annotations
 
 from delayd.errors import RemoteProtocolError
-from delayd.protocol.codec import (
-    MSG_HEAD,
-    MSG_KEY,
+from delayd.protocol.events import Message
+from delayd.protocol.message_layout import (
     decode_message,
     encode_message,
     message_ints,
+    read_heads,
     stamp_message,
     stamp_messages,
     with_commitlog_offset,
 )
-from delayd.protocol.events import Message
 from storage.framing import FIRST_USER_TYPE
 
 RECORD_TYPE = FIRST_USER_TYPE  # storage record type of a message record
@@ -35,11 +34,11 @@ _set_commitlog_offset = Message.commitlog_offset.__set__  # type: ignore[attr-de
 
 stamp_record = stamp_message
 """``stamp_record(data, start, end, store_ms, queue, queue_offset)``: the record payload
-of the received message ``data[start:end]`` (see delayd.protocol.codec.stamp_message)."""
+of the received message ``data[start:end]`` (see delayd.protocol.message_layout.stamp_message)."""
 
 stamp_records = stamp_messages
 """``stamp_records(data, bounds, indices, store_ms, queues, queue_offsets)``: the record
-payloads of several received messages at once (delayd.protocol.codec.stamp_messages)."""
+payloads of several received messages at once (delayd.protocol.message_layout.stamp_messages)."""
 
 delivered = with_commitlog_offset
 """``delivered(payload, commitlog_offset)``: a record as a consumer receives it."""
@@ -66,7 +65,7 @@ def decode_record(payload: bytes, commitlog_offset: int) -> Message:
     except RemoteProtocolError as exc:
         raise RecordError(f"record at commitlog offset {commitlog_offset}: {exc}") from None
     # The Message was just built and nobody else holds it: filling one slot of a frozen
-    # dataclass through its descriptor is how the codec builds them in the first place.
+    # dataclass through its descriptor is how message_layout builds them in the first place.
     _set_commitlog_offset(message, commitlog_offset)
     return message
 
@@ -77,16 +76,10 @@ def record_identity(payload: bytes) -> tuple[bytes, bytes, bytes | None]:
     The cheap check behind dedupe and index lookups. Raises RecordError when the head
     does not fit in the payload.
     """
-    if len(payload) < MSG_HEAD.size:
-        raise RecordError("record shorter than a message head")
-    mask, id_len, subject_len, key_len, _, _ = MSG_HEAD.unpack_from(payload, 0)
-    start = MSG_HEAD.size
-    end = start + id_len + subject_len + key_len
-    if end > len(payload):
-        raise RecordError("record head announces more bytes than the record holds")
-    message_id = payload[start : start + id_len]
-    subject = payload[start + id_len : start + id_len + subject_len]
-    key = payload[start + id_len + subject_len : end] if mask & MSG_KEY else None
+    try:
+        _, message_id, subject, key, _, _, _ = read_heads(payload, (0, len(payload)))[0]
+    except ValueError as exc:
+        raise RecordError(f"record head: {exc}") from None
     return message_id, subject, key
 
 

@@ -62,7 +62,7 @@ from storage.errors import CorruptionError, DiskFullError, StorageError
 from storage.flusher import FlushMode, LogWriter
 from storage.framing import HEADER_SIZE
 from storage.fs import REAL_FS, FileSystem, create_dirs_durably
-from storage.indexfile import IndexStore
+from storage.index_store import IndexStore
 from storage.segmented_log import Record, SegmentedLog
 
 log = logging.getLogger(__name__)

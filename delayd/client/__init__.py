@@ -9,14 +9,13 @@
 - ``ClientTls(ca_file=, cert_file=, key_file=)``: ``tls=`` of every client, for a
   server that listens with TLS (delayd.tls).
 
-Shared, I/O-free pieces: ``_addr`` (``host:port``), ``_ids`` (message ids), ``_backoff``,
-``_messages`` (send arguments to Messages, frames), ``_errors`` (ERROR frames to
-exceptions), ``_consumer_state`` (prefetch, dedupe, offsets). The links (``_async_link``,
-``_blocking_link``) move bytes through ``delayd.protocol.Connection``; the sessions
-reconnect them with back-off.
+Shared, I/O-free pieces: ``_ids`` (message ids), ``_backoff``, ``_messages`` (send
+arguments to Messages, frames), ``_consumer_state`` (prefetch, dedupe, offsets),
+``_session_base`` (address, back-off, first connection). The links (``_async_link``,
+``_blocking_link``) move bytes through ``delayd.protocol.Connection`` and open with
+``delayd.protocol.handshake``; the sessions reconnect them with back-off.
 """
 
-from delayd.client._addr import parse_addr
 from delayd.client._ids import new_message_id
 from delayd.client.async_consumer import AsyncConsumer, open_consumer
 from delayd.client.async_producer import AsyncProducer, open_producer
@@ -39,5 +38,4 @@ __all__ = [
     "new_message_id",
     "open_consumer",
     "open_producer",
-    "parse_addr",
 ]

@@ -19,19 +19,11 @@ from collections.abc import Callable
 import anyio
 import anyio.abc
 
-from delayd.client._errors import error_to_exception
-from delayd.errors import ConnectionClosedError, DelaydError, RemoteProtocolError
-from delayd.protocol import (
-    CLIENT,
-    NEED_DATA,
-    Connection,
-    ConnectionClosed,
-    Error,
-    Hello,
-    HelloOk,
-    Request,
-    Response,
-)
+from delayd.address import Address
+from delayd.errors import ConnectionClosedError, DelaydError
+from delayd.protocol import CLIENT, Connection, Error, Request, Response
+from delayd.protocol.answers import error_to_exception, route_answers
+from delayd.protocol.handshake import say_hello
 from delayd.tls import ClientTls, handshake_failure
 
 RECEIVE_SIZE = 256 * 1024  # bytes per read; a full PULL_RESULT in a few reads
@@ -39,9 +31,10 @@ RECEIVE_SIZE = 256 * 1024  # bytes per read; a full PULL_RESULT in a few reads
 _LINK_ERRORS = (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError)
 
 
-async def _connect(host: str, port: int, tls: ClientTls | None) -> anyio.abc.ByteStream:
-    """A TCP stream to host:port, with the TLS handshake done when ``tls`` is given.
+async def _connect(address: Address, tls: ClientTls | None) -> anyio.abc.ByteStream:
+    """A TCP stream to ``address``, with the TLS handshake done when ``tls`` is given.
     Raises OSError, ConnectionClosedError or TlsError (delayd.tls.handshake_failure)."""
+    host, port = address
     if tls is None:
         return await anyio.connect_tcp(host, port)
     try:
@@ -55,9 +48,9 @@ async def _connect(host: str, port: int, tls: ClientTls | None) -> anyio.abc.Byt
             tls_standard_compatible=False,
         )
     except ssl.SSLError as exc:
-        raise handshake_failure(exc, f"{host}:{port}") from None
+        raise handshake_failure(exc, str(address)) from None
     except (anyio.EndOfStream, anyio.BrokenResourceError):
-        raise ConnectionClosedError(f"{host}:{port} closed the connection during TLS") from None
+        raise ConnectionClosedError(f"{address} closed the connection during TLS") from None
 
 
 class _Waiter:
@@ -95,57 +88,62 @@ class AsyncLink:
     @classmethod
     async def open(
         cls,
-        host: str,
-        port: int,
+        address: Address,
         *,
         token: str | None,
         client_name: str,
         tls: ClientTls | None = None,
     ) -> AsyncLink:
-        """Connect to ``host:port`` (over TLS when ``tls`` is given) and do HELLO.
+        """Connect to ``address`` (over TLS when ``tls`` is given) and do HELLO
+        (delayd.protocol.handshake).
 
-        Raises OSError when the connection cannot be made, ConnectionClosedError when it
-        closes during HELLO, RejectedError (UNAUTHORIZED) for a wrong or missing token,
+        Raises OSError when the connection cannot be made, TlsError when the TLS
+        handshake fails, and what say_hello raises: ConnectionClosedError when it closes
+        during HELLO, RejectedError (UNAUTHORIZED) for a wrong or missing token,
         BusyError when the server is shutting down, ProtocolError when the peer does not
-        speak the delayd protocol, ssl.SSLError when TLS fails after the handshake (the
+        speak the delayd protocol; ssl.SSLError when TLS fails after the handshake (the
         server refused the client's certificate). No time-out here: the caller bounds
         the whole call.
         """
-        addr = f"{host}:{port}"
-        stream = await _connect(host, port, tls)
+        addr = str(address)
+        stream = await _connect(address, tls)
         try:
             # Requests are small and answered at once; Nagle would add up to 40 ms each.
             raw = stream.extra(anyio.abc.SocketAttribute.raw_socket)
             raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = Connection(CLIENT)
-            hello = Hello(token=token, client_name=client_name, request_id=conn.next_request_id())
-            await stream.send(conn.send(hello))
-            while True:
-                event = conn.next_event()
-                if event is NEED_DATA:
-                    try:
-                        data = await stream.receive(RECEIVE_SIZE)
-                    except anyio.EndOfStream:
-                        data = b""
-                    conn.receive_data(data)
-                elif isinstance(event, HelloOk):
-                    return cls(stream, conn, addr)
-                elif isinstance(event, Error):
-                    raise error_to_exception(event, f"HELLO to {addr}")
-                else:
-                    raise ConnectionClosedError(f"{addr} closed the connection during HELLO")
+            link = cls(stream, Connection(CLIENT), addr)
+            await say_hello(
+                link._conn,
+                stream.send,
+                link._receive,
+                token=token,
+                client_name=client_name,
+                peer=addr,
+            )
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await stream.aclose()
             raise
+        return link
+
+    async def _receive(self) -> bytes:
+        """The next bytes from the server; b"" once it closed."""
+        try:
+            return await self._stream.receive(RECEIVE_SIZE)
+        except anyio.EndOfStream:
+            return b""
 
     async def run(self) -> None:
         """The reader: route answers to their requests until the link ends. Never raises."""
         try:
             with self._scope:
                 try:
-                    await self._read_loop()
-                except RemoteProtocolError as exc:
+                    while True:
+                        self._conn.receive_data(await self._receive())
+                        route_answers(self._conn, self._deliver, self.addr)
+                except DelaydError as exc:
+                    # Closed, or an ERROR about the whole connection, or bytes that break
+                    # the protocol: every waiting request fails with it.
                     self._fail(exc)
                 except _LINK_ERRORS as exc:
                     self._fail(ConnectionClosedError(f"connection to {self.addr} lost: {exc!r}"))
@@ -156,29 +154,11 @@ class AsyncLink:
             with anyio.CancelScope(shield=True):
                 await self._stream.aclose()
 
-    async def _read_loop(self) -> None:
-        conn, waiters = self._conn, self._waiters
-        while True:
-            try:
-                data = await self._stream.receive(RECEIVE_SIZE)
-            except anyio.EndOfStream:
-                data = b""
-            conn.receive_data(data)
-            while True:
-                event = conn.next_event()
-                if event is NEED_DATA:
-                    break
-                if isinstance(event, ConnectionClosed):
-                    self._fail(ConnectionClosedError(f"{self.addr} closed the connection"))
-                    return
-                waiter = waiters.pop(event.request_id, None)
-                if waiter is not None:
-                    waiter.response = event  # type: ignore[assignment]
-                    waiter.done.set()
-                if isinstance(event, Error) and (event.close or event.request_id == 0):
-                    # About the whole connection: every waiting request fails with it.
-                    self._fail(error_to_exception(event, f"connection to {self.addr}"))
-                    return
+    def _deliver(self, answer: Response | Error) -> None:
+        waiter = self._waiters.pop(answer.request_id, None)
+        if waiter is not None:
+            waiter.response = answer
+            waiter.done.set()
 
     def _fail(self, exc: DelaydError) -> None:
         if self.failure is None:

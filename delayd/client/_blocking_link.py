@@ -16,21 +16,15 @@ import math
 import socket
 import ssl
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
+from functools import partial
 
-from delayd.client._errors import error_to_exception
-from delayd.errors import ConnectionClosedError, DelaydError, DelaydTimeout, RemoteProtocolError
-from delayd.protocol import (
-    CLIENT,
-    NEED_DATA,
-    Connection,
-    ConnectionClosed,
-    Error,
-    Hello,
-    HelloOk,
-    Request,
-    Response,
-)
+from delayd.address import Address
+from delayd.errors import ConnectionClosedError, DelaydError, DelaydTimeout
+from delayd.protocol import CLIENT, Connection, Error, Request, Response
+from delayd.protocol.answers import error_to_exception, route_answers
+from delayd.protocol.handshake import say_hello_blocking
 from delayd.tls import ClientTls, handshake_failure
 
 RECEIVE_SIZE = 256 * 1024  # bytes per recv()
@@ -59,51 +53,52 @@ class BlockingLink:
         self.addr = addr
         self._sock = sock
         self._conn = conn
+        self._answers: deque[Response | Error] = deque()  # read, not yet handed out
+        self._ended: DelaydError | None = None  # why no answer follows those
         self.closed = False
 
     @classmethod
     def open(
         cls,
-        host: str,
-        port: int,
+        address: Address,
         *,
         token: str | None,
         client_name: str,
         deadline: float,
         tls: ClientTls | None = None,
     ) -> BlockingLink:
-        """Connect (over TLS when ``tls`` is given) and do HELLO before ``deadline``
-        (monotonic seconds). A certificate refused in the handshake is a TlsError.
+        """Connect (over TLS when ``tls`` is given) and do HELLO
+        (delayd.protocol.handshake) before ``deadline`` (monotonic seconds). A
+        certificate refused in the handshake is a TlsError.
 
         Raises OSError when the connection cannot be made, DelaydTimeout at the
-        deadline, ConnectionClosedError when the server closes during HELLO,
-        RejectedError (UNAUTHORIZED) for a wrong token, BusyError when the server is
-        shutting down, ProtocolError when the peer does not speak the protocol.
+        deadline, and what say_hello_blocking raises: ConnectionClosedError when the
+        server closes during HELLO, RejectedError (UNAUTHORIZED) for a wrong token,
+        BusyError when the server is shutting down, ProtocolError when the peer does
+        not speak the protocol.
         """
-        addr = f"{host}:{port}"
+        addr = str(address)
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise DelaydTimeout(f"no time left to connect to {addr}")
         try:
-            sock = socket.create_connection((host, port), timeout=remaining)
+            sock = socket.create_connection(address, timeout=remaining)
         except TimeoutError:
             raise DelaydTimeout(f"connecting to {addr} timed out") from None
         if tls is not None:
-            sock = _secure(sock, host, addr, tls)
+            sock = _secure(sock, address.host, addr, tls)
         link = cls(sock, Connection(CLIENT), addr)
         try:
             # Requests are small and answered at once; Nagle would add up to 40 ms each.
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            hello = link._conn.next_request_id()
-            link._write(
-                link._conn.send(Hello(token=token, client_name=client_name, request_id=hello)),
-                deadline,
+            say_hello_blocking(
+                link._conn,
+                partial(link._write, deadline=deadline),
+                partial(link._receive, deadline),
+                token=token,
+                client_name=client_name,
+                peer=addr,
             )
-            answer = link._read_answer(deadline)
-            if isinstance(answer, Error):
-                raise error_to_exception(answer, f"HELLO to {addr}")
-            if not isinstance(answer, HelloOk):
-                raise RemoteProtocolError(f"{addr} answered HELLO with {type(answer).__name__}")
         except BaseException:
             link.close()
             raise
@@ -188,30 +183,34 @@ class BlockingLink:
         except OSError as exc:
             raise ConnectionClosedError(f"connection to {self.addr} lost: {exc!r}") from None
 
-    def _read_answer(self, deadline: float) -> Response:
-        """The next answer from the server (an ERROR about the connection is raised)."""
-        conn = self._conn
-        while True:
-            event = conn.next_event()
-            if event is NEED_DATA:
-                self._settimeout(deadline)
-                try:
-                    data = self._sock.recv(RECEIVE_SIZE)
-                except TimeoutError:
-                    raise DelaydTimeout(f"no answer from {self.addr} in time") from None
-                except ssl.SSLError as exc:  # the server refused this client's certificate
-                    raise handshake_failure(exc, self.addr) from None
-                except OSError as exc:
-                    raise ConnectionClosedError(
-                        f"connection to {self.addr} lost: {exc!r}"
-                    ) from None
-                conn.receive_data(data)
-                continue
-            if isinstance(event, ConnectionClosed):
-                raise ConnectionClosedError(f"{self.addr} closed the connection")
-            if isinstance(event, Error) and event.request_id == 0:
-                raise error_to_exception(event, f"connection to {self.addr}")
-            return event  # type: ignore[return-value]
+    def _read_answer(self, deadline: float) -> Response | Error:
+        """The next answer to a request; raises, once the answers that came before it
+        are handed out, what ended the connection (route_answers)."""
+        while not self._answers:
+            if self._ended is not None:
+                raise self._ended
+            self._conn.receive_data(self._receive(deadline))
+            try:
+                route_answers(self._conn, self._keep_answer, self.addr)
+            except DelaydError as exc:
+                self._ended = exc
+        return self._answers.popleft()
+
+    def _keep_answer(self, answer: Response | Error) -> None:
+        if answer.request_id:  # an ERROR about the whole connection is raised instead
+            self._answers.append(answer)
+
+    def _receive(self, deadline: float) -> bytes:
+        """The next bytes from the server; b"" once it closed."""
+        self._settimeout(deadline)
+        try:
+            return self._sock.recv(RECEIVE_SIZE)
+        except TimeoutError:
+            raise DelaydTimeout(f"no answer from {self.addr} in time") from None
+        except ssl.SSLError as exc:  # the server refused this client's certificate
+            raise handshake_failure(exc, self.addr) from None
+        except OSError as exc:
+            raise ConnectionClosedError(f"connection to {self.addr} lost: {exc!r}") from None
 
     def _settimeout(self, deadline: float) -> None:
         if math.isinf(deadline):

@@ -5,11 +5,15 @@ from __future__ import annotations
 import math
 import time
 
-from delayd.client._addr import parse_addr
-from delayd.client._backoff import Backoff
 from delayd.client._blocking_link import BlockingLink
-from delayd.errors import BusyError, ConnectionClosedError, DelaydTimeout
-from delayd.tls import ClientTls
+from delayd.client._session_base import SessionBase
+from delayd.errors import (
+    BusyError,
+    ConnectionClosedError,
+    DelaydTimeout,
+    EtcdError,
+    NotLeaderError,
+)
 
 # As in the async session: worth another attempt, unlike a wrong token or a peer that
 # does not speak the protocol. A time-out of one attempt (a server that accepted the
@@ -17,47 +21,22 @@ from delayd.tls import ClientTls
 RETRYABLE_CONNECT_ERRORS = (OSError, ConnectionClosedError, BusyError, DelaydTimeout)
 
 
-class BlockingSession:
+class BlockingSession(SessionBase[BlockingLink]):
     """Hands out a working BlockingLink, reconnecting after losses. Not thread-safe.
 
-    Consecutive failures are spaced by ``backoff``; ``succeeded()`` resets it.
+    Consecutive failures are spaced by ``backoff``; ``succeeded()`` resets it. Without
+    ``retry_first_connect``, a first connection that fails raises (SessionBase).
     """
-
-    def __init__(
-        self,
-        addr: str,
-        *,
-        token: str | None,
-        client_name: str,
-        backoff: Backoff | None = None,
-        tls: ClientTls | None = None,
-    ) -> None:
-        self.host, self.port = parse_addr(addr)
-        self.addr = addr
-        self._tls = tls
-        if tls is not None:
-            tls.ssl_context  # noqa: B018  # its files read now: a TlsError names them
-        self._token = token
-        self._client_name = client_name
-        self._backoff = backoff or Backoff()
-        self._link: BlockingLink | None = None
-        self.last_problem: BaseException | None = None
-        self.connects = 0  # links opened so far (statistics, tests)
-
-    @property
-    def current(self) -> BlockingLink | None:
-        """The open link, if any, without connecting."""
-        link = self._link
-        return link if link is not None and not link.closed else None
 
     def link(self, deadline: float) -> BlockingLink:
         """The current link, or a new one once the back-off since the last failure ran.
 
         Raises DelaydTimeout when ``deadline`` (monotonic seconds; ``math.inf`` waits
         for ever) passes first — having waited until then, so that a caller polling in
-        a loop does not spin — and what BlockingLink.open raises that is not retryable.
-        The back-off runs from the last failure, across calls: a caller whose deadline
-        is shorter than the delay still gets its attempt on a later call.
+        a loop does not spin — what BlockingLink.open raises that is not retryable, and
+        what SessionBase.connect_failed raises. The back-off runs from the last
+        failure, across calls: a caller whose deadline is shorter than the delay still
+        gets its attempt on a later call.
         """
         while True:
             link = self.current
@@ -73,26 +52,45 @@ class BlockingSession:
             # One attempt may take the rest of the time, but no more than a short while
             # when waiting for ever, so a hung server is retried rather than waited on.
             attempt_deadline = deadline if not math.isinf(deadline) else time.monotonic() + 10
+            if self.finder.needs_lookup and not self._lookup():
+                continue
             try:
                 self._link = BlockingLink.open(
-                    self.host,
-                    self.port,
+                    self.next_address(),
                     token=self._token,
                     client_name=self._client_name,
                     deadline=attempt_deadline,
                     tls=self._tls,
                 )
             except RETRYABLE_CONNECT_ERRORS as exc:
-                self.last_problem = exc
-                self._backoff.failed(time.monotonic())
+                self.connect_failed(exc, time.monotonic())
                 continue
             self.connects += 1
 
-    def describe_problem(self) -> str:
-        """The last failure in words, for time-out messages."""
-        if self.last_problem is None:
-            return f"no answer from {self.addr}"
-        return f"last problem: {self.last_problem!r}"
+    def _lookup(self) -> bool:
+        """Read the group's members and leader from etcd (in a trio run of its own:
+        this thread runs none); False (after counting it as a failed connection) when
+        etcd cannot say."""
+        import trio
+
+        from delayd.cluster.group_state import lookup_group
+
+        target = self.finder.target
+        try:
+            self.learned(trio.run(lookup_group, target.etcd, target.group))
+            if self.finder.needs_lookup:
+                raise LookupError(f"etcd lists no member of group {target.group}")
+        except (EtcdError, LookupError) as exc:
+            self.lookup_failed(exc, time.monotonic())
+            return False
+        return True
+
+    def redirected(self, exc: NotLeaderError) -> None:
+        """The server answered NOT_LEADER: drop the link, go where it said
+        (SessionBase.redirect); the caller sends the request again."""
+        self.redirect(exc, time.monotonic())
+        if self._link is not None:
+            self._link.close()
 
     def lost(self, exc: BaseException) -> None:
         """The current link failed: close it; the next link() reconnects after back-off."""
@@ -100,10 +98,6 @@ class BlockingSession:
         self._backoff.failed(time.monotonic())
         if self._link is not None:
             self._link.close()
-
-    def succeeded(self) -> None:
-        """A request got its answer: restart the back-off."""
-        self._backoff.reset()
 
     def close(self) -> None:
         if self._link is not None:

@@ -1,7 +1,9 @@
-"""ConsumerState: a consumer's bookkeeping between requests, sans-I/O.
+"""ConsumerState: a consumer's bookkeeping between requests, and Subscription: the
+requests it makes, sans-I/O.
 
-The async and the blocking consumer drive the same object; it decides which message the
-user gets next and which offsets are due for COMMIT_OFFSET, and does no I/O itself.
+The async and the blocking consumer drive the same objects; ConsumerState decides which
+message the user gets next and which offsets are due for COMMIT_OFFSET, and does no I/O
+itself.
 
 Invariants:
 
@@ -20,14 +22,41 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
+from dataclasses import dataclass
 
-from delayd.protocol import Message
+from delayd.protocol import CommitOffset, Heartbeat, JoinGroup, Message, Pull
 
 # How a consumer commits: "periodic" sends COMMIT_OFFSET with the next PULL, at least
 # every commit_interval_s and on close, answered from the broker's memory; "sync"
 # commits each processed message durably (on the broker's disk) before the next one is
 # handed out, so a crash of consumer or broker hands at most that one message out again.
 COMMIT_MODES = ("periodic", "sync")
+
+
+@dataclass(frozen=True, slots=True)
+class Subscription:
+    """Who a consumer is to the broker — a member ``consumer_id`` of ``group`` reading
+    ``subject`` — and the requests that say so, each built with its request id."""
+
+    subject: str
+    group: str
+    consumer_id: str
+
+    def join(self, request_id: int) -> JoinGroup:
+        return JoinGroup(self.group, self.subject, self.consumer_id, request_id=request_id)
+
+    def heartbeat(self, request_id: int) -> Heartbeat:
+        return Heartbeat(self.group, self.subject, self.consumer_id, request_id=request_id)
+
+    def pull(self, max_messages: int, wait_ms: int, request_id: int) -> Pull:
+        """PULL of up to ``max_messages``, held by the broker up to ``wait_ms``."""
+        identity = (self.subject, self.group, self.consumer_id)
+        return Pull(*identity, max_messages, wait_ms, request_id=request_id)
+
+    def commit(self, queue: int, offset: int, durable: bool, request_id: int) -> CommitOffset:
+        """COMMIT_OFFSET: ``offset`` is the next to read in ``queue``; ``durable`` asks
+        the broker to have it on disk before answering (commit="sync")."""
+        return CommitOffset(self.group, self.subject, queue, offset, durable, request_id=request_id)
 
 
 class ConsumerState:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
+from datetime import datetime, timedelta
+from typing import Any, TypedDict, Unpack
 
+from delayd.client._due import send_times
 from delayd.client._ids import new_message_id
 from delayd.protocol import Message
 
@@ -14,37 +16,55 @@ from delayd.protocol import Message
 MAX_FRAME_MESSAGES = 1000
 MAX_FRAME_BYTES = 4 * 1024 * 1024  # well under the 16 MiB default max_frame_size
 _MESSAGE_OVERHEAD = 14 + 8 * 2  # fixed head of a message, and room for its two integers
+_OPTION_NAMES = "subject, body, at, delay, at_ms, delay_ms, message_id, key and properties"
+
+
+class SendOptions(TypedDict, total=False):
+    """The keyword arguments of ``send`` (and the keys, besides subject and body, of a
+    ``send_batch`` item given as a dict), each optional.
+
+    When it is due: ``at`` (an aware datetime) or ``at_ms`` (epoch ms UTC), or ``delay``
+    (a timedelta after the server receives it) or ``delay_ms``; at most one of the four,
+    none: not delayed (delayd.client._due).
+    Without ``message_id`` the client makes a unique, time-ordered one. ``key`` and
+    ``properties`` travel with the message to its consumers.
+    """
+
+    at: datetime | None
+    delay: timedelta | None
+    at_ms: int | None
+    delay_ms: int | None
+    message_id: str | None
+    key: str | None
+    properties: Mapping[str, str] | None
 
 
 def build_message(
-    subject: str,
-    body: bytes | bytearray | memoryview | str,
-    *,
-    at_ms: int | None = None,
-    delay_ms: int | None = None,
-    message_id: str | None = None,
-    key: str | None = None,
-    properties: Mapping[str, str] | None = None,
+    subject: str, body: bytes | bytearray | memoryview | str, **options: Unpack[SendOptions]
 ) -> Message:
     """The Message to send; a ``str`` body is sent as UTF-8.
 
-    ``at_ms`` (absolute due time, epoch ms UTC) and ``delay_ms`` (ms after the server
-    receives it) are mutually exclusive; with neither, the message is not delayed.
-    Without ``message_id`` the client makes a unique, time-ordered one. Raises
-    ValueError for both times at once or a body that is not bytes or str.
+    Raises TypeError for an option SendOptions does not name or a time of the wrong
+    type, ValueError for two times at once, a naive datetime, a negative delay or a body
+    that is not bytes or str.
     """
-    if at_ms is not None and delay_ms is not None:
-        raise ValueError("give at_ms (an absolute epoch-ms time) or delay_ms, not both")
+    unknown = sorted(set(options) - SendOptions.__optional_keys__)
+    if unknown:
+        raise TypeError(f"unexpected argument {unknown[0]!r}; send takes {_OPTION_NAMES}")
+    at_ms, delay_ms = send_times(
+        options.get("at"), options.get("delay"), options.get("at_ms"), options.get("delay_ms")
+    )
     if isinstance(body, str):
         body = body.encode()
     elif isinstance(body, (bytearray, memoryview)):
         body = bytes(body)
     elif not isinstance(body, bytes):
         raise ValueError(f"body must be bytes or str, got {type(body).__name__}")
+    message_id, properties = options.get("message_id"), options.get("properties")
     return Message(
         message_id=new_message_id() if message_id is None else message_id,
         subject=subject,
-        key=key,
+        key=options.get("key"),
         properties={} if properties is None else dict(properties),
         body=body,
         at_ms=at_ms,

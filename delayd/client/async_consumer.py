@@ -21,7 +21,7 @@ which writes them with the PULL).
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
 from functools import partial
 
@@ -32,7 +32,7 @@ from delayd.client._async_link import AsyncLink
 from delayd.client._async_session import AsyncSession
 from delayd.client._backoff import Backoff
 from delayd.client._consumer_id import new_consumer_id
-from delayd.client._consumer_state import ConsumerState
+from delayd.client._consumer_state import ConsumerState, Subscription
 from delayd.client._task_group import background_task_group
 from delayd.client.async_producer import CLIENT_NAME
 from delayd.errors import (
@@ -40,17 +40,15 @@ from delayd.errors import (
     ConnectionClosedError,
     DelaydError,
     DelaydTimeout,
+    NotLeaderError,
     RejectedError,
 )
 from delayd.protocol import (
     CommitOffset,
     ErrorCode,
-    Heartbeat,
     HeartbeatResult,
-    JoinGroup,
     JoinGroupResult,
     Message,
-    Pull,
     PullResult,
 )
 from delayd.tls import ClientTls
@@ -71,10 +69,8 @@ class AsyncConsumer:
         self,
         session: AsyncSession,
         task_group: anyio.abc.TaskGroup,
+        subscription: Subscription,
         *,
-        subject: str,
-        group: str,
-        consumer_id: str,
         auto_commit: bool,
         commit: str,
         timeout_s: float,
@@ -85,9 +81,7 @@ class AsyncConsumer:
         self._session = session
         self._task_group = task_group
         self.addr = session.addr
-        self.subject = subject
-        self.group = group
-        self.consumer_id = consumer_id
+        self.subscription = subscription
         self.timeout_s = timeout_s
         self.max_messages = max_messages
         self.pull_wait_ms = pull_wait_ms
@@ -225,19 +219,23 @@ class AsyncConsumer:
                 link = await self._member_link()
                 for queue, offset in due:
                     with anyio.fail_after(self.timeout_s):
-                        await link.request(partial(self._commit_request, queue, offset))
+                        await link.request(self._commit_request(queue, offset))
                     self._state.committed(queue, offset)
             except (ConnectionClosedError, TimeoutError) as exc:
                 if link is not None:
                     self._session.lost(link, exc)  # closes it: its state is unknown
                 if not retry:
                     return
+            except NotLeaderError as exc:
+                if link is not None:
+                    self._session.redirected(link, exc)  # committed again at the leader
+                if not retry:
+                    return
             finally:
                 self._state.flushed(anyio.current_time())
 
-    def _commit_request(self, queue: int, offset: int, request_id: int) -> CommitOffset:
-        durable = self._state.sync_commits
-        return CommitOffset(self.group, self.subject, queue, offset, durable, request_id=request_id)
+    def _commit_request(self, queue: int, offset: int) -> Callable[[int], CommitOffset]:
+        return partial(self.subscription.commit, queue, offset, self._state.sync_commits)
 
     # --- membership and pulling -------------------------------------------------------
 
@@ -249,13 +247,12 @@ class AsyncConsumer:
                 if link is self._joined:
                     return link
                 try:
-                    result = await link.request(
-                        lambda rid: JoinGroup(
-                            self.group, self.subject, self.consumer_id, request_id=rid
-                        )
-                    )
+                    result = await link.request(self.subscription.join)
                 except ConnectionClosedError as exc:
                     self._session.lost(link, exc)
+                    continue
+                except NotLeaderError as exc:
+                    self._session.redirected(link, exc)  # join the leader instead
                     continue
                 except BusyError as exc:
                     self._session.last_problem = exc
@@ -286,16 +283,8 @@ class AsyncConsumer:
             self._task_group.start_soon(self._commit_in_background)
         try:
             with anyio.move_on_after(self.pull_wait_ms / 1000 + self.timeout_s) as scope:
-                result = await link.request(
-                    lambda rid: Pull(
-                        self.subject,
-                        self.group,
-                        self.consumer_id,
-                        max_messages=self.max_messages,
-                        wait_ms=self.pull_wait_ms,
-                        request_id=rid,
-                    )
-                )
+                pull = partial(self.subscription.pull, self.max_messages, self.pull_wait_ms)
+                result = await link.request(pull)
                 assert isinstance(result, PullResult)
                 self._state.add_pulled(result.messages)
                 self._session.succeeded()
@@ -304,6 +293,9 @@ class AsyncConsumer:
                 link.abort("closed: no answer to PULL in time")
         except ConnectionClosedError as exc:
             self._session.lost(link, exc)
+        except NotLeaderError as exc:
+            # The group's leader moved: join it there; it resumes from the committed offsets.
+            self._session.redirected(link, exc)
         except RejectedError as exc:
             if exc.code == ErrorCode.INVALID_REQUEST and self._joins == joins_before:
                 # The broker dropped this member (no heartbeat for too long): join again.
@@ -325,11 +317,7 @@ class AsyncConsumer:
                 continue  # the next PULL reconnects and joins again
             try:
                 with anyio.move_on_after(self.timeout_s) as scope:
-                    result = await link.request(
-                        lambda rid: Heartbeat(
-                            self.group, self.subject, self.consumer_id, request_id=rid
-                        )
-                    )
+                    result = await link.request(self.subscription.heartbeat)
                     assert isinstance(result, HeartbeatResult)
                     self._state.set_assignment(result.queues)
                 if scope.cancelled_caught:
@@ -347,7 +335,8 @@ class AsyncConsumer:
             await self._member_link()
         if scope.cancelled_caught:
             raise DelaydTimeout(
-                f"could not join group {self.group!r} at {self.addr} within {self.timeout_s} s "
+                f"could not join group {self.subscription.group!r} at {self.addr} within "
+                f"{self.timeout_s} s "
                 f"({self._session.describe_problem()})"
             )
         self._task_group.start_soon(self._heartbeats)
@@ -385,6 +374,7 @@ async def open_consumer(
     pull_wait_ms: int = 2000,
     heartbeat_interval_s: float = 3.0,
     client_name: str = CLIENT_NAME,
+    retry_first_connect: bool = True,
 ) -> AsyncIterator[AsyncConsumer]:
     """An async consumer of ``subject`` in ``group`` at ``addr`` (``"host:port"``).
 
@@ -395,16 +385,18 @@ async def open_consumer(
     exception — and closes. ``max_messages`` is the PULL batch size, ``pull_wait_ms``
     how long the broker may hold a PULL that finds nothing. ``commit`` is "periodic"
     (default) or "sync" (each commit durable before the next message; ValueError for
-    anything else).
+    anything else). ``retry_first_connect=False``: UnreachableError at once when the
+    first connection cannot be made (as open_producer's).
     """
     async with background_task_group() as tg:
-        session = AsyncSession(addr, token=token, client_name=client_name, task_group=tg, tls=tls)
+        session = AsyncSession(
+            addr, token=token, client_name=client_name, task_group=tg, listener="broker", tls=tls
+        )
+        session.retry_first_connect = retry_first_connect
         consumer = AsyncConsumer(
             session,
             tg,
-            subject=subject,
-            group=group,
-            consumer_id=consumer_id or new_consumer_id(),
+            Subscription(subject, group, consumer_id or new_consumer_id()),
             auto_commit=auto_commit,
             commit=commit,
             timeout_s=timeout_s,

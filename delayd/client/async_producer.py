@@ -12,45 +12,30 @@ acknowledge several with one fsync.
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import asynccontextmanager
-from typing import Any
+from datetime import datetime, timedelta
+from typing import Any, TypeVar, Unpack
 
 import anyio
 import anyio.abc
 
-from delayd import __version__
+from delayd.client import _calls as calls
 from delayd.client._async_session import AsyncSession
 from delayd.client._backoff import Backoff
-from delayd.client._messages import build_message, coerce_batch, split_frames
+from delayd.client._due import reschedule_due_ms
+from delayd.client._messages import SendOptions, build_message, coerce_batch, split_frames
 from delayd.client._task_group import background_task_group
-from delayd.client.cancel_receipt import (
-    CANCEL_BATCH_IDS,
-    CancelReceipt,
-    RescheduleReceipt,
-    batch_receipts,
-    check_message_id,
-    check_message_ids,
-    reschedule_at_ms,
-)
-from delayd.client.receipt import Receipt
-from delayd.errors import BusyError, ConnectionClosedError, DelaydTimeout, RejectedError
-from delayd.protocol import (
-    Cancel,
-    CancelBatch,
-    CancelBatchResult,
-    CancelResult,
-    Message,
-    Reschedule,
-    RescheduleResult,
-    Response,
-    ResultCode,
-    SendBatch,
-    SendBatchResult,
-)
+from delayd.client.cancel_receipt import CancelReceipt, RescheduleReceipt
+from delayd.client.receipt import Receipt, still_busy, stored_or_raise
+from delayd.errors import BusyError, ConnectionClosedError, DelaydTimeout, NotLeaderError
+from delayd.protocol import Message, SendBatchResult
 from delayd.tls import ClientTls
+from delayd.version import __version__
 
 CLIENT_NAME = f"delayd-python-async/{__version__}"
+T = TypeVar("T")
 
 
 class AsyncProducer:
@@ -76,44 +61,24 @@ class AsyncProducer:
         self._closed = False
 
     async def send(
-        self,
-        subject: str,
-        body: bytes | str,
-        *,
-        at_ms: int | None = None,
-        delay_ms: int | None = None,
-        message_id: str | None = None,
-        key: str | None = None,
-        properties: Mapping[str, str] | None = None,
+        self, subject: str, body: bytes | str, **options: Unpack[SendOptions]
     ) -> Receipt:
         """Send one message and wait until the server has stored it durably.
 
-        ``at_ms`` is an absolute due time (epoch ms UTC), ``delay_ms`` a delay after the
-        server receives it; give at most one (ValueError otherwise). Returns the receipt
+        ``options`` (SendOptions): when it is due, ``at`` an aware datetime or ``delay``
+        a timedelta after the server receives it, or the same in milliseconds, ``at_ms``
+        (epoch ms UTC) or ``delay_ms`` (at most one of the four; none: not delayed; a
+        naive datetime, a negative delay or two times raise ValueError, a time of the
+        wrong type TypeError, each naming the argument); ``message_id``, ``key``,
+        ``properties``. Returns the receipt
         (``message_id``; ``due_ms`` and ``sequence`` from the delay server).
 
         Raises RejectedError when the server refuses the message (its ``code`` and
         ``reason`` say why), BusyError when it stayed busy through the retries,
         DelaydTimeout when the whole call took longer than ``timeout_s``.
         """
-        message = build_message(
-            subject,
-            body,
-            at_ms=at_ms,
-            delay_ms=delay_ms,
-            message_id=message_id,
-            key=key,
-            properties=properties,
-        )
-        (receipt,) = await self.send_batch([message])
-        if receipt.code.is_retryable:  # BUSY, or another refusal that may pass later
-            raise BusyError(
-                f"{self.addr} stayed busy through {self.busy_retries} retries: "
-                f"{receipt.reason} ({receipt.code.name})"
-            )
-        if not receipt.ok:
-            raise RejectedError(receipt.code, receipt.reason)
-        return receipt
+        (receipt,) = await self.send_batch([build_message(subject, body, **options)])
+        return stored_or_raise(receipt, self.addr, self.busy_retries)
 
     async def send_batch(
         self, messages: Iterable[Message | Mapping[str, Any] | tuple[str, bytes]]
@@ -154,16 +119,14 @@ class AsyncProducer:
                 raise errors[0]
             return [receipt for part in results for receipt in part]
         self._session.abort()
-        raise DelaydTimeout(
-            f"sending {len(batch)} message(s) to {self.addr} took over {self.timeout_s} s "
-            f"({self._session.describe_problem()})"
-        )
+        raise self._session.took_too_long(f"sending {len(batch)} message(s)", self.timeout_s)
 
     async def _send_frame(self, messages: list[Message]) -> list[Receipt]:
-        """Send one SEND_BATCH, again after a lost connection, and BUSY messages again.
+        """Send one SEND_BATCH, again after a lost connection or to the leader a
+        NOT_LEADER answer names, and BUSY messages again.
 
-        Resending after a lost connection is safe because the ids are the same and the
-        server drops ids it has stored already (answering DUPLICATE, which is success).
+        Resending is safe because the ids are the same and the server drops ids it has
+        stored already (answering DUPLICATE, which is success).
         """
         receipts: list[Receipt | None] = [None] * len(messages)
         todo = list(range(len(messages)))
@@ -172,11 +135,12 @@ class AsyncProducer:
             link = await self._session.link()
             pending = [messages[i] for i in todo]
             try:
-                response = await link.request(
-                    lambda rid, pending=pending: SendBatch(pending, request_id=rid)
-                )
+                response = await link.request(calls.send_batch(pending))
             except ConnectionClosedError as exc:
                 self._session.lost(link, exc)
+                continue
+            except NotLeaderError as exc:
+                self._session.redirected(link, exc)  # the same ids again, at the leader
                 continue
             except BusyError as exc:
                 # The whole request was refused as busy (or the server is stopping).
@@ -194,11 +158,7 @@ class AsyncProducer:
             if busy:
                 busy_rounds += 1
                 if busy_rounds > self.busy_retries:
-                    for index in busy:
-                        if receipts[index] is None:
-                            receipts[index] = Receipt(
-                                messages[index].message_id, ResultCode.BUSY, "server busy"
-                            )
+                    still_busy(receipts, messages, busy)
                     break
                 await anyio.sleep(self._busy_backoff.next_delay())
             todo = busy
@@ -213,12 +173,7 @@ class AsyncProducer:
         (a second cancel of a cancelled message answers CANCELLED). Raises
         DelaydTimeout after ``timeout_s``, ValueError for an empty id.
         """
-        check_message_id(message_id)
-        result = await self._request(
-            lambda rid: Cancel(message_id, request_id=rid), f"cancelling {message_id!r}"
-        )
-        assert isinstance(result, CancelResult)
-        return CancelReceipt.from_result(message_id, result)
+        return await self._call(calls.cancel(message_id))
 
     async def cancel_many(self, message_ids: Iterable[str]) -> list[CancelReceipt]:
         """Cancel several delayed messages: one receipt per id, in order, each as
@@ -226,47 +181,41 @@ class AsyncProducer:
         once over the connection (the server answers each with one fsync pair), each
         sent again after a lost connection. Raises ValueError for a bad id (before
         sending anything), DelaydTimeout after ``timeout_s``."""
-        ids = check_message_ids(message_ids)
-        step = CANCEL_BATCH_IDS
-        frames = [tuple(ids[i : i + step]) for i in range(0, len(ids), step)]
-        answers: list[list[CancelReceipt]] = [[] for _ in frames]
+        batches = calls.cancel_batches(message_ids)
+        answers: list[list[CancelReceipt]] = [[] for _ in batches]
 
         async def one(index: int) -> None:
-            frame = frames[index]
-            result = await self._request(
-                lambda rid: CancelBatch(frame, request_id=rid), f"cancelling {len(frame)} messages"
-            )
-            assert isinstance(result, CancelBatchResult)
-            answers[index] = batch_receipts(frame, result)
+            answers[index] = await self._call(batches[index])
 
         async with anyio.create_task_group() as tasks:
-            for index in range(len(frames)):
+            for index in range(len(batches)):
                 tasks.start_soon(one, index)
         return [receipt for frame_receipts in answers for receipt in frame_receipts]
 
     async def reschedule(
-        self, message_id: str, *, at_ms: int | None = None, delay_ms: int | None = None
+        self,
+        message_id: str,
+        *,
+        at: datetime | None = None,
+        delay: timedelta | None = None,
+        at_ms: int | None = None,
+        delay_ms: int | None = None,
     ) -> RescheduleReceipt:
-        """Move the delayed message ``message_id`` to ``at_ms`` (epoch ms UTC) or to
-        ``delay_ms`` from now (this machine's clock); it keeps its id and body and is
-        delivered at the new time instead of the old one — never both, never neither.
+        """Move the delayed message ``message_id`` to ``at`` (an aware datetime) or
+        ``at_ms`` (epoch ms UTC), or to ``delay`` (a timedelta) or ``delay_ms`` from now
+        (this machine's clock); it keeps its id and body and is delivered at the new time
+        instead of the old one — never both, never neither.
 
         ``outcome``: RESCHEDULED, ALREADY_DELIVERED (too late; ``dispatched_ms``),
         UNKNOWN (no pending message with that id), DELAY_TOO_LONG (beyond the server's
         max_delay: refused, never clamped). A time in the past means "now". Raises
-        ValueError for neither or both of at_ms/delay_ms or a negative delay,
-        DelaydTimeout after ``timeout_s``.
+        ValueError unless exactly one time is given, or for a naive datetime or a negative
+        delay; TypeError for a time of the wrong type; DelaydTimeout after ``timeout_s``.
         """
-        check_message_id(message_id)
-        due_ms = reschedule_at_ms(at_ms, delay_ms)
-        result = await self._request(
-            lambda rid: Reschedule(message_id, due_ms, request_id=rid),
-            f"rescheduling {message_id!r}",
-        )
-        assert isinstance(result, RescheduleResult)
-        return RescheduleReceipt.from_result(message_id, due_ms, result)
+        due_ms = reschedule_due_ms(time.time_ns() // 1_000_000, at, delay, at_ms, delay_ms)
+        return await self._call(calls.reschedule(message_id, due_ms))
 
-    async def _request(self, build, what: str) -> Response:
+    async def _call(self, call: calls.Call[T]) -> T:
         """One request, sent again after a lost connection, within ``timeout_s``."""
         if self._closed:
             raise ConnectionClosedError("the producer is closed")
@@ -274,17 +223,17 @@ class AsyncProducer:
             while True:
                 link = await self._session.link()
                 try:
-                    response = await link.request(build)
+                    response = await link.request(call.build)
                 except ConnectionClosedError as exc:
                     self._session.lost(link, exc)
                     continue
+                except NotLeaderError as exc:
+                    self._session.redirected(link, exc)
+                    continue
                 self._session.succeeded()
-                return response
+                return call.finish(response)
         self._session.abort()
-        raise DelaydTimeout(
-            f"{what} at {self.addr} took over {self.timeout_s} s "
-            f"({self._session.describe_problem()})"
-        )
+        raise self._session.took_too_long(call.what, self.timeout_s)
 
     async def aclose(self) -> None:
         """Close the connection; later calls raise ConnectionClosedError."""
@@ -301,17 +250,23 @@ async def open_producer(
     timeout_s: float = 10.0,
     busy_retries: int = 5,
     client_name: str = CLIENT_NAME,
+    retry_first_connect: bool = True,
 ) -> AsyncIterator[AsyncProducer]:
-    """An async producer connected to ``addr`` (``"host:port"``), closed on exit.
+    """An async producer connected to ``addr``, closed on exit: ``"host:port"``, a
+    group's members ``"h1:p1,h2:p2"`` or ``"etcd://host:port/GROUP"`` (the group's leader
+    is found, and followed across a failover: docs/clients.md, "Addresses").
 
     Connects (HELLO, with ``token`` when given; over TLS with ``tls``) before the body
-    runs, retrying with back-off for up to ``timeout_s``. Raises ValueError for a
-    malformed ``addr``, RejectedError for a wrong token, TlsError for a certificate
-    refused (by either side) or a TLS file that cannot be used, DelaydTimeout when the
-    server cannot be reached.
+    runs, retrying with back-off for up to ``timeout_s`` — or, with
+    ``retry_first_connect=False``, raising UnreachableError at once when that
+    connection cannot be made. Raises ValueError for a malformed ``addr``,
+    RejectedError for a wrong token, TlsError for a certificate refused (by either
+    side) or a TLS file that cannot be used, DelaydTimeout when the server cannot be
+    reached.
     """
     async with background_task_group() as tg:
         session = AsyncSession(addr, token=token, client_name=client_name, task_group=tg, tls=tls)
+        session.retry_first_connect = retry_first_connect
         producer = AsyncProducer(session, timeout_s=timeout_s, busy_retries=busy_retries)
         try:
             with anyio.move_on_after(timeout_s) as scope:

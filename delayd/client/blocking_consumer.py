@@ -25,42 +25,39 @@ import threading
 import time
 from collections.abc import Callable
 from functools import partial
-from types import TracebackType
 
-from delayd import __version__
-from delayd.client._backoff import Backoff
+from delayd.client._blocking_client import BlockingClient
 from delayd.client._blocking_link import BlockingLink
-from delayd.client._blocking_session import BlockingSession
 from delayd.client._consumer_id import new_consumer_id
-from delayd.client._consumer_state import ConsumerState
+from delayd.client._consumer_state import ConsumerState, Subscription
 from delayd.errors import (
     BusyError,
     ConnectionClosedError,
     DelaydError,
     DelaydTimeout,
+    NotLeaderError,
     RejectedError,
 )
 from delayd.protocol import (
     CommitOffset,
     CommitOffsetOk,
     ErrorCode,
-    Heartbeat,
     HeartbeatResult,
-    JoinGroup,
     JoinGroupResult,
     Message,
-    Pull,
     PullResult,
     Request,
     Response,
 )
 from delayd.tls import ClientTls
+from delayd.version import __version__
 
 CLIENT_NAME = f"delayd-python-blocking/{__version__}"
 
 
-class Consumer:
-    """Pulls messages of ``subject`` as a member of ``group`` at ``addr`` (``"host:port"``).
+class Consumer(BlockingClient):
+    """Pulls messages of ``subject`` as a member of ``group`` at ``addr`` (``"host:port"``,
+    or a broker group: ``"h1:p1,h2:p2"``, ``"etcd://host:port/GROUP"``; docs/clients.md).
 
     Connects and joins on ``with`` (or on the first receive). Iterate it, or call
     ``receive(timeout_s=...)``. With ``auto_commit`` a message is committed once the
@@ -69,9 +66,13 @@ class Consumer:
     durable on the broker before the next message is handed out (at most one message
     comes again after a crash; docs/clients.md). ``timeout_s`` bounds every request;
     iterating waits for messages for ever, reconnecting while the broker is away.
-    ``tls``: connect over TLS (delayd.tls.ClientTls). Raises ValueError for a malformed
-    ``addr`` or an unknown ``commit`` mode, TlsError for a TLS file that cannot be used.
+    ``tls``: connect over TLS (delayd.tls.ClientTls). ``retry_first_connect=False``: a
+    first connection that cannot be made raises UnreachableError at once (as the
+    Producer's). Raises ValueError for a malformed ``addr`` or an unknown ``commit``
+    mode, TlsError for a TLS file that cannot be used.
     """
+
+    listener = "broker"  # etcd:// resolves to the members' broker addresses
 
     def __init__(
         self,
@@ -89,13 +90,10 @@ class Consumer:
         pull_wait_ms: int = 1000,
         heartbeat_interval_s: float = 3.0,
         client_name: str = CLIENT_NAME,
+        retry_first_connect: bool = True,
     ) -> None:
-        self._session = BlockingSession(addr, token=token, client_name=client_name, tls=tls)
-        self.addr = addr
-        self.subject = subject
-        self.group = group
-        self.consumer_id = consumer_id or new_consumer_id()
-        self.timeout_s = timeout_s
+        super().__init__(addr, token, client_name, timeout_s, retry_first_connect, tls)
+        self.subscription = Subscription(subject, group, consumer_id or new_consumer_id())
         self.max_messages = max_messages
         self.pull_wait_ms = pull_wait_ms
         self.heartbeat_interval_s = heartbeat_interval_s
@@ -103,11 +101,8 @@ class Consumer:
         self._joined: BlockingLink | None = None  # the link this consumer is a member on
         self._joins = 0  # JOINs done so far
         self._last_sent = 0.0  # monotonic time of the last request (a PULL is a heartbeat)
-        self._busy_backoff = Backoff(initial_s=0.01, max_s=1.0)
-        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
-        self._closed = False
 
     @property
     def queues(self) -> tuple[int, ...]:
@@ -116,20 +111,12 @@ class Consumer:
 
     # --- lifecycle --------------------------------------------------------------------
 
-    def __enter__(self) -> Consumer:
-        self.connect()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:
         self.close(clean=exc_type is None)
 
     def connect(self) -> None:
-        """Connect and join now (DelaydTimeout after ``timeout_s``, RejectedError)."""
+        """Connect and join now (DelaydTimeout after ``timeout_s``, RejectedError,
+        UnreachableError)."""
         with self._lock:
             self._check_open()
             self._member_link(time.monotonic() + self.timeout_s)
@@ -152,10 +139,6 @@ class Consumer:
             self._session.close()
         if self._heartbeat_thread is not None:
             self._heartbeat_thread.join(timeout=self.timeout_s)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ConnectionClosedError("the consumer is closed")
 
     # --- iteration --------------------------------------------------------------------
 
@@ -233,10 +216,12 @@ class Consumer:
                 link = self._member_link(deadline)
                 request_deadline = min(deadline, time.monotonic() + self.timeout_s)
                 for queue, offset in due:
-                    link.request(partial(self._commit_request, queue, offset), request_deadline)
+                    link.request(self._commit_request(queue, offset), request_deadline)
                     self._state.committed(queue, offset)
-            except (ConnectionClosedError, DelaydTimeout) as exc:
-                if isinstance(exc, ConnectionClosedError) or self._session.current is None:
+            except (ConnectionClosedError, DelaydTimeout, NotLeaderError) as exc:
+                if isinstance(exc, NotLeaderError):
+                    self._session.redirected(exc)  # committed again at the leader
+                elif isinstance(exc, ConnectionClosedError) or self._session.current is None:
                     self._session.lost(exc)
                 if not retry:
                     return
@@ -258,15 +243,20 @@ class Consumer:
                 return link
             try:
                 result = link.request(
-                    lambda rid: JoinGroup(
-                        self.group, self.subject, self.consumer_id, request_id=rid
-                    ),
-                    min(deadline, time.monotonic() + self.timeout_s),
+                    self.subscription.join, min(deadline, time.monotonic() + self.timeout_s)
                 )
             except (ConnectionClosedError, DelaydTimeout) as exc:
                 self._session.lost(exc)
                 if time.monotonic() >= deadline:
                     raise DelaydTimeout(f"could not join at {self.addr} in time") from None
+                continue
+            except NotLeaderError as exc:
+                self._session.redirected(exc)  # join the leader instead
+                if time.monotonic() >= deadline:
+                    raise DelaydTimeout(
+                        f"could not join at {self.addr} in time "
+                        f"({self._session.describe_problem()})"
+                    ) from None
                 continue
             except BusyError as exc:
                 self._session.last_problem = exc
@@ -288,9 +278,9 @@ class Consumer:
         self._last_sent = time.monotonic()
         due = self._state.commits_due()
         builds: list[Callable[[int], Request]] = [
-            partial(self._commit_request, queue, offset) for queue, offset in due
+            self._commit_request(queue, offset) for queue, offset in due
         ]
-        builds.append(partial(self._pull_request, wait_ms))
+        builds.append(partial(self.subscription.pull, self.max_messages, wait_ms))
         answers: dict[int, Response | DelaydError] = {}
         try:
             link.pipeline(
@@ -312,6 +302,11 @@ class Consumer:
             self._session.succeeded()
             self._busy_backoff.reset()
             self._state.add_pulled(result.messages)
+        elif isinstance(result, NotLeaderError):
+            # The group's leader moved: join it there; it resumes from the committed offsets.
+            self._session.redirected(result)
+            self._joined = None
+            return
         elif isinstance(result, RejectedError):
             if result.code != ErrorCode.INVALID_REQUEST or self._joins != joins_before:
                 raise result
@@ -323,29 +318,21 @@ class Consumer:
             raise result
         # A refused commit is an answer about the subscription: raised like a refused pull.
         for index in range(len(due)):
-            if isinstance(answers.get(index), DelaydError):
-                raise answers[index]
+            answer = answers.get(index)
+            if isinstance(answer, DelaydError) and not isinstance(answer, NotLeaderError):
+                raise answer
 
-    def _commit_request(self, queue: int, offset: int, request_id: int) -> CommitOffset:
-        durable = self._state.sync_commits
-        return CommitOffset(self.group, self.subject, queue, offset, durable, request_id=request_id)
-
-    def _pull_request(self, wait_ms: int, request_id: int) -> Pull:
-        return Pull(
-            self.subject,
-            self.group,
-            self.consumer_id,
-            max_messages=self.max_messages,
-            wait_ms=wait_ms,
-            request_id=request_id,
-        )
+    def _commit_request(self, queue: int, offset: int) -> Callable[[int], CommitOffset]:
+        return partial(self.subscription.commit, queue, offset, self._state.sync_commits)
 
     # --- heartbeats -------------------------------------------------------------------
 
     def _start_heartbeats(self) -> None:
         if self._heartbeat_thread is None:
             self._heartbeat_thread = threading.Thread(
-                target=self._heartbeats, name=f"delayd-heartbeat-{self.consumer_id}", daemon=True
+                target=self._heartbeats,
+                name=f"delayd-heartbeat-{self.subscription.consumer_id}",
+                daemon=True,
             )
             self._heartbeat_thread.start()
 
@@ -362,10 +349,7 @@ class Consumer:
                 self._last_sent = time.monotonic()
                 try:
                     result = link.request(
-                        lambda rid: Heartbeat(
-                            self.group, self.subject, self.consumer_id, request_id=rid
-                        ),
-                        time.monotonic() + self.timeout_s,
+                        self.subscription.heartbeat, time.monotonic() + self.timeout_s
                     )
                 except RejectedError as exc:
                     if exc.code == ErrorCode.INVALID_REQUEST:

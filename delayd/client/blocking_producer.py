@@ -13,65 +13,50 @@ commit acknowledges several frames with one fsync.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from types import TracebackType
-from typing import Any
+from datetime import datetime, timedelta
+from typing import Any, TypeVar, Unpack
 
-from delayd import __version__
-from delayd.client._backoff import Backoff
-from delayd.client._blocking_session import BlockingSession
+from delayd.client import _calls as calls
+from delayd.client._blocking_client import BlockingClient
+from delayd.client._due import reschedule_due_ms
 from delayd.client._messages import (
     MAX_FRAME_MESSAGES,
+    SendOptions,
     build_message,
     coerce_batch,
     split_frames,
 )
-from delayd.client.cancel_receipt import (
-    CANCEL_BATCH_IDS,
-    CancelReceipt,
-    RescheduleReceipt,
-    batch_receipts,
-    check_message_id,
-    check_message_ids,
-    reschedule_at_ms,
-)
-from delayd.client.receipt import Receipt
+from delayd.client.cancel_receipt import CancelReceipt, RescheduleReceipt
+from delayd.client.receipt import Receipt, still_busy, stored_or_raise
 from delayd.errors import (
     BusyError,
     ConnectionClosedError,
     DelaydError,
     DelaydTimeout,
-    RejectedError,
+    NotLeaderError,
 )
-from delayd.protocol import (
-    Cancel,
-    CancelBatch,
-    CancelBatchResult,
-    CancelResult,
-    Message,
-    Reschedule,
-    RescheduleResult,
-    Response,
-    ResultCode,
-    SendBatch,
-    SendBatchResult,
-)
+from delayd.protocol import Message, Response, SendBatch, SendBatchResult
 from delayd.tls import ClientTls
+from delayd.version import __version__
 
 CLIENT_NAME = f"delayd-python-blocking/{__version__}"
+T = TypeVar("T")
 
 
-class Producer:
+class Producer(BlockingClient):
     """Sends messages to a broker or to the delay server at ``addr`` (``"host:port"``).
 
     Connects on ``with`` (or on the first call). ``timeout_s`` bounds every call,
     reconnection and retries included (DelaydTimeout); BUSY messages are sent again up
     to ``busy_retries`` times with back-off. ``tls``: connect over TLS (a CA file,
-    and a certificate and key for mutual TLS; delayd.tls.ClientTls). Raises ValueError
-    for a malformed ``addr``, TlsError for a TLS file that cannot be used, and on a
-    call for a certificate the client refused.
+    and a certificate and key for mutual TLS; delayd.tls.ClientTls). With
+    ``retry_first_connect=False`` a first connection that cannot be made raises
+    UnreachableError at once instead of being retried until ``timeout_s`` (later
+    reconnections are retried either way). Raises ValueError for a malformed ``addr``,
+    TlsError for a TLS file that cannot be used, and on a call for a certificate the
+    client refused.
     """
 
     def __init__(
@@ -85,31 +70,16 @@ class Producer:
         max_frame_messages: int = MAX_FRAME_MESSAGES,
         max_in_flight: int = 8,
         client_name: str = CLIENT_NAME,
+        retry_first_connect: bool = True,
     ) -> None:
-        self._session = BlockingSession(addr, token=token, client_name=client_name, tls=tls)
-        self.addr = addr
-        self.timeout_s = timeout_s
+        super().__init__(addr, token, client_name, timeout_s, retry_first_connect, tls)
         self.busy_retries = busy_retries
         self.max_frame_messages = max_frame_messages
         self.max_in_flight = max_in_flight
-        self._busy_backoff = Backoff(initial_s=0.01, max_s=1.0)
-        self._lock = threading.Lock()
-        self._closed = False
-
-    def __enter__(self) -> Producer:
-        self.connect()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def connect(self) -> None:
-        """Connect now rather than on the first send (DelaydTimeout, RejectedError)."""
+        """Connect now rather than on the first send (DelaydTimeout, RejectedError,
+        UnreachableError)."""
         with self._lock:
             self._check_open()
             self._session.link(time.monotonic() + self.timeout_s)
@@ -120,45 +90,16 @@ class Producer:
             self._closed = True
             self._session.close()
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ConnectionClosedError("the producer is closed")
-
-    def send(
-        self,
-        subject: str,
-        body: bytes | str,
-        *,
-        at_ms: int | None = None,
-        delay_ms: int | None = None,
-        message_id: str | None = None,
-        key: str | None = None,
-        properties: Mapping[str, str] | None = None,
-    ) -> Receipt:
+    def send(self, subject: str, body: bytes | str, **options: Unpack[SendOptions]) -> Receipt:
         """Send one message and wait until the server has stored it durably.
 
-        Arguments and errors as ``AsyncProducer.send``: RejectedError for a refusal,
-        BusyError when the server stayed busy, DelaydTimeout after ``timeout_s``,
-        ValueError for ``at_ms`` together with ``delay_ms``.
+        Options (SendOptions) and errors as ``AsyncProducer.send``: RejectedError for a
+        refusal, BusyError when the server stayed busy, DelaydTimeout after
+        ``timeout_s``, ValueError or TypeError (naming it) for a bad ``at``/``delay``/``at_ms``/
+        ``delay_ms``.
         """
-        message = build_message(
-            subject,
-            body,
-            at_ms=at_ms,
-            delay_ms=delay_ms,
-            message_id=message_id,
-            key=key,
-            properties=properties,
-        )
-        (receipt,) = self.send_batch([message])
-        if receipt.code.is_retryable:  # BUSY, or another refusal that may pass later
-            raise BusyError(
-                f"{self.addr} stayed busy through {self.busy_retries} retries: "
-                f"{receipt.reason} ({receipt.code.name})"
-            )
-        if not receipt.ok:
-            raise RejectedError(receipt.code, receipt.reason)
-        return receipt
+        (receipt,) = self.send_batch([build_message(subject, body, **options)])
+        return stored_or_raise(receipt, self.addr, self.busy_retries)
 
     def send_batch(
         self, messages: Iterable[Message | Mapping[str, Any] | tuple[str, bytes]]
@@ -177,59 +118,63 @@ class Producer:
 
     def cancel(self, message_id: str) -> CancelReceipt:
         """Cancel a delayed message; as ``AsyncProducer.cancel``."""
-        check_message_id(message_id)
-        result = self._request(lambda rid: Cancel(message_id, request_id=rid))
-        assert isinstance(result, CancelResult)
-        return CancelReceipt.from_result(message_id, result)
+        return self._call(calls.cancel(message_id))
 
     def cancel_many(self, message_ids: Iterable[str]) -> list[CancelReceipt]:
         """Cancel several delayed messages; as ``AsyncProducer.cancel_many`` (frames
         pipelined, ``max_in_flight`` at a time)."""
-        ids = check_message_ids(message_ids)
-        step = CANCEL_BATCH_IDS
-        frames = [tuple(ids[i : i + step]) for i in range(0, len(ids), step)]
+        batches = calls.cancel_batches(message_ids)
         answers: dict[int, list[CancelReceipt]] = {}
 
-        def on_answer(index: int, answer: object) -> None:
+        def on_answer(index: int, answer: Response | DelaydError) -> None:
             if isinstance(answer, DelaydError):
                 raise answer
-            assert isinstance(answer, CancelBatchResult)
-            answers[todo[index]] = batch_receipts(frames[todo[index]], answer)
+            answers[todo[index]] = batches[todo[index]].finish(answer)
 
         deadline = time.monotonic() + self.timeout_s
-        todo = list(range(len(frames)))
+        todo = list(range(len(batches)))
         with self._lock:
             self._check_open()
             while todo:
                 link = self._session.link(deadline)
-                builds = [lambda rid, f=frames[i]: CancelBatch(f, request_id=rid) for i in todo]
+                builds = [batches[i].build for i in todo]
                 try:
                     link.pipeline(builds, deadline, on_answer=on_answer, window=self.max_in_flight)
                 except ConnectionClosedError as exc:
                     self._session.lost(exc)  # send the unanswered frames again
                     todo = [i for i in todo if i not in answers]
                     continue
+                except NotLeaderError as exc:
+                    self._session.redirected(exc)  # the unanswered frames go to the leader
+                    todo = [i for i in todo if i not in answers]
+                    continue
                 except DelaydTimeout:
-                    self._session.lost(DelaydTimeout("a cancel timed out"))
-                    raise DelaydTimeout(
-                        f"cancelling {len(ids)} message(s) at {self.addr} took over "
-                        f"{self.timeout_s} s ({self._session.describe_problem()})"
-                    ) from None
+                    what = f"cancel_many ({len(batches)} CANCEL_BATCH frame(s))"
+                    raise self._timed_out(what) from None
                 self._session.succeeded()
                 todo = []
-        return [receipt for index in range(len(frames)) for receipt in answers[index]]
+        return [receipt for index in range(len(batches)) for receipt in answers[index]]
 
     def reschedule(
-        self, message_id: str, *, at_ms: int | None = None, delay_ms: int | None = None
+        self,
+        message_id: str,
+        *,
+        at: datetime | None = None,
+        delay: timedelta | None = None,
+        at_ms: int | None = None,
+        delay_ms: int | None = None,
     ) -> RescheduleReceipt:
         """Move a delayed message to a new time; as ``AsyncProducer.reschedule``."""
-        check_message_id(message_id)
-        due_ms = reschedule_at_ms(at_ms, delay_ms)
-        result = self._request(lambda rid: Reschedule(message_id, due_ms, request_id=rid))
-        assert isinstance(result, RescheduleResult)
-        return RescheduleReceipt.from_result(message_id, due_ms, result)
+        due_ms = reschedule_due_ms(time.time_ns() // 1_000_000, at, delay, at_ms, delay_ms)
+        return self._call(calls.reschedule(message_id, due_ms))
 
-    def _request(self, build) -> Response:
+    def _timed_out(self, what: str) -> DelaydTimeout:
+        """The error of a call whose ``what`` ran out of ``timeout_s``; the link it
+        waited on is dropped, since an answer may still come on it."""
+        self._session.lost(DelaydTimeout(f"{what} timed out"))
+        return self._session.took_too_long(what, self.timeout_s)
+
+    def _call(self, call: calls.Call[T]) -> T:
         """One request, sent again after a lost connection, within ``timeout_s``."""
         deadline = time.monotonic() + self.timeout_s
         with self._lock:
@@ -237,18 +182,17 @@ class Producer:
             while True:
                 link = self._session.link(deadline)
                 try:
-                    response = link.request(build, deadline)
+                    response = link.request(call.build, deadline)
                 except ConnectionClosedError as exc:
                     self._session.lost(exc)
                     continue
+                except NotLeaderError as exc:
+                    self._session.redirected(exc)
+                    continue
                 except DelaydTimeout:
-                    self._session.lost(DelaydTimeout("a request timed out"))
-                    raise DelaydTimeout(
-                        f"no answer from {self.addr} within {self.timeout_s} s "
-                        f"({self._session.describe_problem()})"
-                    ) from None
+                    raise self._timed_out(call.what) from None
                 self._session.succeeded()
-                return response
+                return call.finish(response)
 
     def _send(self, batch: list[Message], deadline: float) -> list[Receipt]:
         """Send every frame; again after a lost connection (same ids, so the server
@@ -269,21 +213,18 @@ class Producer:
                 todo = round_.unfinished()
                 continue
             except DelaydTimeout:
-                self._session.lost(DelaydTimeout("a send timed out"))
-                raise DelaydTimeout(
-                    f"sending {len(batch)} message(s) to {self.addr} took over "
-                    f"{self.timeout_s} s ({self._session.describe_problem()})"
-                ) from None
+                raise self._timed_out(f"sending {len(batch)} message(s)") from None
+            if round_.not_leader is not None:
+                # Its frames were not stored here: the same ids again, at the leader.
+                self._session.redirected(round_.not_leader)
+                todo = round_.unfinished()
+                continue
             self._session.succeeded()
             todo = round_.unfinished()
             if todo:
                 busy_rounds += 1
                 if busy_rounds > self.busy_retries:
-                    for index in todo:
-                        if receipts[index] is None:
-                            receipts[index] = Receipt(
-                                batch[index].message_id, ResultCode.BUSY, "server busy"
-                            )
+                    still_busy(receipts, batch, todo)
                     break
                 delay = self._busy_backoff.next_delay()
                 if time.monotonic() + delay >= deadline:
@@ -315,16 +256,21 @@ class _Round:
             self._indexes.append(todo[position : position + len(frame)])
             position += len(frame)
         self._again: list[int] = []  # BUSY: to send again
+        self.not_leader: NotLeaderError | None = None  # a frame answered NOT_LEADER
         self._answered: set[int] = set()  # frames answered
 
     def builds(self) -> list[Callable[[int], SendBatch]]:
-        return [lambda rid, f=frame: SendBatch(f, request_id=rid) for frame in self._frames]
+        return [calls.send_batch(frame) for frame in self._frames]
 
     def on_answer(self, frame_index: int, answer: object) -> None:
         self._answered.add(frame_index)
         indexes = self._indexes[frame_index]
         if isinstance(answer, BusyError):
             self._again.extend(indexes)  # the whole frame was refused as busy
+            return
+        if isinstance(answer, NotLeaderError):
+            self.not_leader = answer
+            self._again.extend(indexes)
             return
         if isinstance(answer, DelaydError):
             raise answer

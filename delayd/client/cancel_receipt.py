@@ -1,13 +1,13 @@
 """What cancel and reschedule return, and the one place their arguments are checked.
 
-Shared by the async and blocking producers (I/O-free). A cancel's answer is exactly one
-of CANCELLED (it will not be delivered), ALREADY_DELIVERED (with ``dispatched_ms``) or
-UNKNOWN (no message with that id); never "maybe" (docs/cancel.md).
+Shared by the async and blocking producers (I/O-free; the requests are in _calls.py).
+A cancel's answer is exactly one of CANCELLED (it will not be delivered),
+ALREADY_DELIVERED (with ``dispatched_ms``) or UNKNOWN (no message with that id); never
+"maybe" (docs/cancel.md).
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 from delayd.errors import RemoteProtocolError
@@ -17,6 +17,7 @@ from delayd.protocol import (
     CancelResult,
     RescheduleOutcome,
     RescheduleResult,
+    Response,
 )
 
 CANCEL_BATCH_IDS = 1024  # ids per CANCEL_BATCH frame that cancel_many sends
@@ -36,7 +37,9 @@ class CancelReceipt:
         return self.outcome is CancelOutcome.CANCELLED
 
     @classmethod
-    def from_result(cls, message_id: str, result: CancelResult) -> CancelReceipt:
+    def from_result(cls, message_id: str, result: Response) -> CancelReceipt:
+        """The receipt of the answer to cancel_request(message_id)."""
+        assert isinstance(result, CancelResult)
         return cls(message_id, CancelOutcome(result.outcome), result.dispatched_ms)
 
 
@@ -57,9 +60,9 @@ class RescheduleReceipt:
         return self.outcome is RescheduleOutcome.RESCHEDULED
 
     @classmethod
-    def from_result(
-        cls, message_id: str, at_ms: int, result: RescheduleResult
-    ) -> RescheduleReceipt:
+    def from_result(cls, message_id: str, at_ms: int, result: Response) -> RescheduleReceipt:
+        """The receipt of the answer to reschedule_request(message_id, at_ms)."""
+        assert isinstance(result, RescheduleResult)
         return cls(message_id, RescheduleOutcome(result.outcome), at_ms, result.dispatched_ms)
 
 
@@ -67,20 +70,6 @@ def check_message_id(message_id: str) -> None:
     """Raise ValueError for an id no message can have."""
     if not isinstance(message_id, str) or not message_id:
         raise ValueError("message_id must be a non-empty string")
-
-
-def reschedule_at_ms(at_ms: int | None, delay_ms: int | None) -> int:
-    """The absolute time (epoch ms) to send for ``reschedule``: ``at_ms``, or now +
-    ``delay_ms`` by this machine's clock (RESCHEDULE carries an absolute time). Raises
-    ValueError for neither or both, or a negative delay — the checks a send makes."""
-    if (at_ms is None) == (delay_ms is None):
-        raise ValueError("give exactly one of at_ms and delay_ms")
-    if delay_ms is not None:
-        if delay_ms < 0:
-            raise ValueError(f"delay_ms is {delay_ms}; a delay cannot be negative")
-        return time.time_ns() // 1_000_000 + delay_ms
-    assert at_ms is not None
-    return at_ms
 
 
 def check_message_ids(message_ids: object) -> list[str]:
@@ -93,9 +82,10 @@ def check_message_ids(message_ids: object) -> list[str]:
     return ids
 
 
-def batch_receipts(ids: tuple[str, ...], result: CancelBatchResult) -> list[CancelReceipt]:
+def batch_receipts(ids: tuple[str, ...], result: Response) -> list[CancelReceipt]:
     """The receipts of one CANCEL_BATCH frame; RemoteProtocolError when the server
     answered another number of results than ids."""
+    assert isinstance(result, CancelBatchResult)
     if len(result.results) != len(ids):
         raise RemoteProtocolError(
             f"CANCEL_BATCH of {len(ids)} ids answered with {len(result.results)} results"

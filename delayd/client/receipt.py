@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from delayd.protocol import ResultCode, SendResult
+from delayd.errors import BusyError, RejectedError
+from delayd.protocol import Message, ResultCode, SendResult
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,26 +42,41 @@ class Receipt:
     @classmethod
     def from_result(cls, message_id: str, result: SendResult) -> Receipt:
         """The receipt for ``message_id`` from its SEND_BATCH result."""
-        if result.due_ms is not None:
-            # The delay server: it sends due_ms, and its message_log sequence in the
-            # queue_offset slot (docs/protocol.md, "SEND_BATCH results").
-            return cls(
-                message_id,
-                result.code,
-                result.reason,
-                due_ms=result.due_ms,
-                sequence=result.queue_offset,
-                store_ms=result.store_ms,
-                commitlog_offset=result.commitlog_offset,
-                queue=result.queue,
-                queue_offset=result.queue_offset,  # as sent, for code that reads the slot
-            )
+        # The delay server sends due_ms, and its message_log sequence in the queue_offset
+        # slot (docs/protocol.md, "SEND_BATCH results"); a broker sends no due_ms.
+        from_delay_server = result.due_ms is not None
         return cls(
             message_id,
             result.code,
             result.reason,
+            due_ms=result.due_ms,
+            sequence=result.queue_offset if from_delay_server else None,
             store_ms=result.store_ms,
             commitlog_offset=result.commitlog_offset,
             queue=result.queue,
-            queue_offset=result.queue_offset,
+            queue_offset=result.queue_offset,  # as sent, also for code that reads the slot
         )
+
+
+def stored_or_raise(receipt: Receipt, addr: str, busy_retries: int) -> Receipt:
+    """``send``'s answer: ``receipt`` when the message is stored. Raises BusyError when
+    it stayed BUSY (or another refusal that may pass later) through ``busy_retries``,
+    RejectedError, with the server's reason, for any other refusal."""
+    if receipt.code.is_retryable:
+        raise BusyError(
+            f"{addr} stayed busy through {busy_retries} retries: "
+            f"{receipt.reason} ({receipt.code.name})"
+        )
+    if not receipt.ok:
+        raise RejectedError(receipt.code, receipt.reason)
+    return receipt
+
+
+def still_busy(
+    receipts: list[Receipt | None], messages: Sequence[Message], indexes: Sequence[int]
+) -> None:
+    """The BUSY retries are spent: the messages at ``indexes`` still without a receipt
+    (their whole frame was refused) get a BUSY one."""
+    for index in indexes:
+        if receipts[index] is None:
+            receipts[index] = Receipt(messages[index].message_id, ResultCode.BUSY, "server busy")

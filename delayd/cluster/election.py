@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 
 import trio
 
@@ -40,8 +40,9 @@ from delayd.cluster.etcd import (
     Put,
     RangeResult,
 )
+from delayd.cluster.in_sync import write_in_sync
 from delayd.cluster.lease import keep_lease, now_ms
-from delayd.cluster.lease_guard import DEFAULT_LEASE_TTL_MS, LeaseGuard
+from delayd.cluster.lease_guard import DEFAULT_LEASE_TTL_MS, LeaseGuard, check_lease_ttl_ms
 from delayd.cluster.members import (
     DEFAULT_PREFIX,
     NO_LEADER,
@@ -52,23 +53,12 @@ from delayd.cluster.members import (
     view_of,
 )
 from delayd.errors import EtcdError, EtcdUnavailable
-from delayd.logsetup import fields
+from delayd.serving.structured_logs import fields
 
 log = logging.getLogger(__name__)
 
 RETRY_MIN_S = 0.05  # after a failed etcd call or a lost session, doubling ...
 RESIGN_TIMEOUT_S = 1.0  # how long a graceful stop waits for etcd to revoke the lease
-
-
-def check_lease_ttl_ms(ttl_ms: int) -> int:
-    """``ttl_ms`` if etcd can grant exactly that lease; else ValueError. etcd counts
-    lease TTLs in whole seconds and its shortest lease is 1 s."""
-    if ttl_ms < 1000 or ttl_ms % 1000:
-        raise ValueError(
-            f"lease_ttl_ms must be a whole number of seconds, at least 1000, got {ttl_ms} "
-            "(etcd counts lease TTLs in seconds)"
-        )
-    return ttl_ms
 
 
 class GroupMember:
@@ -80,7 +70,9 @@ class GroupMember:
 
     ``eligible()`` is asked before every campaign; a member that is not eligible only
     follows, and asks again when the leader key changes or every ttl/3 while there is
-    no leader.
+    no leader. ``campaign_compares()`` adds conditions to the campaign txn (the
+    eligibility it was judged on still holds: delayd.cluster.in_sync); a campaign that
+    fails on them is tried again as one while nobody leads.
 
     ``elections_won`` counts the campaigns this member won (for a metric).
     """
@@ -95,6 +87,7 @@ class GroupMember:
         lease_ttl_ms: int = DEFAULT_LEASE_TTL_MS,
         step_down_margin_ms: int | None = None,
         eligible: Callable[[], bool] = lambda: True,
+        campaign_compares: Callable[[], Sequence[Compare]] = lambda: (),
         on_change: Callable[[View, View, str], None] | None = None,
     ) -> None:
         """Raises ValueError for a bad group name, prefix or lease TTL (see
@@ -106,6 +99,7 @@ class GroupMember:
         LeaseGuard(lease_ttl_ms, step_down_margin_ms)  # refuse a bad margin now, not later
         self.step_down_margin_ms = step_down_margin_ms
         self.eligible = eligible
+        self.campaign_compares = campaign_compares
         self.on_change = on_change
         self.view: View = NO_LEADER
         self.elections_won = 0
@@ -134,6 +128,17 @@ class GroupMember:
         the event loop does, and this check does not depend on it."""
         guard = self._guard
         return self.view.role is Role.LEADER and guard is not None and guard.trusted(now_ms())
+
+    async def set_in_sync(self, members: Iterable[str]) -> bool:
+        """As the leader, set the group's in-sync set (the members that may lead next) to
+        ``members``. Fenced: written only while the leader key is still the one this
+        member created at its epoch. Returns whether it was written (False: this member
+        does not lead, or no longer does). Raises ValueError for a bad member id,
+        EtcdUnavailable when etcd cannot be reached (the outcome may be unknown)."""
+        epoch = self.epoch
+        if self.role is not Role.LEADER or epoch is None:
+            return False
+        return await write_in_sync(self.etcd, self.keys, epoch, members)
 
     async def wait_change(self) -> View:
         """Wait for the next change of view and return the new view."""
@@ -282,15 +287,18 @@ class GroupMember:
             return (found.kvs[0] if found.kvs else None), found.revision
         own = self.info.to_json()
         result = await self.etcd.txn(
-            [Compare.create_revision(key, 0)], [Put(key, own, lease_id)], [Get(key)]
+            [Compare.create_revision(key, 0), *self.campaign_compares()],
+            [Put(key, own, lease_id)],
+            [Get(key)],
         )
         if result.succeeded:
             won = KeyValue(key.encode(), own, result.revision, result.revision, 1, lease_id)
             return won, result.revision
         found = result.responses[0]
         assert isinstance(found, RangeResult)
-        # A txn is atomic: the failure branch reads the key the compare found.
-        return found.kvs[0], result.revision
+        # A txn is atomic: the failure branch reads the key the compares found. No key:
+        # an added compare failed, and the campaign is tried again as ineligible ones are.
+        return (found.kvs[0] if found.kvs else None), result.revision
 
     async def _watch_leader(self, kv: KeyValue | None, start_revision: int, lease_id: int) -> None:
         """Follow the leader key from ``start_revision`` until it is deleted (return to

@@ -21,6 +21,17 @@ from __future__ import annotations
 DEFAULT_LEASE_TTL_MS = 2000
 
 
+def check_lease_ttl_ms(ttl_ms: int) -> int:
+    """``ttl_ms`` if etcd can grant exactly that lease; else ValueError. etcd counts
+    lease TTLs in whole seconds and its shortest lease is 1 s."""
+    if ttl_ms < 1000 or ttl_ms % 1000:
+        raise ValueError(
+            f"lease_ttl_ms must be a whole number of seconds, at least 1000, got {ttl_ms} "
+            "(etcd counts lease TTLs in seconds)"
+        )
+    return ttl_ms
+
+
 def default_margin_ms(ttl_ms: int) -> int:
     """A quarter of the TTL: with renewals every ttl/3 a leader steps down after two
     renewals in a row went unanswered."""

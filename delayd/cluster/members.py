@@ -4,6 +4,7 @@ Keys, for group ``G`` under ``prefix`` (``/delayd`` by default)::
 
     <prefix>/groups/G/members/<member_id>   MemberInfo JSON, on the member's lease
     <prefix>/groups/G/leader                the leader's MemberInfo JSON, on its lease
+    <prefix>/groups/G/in_sync               the members that may lead, a JSON list of ids
 
 Both live on the member's lease, so a member that dies (or loses etcd for longer than
 its lease) disappears from the group by itself. The leader key is created in a txn that
@@ -19,8 +20,10 @@ import enum
 import json
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from delayd.cluster.etcd import KeyValue
+if TYPE_CHECKING:
+    from delayd.cluster.etcd import KeyValue
 
 DEFAULT_PREFIX = "/delayd"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -56,6 +59,7 @@ class MemberInfo:
     broker: str = ""
     replication: str = ""
     metrics: str = ""
+    http: str = ""  # the HTTP/JSON API of a delay server
 
     def __post_init__(self) -> None:
         check_name("member id", self.member_id)
@@ -95,6 +99,11 @@ class GroupKeys:
     @property
     def leader(self) -> str:
         return f"{self.base}/leader"
+
+    @property
+    def in_sync(self) -> str:
+        """The members that may lead (delayd.cluster.in_sync); no lease: it outlives them."""
+        return f"{self.base}/in_sync"
 
     @property
     def members(self) -> str:

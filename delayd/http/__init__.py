@@ -8,7 +8,7 @@ import trio
 from delayd.http.limits import BodyLimit, body_limit_bytes
 from delayd.http.listener import HttpListener
 from delayd.http.routes import Backend, build_app
-from delayd.tls import ServerTls
+from delayd.serving.tls import ServerTls
 
 
 def open_api(

@@ -1,6 +1,6 @@
 """The HTTP listener: the API served by hypercorn's trio worker, in the server's nursery.
 
-The sockets are bound before recovery with the other listeners (delayd.listen); here
+The sockets are bound before recovery with the other listeners (delayd.serving.listeners); here
 hypercorn takes them over (a duplicate of each descriptor, ``fd://``; the bound ones
 are closed), so a port clash is still reported at once and connections made during
 recovery wait in the backlog.
@@ -22,9 +22,9 @@ import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
 
-from delayd.connection_limits import DEFAULT_HELLO_TIMEOUT_MS
-from delayd.listen import bound_addresses
-from delayd.tls import ServerTls
+from delayd.serving.connection_limits import DEFAULT_HELLO_TIMEOUT_MS
+from delayd.serving.listeners import bound_addresses
+from delayd.serving.tls import ServerTls
 
 log = logging.getLogger(__name__)
 

@@ -9,21 +9,18 @@ message without an id gets one made as the Python clients make theirs
 
 from __future__ import annotations
 
-import argparse
 import base64
 import binascii
-import re
 
 from delayd.client import new_message_id
-from delayd.client.send_command import parse_duration_ms, parse_utc_ms
+from delayd.durations import parse_duration_ms
 from delayd.http.models import ConsumedMessage, ScheduleRequest
 from delayd.http.problems import bad_input
 from delayd.protocol import Message
+from delayd.timestamps import parse_utc_ms
 
 MAX_EPOCH_MS = (1 << 63) - 1  # the wire's i64
 MAX_FIELD_BYTES = 65_535  # an id, subject or key: the wire's u16 length prefix
-# A compound duration ("1h30m", "2d12h") is a sum of single ones, each the CLI's.
-_DURATION_PART = re.compile(r"\d+(?:\.\d+)?(?:ms|s|m|h|d)")
 
 
 def at_ms(value: int | str, where: str) -> int:
@@ -34,7 +31,7 @@ def at_ms(value: int | str, where: str) -> int:
         return value
     try:
         ms = parse_utc_ms(value)
-    except (argparse.ArgumentTypeError, OverflowError, ValueError) as exc:
+    except (OverflowError, ValueError) as exc:
         raise bad_input(f"{where}.at: {exc}", "invalid-delay") from None
     if not 0 <= ms <= MAX_EPOCH_MS:
         raise bad_input(f"{where}.at is {value!r}, before 1970", "invalid-delay")
@@ -46,13 +43,9 @@ def delay_ms(value: int | str, where: str) -> int:
     if isinstance(value, int):
         ms = value
     else:
-        text = value.strip()
-        parts = _DURATION_PART.findall(text)
-        if "".join(parts) != text:
-            parts = [text]  # not a sequence of durations: the parser says what is wrong
         try:
-            ms = sum(parse_duration_ms(part) for part in parts)
-        except (argparse.ArgumentTypeError, ValueError) as exc:
+            ms = parse_duration_ms(value)
+        except ValueError as exc:
             raise bad_input(f"{where}.delay: {exc}", "invalid-delay") from None
     if not 0 <= ms <= MAX_EPOCH_MS:
         raise bad_input(

@@ -3,7 +3,7 @@
 They are what the OpenAPI document (docs/openapi.json) describes. Shape checks only
 (types, lengths, counts): the rules of intake — subject, id, delay, body size — are the
 Receiver's, so an HTTP send and a binary SEND_BATCH are refused for the same reasons
-with the same words (delayd.receiver).
+with the same words (delayd.server.receiver).
 """
 
 from __future__ import annotations

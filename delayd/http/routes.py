@@ -57,6 +57,7 @@ from storage.errors import DiskFullError, StorageError
 if TYPE_CHECKING:  # the server imports this package: no import of it at run time
     from delayd.server.cancels import Answer
     from delayd.server.intake import IntakePath
+    from delayd.serving.membership import Membership
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,8 @@ class Backend:
     status: Callable[[str], MessageStatus]
     token: str | None
     on_storage_failure: Callable[[StorageError], None]
+    # A member of a group: only while it leads does it serve /v1 (None: it runs alone).
+    membership: Membership | None = None
     # Long polls under way: cancelled when the server stops, answered with what they have.
     pulls: set[trio.CancelScope] = field(default_factory=set)
 
@@ -130,11 +133,37 @@ def build_app(backend: Backend) -> FastAPI:
                 headers={"WWW-Authenticate": "Bearer"},
             )
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorized)])
+    async def leading() -> None:
+        check_leading(backend)
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorized), Depends(leading)])
     _scheduling_routes(v1, backend)
     _consuming_routes(v1, backend)
     app.include_router(v1)
     return app
+
+
+def check_leading(backend: Backend) -> None:
+    """Raise the NOT_LEADER problem unless this server may act as its group's leader now:
+    421 naming the leader's HTTP API (``leader``), or 503 while no leader is known
+    (docs/http.md). Asked before a request and again before its answer, so a leader that
+    stepped down meanwhile does not acknowledge."""
+    membership = backend.membership
+    if membership is None or membership.may_lead():
+        return
+    reason = membership.refusal("http")
+    leader = membership.leader_address("http")
+    if leader is None:
+        raise ProblemError(
+            HTTPStatus.SERVICE_UNAVAILABLE, "not-leader", reason, code="NOT_LEADER", retryable=True
+        )
+    raise ProblemError(
+        HTTPStatus.MISDIRECTED_REQUEST,
+        "not-leader",
+        reason,
+        code="NOT_LEADER",
+        extra={"leader": f"http://{leader}/v1"},
+    )
 
 
 def _storage_failure(backend: Backend, exc: StorageError) -> ProblemError:
@@ -146,9 +175,11 @@ def _storage_failure(backend: Backend, exc: StorageError) -> ProblemError:
 
 async def _send(backend: Backend, messages: list[Message]) -> list[SendResult]:
     try:
-        return await backend.intake.send_batch(messages)
+        results = await backend.intake.send_batch(messages)
     except StorageError as exc:
         raise _storage_failure(backend, exc) from None
+    check_leading(backend)
+    return results
 
 
 def _scheduled(message: Message, result: SendResult) -> Scheduled:
@@ -256,7 +287,9 @@ async def _tombstone(backend: Backend, message_id: str, due_ms: int | None) -> A
     try:
         await intake.make_room()
         answer = intake.append_tombstone(message_id, due_ms)
-        return await intake.settle(answer)
+        settled = await intake.settle(answer)
+        check_leading(backend)
+        return settled
     except DiskFullError as exc:
         raise ProblemError(
             HTTPStatus.INSUFFICIENT_STORAGE,

@@ -2,7 +2,8 @@
 
 ``files`` scans framed files read-only and tells torn tails from corruption, ``report``
 builds what is asked (summary, record listings, dispatch state, checkpoints, find) with
-the project's codecs, ``text`` and ``as_json`` print it, ``command`` is the CLI.
+the project's codecs, ``text`` and ``as_json`` print it; the command is
+delayd/cli/inspect.py.
 """
 
 from delayd.inspect.files import CORRUPT, TORN_TAIL, Damage

@@ -1,9 +1,12 @@
 """The delay server's on-disk formats, built on storage/ (DESIGN.md, "Layers").
 
-``message_log`` (intake records in a SegmentedLog), ``schedule_log`` (one RecordFile
-per UTC time bucket), ``buckets`` (bucket arithmetic and names), ``bucket_files`` (the
-open files of a per-bucket log, bounded), ``layout`` (paths under a data directory).
-dispatch_log joins them in the delivery issue. docs/delay-formats.md is the grammar.
+``message_log`` (intake records in a SegmentedLog), ``tombstone`` (its cancel and
+reschedule records), ``schedule_log`` (one RecordFile per UTC time bucket) and
+``schedule_reader`` (reading it back), ``dispatch_log`` / ``dispatch_files`` (what was
+delivered, per bucket), ``buckets`` (bucket arithmetic and names), ``bucket_files`` (the
+open files of a per-bucket log, bounded), ``id_index`` (message id -> schedule_log
+record), ``known_ids`` (is this id held? idempotent intake), ``layout`` (paths under a
+data directory). docs/delay-formats.md is the grammar.
 """
 
 from delayd.logs.bucket_files import BucketFiles

@@ -1,6 +1,6 @@
 """BucketFiles: the per-bucket RecordFiles of one directory, a bounded number open.
 
-schedule_log (and later dispatch_log) is one file per UTC bucket. Messages due far
+schedule_log and dispatch_log are one file per UTC bucket. Messages due far
 apart touch many buckets, so files are kept open in an LRU of at most ``max_open``;
 the least recently used is closed when another must open. QMQ keeps every
 DelaySegment mapped instead, which costs a file handle and address space per bucket
@@ -88,7 +88,7 @@ class BucketFiles:
             try:
                 starts.append(parse_bucket_name(name))
             except ValueError:
-                continue  # not a bucket (a temp file, a checkpoint of a later issue)
+                continue  # not a bucket's name: some other file, left alone
         return sorted(starts)
 
     def get(self, start_ms: int, *, trusted_end: int | None = None) -> RecordFile:

@@ -8,7 +8,7 @@ the JVM's local time zone, where a DST change makes two buckets share a name (au
 or skips one (spring). UTC has neither.
 
 For scales that divide 60 (1, 2, 3, 4, 5, 6, 10, 12, 15, 20, 30, 60) buckets also align
-with the hour; other scales are allowed (the issue fixes the range 1..60) and simply
+with the hour; other scales in the range 1..60 are allowed and simply
 tile the time line from the epoch.
 """
 

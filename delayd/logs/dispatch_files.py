@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from delayd.fdlimit import soft_descriptor_limit
 from delayd.logs.bucket_files import BucketFiles
 from delayd.logs.dispatch_log import (
     DispatchState,
@@ -20,6 +19,7 @@ from delayd.logs.dispatch_log import (
     encode_entry,
     read_state,
 )
+from delayd.serving.descriptor_limit import soft_descriptor_limit
 from storage.fs import REAL_FS, FileSystem
 
 DEFAULT_MAX_OPEN = 64

@@ -24,18 +24,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from delayd.logs import schedule_log
+from delayd.logs import message_log, schedule_log
 from delayd.logs.schedule_reader import ScheduleReader
 from storage.fs import REAL_FS, FileSystem
-from storage.indexfile import DEFAULT_SLOT_COUNT, IndexStore
+from storage.index_store import IndexStore
+from storage.indexfile import DEFAULT_SLOT_COUNT
 
 MINUTE_MS = 60_000
 OFFSET_BITS = 36
 MINUTE_BITS = 64 - OFFSET_BITS  # 28
 MAX_OFFSET = (1 << OFFSET_BITS) - 1
 MAX_MINUTE = (1 << MINUTE_BITS) - 1
-ID_LEN_AT = schedule_log.PREFIX_SIZE + 8 + 8 + 8 + 1  # after due, sequence, receive, flags
-ID_AT = schedule_log.HEAD_SIZE  # 47
 MAX_RESULTS = 64
 
 
@@ -54,8 +53,7 @@ def unpack_location(value: int) -> tuple[int, int]:
 
 def scheduled_id(payload: bytes | memoryview) -> bytes:
     """The message id bytes of a SCHEDULED payload, without decoding the rest."""
-    (id_len,) = schedule_log.message_log.U16.unpack_from(payload, ID_LEN_AT)
-    return bytes(payload[ID_AT : ID_AT + id_len])
+    return message_log.message_id_of(payload, schedule_log.PREFIX_SIZE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +126,11 @@ class IdIndex:
             bucket_ms, offset = unpack_location(value)
             payload = self.reader.read_untrusted(bucket_ms, offset)
             # None or another id: a stale entry (its record was cut) or a collision.
-            if payload is None or len(payload) < ID_AT or scheduled_id(payload) != wanted:
+            if (
+                payload is None
+                or len(payload) < schedule_log.HEAD_SIZE
+                or scheduled_id(payload) != wanted
+            ):
                 return False
             found[value] = payload
             return True

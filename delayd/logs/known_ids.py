@@ -51,7 +51,8 @@ from xxhash import xxh64_intdigest
 
 from delayd.logs.id_index import IdIndex
 from storage.hashfilter import MAX_WORD_BITS, HashFilter
-from storage.indexfile import ENTRY_SIZE, HashSource, read_key_hashes
+from storage.index_hashes import read_key_hashes
+from storage.indexfile import ENTRY_SIZE, HashSource
 
 ENTRIES_PER_WORD = 4  # a full filter: 16 bits per id, 1.7 % false "maybe" (measured)
 MIN_WORD_BITS = 20  # 8 MiB, 4 million ids: most servers never rebuild after the start

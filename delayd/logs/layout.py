@@ -6,6 +6,7 @@
     <data>/delay/id_index/00000000000000000000       message id -> schedule_log location
     <data>/delay/checkpoint/meta                     segment_scale the data was made with
     <data>/delay/checkpoint/replay                   the replayer's checkpoint
+    <data>/delay/replication/epochs                  the member's epoch history
 
 The server, ``delayd inspect`` and the audit take paths from here, never spell them.
 """
@@ -22,6 +23,8 @@ ID_INDEX = "id_index"
 CHECKPOINT = "checkpoint"
 META_CHECKPOINT = "meta"
 REPLAY_CHECKPOINT = "replay"
+REPLICATION = "replication"
+EPOCH_HISTORY = "epochs"
 
 
 def delay_dir(data_dir: str) -> str:
@@ -54,3 +57,7 @@ def meta_checkpoint_path(data_dir: str) -> str:
 
 def replay_checkpoint_path(data_dir: str) -> str:
     return os.path.join(checkpoint_dir(data_dir), REPLAY_CHECKPOINT)
+
+
+def epoch_history_path(data_dir: str) -> str:
+    return os.path.join(data_dir, DELAY, REPLICATION, EPOCH_HISTORY)

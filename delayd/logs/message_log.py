@@ -44,6 +44,10 @@ assert HEAD_SIZE == 8 + 8 + 8 + 1 + 2 + 2 + 2 + 4 + 4
 DUE_MS = struct.Struct("<q")  # at payload offset 0
 SEQUENCE = struct.Struct("<Q")  # at payload offset 8
 SEQUENCE_AT = 8
+RECEIVE_MS = struct.Struct("<q")
+RECEIVE_MS_AT = 8 + 8  # after due_ms and sequence
+ID_LEN = struct.Struct("<H")
+ID_LEN_AT = 8 + 8 + 8 + 1  # after due_ms, sequence, receive_ms and flags
 FLAG_KEY = 0x01
 KNOWN_FLAGS = FLAG_KEY
 U16 = struct.Struct("<H")
@@ -170,6 +174,76 @@ def due_ms_of(payload: bytes | memoryview, at: int = 0) -> int:
 def sequence_of(payload: bytes | memoryview, at: int = 0) -> int:
     """The sequence of the MESSAGE payload starting at byte ``at`` of ``payload``."""
     return SEQUENCE.unpack_from(payload, at + SEQUENCE_AT)[0]
+
+
+def receive_ms_of(payload: bytes | memoryview, at: int = 0) -> int:
+    """The receive_ms of the MESSAGE payload starting at byte ``at`` of ``payload``."""
+    return RECEIVE_MS.unpack_from(payload, at + RECEIVE_MS_AT)[0]
+
+
+def message_id_of(payload: bytes | memoryview, at: int = 0) -> bytes:
+    """The message_id (UTF-8 bytes) of the MESSAGE payload starting at byte ``at``."""
+    (id_len,) = ID_LEN.unpack_from(payload, at + ID_LEN_AT)
+    return bytes(payload[at + HEAD_SIZE : at + HEAD_SIZE + id_len])
+
+
+def identity_of(payload: bytes) -> tuple[int, bytes, int]:
+    """(due_ms, message_id as UTF-8 bytes, receive_ms) of a MESSAGE payload, from one
+    unpack of its head: what replay files and indexes a record by."""
+    due_ms, _, receive_ms, _, id_len, _, _, _, _ = HEAD.unpack_from(payload)
+    return due_ms, payload[HEAD_SIZE : HEAD_SIZE + id_len], receive_ms
+
+
+class MessageHead:
+    """A MESSAGE payload's head with its texts decoded (read_head): due_ms,
+    message_id, subject, key, and the lengths of the id, subject, key, properties and
+    body fields (key_len None without a key)."""
+
+    __slots__ = (
+        "body_len",
+        "due_ms",
+        "id_len",
+        "key",
+        "key_len",
+        "message_id",
+        "properties_len",
+        "subject",
+        "subject_len",
+    )
+
+    def __init__(self, due_ms, message_id, subject, key, lengths) -> None:
+        self.due_ms = due_ms
+        self.message_id = message_id
+        self.subject = subject
+        self.key = key
+        self.id_len, self.subject_len, self.key_len, self.properties_len, self.body_len = lengths
+
+
+def read_head(payload: bytes, at: int = 0) -> MessageHead | None:
+    """The head of the MESSAGE payload starting at byte ``at`` (running to the end of
+    ``payload``) with message_id, subject and key decoded, properties and body not; None
+    when the head does not hold as decode_message checks it (which then says why).
+    Raises nothing."""
+    text_at = at + HEAD_SIZE
+    if len(payload) < text_at:
+        return None
+    due_ms, _, _, flags, id_len, subject_len, key_len, props_len, body_len = HEAD.unpack_from(
+        payload, at
+    )
+    if flags & ~KNOWN_FLAGS or (key_len and not flags & FLAG_KEY):
+        return None
+    if text_at + id_len + subject_len + key_len + props_len + body_len != len(payload):
+        return None
+    subject_at = text_at + id_len
+    key_at = subject_at + subject_len
+    try:
+        message_id = payload[text_at:subject_at].decode()
+        subject = payload[subject_at:key_at].decode()
+        key = payload[key_at : key_at + key_len].decode() if flags & FLAG_KEY else None
+    except UnicodeDecodeError:
+        return None
+    lengths = (id_len, subject_len, None if key is None else key_len, props_len, body_len)
+    return MessageHead(due_ms, message_id, subject, key, lengths)
 
 
 def _text(payload: bytes, start: int, length: int, what: str) -> str:

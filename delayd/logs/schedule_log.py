@@ -3,7 +3,7 @@
 ``<data>/delay/schedule_log/yyyyMMddHHmm`` is a storage RecordFile (CRC-framed records,
 torn tail cut on open) named by its bucket's UTC start (delayd.logs.buckets). The
 replayer appends one SCHEDULED record per message_log record, in message_log order;
-the wheel (a later issue) loads a bucket shortly before it is due and reads bodies
+the wheel (delayd.wheel) loads a bucket shortly before it is due and reads bodies
 from it, so message_log can be deleted once replayed. This module is the one codec of
 the format; docs/delay-formats.md has the grammar and a worked example.
 
@@ -12,7 +12,8 @@ Payload of a record of type SCHEDULED (little-endian)::
     scheduled := message_log_offset:u64 message
 
 where ``message`` is the message_log MESSAGE payload (delayd.logs.message_log), byte
-for byte: due_ms, sequence, receive_ms, id, subject, key, properties, body. QMQ's
+for byte: due_ms, sequence, receive_ms, id, subject, key, properties, body (a
+reschedule's copy differs in two fields: docs/cancel.md). QMQ's
 ScheduleLog appender copies the message_log record in the same way, behind
 schedule_time, sequence and lengths. Keeping the message_log offset is what makes
 replay idempotent: after a crash the replayer cuts every record whose
@@ -31,7 +32,8 @@ from delayd.logs.message_log import MessageRecord, RecordFormatError
 from storage.framing import FIRST_USER_TYPE
 
 TYPE_SCHEDULED = FIRST_USER_TYPE  # 2: a scheduled message, layout above
-# 3..255 are free for later kinds (issue 8's cancel marks may live here or elsewhere).
+# 3..255 are free for later kinds. Cancels and moves need none: they are tombstones in
+# message_log and entries in dispatch_log (docs/cancel.md).
 
 PREFIX = struct.Struct("<Q")
 PREFIX_SIZE = PREFIX.size  # 8: message_log_offset

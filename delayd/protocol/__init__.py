@@ -7,12 +7,16 @@ asyncio or socket: the trio adapter, the blocking client and the servers all dri
 same Connection.
 
 Modules, bottom up: ``codes`` (every number on the wire), ``frames`` (header,
-encode_frame, FrameDecoder), ``events`` (Message and the event classes), ``codec``
-(event bodies to bytes and back), ``connection`` (the state machine).
+encode_frame, FrameDecoder), ``events`` (Message and the event classes), ``primitives``
+(the integers and strings bodies are made of, the checking reader), ``message_layout``
+(one message's bytes: in bodies, and the broker's commitlog record), ``bodies`` (event
+bodies to bytes and back), ``connection`` (the state machine); on top, the client side
+every opener shares: ``answers`` (answers to their requests, ERRORs to exceptions) and
+``handshake`` (HELLO).
 """
 
 from delayd.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
-from delayd.protocol.codec import decode_event, encode_event
+from delayd.protocol.bodies import decode_event, encode_event
 from delayd.protocol.codes import (
     RESPONSE_TO,
     CancelOutcome,

@@ -21,8 +21,8 @@ class Command(enum.IntEnum):
     HEARTBEAT = 0x06
     QUERY = 0x07
     STATS = 0x08
-    CANCEL = 0x09  # reserved: the codes are fixed now, the server implements them later
-    RESCHEDULE = 0x0A  # reserved, as CANCEL
+    CANCEL = 0x09  # withdraw a pending message (docs/cancel.md)
+    RESCHEDULE = 0x0A  # move a pending message to another due time (docs/cancel.md)
     CANCEL_BATCH = 0x0B  # many CANCELs in one frame (throughput)
 
     HELLO_OK = 0x81
@@ -64,6 +64,7 @@ class ErrorCode(enum.IntEnum):
     DISK_FULL = 12  # the server's disk is full: nothing was stored; retry later
     TOO_MANY_CONNECTIONS = 14  # the server holds its max_connections: connect again later
     TIMEOUT = 15  # HELLO, or a started frame, not finished within the server's deadline
+    NOT_LEADER = 16  # a group member that does not lead: the reason names the leader
 
     @property
     def is_retryable(self) -> bool:
@@ -104,7 +105,8 @@ class ResultCode(enum.IntEnum):
 
 
 class CancelOutcome(enum.IntEnum):
-    """The answer to CANCEL (u8). Reserved: defined now, served by a later issue."""
+    """The answer to CANCEL, and to each id of CANCEL_BATCH (u8); docs/cancel.md says
+    which a cancel gets when its message is in flight to a broker."""
 
     CANCELLED = 0  # will not be delivered
     ALREADY_DELIVERED = 1  # too late: handed to a broker at dispatched_ms
@@ -112,9 +114,9 @@ class CancelOutcome(enum.IntEnum):
 
 
 class RescheduleOutcome(enum.IntEnum):
-    """The answer to RESCHEDULE (u8). Reserved, as CancelOutcome."""
+    """The answer to RESCHEDULE (u8); docs/cancel.md, as CancelOutcome."""
 
     RESCHEDULED = 0  # now due at the requested time
     ALREADY_DELIVERED = 1  # too late: handed to a broker at dispatched_ms
-    UNKNOWN = 2  # no pending message with this id
+    UNKNOWN = 2  # no pending message with this id (never sent, or cancelled)
     DELAY_TOO_LONG = 3  # the new time is beyond now + max_delay

@@ -32,7 +32,7 @@ import types
 from collections.abc import Mapping
 
 from delayd.errors import ConnectionClosedError, LocalProtocolError, RemoteProtocolError
-from delayd.protocol.codec import decode_event, encode_event
+from delayd.protocol.bodies import decode_event, encode_event
 from delayd.protocol.codes import RESPONSE_TO, Command, ErrorCode
 from delayd.protocol.events import (
     MIN_PROTOCOL_VERSION,
@@ -224,11 +224,7 @@ class Connection:
         return event
 
     def _server_receive(self, event: Event) -> None:
-        name = type(event).__name__
-        if not isinstance(event, Request):
-            raise RemoteProtocolError(
-                f"a client sent {name}, which only a server sends", code=ErrorCode.MALFORMED
-            )
+        name = _check_sender(event, Request, "client", "server")
         request_id = event.request_id
         if request_id == 0:
             raise RemoteProtocolError(
@@ -285,11 +281,7 @@ class Connection:
         self._decoder.max_frame_size = self.max_frame_size
 
     def _client_receive(self, event: Event) -> None:
-        name = type(event).__name__
-        if not isinstance(event, Response):
-            raise RemoteProtocolError(
-                f"a server sent {name}, which only a client sends", code=ErrorCode.MALFORMED
-            )
+        name = _check_sender(event, Response, "server", "client")
         request_id = event.request_id
         if isinstance(event, Error):
             if request_id != 0 and self._pending.pop(request_id, None) is None:
@@ -423,3 +415,14 @@ class Connection:
                     f"HelloOk advertises max_frame_size={event.max_frame_size} but this "
                     f"connection accepts at most {self.max_frame_size} (use conn.max_frame_size)"
                 )
+
+
+def _check_sender(event: Event, expected: type[Event], peer: str, other: str) -> str:
+    """The name of ``event``'s class, once it is one ``peer`` may send (an
+    ``expected``). Raises RemoteProtocolError (MALFORMED) when only ``other`` sends it."""
+    name = type(event).__name__
+    if not isinstance(event, expected):
+        raise RemoteProtocolError(
+            f"a {peer} sent {name}, which only a {other} sends", code=ErrorCode.MALFORMED
+        )
+    return name

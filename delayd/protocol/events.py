@@ -1,7 +1,7 @@
 """The message model and one frozen, slotted event class per request and response kind.
 
 Events are plain data (h11's ``Request``, ``Response``...): they know their command code
-but nothing of bytes; codec.py turns them into frame bodies and back. Sequences given as
+but nothing of bytes; bodies.py turns them into frame bodies and back. Sequences given as
 lists are stored as tuples so that an event, once built, cannot change under the sender.
 """
 
@@ -61,7 +61,7 @@ class Message:
     ``due_ms`` once on receipt (STYLE.md #6). The broker fills ``store_ms`` (epoch ms),
     ``commitlog_offset``, ``queue`` and ``queue_offset`` on delivered messages;
     ``due_ms`` and ``dispatched_ms`` (epoch ms) are None for messages that were not
-    delayed. The codec checks encodability only; the rules above are the server's.
+    delayed. The encoder checks encodability only; the rules above are the server's.
     """
 
     message_id: str
@@ -339,7 +339,8 @@ class StatsResult(Response):
 
 @dataclass(frozen=True, slots=True)
 class Cancel(Request):
-    """Reserved: cancel a pending delayed message."""
+    """Cancel a pending delayed message: it will not be delivered, unless it already
+    was (CancelResult says which; docs/cancel.md)."""
 
     command: ClassVar[Command] = Command.CANCEL
     message_id: str
@@ -380,7 +381,8 @@ class CancelBatchResult(Response):
 
 @dataclass(frozen=True, slots=True)
 class Reschedule(Request):
-    """Reserved: move a pending delayed message to ``at_ms`` (epoch ms)."""
+    """Move a pending delayed message to ``at_ms`` (epoch ms): it is delivered then
+    instead of at its old time, never both (docs/cancel.md)."""
 
     command: ClassVar[Command] = Command.RESCHEDULE
     message_id: str

@@ -39,10 +39,10 @@ from delayd.logs.bucket_files import BucketFiles
 from delayd.logs.buckets import bucket_of, bucket_width_ms
 from delayd.logs.id_index import IdIndex, scheduled_id
 from delayd.logs.known_ids import KnownIds
-from delayd.nowait import holding
 from delayd.replay.recovery import RecoveryReport
 from delayd.replay.state import ReplayCheckpoint, write_replay_checkpoint
-from delayd.write_refusals import CHECKPOINT, SCHEDULE_LOG, WriteRefusals
+from delayd.serving.nowait_acquire import holding
+from delayd.serving.write_refusals import CHECKPOINT, SCHEDULE_LOG, WriteRefusals
 from storage.errors import DiskFullError, StorageError
 from storage.framing import HEADER_SIZE
 from storage.fs import FileSystem
@@ -94,24 +94,15 @@ DEFAULT_CHECKPOINT_INTERVAL_S = 1.0  # a checkpoint costs an fsync per touched b
 DISK_FULL_RETRY_S = (0.05, 1.0)  # first and longest wait before a refused step runs again
 
 
-_RECEIVE_AT = schedule_log.PREFIX_SIZE + 8 + 8  # receive_ms: after due_ms and sequence
-_ID_AT = message_log.HEAD_SIZE
-
-
-def _receive_ms(scheduled_payload: bytes) -> int:
-    return message_log.DUE_MS.unpack_from(scheduled_payload, _RECEIVE_AT)[0]
-
-
 def _entries(records: Iterable[Record]) -> Iterator[_Entry]:
     """Records read back from message_log as entries (one unpack of a MESSAGE's head)."""
-    unpack_head = message_log.HEAD.unpack_from
+    identity_of = message_log.identity_of
     message_type = message_log.TYPE_MESSAGE
     for offset, rtype, payload, next_offset in records:
         if rtype != message_type:  # a tombstone
             yield offset, rtype, payload, next_offset, 0, b"", 0
             continue
-        due_ms, _, receive_ms, _, id_len, *_ = unpack_head(payload)
-        message_id = payload[_ID_AT : _ID_AT + id_len]
+        due_ms, message_id, receive_ms = identity_of(payload)
         yield offset, rtype, payload, next_offset, due_ms, message_id, receive_ms
 
 
@@ -441,7 +432,12 @@ class Replayer:
         payload = schedule_log.encode_scheduled(message_log_offset, message_payload)
         (offset,) = self.buckets.append_batch(start, [payload], schedule_log.TYPE_SCHEDULED)
         if self.index is not None:
-            self.index.put(scheduled_id(payload), start, offset, _receive_ms(payload))
+            self.index.put(
+                scheduled_id(payload),
+                start,
+                offset,
+                message_log.receive_ms_of(payload, schedule_log.PREFIX_SIZE),
+            )
         if self.on_scheduled is not None:
             self.on_scheduled(start, [offset], [due_ms])
         return start, offset

@@ -2,7 +2,10 @@
 
 Building blocks, each one idea: ``circuit`` (a circuit breaker per group), ``routing``
 (which group a message goes to), ``retry`` (back-off, max attempts, dead-letter
-subjects), ``targets`` (the embedded broker or a broker process, behind one interface).
+subjects), ``targets`` (the embedded broker or a broker process, behind one interface),
+``wire`` (due messages in the wire layout, copied from schedule_log), ``ledger`` (every
+message between the wheel and dispatch_log: held, in doubt, withdrawn, retried; pure,
+``now_ms`` passed in) and ``sender`` (the trio wiring that drives them).
 """
 
 from delayd.sender.circuit import CircuitBreaker, CircuitState

@@ -20,13 +20,12 @@ A message is recorded in dispatch_log only after a broker group acknowledged it
 (OK or DUPLICATE). A crash before the record costs a resend after restart, which the
 broker drops as a duplicate: consumers see each message once.
 
-Cancel (docs/cancel.md): every entry the wheel releases is *held* here, by its wheel
-ref, from ``on_due`` until its dispatch_log entry. ``withdraw`` takes a held message
-back unless a broker may already have it: one in a send batch whose answer has not
-come, or one whose earlier batch failed without an answer (the broker may have stored
-it). For those the canceller ``watch``es the outcome instead: acknowledged → already
-delivered; refused by the broker (it answered, and stored nothing) → a watcher that
-asked for it withdraws the message there and then, instead of retrying it.
+Cancel (docs/cancel.md): every entry the wheel releases is *held* from ``on_due``
+until its dispatch_log entry; ``withdraw`` takes a held message back unless a broker
+may already have it, and for those the canceller ``watch``es the outcome instead. The
+bookkeeping — held, in doubt, withdrawn, retried, parked — is delayd.sender.ledger,
+pure logic; this module is the trio wiring that moves the messages and writes their
+entries.
 
 A full disk (docs/operations.md, "A full disk"): a broker answering DISK_FULL stored
 nothing, so those messages are retried with back-off without counting an attempt (a
@@ -37,16 +36,12 @@ DUPLICATE).
 
 A message that an earlier run may have sent (due before this sender started, with no
 dispatch_log entry: its entry may have been lost with the unflushed tail, or its batch
-was in flight at the crash) is in doubt wherever it is: ``watch_earlier`` watches it
-held, or, when it is still in the wheel or not loaded yet, from the moment it is read
-(it is overdue, so that comes soon). It is sent as usual and never withdrawn.
+was in flight at the crash) is in doubt wherever it is (``watch_earlier``). It is sent
+as usual and never withdrawn.
 """
 
 from __future__ import annotations
 
-import enum
-import heapq
-import itertools
 import logging
 import random
 from collections import deque
@@ -58,33 +53,27 @@ import trio
 
 from delayd.logs.dispatch_files import DispatchFiles
 from delayd.logs.dispatch_log import EntryKind, check_group_name
-from delayd.logs.message_log import MessageRecord
-from delayd.logs.schedule_log import decode_scheduled
 from delayd.logs.schedule_reader import ScheduleReader
-from delayd.nowait import holding
-from delayd.protocol import EncodedMessages, Message
-from delayd.protocol.codec import encode_message
-from delayd.protocol.codes import ResultCode
 from delayd.sender.circuit import CircuitBreaker, CircuitState
 from delayd.sender.histogram import Histogram
+from delayd.sender.ledger import Item, Ledger, Watcher, Withdrawal
 from delayd.sender.retry import RetryPolicy, dead_letter_subject
 from delayd.sender.routing import GroupWeight, Router
 from delayd.sender.targets import SendTarget, TargetUnavailable
-from delayd.sender.wire import TAIL, TEXT_AT, ScheduledHead, read_head
+from delayd.sender.wire import encode_batch
+from delayd.serving.nowait_acquire import holding
+from delayd.serving.write_refusals import DISPATCH_LOG, WriteRefusals
 from delayd.wheel.manager import WheelManager
 from delayd.wheel.timer import OFFSET_BITS, DueEntries
-from delayd.write_refusals import DISPATCH_LOG, WriteRefusals
 from storage.errors import DiskFullError
 
 log = logging.getLogger(__name__)
 
-ACKED = (ResultCode.OK, ResultCode.DUPLICATE)
 READ_INLINE_MAX = 64  # entries read on the event loop; more go to a worker thread
-PARKED_RETRY_S = 0.05  # how often messages with no usable group look again
-LATENESS_BOUNDS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 5, 30, 300)
+# Lateness is whole milliseconds: an on-time delivery is exactly 0, which the 0 bucket
+# keeps at 0 in a quantile (with 1 ms as the first bound it would read as 0.5 ms).
+LATENESS_BOUNDS_S = (0, 5e-4, 1e-3, 2e-3, 5e-3, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 5, 30, 300)
 BATCH_BOUNDS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
-DEAD_LETTER_REASON = "delayd.dead_letter.reason"
-ORIGINAL_SUBJECT = "delayd.original_subject"
 _OFFSET_MASK = (1 << OFFSET_BITS) - 1
 DISK_FULL_RETRY_S = (0.05, 1.0)  # first and longest wait before a refused entry again
 
@@ -102,102 +91,6 @@ class SenderConfig:
     max_open_ms: int = 30_000
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     dispatch_flush_interval_s: float = 0.2
-
-
-Watcher = Callable[[EntryKind, int], object]
-"""``watcher(kind, at_ms)``: the fate of a watched message, once its entry is written
-(DISPATCHED, DEAD_LETTERED, or CANCELLED when a watcher withdrew it on a refusal)."""
-
-
-class Withdrawal(enum.Enum):
-    """What ``Sender.withdraw`` did."""
-
-    NOT_HELD = "not held"  # not between the wheel and dispatch_log
-    WITHDRAWN = "withdrawn"  # taken back: the caller records it and tells the manager
-    IN_DOUBT = "in doubt"  # a broker may have it: watch the outcome
-
-
-class _Item:
-    """One message between the wheel and dispatch_log: its schedule_log payload and what
-    routing and sending read of it (the full record is decoded only when needed)."""
-
-    __slots__ = (
-        "_record",
-        "attempts",
-        "bucket_id",
-        "bucket_ms",
-        "dead",
-        "due_ms",
-        "key",
-        "maybe_sent",
-        "message_id",
-        "offset",
-        "payload",
-        "reason",
-        "sending",
-        "subject",
-        "watchers",
-        "wire_head",
-        "withdrawn",
-    )
-
-    def __init__(self, bucket_id: int, bucket_ms: int, offset: int, payload: bytes):
-        """Raises RecordFormatError when ``payload`` is not a SCHEDULED payload."""
-        self.bucket_id = bucket_id
-        self.bucket_ms = bucket_ms
-        self.offset = offset
-        self.payload = payload
-        head = read_head(payload)
-        if head is None:  # malformed: the full decode raises and says why
-            record = decode_scheduled(payload).message
-            head = ScheduledHead(record.due_ms, record.message_id, record.subject, record.key, None)
-        self._record: MessageRecord | None = None
-        self.due_ms = head.due_ms
-        self.message_id = head.message_id
-        self.subject = head.subject
-        self.key = head.key
-        self.wire_head = head.wire_head  # None: encode it from a Message
-        self.attempts = 0
-        self.dead = False
-        self.reason = ""
-        self.sending = False  # in a send batch whose outcome is not recorded yet
-        self.maybe_sent = False  # a batch holding it failed unanswered: a broker may have it
-        self.withdrawn = False  # cancelled or moved: skipped wherever it still sits
-        self.watchers: list[tuple[bool, Watcher]] | None = None  # (withdraw on refusal, cb)
-
-    @property
-    def ref(self) -> int:
-        return self.bucket_id << OFFSET_BITS | self.offset
-
-    @property
-    def record(self) -> MessageRecord:
-        """The decoded message_log record (decoded on first use)."""
-        if self._record is None:
-            self._record = decode_scheduled(self.payload).message
-        return self._record
-
-    def message(self, dispatched_ms: int) -> Message:
-        r = self.record
-        if not self.dead:
-            return Message(
-                r.message_id,
-                r.subject,
-                r.key,
-                r.properties,
-                r.body,
-                due_ms=r.due_ms,
-                dispatched_ms=dispatched_ms,
-            )
-        properties = {**r.properties, DEAD_LETTER_REASON: self.reason, ORIGINAL_SUBJECT: r.subject}
-        return Message(
-            r.message_id,
-            dead_letter_subject(r.subject),
-            r.key,
-            properties,
-            r.body,
-            due_ms=r.due_ms,
-            dispatched_ms=dispatched_ms,
-        )
 
 
 @dataclass(slots=True)
@@ -226,7 +119,7 @@ class _Group:
         )
         # The embedded broker takes batches in their wire encoding: no Messages built.
         self.send_encoded = getattr(target, "send_encoded", None)
-        self.queue: deque[_Item] = deque()
+        self.queue: deque[Item] = deque()
         self.ready = trio.Event()
         self.answered = trio.Event()  # set whenever a batch's outcome is recorded
         self.slots = trio.Semaphore(config.batches_in_flight)
@@ -262,29 +155,17 @@ class Sender:
         self.dispatch = dispatch
         self.dispatch_lock = dispatch_lock
         self.clock = clock
-        self._rng = random.Random(seed)
+        self.ledger = Ledger(config.retry, config.max_in_flight, random.Random(seed))
         self._due_send, self._due_recv = trio.open_memory_channel[tuple](2)
         self._dispatching = False  # the dispatch loop is between a chunk and its routing
-        self._in_flight = 0
         self._room = trio.Event()
-        self._retries: list[tuple[int, int, list[_Item], str]] = []  # (ready_ms, n, items, group)
-        self._retry_seq = itertools.count()
         self._retry_wake = trio.Event()
-        self._parked: list[_Item] = []  # no usable group when routed
         self._nursery: trio.Nursery | None = None
         self._recorded = trio.Event()  # dispatch_log entries written since the flush
         self._flushes_started = 0  # flush() group commit: numbered in order of start
         self._flushes_done = 0
         self._flush_running: trio.Event | None = None
-        # Wheel ref -> its item (None until read) for every entry released by the wheel
-        # and not yet recorded; bounded by max_in_flight plus the due channel.
-        self._held: dict[int, _Item | None] = {}
-        self._withdrawn_unread: set[int] = set()  # refs withdrawn before they were read
-        # (bucket start, offset) -> watchers of messages in doubt from an earlier run
-        # that this sender has not read yet (see watch_earlier).
-        self._earlier: dict[tuple[int, int], list[tuple[bool, Watcher]]] = {}
         self.started_ms: int | None = None  # this run sent nothing due at or after it
-        self.withdrawn_total = 0
         self.lateness_s = Histogram(LATENESS_BOUNDS_S)
         self.batch_sizes = Histogram(BATCH_BOUNDS)
         self.refusals = WriteRefusals()  # the server shares its own
@@ -300,11 +181,11 @@ class Sender:
         of a steady trickle of due messages then costs no hop through the dispatch and
         group loops (each a scheduling step of the whole event loop)."""
         # Held from here, before any await: nothing can be released and not held.
-        self._held.update(dict.fromkeys(entries.ref))
+        self.ledger.release(entries.ref)
         if (
             len(entries) <= READ_INLINE_MAX
             and not self._dispatching
-            and self._in_flight < self.config.max_in_flight
+            and self.ledger.has_room
             and self._due_send.statistics().current_buffer_used == 0
             and self._nursery is not None
         ):
@@ -331,34 +212,18 @@ class Sender:
     async def _dispatch_loop(self) -> None:
         async for _due, refs in self._due_recv:
             self._dispatching = True  # on_due queues behind this chunk, keeping order
-            while self._in_flight >= self.config.max_in_flight:
+            while not self.ledger.has_room:
                 self._room = trio.Event()
                 await self._room.wait()
             self._take(await self._read(refs))
             self._dispatching = False
 
-    def _take(self, items: list[_Item]) -> None:
+    def _take(self, items: list[Item]) -> None:
         """Hold the items read for released entries (except those withdrawn meanwhile)
         and route them."""
-        withdrawn = self._withdrawn_unread
-        if withdrawn:
-            kept = []
-            for item in items:
-                ref = item.ref
-                if ref in withdrawn:
-                    withdrawn.discard(ref)
-                else:
-                    kept.append(item)
-            items = kept
-        held = self._held
-        for item in items:
-            held[item.ref] = item
-        if self._earlier:
-            self._adopt_earlier(items)
-        self._in_flight += len(items)
-        self._route(items, None)
+        self._route(self.ledger.take(items), None)
 
-    async def _read(self, refs) -> list[_Item]:
+    async def _read(self, refs) -> list[Item]:
         """The records of the wheel refs; many are read in a worker thread."""
         plan = self._plan(refs)
         if len(refs) <= READ_INLINE_MAX:
@@ -375,11 +240,11 @@ class Sender:
             (bucket_id, bucket_of_id(bucket_id), offsets) for bucket_id, offsets in wanted.items()
         ]
 
-    def _read_plan(self, plan: list[tuple[int, int, list[int]]]) -> list[_Item]:
+    def _read_plan(self, plan: list[tuple[int, int, list[int]]]) -> list[Item]:
         items = []
         for bucket_id, bucket_ms, offsets in plan:
             payloads = self.reader.read_payloads(bucket_ms, offsets)
-            items += map(_Item, repeat(bucket_id), repeat(bucket_ms), offsets, payloads)
+            items += map(Item, repeat(bucket_id), repeat(bucket_ms), offsets, payloads)
         return items
 
     def _usable_now(self) -> Callable[[str], bool]:
@@ -404,10 +269,10 @@ class Sender:
 
         return usable
 
-    def _route(self, items: list[_Item], failed_group: str | None, *, wake: bool = True) -> None:
+    def _route(self, items: list[Item], failed_group: str | None, *, wake: bool = True) -> None:
         """Queue each item on a usable group (not ``failed_group`` when another one is
         usable); items with none wait in the parked list, looked at again by the retry
-        loop every PARKED_RETRY_S (``wake``: tell it there are some)."""
+        loop every ledger.PARKED_RETRY_S (``wake``: tell it there are some)."""
         choose, usable = self._router.choose, self._usable_now()
         exclude = () if failed_group is None else (failed_group,)
         touched = set()
@@ -423,7 +288,7 @@ class Sender:
             if name is None and exclude:
                 name = choose(route_key, usable)
             if name is None:
-                self._parked.append(item)
+                self.ledger.park(item)
                 continue
             group = self._groups[name]
             group.queue.append(item)
@@ -432,7 +297,7 @@ class Sender:
             self._start_ready_batches(group)
             if group.queue:  # what is left waits for its loop
                 group.ready.set()
-        if self._parked and wake:
+        if self.ledger.parked and wake:
             self._retry_wake.set()
 
     async def _group_loop(self, group: _Group) -> None:
@@ -494,13 +359,13 @@ class Sender:
             return
         nursery.start_soon(self._send, group, batch)
 
-    async def _send(self, group: _Group, batch: list[_Item]) -> None:
+    async def _send(self, group: _Group, batch: list[Item]) -> None:
         now_ms = self.clock()
         ok = False
         failure = "the send was cancelled or failed"
         try:
             if group.send_encoded is not None:
-                results = await group.send_encoded(self._encode(batch, now_ms))
+                results = await group.send_encoded(encode_batch(batch, now_ms))
             else:
                 messages = [item.message(now_ms) for item in batch]
                 results = await group.target.send_batch(messages)
@@ -508,59 +373,25 @@ class Sender:
         except TargetUnavailable as exc:
             failure = str(exc)
             group.stats.failed += len(batch)
-            for item in batch:
-                item.sending = False
-                item.maybe_sent = True  # unanswered: the broker may have stored it
+            self.ledger.unanswered(batch)
             self._retry(batch, group, failure)
             return
         finally:
             self._record_outcome(group, ok, failure)
             group.slots.release()
         self.batch_sizes.observe_many((len(batch),))
-        # Acknowledged items (and refused ones a watcher withdraws) stay ``sending``
-        # until their entries are written under the dispatch lock: a cancel that takes
-        # the lock while _record waits for it must see them in doubt, not withdraw a
-        # message a broker has just acknowledged.
-        acked, refused, withdraw, disk_full = [], [], [], []
-        for item, result in zip(batch, results, strict=True):
-            if result.code in ACKED:
-                acked.append(item)
-            else:
-                item.reason = f"{ResultCode(result.code).name}: {result.reason}"
-                if item.watchers and not item.maybe_sent and any(w for w, _ in item.watchers):
-                    withdraw.append(item)  # refused, so stored nowhere: the cancel wins
-                else:
-                    item.sending = False  # stored nowhere: it may be withdrawn now
-                    full = result.code == ResultCode.DISK_FULL
-                    (disk_full if full else refused).append(item)
-        if acked:
-            await self._record(group, acked, now_ms)
-        if withdraw:
-            await self._withdraw_refused(withdraw)
-        if refused:
-            group.stats.failed += len(refused)
-            self._retry(refused, group, refused[0].reason)
-        if disk_full:
-            group.stats.failed += len(disk_full)
-            self._retry(disk_full, group, disk_full[0].reason, count_attempt=False)
-
-    @staticmethod
-    def _encode(batch: list[_Item], dispatched_ms: int) -> EncodedMessages:
-        """The batch in the wire encoding, as ``encode_message`` of each item's Message
-        would give it, mostly copied from the schedule_log payloads (wire.py)."""
-        out = bytearray()
-        bounds = [0]
-        tail = TAIL.pack
-        for item in batch:
-            head = item.wire_head
-            if head is None or item.dead:
-                out += encode_message(item.message(dispatched_ms))
-            else:
-                out += head
-                out += memoryview(item.payload)[TEXT_AT:]
-                out += tail(item.due_ms, dispatched_ms)
-            bounds.append(len(out))
-        return EncodedMessages(bytes(out), tuple(bounds))
+        outcomes = self.ledger.sort_answers(batch, results)
+        if outcomes.acked:
+            await self._record(group, outcomes.acked, now_ms)
+        if outcomes.withdrawn:
+            await self._withdraw_refused(outcomes.withdrawn)
+        if outcomes.refused:
+            group.stats.failed += len(outcomes.refused)
+            self._retry(outcomes.refused, group, outcomes.refused[0].reason)
+        if outcomes.disk_full:
+            full = outcomes.disk_full
+            group.stats.failed += len(full)
+            self._retry(full, group, full[0].reason, count_attempt=False)
 
     def _record_outcome(self, group: _Group, ok: bool, failure: str) -> None:
         """Tell the group's breaker how a batch went, log the circuit's transitions, and
@@ -590,13 +421,13 @@ class Sender:
                 )
         group.answered.set()
 
-    async def _record(self, group: _Group, items: list[_Item], at_ms: int) -> None:
+    async def _record(self, group: _Group, items: list[Item], at_ms: int) -> None:
         by_bucket: dict[tuple[int, int, EntryKind], list[int]] = {}
         dead = 0
         for item in items:
-            kind = EntryKind.DEAD_LETTERED if item.dead else EntryKind.DISPATCHED
             dead += item.dead
-            by_bucket.setdefault((item.bucket_ms, item.bucket_id, kind), []).append(item.offset)
+            key = (item.bucket_ms, item.bucket_id, item.entry_kind)
+            by_bucket.setdefault(key, []).append(item.offset)
         unwritten = [
             (bucket_ms, kind, offsets) for (bucket_ms, _, kind), offsets in by_bucket.items()
         ]
@@ -606,13 +437,7 @@ class Sender:
                 if self._write_entries(unwritten, at_ms, group.raw_name):
                     # Under the lock with the last entries: a canceller that holds it
                     # sees a held message or its entry (or both), never neither.
-                    held = self._held
-                    for item in items:
-                        held.pop(item.ref, None)
-                        if item.watchers:
-                            kind = EntryKind.DEAD_LETTERED if item.dead else EntryKind.DISPATCHED
-                            for _, watcher in item.watchers:
-                                watcher(kind, at_ms)
+                    self.ledger.settle(items, at_ms)
                     break
             # The disk is full: the messages stay held (a cancel finds them in doubt)
             # until their entries are written.
@@ -624,8 +449,7 @@ class Sender:
         self.lateness_s.observe_many((at_ms - item.due_ms) / 1000 for item in items)
         group.stats.sent += len(items) - dead
         group.stats.dead_lettered += dead
-        self._in_flight -= len(items)
-        if self._in_flight < self.config.max_in_flight:
+        if self.ledger.has_room:
             self._room.set()
 
     def _write_entries(
@@ -645,7 +469,7 @@ class Sender:
         self.refusals.clear(DISPATCH_LOG)
         return True
 
-    async def _withdraw_refused(self, items: list[_Item]) -> None:
+    async def _withdraw_refused(self, items: list[Item]) -> None:
         """Record as CANCELLED watched items a broker refused (see the module
         docstring), instead of retrying them."""
         now_ms = self.clock()
@@ -654,121 +478,70 @@ class Sender:
         while True:
             async with holding(self.dispatch_lock):
                 if self._write_entries(unwritten, now_ms, b""):
-                    for item in items:
-                        self._held.pop(item.ref, None)
-                        item.withdrawn = True
-                        for _, watcher in item.watchers or ():
-                            watcher(EntryKind.CANCELLED, now_ms)
+                    self.ledger.withdraw_refused(items, now_ms)
                     break
             await trio.sleep(wait_s)  # the disk is full: held until the entries fit
             wait_s = min(2 * wait_s, DISK_FULL_RETRY_S[1])
         self._recorded.set()
         for item in items:
             self.manager.on_recorded(item.bucket_id, 1)
-        self.withdrawn_total += len(items)
-        self._in_flight -= len(items)
         self._room.set()
 
     # ------------------------------------------------------------------ cancel
 
     def withdraw(self, ref: int) -> Withdrawal:
         """Take the message of wheel ``ref`` back, if it is held and no broker may have
-        it. Synchronous; call with the dispatch lock held. WITHDRAWN: the caller writes
-        its entry and calls ``manager.on_recorded``; it is never sent."""
-        if ref not in self._held:
-            return Withdrawal.NOT_HELD
-        item = self._held[ref]
-        if item is None:  # released by the wheel, not read yet: dropped once read
-            self._withdrawn_unread.add(ref)
-        elif item.sending or item.maybe_sent:
-            return Withdrawal.IN_DOUBT
-        else:
-            item.withdrawn = True  # skipped where it waits (group queue, retries, parked)
-            self._in_flight -= 1
+        it (Ledger.withdraw). Synchronous; call with the dispatch lock held. WITHDRAWN:
+        the caller writes its entry and calls ``manager.on_recorded``; it is never
+        sent."""
+        withdrawal = self.ledger.withdraw(ref)
+        if withdrawal is Withdrawal.WITHDRAWN:
             self._room.set()
-        del self._held[ref]
-        self.withdrawn_total += 1
-        return Withdrawal.WITHDRAWN
+        return withdrawal
 
     def watch(self, ref: int, watcher: Watcher, *, withdraw_on_refusal: bool) -> None:
         """Call ``watcher`` with the fate of the held, IN_DOUBT message of ``ref``."""
-        item = self._held[ref]
-        assert item is not None
-        if item.watchers is None:
-            item.watchers = []
-        item.watchers.append((withdraw_on_refusal, watcher))
+        self.ledger.watch(ref, watcher, withdraw_on_refusal=withdraw_on_refusal)
 
     def holds(self, ref: int) -> bool:
         """Whether the message of wheel ``ref`` is between the wheel and dispatch_log."""
-        return ref in self._held
+        return self.ledger.holds(ref)
 
     def watch_earlier(self, bucket_ms: int, offset: int, ref: int | None, watcher: Watcher) -> None:
-        """Call ``watcher`` with the fate of the message at (bucket, offset) — wheel
-        ``ref``, None when its bucket has no wheel id — which an earlier run may have
-        sent: it is marked as maybe sent (a refusal then does not prove it is stored
-        nowhere), held or from the moment it is read. Synchronous; call with the
-        dispatch lock held, for a message that has no dispatch_log entry and is due
-        (the wheel releases it at once, or the loader loads it soon and then it is)."""
-        item = self._held.get(ref) if ref is not None else None
-        if item is None:  # in the wheel, not loaded, or released and not read yet
-            self._earlier.setdefault((bucket_ms, offset), []).append((False, watcher))
-            return
-        item.maybe_sent = True
-        if item.watchers is None:
-            item.watchers = []
-        item.watchers.append((False, watcher))
-
-    def _adopt_earlier(self, items: list[_Item]) -> None:
-        earlier = self._earlier
-        for item in items:
-            watchers = earlier.pop((item.bucket_ms, item.offset), None)
-            if watchers is not None:
-                item.maybe_sent = True
-                item.watchers = [*(item.watchers or ()), *watchers]
+        """Call ``watcher`` with the fate of the message at (bucket, offset), which an
+        earlier run may have sent (Ledger.watch_earlier). Synchronous; call with the
+        dispatch lock held."""
+        self.ledger.watch_earlier(bucket_ms, offset, ref, watcher)
 
     def _retry(
-        self, items: list[_Item], group: _Group, reason: str, *, count_attempt: bool = True
+        self, items: list[Item], group: _Group, reason: str, *, count_attempt: bool = True
     ) -> None:
-        """Count an attempt for each item (unless ``count_attempt`` is False: a refusal
-        that is not the message's fault, a full disk) and put them back after the
-        back-off; past ``max_attempts`` an item goes to its dead-letter subject instead
-        (and keeps being retried there: never dropped)."""
-        policy = self.config.retry
+        """Put the items back for another group after the back-off (Ledger.retry) and
+        wake the retry loop."""
         group.stats.retried += len(items)
-        attempts = 1
-        for item in items:
-            item.attempts += count_attempt
-            if count_attempt and not item.dead and policy.exhausted(item.attempts):
-                item.dead = True
-                item.reason = item.reason or reason
-                log.warning(
-                    "message %s: %d attempts failed (%s); sending it to %s",
-                    item.message_id,
-                    item.attempts,
-                    item.reason,
-                    dead_letter_subject(item.subject),
-                )
-            attempts = max(attempts, item.attempts)
-        ready_ms = self.clock() + policy.delay_ms(attempts, self._rng)
-        heapq.heappush(self._retries, (ready_ms, next(self._retry_seq), items, group.name))
+        dead = self.ledger.retry(
+            items, group.name, reason, self.clock(), count_attempt=count_attempt
+        )
+        for item in dead:
+            log.warning(
+                "message %s: %d attempts failed (%s); sending it to %s",
+                item.message_id,
+                item.attempts,
+                item.reason,
+                dead_letter_subject(item.subject),
+            )
         self._retry_wake.set()
 
     async def _retry_loop(self) -> None:
+        ledger = self.ledger
         while True:
             self._retry_wake = trio.Event()
             now_ms = self.clock()
-            while self._retries and self._retries[0][0] <= now_ms:
-                _, _, items, failed_group = heapq.heappop(self._retries)
+            for items, failed_group in ledger.due_retries(now_ms):
                 self._route(items, failed_group, wake=False)
-            if self._parked:
-                parked, self._parked = self._parked, []
-                self._route(parked, None, wake=False)
-            timeout_s = float("inf")
-            if self._retries:
-                timeout_s = (self._retries[0][0] - now_ms) / 1000
-            if self._parked:
-                timeout_s = min(timeout_s, PARKED_RETRY_S)
-            with trio.move_on_after(max(0.0, timeout_s)):
+            if ledger.parked:
+                self._route(ledger.unpark(), None, wake=False)
+            with trio.move_on_after(ledger.wait_s(now_ms)):
                 await self._retry_wake.wait()
 
     async def _flush_loop(self) -> None:
@@ -807,11 +580,15 @@ class Sender:
 
     @property
     def in_flight(self) -> int:
-        return self._in_flight
+        return self.ledger.in_flight
 
     @property
     def parked(self) -> int:
-        return len(self._parked)
+        return self.ledger.parked
+
+    @property
+    def withdrawn_total(self) -> int:
+        return self.ledger.withdrawn_total
 
     def group_statistics(self) -> list[GroupStatistics]:
         now_ms = self.clock()

@@ -18,29 +18,31 @@ from __future__ import annotations
 
 import ssl
 from collections.abc import Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Protocol
 
 import trio
 
-from delayd import __version__
+from delayd.address import Address, parse_address
 from delayd.errors import DelaydError, LocalProtocolError, ProtocolError
 from delayd.protocol import (
     CLIENT,
-    NEED_DATA,
     Connection,
-    ConnectionClosed,
     EncodedMessages,
     Error,
     ErrorCode,
-    Hello,
-    HelloOk,
     Message,
+    Response,
     ResultCode,
     SendBatch,
     SendBatchResult,
     SendResult,
 )
+from delayd.protocol.answers import route_answers
+from delayd.protocol.handshake import say_hello
+from delayd.protocol.redirect import leader_in
 from delayd.tls import ClientTls, handshake_failure, transport_of
+from delayd.version import __version__
 
 if TYPE_CHECKING:
     from delayd.broker import Broker
@@ -59,6 +61,15 @@ class TargetUnavailable(DelaydError):
 
     The batch may or may not have been stored: send it again, here or elsewhere.
     """
+
+
+class NotLeaderTarget(TargetUnavailable):
+    """The broker is a member of a group that does not lead it (ERROR NOT_LEADER):
+    nothing was stored; ``leader`` is the leader's address, or None when unknown."""
+
+    def __init__(self, message: str, leader: str | None) -> None:
+        super().__init__(message)
+        self.leader = leader
 
 
 class SendTarget(Protocol):
@@ -123,6 +134,10 @@ class RemoteTarget:
 
     A batch too large for one frame is split in halves until each part fits; a single
     message too large for a frame comes back refused (BODY_TOO_LARGE), not raised.
+
+    When ``addresses`` are the members of a replicated broker group, a member that does
+    not lead answers NOT_LEADER naming the leader: the batch goes there at once (the
+    leader joins the addresses when it is not one of them), within the same time-out.
     Raises ValueError for a malformed address, no address, or a time-out <= 0.
     """
 
@@ -141,8 +156,11 @@ class RemoteTarget:
         if timeout_s <= 0 or connect_timeout_s <= 0:
             raise ValueError("timeout_s and connect_timeout_s must be positive (seconds)")
         self.name = name
-        self.addresses = tuple(addresses)
-        self._endpoints = [_host_port(address) for address in self.addresses]
+        self.addresses: tuple[str, ...] = tuple(addresses)
+        try:
+            self._endpoints = [parse_address(address) for address in self.addresses]
+        except ValueError as exc:
+            raise ValueError(f"broker group {name!r}: {exc}") from None
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
         self._token = token
@@ -170,13 +188,37 @@ class RemoteTarget:
         link = None
         try:
             with trio.fail_after(self.timeout_s):
-                link = await self._connected()
-                return await self._send(link, list(messages))
+                for _ in range(len(self.addresses) + 1):
+                    link = await self._connected()
+                    try:
+                        return await self._send(link, list(messages))
+                    except NotLeaderTarget as exc:
+                        link.fail("was left: not the leader")
+                        if not self._follow(exc.leader):
+                            raise
+                raise TargetUnavailable(
+                    f"broker group {self.name}: no member of {', '.join(self.addresses)} leads"
+                )
         except trio.TooSlowError:
             where = link.address if link is not None else " or ".join(self.addresses)
             raise TargetUnavailable(
                 f"broker group {self.name}: no answer from {where} within {self.timeout_s} s"
             ) from None
+
+    def _follow(self, leader: str | None) -> bool:
+        """Make ``leader`` the address tried next; False when it names none (the
+        circuit breaker and retry policy take it from there)."""
+        if leader is None:
+            return False
+        if leader not in self.addresses:
+            try:
+                endpoint = parse_address(leader)
+            except ValueError:
+                return False
+            self.addresses = (*self.addresses, leader)
+            self._endpoints.append(endpoint)
+        self._current = self.addresses.index(leader)
+        return True
 
     async def _send(self, link: _Link, messages: list[Message]) -> list[SendResult]:
         try:
@@ -203,13 +245,13 @@ class RemoteTarget:
             for step in range(count):
                 index = (self._current + step) % count
                 address = self.addresses[index]
-                host, port = self._endpoints[index]
+                endpoint = self._endpoints[index]
                 with trio.move_on_after(self.connect_timeout_s):
                     try:
                         link = await _Link.open(
-                            self.name, address, host, port, self._token, self._tls
+                            self.name, address, endpoint, self._token, self._tls
                         )
-                    except (*_LINK_ERRORS, TargetUnavailable) as exc:
+                    except (*_LINK_ERRORS, DelaydError) as exc:
                         problems.append(f"{address}: {_why(exc, address)}")
                         continue
                     if self._closed:  # aclose() ran while this connected
@@ -237,16 +279,10 @@ def _why(exc: BaseException, address: str) -> str:
     return str(exc) or type(exc).__name__
 
 
-def _host_port(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
-        raise ValueError(f"broker address {address!r} is not HOST:PORT ([V6]:PORT for IPv6)")
-    return host.removeprefix("[").removesuffix("]"), int(port)
-
-
-async def _connect(host: str, port: int, tls: ClientTls | None) -> trio.abc.Stream:
-    """A TCP stream to host:port, with the TLS handshake done when ``tls`` is given.
+async def _connect(endpoint: Address, tls: ClientTls | None) -> trio.abc.Stream:
+    """A TCP stream to ``endpoint``, with the TLS handshake done when ``tls`` is given.
     Raises OSError, a trio stream error, or TargetUnavailable for a refused handshake."""
+    host, port = endpoint
     tcp = await trio.open_tcp_stream(host, port)  # TCP_NODELAY is trio's default
     if tls is None:
         return tcp
@@ -259,7 +295,7 @@ async def _connect(host: str, port: int, tls: ClientTls | None) -> trio.abc.Stre
     except trio.BrokenResourceError as exc:
         tcp.socket.close()
         if isinstance(exc.__cause__, ssl.SSLError):
-            failure = handshake_failure(exc.__cause__, f"{host}:{port}")
+            failure = handshake_failure(exc.__cause__, str(endpoint))
             raise TargetUnavailable(str(failure)) from None
         raise
     except BaseException:
@@ -306,38 +342,31 @@ class _Link:
         cls,
         group: str,
         address: str,
-        host: str,
-        port: int,
+        endpoint: Address,
         token: str | None,
         tls: ClientTls | None = None,
     ) -> _Link:
-        """Connect (over TLS with ``tls``) and do HELLO. Raises OSError or a trio stream
-        error when the connection fails, ProtocolError for a peer that does not speak the
-        protocol, TargetUnavailable when the broker refuses the TLS handshake or the
-        HELLO, or closes the connection."""
-        stream = await _connect(host, port, tls)
+        """Connect (over TLS with ``tls``) and do HELLO (delayd.protocol.handshake).
+        Raises OSError or a trio stream error when the connection fails,
+        TargetUnavailable when the broker refuses the TLS handshake, and what say_hello
+        raises: RejectedError for a wrong token, BusyError for a broker shutting down,
+        ConnectionClosedError, ProtocolError for a peer that does not speak the
+        protocol."""
+        stream = await _connect(endpoint, tls)
         try:
             conn = Connection(CLIENT)
-            hello = Hello(token=token, client_name=CLIENT_NAME, request_id=conn.next_request_id())
-            await stream.send_all(conn.send(hello))
-            while True:
-                event = conn.next_event()
-                if event is NEED_DATA:
-                    conn.receive_data(await stream.receive_some(RECEIVE_BYTES))
-                elif isinstance(event, HelloOk):
-                    return cls(group, address, stream, conn)
-                elif isinstance(event, Error):
-                    hint = ""
-                    if event.code is ErrorCode.UNAUTHORIZED:
-                        hint = " (check the token configured for the broker group)"
-                    raise TargetUnavailable(
-                        f"HELLO refused: {event.reason} ({event.code.name}){hint}"
-                    )
-                else:
-                    raise TargetUnavailable("the broker closed the connection during HELLO")
+            await say_hello(
+                conn,
+                stream.send_all,
+                partial(stream.receive_some, RECEIVE_BYTES),
+                token=token,
+                client_name=CLIENT_NAME,
+                peer=address,
+            )
         except BaseException:
             transport_of(stream).socket.close()  # type: ignore[attr-defined]
             raise
+        return cls(group, address, stream, conn)
 
     def fail(self, reason: str) -> None:
         """End the link: close the socket (a task blocked on it wakes with
@@ -385,6 +414,11 @@ class _Link:
         finally:
             self._waiters.pop(request_id, None)
         response = waiter.response
+        if isinstance(response, Error) and response.code is ErrorCode.NOT_LEADER:
+            raise NotLeaderTarget(
+                f"broker group {self.group}: {self.address}: {response.reason}",
+                leader_in(response.reason),
+            )
         if isinstance(response, Error):
             raise TargetUnavailable(
                 f"broker group {self.group}: {self.address} refused the batch: "
@@ -398,23 +432,22 @@ class _Link:
     async def _read_until(self, mine: _Waiter) -> None:
         """Read answers, handing each to its waiter, until ``mine`` has one or the link
         ends; then wake the other waiters so that one of them reads on."""
-        conn, waiters = self._conn, self._waiters
         self._reading = True
         try:
             while mine.response is None:
-                conn.receive_data(await self._stream.receive_some(RECEIVE_BYTES))
-                while (event := conn.next_event()) is not NEED_DATA:
-                    if isinstance(event, ConnectionClosed):
-                        self.fail("was closed by the broker")
-                        return
-                    waiter = waiters.pop(event.request_id, None)
-                    if waiter is not None:
-                        waiter.response = event  # type: ignore[assignment]
-                        waiter.wake.set()
-                    if isinstance(event, Error) and (event.close or event.request_id == 0):
-                        self.fail(f"was closed by the broker: {event.reason} ({event.code.name})")
-                        return
+                self._conn.receive_data(await self._stream.receive_some(RECEIVE_BYTES))
+                try:
+                    route_answers(self._conn, self._deliver, self.address)
+                except DelaydError as exc:  # closed, or an ERROR about the whole connection
+                    self.fail(f"was ended: {exc}")
+                    return
         finally:
             self._reading = False
-            for waiter in waiters.values():
+            for waiter in self._waiters.values():
                 waiter.wake.set()
+
+    def _deliver(self, answer: Response | Error) -> None:
+        waiter = self._waiters.pop(answer.request_id, None)
+        if waiter is not None:
+            waiter.response = answer  # type: ignore[assignment]
+            waiter.wake.set()

@@ -6,65 +6,50 @@ and message_id, subject, key, properties and body. The wire's message (docs/prot
 Message) holds the same id, subject, key and body bytes in the same order behind its own
 14-byte head, with its integers after the body. So for a message without properties the
 sender copies those bytes behind a new head and appends due_ms and dispatched_ms — the
-bytes ``codec.encode_message`` gives for the decoded Message — instead of decoding the
-record into a Message that the embedded broker then encodes again (docs/benchmarks.md,
+bytes ``message_layout.encode_message`` gives for the decoded Message — instead of
+decoding the record into a Message that the embedded broker then encodes again (docs/benchmarks.md,
 Delivery). A message with properties takes the Message path: the wire counts
 properties where message_log counts their bytes.
 """
 
 from __future__ import annotations
 
-import struct
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from delayd.logs import message_log, schedule_log
-from delayd.protocol.codec import MSG_DISPATCHED_MS, MSG_DUE_MS, MSG_HEAD, MSG_KEY
+from delayd.protocol import EncodedMessages
+from delayd.protocol.message_layout import DELIVERED_TAIL, delivered_head, encode_message
 
-TEXT_AT = schedule_log.HEAD_SIZE  # 8 + 39: where message_id starts in a SCHEDULED payload
-TAIL = struct.Struct("<qq")  # due_ms, dispatched_ms: the wire's last two integers
-_HEAD_AT = schedule_log.PREFIX_SIZE
-_HEAD = message_log.HEAD
-_DELIVERED = MSG_DUE_MS | MSG_DISPATCHED_MS
+if TYPE_CHECKING:
+    from delayd.sender.ledger import Item
 
-
-class ScheduledHead:
-    """What the sender needs of a SCHEDULED payload: due_ms, message_id, subject and key
-    (decoded), and ``wire_head``, the wire head of its message (None when it has
-    properties: it must be encoded from a Message)."""
-
-    __slots__ = ("due_ms", "key", "message_id", "subject", "wire_head")
-
-    def __init__(
-        self, due_ms: int, message_id: str, subject: str, key: str | None, wire_head: bytes | None
-    ) -> None:
-        self.due_ms = due_ms
-        self.message_id = message_id
-        self.subject = subject
-        self.key = key
-        self.wire_head = wire_head
+TEXT_AT = schedule_log.HEAD_SIZE  # where message_id starts in a SCHEDULED payload
+TAIL = DELIVERED_TAIL  # due_ms, dispatched_ms: the wire's last two integers
 
 
-def read_head(payload: bytes) -> ScheduledHead | None:
-    """The head of a SCHEDULED payload, or None when it is not a well-formed one (the
-    caller then decodes it the full way, which says what is wrong). Raises nothing."""
-    if len(payload) < TEXT_AT:
+def wire_head(head: message_log.MessageHead) -> bytes | None:
+    """The wire head of the message whose message_log head is ``head`` (read at
+    schedule_log.PREFIX_SIZE of a SCHEDULED payload), as delivered: None when it has
+    properties (it must be encoded from a Message)."""
+    if head.properties_len:
         return None
-    due_ms, _, _, flags, id_len, subject_len, key_len, props_len, body_len = _HEAD.unpack_from(
-        payload, _HEAD_AT
-    )
-    if flags & ~message_log.KNOWN_FLAGS or (key_len and not flags & message_log.FLAG_KEY):
-        return None
-    if TEXT_AT + id_len + subject_len + key_len + props_len + body_len != len(payload):
-        return None
-    subject_at = TEXT_AT + id_len
-    key_at = subject_at + subject_len
-    try:
-        message_id = payload[TEXT_AT:subject_at].decode()
-        subject = payload[subject_at:key_at].decode()
-        key = payload[key_at : key_at + key_len].decode() if flags & message_log.FLAG_KEY else None
-    except UnicodeDecodeError:
-        return None
-    wire_head = None
-    if not props_len:
-        mask = _DELIVERED | (MSG_KEY if key is not None else 0)
-        wire_head = MSG_HEAD.pack(mask, id_len, subject_len, key_len, 0, body_len)
-    return ScheduledHead(due_ms, message_id, subject, key, wire_head)
+    return delivered_head(head.id_len, head.subject_len, head.key_len, head.body_len)
+
+
+def encode_batch(batch: Sequence[Item], dispatched_ms: int) -> EncodedMessages:
+    """The batch in the wire encoding, as ``encode_message`` of each item's Message
+    would give it, mostly copied from the schedule_log payloads."""
+    out = bytearray()
+    bounds = [0]
+    tail = TAIL.pack
+    for item in batch:
+        head = item.wire_head
+        if head is None or item.dead:
+            out += encode_message(item.message(dispatched_ms))
+        else:
+            out += head
+            out += memoryview(item.payload)[TEXT_AT:]
+            out += tail(item.due_ms, dispatched_ms)
+        bounds.append(len(out))
+    return EncodedMessages(bytes(out), tuple(bounds))

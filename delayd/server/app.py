@@ -7,11 +7,15 @@ after recovery); ``open`` (blocking, run in a worker thread) recovers: message_l
 the broker. ``run`` then starts every task with ``nursery.start`` and reports the
 bound addresses once all of them listen.
 
-Shutdown (``request_stop``, on SIGTERM/SIGINT): stop accepting (binary and HTTP) and
-let in-flight batches be acknowledged, flush message_log, let the replayer copy
-everything durable and write its checkpoint, stop delivery, stop the broker's listener
-the same way (appended batches answered), stop the broker (it flushes and checkpoints
-itself), close files.
+A member of a replicated group (``[cluster] etcd``; docs/replication.md) joins it once
+its listeners are bound, answers NOT_LEADER unless it leads, and delivers only while it
+leads: delivery starts at each promotion and stops at each demotion.
+
+Shutdown (``request_stop``, on SIGTERM/SIGINT): resign (a member of a group), stop
+accepting (binary and HTTP) and let in-flight batches be answered, flush message_log,
+let the replayer copy everything durable and write its checkpoint, stop delivery, stop
+the broker's listener the same way (appended batches answered), stop the broker (it
+flushes and checkpoints itself), close files.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING
 
 import trio
 from prometheus_client import CollectorRegistry
@@ -26,16 +31,12 @@ from prometheus_client import CollectorRegistry
 from delayd.broker import Broker
 from delayd.broker.metrics import BrokerCollector
 from delayd.broker.server import broker_listener
-from delayd.connection_gate import ConnectionGate
-from delayd.connection_metrics import register_connection_metrics
+from delayd.cluster.config import DEFAULT_SERVE_REPLICATION_PORT
+from delayd.cluster.members import MemberInfo
 from delayd.http import Backend, HttpListener, open_api
-from delayd.listen import bound_addresses
-from delayd.listen import open_listeners as bind
 from delayd.logs import layout
 from delayd.logs.known_ids import KnownIds
 from delayd.logs.message_status import UNKNOWN, MessageStatus, message_status
-from delayd.metrics_http import Readiness, serve_metrics
-from delayd.receiver import Receiver
 from delayd.replay import Replayer, open_replayer
 from delayd.server.config import Address, ServeConfig
 from delayd.server.connection import DelayConnection
@@ -45,22 +46,24 @@ from delayd.server.intake import IntakePath
 from delayd.server.listener import IntakeListener
 from delayd.server.metrics import IntakeCollector
 from delayd.server.pending_metrics import PendingCollector, PendingTracker, chained
+from delayd.server.receiver import Receiver
 from delayd.server.retention import Retention, remove_orphans
 from delayd.server.retention_metrics import RetentionCollector
-from delayd.store_metrics import (
-    RESUME_FREE_BYTES,
-    DiskCollector,
-    FreeSpace,
-    StoreCollector,
-    StoreSizes,
-    broker_directories,
-)
-from delayd.tls import ServerTls
-from delayd.write_refusals import WriteRefusals
+from delayd.serving.connection_gate import ConnectionGate
+from delayd.serving.connection_metrics import register_connection_metrics
+from delayd.serving.listeners import bound_addresses
+from delayd.serving.listeners import open_listeners as bind
+from delayd.serving.metrics_http import Readiness, serve_metrics
+from delayd.serving.store_metrics import RESUME_FREE_BYTES, StoreMetrics, broker_directories
+from delayd.serving.tls import ServerTls
+from delayd.serving.write_refusals import WriteRefusals
 from storage.errors import StorageError
 from storage.flusher import FlushMode, LogWriter
 from storage.fs import REAL_FS, FileSystem
 from storage.segmented_log import SegmentedLog
+
+if TYPE_CHECKING:
+    from delayd.serving.membership import Membership
 
 log = logging.getLogger(__name__)
 
@@ -78,22 +81,26 @@ class ServeListeners:
     broker: list[trio.SocketListener] | None
     metrics: list[trio.SocketListener] | None
     http: list[trio.SocketListener] | None = None
+    # The data path's listener, published in etcd (docs/replication.md): bound with the
+    # others so that a clash is said at start; served by the replication code.
+    replication: list[trio.SocketListener] | None = None
 
     async def aclose(self) -> None:
-        for group in (self.intake, self.broker, self.metrics, self.http):
+        for group in (self.intake, self.broker, self.metrics, self.http, self.replication):
             for listener in group or ():
                 await listener.aclose()
 
 
 async def open_listeners(config: ServeConfig) -> ServeListeners:
-    """Bind the intake, broker, metrics and HTTP listeners ``config`` asks for, in that order.
+    """Bind the intake, broker, metrics, HTTP and replication listeners ``config`` asks
+    for, in that order.
     Raises ListenError naming the first that cannot be bound (those bound before it
     are closed again)."""
     bound: list[list[trio.SocketListener]] = []
     try:
         intake = await bind("intake", *config.listen)
         bound.append(intake)
-        broker = metrics = http = None
+        broker = metrics = http = replication = None
         if config.broker_listen is not None:
             broker = await bind("the broker", *config.broker_listen)
             bound.append(broker)
@@ -102,12 +109,18 @@ async def open_listeners(config: ServeConfig) -> ServeListeners:
             bound.append(metrics)
         if config.http_listen is not None:
             http = await bind("the HTTP API", *config.http_listen)
+            bound.append(http)
+        if config.cluster.enabled:
+            address = config.cluster.replication_address(
+                config.listen.host, DEFAULT_SERVE_REPLICATION_PORT
+            )
+            replication = await bind("replication", *address)
     except BaseException:
         for group in bound:
             for listener in group:
                 await listener.aclose()
         raise
-    return ServeListeners(intake, broker, metrics, http)
+    return ServeListeners(intake, broker, metrics, http, replication)
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,11 +189,20 @@ class DelayServer:
         self.receiver = Receiver(config.limits, replayer.recovery.next_sequence, self.known)
         self.intake = IntakePath(self.receiver, self.writer, replayer)
         self.intake.canceller = delivery.canceller  # cancel/reschedule (docs/cancel.md)
+        # A member of a group: only the leader takes requests and delivers.
+        self.membership: Membership | None = None
+        if config.cluster.enabled:
+            # Imported here: only a member needs the etcd client and its HTTP stack.
+            from delayd.serving.membership import Membership
+
+            self.membership = Membership(config.cluster)
         self.listener = IntakeListener(
             self._connection, ConnectionGate("intake", config.connection_limits), tls
         )
         # Its gate: the [broker] connection keys (the embedded broker's config).
-        self.broker_listener = broker_listener(broker, token=config.token, tls=tls)
+        self.broker_listener = broker_listener(
+            broker, token=config.token, membership=self.membership, tls=tls
+        )
         self._stop = trio.Event()
         # Recovery of the logs is done when the server is built; /readyz turns ready
         # once replay has caught up and delivery runs.
@@ -192,28 +214,29 @@ class DelayServer:
             writer.refusals = self.refusals
         self.readiness.watch(self.refusals.reason)
         self._broker_address: str | None = None
+        self._delivery_collector: DeliveryCollector | None = None
+        self._delivery_stop_lock = trio.Lock()
         self.http: HttpListener | None = None  # the HTTP API, once it serves
         # Metrics that read the logs, only when someone can scrape them: the pending
         # count adds a call per replayed record and a start-up count.
         self.pending: PendingTracker | None = None
-        self.store_sizes: StoreSizes | None = None
-        self.free_space: FreeSpace | None = None
+        self.store_metrics: StoreMetrics | None = None
         if config.metrics_listen is not None:
+            self.pending = self._pending_tracker(delivery)
+            self._chain_pending()
+            data_dir = delivery.data_dir
+            directories = {
+                "message_log": layout.message_log_dir(data_dir),
+                "schedule_log": layout.schedule_log_dir(data_dir),
+                "dispatch_log": layout.dispatch_log_dir(data_dir),
+                "id_index": layout.id_index_dir(data_dir),
+                **broker_directories(broker.store.directory),
+            }
             # Writes are taken to resume a MiB above intake's reserve: below it intake
             # still refuses, and readiness must say so.
             resume = config.limits.min_free_bytes + RESUME_FREE_BYTES
-            self.free_space = FreeSpace(delivery.data_dir, self.refusals, resume_free_bytes=resume)
-            self.pending = self._pending_tracker(delivery)
-            replayer.on_scheduled = chained(replayer.on_scheduled, self.pending.on_scheduled)
-            data_dir = delivery.data_dir
-            self.store_sizes = StoreSizes(
-                {
-                    "message_log": layout.message_log_dir(data_dir),
-                    "schedule_log": layout.schedule_log_dir(data_dir),
-                    "dispatch_log": layout.dispatch_log_dir(data_dir),
-                    "id_index": layout.id_index_dir(data_dir),
-                    **broker_directories(broker.store.directory),
-                }
+            self.store_metrics = StoreMetrics(
+                directories, data_dir, self.refusals, resume_free_bytes=resume
             )
         # Deletes replayed message_log segments and delivered buckets once they are old
         # enough (docs/operations.md, "Retention"); runs once delivery does.
@@ -222,6 +245,13 @@ class DelayServer:
             self.retention = Retention(
                 config.retention, message_log, replayer, delivery, pending=self.pending
             )
+
+    def _chain_pending(self) -> None:
+        """The pending count hears of every record the replayer schedules, after the
+        delivery's manager (whose callback Delivery sets)."""
+        assert self.pending is not None
+        replayer = self.replayer
+        replayer.on_scheduled = chained(replayer.on_scheduled, self.pending.on_scheduled)
 
     @staticmethod
     def _pending_tracker(delivery: Delivery) -> PendingTracker:
@@ -305,7 +335,7 @@ class DelayServer:
             raise
         return cls(config, message_log, replayer, broker, delivery, tls)
 
-    def _connection(self, stream: trio.SocketStream) -> DelayConnection:
+    def _connection(self, stream: trio.abc.Stream) -> DelayConnection:
         return DelayConnection(
             self.intake,
             stream,
@@ -314,6 +344,7 @@ class DelayServer:
             stats=self.stats,
             broker_address=self._broker_address,
             gate=self.listener.gate,
+            membership=self.membership,
         )
 
     def stats(self) -> dict[str, str | int | float]:
@@ -338,6 +369,12 @@ class DelayServer:
         }
         for code, count in sorted(receiver.refused_total.items()):
             out[f"intake.refused_total/{code.name.lower()}"] = count
+        if self.membership is not None:
+            view = self.membership.view
+            out["cluster.group"] = self.config.cluster.group
+            out["cluster.role"] = view.role.name.lower()
+            out["cluster.epoch"] = view.epoch or 0
+            out["cluster.leader"] = view.leader.member_id if view.leader else ""
         return out
 
     def request_stop(self) -> None:
@@ -375,21 +412,23 @@ class DelayServer:
                     self._broker_address = "{}:{}".format(*broker_bound)
                 metrics_bound = None
                 if config.metrics_listen is not None:
-                    assert self.pending is not None and self.store_sizes is not None
+                    assert self.pending is not None and self.store_metrics is not None
                     await root.start(self.pending.run)
-                    await root.start(self.store_sizes.run)
-                    assert self.free_space is not None
-                    await root.start(self.free_space.run)
+                    await root.start(self.store_metrics.run)
                     if metrics is not None:
                         registry = metrics.registry
                     else:
                         registry = CollectorRegistry(auto_describe=False)
                     registry.register(IntakeCollector(self.receiver, self.intake, self.replayer))
                     registry.register(BrokerCollector(self.broker))
-                    registry.register(DeliveryCollector(self.delivery))
+                    self._delivery_collector = DeliveryCollector(self.delivery)
+                    registry.register(self._delivery_collector)
+                    if self.membership is not None:
+                        from delayd.serving.membership_metrics import MembershipCollector
+
+                        registry.register(MembershipCollector(self.membership))
                     registry.register(PendingCollector(self.pending))
-                    registry.register(StoreCollector(self.store_sizes))
-                    registry.register(DiskCollector(self.free_space))
+                    self.store_metrics.register(registry)
                     if self.retention is not None:
                         registry.register(RetentionCollector(self.retention))
                     gates = {"intake": self.listener.gate, "broker": self.broker_listener.gate}
@@ -415,6 +454,8 @@ class DelayServer:
                 serve_intake = partial(self.listener.serve, listeners=listeners.intake)
                 intake_bound = await root.start(serve_intake, host, port)
                 bound = BoundAddresses(intake_bound[0], broker_bound, metrics_bound, http_bound)
+                if self.membership is not None:
+                    await root.start(self.membership.run, self._member_info(bound, listeners))
                 task_status.started(bound)
                 root.start_soon(self._start_delivery, root, self.message_log.durable_offset)
                 await self._stop.wait()
@@ -428,6 +469,28 @@ class DelayServer:
             self.message_log.close()
             if self.known is not None:
                 self.known.close()
+
+    def _member_info(self, bound: BoundAddresses, listeners: ServeListeners) -> MemberInfo:
+        """This server as the group's members and clients reach it: the advertised host
+        and the bound ports."""
+        from delayd.serving.membership import member_id_for
+
+        cluster = self.config.cluster
+        host = self.config.listen.host
+
+        def address(where: Address | None) -> str:
+            return "" if where is None else cluster.address_of(host, where[1])
+
+        replication = bound_addresses(listeners.replication)[0] if listeners.replication else None
+        intake = address(bound.intake)
+        return MemberInfo(
+            member_id_for(intake),
+            intake=intake,
+            broker=address(bound.broker),
+            replication=address(replication),
+            metrics=address(bound.metrics),
+            http=address(bound.http),
+        )
 
     async def _serve_http(
         self,
@@ -447,7 +510,12 @@ class DelayServer:
 
         assert listeners.http is not None  # bound by open_listeners
         backend = Backend(
-            self.intake, self.broker, self.message_status, self.config.token, storage_failed
+            self.intake,
+            self.broker,
+            self.message_status,
+            self.config.token,
+            storage_failed,
+            membership=self.membership,
         )
         self.http = open_api(
             backend,
@@ -489,11 +557,72 @@ class DelayServer:
         self.intake.ids_ready.set()
         if self.known is not None:
             root.start_soon(self._keep_id_filter)
+        if self.membership is not None:
+            self.readiness.set_ready()
+            log.info("replay caught up at message_log offset %d", replay_target)
+            await self._deliver_while_leading()
+            return
         await root.start(self.delivery.run)
         if self.retention is not None:
             await root.start(self.retention.run)
         self.readiness.set_ready()
         log.info("delivering: replay caught up at message_log offset %d", replay_target)
+
+    async def _deliver_while_leading(self) -> None:
+        """Deliver (and run retention) only while this member leads its group: started
+        at each promotion, stopped at each demotion, dispatch_log made durable and the
+        cursors written as at a shutdown. A demoted delivery's memory (wheel, sender's
+        in-flight entries) is not reused: the next promotion builds a new one from the
+        logs, as a restart does."""
+        membership = self.membership
+        assert membership is not None
+        led_before = False
+        while True:
+            while not membership.may_lead():
+                await membership.wait_change()
+            if led_before:
+                self._renew_delivery()
+            led_before = True
+            view = membership.view
+            log.info("leading group %s at epoch %s: delivering", membership.keys.group, view.epoch)
+            async with trio.open_nursery() as delivering:
+                await delivering.start(self.delivery.run)
+                if self.retention is not None:
+                    await delivering.start(self.retention.run)
+                while membership.may_lead():
+                    await membership.wait_change()
+                log.info(
+                    "no longer leading group %s (%s): stopping delivery",
+                    membership.keys.group,
+                    membership.view.role.name.lower(),
+                )
+                await self._stop_delivery()
+                delivering.cancel_scope.cancel()
+
+    async def _stop_delivery(self) -> None:
+        """Stop delivery once, however many ask (a demotion during the shutdown)."""
+        async with self._delivery_stop_lock:
+            if self.delivery.running:
+                await self.delivery.stop()
+                self.delivery.running = False
+
+    def _renew_delivery(self) -> None:
+        """A new Delivery in place of a stopped one, wired as ``open`` wires the first."""
+        old = self.delivery
+        old.close()
+        config = self.config
+        targets = build_targets(config, self.broker)
+        delivery = Delivery(old.data_dir, config, self.replayer, targets, fs=old.fs)
+        self.delivery = delivery
+        self.intake.canceller = delivery.canceller
+        delivery.sender.refusals = self.refusals
+        if self.pending is not None:
+            self._chain_pending()
+        if self.retention is not None:
+            self.retention.delivery = delivery
+            self.retention.clock = delivery.now_ms
+        if self._delivery_collector is not None:
+            self._delivery_collector.delivery = delivery
 
     async def _keep_id_filter(self) -> None:
         """Build the id filter now (until then intake looks every id up), and again,
@@ -525,6 +654,11 @@ class DelayServer:
             await full.wait()
 
     async def _shutdown(self) -> None:
+        if self.membership is not None:
+            # Resign first: a follower takes over now, and the requests still in flight
+            # here are answered NOT_LEADER instead of being acknowledged by a leader
+            # that is leaving.
+            self.membership.resign()
         log.info("shutting down: no new requests; answering those in flight")
         async with trio.open_nursery() as listeners:
             listeners.start_soon(self.listener.stop, SHUTDOWN_GRACE_S)
@@ -532,8 +666,7 @@ class DelayServer:
                 listeners.start_soon(self.http.stop)
         await self.writer.flush()
         await self.replayer.stop()
-        if self.delivery.running:
-            await self.delivery.stop()
+        await self._stop_delivery()
         # The embedded broker's producers (other delay servers, clients) get the same:
         # every SEND_BATCH appended is answered before its connection closes.
         await self.broker_listener.stop(SHUTDOWN_GRACE_S)

@@ -15,39 +15,45 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from delayd.address import Address, parse_address
 from delayd.broker.config import BrokerConfig
-from delayd.connection_limits import (
-    DEFAULT_FRAME_TIMEOUT_MS,
-    DEFAULT_HELLO_TIMEOUT_MS,
-    DEFAULT_MAX_UNFINISHED_FRAME_BYTES,
-    ConnectionLimits,
+from delayd.cluster.config import (
+    CLUSTER_KEYS,
+    CLUSTER_STRING_KEYS,
+    ClusterConfig,
+    cluster_from_table,
 )
 from delayd.logs import message_log, schedule_log
 from delayd.logs.bucket_files import DEFAULT_MAX_OPEN
 from delayd.logs.buckets import DEFAULT_SEGMENT_SCALE, check_segment_scale
 from delayd.logs.dispatch_log import check_group_name
-from delayd.logsetup import (
+from delayd.protocol.frames import DEFAULT_MAX_FRAME_SIZE
+from delayd.replay.replayer import DEFAULT_BATCH_RECORDS, DEFAULT_CHECKPOINT_INTERVAL_S
+from delayd.sender.retry import RetryPolicy
+from delayd.sender.sender import SenderConfig
+from delayd.server.receiver import IntakeLimits
+from delayd.serving.connection_limits import (
+    DEFAULT_FRAME_TIMEOUT_MS,
+    DEFAULT_HELLO_TIMEOUT_MS,
+    DEFAULT_MAX_UNFINISHED_FRAME_BYTES,
+    ConnectionLimits,
+)
+from delayd.serving.structured_logs import (
     DEFAULT_LOG_FORMAT,
     DEFAULT_LOG_LEVEL,
     LOG_FORMATS,
     LOG_LEVELS,
 )
-from delayd.protocol.frames import DEFAULT_MAX_FRAME_SIZE
-from delayd.receiver import IntakeLimits
-from delayd.replay.replayer import DEFAULT_BATCH_RECORDS, DEFAULT_CHECKPOINT_INTERVAL_S
-from delayd.sender.retry import RetryPolicy
-from delayd.sender.sender import SenderConfig
 from delayd.tls import ClientTls, ServerTlsConfig
 from storage.flusher import FlushMode, FlushPolicy
 from storage.framing import HEADER_SIZE
 from storage.record_file import DEFAULT_MAX_UNSYNCED_BYTES as BUCKET_MAX_UNSYNCED_BYTES
 from storage.segmented_log import DEFAULT_MAX_UNSYNCED_BYTES, DEFAULT_SEGMENT_SIZE, EOS_SIZE
 
-DEFAULT_LISTEN = ("127.0.0.1", 20801)
-DEFAULT_BROKER_LISTEN = ("127.0.0.1", 20811)
-DEFAULT_METRICS_LISTEN = ("127.0.0.1", 20880)  # the issue's port; loopback: not exposed
-DEFAULT_HTTP_LISTEN = ("127.0.0.1", 20890)  # the HTTP/JSON API (docs/http.md)
-Address = tuple[str, int]
+DEFAULT_LISTEN = Address("127.0.0.1", 20801)
+DEFAULT_BROKER_LISTEN = Address("127.0.0.1", 20811)
+DEFAULT_METRICS_LISTEN = Address("127.0.0.1", 20880)  # the issue's port; loopback: not exposed
+DEFAULT_HTTP_LISTEN = Address("127.0.0.1", 20890)  # the HTTP/JSON API (docs/http.md)
 
 
 class ConfigError(ValueError):
@@ -108,7 +114,10 @@ class BrokerGroupConfig:
                 'addresses = ["HOST:PORT", ...], not both'
             )
         for address in self.addresses:
-            parse_address(address, f"broker_groups.{self.name}.addresses")
+            try:
+                parse_address(address)
+            except ValueError as exc:
+                raise ConfigError(f"broker_groups.{self.name}.addresses: {exc}") from None
         if self.weight < 1:
             raise ConfigError(f"broker_groups.{self.name}.weight must be >= 1")
         if self.embedded and self.tls is not None:
@@ -118,22 +127,22 @@ class BrokerGroupConfig:
             )
 
 
-def parse_address(text: str, what: str) -> Address:
-    """``HOST:PORT`` (``[v6]:PORT`` for IPv6; port 0 picks a free port) -> (host, port).
+def parse_listen_address(text: str, what: str) -> Address:
+    """A listener's ``HOST:PORT`` (delayd.address; port 0 picks a free port).
 
     Raises ConfigError naming ``what``.
     """
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not (port.isascii() and port.isdigit()) or int(port) > 65535:
-        raise ConfigError(f"{what}: {text!r} is not HOST:PORT (port 0..65535)")
-    return host.strip("[]"), int(port)
+    try:
+        return parse_address(text, allow_port_zero=True)
+    except ValueError as exc:
+        raise ConfigError(f"{what}: {exc}") from None
 
 
-def parse_optional_address(text: str, what: str) -> Address | None:
-    """As parse_address, or None for ``off``."""
+def parse_optional_listen_address(text: str, what: str) -> Address | None:
+    """As parse_listen_address, or None for ``off``."""
     if text.strip().lower() in ("", "off", "none"):
         return None
-    return parse_address(text, what)
+    return parse_listen_address(text, what)
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,7 +156,7 @@ class ServeConfig:
     token: str | None = field(default=None, repr=False)
     tls: ServerTlsConfig | None = None  # None: every listener plain TCP
     max_frame_bytes: int = DEFAULT_MAX_FRAME_SIZE
-    # The intake listener's connections (delayd.connection_limits); 0 = by the fd limit.
+    # The intake listener's connections (delayd.serving.connection_limits); 0 = by the fd limit.
     max_connections: int = 0
     hello_timeout_ms: int = DEFAULT_HELLO_TIMEOUT_MS
     frame_timeout_ms: int = DEFAULT_FRAME_TIMEOUT_MS
@@ -170,6 +179,7 @@ class ServeConfig:
     )
     log_format: str = DEFAULT_LOG_FORMAT
     log_level: str = DEFAULT_LOG_LEVEL
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)  # no etcd: runs alone
 
     def __post_init__(self) -> None:
         if not self.broker_groups:
@@ -199,6 +209,11 @@ class ServeConfig:
             raise ConfigError(f"intake.max_record_bytes must be at least {smallest}")
         if any(group.embedded for group in self.broker_groups):
             self._check_embedded_broker_takes_what_intake_accepts()
+        if self.cluster.enabled:
+            try:
+                self.cluster.advertised(self.listen.host)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         try:
             self.connection_limits  # noqa: B018  # validates the [server] connection keys
         except ValueError as exc:
@@ -207,12 +222,7 @@ class ServeConfig:
     @property
     def connection_limits(self) -> ConnectionLimits:
         """The limits of the intake listener (the embedded broker's are in ``broker``)."""
-        return ConnectionLimits(
-            self.max_connections,
-            self.hello_timeout_ms,
-            self.frame_timeout_ms,
-            self.max_unfinished_frame_bytes,
-        )
+        return ConnectionLimits.of(self)
 
     def _check_embedded_broker_takes_what_intake_accepts(self) -> None:
         """A message intake accepts and the embedded broker (the only group, usually)
@@ -268,9 +278,15 @@ def _choice(*choices: str) -> Callable[[Any, str], str]:
 # table -> key -> (check, where the value goes: ServeConfig field, or "limits.x")
 _SCHEMA: dict[str, dict[str, tuple[Callable[[Any, str], Any], str]]] = {
     "server": {
-        "listen": (lambda v, k: parse_address(_str(v, k), k), "listen"),
-        "broker_listen": (lambda v, k: parse_optional_address(_str(v, k), k), "broker_listen"),
-        "metrics_listen": (lambda v, k: parse_optional_address(_str(v, k), k), "metrics_listen"),
+        "listen": (lambda v, k: parse_listen_address(_str(v, k), k), "listen"),
+        "broker_listen": (
+            lambda v, k: parse_optional_listen_address(_str(v, k), k),
+            "broker_listen",
+        ),
+        "metrics_listen": (
+            lambda v, k: parse_optional_listen_address(_str(v, k), k),
+            "metrics_listen",
+        ),
         "token": (_str, "token"),
         "max_frame_bytes": (_int, "max_frame_bytes"),
         "max_connections": (_non_negative, "max_connections"),
@@ -279,7 +295,7 @@ _SCHEMA: dict[str, dict[str, tuple[Callable[[Any, str], Any], str]]] = {
         "max_unfinished_frame_bytes": (_int, "max_unfinished_frame_bytes"),
     },
     "http": {
-        "listen": (lambda v, k: parse_optional_address(_str(v, k), k), "http_listen"),
+        "listen": (lambda v, k: parse_optional_listen_address(_str(v, k), k), "http_listen"),
     },
     "tls": {
         "cert_file": (_str, "tls.cert_file"),
@@ -344,6 +360,7 @@ def table_keys() -> dict[str, frozenset[str]]:
     """Every table with a fixed set of keys (not ``[[broker_groups]]``), and its keys."""
     tables = {table: frozenset(keys) for table, keys in _SCHEMA.items()}
     tables["broker"] = frozenset([*_BROKER_KEYS, "flush", "subject_queues"])
+    tables["cluster"] = CLUSTER_KEYS
     return tables
 
 
@@ -376,7 +393,8 @@ def string_keys() -> frozenset[str]:
         for f in dataclasses.fields(BrokerConfig)
         if isinstance(f.default, enum.Enum)
     }
-    return frozenset(fixed | enums)
+    clusters = {f"cluster.{key}" for key in CLUSTER_STRING_KEYS}
+    return frozenset(fixed | enums | clusters)
 
 
 def read_toml(path: str) -> dict[str, Any]:
@@ -409,8 +427,17 @@ def config_from_mapping(
         if table == "broker_groups":
             values["broker_groups"] = _broker_groups(entries, source)
             continue
-        if table != "broker" and table not in _SCHEMA:
-            known = ", ".join(sorted([*_SCHEMA, "broker", "broker_groups"]))
+        if table == "cluster" and isinstance(entries, Mapping):
+            names = {
+                key: labels.get(f"cluster.{key}", f"{source}: cluster.{key}") for key in entries
+            }
+            try:
+                values["cluster"] = cluster_from_table(entries, names, source)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+            continue
+        if table not in ("broker", "cluster") and table not in _SCHEMA:
+            known = ", ".join(sorted([*_SCHEMA, "broker", "broker_groups", "cluster"]))
             raise ConfigError(f"{source}: unknown table [{table}]; known tables: {known}")
         if not isinstance(entries, Mapping):
             raise ConfigError(f"{source}: {table} must be a table ([{table}])")

@@ -14,18 +14,16 @@ import enum
 import json
 from typing import Any
 
+from delayd.address import format_address
 from delayd.logs.buckets import bucket_width_ms
 from delayd.server.config import Address, ServeConfig, key_targets, table_keys
 
 _ADDRESS_KEYS = {"listen", "broker_listen", "metrics_listen", "http_listen"}
 
 
-def format_address(address: Address | None) -> str:
+def format_listen_address(address: Address | None) -> str:
     """``HOST:PORT`` (``[v6]:PORT``) as the configuration reads it; ``off`` for None."""
-    if address is None:
-        return "off"
-    host, port = address
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return "off" if address is None else format_address(*address)
 
 
 def _value(config: ServeConfig, target: str) -> Any:
@@ -33,7 +31,7 @@ def _value(config: ServeConfig, target: str) -> Any:
     if not field:
         value = getattr(config, head)
         if head in _ADDRESS_KEYS:
-            return format_address(value)
+            return format_listen_address(value)
         if head == "load_ahead_ms" and value is None:
             return 2 * bucket_width_ms(config.segment_scale_minutes)
         return value
@@ -102,4 +100,20 @@ def config_to_toml(config: ServeConfig) -> str:
             for key, file in files.items():
                 if file is not None:
                     lines.append(f"{key} = {_toml(file)}")
+    lines += ["", "[cluster]", *_cluster_lines(config)]
     return "\n".join(lines) + "\n"
+
+
+def _cluster_lines(config: ServeConfig) -> list[str]:
+    cluster = config.cluster
+    lines = [
+        f"etcd = {_toml(list(cluster.etcd))}",
+        f"group = {_toml(cluster.group)}",
+        f"advertise = {_toml(cluster.advertise)}",
+        f"lease_ttl_ms = {cluster.lease_ttl_ms}",
+        f"ack = {_toml(cluster.ack.value)}",
+        f"min_in_sync = {cluster.min_in_sync}",
+    ]
+    if cluster.replication_listen is not None:
+        lines.append(f"replication_listen = {_toml(str(cluster.replication_listen))}")
+    return lines

@@ -1,61 +1,44 @@
-"""One producer connection to the delay server: a delayd.protocol.Connection over a
-trio stream, feeding SEND_BATCH to the intake path.
+"""One producer connection to the delay server, built on the connection skeleton of
+delayd.serving.connection (reader, writer, acker, limits, graceful stop), feeding the
+intake path: SEND_BATCH, CANCEL, CANCEL_BATCH, RESCHEDULE and STATS.
 
-Per connection a reader task parses frames and dispatches requests in arrival order and
-a writer task owns the sending side (whole frames from a small channel), the layout of
-the broker's server. SEND_BATCH is validated and appended on the reader, so pipelined
-batches keep their order, and answered from a request task once durable, so batches in
-flight share group-commit fsyncs; at most MAX_IN_FLIGHT such tasks per connection, after
-which the reader stops reading and TCP pushes back on the producer.
+SEND_BATCH is validated and appended on the reader, so pipelined batches keep their
+order, and answered by the acker once durable, so batches in flight share group-commit
+fsyncs. A CANCEL or RESCHEDULE appends its tombstone on the reader as well (in order
+with this connection's sends) and is answered from a request task once durable and
+resolved (docs/cancel.md); a CANCEL_BATCH is one append and one answer. SEND_BATCHes
+and CANCEL_BATCHes take the skeleton's slots, single tombstones MAX_TOMBSTONES_IN_FLIGHT
+of their own; at a graceful stop every one of them is answered.
 
-Every request counts until its answer is queued to the writer (whose queue is bounded
-too), not merely until it is decided: a client that pipelines requests and never reads
-the answers holds at most MAX_IN_FLIGHT batches and MAX_TOMBSTONES_IN_FLIGHT tombstones,
-then its reader stops, and it stalls only itself. Requests answered on the reader
-(HELLO, STATS, refusals) wait for room in the writer there. Deadlines, the frame budget
-and the connection cap are the listener's (delayd.stream_events, connection_gate).
+A member of a group that does not lead it (``membership``, delayd.serving.membership)
+answers SEND_BATCH, CANCEL, CANCEL_BATCH and RESCHEDULE with ERROR NOT_LEADER naming
+the leader's intake address; the leader asks ``may_lead()`` again before each answer, so
+what was in flight when it stepped down is answered NOT_LEADER too, never acknowledged.
 
-Bad input never crashes the server: a protocol violation (bad frame, no HELLO, wrong
-token) gets the closing ERROR the Connection names and the socket is closed; requests
-the delay server does not serve get ERROR UNSUPPORTED; an unexpected failure in one
-request is logged and answered ERROR INTERNAL. A full disk is an answer: a SEND_BATCH
-gets DISK_FULL results, a cancel or reschedule ERROR DISK_FULL (both retryable; nothing
-was stored). Any other StorageError from message_log (a failed fsync) is not the
-client's fault and not survivable: it propagates and stops the server, which then
-acknowledges nothing more (recovery on restart reads what is really on disk).
-
-Closing: at EOF or after a protocol error the in-flight requests are cancelled (their
-answers could not be delivered). ``stop_reading`` (server shutdown) instead stops
-taking requests and lets the in-flight ones finish, so batches already appended are
-still acknowledged, then closes with FIN after the last answer: what the
-client sent after the stop is read and dropped, never appended, never answered
-(delayd.stoppable_listener.linger).
+Requests the delay server does not serve get ERROR UNSUPPORTED naming its broker. A full
+disk is an answer: a SEND_BATCH gets DISK_FULL results, a cancel or reschedule ERROR
+DISK_FULL (both retryable; nothing was stored). Any other StorageError from message_log
+(a failed fsync) is not the client's fault and not survivable: it propagates and stops
+the server, which then acknowledges nothing more (recovery on restart reads what is
+really on disk).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import trio
 
-from delayd.answer_queue import AnswerQueue
-from delayd.connection_gate import ConnectionGate
-from delayd.errors import ConnectionClosedError, LocalProtocolError
-from delayd.nowait import acquire
 from delayd.protocol import (
-    SERVER,
     Cancel,
     CancelBatch,
     CancelBatchResult,
     CancelResult,
-    Connection,
     Error,
     ErrorCode,
     Event,
-    Hello,
-    HelloOk,
     Reschedule,
     RescheduleOutcome,
     RescheduleResult,
@@ -64,27 +47,33 @@ from delayd.protocol import (
     Stats,
     StatsResult,
 )
-from delayd.receiver import Intake
 from delayd.server.cancels import Answer
 from delayd.server.intake import IntakePath
-from delayd.stoppable_listener import linger
-from delayd.stream_events import read_and_dispatch
-from delayd.stream_writer import FrameWriter
-from delayd.tls import peer_of
+from delayd.server.receiver import Intake
+from delayd.serving.connection import ServerConnection
+from delayd.serving.connection_gate import ConnectionGate
+from delayd.serving.nowait_acquire import acquire
 from storage.errors import DiskFullError, StorageError
+
+if TYPE_CHECKING:  # only a member of a group has one (it needs the etcd client)
+    from delayd.serving.membership import Membership
 
 log = logging.getLogger(__name__)
 
 SERVER_NAME = "delayd-serve"
-MAX_IN_FLIGHT = 64  # SEND_BATCHes (and CANCEL_BATCHes) awaiting durability per connection
 # Single CANCEL / RESCHEDULE frames awaiting their answer per connection: tiny, and each
 # waits for two group-commit fsyncs, so a pipelining client needs many in flight.
 MAX_TOMBSTONES_IN_FLIGHT = 1024
-OUTBOX_FRAMES = 16
 
 
-class DelayConnection:
-    """One client connection; see the module docstring."""
+_LEADER_ONLY = (SendBatch, Cancel, CancelBatch, Reschedule)
+
+
+class DelayConnection(ServerConnection[tuple[Intake, int]]):
+    """One producer connection; see the module docstring. ``_unacked`` holds the
+    appended SEND_BATCHes: (intake, request id)."""
+
+    server_name = SERVER_NAME
 
     def __init__(
         self,
@@ -96,104 +85,62 @@ class DelayConnection:
         stats: Callable[[], dict[str, str | int | float]],
         broker_address: str | None,
         gate: ConnectionGate,
+        membership: Membership | None = None,
     ) -> None:
+        super().__init__(stream, token=token, max_frame_size=max_frame_size, gate=gate)
+        self.membership = membership
         self.intake = intake
-        self.gate = gate
-        self.stream = stream
-        self.conn = Connection(SERVER, token=token, max_frame_size=max_frame_size)
         self.stats = stats
         self.broker_address = broker_address
-        self._writer = FrameWriter(stream, OUTBOX_FRAMES)
-        self._slots = trio.Semaphore(MAX_IN_FLIGHT)
-        self._unacked: AnswerQueue[tuple[Intake, int]] = AnswerQueue()  # (intake, request id)
         self._tombstone_slots = trio.Semaphore(MAX_TOMBSTONES_IN_FLIGHT)
-        self._read_scope = trio.CancelScope()
-        self._stopping = False
-        self.peer = peer_of(stream)
 
-    async def run(self) -> None:
-        try:
-            async with trio.open_nursery() as outer:
-                outer.start_soon(self._write_loop, outer.cancel_scope)
-                async with trio.open_nursery() as requests:
-                    await requests.start(self._ack_loop)
-                    final = None
-                    with self._read_scope:
-                        final = await self._read_loop(requests)
-                    self._unacked.close()  # the acker ends once all are answered
-                    if not self._stopping:
-                        requests.cancel_scope.cancel()
-                if final is not None:
-                    with contextlib.suppress(trio.BrokenResourceError):
-                        await self._writer.send(final)
-                self._writer.close()
-            if self._stopping and not self._writer.broken:
-                await linger(self.stream)
-        finally:
-            with trio.CancelScope(shield=True):
-                await self.stream.aclose()
+    def _not_leader(self, request_id: int) -> Error | None:
+        """ERROR NOT_LEADER when this member may not act as leader now, else None."""
+        membership = self.membership
+        if membership is None or membership.may_lead():
+            return None
+        return Error(ErrorCode.NOT_LEADER, membership.refusal("intake"), request_id=request_id)
 
-    def stop_reading(self) -> None:
-        """Take no more requests; answer the ones in flight, then close."""
-        self._stopping = True
-        self._read_scope.cancel()
-
-    async def _write_loop(self, connection_scope: trio.CancelScope) -> None:
-        await self._writer.run()
-        if self._writer.broken:
-            connection_scope.cancel()  # the peer is gone: stop reading, drop answers
-
-    async def _read_loop(self, requests: trio.Nursery) -> bytes | None:
-        """Parse and dispatch until EOF (None) or a protocol error (the closing frame)."""
-
-        async def dispatch(event: Event) -> None:
-            await self._dispatch(event, requests)
-
-        return await read_and_dispatch(self.stream, self.conn, self.peer, dispatch, self.gate)
-
-    async def _dispatch(self, event: Event, requests: trio.Nursery) -> None:
+    async def _serve(self, event: Event, requests: trio.Nursery) -> None:
         rid = event.request_id
-        try:
-            if isinstance(event, SendBatch):
-                await acquire(self._slots)
-                try:
-                    await self.intake.make_room()
-                    intake = self.intake.append(event.messages, event.encoded)
-                except BaseException:
-                    self._slots.release()
-                    raise
-                self._unacked.append((intake, rid))
-            elif isinstance(event, Hello):
-                version = self.conn.protocol_version or 1
-                hello_ok = HelloOk(version, SERVER_NAME, self.conn.max_frame_size, request_id=rid)
-                await self._answer(hello_ok)
-            elif isinstance(event, Stats):
-                stats = self.stats()
-                if self.intake.canceller is not None:
-                    stats = {**stats, **self.intake.canceller.stats()}
-                await self._answer(StatsResult(stats, request_id=rid))
-            elif isinstance(event, (Cancel, Reschedule)):
-                await self._tombstone(event, requests)
-            elif isinstance(event, CancelBatch):
-                await self._cancel_batch(event, requests)
-            else:
-                where = f" at {self.broker_address}" if self.broker_address else ""
-                reason = (
-                    "this is the delay server: it takes SEND_BATCH, CANCEL, CANCEL_BATCH, "
-                    f"RESCHEDULE and STATS; "
-                    f"{event.command.name} goes to its broker{where}"
-                )
-                await self._answer(Error(ErrorCode.UNSUPPORTED, reason, request_id=rid))
-        except DiskFullError as exc:
+        if isinstance(event, _LEADER_ONLY) and (refused := self._not_leader(rid)) is not None:
+            await self._answer(refused)
+            return
+        if isinstance(event, SendBatch):
+            await acquire(self._slots)
+            try:
+                await self.intake.make_room()
+                intake = self.intake.append(event.messages, event.encoded)
+            except BaseException:
+                self._slots.release()
+                raise
+            self._unacked.append((intake, rid))
+        elif isinstance(event, Stats):
+            stats = self.stats()
+            if self.intake.canceller is not None:
+                stats = {**stats, **self.intake.canceller.stats()}
+            await self._answer(StatsResult(stats, request_id=rid))
+        elif isinstance(event, (Cancel, Reschedule)):
+            await self._tombstone(event, requests)
+        elif isinstance(event, CancelBatch):
+            await self._cancel_batch(event, requests)
+        else:
+            where = f" at {self.broker_address}" if self.broker_address else ""
+            reason = (
+                "this is the delay server: it takes SEND_BATCH, CANCEL, CANCEL_BATCH, "
+                f"RESCHEDULE and STATS; "
+                f"{event.command.name} goes to its broker{where}"
+            )
+            await self._answer(Error(ErrorCode.UNSUPPORTED, reason, request_id=rid))
+
+    def _error_for(self, exc: Exception, event: Event) -> Error:
+        if isinstance(exc, DiskFullError):
             # Nothing was stored (message_log cut the refused append back): retryable.
             reason = str(exc)[: Error.MAX_REASON_LENGTH]
-            await self._answer(Error(ErrorCode.DISK_FULL, reason, request_id=rid))
-        except StorageError:
-            raise
-        except Exception as exc:  # one bad request must not end the server
-            log.exception("internal error serving %s from %s", type(event).__name__, self.peer)
-            reason = f"internal error: {type(exc).__name__}: {exc}"[: Error.MAX_REASON_LENGTH]
-            await self._answer(Error(ErrorCode.INTERNAL, reason, request_id=rid))
+            return Error(ErrorCode.DISK_FULL, reason, request_id=event.request_id)
+        if isinstance(exc, StorageError):
+            raise exc  # not the client's fault and not survivable: see the module docstring
+        return super()._error_for(exc, event)
 
     async def _tombstone(self, event: Cancel | Reschedule, requests: trio.Nursery) -> None:
         """Append the tombstone on the reader (in order with this connection's sends:
@@ -246,6 +193,9 @@ class DelayConnection:
     async def _settle_batch(self, answers: list[Answer], request_id: int) -> None:
         try:
             await self.intake.settle_all(answers)
+            if (refused := self._not_leader(request_id)) is not None:
+                await self._answer(refused)
+                return
             results = tuple((a.outcome, a.dispatched_ms) for a in answers)
             await self._answer(CancelBatchResult(results, request_id=request_id))  # type: ignore[arg-type]
         finally:
@@ -254,6 +204,9 @@ class DelayConnection:
     async def _settle(self, answer: Answer, request_id: int) -> None:
         try:
             await self.intake.settle(answer)
+            if (refused := self._not_leader(request_id)) is not None:
+                await self._answer(refused)
+                return
             if answer.is_cancel:
                 result: Event = CancelResult(
                     answer.outcome, answer.dispatched_ms, request_id=request_id
@@ -268,34 +221,15 @@ class DelayConnection:
         finally:
             self._tombstone_slots.release()  # once answered: see the module docstring
 
-    async def _ack_loop(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Answer appended SEND_BATCHes once the flush policy allows, in append order.
-
-        One wait covers every batch appended before it, so a group commit costs one
-        wake-up here, not a task per batch (a task costs scheduling steps, and on a
-        busy event loop those are most of the cost of a small batch).
-        """
-        task_status.started()
-        while (ready := await self._unacked.take_all()) is not None:
-            held = len(ready)  # slots of these batches, each released once answered
-            try:
-                answers = await self.intake.acknowledge_all([intake for intake, _ in ready])
-                for (_, request_id), results in zip(ready, answers, strict=True):
-                    await self._answer(SendBatchResult(results, request_id=request_id))
-                    self._slots.release()
-                    held -= 1
-            finally:
-                for _ in range(held):
-                    self._slots.release()
-
-    async def _answer(self, event: Event) -> None:
-        """Encode and queue one answer; dropped when the connection is already closed."""
+    async def _acknowledge(self, ready: list[tuple[Intake, int]]) -> None:
+        held = len(ready)  # slots of these batches, each released once answered
         try:
-            data = self.conn.send(event)
-        except ConnectionClosedError:
-            return
-        except LocalProtocolError as exc:
-            log.error("cannot send %s to %s: %s", type(event).__name__, self.peer, exc)
-            return
-        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-            await self._writer.send(data)
+            answers = await self.intake.acknowledge_all([intake for intake, _ in ready])
+            for (_, request_id), results in zip(ready, answers, strict=True):
+                refused = self._not_leader(request_id)
+                await self._answer(refused or SendBatchResult(results, request_id=request_id))
+                self._slots.release()
+                held -= 1
+        finally:
+            for _ in range(held):
+                self._slots.release()

@@ -43,9 +43,9 @@ class DeliveryCollector(Collector):
             value=len(ticker.wheel),
         )
         yield GaugeMetricFamily(
-            "delayd_wheel_loading_bucket_start_ms",
-            "Start (epoch ms) of the schedule_log bucket being loaded or last loaded.",
-            value=max(stats.loading_bucket_ms, 0),
+            "delayd_wheel_loading_bucket_start_timestamp_seconds",
+            "Start (Unix time, seconds) of the schedule_log bucket being loaded or last loaded.",
+            value=max(stats.loading_bucket_ms, 0) / 1000,
         )
         yield GaugeMetricFamily(
             "delayd_wheel_loading_offset_bytes",
@@ -68,7 +68,7 @@ class DeliveryCollector(Collector):
             value=stats.outstanding,
         )
         yield CounterMetricFamily(
-            "delayd_wheel_buckets_completed_total",
+            "delayd_wheel_completed_buckets_total",
             "schedule_log buckets marked COMPLETE in dispatch_log by this process.",
             value=stats.buckets_completed,
         )
@@ -88,7 +88,7 @@ class DeliveryCollector(Collector):
             sender.lateness_s,
         )
         yield _histogram(
-            "delayd_delivery_batch_size",
+            "delayd_delivery_batch_size_messages",
             "Messages per SEND_BATCH acknowledged by a broker group.",
             sender.batch_sizes,
         )
@@ -101,7 +101,7 @@ class DeliveryCollector(Collector):
         }
         for field, documentation in families.items():
             family = CounterMetricFamily(
-                f"delayd_delivery_{field}_total", documentation, labels=["group"]
+                f"delayd_delivery_{field}_messages_total", documentation, labels=["group"]
             )
             for group in groups:
                 family.add_metric([group.name], getattr(group, field))

@@ -34,9 +34,9 @@ import trio
 from delayd.logs import tombstone
 from delayd.logs.message_log import TYPE_MESSAGE
 from delayd.protocol import EncodedMessages, Message, ResultCode, SendResult
-from delayd.receiver import Intake, Receiver
 from delayd.replay import Replayer
-from delayd.write_refusals import MESSAGE_LOG, WriteRefusals
+from delayd.server.receiver import Intake, Receiver
+from delayd.serving.write_refusals import MESSAGE_LOG, WriteRefusals
 from storage.errors import DiskFullError
 from storage.flusher import FlushMode, LogWriter
 from storage.space import FreeSpaceGuard

@@ -1,5 +1,5 @@
 """The delay server's TCP listener: accepts producer connections until stopped, with
-the two-phase graceful stop of delayd.stoppable_listener (in-flight batches answered,
+the two-phase graceful stop of delayd.serving.stoppable_listener (in-flight batches answered,
 then FIN), through the intake's ConnectionGate (cap, EMFILE, counts)."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from collections.abc import Callable
 
 import trio
 
-from delayd.connection_gate import ConnectionGate
 from delayd.server.connection import DelayConnection
-from delayd.stoppable_listener import StoppableListener
-from delayd.tls import ServerTls
+from delayd.serving.connection_gate import ConnectionGate
+from delayd.serving.stoppable_listener import StoppableListener
+from delayd.serving.tls import ServerTls
 
 
 class IntakeListener(StoppableListener[DelayConnection]):

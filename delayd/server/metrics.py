@@ -14,9 +14,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from delayd.protocol import CancelOutcome, RescheduleOutcome, ResultCode
-from delayd.receiver import Receiver
 from delayd.replay import Replayer
 from delayd.server.intake import IntakePath
+from delayd.server.receiver import Receiver
 
 # Every refusal reason is exported from the start (at 0), so alerts see the series.
 REFUSAL_CODES = [c for c in ResultCode if not c.is_success]
@@ -33,12 +33,12 @@ class IntakeCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         receiver, replayer = self.receiver, self.replayer
         yield CounterMetricFamily(
-            "delayd_intake_accepted_total",
+            "delayd_intake_accepted_messages_total",
             "Messages accepted and acknowledged durable since the server started.",
             value=receiver.accepted_total,
         )
         refused = CounterMetricFamily(
-            "delayd_intake_refused_total",
+            "delayd_intake_refused_messages_total",
             "Messages refused since the server started, by reason (result code).",
             labels=["reason"],
         )
@@ -46,7 +46,7 @@ class IntakeCollector(Collector):
             refused.add_metric([code.name.lower()], receiver.refused_total[code])
         yield refused
         yield CounterMetricFamily(
-            "delayd_intake_duplicates_total",
+            "delayd_intake_duplicate_messages_total",
             "Messages answered DUPLICATE: their id was already held (scheduled, delivered "
             "or cancelled), so they were not scheduled again.",
             value=receiver.duplicate_total,
@@ -66,12 +66,12 @@ class IntakeCollector(Collector):
                 value=int(known.warm),
             )
         yield CounterMetricFamily(
-            "delayd_intake_past_due_total",
+            "delayd_intake_past_due_messages_total",
             "Accepted messages whose due time had passed on receipt (delivered at once).",
             value=receiver.past_due_total,
         )
         yield GaugeMetricFamily(
-            "delayd_intake_pending_acks",
+            "delayd_intake_pending_ack_messages",
             "Messages appended to message_log and waiting for their fsync.",
             value=self.intake.pending_acks,
         )
@@ -103,7 +103,7 @@ class IntakeCollector(Collector):
         canceller = self.intake.canceller
         if canceller is not None:
             cancels = CounterMetricFamily(
-                "delayd_cancels_total",
+                "delayd_cancel_requests_total",
                 "CANCEL requests resolved since the server started, by outcome.",
                 labels=["outcome"],
             )
@@ -111,7 +111,7 @@ class IntakeCollector(Collector):
                 cancels.add_metric([outcome.name.lower()], canceller.cancels[outcome])
             yield cancels
             reschedules = CounterMetricFamily(
-                "delayd_reschedules_total",
+                "delayd_reschedule_requests_total",
                 "RESCHEDULE requests answered since the server started, by outcome.",
                 labels=["outcome"],
             )

@@ -277,11 +277,11 @@ class PendingCollector(Collector):
             pending.add_metric([label], count)
         yield pending
         oldest = GaugeMetricFamily(
-            "delayd_store_oldest_undelivered_bucket_start_ms",
-            "Start (epoch ms) of the oldest schedule_log bucket holding a message without "
-            "a dispatch_log entry; no sample when there is none.",
+            "delayd_store_oldest_undelivered_bucket_start_timestamp_seconds",
+            "Start (Unix time, seconds) of the oldest schedule_log bucket holding a message "
+            "without a dispatch_log entry; no sample when there is none.",
         )
         bucket_ms = counts.oldest_pending_bucket()
         if bucket_ms is not None:
-            oldest.add_metric([], bucket_ms)
+            oldest.add_metric([], bucket_ms / 1000)
         yield oldest

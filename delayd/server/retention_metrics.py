@@ -20,7 +20,7 @@ class RetentionCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         retention = self.retention
         files = CounterMetricFamily(
-            "delayd_retention_deleted",
+            "delayd_retention_deleted_files",
             "Files retention deleted, by log (message_log segments, schedule_log and "
             "dispatch_log bucket files, id_index files).",
             labels=["log"],
@@ -46,9 +46,9 @@ class RetentionCollector(Collector):
             value=retention.skipped_passes,
         )
         last = GaugeMetricFamily(
-            "delayd_retention_last_pass_ms",
-            "When (epoch ms) retention last finished a pass; no sample before the first.",
+            "delayd_retention_last_pass_timestamp_seconds",
+            "When (Unix time, seconds) retention last finished a pass; no sample before the first.",
         )
         if retention.last_pass_ms is not None:
-            last.add_metric([], retention.last_pass_ms)
+            last.add_metric([], retention.last_pass_ms / 1000)
         yield last

@@ -2,7 +2,7 @@
 
 ``scrape`` fetches and parses a metrics page, ``model`` turns two successive scrapes
 into what is shown (rates, lateness percentiles, the wheel, groups), ``render`` draws
-it with rich to fit 80x24, ``command`` is the CLI and its refresh loop.
+it with rich to fit 80x24; the command and its refresh loop are delayd/cli/top.py.
 """
 
 from delayd.top.model import GroupView, Scrape, ServerView, TopModel, server_view

@@ -15,22 +15,22 @@ from dataclasses import dataclass, field
 from delayd.top.scrape import Snapshot, histogram_quantile
 
 # Metric names (docs/operations.md says what each means).
-ACCEPTED = "delayd_intake_accepted_total"
-REFUSED = "delayd_intake_refused_total"
+ACCEPTED = "delayd_intake_accepted_messages_total"
+REFUSED = "delayd_intake_refused_messages_total"
 REPLAY_LAG_RECORDS = "delayd_replay_lag_records"
 REPLAY_LAG_BYTES = "delayd_replay_lag_bytes"
 WHEEL_ENTRIES = "delayd_wheel_entries"
 WHEEL_LOADED_AHEAD = "delayd_wheel_loaded_ahead_seconds"
-WHEEL_LOADING_BUCKET = "delayd_wheel_loading_bucket_start_ms"
+WHEEL_LOADING_BUCKET = "delayd_wheel_loading_bucket_start_timestamp_seconds"
 WHEEL_LOADING_OFFSET = "delayd_wheel_loading_offset_bytes"
 WHEEL_LOADED_OFFSET = "delayd_wheel_loaded_offset_bytes"
 PENDING = "delayd_pending_messages"
 LATENESS = "delayd_delivery_lateness_seconds"
-BATCH_SIZE = "delayd_delivery_batch_size"
-SENT = "delayd_delivery_sent_total"
-FAILED = "delayd_delivery_failed_total"
-RETRIED = "delayd_delivery_retried_total"
-DEAD_LETTERED = "delayd_delivery_dead_lettered_total"
+BATCH_SIZE = "delayd_delivery_batch_size_messages"
+SENT = "delayd_delivery_sent_messages_total"
+FAILED = "delayd_delivery_failed_messages_total"
+RETRIED = "delayd_delivery_retried_messages_total"
+DEAD_LETTERED = "delayd_delivery_dead_lettered_messages_total"
 CIRCUIT = "delayd_delivery_circuit_state"
 
 HORIZONS = ("1m", "10m", "1h", "1d", "later")  # label values of PENDING, nearest first
@@ -150,6 +150,18 @@ def _mean_over_interval(name: str, current: Snapshot, previous: Snapshot | None)
     return (total - before_total) / (count - before_count)
 
 
+def _lateness_quantile(
+    q: float, buckets: list[tuple[float, float]], mean_s: float | None
+) -> float | None:
+    """The ``q``-quantile of lateness ``buckets`` whose observations have mean ``mean_s``.
+    Lateness is never negative, so a mean of 0 means every delivery was on time: 0,
+    where interpolating inside the lowest bucket would give a fraction of its bound (half
+    a millisecond from a server whose lowest bound is 1 ms)."""
+    if mean_s == 0 and buckets:
+        return 0.0
+    return histogram_quantile(q, buckets)
+
+
 def _group_order(group: GroupView) -> tuple[int, str]:
     rank = {"OPEN": 0, "half-open": 1}.get(group.circuit or "", 2)
     return rank, group.name
@@ -166,6 +178,10 @@ def server_view(label: str, current: Scrape, previous: Scrape | None = None) -> 
 
     interval = _interval_buckets(LATENESS, now, before)
     lateness = interval or now.buckets(LATENESS)
+    if interval:
+        lateness_mean_s = _mean_over_interval(LATENESS, now, before)
+    else:
+        lateness_mean_s = _mean_over_interval(LATENESS, now, Snapshot({}))  # since start
     loading_bucket = now.total(WHEEL_LOADING_BUCKET)
 
     circuits = now.by_label(CIRCUIT, "group")
@@ -195,14 +211,14 @@ def server_view(label: str, current: Scrape, previous: Scrape | None = None) -> 
         refused_per_s=_rate(REFUSED, now, before, dt_s),
         out_per_s=_rate(SENT, now, before, dt_s),
         batch_mean=_mean_over_interval(BATCH_SIZE, now, before),
-        lateness_p50_s=histogram_quantile(0.50, lateness),
-        lateness_p99_s=histogram_quantile(0.99, lateness),
+        lateness_p50_s=_lateness_quantile(0.50, lateness, lateness_mean_s),
+        lateness_p99_s=_lateness_quantile(0.99, lateness, lateness_mean_s),
         lateness_since_start=not interval and bool(lateness),
         replay_lag_records=now.total(REPLAY_LAG_RECORDS),
         replay_lag_bytes=now.total(REPLAY_LAG_BYTES),
         wheel_entries=now.total(WHEEL_ENTRIES),
         loaded_ahead_s=now.total(WHEEL_LOADED_AHEAD),
-        loading_bucket_ms=None if loading_bucket is None else int(loading_bucket),
+        loading_bucket_ms=None if loading_bucket is None else round(loading_bucket * 1000),
         loading_offset_bytes=now.total(WHEEL_LOADING_OFFSET),
         loaded_offset_bytes=now.total(WHEEL_LOADED_OFFSET),
         pending={h: pending[h] for h in HORIZONS if h in pending},

@@ -2,7 +2,7 @@
 
 The parser is prometheus_client's (``text_string_to_metric_families``), so anything a
 Prometheus server can scrape, ``delayd top`` can read. Samples are kept by their sample
-name (``delayd_intake_accepted_total``, ``…_bucket``, ``…_count``), which is what the
+name (``delayd_intake_accepted_messages_total``, ``…_bucket``, ``…_count``), which is what the
 model asks for.
 """
 
@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from delayd.address import parse_address
+
 MAX_BODY_BYTES = 16 << 20  # a /metrics page larger than this is not a delayd server's
 
 
@@ -29,7 +31,8 @@ class Target:
 
 
 def parse_target(text: str) -> Target:
-    """``HOST:PORT`` (``[v6]:PORT``) or an ``http://`` URL (path defaults to /metrics).
+    """``HOST:PORT`` (``[v6]:PORT``, delayd.address) or an ``http://`` URL (path defaults
+    to /metrics).
 
     Raises ValueError for anything else.
     """
@@ -39,10 +42,11 @@ def parse_target(text: str) -> Target:
         if not host_port:
             raise ValueError(f"{text!r} has no host")
         return Target(host_port, f"{scheme}://{host_port}/{path if slash else 'metrics'}")
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
-        raise ValueError(f"{text!r} is not HOST:PORT or an http:// URL")
-    return Target(text, f"http://{host}:{port}/metrics")
+    try:
+        address = parse_address(text)
+    except ValueError as exc:
+        raise ValueError(f"{exc} (or give an http:// URL)") from None
+    return Target(text, f"http://{address}/metrics")
 
 
 def fetch(url: str, timeout_s: float) -> str:

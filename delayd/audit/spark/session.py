@@ -4,6 +4,7 @@ built for ``tools/audit_job.py``; either way with the delayd formats registered.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from collections.abc import Mapping
 
@@ -31,13 +32,48 @@ def prepare_environment() -> None:
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 
 
+class SparkStartError(RuntimeError):
+    """Spark could not start; the message says what to install or set."""
+
+
+INSTALL_JAVA = (
+    "install Java 17 (Debian, Ubuntu: apt-get install openjdk-17-jre-headless) or set "
+    "JAVA_HOME to a Java 17 installation"
+)
+
+
+def java_problem() -> str | None:
+    """Why Spark's JVM cannot start here, or None when a ``java`` is there: Spark runs
+    ``$JAVA_HOME/bin/java`` when JAVA_HOME is set, else ``java`` from the PATH. Found
+    before starting Spark, whose own failure comes late and buried in its output."""
+    java_home = os.environ.get("JAVA_HOME")
+    if java_home:
+        java = os.path.join(java_home, "bin", "java")
+        if not os.access(java, os.X_OK):
+            return f"JAVA_HOME is {java_home!r}, which has no bin/java: {INSTALL_JAVA}"
+        return None
+    if shutil.which("java") is None:
+        return f"no java on the PATH: {INSTALL_JAVA}"
+    return None
+
+
 def local_session(master: str = "local[*]", conf: Mapping[str, str] | None = None) -> SparkSession:
-    """A session on ``master`` (``local[N]`` or a cluster URL) for ``delayd audit``."""
+    """A session on ``master`` (``local[N]`` or a cluster URL) for ``delayd audit``.
+    Raises SparkStartError when no JVM is found or Spark does not start."""
+    problem = java_problem()
+    if problem is not None:
+        raise SparkStartError(f"Spark needs Java: {problem}")
     prepare_environment()
     builder = SparkSession.builder.master(master).appName("delayd audit")
     for key, value in {**LOCAL_DEFAULTS, **(conf or {})}.items():
         builder = builder.config(key, value)
-    spark = builder.getOrCreate()
+    try:
+        spark = builder.getOrCreate()
+    except Exception as exc:  # pyspark raises its own kinds for a JVM that will not start
+        raise SparkStartError(
+            f"Spark did not start on {master!r} ({exc}); check the Java installation "
+            f"(JAVA_HOME, java -version: Java 17) and the --conf settings"
+        ) from exc
     spark.sparkContext.setLogLevel("ERROR")
     return prepare(spark)
 

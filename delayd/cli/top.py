@@ -1,0 +1,208 @@
+"""A live view of one or more delay servers, read from their Prometheus /metrics
+(delayd serve --metrics-listen): throughput, lateness, the wheel and pending messages
+by horizon, replay lag, broker groups and their circuits.
+
+Every --interval seconds each server is scraped (concurrently, each within
+--timeout) and the view is drawn again in the terminal's alternate screen. A server
+that does not answer shows as unreachable and is asked again next time. Keys: q quits,
+1-9 select a server, Tab or n the next one, p the previous one. Ctrl-C quits too.
+
+--once scrapes twice, --interval apart (so that rates exist), prints one frame to
+stdout and exits: for scripts, and for a terminal that cannot hold a live view.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import termios
+import time
+import tty
+from collections.abc import Iterator, Sequence
+from typing import TextIO
+
+import trio
+from rich.console import Console
+from rich.live import Live
+
+from delayd.cli.args import seconds
+from delayd.top.model import Scrape, ServerView, TopModel, server_view
+from delayd.top.render import render
+from delayd.top.scrape import Snapshot, Target, fetch, parse_target
+
+DEFAULT_INTERVAL_S = 1.0
+MAX_DEFAULT_TIMEOUT_S = 2.0
+QUIT_KEYS = frozenset("qQ")
+NEXT_KEYS = frozenset("\tnj")
+PREVIOUS_KEYS = frozenset("pk")
+
+
+DEFAULT_TARGET = "127.0.0.1:20880"  # delayd serve's default metrics_listen
+
+
+def _seconds_under_an_hour(text: str) -> float:
+    value = seconds(text)
+    if value >= 3600:
+        raise argparse.ArgumentTypeError(f"{value:g} s is more than an hour")
+    return value
+
+
+def _target(text: str) -> Target:
+    try:
+        return parse_target(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "targets",
+        nargs="*",
+        type=_target,
+        metavar="HOST:PORT",
+        help="a server's metrics listener (or an http:// URL of its metrics page); "
+        f"default {DEFAULT_TARGET}, where delayd serve listens by default",
+    )
+    parser.add_argument(
+        "--interval",
+        type=_seconds_under_an_hour,
+        default=DEFAULT_INTERVAL_S,
+        metavar="S",
+        help=f"seconds between refreshes (default {DEFAULT_INTERVAL_S:g})",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=_seconds_under_an_hour,
+        metavar="S",
+        help=f"per scrape (default: the interval, at most {MAX_DEFAULT_TIMEOUT_S:g} s)",
+    )
+    parser.add_argument(
+        "--once",
+        action="store_true",
+        help="scrape twice, --interval apart, print one frame to stdout and exit",
+    )
+
+
+class Watcher:
+    """The servers watched and the last scrape of each; ``refresh`` scrapes them all."""
+
+    def __init__(self, targets: Sequence[Target], timeout_s: float) -> None:
+        self.targets = list(targets)
+        self.timeout_s = timeout_s
+        self._last: dict[int, Scrape] = {}
+
+    async def _scrape(self, index: int, results: dict[int, Scrape]) -> None:
+        target = self.targets[index]
+        try:
+            text = await trio.to_thread.run_sync(
+                fetch, target.url, self.timeout_s, abandon_on_cancel=True
+            )
+            results[index] = Scrape(trio.current_time(), Snapshot.parse(text))
+        except (OSError, ValueError) as exc:
+            results[index] = Scrape(trio.current_time(), error=str(exc) or type(exc).__name__)
+
+    async def refresh(self) -> list[ServerView]:
+        """Scrape every server concurrently; their views against the previous scrapes."""
+        results: dict[int, Scrape] = {}
+        async with trio.open_nursery() as nursery:
+            for index in range(len(self.targets)):
+                nursery.start_soon(self._scrape, index, results)
+        views = [
+            server_view(target.label, results[i], self._last.get(i))
+            for i, target in enumerate(self.targets)
+        ]
+        self._last = results
+        return views
+
+
+def _select(key: str, selected: int, count: int) -> int:
+    if key.isdigit() and 1 <= int(key) <= count:
+        return int(key) - 1
+    if key in NEXT_KEYS:
+        return (selected + 1) % count
+    if key in PREVIOUS_KEYS:
+        return (selected - 1) % count
+    return selected
+
+
+@contextlib.contextmanager
+def _cbreak(stream: TextIO) -> Iterator[int | None]:
+    """Keys one at a time, unechoed, while inside; the fd to read them from, or None
+    when ``stream`` is not a terminal (then no keys are read)."""
+    if not stream.isatty():
+        yield None
+        return
+    fd = stream.fileno()
+    saved = termios.tcgetattr(fd)
+    tty.setcbreak(fd)
+    try:
+        yield fd
+    finally:
+        termios.tcsetattr(fd, termios.TCSADRAIN, saved)
+
+
+async def _read_keys(
+    fd: int, keys: trio.MemorySendChannel[str], quit_scope: trio.CancelScope
+) -> None:
+    """Forward key presses; ``q`` cancels ``quit_scope`` at once, even mid-scrape."""
+    while True:
+        await trio.lowlevel.wait_readable(fd)
+        data = os.read(fd, 64)
+        if not data:
+            return  # stdin closed: no more keys
+        for key in data.decode(errors="ignore"):
+            if key in QUIT_KEYS:
+                quit_scope.cancel()
+                return
+            await keys.send(key)
+
+
+def _model(views: list[ServerView], selected: int, interval_s: float) -> TopModel:
+    return TopModel(views, selected, int(time.time() * 1000), interval_s)
+
+
+async def _once(watcher: Watcher, interval_s: float, console: Console) -> None:
+    await watcher.refresh()
+    await trio.sleep(interval_s)
+    views = await watcher.refresh()
+    width, height = console.size
+    console.print(render(_model(views, 0, interval_s), width, height))
+
+
+async def _live(watcher: Watcher, interval_s: float, console: Console) -> None:
+    send, receive = trio.open_memory_channel[str](64)
+    selected = 0
+    views: list[ServerView] = []
+    with (
+        _cbreak(sys.stdin) as keys_fd,
+        Live(console=console, screen=True, auto_refresh=False) as live,
+        trio.CancelScope() as quit_scope,
+    ):
+        async with trio.open_nursery() as nursery:
+            if keys_fd is not None:
+                nursery.start_soon(_read_keys, keys_fd, send, quit_scope)
+            next_refresh = trio.current_time()
+            while True:
+                if trio.current_time() >= next_refresh:
+                    views = await watcher.refresh()
+                    next_refresh = max(next_refresh + interval_s, trio.current_time())
+                width, height = console.size
+                live.update(render(_model(views, selected, interval_s), width, height))
+                live.refresh()
+                with trio.move_on_at(next_refresh):
+                    key = await receive.receive()
+                    selected = _select(key, selected, len(views))
+
+
+def run(args: argparse.Namespace) -> int:
+    timeout_s = args.timeout or min(args.interval, MAX_DEFAULT_TIMEOUT_S)
+    watcher = Watcher(args.targets or [parse_target(DEFAULT_TARGET)], timeout_s)
+    console = Console()
+    main = _once if args.once else _live
+    try:
+        trio.run(main, watcher, args.interval, console)
+    except* KeyboardInterrupt:
+        pass  # Ctrl-C is one of the two ways out (trio may wrap it in a group)
+    return 0

@@ -1,0 +1,334 @@
+"""The leader's side of replication: serve followers, track them, acknowledge.
+
+Each follower connects to the leader's replication listener and sends FOLLOW with the
+epoch it last followed and where its streams end. The leader answers TRUNCATE_TO — for
+each of the follower's streams, the least of its end and the end of that epoch in the
+leader's history (``EpochHistory.end_of``; everything, for a follower with no history)
+— then RECORDS from there, and then every append as it happens: a task per follower
+waits on the streams' growth signal, so there is no polling delay (RocketMQ's
+HAConnection, QMQ's sync). The follower answers DURABLE as its group commits end.
+
+``wait_acknowledged(stream, offset)`` is what an ack waits on. With ``ack = "sync"`` it
+returns once the leader and every follower of the in-sync set have ``offset`` durable,
+and the set has at least ``min_in_sync`` followers (delayd.replication.in_sync). Before
+the set changes, ``on_in_sync_change(new_set)`` is awaited (the role persists it in
+etcd there): a follower stops counting for acks only once the group knows it may no
+longer campaign. If the hook raises, ``run`` raises it: a leader that cannot keep the
+group's record of the set true must stop. With ``ack = "leader"`` it returns at once;
+``lag()`` is what a failover could lose.
+
+A leader that meets a newer epoch (a follower that followed one, or says FENCED) stops:
+every waiter gets LeaderFenced, and ``run`` returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Awaitable, Callable
+
+import trio
+
+from delayd.errors import DelaydError
+from delayd.replication import wire
+from delayd.replication.connection import receive_event
+from delayd.replication.epochs import EpochHistory
+from delayd.replication.in_sync import InSyncTracker
+from delayd.replication.streams import DelayStreams
+from delayd.serving.listeners import bound_addresses, open_listeners
+
+log = logging.getLogger(__name__)
+
+ACK_SYNC = "sync"
+ACK_LEADER = "leader"
+DEFAULT_REPLICA_LAG_MS = 1000
+DEFAULT_MIN_IN_SYNC = 1
+CHUNK_BYTES = 1 << 20  # raw bytes per RECORDS frame (one record may exceed it)
+FOLLOW_TIMEOUT_S = 10.0  # a connection must say FOLLOW within this
+
+OnInSyncChange = Callable[[frozenset[str]], Awaitable[object]]
+
+
+class LeaderStopped(DelaydError):
+    """The leader no longer acknowledges: it was stopped or fenced."""
+
+
+class LeaderFenced(LeaderStopped):
+    """A newer epoch exists: this leader must stop acting as one."""
+
+    def __init__(self, epoch: int, newer: int) -> None:
+        self.epoch = epoch
+        self.newer = newer
+        super().__init__(
+            f"leader of epoch {epoch} is fenced: a member has seen epoch {newer}; it "
+            "stops acknowledging and must follow the new leader"
+        )
+
+
+def _now_ms() -> int:
+    return int(trio.current_time() * 1000)
+
+
+class Leader:
+    """Serves the streams of ``streams`` to followers at ``epoch``.
+
+    ``await nursery.start(leader.run, host, port)`` binds the listener (port 0: a free
+    one, see ``addresses``), begins the epoch in ``history`` (when not begun yet) and
+    serves until cancelled or fenced. Appenders must call ``streams.grew()`` after
+    every append and every flush, as intake notifies the replayer. ``in_sync``: the
+    set the group persisted when this leader took over (InSyncTracker.start).
+    """
+
+    def __init__(
+        self,
+        streams: DelayStreams,
+        history: EpochHistory,
+        epoch: int,
+        *,
+        group: str,
+        ack: str = ACK_SYNC,
+        replica_lag_ms: int = DEFAULT_REPLICA_LAG_MS,
+        min_in_sync: int = DEFAULT_MIN_IN_SYNC,
+        in_sync: frozenset[str] = frozenset(),
+        on_in_sync_change: OnInSyncChange | None = None,
+        chunk_bytes: int = CHUNK_BYTES,
+    ) -> None:
+        if ack not in (ACK_SYNC, ACK_LEADER):
+            raise ValueError(f"ack must be {ACK_SYNC!r} or {ACK_LEADER!r}, got {ack!r}")
+        self.streams = streams
+        self.history = history
+        self.epoch = epoch
+        self.group = group
+        self.ack = ack
+        self.on_in_sync_change = on_in_sync_change
+        self.chunk_bytes = chunk_bytes
+        self.tracker = InSyncTracker(replica_lag_ms, min_in_sync, streams.ends())
+        self._initial_in_sync = in_sync
+        self.addresses: list[tuple[str, int]] = []
+        self.connected: set[str] = set()
+        self.in_sync_changes = 0
+        self._known_ends = streams.ends()
+        self._progress = trio.Event()
+        self._stopped: LeaderStopped | None = None
+        self._connections: dict[str, trio.CancelScope] = {}
+        self._cancel: trio.CancelScope | None = None
+
+    # ------------------------------------------------------------------ acks
+
+    async def wait_acknowledged(self, stream: str, offset: int) -> None:
+        """Return once ``stream`` is acknowledged up to ``offset`` (module docstring).
+        Raises LeaderStopped (LeaderFenced) when the leader stops first."""
+        while True:
+            self._check_running()
+            if self.ack == ACK_LEADER:
+                return
+            progress = self._progress
+            if self.acknowledged(stream) >= offset:
+                return
+            await progress.wait()
+
+    def acknowledged(self, stream: str) -> int:
+        """The acknowledged offset of ``stream`` now (sync rule)."""
+        durable = self.streams.get(stream).durable_offset
+        return self.tracker.acknowledged(stream, durable)
+
+    @property
+    def in_sync(self) -> frozenset[str]:
+        """The followers the ack rule counts now."""
+        return self.tracker.members
+
+    def lag(self) -> dict[str, int]:
+        """Bytes of the leader's streams each known follower lacks durable: the window
+        a failover to it could lose under ``ack = "leader"``."""
+        ends = self.streams.ends()
+        return {member: self.tracker.lag_bytes(member, ends) for member in self.tracker.durable}
+
+    def stop(self) -> None:
+        """Stop acknowledging and serving (waiters get LeaderStopped)."""
+        self._halt(LeaderStopped(f"the leader of group {self.group} was stopped"))
+
+    @property
+    def stopped(self) -> LeaderStopped | None:
+        """Why the leader stopped (LeaderFenced when fenced); None while it serves."""
+        return self._stopped
+
+    def _check_running(self) -> None:
+        if self._stopped is not None:
+            raise self._stopped
+
+    def _halt(self, error: LeaderStopped) -> None:
+        if self._stopped is None:
+            self._stopped = error
+            log.warning("replication leader of group %s stops: %s", self.group, error)
+        self._wake()
+        if self._cancel is not None:
+            self._cancel.cancel()
+
+    def _fenced_by(self, newer: int) -> None:
+        self._halt(LeaderFenced(self.epoch, newer))
+
+    def _wake(self) -> None:
+        self._progress.set()
+        self._progress = trio.Event()
+
+    # ------------------------------------------------------------------ serving
+
+    async def run(
+        self, host: str, port: int, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Bind, begin the epoch, serve followers; until cancelled, stopped or fenced."""
+        if self.history.last_epoch() > self.epoch:
+            raise LeaderFenced(self.epoch, self.history.last_epoch())
+        if self.history.last_epoch() < self.epoch:
+            self.history.begin(self.epoch, self.streams.ends())
+        self.tracker.start(self._initial_in_sync, _now_ms())
+        listeners = await open_listeners("replication", host, port)
+        self.addresses = bound_addresses(listeners)
+        with trio.CancelScope() as self._cancel:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._watch_growth)
+                nursery.start_soon(self._maintain_in_sync)
+                await nursery.start(trio.serve_listeners, self._serve_one, listeners)
+                task_status.started()
+        self._cancel = None
+        if self._stopped is None:
+            self._stopped = LeaderStopped(f"the leader of group {self.group} stopped serving")
+            self._wake()
+
+    async def _watch_growth(self) -> None:
+        while True:
+            seen = self.streams.version
+            ends = self.streams.ends()
+            now = _now_ms()
+            for name, end in ends.items():
+                if end != self._known_ends.get(name, 0):
+                    self.tracker.leader_grew(name, end, now)
+            self._known_ends = ends
+            self._wake()
+            await self.streams.wait_growth(seen)
+
+    async def _maintain_in_sync(self) -> None:
+        tracker = self.tracker
+        while True:
+            progress = self._progress
+            now = _now_ms()
+            proposed = tracker.proposed(now)
+            if proposed != tracker.members:
+                log.info(
+                    "group %s epoch %d: in-sync followers %s -> %s",
+                    self.group,
+                    self.epoch,
+                    sorted(tracker.members),
+                    sorted(proposed),
+                )
+                if self.on_in_sync_change is not None:
+                    await self.on_in_sync_change(proposed)
+                tracker.apply(proposed)
+                self.in_sync_changes += 1
+                self._wake()
+                continue
+            due_ms = tracker.next_change_ms(now)
+            with trio.move_on_at(math.inf if due_ms is None else due_ms / 1000):
+                await progress.wait()
+
+    async def _serve_one(self, stream: trio.SocketStream) -> None:
+        decoder = wire.WireDecoder()
+        try:
+            async with stream:
+                with trio.move_on_after(FOLLOW_TIMEOUT_S):
+                    follow = await receive_event(stream, decoder)
+                if not isinstance(follow, wire.Follow):
+                    log.warning("replication: a connection did not start with FOLLOW; closed")
+                    return
+                await self._follower_session(stream, decoder, follow)
+        except* (trio.BrokenResourceError, trio.ClosedResourceError, wire.WireError) as ended:
+            log.info("replication connection of group %s ended: %s", self.group, ended.exceptions)
+
+    async def _follower_session(
+        self, stream: trio.SocketStream, decoder: wire.WireDecoder, follow: wire.Follow
+    ) -> None:
+        if follow.group != self.group:
+            log.warning(
+                "replication: member %s follows group %s, this leader leads %s; closed",
+                follow.member,
+                follow.group,
+                self.group,
+            )
+            return
+        if follow.last_epoch > self.epoch:
+            await stream.send_all(wire.encode(wire.Fenced(follow.last_epoch)))
+            self._fenced_by(follow.last_epoch)
+            return
+        previous = self._connections.pop(follow.member, None)
+        if previous is not None:
+            previous.cancel()  # the member reconnected: its old connection is dead
+        targets = self._truncation(follow)
+        await stream.send_all(wire.encode(wire.TruncateTo(self.epoch, targets)))
+        positions = {name: targets.get(name, 0) for name in self.streams.names()}
+        positions.update(targets)
+        self.tracker.follower_reset(follow.member, positions)
+        self._wake()
+        with trio.CancelScope() as scope:
+            self._connections[follow.member] = scope
+            self.connected.add(follow.member)
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._receive_reports, stream, decoder, follow.member)
+                    await self._send_records(stream, positions)
+            finally:
+                if self._connections.get(follow.member) is scope:
+                    del self._connections[follow.member]
+                    self.connected.discard(follow.member)
+
+    def _truncation(self, follow: wire.Follow) -> dict[str, int]:
+        """Where each of the follower's streams must be cut back to (module docstring)."""
+        if follow.last_epoch == 0:
+            # No history: nothing the follower holds is known to be the group's.
+            return dict.fromkeys(follow.ends, 0)
+        ends = self.history.end_of(follow.last_epoch)
+        if ends is None:
+            ends = self.streams.ends()
+        return {name: min(end, ends.get(name, 0)) for name, end in follow.ends.items()}
+
+    async def _send_records(self, stream: trio.SocketStream, positions: dict[str, int]) -> None:
+        sent_acked: dict[str, int] = {}
+        while self._stopped is None:
+            seen = self.streams.version
+            sent = False
+            for name in self.streams.names():
+                source = self.streams.get(name)
+                position = positions.get(name, 0)
+                if position >= source.end_offset:
+                    continue
+                data = source.read_raw(position, self.chunk_bytes)
+                acked = self._acked_changes(sent_acked)
+                await stream.send_all(
+                    wire.encode(wire.Records(self.epoch, name, position, data, acked))
+                )
+                positions[name] = position + len(data)
+                sent = True
+            if not sent:
+                await self.streams.wait_growth(seen)
+
+    def _acked_changes(self, sent: dict[str, int]) -> dict[str, int]:
+        changed = {
+            name: offset for name, offset in self.tracker.acked.items() if sent.get(name) != offset
+        }
+        sent.update(changed)
+        return changed
+
+    async def _receive_reports(
+        self, stream: trio.SocketStream, decoder: wire.WireDecoder, member: str
+    ) -> None:
+        while True:
+            event = await receive_event(stream, decoder)
+            if event is None:
+                raise trio.BrokenResourceError(f"follower {member} closed the connection")
+            if isinstance(event, wire.Durable):
+                self.tracker.follower_durable(member, event.offsets)
+                self._wake()
+            elif isinstance(event, wire.Fenced):
+                self._fenced_by(event.epoch)
+                return
+            else:
+                raise wire.WireError(f"follower {member} sent {type(event).__name__}, not DURABLE")

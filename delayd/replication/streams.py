@@ -1,0 +1,172 @@
+"""The streams of a delay data directory: what replication copies, byte for byte.
+
+A *stream* is an append-only sequence of storage-framed records with byte offsets
+(docs/replication.md, "Replication protocol"). A delay group has
+
+* ``message_log``: the SegmentedLog of messages and tombstones (its END_OF_SEGMENT
+  markers are part of the stream, so a copy rolls its segments where the source did);
+* ``dispatch_log/<yyyyMMddHHmm>``: one RecordFile per dispatch_log bucket, new ones
+  appearing as buckets are first written.
+
+Everything else in the data directory (schedule_log, the id index, checkpoints) each
+member derives from these with the code a restart uses, so it is never shipped.
+
+``DelayStreams`` gives them one interface (``Stream``) and a growth signal: whoever
+appends to a stream calls ``grew()`` (as intake calls the replayer's ``notify``), and a
+leader waiting in ``wait_growth`` sends the new records at once, without polling.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Protocol
+
+import trio
+
+from delayd.logs import layout
+from delayd.logs.buckets import parse_bucket_name
+from storage.fs import REAL_FS, FileSystem
+from storage.record_file import RecordFile
+from storage.segmented_log import DEFAULT_SEGMENT_SIZE, SegmentedLog
+
+MESSAGE_LOG = layout.MESSAGE_LOG
+DISPATCH_PREFIX = layout.DISPATCH_LOG + "/"
+
+
+class Stream(Protocol):
+    """One stream, as SegmentedLog and RecordFile both offer it."""
+
+    @property
+    def end_offset(self) -> int: ...
+
+    @property
+    def durable_offset(self) -> int: ...
+
+    def read_raw(self, offset: int, max_bytes: int) -> bytes: ...
+
+    def append_raw(self, offset: int, data: bytes) -> int: ...
+
+    def flush(self) -> int: ...
+
+    def truncate(self, offset: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def dispatch_stream(bucket_name: str) -> str:
+    """The stream name of the dispatch_log bucket file ``bucket_name``."""
+    return DISPATCH_PREFIX + bucket_name
+
+
+def check_stream_name(name: str) -> str:
+    """``name`` if it names a delay stream; raises ValueError saying what names are."""
+    if name == MESSAGE_LOG:
+        return name
+    if name.startswith(DISPATCH_PREFIX):
+        try:
+            parse_bucket_name(name[len(DISPATCH_PREFIX) :])
+        except ValueError:
+            pass
+        else:
+            return name
+    raise ValueError(
+        f"{name!r} is not a stream of a delay data directory: the streams are "
+        f"{MESSAGE_LOG!r} and {DISPATCH_PREFIX}<yyyyMMddHHmm>"
+    )
+
+
+class DelayStreams:
+    """The streams of the data directory ``data_dir``, opened on first use.
+
+    ``message_log``: the server's own SegmentedLog when it has one open (then this
+    object does not close it); else it is opened here with ``segment_size``.
+    One trio thread uses it; flushes run on that thread too (a follower's group
+    commit calls ``flush_all`` in a worker thread while nothing appends).
+    """
+
+    def __init__(
+        self,
+        data_dir: str,
+        *,
+        fs: FileSystem = REAL_FS,
+        message_log: SegmentedLog | None = None,
+        segment_size: int = DEFAULT_SEGMENT_SIZE,
+    ) -> None:
+        self.data_dir = data_dir
+        self.fs = fs
+        self._owns_message_log = message_log is None
+        if message_log is None:
+            message_log = SegmentedLog.open(
+                layout.message_log_dir(data_dir), fs=fs, segment_size=segment_size
+            )
+        self.message_log = message_log
+        self._buckets: dict[str, RecordFile] = {}
+        self._dispatch_dir = layout.dispatch_log_dir(data_dir)
+        self._growth = trio.Event()
+        self.version = 0  # bumped by every grew()
+
+    # ------------------------------------------------------------------ the set
+
+    def names(self) -> list[str]:
+        """Every stream on disk now: message_log first, then the dispatch_log buckets in
+        time order."""
+        buckets = set(self._buckets)
+        if self.fs.exists(self._dispatch_dir):
+            for name in self.fs.listdir(self._dispatch_dir):
+                try:
+                    parse_bucket_name(name)
+                except ValueError:
+                    continue  # a temp file or anything else that is not a bucket
+                buckets.add(dispatch_stream(name))
+        return [MESSAGE_LOG, *sorted(buckets)]
+
+    def get(self, name: str) -> Stream:
+        """The stream ``name``, created empty when it does not exist yet (a follower
+        receiving a bucket's first records). Raises ValueError for a bad name."""
+        if name == MESSAGE_LOG:
+            return self.message_log
+        bucket = self._buckets.get(name)
+        if bucket is None:
+            check_stream_name(name)
+            path = os.path.join(self._dispatch_dir, name[len(DISPATCH_PREFIX) :])
+            bucket = self._buckets[name] = RecordFile.open(path, fs=self.fs)
+        return bucket
+
+    def ends(self) -> dict[str, int]:
+        """Where each stream ends (its next record's offset)."""
+        return {name: self.get(name).end_offset for name in self.names()}
+
+    def durable_ends(self) -> dict[str, int]:
+        """How much of each stream survives a power loss."""
+        return {name: self.get(name).durable_offset for name in self.names()}
+
+    def flush_all(self) -> dict[str, int]:
+        """Make every stream durable; their durable ends, for the ones that had grown."""
+        flushed = {}
+        for name, stream in [(MESSAGE_LOG, self.message_log), *self._buckets.items()]:
+            if stream.durable_offset < stream.end_offset:
+                flushed[name] = stream.flush()
+        return flushed
+
+    # ------------------------------------------------------------------ growth
+
+    def grew(self) -> None:
+        """Say that a stream grew (records appended or made durable): wakes every task
+        in ``wait_growth``."""
+        self.version += 1
+        self._growth.set()
+        self._growth = trio.Event()
+
+    async def wait_growth(self, seen: int) -> int:
+        """Wait until ``version`` differs from ``seen`` (returns at once if it does
+        already); returns the version."""
+        while self.version == seen:
+            await self._growth.wait()
+        return self.version
+
+    def close(self) -> None:
+        for bucket in self._buckets.values():
+            bucket.close()
+        self._buckets.clear()
+        if self._owns_message_log:
+            self.message_log.close()

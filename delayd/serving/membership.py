@@ -1,0 +1,161 @@
+"""A server's part in its group (docs/replication.md): the GroupMember that holds its
+role, the in-sync set that decides whether it may campaign, and what the request path
+asks of them.
+
+``Membership`` is built with the server (``None`` without ``[cluster] etcd``: the server
+runs alone and nothing here is asked). ``run`` joins the group once the listeners are
+bound, since the addresses published in etcd carry the bound ports. The request path
+asks ``may_lead()`` before it takes or acknowledges anything only a leader may, and
+answers ERROR NOT_LEADER with ``refusal(listener)`` otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import Counter
+
+import trio
+
+from delayd.cluster.config import ClusterConfig
+from delayd.cluster.election import GroupMember
+from delayd.cluster.etcd import EtcdClient
+from delayd.cluster.in_sync import InSyncSet, claim_new_group
+from delayd.cluster.members import GroupKeys, MemberInfo, Role, View
+from delayd.errors import EtcdError
+from delayd.protocol.redirect import not_leader_reason
+
+log = logging.getLogger(__name__)
+
+LISTENERS = ("intake", "broker", "http")  # what a NOT_LEADER answer is counted by
+
+
+def member_id_for(address: str) -> str:
+    """A member id from the address clients reach the member at (``10.0.0.1:20801`` ->
+    ``10.0.0.1-20801``): the same on every restart, which the in-sync set relies on."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", address).strip("-._")[:128]
+
+
+class Membership:
+    """See the module docstring. ``listener`` names: ``intake`` (the delay server's
+    producers), ``broker`` (the broker's clients), ``http`` (the HTTP API, whose
+    redirect names the intake address's host and the HTTP port it learns elsewhere)."""
+
+    def __init__(self, config: ClusterConfig) -> None:
+        self.config = config
+        self.keys = GroupKeys(config.prefix, config.group)
+        self.member: GroupMember | None = None
+        self.in_sync: InSyncSet | None = None
+        self.not_leader_total: Counter[str] = Counter()
+        self.changed = trio.Event()  # set at every change of view, then replaced
+        self._scope = trio.CancelScope()
+        self._started = False
+
+    def __repr__(self) -> str:
+        return f"<Membership {self.keys.group} {self.member}>"
+
+    @property
+    def view(self) -> View:
+        return self.member.view if self.member is not None else View(Role.CANDIDATE)
+
+    @property
+    def elections_total(self) -> int:
+        return self.member.elections_won if self.member is not None else 0
+
+    def may_lead(self) -> bool:
+        """Whether this member may act as leader now (GroupMember.may_lead)."""
+        if self._scope.cancel_called:  # resigned: before the member's task has run again
+            return False
+        return self.member is not None and self.member.may_lead()
+
+    def leader_address(self, listener: str) -> str | None:
+        """The leader's address for ``listener`` (``intake`` or ``broker``), or None when
+        no leader is known or it does not serve that."""
+        leader = self.view.leader
+        if leader is None:
+            return None
+        return getattr(leader, listener if listener in ("broker", "http") else "intake") or None
+
+    def refusal(self, listener: str) -> str:
+        """The reason of a NOT_LEADER answer on ``listener`` (counted for /metrics)."""
+        self.not_leader_total[listener] += 1
+        view = self.view
+        role = view.role.name.lower()
+        return not_leader_reason(self.keys.group, role, view.epoch, self.leader_address(listener))
+
+    async def wait_change(self) -> None:
+        """Wait for the next change of role, epoch or leader."""
+        await self.changed.wait()
+
+    def _on_change(self, previous: View, current: View, reason: str) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
+
+    def resign(self) -> None:
+        """Leave the group now (``run`` returns): the leader key goes at once, so a
+        follower takes over without waiting for the lease; from here on this member
+        answers NOT_LEADER."""
+        self._scope.cancel()
+
+    async def run(
+        self, info: MemberInfo, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Take part in the group as ``info`` until cancelled or ``resign()``, then
+        resign."""
+        with self._scope:
+            await self._run(info, task_status)
+        if not self._started:  # resigned before it joined: nothing to wait for
+            task_status.started()
+
+    async def _run(self, info: MemberInfo, task_status: trio.TaskStatus[None]) -> None:
+        config = self.config
+        async with EtcdClient(config.etcd) as etcd:
+            in_sync = InSyncSet(etcd, self.keys, info.member_id)
+            self.in_sync = in_sync
+            self.member = GroupMember(
+                etcd,
+                config.group,
+                info,
+                prefix=config.prefix,
+                lease_ttl_ms=config.lease_ttl_ms,
+                eligible=in_sync.eligible,
+                campaign_compares=in_sync.campaign_compares,
+                on_change=self._on_change,
+            )
+            log.info(
+                "joining group %s as member %s (intake %s, broker %s, replication %s) at %s",
+                config.group,
+                info.member_id,
+                info.intake or "-",
+                info.broker or "-",
+                info.replication or "-",
+                ",".join(config.etcd),
+            )
+            async with trio.open_nursery() as nursery:
+                await nursery.start(in_sync.run)
+                await nursery.start(self.member.run)
+                nursery.start_soon(self._claim_new_group, etcd, in_sync)
+                task_status.started()
+                self._started = True
+
+    async def _claim_new_group(self, etcd: EtcdClient, in_sync: InSyncSet) -> None:
+        """The first leader of a new group writes the in-sync set with itself alone."""
+        member = self.member
+        assert member is not None
+        while True:
+            epoch = member.epoch
+            if member.role is Role.LEADER and in_sync.loaded and in_sync.members is None:
+                assert epoch is not None
+                try:
+                    if await claim_new_group(etcd, self.keys, epoch, member.info.member_id):
+                        log.info(
+                            "group %s: new group, in-sync set is [%s]",
+                            self.keys.group,
+                            member.info.member_id,
+                        )
+                except EtcdError as exc:
+                    log.warning("group %s: could not write in_sync: %s", self.keys.group, exc)
+                    await trio.sleep(0.1)
+                    continue
+            with trio.move_on_after(member.lease_ttl_ms / 3000):
+                await self.wait_change()

@@ -1,0 +1,401 @@
+"""Roles in a group of real ``delayd serve`` processes on a real etcd (127.0.0.1; the
+network-namespace partitions are tests/netns_support.py's): one leads, the follower
+answers NOT_LEADER naming it, clients follow, failover happens only to a member of the
+in-sync set, SIGTERM hands over at once, a leader cut from etcd stops acknowledging,
+and ``delayd cluster status`` shows it all."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import trio
+
+import delayd
+from delayd.cluster.etcd import EtcdClient
+from delayd.cluster.group_state import GroupState, lookup_group
+from delayd.cluster.members import DEFAULT_PREFIX, GroupKeys, MemberInfo
+from delayd.protocol import (
+    Cancel,
+    CommitOffset,
+    Error,
+    ErrorCode,
+    JoinGroup,
+    Message,
+    Pull,
+    Reschedule,
+    SendBatch,
+    SendBatchResult,
+    Stats,
+    StatsResult,
+)
+from delayd.protocol.redirect import leader_in
+from tests.broker_support import BrokerProcess
+from tests.etcd_support import EtcdProxy, EtcdServer, etcd_server  # noqa: F401
+from tests.intake_support import DELAYD, ROOT, RawClient, ServeProcess, _env
+
+pytestmark = pytest.mark.slow
+
+LEASE_TTL_MS = 1000  # the shortest etcd grants: failovers in about a second
+
+
+def member_env() -> dict[str, str]:
+    return {
+        "DELAYD_CLUSTER_REPLICATION_LISTEN": "127.0.0.1:0",  # the default port would collide
+        "DELAYD_CLUSTER_LEASE_TTL_MS": str(LEASE_TTL_MS),
+    }
+
+
+def addr(address: tuple[str, int] | None) -> str:
+    assert address is not None
+    return f"{address[0]}:{address[1]}"
+
+
+def member_id(process: ServeProcess) -> str:
+    return addr(process.address).replace(":", "-")
+
+
+def state(etcd_url: str, group: str) -> GroupState:
+    return trio.run(lookup_group, (etcd_url,), group)
+
+
+def wait_until(check: Callable[[], bool], timeout_s: float, what: str) -> float:
+    """Seconds until ``check()`` held; fails naming ``what`` after ``timeout_s``."""
+    started = time.monotonic()
+    while not check():
+        if time.monotonic() - started > timeout_s:
+            raise AssertionError(f"not within {timeout_s} s: {what}")
+        time.sleep(0.02)
+    return time.monotonic() - started
+
+
+def set_in_sync(etcd_url: str, group: str, members: list[str]) -> None:
+    """What the leader's data path will write; the test stands in for it."""
+
+    async def put() -> None:
+        async with EtcdClient([etcd_url]) as etcd:
+            await etcd.put(GroupKeys(DEFAULT_PREFIX, group).in_sync, json.dumps(sorted(members)))
+
+    trio.run(put)
+
+
+class Group:
+    """Two members of a fresh group, the first one leading."""
+
+    def __init__(self, tmp_path: Path, etcd_url: str, *, http: bool = False) -> None:
+        self.name = f"g{uuid.uuid4().hex[:10]}"
+        self.etcd_url = etcd_url
+        self.tmp_path = tmp_path
+        self.http = http
+        self.processes: list[ServeProcess] = []
+
+    def start(self, name: str, etcd_url: str | None = None) -> ServeProcess:
+        process = ServeProcess(
+            self.tmp_path / name,
+            "--etcd",
+            etcd_url or self.etcd_url,
+            "--group",
+            self.name,
+            env=member_env(),
+            http_listen="127.0.0.1:0" if self.http else "off",
+        )
+        self.processes.append(process)
+        return process.start()
+
+    def leader_id(self) -> str | None:
+        leader = state(self.etcd_url, self.name).leader
+        return leader.member_id if leader else None
+
+    def start_pair(self) -> tuple[ServeProcess, ServeProcess]:
+        first = self.start("a")
+        wait_until(lambda: self.leader_id() == member_id(first), 10, "the first member leads")
+        second = self.start("b")
+        registered = lambda: len(state(self.etcd_url, self.name).members) == 2  # noqa: E731
+        wait_until(registered, 10, "both members registered")
+        return first, second
+
+    def close(self) -> None:
+        for process in self.processes:
+            process.close()
+
+
+@pytest.fixture
+def group(tmp_path: Path, etcd_server: EtcdServer) -> Iterator[Group]:  # noqa: F811
+    made = Group(tmp_path, etcd_server.url)
+    yield made
+    made.close()
+
+
+def not_leader(answer: object) -> str | None:
+    """The leader a NOT_LEADER answer names (None: unknown); fails on any other answer."""
+    assert isinstance(answer, Error) and answer.code is ErrorCode.NOT_LEADER, answer
+    return leader_in(answer.reason)
+
+
+def test_one_leads_and_the_follower_answers_not_leader_naming_it(group: Group):
+    leader, follower = group.start_pair()
+    seen = state(group.etcd_url, group.name)
+    assert seen.role_of(member_id(leader)) == "leader"
+    assert seen.role_of(member_id(follower)) == "follower"
+    assert seen.in_sync == {member_id(leader)}  # a new group: its first leader alone
+    message = Message("m-1", "orders", body=b"x", delay_ms=60_000)
+
+    intake = RawClient(follower.address)
+    requests = [
+        lambda rid: SendBatch([message], request_id=rid),
+        lambda rid: Cancel("m-1", request_id=rid),
+        lambda rid: Reschedule("m-1", 1, request_id=rid),
+    ]
+    for make in requests:
+        assert not_leader(intake.request(make)) == addr(leader.address)
+    stats = intake.request(lambda rid: Stats(request_id=rid))  # answered by every member
+    assert isinstance(stats, StatsResult)
+    assert stats.stats["cluster.role"] == "follower"
+    assert stats.stats["cluster.leader"] == member_id(leader)
+    intake.close()
+
+    broker = RawClient(follower.broker_address)
+    consumer = [
+        lambda rid: JoinGroup("c", "orders", "c-1", request_id=rid),
+        lambda rid: Pull("orders", "c", "c-1", request_id=rid),
+        lambda rid: CommitOffset("c", "orders", 0, 1, request_id=rid),
+        lambda rid: SendBatch([message], request_id=rid),
+    ]
+    for make in consumer:
+        assert not_leader(broker.request(make)) == addr(leader.broker_address)
+    broker.close()
+
+    on_leader = RawClient(leader.address)
+    answer = on_leader.request(lambda rid: SendBatch([message], request_id=rid))
+    assert isinstance(answer, SendBatchResult) and answer.results[0].code.is_success
+    on_leader.close()
+
+    metrics = urllib.request.urlopen(f"http://{addr(follower.metrics_address)}/metrics").read()
+    text = metrics.decode()
+    assert "delayd_cluster_role_state 1.0" in text
+    assert 'delayd_cluster_not_leader_requests_total{listener="intake"} 3.0' in text
+    assert 'delayd_cluster_not_leader_requests_total{listener="broker"} 4.0' in text
+    leader_metrics = urllib.request.urlopen(f"http://{addr(leader.metrics_address)}/metrics")
+    assert "delayd_cluster_role_state 2.0" in leader_metrics.read().decode()
+
+
+def test_clients_given_the_members_or_etcd_reach_the_leader(group: Group):
+    leader, follower = group.start_pair()
+    members = f"{addr(follower.address)},{addr(leader.address)}"
+    with delayd.Producer(members, timeout_s=5) as producer:
+        receipt = producer.send("orders", b"x", message_id="via-follower")
+        assert receipt.code is delayd.ResultCode.OK
+        assert producer.cancel("via-follower").cancelled
+    via_etcd = f"etcd://{group.etcd_url.removeprefix('http://')}/{group.name}"
+    with delayd.Producer(via_etcd, timeout_s=5) as producer:
+        assert producer.send("orders", b"y", message_id="via-etcd").ok
+
+    async def consume() -> list[str]:
+        got = []
+        async with delayd.open_consumer(via_etcd, subject="orders", group="c", timeout_s=5) as c:
+            while len(got) < 1:
+                message = await c.receive(timeout_s=5)
+                assert message is not None
+                got.append(message.message_id)
+        return got
+
+    assert trio.run(consume) == ["via-etcd"]
+
+
+def test_kill_9_of_the_leader_no_takeover_by_a_follower_not_in_sync(group: Group):
+    leader, follower = group.start_pair()
+    leader.kill()
+    time.sleep(3 * LEASE_TTL_MS / 1000)  # the lease expired long ago: the key is gone
+    assert group.leader_id() is None
+    intake = RawClient(follower.address)
+    message = Message("m-2", "orders", body=b"x")
+    assert not_leader(intake.request(lambda rid: SendBatch([message], request_id=rid))) is None
+    intake.close()
+
+
+def test_kill_9_of_the_leader_a_follower_in_sync_takes_over_and_the_client_follows(group: Group):
+    leader, follower = group.start_pair()
+    set_in_sync(group.etcd_url, group.name, [member_id(leader), member_id(follower)])
+    members = f"{addr(leader.address)},{addr(follower.address)}"
+    with delayd.Producer(members, timeout_s=10) as producer:
+        assert producer.send("orders", b"before", message_id="before").ok
+        leader.kill()
+        started = time.monotonic()
+        receipt = producer.send("orders", b"after", message_id="after")
+        took_s = time.monotonic() - started
+    assert receipt.ok and took_s < 3.0
+    assert group.leader_id() == member_id(follower)
+
+
+def test_sigterm_of_the_leader_hands_over_at_once(group: Group):
+    leader, follower = group.start_pair()
+    set_in_sync(group.etcd_url, group.name, [member_id(leader), member_id(follower)])
+    started = time.monotonic()
+    leader.proc.send_signal(15)
+    took_s = wait_until(lambda: group.leader_id() == member_id(follower), 5, "the follower leads")
+    assert took_s < 0.5 * LEASE_TTL_MS / 1000 + 0.5  # not the lease's expiry
+    assert leader.proc.wait(10) == 0
+    assert time.monotonic() - started < 10
+
+
+def test_http_api_of_a_follower_names_the_leader(tmp_path: Path, etcd_server: EtcdServer):  # noqa: F811
+    group = Group(tmp_path, etcd_server.url, http=True)
+    try:
+        leader, follower = group.start_pair()
+        request = urllib.request.Request(
+            f"http://{addr(follower.http_address)}/v1/messages",
+            data=json.dumps({"subject": "orders", "body": "x"}).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            urllib.request.urlopen(request)
+        assert caught.value.code == 421
+        problem = json.loads(caught.value.read())
+        assert problem["code"] == "NOT_LEADER"
+        assert problem["leader"] == f"http://{addr(leader.http_address)}/v1"
+    finally:
+        group.close()
+
+
+def test_cluster_status_shows_the_group(group: Group):
+    leader, follower = group.start_pair()
+    done = subprocess.run(
+        [*DELAYD, "cluster", "status", "--etcd", group.etcd_url, "--json"],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=30, check=True,
+    )  # fmt: skip
+    (shown,) = [g for g in json.loads(done.stdout)["groups"] if g["group"] == group.name]
+    assert shown["leader"] == member_id(leader) and shown["epoch"] > 0
+    assert shown["in_sync"] == [member_id(leader)]
+    roles = {m["member_id"]: (m["role"], m["in_sync"], m["intake"]) for m in shown["members"]}
+    assert roles == {
+        member_id(leader): ("leader", True, addr(leader.address)),
+        member_id(follower): ("follower", False, addr(follower.address)),
+    }
+    text = subprocess.run(
+        [*DELAYD, "cluster", "status", "--etcd", group.etcd_url, "--group", group.name],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=30, check=True,
+    ).stdout  # fmt: skip
+    assert f"group {group.name}: leader {member_id(leader)}" in text
+    assert f"in sync: {member_id(leader)}" in text
+
+
+async def test_a_leader_cut_from_etcd_stops_acknowledging(
+    tmp_path: Path,
+    etcd_server: EtcdServer,  # noqa: F811
+    nursery: trio.Nursery,
+):
+    proxy = EtcdProxy(etcd_server.url)
+    await nursery.start(proxy.serve)
+    group = Group(tmp_path, etcd_server.url)
+    try:
+        leader = await trio.to_thread.run_sync(group.start, "a", proxy.url)
+
+        async def leads() -> bool:
+            async with EtcdClient([etcd_server.url]) as etcd:
+                kv = await etcd.get(GroupKeys(DEFAULT_PREFIX, group.name).leader)
+            return kv is not None
+
+        with trio.fail_after(10):
+            while not await leads():
+                await trio.sleep(0.02)
+        client = await trio.to_thread.run_sync(RawClient, leader.address)
+        message = Message("m-3", "orders", body=b"x")
+
+        def send() -> object:
+            return client.request(lambda rid: SendBatch([message], request_id=rid))
+
+        assert isinstance(await trio.to_thread.run_sync(send), SendBatchResult)
+        proxy.cut()
+        cut_at = trio.current_time()
+        # Steps down at ttl - ttl/4 after the last answered renewal, before etcd can
+        # let the lease go: from then on NOT_LEADER, never an acknowledgement.
+        with trio.fail_after(LEASE_TTL_MS / 1000 + 1):
+            while isinstance(await trio.to_thread.run_sync(send), SendBatchResult):
+                await trio.sleep(0.02)
+        assert trio.current_time() - cut_at < LEASE_TTL_MS / 1000
+        assert not_leader(await trio.to_thread.run_sync(send)) is None
+        client.close()
+    finally:
+        group.close()
+
+
+def test_a_broker_group_follower_names_its_leader_and_a_consumer_follows(
+    tmp_path: Path,
+    etcd_server: EtcdServer,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+):
+    for name, value in member_env().items():
+        monkeypatch.setenv(name, value)  # BrokerProcess passes its environment on
+    name = f"b{uuid.uuid4().hex[:10]}"
+    flags = ("--etcd", etcd_server.url, "--group", name)
+    brokers = [BrokerProcess(tmp_path / "a", *flags), BrokerProcess(tmp_path / "b", *flags)]
+    try:
+        leader = brokers[0].start()
+        leader_id = addr(leader.address).replace(":", "-")
+        leads = lambda: (state(etcd_server.url, name).leader or MemberInfo("x")).member_id  # noqa: E731
+        wait_until(lambda: leads() == leader_id, 10, "the first broker leads")
+        follower = brokers[1].start()
+        wait_until(lambda: len(state(etcd_server.url, name).members) == 2, 10, "both registered")
+        with follower.client() as raw:
+            answer = raw.request(JoinGroup("c", "orders", "c-1"))
+        assert not_leader(answer) == addr(leader.address)
+        members = f"{addr(follower.address)},{addr(leader.address)}"
+        with delayd.Producer(members, timeout_s=5) as producer:
+            assert producer.send("orders", b"x", message_id="b-1").ok
+        with delayd.Consumer(members, subject="orders", group="c", timeout_s=5) as consumer:
+            message = consumer.receive(timeout_s=5)
+        assert message is not None and message.message_id == "b-1"
+    finally:
+        for broker in brokers:
+            broker.close()
+
+
+async def test_a_leader_that_steps_down_and_leads_again_delivers_again(
+    tmp_path: Path,
+    etcd_server: EtcdServer,  # noqa: F811
+    nursery: trio.Nursery,
+):
+    proxy = EtcdProxy(etcd_server.url)
+    await nursery.start(proxy.serve)
+    group = Group(tmp_path, etcd_server.url)
+    try:
+        member = await trio.to_thread.run_sync(group.start, "a", proxy.url)
+        leads = lambda: group.leader_id() == member_id(member)  # noqa: E731
+        await trio.to_thread.run_sync(wait_until, leads, 10, "the member leads")
+
+        def send(message_id: str, delay_ms: int) -> None:
+            with delayd.Producer(addr(member.address), timeout_s=5) as producer:
+                assert producer.send("orders", b"x", message_id=message_id, delay_ms=delay_ms).ok
+
+        # Due while the member does not lead: delivered once it leads again, by the
+        # delivery built anew at that promotion.
+        await trio.to_thread.run_sync(send, "due-later", 1500)
+        proxy.cut()
+        await trio.sleep(LEASE_TTL_MS / 1000)  # stepped down: delivery stopped
+        proxy.heal()
+        await trio.to_thread.run_sync(wait_until, leads, 10, "the member leads again")
+        await trio.to_thread.run_sync(send, "due-now", 0)
+
+        def consume() -> set[str]:
+            got: set[str] = set()
+            broker = addr(member.broker_address)
+            with delayd.Consumer(broker, subject="orders", group="c", timeout_s=5) as consumer:
+                while len(got) < 2:
+                    message = consumer.receive(timeout_s=5)
+                    assert message is not None, f"only {got} delivered"
+                    got.add(message.message_id)
+            return got
+
+        assert await trio.to_thread.run_sync(consume) == {"due-later", "due-now"}
+        log = member.log_path.read_text()
+        assert log.count(": delivering") == 2 and log.count(": stopping delivery") == 1
+    finally:
+        group.close()

@@ -1,0 +1,147 @@
+"""The streams of a delay data directory, and the property replication relies on: a
+member derives the same schedule_log from the same message_log (dispatch_log entries
+name schedule_log offsets, so a follower's derived files must match the leader's)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import trio
+
+from delayd.logs import layout, message_log
+from delayd.logs.message_log import MessageRecord
+from delayd.replay import open_replayer
+from delayd.replication.streams import (
+    MESSAGE_LOG,
+    DelayStreams,
+    check_stream_name,
+    dispatch_stream,
+)
+from storage.segmented_log import SegmentedLog
+
+T = 1_795_341_600_000  # 2026-11-22T10:00:00Z
+
+
+def test_streams_list_message_log_then_buckets_in_time_order(tmp_path: Path) -> None:
+    streams = DelayStreams(str(tmp_path))
+    try:
+        assert streams.names() == [MESSAGE_LOG]
+        streams.get(dispatch_stream("202611221531")).append(b"x" * 32)
+        streams.get(dispatch_stream("202611221530"))
+        os.makedirs(layout.dispatch_log_dir(str(tmp_path)), exist_ok=True)
+        Path(layout.dispatch_log_dir(str(tmp_path)), "junk.tmp").write_bytes(b"")
+        assert streams.names() == [
+            MESSAGE_LOG,
+            dispatch_stream("202611221530"),
+            dispatch_stream("202611221531"),
+        ]
+        assert streams.ends()[dispatch_stream("202611221531")] == 41
+        assert streams.flush_all() == {dispatch_stream("202611221531"): 41}
+    finally:
+        streams.close()
+    reopened = DelayStreams(str(tmp_path))  # a bucket on disk is listed before any get
+    try:
+        assert reopened.ends() == {
+            MESSAGE_LOG: 0,
+            dispatch_stream("202611221530"): 0,
+            dispatch_stream("202611221531"): 41,
+        }
+    finally:
+        reopened.close()
+
+
+@pytest.mark.parametrize("name", ["schedule_log/202611221530", "dispatch_log/2026", "../x"])
+def test_only_delay_streams_are_named(name: str) -> None:
+    with pytest.raises(ValueError, match="is not a stream of a delay data directory"):
+        check_stream_name(name)
+
+
+async def test_growth_wakes_a_waiter_at_once(tmp_path: Path) -> None:
+    streams = DelayStreams(str(tmp_path))
+    try:
+        seen = streams.version
+        async with trio.open_nursery() as nursery:
+            woken = trio.Event()
+
+            async def wait() -> None:
+                await streams.wait_growth(seen)
+                woken.set()
+
+            nursery.start_soon(wait)
+            await trio.testing.wait_all_tasks_blocked()
+            assert not woken.is_set()
+            streams.grew()
+            await woken.wait()
+        assert await streams.wait_growth(seen) == seen + 1  # already moved: no wait
+    finally:
+        streams.close()
+
+
+def messages(count: int) -> list[bytes]:
+    """MESSAGE payloads due over several minutes (several buckets), out of due order."""
+    payloads = []
+    for sequence in range(1, count + 1):
+        due_ms = T + (sequence * 7919) % (6 * 60_000)
+        record = MessageRecord(
+            due_ms=due_ms,
+            sequence=sequence,
+            receive_ms=T - 1000,
+            message_id=f"m{sequence}",
+            subject="orders",
+            key=None,
+            properties={"n": str(sequence)},
+            body=b"b" * (sequence % 50),
+        )
+        payloads.append(message_log.encode_record(record))
+    return payloads
+
+
+def schedule_files(data_dir: str) -> dict[str, bytes]:
+    directory = layout.schedule_log_dir(data_dir)
+    return {name: Path(directory, name).read_bytes() for name in sorted(os.listdir(directory))}
+
+
+def test_replay_derives_byte_identical_schedule_logs(tmp_path: Path) -> None:
+    """The leader replays as intake feeds it (offered records, big steps); the follower
+    gets the same message_log bytes raw and replays them its own way (small steps,
+    read back from disk, a restart half way). Their schedule_log files are identical."""
+    leader_dir, follower_dir = str(tmp_path / "leader"), str(tmp_path / "follower")
+    payloads = messages(300)
+    leader_log = SegmentedLog.open(layout.message_log_dir(leader_dir), segment_size=8192)
+    replayer = open_replayer(leader_dir, leader_log, segment_scale=1)
+    for start in range(0, len(payloads), 50):
+        batch = payloads[start : start + 50]
+        offsets = leader_log.append_batch(batch, message_log.TYPE_MESSAGE)
+        replayer.offer(offsets, batch)
+        leader_log.flush()
+        while replayer.replay_available():  # a segment roll ends a step early
+            pass
+    assert replayer.position == leader_log.end_offset
+    replayer.checkpoint()
+    replayer.close()
+
+    follower_log = SegmentedLog.open(layout.message_log_dir(follower_dir), segment_size=1 << 20)
+    while data := leader_log.read_raw(follower_log.end_offset, 3000):
+        follower_log.append_raw(follower_log.end_offset, data)
+    follower_log.flush()
+    leader_log.close()
+    replayer = open_replayer(follower_dir, follower_log, segment_scale=1)
+    for _ in range(20):
+        replayer.replay_available(max_records=7)
+    replayer.checkpoint()
+    replayer.close()
+    follower_log.close()
+    follower_log = SegmentedLog.open(layout.message_log_dir(follower_dir))
+    replayer = open_replayer(follower_dir, follower_log, segment_scale=1)  # a restart
+    while replayer.replay_available(max_records=11):
+        pass
+    assert replayer.position == follower_log.end_offset
+    replayer.checkpoint()
+    replayer.close()
+    follower_log.close()
+
+    leader_files = schedule_files(leader_dir)
+    assert len(leader_files) >= 6  # several buckets
+    assert schedule_files(follower_dir) == leader_files
