@@ -14,8 +14,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-import pytest
-
 from delayd.logs import layout, message_log, tombstone
 from delayd.logs.bucket_files import BucketFiles
 from delayd.logs.buckets import bucket_name, bucket_of
@@ -187,8 +185,9 @@ def sends_and_cancels(data: DelayData, as_of_ms: int) -> dict[str, Scheduled]:
 
 
 def cancels_and_moves_done_right(data: DelayData) -> None:
-    """What is not a finding: a cancel that withdrew the only record, a message moved,
-    moved and then cancelled, a cancel answered ALREADY_DELIVERED."""
+    """What is not a finding: a cancel that withdrew the only record, a message moved
+    (a second record of its id, not a second send), moved and then cancelled, a cancel
+    answered ALREADY_DELIVERED (nothing written but the tombstone)."""
     data.cancel(data.accept("cancelled-ok", T0 + MINUTE + 1_000), at_ms=T0)
     moved = data.accept("moved-ok", T0 + 3_000)
     copy = data.reschedule(moved, T0 + MINUTE + 3_000, at_ms=T0)
@@ -197,7 +196,7 @@ def cancels_and_moves_done_right(data: DelayData) -> None:
     data.cancel(data.reschedule(moved, T0 + 2 * MINUTE + 4_000, at_ms=T0), at_ms=T0 + 1)
     sent = data.accept("sent-then-cancel", T0 + 6_000)
     data.entry(sent, sent.due_ms + 3)
-    data.tombstone("sent-then-cancel", T0 + 20_000)  # ALREADY_DELIVERED: nothing written
+    data.tombstone("sent-then-cancel", T0 + 20_000)
 
 
 def schedule_path(root: str, bucket_ms: int) -> str:
@@ -208,44 +207,17 @@ def dispatch_path(root: str, bucket_ms: int) -> str:
     return os.path.join(layout.dispatch_log_dir(root), bucket_name(bucket_ms))
 
 
-def flip_byte(path: str, position: int) -> None:
-    """Damage one byte, as bit rot would."""
-    with open(path, "r+b") as file:
-        file.seek(position)
-        byte = file.read(1)
-        file.seek(position)
-        file.write(bytes([byte[0] ^ 0xFF]))
-
-
-def append_bytes(path: str, data: bytes) -> None:
-    """Bytes at the end of a file, as a write cut short by a crash leaves them."""
-    with open(path, "ab") as file:
-        file.write(data)
-
-
 # Tiny inputs: compiling generated code for every query plan would cost more than
 # interpreting it (NO_CODEGEN is Spark's own test setting); and a JVM that lives for a
 # minute gains nothing from the optimising JIT compiler (C2), whose compiling competes
 # with the tests for the cores — C1 alone starts Spark ~20% faster (measured).
-TEST_CONF = {
+SPARK_TEST_CONF = {
     "spark.sql.shuffle.partitions": "2",
     "spark.sql.codegen.wholeStage": "false",
     "spark.sql.codegen.factoryMode": "NO_CODEGEN",
     "spark.sql.adaptive.enabled": "false",
     "spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1",
 }
-
-
-@pytest.fixture(scope="session")
-def spark_session():
-    """One local SparkSession for the audit tests of a run (a JVM start costs seconds;
-    they are all in tests/test_audit.py); `delayd audit` run in-process finds it and
-    leaves it running."""
-    from delayd.audit.spark.session import local_session
-
-    spark = local_session("local[2]", TEST_CONF)
-    yield spark
-    spark.stop()
 
 
 def read_table(out: str, name: str) -> list[dict]:

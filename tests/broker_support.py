@@ -5,13 +5,10 @@ tested separately; these tests must not depend on it)."""
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 import select
-import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -34,21 +31,16 @@ from delayd.protocol import (
     SendResult,
     Stats,
 )
+from tests.process_support import DELAYD, ROOT, ChildProcess, child_env
 
-ROOT = Path(__file__).resolve().parent.parent
-DELAYD = [sys.executable, "-m", "delayd"]
 READY = re.compile(r"delayd broker listening on (\S+):(\d+)")
 METRICS = re.compile(r"metrics on https?://(\S+):(\d+)/metrics")
 START_TIMEOUT_S = 20.0
 
 
-class BrokerProcess:
-    """``delayd broker`` in a child process on a free port of 127.0.0.1.
-
-    ``start()`` returns once the process printed its ready line; ``stop()`` sends
-    SIGTERM and waits for exit 0; ``kill()`` is kill -9. Always ``close()`` (the fixture
-    does) so that no process outlives its test.
-    """
+class BrokerProcess(ChildProcess):
+    """``delayd broker`` in a child process on a free port of 127.0.0.1; ``start()``
+    returns once the process printed its ready line."""
 
     def __init__(self, data_dir: Path, *extra: str, log_path: Path | None = None) -> None:
         self.data_dir = data_dir
@@ -74,7 +66,7 @@ class BrokerProcess:
         log = open(self.log_path, "ab")  # noqa: SIM115  # handed to the child
         try:
             self.proc = subprocess.Popen(
-                args, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, env=_env()
+                args, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, env=child_env()
             )
         finally:
             log.close()
@@ -94,43 +86,9 @@ class BrokerProcess:
             return ""
         return self.proc.stdout.readline().decode(errors="replace")
 
-    def stop(self, timeout_s: float = 20.0) -> int:
-        """SIGTERM, then the exit code (graceful shutdown must give 0)."""
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout_s)
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.kill()
-        self.proc.wait(10)
-
-    @property
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def close(self) -> None:
-        if self.alive:
-            self.proc.kill()
-            self.proc.wait(10)
-        if self.proc is not None and self.proc.stdout is not None:
-            self.proc.stdout.close()
-
-    def log_tail(self, lines: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
     def client(self, token: str | None = None, **kwargs) -> RawClient:
         assert self.address is not None
         return RawClient(self.address, token=token, **kwargs)
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    return env
 
 
 class ServerClosed(Exception):

@@ -9,11 +9,9 @@ BUSY. ``SilentServer`` accepts connections and never answers (time-outs).
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -32,16 +30,7 @@ from delayd.protocol import (
     SendBatchResult,
     SendResult,
 )
-
-REPO = Path(__file__).resolve().parent.parent
-DELAYD = [sys.executable, "-m", "delayd"]  # not the console script, which an install names
-
-
-def free_port() -> int:
-    """A loopback port that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.process_support import DELAYD, ROOT, child_env, free_port
 
 
 class BrokerProcess:
@@ -87,8 +76,8 @@ class BrokerProcess:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            cwd=REPO,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            cwd=ROOT,
+            env={**child_env(), "PYTHONUNBUFFERED": "1"},
         )
         ready = threading.Event()
 

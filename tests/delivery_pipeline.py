@@ -6,6 +6,8 @@ real broker targets, which the process tests use)."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 
 import trio
@@ -22,6 +24,7 @@ from delayd.server.delivery import Delivery
 from storage.fs import O_READ, REAL_FS, FileSystem
 from storage.scan import scan_frames
 from storage.segmented_log import SegmentedLog
+from tests.trio_support import running
 
 # Trio's clock starts at 0; the pipeline's epoch ms at trio time 0 is fixed so tests
 # can name due times exactly.
@@ -68,7 +71,17 @@ class RecordingTarget:
 
 
 class Pipeline:
-    """message_log → replayer → schedule_log → wheel → sender → targets, in-process."""
+    """message_log → replayer → schedule_log → wheel → sender → targets, in-process.
+
+    A test owns it in a ``with`` block, which closes its files however the test ends,
+    and runs its tasks in ``async with pipeline.running():`` inside it::
+
+        with Pipeline(data, [target]) as pipeline:
+            ids = pipeline.schedule([T0 + 1000])
+            async with pipeline.running():
+                await trio.sleep(2)
+            assert received_ids([target]) == ids
+    """
 
     _ids = itertools.count(1)
 
@@ -131,6 +144,24 @@ class Pipeline:
             await nursery.start(delivery.manager.run)
             task_status.started()
 
+    def running(self) -> AbstractAsyncContextManager[None]:
+        """``run``'s tasks, started before the block and cancelled when it ends, so
+        that what a test asserts after it is what the run left behind."""
+        return running(self.run)
+
+    async def run_until(self, deadline_ms: int, done: Callable[[], bool] | None = None) -> None:
+        """Run the tasks until virtual ``deadline_ms`` (epoch ms), and then, when
+        ``done`` is given, on until ``done()`` (a minute of virtual time at most): the
+        autojump clock moves on while a worker thread (a chunk of a big load) still runs,
+        so on a loaded machine a fixed deadline can come before work that was due long
+        before it. Stops (the replayer, the sender's flush) before the tasks end."""
+        async with self.running():
+            await trio.sleep_until((deadline_ms - self.delivery.ticker.origin_ms) / 1000)
+            give_up = trio.current_time() + 60
+            while done is not None and not done() and trio.current_time() < give_up:
+                await trio.sleep(0.1)
+            await self.stop()
+
     async def stop(self) -> None:
         await self.replayer.stop()
         await self.delivery.sender.flush()
@@ -139,6 +170,12 @@ class Pipeline:
         self.delivery.close()
         self.replayer.close()
         self.log.close()
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
 
 def received_ids(targets: list[RecordingTarget]) -> list[str]:

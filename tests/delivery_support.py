@@ -9,15 +9,16 @@ and what a broker holds is counted from its queue ends.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
-import socket
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import delayd
 from delayd.errors import DelaydError, ProtocolError
@@ -40,6 +41,7 @@ from tests.broker_support import RawClient as BrokerClient
 from tests.intake_support import RawClient, Scheduled, ServeProcess, read_schedule_log
 
 SUBJECT = "orders"
+Child = TypeVar("Child", ServeProcess, BrokerProcess)
 
 
 def hostport(address: tuple[str, int] | None) -> str:
@@ -51,15 +53,7 @@ def now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-def free_port() -> int:
-    """A loopback port that was free a moment ago (for a broker that must come back on
-    the address the delay server's configuration names)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def poll(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+def poll(condition: Callable[[], bool], timeout_s: float = 20.0, what: str = "condition") -> None:
     """Ask until ``condition()`` holds: the state of another process, seen through
     requests or its files, has no event to wait for."""
     deadline = time.monotonic() + timeout_s
@@ -71,16 +65,22 @@ def poll(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
 
 class Processes:
     """Starts ``delayd serve`` and ``delayd broker`` children; ``close`` kills every one
-    still running (the fixtures call it, so that none outlives its test)."""
+    still running (the ``procs`` fixture calls it, so that none outlives its test)."""
 
     def __init__(self, tmp_path: Path) -> None:
         self.tmp_path = tmp_path
         self.started: list[ServeProcess | BrokerProcess] = []
 
-    def serve(self, data: Path, *extra: str) -> ServeProcess:
-        process = ServeProcess(data, *extra)
+    def add(self, process: Child) -> Child:
+        """Take ``process`` (made, not started) into the set that ``close`` kills."""
         self.started.append(process)
-        return process.start()
+        return process
+
+    def start(self, process: Child) -> Child:
+        return self.add(process).start()
+
+    def serve(self, data: Path, *extra: str) -> ServeProcess:
+        return self.start(ServeProcess(data, *extra))
 
     def broker(self, name: str, port: int = 0) -> BrokerProcess:
         """A broker over ``tmp_path/<name>`` on ``port`` (0: a free one); started again
@@ -93,12 +93,12 @@ class Processes:
             "off",
             log_path=self.tmp_path / f"{name}-broker.log",
         )
-        self.started.append(process)
-        return process.start()
+        return self.start(process)
 
     def close(self) -> None:
-        for process in self.started:
-            process.close()
+        with contextlib.ExitStack() as stack:  # every one, even when one fails to close
+            for process in self.started:
+                stack.callback(process.close)
 
 
 def groups_toml(**groups: tuple[str, int]) -> str:
@@ -281,34 +281,36 @@ def check_dispatch_log(data_dir: Path) -> dict[str, tuple[Scheduled, DispatchEnt
 # --------------------------------------------------------------------- live traffic
 
 
+@dataclass(frozen=True)
+class Workload:
+    """What a SteadySender sends: batches of ``batch`` messages due ``delay_ms`` (a
+    range) after receipt — a share ``past_due`` of them due at once — with bodies of up
+    to ``max_body`` bytes; ``in_flight`` requests pipelined, ``pause_s`` after each
+    answer. Its sender starts acking once ``warm`` messages were acknowledged."""
+
+    delay_ms: tuple[int, int] = (0, 1500)
+    past_due: float = 0.1
+    max_body: int = 100
+    batch: int = 10
+    in_flight: int = 2
+    pause_s: float = 0.005
+    warm: int = 20
+
+
 class SteadySender(threading.Thread):
-    """Sends batches of messages due ``delay_ms`` (a range) after receipt, ``in_flight``
-    requests pipelined, until ``stop`` is set or the connection breaks (the server was
+    """Sends ``load`` until ``stop`` is set or the connection breaks (the server was
     killed or stopped). ``acked`` maps the id of every acknowledged message to its
     due_ms; ``sent`` holds every id sent, acknowledged or not. ``started_acking`` is set
-    once ``warm`` messages were acknowledged (or the sender ended)."""
+    once ``load.warm`` messages were acknowledged (or the sender ended)."""
 
     def __init__(
-        self,
-        address: tuple[str, int],
-        prefix: str,
-        seed: int,
-        *,
-        delay_ms: tuple[int, int] = (0, 1500),
-        batch: int = 10,
-        in_flight: int = 2,
-        pause_s: float = 0.005,
-        warm: int = 20,
+        self, address: tuple[str, int], prefix: str, seed: int, load: Workload = Workload()
     ) -> None:
         super().__init__(name=f"sender-{prefix}", daemon=True)
         self.address = address
         self.prefix = prefix
         self.rng = random.Random(seed)
-        self.delay_ms = delay_ms
-        self.batch_size = batch
-        self.in_flight = in_flight
-        self.pause_s = pause_s
-        self.warm = warm
+        self.load = load
         self.sent: set[str] = set()
         self.acked: dict[str, int] = {}
         self.stop = threading.Event()
@@ -317,12 +319,14 @@ class SteadySender(threading.Thread):
 
     def _batch(self) -> list[Message]:
         out = []
-        for _ in range(self.batch_size):
+        for _ in range(self.load.batch):
             message_id = f"{self.prefix}-{len(self.sent)}"
             self.sent.add(message_id)
-            # one in ten is due at once: past-due handling under the same crashes
-            delay = 0 if self.rng.random() < 0.1 else self.rng.randint(*self.delay_ms)
-            body = self.rng.randbytes(self.rng.randrange(100))
+            if self.rng.random() < self.load.past_due:
+                delay = 0  # past-due handling under the same crashes
+            else:
+                delay = self.rng.randint(*self.load.delay_ms)
+            body = self.rng.randbytes(self.rng.randrange(self.load.max_body))
             out.append(Message(message_id, SUBJECT, body=body, delay_ms=delay))
         return out
 
@@ -336,7 +340,7 @@ class SteadySender(threading.Thread):
         pending: dict[int, list[Message]] = {}
         try:
             while pending or not self.stop.is_set():
-                while len(pending) < self.in_flight and not self.stop.is_set():
+                while len(pending) < self.load.in_flight and not self.stop.is_set():
                     batch = self._batch()
                     rid = client.send(lambda r, b=batch: SendBatch(b, request_id=r))
                     pending[rid] = batch
@@ -347,9 +351,9 @@ class SteadySender(threading.Thread):
                 for m, result in zip(pending.pop(answer.request_id), answer.results, strict=True):
                     assert result.code is ResultCode.OK, result
                     self.acked[m.message_id] = result.due_ms
-                if len(self.acked) >= self.warm:
+                if len(self.acked) >= self.load.warm:
                     self.started_acking.set()
-                time.sleep(self.pause_s)  # pacing: a steady stream, not a flood
+                time.sleep(self.load.pause_s)  # pacing: a steady stream, not a flood
         except (OSError, ProtocolError):
             pass  # killed in the middle of a frame
         except BaseException as exc:

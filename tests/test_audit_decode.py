@@ -32,7 +32,9 @@ from storage.record_file import RecordFile
 from storage.scan import scan_frames
 from storage.segmented_log import SegmentedLog
 from storage.torn_tail import DEFAULT_MAX_UNSYNCED_BYTES
-from tests.audit_support import T0, DelayData, append_bytes, flip_byte
+from tests.audit_support import T0, DelayData
+from tests.damage_support import append_bytes, flip_byte
+from tests.process_support import child_env
 
 MESSAGES = st.lists(
     st.builds(
@@ -404,7 +406,7 @@ def test_the_delayd_command_loads_without_pyspark_and_pyarrow(tmp_path):
         "from delayd.cli.main import main\n"
         "sys.exit(main(sys.argv[1:]))\n"
     )
-    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    env = child_env()
     help_text = subprocess.run(
         [sys.executable, "-c", blocker, "audit", "--help"],
         capture_output=True,
@@ -452,5 +454,5 @@ def test_the_readers_and_judges_load_without_pyspark_and_trio():
         "import delayd.audit.read.messages, delayd.audit.read.dispatch\n"
         "import delayd.audit.judge.bucket_runs, delayd.audit.judge.summary\n"
     )
-    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    env = child_env()
     subprocess.run([sys.executable, "-c", blocker], env=env, check=True)

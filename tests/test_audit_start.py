@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 
 import pytest
 
 from delayd.logs import layout
-from tests.intake_support import ROOT, _env
+from tests.process_support import DELAYD, ROOT, child_env
 
 pytest.importorskip("pyspark")
 
@@ -19,11 +18,10 @@ pytest.importorskip("pyspark")
 def audit(tmp_path, **environ: str) -> tuple[subprocess.CompletedProcess[str], float]:
     data = tmp_path / "data"
     os.makedirs(layout.schedule_log_dir(str(data)), exist_ok=True)  # an empty data directory
-    env = {**_env(), **environ}
+    env = {**child_env(), **environ}
     started = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-m", "delayd", "audit", "--data", str(data), "--out",
-         str(tmp_path / "out")],
+        [*DELAYD, "audit", "--data", str(data), "--out", str(tmp_path / "out")],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     return done, time.monotonic() - started
@@ -38,7 +36,7 @@ def test_a_java_home_without_java_exits_2_saying_what_to_set(tmp_path):
 
 
 def test_no_java_on_the_path_exits_2_saying_what_to_install(tmp_path):
-    env = _env()
+    env = child_env()
     env.pop("JAVA_HOME", None)
     done, _ = audit(tmp_path, **{**env, "PATH": str(tmp_path / "empty-bin")})
     assert done.returncode == 2, done.stderr

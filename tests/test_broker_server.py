@@ -35,17 +35,13 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
-def brokers(tmp_path):
-    started: list[BrokerProcess] = []
+def brokers(procs, tmp_path):
+    """Make brokers over ``tmp_path``/``data`` (not started); all killed at the end."""
 
     def make(*extra: str, data: str = "data") -> BrokerProcess:
-        broker = BrokerProcess(tmp_path / data, *extra)
-        started.append(broker)
-        return broker
+        return procs.add(BrokerProcess(tmp_path / data, *extra))
 
-    yield make
-    for broker in started:
-        broker.close()
+    return make
 
 
 def test_produce_consume_round_trip_query_stats_and_metrics(brokers):
@@ -331,13 +327,13 @@ def test_wrong_or_missing_token_is_refused_before_any_command(brokers):
 def test_invalid_arguments_name_the_flag(tmp_path):
     import subprocess
 
-    from tests.broker_support import DELAYD, ROOT, _env
+    from tests.process_support import DELAYD, ROOT, child_env
 
     for flag, value in (("--listen", "nowhere"), ("--queues", "0"), ("--flush", "never")):
         done = subprocess.run(
             [*DELAYD, "broker", "--data", str(tmp_path), flag, value],
             cwd=ROOT,
-            env=_env(),
+            env=child_env(),
             capture_output=True,
             text=True,
             timeout=30,

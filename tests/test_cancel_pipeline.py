@@ -33,12 +33,6 @@ from tests.delivery_pipeline import (
 MINUTE = 60_000
 
 
-@pytest.fixture
-def clock():
-    """As tests/test_delivery_pipeline.py: jump only after 50 ms of real idleness."""
-    return trio.testing.MockClock(autojump_threshold=0.05)
-
-
 def append_tombstone(pipeline: Pipeline, message_id: str, due_ms: int | None = None) -> Answer:
     """What the intake path does for CANCEL / RESCHEDULE: a durable tombstone."""
     stone = tombstone.Tombstone(message_id, pipeline.now_ms(), due_ms)
@@ -103,58 +97,49 @@ def kinds(data: str) -> Counter:
 
 async def test_cancel_before_the_bucket_is_loaded(tmp_path, clock):
     target = RecordingTarget("a")
-    pipeline = Pipeline(str(tmp_path), [target])  # load-ahead: 2 minutes
-    doomed, kept = pipeline.schedule([T0 + 10 * MINUTE + 5, T0 + 10 * MINUTE + 6])
-    async with trio.open_nursery() as nursery:
-        await nursery.start(pipeline.run)
-        await trio.sleep(1)
-        assert pipeline.delivery.manager.statistics().buckets_loaded == 0
-        answer = await cancel(pipeline, doomed)
-        assert answer.outcome is CancelOutcome.CANCELLED and answer.dispatched_ms is None
-        await trio.sleep_until((12 * MINUTE) / 1000)
-        await pipeline.stop()
-        stats = pipeline.delivery.manager.statistics()
-        nursery.cancel_scope.cancel()
-    assert received_ids([target]) == [kept]
-    assert stats.entries_skipped == 1  # the loader read the CANCELLED entry
-    assert kinds(str(tmp_path))[EntryKind.CANCELLED] == 1
-    assert pipeline.delivery.canceller.cancels[CancelOutcome.CANCELLED] == 1
-    pipeline.close()
+    with Pipeline(str(tmp_path), [target]) as pipeline:  # load-ahead: 2 minutes
+        doomed, kept = pipeline.schedule([T0 + 10 * MINUTE + 5, T0 + 10 * MINUTE + 6])
+        async with pipeline.running():
+            await trio.sleep(1)
+            assert pipeline.delivery.manager.statistics().buckets_loaded == 0
+            answer = await cancel(pipeline, doomed)
+            assert answer.outcome is CancelOutcome.CANCELLED and answer.dispatched_ms is None
+            await trio.sleep_until((12 * MINUTE) / 1000)
+            await pipeline.stop()
+            stats = pipeline.delivery.manager.statistics()
+        assert received_ids([target]) == [kept]
+        assert stats.entries_skipped == 1  # the loader read the CANCELLED entry
+        assert kinds(str(tmp_path))[EntryKind.CANCELLED] == 1
+        assert pipeline.delivery.canceller.cancels[CancelOutcome.CANCELLED] == 1
 
 
 async def test_cancel_while_in_the_wheel_and_again(tmp_path, clock):
     target = RecordingTarget("a")
-    pipeline = Pipeline(str(tmp_path), [target])
-    doomed, kept = pipeline.schedule([T0 + 30_000, T0 + 30_000])
-    async with trio.open_nursery() as nursery:
-        await nursery.start(pipeline.run)
-        await trio.sleep(5)
-        assert len(pipeline.delivery.ticker.wheel) == 2
-        assert (await cancel(pipeline, doomed)).outcome is CancelOutcome.CANCELLED
-        assert len(pipeline.delivery.ticker.wheel) == 1
-        # A second cancel of a cancelled message: still CANCELLED, no second entry.
-        assert (await cancel(pipeline, doomed)).outcome is CancelOutcome.CANCELLED
-        await trio.sleep_until(2 * MINUTE / 1000 + 1)
-        await pipeline.stop()
-        outstanding = pipeline.delivery.manager.outstanding
-        nursery.cancel_scope.cancel()
-    assert received_ids([target]) == [kept]
-    assert kinds(str(tmp_path))[EntryKind.CANCELLED] == 1
-    assert kinds(str(tmp_path))[EntryKind.COMPLETE] == 1  # the bucket was completed
-    assert outstanding == 0
-    pipeline.close()
+    with Pipeline(str(tmp_path), [target]) as pipeline:
+        doomed, kept = pipeline.schedule([T0 + 30_000, T0 + 30_000])
+        async with pipeline.running():
+            await trio.sleep(5)
+            assert len(pipeline.delivery.ticker.wheel) == 2
+            assert (await cancel(pipeline, doomed)).outcome is CancelOutcome.CANCELLED
+            assert len(pipeline.delivery.ticker.wheel) == 1
+            # A second cancel of a cancelled message: still CANCELLED, no second entry.
+            assert (await cancel(pipeline, doomed)).outcome is CancelOutcome.CANCELLED
+            await trio.sleep_until(2 * MINUTE / 1000 + 1)
+            await pipeline.stop()
+            outstanding = pipeline.delivery.manager.outstanding
+        assert received_ids([target]) == [kept]
+        assert kinds(str(tmp_path))[EntryKind.CANCELLED] == 1
+        assert kinds(str(tmp_path))[EntryKind.COMPLETE] == 1  # the bucket was completed
+        assert outstanding == 0
 
 
 async def test_cancel_of_an_unknown_id(tmp_path, clock):
-    pipeline = Pipeline(str(tmp_path), [RecordingTarget("a")])
-    pipeline.schedule([T0 + 5000])
-    async with trio.open_nursery() as nursery:
-        await nursery.start(pipeline.run)
-        answer = await cancel(pipeline, "never-sent")
-        nursery.cancel_scope.cancel()
-    assert answer.outcome is CancelOutcome.UNKNOWN
-    assert not any(dispatch_entries(str(tmp_path)).values())
-    pipeline.close()
+    with Pipeline(str(tmp_path), [RecordingTarget("a")]) as pipeline:
+        pipeline.schedule([T0 + 5000])
+        async with pipeline.running():
+            answer = await cancel(pipeline, "never-sent")
+        assert answer.outcome is CancelOutcome.UNKNOWN
+        assert not any(dispatch_entries(str(tmp_path)).values())
 
 
 async def test_cancel_in_the_due_millisecond_is_exact(tmp_path, clock):
@@ -167,93 +152,81 @@ async def test_cancel_in_the_due_millisecond_is_exact(tmp_path, clock):
     both ways, messages come in pairs one ms apart to a group that sends one batch at a
     time, slowly, so the second of a pair waits in the group's queue (cancellable)."""
     target = RecordingTarget("a", send_s=0.005)
-    pipeline = Pipeline(str(tmp_path), [target], sender=SenderConfig(batches_in_flight=1))
-    dues = [T0 + 3000 + 37 * (i // 2) + i % 2 for i in range(40)]
-    ids = pipeline.schedule(dues)
-    answers: dict[str, Answer] = {}
-    async with trio.open_nursery() as nursery:
-        await nursery.start(pipeline.run)
-        for message_id, due in zip(ids, dues, strict=True):
-            await trio.sleep_until(pipeline.delivery.ticker.deadline(due))
-            assert pipeline.now_ms() == due
-            answers[message_id] = append_tombstone(pipeline, message_id)
-        for answer in answers.values():
-            await pipeline.delivery.canceller.wait(answer)
-        await trio.sleep(2)
-        await pipeline.stop()
-        nursery.cancel_scope.cancel()
-    got = {r.message.message_id: r.message for r in target.received}
-    assert len(got) == len(target.received)  # none twice
-    for message_id, answer in answers.items():
-        if answer.outcome is CancelOutcome.CANCELLED:
-            assert message_id not in got
-        else:
-            assert answer.outcome is CancelOutcome.ALREADY_DELIVERED
-            assert got[message_id].dispatched_ms == answer.dispatched_ms
-    outcomes = Counter(a.outcome for a in answers.values())
-    assert outcomes[CancelOutcome.CANCELLED] > 0  # the race really was run both ways
-    assert outcomes[CancelOutcome.ALREADY_DELIVERED] > 0
-    pipeline.close()
+    with Pipeline(str(tmp_path), [target], sender=SenderConfig(batches_in_flight=1)) as pipeline:
+        dues = [T0 + 3000 + 37 * (i // 2) + i % 2 for i in range(40)]
+        ids = pipeline.schedule(dues)
+        answers: dict[str, Answer] = {}
+        async with pipeline.running():
+            for message_id, due in zip(ids, dues, strict=True):
+                await trio.sleep_until(pipeline.delivery.ticker.deadline(due))
+                assert pipeline.now_ms() == due
+                answers[message_id] = append_tombstone(pipeline, message_id)
+            for answer in answers.values():
+                await pipeline.delivery.canceller.wait(answer)
+            await trio.sleep(2)
+            await pipeline.stop()
+        got = {r.message.message_id: r.message for r in target.received}
+        assert len(got) == len(target.received)  # none twice
+        for message_id, answer in answers.items():
+            if answer.outcome is CancelOutcome.CANCELLED:
+                assert message_id not in got
+            else:
+                assert answer.outcome is CancelOutcome.ALREADY_DELIVERED
+                assert got[message_id].dispatched_ms == answer.dispatched_ms
+        outcomes = Counter(a.outcome for a in answers.values())
+        assert outcomes[CancelOutcome.CANCELLED] > 0  # the race really was run both ways
+        assert outcomes[CancelOutcome.ALREADY_DELIVERED] > 0
 
 
 async def test_cancel_waits_for_an_in_flight_batch_that_succeeds(tmp_path, clock):
     hang = trio.Event()
     target = RecordingTarget("slow", hang=hang)
-    pipeline = Pipeline(str(tmp_path), [target])
-    (message_id,) = pipeline.schedule([T0 + 1000])
-    async with trio.open_nursery() as nursery:
-        await nursery.start(pipeline.run)
-        await trio.sleep_until(1.5)
-        assert target.calls == 1  # the batch is at the broker, unanswered
-        answer = append_tombstone(pipeline, message_id)
-        await trio.sleep(3)
-        assert not answer.decided  # never "maybe": it waits for the outcome
-        hang.set()
-        await pipeline.delivery.canceller.wait(answer)
-        nursery.cancel_scope.cancel()
-    assert answer.outcome is CancelOutcome.ALREADY_DELIVERED
-    assert answer.dispatched_ms == T0 + 1000
-    assert received_ids([target]) == [message_id]
-    assert kinds(str(tmp_path))[EntryKind.DISPATCHED] == 1
-    pipeline.close()
+    with Pipeline(str(tmp_path), [target]) as pipeline:
+        (message_id,) = pipeline.schedule([T0 + 1000])
+        async with pipeline.running():
+            await trio.sleep_until(1.5)
+            assert target.calls == 1  # the batch is at the broker, unanswered
+            answer = append_tombstone(pipeline, message_id)
+            await trio.sleep(3)
+            assert not answer.decided  # never "maybe": it waits for the outcome
+            hang.set()
+            await pipeline.delivery.canceller.wait(answer)
+        assert answer.outcome is CancelOutcome.ALREADY_DELIVERED
+        assert answer.dispatched_ms == T0 + 1000
+        assert received_ids([target]) == [message_id]
+        assert kinds(str(tmp_path))[EntryKind.DISPATCHED] == 1
 
 
 async def test_cancel_of_an_in_flight_batch_the_broker_refuses_is_not_retried(tmp_path, clock):
     hang = trio.Event()
     target = RecordingTarget("slow", hang=hang, refuse=ResultCode.BUSY)
-    pipeline = Pipeline(str(tmp_path), [target])
-    doomed, other = pipeline.schedule([T0 + 1000, T0 + 1000])
-    async with trio.open_nursery() as nursery:
-        await nursery.start(pipeline.run)
-        await trio.sleep_until(1.5)
-        answer = append_tombstone(pipeline, doomed)
-        await trio.sleep(1)
-        assert not answer.decided
-        hang.set()  # the batch in flight is refused: stored nowhere
-        await pipeline.delivery.canceller.wait(answer)
-        target.hang, target.refuse = None, None  # from now on it stores
-        await trio.sleep(10)  # the other message is retried and delivered; not doomed
-        await pipeline.stop()
-        nursery.cancel_scope.cancel()
-    assert answer.outcome is CancelOutcome.CANCELLED
-    assert received_ids([target]) == [other]
-    counted = kinds(str(tmp_path))
-    assert counted[EntryKind.CANCELLED] == 1 and counted[EntryKind.DISPATCHED] == 1
-    pipeline.close()
+    with Pipeline(str(tmp_path), [target]) as pipeline:
+        doomed, other = pipeline.schedule([T0 + 1000, T0 + 1000])
+        async with pipeline.running():
+            await trio.sleep_until(1.5)
+            answer = append_tombstone(pipeline, doomed)
+            await trio.sleep(1)
+            assert not answer.decided
+            hang.set()  # the batch in flight is refused: stored nowhere
+            await pipeline.delivery.canceller.wait(answer)
+            target.hang, target.refuse = None, None  # from now on it stores
+            await trio.sleep(10)  # the other message is retried and delivered; not doomed
+            await pipeline.stop()
+        assert answer.outcome is CancelOutcome.CANCELLED
+        assert received_ids([target]) == [other]
+        counted = kinds(str(tmp_path))
+        assert counted[EntryKind.CANCELLED] == 1 and counted[EntryKind.DISPATCHED] == 1
 
 
 async def test_cancel_after_delivery_names_the_dispatch_time(tmp_path, clock):
     target = RecordingTarget("a")
-    pipeline = Pipeline(str(tmp_path), [target])
-    (message_id,) = pipeline.schedule([T0 + 2000])
-    async with trio.open_nursery() as nursery:
-        await nursery.start(pipeline.run)
-        await trio.sleep(5)
-        answer = await cancel(pipeline, message_id)
-        nursery.cancel_scope.cancel()
-    assert answer.outcome is CancelOutcome.ALREADY_DELIVERED
-    assert answer.dispatched_ms == T0 + 2000
-    pipeline.close()
+    with Pipeline(str(tmp_path), [target]) as pipeline:
+        (message_id,) = pipeline.schedule([T0 + 2000])
+        async with pipeline.running():
+            await trio.sleep(5)
+            answer = await cancel(pipeline, message_id)
+        assert answer.outcome is CancelOutcome.ALREADY_DELIVERED
+        assert answer.dispatched_ms == T0 + 2000
 
 
 @pytest.mark.parametrize(
@@ -266,64 +239,55 @@ async def test_cancel_after_delivery_names_the_dispatch_time(tmp_path, clock):
 )
 async def test_reschedule_delivers_once_at_the_new_time(tmp_path, clock, old_ms, new_ms):
     target = RecordingTarget("a")
-    pipeline = Pipeline(str(tmp_path), [target])
-    (message_id,) = pipeline.schedule([T0 + old_ms])
-    async with trio.open_nursery() as nursery:
-        await nursery.start(pipeline.run)
-        await trio.sleep(5)
-        answer = await reschedule(pipeline, message_id, T0 + new_ms)
-        assert answer.outcome is RescheduleOutcome.RESCHEDULED
-        await trio.sleep_until((max(old_ms, new_ms) + 3 * MINUTE) / 1000)
-        await pipeline.stop()
-        nursery.cancel_scope.cancel()
-    assert [r.message.message_id for r in target.received] == [message_id]
-    (got,) = target.received
-    assert got.at_ms == T0 + new_ms and got.message.due_ms == T0 + new_ms
-    assert got.message.body == message_id.encode()  # same id, same body
-    counted = kinds(str(tmp_path))
-    assert counted[EntryKind.RESCHEDULED] == 1 and counted[EntryKind.DISPATCHED] == 1
-    pipeline.close()
+    with Pipeline(str(tmp_path), [target]) as pipeline:
+        (message_id,) = pipeline.schedule([T0 + old_ms])
+        async with pipeline.running():
+            await trio.sleep(5)
+            answer = await reschedule(pipeline, message_id, T0 + new_ms)
+            assert answer.outcome is RescheduleOutcome.RESCHEDULED
+            await trio.sleep_until((max(old_ms, new_ms) + 3 * MINUTE) / 1000)
+            await pipeline.stop()
+        assert [r.message.message_id for r in target.received] == [message_id]
+        (got,) = target.received
+        assert got.at_ms == T0 + new_ms and got.message.due_ms == T0 + new_ms
+        assert got.message.body == message_id.encode()  # same id, same body
+        counted = kinds(str(tmp_path))
+        assert counted[EntryKind.RESCHEDULED] == 1 and counted[EntryKind.DISPATCHED] == 1
 
 
 async def test_reschedule_twice_then_cancel(tmp_path, clock):
     target = RecordingTarget("a")
-    pipeline = Pipeline(str(tmp_path), [target])
-    (message_id,) = pipeline.schedule([T0 + 30_000])
-    async with trio.open_nursery() as nursery:
-        await nursery.start(pipeline.run)
-        await trio.sleep(1)
-        assert (await reschedule(pipeline, message_id, T0 + 50_000)).outcome is (
-            RescheduleOutcome.RESCHEDULED
-        )
-        assert (await reschedule(pipeline, message_id, T0 + 3 * MINUTE)).outcome is (
-            RescheduleOutcome.RESCHEDULED
-        )
-        assert (await cancel(pipeline, message_id)).outcome is CancelOutcome.CANCELLED
-        again = await reschedule(pipeline, message_id, T0 + 4 * MINUTE)
-        assert again.outcome is RescheduleOutcome.UNKNOWN  # nothing pending to move
-        await trio.sleep_until(6 * MINUTE / 1000)
-        await pipeline.stop()
-        nursery.cancel_scope.cancel()
-    assert target.received == []
-    counted = kinds(str(tmp_path))
-    assert counted[EntryKind.RESCHEDULED] == 2 and counted[EntryKind.CANCELLED] == 1
-    pipeline.close()
+    with Pipeline(str(tmp_path), [target]) as pipeline:
+        (message_id,) = pipeline.schedule([T0 + 30_000])
+        async with pipeline.running():
+            await trio.sleep(1)
+            assert (await reschedule(pipeline, message_id, T0 + 50_000)).outcome is (
+                RescheduleOutcome.RESCHEDULED
+            )
+            assert (await reschedule(pipeline, message_id, T0 + 3 * MINUTE)).outcome is (
+                RescheduleOutcome.RESCHEDULED
+            )
+            assert (await cancel(pipeline, message_id)).outcome is CancelOutcome.CANCELLED
+            again = await reschedule(pipeline, message_id, T0 + 4 * MINUTE)
+            assert again.outcome is RescheduleOutcome.UNKNOWN  # nothing pending to move
+            await trio.sleep_until(6 * MINUTE / 1000)
+            await pipeline.stop()
+        assert target.received == []
+        counted = kinds(str(tmp_path))
+        assert counted[EntryKind.RESCHEDULED] == 2 and counted[EntryKind.CANCELLED] == 1
 
 
 async def test_reschedule_of_a_delivered_message(tmp_path, clock):
     target = RecordingTarget("a")
-    pipeline = Pipeline(str(tmp_path), [target])
-    (message_id,) = pipeline.schedule([T0 + 1000])
-    async with trio.open_nursery() as nursery:
-        await nursery.start(pipeline.run)
-        await trio.sleep(3)
-        answer = await reschedule(pipeline, message_id, T0 + MINUTE)
-        await trio.sleep(90)
-        nursery.cancel_scope.cancel()
-    assert answer.outcome is RescheduleOutcome.ALREADY_DELIVERED
-    assert answer.dispatched_ms == T0 + 1000
-    assert received_ids([target]) == [message_id]  # once: not again at the new time
-    pipeline.close()
+    with Pipeline(str(tmp_path), [target]) as pipeline:
+        (message_id,) = pipeline.schedule([T0 + 1000])
+        async with pipeline.running():
+            await trio.sleep(3)
+            answer = await reschedule(pipeline, message_id, T0 + MINUTE)
+            await trio.sleep(90)
+        assert answer.outcome is RescheduleOutcome.ALREADY_DELIVERED
+        assert answer.dispatched_ms == T0 + 1000
+        assert received_ids([target]) == [message_id]  # once: not again at the new time
 
 
 async def test_a_restart_keeps_cancels_and_moves(tmp_path, clock):
@@ -331,32 +295,25 @@ async def test_a_restart_keeps_cancels_and_moves(tmp_path, clock):
     delivery: same answers, nothing delivered that was cancelled, the moved message
     delivered once, at its new time."""
     target = RecordingTarget("a")
-    pipeline = Pipeline(str(tmp_path), [target])
-    pipeline.replayer.checkpoint_interval_s = 3600.0
-    doomed, moved, kept = pipeline.schedule([T0 + 3 * MINUTE, T0 + 3 * MINUTE, T0 + 4 * MINUTE])
-    async with trio.open_nursery() as nursery:
-        await nursery.start(pipeline.run)
-        assert (await cancel(pipeline, doomed)).outcome is CancelOutcome.CANCELLED
-        answer = await reschedule(pipeline, moved, T0 + 5 * MINUTE + 7)
-        assert answer.outcome is RescheduleOutcome.RESCHEDULED
-        nursery.cancel_scope.cancel()
-    checkpointed = pipeline.replayer.checkpointed_position
-    pipeline.close()  # no checkpoint: the tombstones are replayed again
+    with Pipeline(str(tmp_path), [target]) as pipeline:
+        pipeline.replayer.checkpoint_interval_s = 3600.0
+        doomed, moved, kept = pipeline.schedule([T0 + 3 * MINUTE, T0 + 3 * MINUTE, T0 + 4 * MINUTE])
+        async with pipeline.running():
+            assert (await cancel(pipeline, doomed)).outcome is CancelOutcome.CANCELLED
+            answer = await reschedule(pipeline, moved, T0 + 5 * MINUTE + 7)
+            assert answer.outcome is RescheduleOutcome.RESCHEDULED
+        checkpointed = pipeline.replayer.checkpointed_position
+    # Closed without a checkpoint: the tombstones are replayed again.
     assert checkpointed < pipeline.log.end_offset
 
     second = RecordingTarget("a")
-    again = Pipeline(str(tmp_path), [second])
-    async with trio.open_nursery() as nursery:
+    with Pipeline(str(tmp_path), [second]) as again:
         await trio.sleep_until(1)
-        await nursery.start(again.run)
-        await trio.sleep_until(7 * MINUTE / 1000)
-        await again.stop()
-        nursery.cancel_scope.cancel()
-    assert sorted((r.message.message_id, r.at_ms) for r in second.received) == sorted(
-        [(kept, T0 + 4 * MINUTE), (moved, T0 + 5 * MINUTE + 7)]
-    )
-    assert again.delivery.canceller.cancels[CancelOutcome.CANCELLED] == 1  # replayed
-    again.close()
+        await again.run_until(T0 + 7 * MINUTE)
+        assert sorted((r.message.message_id, r.at_ms) for r in second.received) == sorted(
+            [(kept, T0 + 4 * MINUTE), (moved, T0 + 5 * MINUTE + 7)]
+        )
+        assert again.delivery.canceller.cancels[CancelOutcome.CANCELLED] == 1  # replayed
 
 
 async def test_a_restart_mid_bucket_answers_from_the_entries_the_loader_skips(
@@ -368,18 +325,15 @@ async def test_a_restart_mid_bucket_answers_from_the_entries_the_loader_skips(
     previous run → ALREADY_DELIVERED; cancelled by it → a reschedule must not bring it
     back (UNKNOWN), and it is never delivered."""
     target = RecordingTarget("a")
-    pipeline = Pipeline(str(tmp_path), [target])
-    # One bucket [T0, T0 + 1 min): the first record is pending, the others are settled
-    # in the first run.
-    first, delivered, cancelled = pipeline.schedule([T0 + 50_000, T0 + 5000, T0 + 55_000])
-    async with trio.open_nursery() as nursery:
-        await nursery.start(pipeline.run)
-        await trio.sleep_until(10)
-        assert (await cancel(pipeline, cancelled)).outcome is CancelOutcome.CANCELLED
-        await pipeline.stop()
-        nursery.cancel_scope.cancel()
-    assert received_ids([target]) == [delivered]
-    pipeline.close()
+    with Pipeline(str(tmp_path), [target]) as pipeline:
+        # One bucket [T0, T0 + 1 min): the first record is pending, the others are settled
+        # in the first run.
+        first, delivered, cancelled = pipeline.schedule([T0 + 50_000, T0 + 5000, T0 + 55_000])
+        async with pipeline.running():
+            await trio.sleep_until(10)
+            assert (await cancel(pipeline, cancelled)).outcome is CancelOutcome.CANCELLED
+            await pipeline.stop()
+        assert received_ids([target]) == [delivered]
 
     # The second run loads the bucket one record per worker-thread chunk, and the
     # chunks after the first wait for the gate: the loader stops mid-bucket.
@@ -387,40 +341,37 @@ async def test_a_restart_mid_bucket_answers_from_the_entries_the_loader_skips(
     monkeypatch.setattr("delayd.wheel.manager.LOAD_CHUNK_RECORDS", 1)
     gate, blocked = threading.Event(), threading.Event()
     second = RecordingTarget("a")
-    again = Pipeline(str(tmp_path), [second])
-    scan = again.delivery.manager.reader.scan_dues
+    with Pipeline(str(tmp_path), [second]) as again:
+        scan = again.delivery.manager.reader.scan_dues
 
-    def gated_scan(bucket_ms, position, end, limit):
-        if position > 0:
-            blocked.set()
-            gate.wait(30)
-        return scan(bucket_ms, position, end, limit)
+        def gated_scan(bucket_ms, position, end, limit):
+            if position > 0:
+                blocked.set()
+                gate.wait(30)
+            return scan(bucket_ms, position, end, limit)
 
-    again.delivery.manager.reader.scan_dues = gated_scan
-    async with trio.open_nursery() as nursery:
+        again.delivery.manager.reader.scan_dues = gated_scan
         await trio.sleep_until(12)
-        await nursery.start(again.run)
-        try:
-            while not blocked.is_set():
-                await trio.sleep(0.01)
-            cursors = again.delivery.manager.cursors
-            assert cursors.loading.bucket_ms == T0 and cursors.loaded.offset > 0
-            assert not cursors.complete
-            with trio.fail_after(30):
-                answer = await cancel(again, delivered)
-                moved = await reschedule(again, cancelled, T0 + 90_000)
-        finally:
-            gate.set()
-        await trio.sleep_until(3 * MINUTE / 1000)
-        await again.stop()
-        nursery.cancel_scope.cancel()
-    assert answer.outcome is CancelOutcome.ALREADY_DELIVERED
-    assert answer.dispatched_ms == T0 + 5000
-    assert moved.outcome is RescheduleOutcome.UNKNOWN
-    assert received_ids([second]) == [first]  # not the delivered one, not the cancelled
-    counted = kinds(str(tmp_path))
-    assert counted[EntryKind.RESCHEDULED] == 0 and counted[EntryKind.DISPATCHED] == 2
-    again.close()
+        async with again.running():
+            try:
+                while not blocked.is_set():
+                    await trio.sleep(0.01)
+                cursors = again.delivery.manager.cursors
+                assert cursors.loading.bucket_ms == T0 and cursors.loaded.offset > 0
+                assert not cursors.complete
+                with trio.fail_after(30):
+                    answer = await cancel(again, delivered)
+                    moved = await reschedule(again, cancelled, T0 + 90_000)
+            finally:
+                gate.set()
+            await trio.sleep_until(3 * MINUTE / 1000)
+            await again.stop()
+        assert answer.outcome is CancelOutcome.ALREADY_DELIVERED
+        assert answer.dispatched_ms == T0 + 5000
+        assert moved.outcome is RescheduleOutcome.UNKNOWN
+        assert received_ids([second]) == [first]  # not the delivered one, not the cancelled
+        counted = kinds(str(tmp_path))
+        assert counted[EntryKind.RESCHEDULED] == 0 and counted[EntryKind.DISPATCHED] == 2
 
 
 async def test_a_cancel_while_an_acknowledged_batch_waits_for_the_dispatch_lock(tmp_path, clock):
@@ -429,42 +380,34 @@ async def test_a_cancel_while_an_acknowledged_batch_waits_for_the_dispatch_lock(
     was acknowledged, so the answer is ALREADY_DELIVERED."""
     hang = trio.Event()
     target = RecordingTarget("slow", hang=hang)
-    pipeline = Pipeline(str(tmp_path), [target])
-    (message_id,) = pipeline.schedule([T0 + 1000])
-    lock = pipeline.delivery.dispatch_lock
-    async with trio.open_nursery() as nursery:
-        await nursery.start(pipeline.run)
-        await trio.sleep_until(1.5)
-        assert target.calls == 1
-        async with lock:
-            answer = append_tombstone(pipeline, message_id)
-            await wait_for(lambda: lock.statistics().tasks_waiting == 1)  # the canceller
-            hang.set()  # acknowledged; the sender queues for the lock behind it
-            await wait_for(lambda: lock.statistics().tasks_waiting == 2)
-        await pipeline.delivery.canceller.wait(answer)
-        await trio.sleep(5)
-        await pipeline.stop()
-        nursery.cancel_scope.cancel()
-    assert answer.outcome is CancelOutcome.ALREADY_DELIVERED
-    assert answer.dispatched_ms == T0 + 1000
-    assert received_ids([target]) == [message_id]
-    counted = kinds(str(tmp_path))
-    assert counted[EntryKind.DISPATCHED] == 1 and counted[EntryKind.CANCELLED] == 0
-    pipeline.close()
+    with Pipeline(str(tmp_path), [target]) as pipeline:
+        (message_id,) = pipeline.schedule([T0 + 1000])
+        lock = pipeline.delivery.dispatch_lock
+        async with pipeline.running():
+            await trio.sleep_until(1.5)
+            assert target.calls == 1
+            async with lock:
+                answer = append_tombstone(pipeline, message_id)
+                await wait_for(lambda: lock.statistics().tasks_waiting == 1)  # the canceller
+                hang.set()  # acknowledged; the sender queues for the lock behind it
+                await wait_for(lambda: lock.statistics().tasks_waiting == 2)
+            await pipeline.delivery.canceller.wait(answer)
+            await trio.sleep(5)
+            await pipeline.stop()
+        assert answer.outcome is CancelOutcome.ALREADY_DELIVERED
+        assert answer.dispatched_ms == T0 + 1000
+        assert received_ids([target]) == [message_id]
+        counted = kinds(str(tmp_path))
+        assert counted[EntryKind.DISPATCHED] == 1 and counted[EntryKind.CANCELLED] == 0
 
 
-async def deliver_then_lose_the_entries(data: str, dues: list[int], until_s: float):
-    """A first run delivers ``dues`` (those due by ``until_s``) to a deduping broker;
+async def deliver_then_lose_the_entries(data: str, dues: list[int], until_ms: int):
+    """A first run delivers ``dues`` (those due by ``until_ms``) to a deduping broker;
     then its dispatch_log is lost. Returns (ids, the broker)."""
     broker = DedupingTarget("a")
-    pipeline = Pipeline(data, [broker])
-    ids = pipeline.schedule(dues)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(pipeline.run)
-        await trio.sleep_until(until_s)
-        await pipeline.stop()
-        nursery.cancel_scope.cancel()
-    pipeline.close()
+    with Pipeline(data, [broker]) as pipeline:
+        ids = pipeline.schedule(dues)
+        await pipeline.run_until(until_ms)
     lose_dispatch_log(data)
     return ids, broker
 
@@ -478,39 +421,36 @@ async def test_a_restart_that_lost_dispatch_entries_answers_from_the_resend(tmp_
     and never sent, is in the same doubt: it is delivered now, and the cancel says so."""
     data = str(tmp_path)
     (first, moved, overdue), broker = await deliver_then_lose_the_entries(
-        data, [T0 + 1000, T0 + 2000, T0 + 7000], until_s=5
+        data, [T0 + 1000, T0 + 2000, T0 + 7000], until_ms=T0 + 5000
     )
     assert received_ids([broker]) == [first, moved]
 
-    again = Pipeline(data, [DedupingTarget("a", stored=broker.stored)])
-    (target,) = again.targets
-    await trio.sleep_until(8)
-    answers = [
-        append_tombstone(again, first),
-        append_tombstone(again, moved, T0 + 4 * MINUTE),
-        append_tombstone(again, overdue),
-    ]
-    async with trio.open_nursery() as nursery:
-        await nursery.start(again.run)
-        with trio.fail_after(30):
-            for answer in answers:
-                await again.delivery.canceller.wait(answer)
-        await trio.sleep_until(6 * MINUTE / 1000)
-        await again.stop()
-        nursery.cancel_scope.cancel()
-    assert [a.outcome for a in answers] == [
-        CancelOutcome.ALREADY_DELIVERED,
-        RescheduleOutcome.ALREADY_DELIVERED,
-        CancelOutcome.ALREADY_DELIVERED,
-    ]
-    for answer in answers:  # the resend's time: the earlier copy was delivered before it
-        assert T0 + 8000 <= answer.dispatched_ms < T0 + 9000
-    assert target.duplicates == 2
-    assert received_ids([broker, target]) == [first, moved, overdue]  # each once
-    counted = kinds(data)
-    assert counted[EntryKind.DISPATCHED] == 3
-    assert counted[EntryKind.CANCELLED] == counted[EntryKind.RESCHEDULED] == 0
-    again.close()
+    with Pipeline(data, [DedupingTarget("a", stored=broker.stored)]) as again:
+        (target,) = again.targets
+        await trio.sleep_until(8)
+        answers = [
+            append_tombstone(again, first),
+            append_tombstone(again, moved, T0 + 4 * MINUTE),
+            append_tombstone(again, overdue),
+        ]
+        async with again.running():
+            with trio.fail_after(30):
+                for answer in answers:
+                    await again.delivery.canceller.wait(answer)
+            await trio.sleep_until(6 * MINUTE / 1000)
+            await again.stop()
+        assert [a.outcome for a in answers] == [
+            CancelOutcome.ALREADY_DELIVERED,
+            RescheduleOutcome.ALREADY_DELIVERED,
+            CancelOutcome.ALREADY_DELIVERED,
+        ]
+        for answer in answers:  # the resend's time: the earlier copy was delivered before it
+            assert T0 + 8000 <= answer.dispatched_ms < T0 + 9000
+        assert target.duplicates == 2
+        assert received_ids([broker, target]) == [first, moved, overdue]  # each once
+        counted = kinds(data)
+        assert counted[EntryKind.DISPATCHED] == 3
+        assert counted[EntryKind.CANCELLED] == counted[EntryKind.RESCHEDULED] == 0
 
 
 @pytest.mark.parametrize("is_cancel", [True, False])
@@ -523,31 +463,28 @@ async def test_a_restart_that_lost_dispatch_entries_keeps_a_held_message_in_doub
     ALREADY_DELIVERED."""
     data = str(tmp_path)
     (_, second), broker = await deliver_then_lose_the_entries(
-        data, [T0 + 1000, T0 + 2000], until_s=5
+        data, [T0 + 1000, T0 + 2000], until_ms=T0 + 5000
     )
     hang = trio.Event()
     target = DedupingTarget("a", stored=broker.stored, hang=hang)
-    again = Pipeline(data, [target], sender=SenderConfig(max_batch=1, batches_in_flight=1))
-    await trio.sleep_until(8)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(again.run)
-        sender = again.delivery.sender
-        await wait_for(lambda: target.calls == 1 and sender.in_flight == 2)  # second: queued
-        answer = append_tombstone(again, second, None if is_cancel else T0 + 4 * MINUTE)
-        await trio.sleep(1)
-        assert not answer.decided  # never "maybe": it waits for the send
-        hang.set()
-        with trio.fail_after(30):
-            await again.delivery.canceller.wait(answer)
-        await trio.sleep_until(6 * MINUTE / 1000)
-        await again.stop()
-        nursery.cancel_scope.cancel()
-    delivered = CancelOutcome if is_cancel else RescheduleOutcome
-    assert answer.outcome is delivered.ALREADY_DELIVERED
-    assert answer.dispatched_ms >= T0 + 8000
-    assert target.received == [] and target.duplicates == 2
-    assert kinds(data)[EntryKind.DISPATCHED] == 2
-    again.close()
+    with Pipeline(data, [target], sender=SenderConfig(max_batch=1, batches_in_flight=1)) as again:
+        await trio.sleep_until(8)
+        async with again.running():
+            sender = again.delivery.sender
+            await wait_for(lambda: target.calls == 1 and sender.in_flight == 2)  # second: queued
+            answer = append_tombstone(again, second, None if is_cancel else T0 + 4 * MINUTE)
+            await trio.sleep(1)
+            assert not answer.decided  # never "maybe": it waits for the send
+            hang.set()
+            with trio.fail_after(30):
+                await again.delivery.canceller.wait(answer)
+            await trio.sleep_until(6 * MINUTE / 1000)
+            await again.stop()
+        delivered = CancelOutcome if is_cancel else RescheduleOutcome
+        assert answer.outcome is delivered.ALREADY_DELIVERED
+        assert answer.dispatched_ms >= T0 + 8000
+        assert target.received == [] and target.duplicates == 2
+        assert kinds(data)[EntryKind.DISPATCHED] == 2
 
 
 async def test_a_cancel_answered_before_a_restart_stays_cancelled_once_due(tmp_path, clock):
@@ -555,26 +492,20 @@ async def test_a_cancel_answered_before_a_restart_stays_cancelled_once_due(tmp_p
     pending, whose due time passed while the server was down, is found CANCELLED by
     the replayed tombstone (its entry was durable before the answer) — not sent."""
     target = RecordingTarget("a")
-    pipeline = Pipeline(str(tmp_path), [target])
-    pipeline.replayer.checkpoint_interval_s = 3600.0  # the tombstone is replayed again
-    (doomed,) = pipeline.schedule([T0 + 7000])
-    async with trio.open_nursery() as nursery:
-        await nursery.start(pipeline.run)
-        assert (await cancel(pipeline, doomed)).outcome is CancelOutcome.CANCELLED
-        nursery.cancel_scope.cancel()
-    pipeline.close()
+    with Pipeline(str(tmp_path), [target]) as pipeline:
+        pipeline.replayer.checkpoint_interval_s = 3600.0  # the tombstone is replayed again
+        (doomed,) = pipeline.schedule([T0 + 7000])
+        async with pipeline.running():
+            assert (await cancel(pipeline, doomed)).outcome is CancelOutcome.CANCELLED
 
     second = RecordingTarget("a")
-    again = Pipeline(str(tmp_path), [second])
-    async with trio.open_nursery() as nursery:
+    with Pipeline(str(tmp_path), [second]) as again:
         await trio.sleep_until(10)
-        await nursery.start(again.run)
-        with trio.fail_after(30):  # a wrong turn waits for a send that never comes
-            answer = await cancel(again, doomed)
-        await trio.sleep_until(3 * MINUTE / 1000)
-        await again.stop()
-        nursery.cancel_scope.cancel()
-    assert answer.outcome is CancelOutcome.CANCELLED
-    assert again.delivery.canceller.cancels[CancelOutcome.CANCELLED] == 2  # replayed, new
-    assert second.received == [] and target.received == []
-    again.close()
+        async with again.running():
+            with trio.fail_after(30):  # a wrong turn waits for a send that never comes
+                answer = await cancel(again, doomed)
+            await trio.sleep_until(3 * MINUTE / 1000)
+            await again.stop()
+        assert answer.outcome is CancelOutcome.CANCELLED
+        assert again.delivery.canceller.cancels[CancelOutcome.CANCELLED] == 2  # replayed, new
+        assert second.received == [] and target.received == []

@@ -18,7 +18,6 @@ from delayd.logs import layout
 from delayd.protocol import CancelBatch, Error, ErrorCode
 from delayd.protocol.codes import CancelOutcome, RescheduleOutcome
 from tests.delivery_support import (
-    Processes,
     consume,
     dispatched_count,
     exactly_once,
@@ -26,16 +25,10 @@ from tests.delivery_support import (
     now_ms,
     poll,
 )
-from tests.intake_support import ROOT, RawClient, write_config
+from tests.intake_support import RawClient, write_config
+from tests.process_support import ROOT
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def procs(tmp_path):
-    processes = Processes(tmp_path)
-    yield processes
-    processes.close()
 
 
 @pytest.mark.parametrize("checkpoint_ms", [60_000, 50])

@@ -15,8 +15,9 @@ import pytest
 
 from delayd.cli import args as cli_args
 from delayd.cli.main import COMMANDS, build_parser, main
-from tests.intake_support import DELAYD, ROOT, ServeProcess, _env
-from tests.test_layers import imported_modules
+from tests.intake_support import ServeProcess
+from tests.process_support import DELAYD, ROOT, child_env
+from tests.test_layers import source_imports, unit_of
 
 # --------------------------------------------------------------------- argument types
 
@@ -137,46 +138,43 @@ def test_help_names_the_variables_and_never_prints_the_token(monkeypatch, capsys
 
 
 @pytest.mark.slow
-def test_client_commands_reach_a_real_server_through_the_environment(tmp_path):
+def test_client_commands_reach_a_real_server_through_the_environment(tmp_path, procs):
     token = "s3cret"
-    server = ServeProcess(tmp_path / "data", env={"DELAYD_SERVER_TOKEN": token}).start()
-    try:
-        intake = "{}:{}".format(*server.address)
-        broker = "{}:{}".format(*server.broker_address)
+    server = procs.start(ServeProcess(tmp_path / "data", env={"DELAYD_SERVER_TOKEN": token}))
+    intake = "{}:{}".format(*server.address)
+    broker = "{}:{}".format(*server.broker_address)
 
-        def delayd(*words: str, **environ: str) -> subprocess.CompletedProcess[str]:
-            env = {**_env(), **environ}
-            for name in ("DELAYD_SERVER", "DELAYD_BROKER", "DELAYD_TOKEN"):
-                if name not in environ:
-                    env.pop(name, None)
-            return subprocess.run(
-                [*DELAYD, *words], cwd=ROOT, env=env, capture_output=True, text=True, timeout=30
-            )
+    def delayd(*words: str, **environ: str) -> subprocess.CompletedProcess[str]:
+        env = {**child_env(), **environ}
+        for name in ("DELAYD_SERVER", "DELAYD_BROKER", "DELAYD_TOKEN"):
+            if name not in environ:
+                env.pop(name, None)
+        return subprocess.run(
+            [*DELAYD, *words], cwd=ROOT, env=env, capture_output=True, text=True, timeout=30
+        )
 
-        send_m1 = ("send", "--subject", "s", "--delay", "1h", "--id", "m1", "hello")
-        sent = delayd(*send_m1, DELAYD_SERVER=intake, DELAYD_TOKEN=token)
-        assert sent.returncode == 0, sent.stderr
-        assert json.loads(sent.stdout)["message_id"] == "m1"
-        # The wrong token in the environment is refused; the right one as a flag wins.
-        refused = delayd(*SEND, DELAYD_SERVER=intake, DELAYD_TOKEN="wrong")
-        assert refused.returncode == 1 and "token" in refused.stderr.lower(), refused.stderr
-        flagged = delayd(*SEND, "--token", token, DELAYD_SERVER=intake, DELAYD_TOKEN="wrong")
-        assert flagged.returncode == 0, flagged.stderr
-        cancelled = delayd("cancel", "m1", DELAYD_SERVER=intake, DELAYD_TOKEN=token)
-        assert cancelled.returncode == 0, cancelled.stderr
-        assert json.loads(cancelled.stdout)["outcome"] == "CANCELLED"
-        consumed = delayd(
-            "consume", "--subject", "s", "--group", "g", "--timeout", "0.5",
-            DELAYD_BROKER=broker, DELAYD_TOKEN=token,
-        )  # fmt: skip
-        assert consumed.returncode == 0, consumed.stderr
-        refused = delayd(
-            "consume", "--subject", "s", "--group", "g", "--timeout", "0.5",
-            DELAYD_BROKER=broker, DELAYD_TOKEN="wrong",
-        )  # fmt: skip
-        assert refused.returncode == 1, refused.stderr
-    finally:
-        server.close()
+    send_m1 = ("send", "--subject", "s", "--delay", "1h", "--id", "m1", "hello")
+    sent = delayd(*send_m1, DELAYD_SERVER=intake, DELAYD_TOKEN=token)
+    assert sent.returncode == 0, sent.stderr
+    assert json.loads(sent.stdout)["message_id"] == "m1"
+    # The wrong token in the environment is refused; the right one as a flag wins.
+    refused = delayd(*SEND, DELAYD_SERVER=intake, DELAYD_TOKEN="wrong")
+    assert refused.returncode == 1 and "token" in refused.stderr.lower(), refused.stderr
+    flagged = delayd(*SEND, "--token", token, DELAYD_SERVER=intake, DELAYD_TOKEN="wrong")
+    assert flagged.returncode == 0, flagged.stderr
+    cancelled = delayd("cancel", "m1", DELAYD_SERVER=intake, DELAYD_TOKEN=token)
+    assert cancelled.returncode == 0, cancelled.stderr
+    assert json.loads(cancelled.stdout)["outcome"] == "CANCELLED"
+    consumed = delayd(
+        "consume", "--subject", "s", "--group", "g", "--timeout", "0.5",
+        DELAYD_BROKER=broker, DELAYD_TOKEN=token,
+    )  # fmt: skip
+    assert consumed.returncode == 0, consumed.stderr
+    refused = delayd(
+        "consume", "--subject", "s", "--group", "g", "--timeout", "0.5",
+        DELAYD_BROKER=broker, DELAYD_TOKEN="wrong",
+    )  # fmt: skip
+    assert refused.returncode == 1, refused.stderr
 
 
 # ------------------------------------------------------------------------------- help
@@ -234,7 +232,7 @@ def modules_after(code: str) -> set[str]:
         f"import sys\ntry:\n    {code}\nexcept SystemExit:\n    pass\nprint(sorted(sys.modules))"
     )
     done = subprocess.run(
-        [sys.executable, "-c", script], cwd=ROOT, env=_env(), capture_output=True, text=True,
+        [sys.executable, "-c", script], cwd=ROOT, env=child_env(), capture_output=True, text=True,
         timeout=30, check=True,
     )  # fmt: skip
     return set(json.loads(done.stdout.splitlines()[-1].replace("'", '"')))
@@ -261,25 +259,25 @@ def test_serve_does_not_import_the_operator_tools():
 
 
 def library_imports() -> dict[str, set[str]]:
-    """What each module of delayd/ and storage/ outside delayd/cli/ imports."""
-    found = {**imported_modules("delayd"), **imported_modules("storage")}
-    return {path: names for path, names in found.items() if not path.startswith("delayd/cli/")}
+    """What each module of delayd and storage outside delayd.cli imports."""
+    found = source_imports("delayd", "storage")
+    return {module: names for module, names in found.items() if unit_of(module) != "delayd.cli"}
 
 
 def test_only_the_entry_point_imports_the_cli():
     importers = {
-        path
-        for path, names in library_imports().items()
-        if any(name == "delayd.cli" or name.startswith("delayd.cli.") for name in names)
+        module
+        for module, names in library_imports().items()
+        if any(unit_of(name) == "delayd.cli" for name in names)
     }
-    assert importers == {"delayd/__main__.py"}
+    assert importers == {"delayd.__main__"}
 
 
 def test_the_library_parses_no_command_line():
     library = library_imports()
     # delayd.cluster's __main__ is a demo of the election, run as python -m delayd.cluster.
-    users = {path for path, names in library.items() if "argparse" in names}
-    assert users == {"delayd/cluster/__main__.py"}
+    users = {module for module, names in library.items() if "argparse" in names}
+    assert users == {"delayd.cluster.__main__"}
     assert len(library) > 100  # the walk saw the packages
 
 

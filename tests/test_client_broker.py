@@ -20,7 +20,8 @@ import pytest
 import delayd
 from delayd.errors import RejectedError
 from delayd.protocol import ErrorCode, Message
-from tests.client_support import DELAYD, REPO, BrokerProcess
+from tests.client_support import BrokerProcess
+from tests.process_support import DELAYD, ROOT, child_env
 
 BACKENDS = ["trio", "asyncio"]
 pytestmark = pytest.mark.slow
@@ -364,7 +365,8 @@ def delayd_consume(*args: str, timeout_s: float = 20) -> subprocess.CompletedPro
         capture_output=True,
         text=True,
         timeout=timeout_s,
-        cwd=REPO,
+        cwd=ROOT,
+        env=child_env(),
         check=False,
     )
 

@@ -8,8 +8,7 @@ import time
 
 import pytest
 
-from tests.client_support import free_port
-from tests.intake_support import DELAYD, ROOT, _env
+from tests.process_support import DELAYD, ROOT, child_env, free_port
 
 COMMANDS = {
     "send": ["send", "--subject", "s", "--delay", "1s", "hello"],
@@ -25,7 +24,9 @@ def test_nobody_listening_fails_within_a_second_naming_what_to_check(command: st
     flag = "--broker" if command == "consume" else "--server"
     argv = [*DELAYD, *COMMANDS[command], flag, addr]
     started = time.monotonic()
-    done = subprocess.run(argv, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=30)
+    done = subprocess.run(
+        argv, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=30
+    )
     elapsed = time.monotonic() - started
     assert done.returncode == 1, done.stderr
     assert f"delayd {command}: cannot connect to {addr}: Connection refused" in done.stderr

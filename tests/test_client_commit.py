@@ -24,7 +24,8 @@ from delayd.broker.broker import open_broker
 from delayd.broker.offsets import OffsetStore
 from delayd.errors import RemoteProtocolError
 from delayd.protocol import CommitOffset, FrameDecoder, decode_event, encode_event
-from tests.client_support import DELAYD, REPO, BrokerProcess
+from tests.client_support import BrokerProcess
+from tests.process_support import DELAYD, ROOT, child_env
 
 # --- the wire -------------------------------------------------------------------------------
 
@@ -109,12 +110,11 @@ with delayd.Consumer(addr, subject="c", group="g", commit=mode) as consumer:
 def run_and_kill(addr: str, mode: str, kill_after: int, pause_before: int = 0) -> list[str]:
     """A consumer process that handles ``kill_after`` messages and kill -9s itself; the
     ids it handled. ``pause_before``: the message before which its handler pauses."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
     done = subprocess.run(
         [sys.executable, "-c", CONSUMER_SCRIPT, addr, mode, str(kill_after), str(pause_before)],
         capture_output=True,
         text=True,
-        env=env,
+        env=child_env(),
         timeout=30,
         check=False,
     )
@@ -213,20 +213,15 @@ def test_consume_command_sync_commit_survives_a_broker_kill(broker: BrokerProces
         done = subprocess.run(
             [
                 *DELAYD,
-                "consume",
-                "--broker",
-                broker.addr,
-                "--subject",
-                "c",
-                "--group",
-                "g",
+                *("consume", "--broker", broker.addr, "--subject", "c", "--group", "g"),
                 *("--json", "--count", str(count), "--timeout", "2", "--commit", "sync"),
             ],
             capture_output=True,
             text=True,
             timeout=30,
             check=True,
-            cwd=REPO,
+            cwd=ROOT,
+            env=child_env(),
         )
         return [json.loads(line)["id"] for line in done.stdout.splitlines()]
 

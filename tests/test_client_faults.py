@@ -1,5 +1,6 @@
 """Client behaviour on failures a real broker shows only by chance, against small
-scripted servers: lost acknowledgements, BUSY, refusals, silence, wrong tokens.
+scripted servers: lost acknowledgements, BUSY and a full disk, refusals, silence, wrong
+tokens.
 
 Each async scenario runs under trio and under asyncio (``anyio.run`` with either
 backend); the blocking client gets the same scenarios.
@@ -21,10 +22,11 @@ from tests.client_support import (
     ScriptedServer,
     SendHook,
     SilentServer,
-    free_port,
 )
+from tests.process_support import free_port
 
 BACKENDS = ["trio", "asyncio"]
+DISK_FULL = "disk full: cannot write /data/delay/message_log/0 (ENOSPC); 0 bytes free"
 
 
 def drop_first_ack() -> SendHook:
@@ -34,19 +36,6 @@ def drop_first_ack() -> SendHook:
     def hook(batch: SendBatch) -> str | None:
         seen.append(batch)
         return DROP_ACK if len(seen) == 1 else None
-
-    return hook
-
-
-def busy_for(rounds: int) -> SendHook:
-    """Answer BUSY (storing nothing) to the first ``rounds`` batches."""
-    seen: list[SendBatch] = []
-
-    def hook(batch: SendBatch) -> list[SendResult] | None:
-        seen.append(batch)
-        if len(seen) <= rounds:
-            return [SendResult(ResultCode.BUSY, "try later") for _ in batch.messages]
-        return None
 
     return hook
 
@@ -117,34 +106,64 @@ def test_big_batch_is_cut_into_frames_and_survives_a_lost_ack(backend: str) -> N
 # --- BUSY ---------------------------------------------------------------------------------
 
 
+# A full server disk is treated as BUSY: sent again with back-off, and still refused
+# after the retries, a BusyError (send) or a receipt whose reason says why (send_batch).
+RETRIED = [
+    (ResultCode.BUSY, "try later", "busy"),
+    (ResultCode.DISK_FULL, DISK_FULL, "disk full"),
+]
+
+
+def refused_for(rounds: int, code: ResultCode, reason: str) -> SendHook:
+    """Answer ``code`` (storing nothing) to the first ``rounds`` batches."""
+    seen: list[SendBatch] = []
+
+    def hook(batch: SendBatch) -> list[SendResult] | None:
+        seen.append(batch)
+        if len(seen) <= rounds:
+            return [SendResult(code, reason) for _ in batch.messages]
+        return None
+
+    return hook
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_async_busy_is_retried_then_raises_busy_error(backend: str) -> None:
+@pytest.mark.parametrize(("code", "reason", "says"), RETRIED)
+def test_async_busy_is_retried_then_raises_busy_error(
+    backend: str, code: ResultCode, reason: str, says: str
+) -> None:
     async def scenario() -> None:
-        with ScriptedServer(on_send=busy_for(2)) as server:
+        with ScriptedServer(on_send=refused_for(2, code, reason)) as server:
             async with delayd.open_producer(server.addr) as producer:
                 receipt = await producer.send("s", b"x")
             assert receipt.code is ResultCode.OK
             assert len(server.batches) == 3
-        with ScriptedServer(on_send=busy_for(100)) as server:
+        with ScriptedServer(on_send=refused_for(100, code, reason)) as server:
             async with delayd.open_producer(server.addr, busy_retries=3) as producer:
-                with pytest.raises(BusyError, match="busy"):
+                with pytest.raises(BusyError, match=says):
                     await producer.send("s", b"x")
                 (receipt,) = await producer.send_batch([("s", b"y")])
-            assert receipt.code is ResultCode.BUSY and not receipt.ok
+            assert receipt.code is code and not receipt.ok and receipt.reason == reason
             assert len(server.batches) == 2 * (1 + 3)
 
     anyio.run(scenario, backend=backend)
 
 
-def test_blocking_busy_is_retried_then_raises_busy_error() -> None:
-    with ScriptedServer(on_send=busy_for(2)) as server:
+@pytest.mark.parametrize(("code", "reason", "says"), RETRIED)
+def test_blocking_busy_is_retried_then_raises_busy_error(
+    code: ResultCode, reason: str, says: str
+) -> None:
+    with ScriptedServer(on_send=refused_for(2, code, reason)) as server:
         with delayd.Producer(server.addr) as producer:
             assert producer.send("s", b"x").code is ResultCode.OK
         assert len(server.batches) == 3
-    with ScriptedServer(on_send=busy_for(100)) as server:
-        with delayd.Producer(server.addr, busy_retries=3) as producer, pytest.raises(BusyError):
-            producer.send("s", b"x")
-        assert len(server.batches) == 1 + 3
+    with ScriptedServer(on_send=refused_for(100, code, reason)) as server:
+        with delayd.Producer(server.addr, busy_retries=3) as producer:
+            with pytest.raises(BusyError, match=says):
+                producer.send("s", b"x")
+            assert len(server.batches) == 1 + 3
+            (receipt,) = producer.send_batch([("s", b"y")])
+        assert receipt.code is code and receipt.reason == reason
 
 
 # --- refusals -----------------------------------------------------------------------------

@@ -27,8 +27,9 @@ import pytest
 
 import delayd
 from delayd.errors import DelaydTimeout
-from tests.client_support import BrokerProcess, free_port
+from tests.client_support import BrokerProcess
 from tests.intake_support import ServeProcess
+from tests.process_support import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,8 @@ import trio
 import delayd
 from delayd.client._due import reschedule_due_ms, send_times
 from delayd.client._messages import build_message, coerce_batch
-from tests.intake_support import ROOT, ServeProcess, _env
+from tests.intake_support import ServeProcess
+from tests.process_support import ROOT, child_env
 
 CET = timezone(timedelta(hours=1))
 NOW_MS = 1_795_341_600_000  # 2026-11-22T10:00:00Z
@@ -113,7 +114,7 @@ def test_dir_shows_the_public_names_and_import_stays_light():
         [sys.executable, "-c", "import sys, delayd; print('anyio' in sys.modules)"],
         capture_output=True,
         text=True,
-        env=_env(),
+        env=child_env(),
         check=True,
     )
     assert fresh.stdout.strip() == "False"
@@ -153,26 +154,22 @@ def docs_examples() -> list[str]:
 
 
 @pytest.mark.slow
-def test_the_docs_examples_run_against_a_delay_server(tmp_path):
-    server = ServeProcess(tmp_path / "data")
-    try:
-        server.start()
-        address = "{}:{}".format(*server.address)
-        outputs = []
-        for block in docs_examples():
-            assert '"127.0.0.1:20801"' in block
-            done = subprocess.run(
-                [sys.executable, "-c", block.replace("127.0.0.1:20801", address)],
-                capture_output=True,
-                text=True,
-                env=_env(),
-                timeout=30,
-            )
-            assert done.returncode == 0, done.stderr
-            outputs.append(done.stdout.splitlines())
-        producers_refuse_bad_times(address)
-    finally:
-        server.close()
+def test_the_docs_examples_run_against_a_delay_server(tmp_path, procs):
+    server = procs.start(ServeProcess(tmp_path / "data"))
+    address = "{}:{}".format(*server.address)
+    outputs = []
+    for block in docs_examples():
+        assert '"127.0.0.1:20801"' in block
+        done = subprocess.run(
+            [sys.executable, "-c", block.replace("127.0.0.1:20801", address)],
+            capture_output=True,
+            text=True,
+            env=child_env(),
+            timeout=30,
+        )
+        assert done.returncode == 0, done.stderr
+        outputs.append(done.stdout.splitlines())
+    producers_refuse_bad_times(address)
     # The first prints the two refusals its comments show.
     assert outputs[0] == [
         "delay must be a timedelta, got int (for milliseconds use delay_ms=)",

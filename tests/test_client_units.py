@@ -9,10 +9,10 @@ import pytest
 
 from delayd.client._backoff import Backoff
 from delayd.client._consumer_state import ConsumerState
-from delayd.client._ids import MessageIds, new_message_id
 from delayd.client._messages import build_message, coerce_batch, split_frames
 from delayd.client.receipt import Receipt
 from delayd.errors import BusyError, RejectedError, RemoteProtocolError
+from delayd.message_ids import MessageIds, new_message_id
 from delayd.protocol import Error, ErrorCode, Message, ResultCode, SendResult
 from delayd.protocol.answers import error_to_exception
 

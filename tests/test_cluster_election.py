@@ -18,10 +18,7 @@ from delayd.cluster.election import GroupMember, check_lease_ttl_ms
 from delayd.cluster.etcd import EtcdClient, KeyValue
 from delayd.cluster.members import NO_LEADER, GroupKeys, MemberInfo, Role, View, view_of
 from tests.etcd_support import (
-    EtcdProxy,
     EtcdServer,
-    etcd_prefix,  # noqa: F401 - fixture
-    etcd_server,  # noqa: F401 - fixture
     start_cluster,
 )
 
@@ -155,9 +152,21 @@ def settled(members: list[Running]) -> bool:
     )
 
 
+async def leader_and_follower(
+    nursery: trio.Nursery, prefix: str, first: tuple[str, str], second: tuple[str, str]
+) -> tuple[Running, Running]:
+    """Start ``first`` and wait until it leads, then ``second`` and wait until it
+    follows; each is (etcd url, member id)."""
+    leader = await Running(first[0], prefix, first[1]).start(nursery)
+    await wait_for(lambda: leader.role is Role.LEADER, what="the first leader")
+    follower = await Running(second[0], prefix, second[1]).start(nursery)
+    await wait_for(lambda: settled([leader, follower]), what="a follower")
+    return leader, follower
+
+
 async def test_three_members_elect_exactly_one_leader_and_register(
-    etcd_server,  # noqa: F811 - fixture
-    etcd_prefix,  # noqa: F811 - fixture
+    etcd_server,
+    etcd_prefix,
 ):
     async with trio.open_nursery() as nursery:
         members = [
@@ -185,8 +194,8 @@ async def test_three_members_elect_exactly_one_leader_and_register(
 
 
 async def test_a_resigning_leader_hands_over_fast_and_epochs_grow(
-    etcd_server,  # noqa: F811 - fixture
-    etcd_prefix,  # noqa: F811 - fixture
+    etcd_server,
+    etcd_prefix,
 ):
     async with trio.open_nursery() as nursery:
         members = [
@@ -210,19 +219,15 @@ async def test_a_resigning_leader_hands_over_fast_and_epochs_grow(
 
 @pytest.mark.slow
 async def test_a_leader_cut_off_from_etcd_steps_down_before_its_lease_expires(
-    etcd_server,  # noqa: F811 - fixture
-    etcd_prefix,  # noqa: F811 - fixture
+    etcd_server, etcd_prefix, etcd_proxy
 ):
     async with trio.open_nursery() as nursery:
-        proxy = EtcdProxy(etcd_server.url)
-        await nursery.start(proxy.serve)
-        cut_off = await Running(proxy.url, etcd_prefix, "cut").start(nursery)
-        await wait_for(lambda: cut_off.role is Role.LEADER, what="the first leader")
-        other = await Running(etcd_server.url, etcd_prefix, "other").start(nursery)
-        await wait_for(lambda: settled([cut_off, other]), what="a follower")
+        cut_off, other = await leader_and_follower(
+            nursery, etcd_prefix, (etcd_proxy.url, "cut"), (etcd_server.url, "other")
+        )
         old_epoch = cut_off.member.epoch
 
-        proxy.cut()  # a partition: renewals from "cut" hang, etcd hears nothing
+        etcd_proxy.cut()  # a partition: renewals from "cut" hang, etcd hears nothing
         cut_at = trio.current_time()
         await wait_for(lambda: other.role is Role.LEADER, timeout_s=4, what="a new leader")
         stepped_down = cut_off.last_took(Role.CANDIDATE)
@@ -237,7 +242,7 @@ async def test_a_leader_cut_off_from_etcd_steps_down_before_its_lease_expires(
         assert other.member.epoch > old_epoch
         assert took_over - cut_at < TTL_MS / 1000 + 1.5  # etcd checks expiries every 0.5 s
 
-        proxy.heal()  # the old leader comes back with a new lease, and follows
+        etcd_proxy.heal()  # the old leader comes back with a new lease, and follows
         await wait_for(lambda: settled([cut_off, other]), what="the old leader following")
         assert cut_off.member.leader.member_id == "other"
         nursery.cancel_scope.cancel()
@@ -245,22 +250,18 @@ async def test_a_leader_cut_off_from_etcd_steps_down_before_its_lease_expires(
 
 @pytest.mark.slow
 async def test_a_follower_cut_off_from_etcd_leaves_and_comes_back(
-    etcd_server,  # noqa: F811 - fixture
-    etcd_prefix,  # noqa: F811 - fixture
+    etcd_server, etcd_prefix, etcd_proxy
 ):
     async with trio.open_nursery() as nursery:
-        proxy = EtcdProxy(etcd_server.url)
-        await nursery.start(proxy.serve)
-        leader = await Running(etcd_server.url, etcd_prefix, "leader").start(nursery)
-        await wait_for(lambda: leader.role is Role.LEADER, what="the leader")
-        follower = await Running(proxy.url, etcd_prefix, "follower").start(nursery)
-        await wait_for(lambda: settled([leader, follower]), what="a follower")
+        leader, follower = await leader_and_follower(
+            nursery, etcd_prefix, (etcd_server.url, "leader"), (etcd_proxy.url, "follower")
+        )
         epoch = leader.member.epoch
 
-        proxy.cut()
+        etcd_proxy.cut()
         await wait_for(lambda: follower.role is Role.CANDIDATE, what="the follower leaving")
         assert "leaving the group: no lease renewal answered" in follower.changes[-1][2]
-        proxy.heal()
+        etcd_proxy.heal()
         await wait_for(lambda: settled([leader, follower]), what="the follower back")
         assert leader.member.epoch == epoch  # the leader never noticed
         assert [view.role for _, view, _ in leader.changes] == [Role.LEADER]
@@ -319,8 +320,8 @@ async def test_losing_one_etcd_of_three_changes_no_role(tmp_path):
 
 
 async def test_may_lead_is_false_past_the_deadline_even_before_the_step_down_runs(
-    etcd_server,  # noqa: F811 - fixture
-    etcd_prefix,  # noqa: F811 - fixture
+    etcd_server,
+    etcd_prefix,
 ):
     async with trio.open_nursery() as nursery:
         stalled = await Running(etcd_server.url, etcd_prefix, "stalled").start(nursery)
@@ -334,8 +335,8 @@ async def test_may_lead_is_false_past_the_deadline_even_before_the_step_down_run
 
 @pytest.mark.slow
 async def test_a_member_that_is_not_eligible_never_campaigns(
-    etcd_server,  # noqa: F811 - fixture
-    etcd_prefix,  # noqa: F811 - fixture
+    etcd_server,
+    etcd_prefix,
 ):
     ready = False
     async with trio.open_nursery() as nursery:
@@ -413,8 +414,8 @@ class MemberProcess:
 @pytest.mark.parametrize("how", ["kill -9", "SIGTERM"])
 async def test_a_leader_process_that_dies_is_replaced(
     how,
-    etcd_server,  # noqa: F811 - fixture
-    etcd_prefix,  # noqa: F811 - fixture
+    etcd_server,
+    etcd_prefix,
 ):
     async with trio.open_nursery() as nursery:
         child = await MemberProcess(etcd_server.url, etcd_prefix, "child").start(nursery)

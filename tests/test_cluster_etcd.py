@@ -25,16 +25,13 @@ from delayd.cluster.etcd import (
 )
 from delayd.errors import DelaydError, EtcdError, EtcdUnavailable
 from tests.etcd_support import (
-    EtcdProxy,
     EtcdServer,
     dead_url,
-    etcd_prefix,  # noqa: F401 - fixture
-    etcd_server,  # noqa: F401 - fixture
 )
 
 
 @pytest.fixture
-async def etcd(etcd_server):  # noqa: F811 - fixture
+async def etcd(etcd_server):
     async with EtcdClient([etcd_server.url]) as client:
         yield client
 
@@ -52,7 +49,7 @@ def test_endpoints_must_be_urls():
         EtcdClient([])
 
 
-async def test_put_get_range_delete(etcd, etcd_prefix):  # noqa: F811 - fixture
+async def test_put_get_range_delete(etcd, etcd_prefix):
     p = etcd_prefix
     first = await etcd.put(f"{p}/k/a", "1")
     second = await etcd.put(f"{p}/k/b", b"\x00\xff")
@@ -76,7 +73,7 @@ async def test_put_get_range_delete(etcd, etcd_prefix):  # noqa: F811 - fixture
     assert await etcd.get(f"{p}/kz") is not None
 
 
-async def test_txn_create_revision_is_a_compare_and_set(etcd, etcd_prefix):  # noqa: F811
+async def test_txn_create_revision_is_a_compare_and_set(etcd, etcd_prefix):
     key = f"{etcd_prefix}/leader"
     take = ([Compare.create_revision(key, 0)], [Put(key, "a")], [Get(key)])
 
@@ -104,7 +101,7 @@ async def test_txn_create_revision_is_a_compare_and_set(etcd, etcd_prefix):  # n
     assert await etcd.get(key) is None
 
 
-async def test_leases(etcd, etcd_prefix):  # noqa: F811 - fixture
+async def test_leases(etcd, etcd_prefix):
     lease = await etcd.lease_grant(5)
     assert lease.ttl_s == 5
     await etcd.put(f"{etcd_prefix}/on-lease", "x", lease=lease.id)
@@ -128,7 +125,7 @@ async def test_leases(etcd, etcd_prefix):  # noqa: F811 - fixture
         assert etcd.endpoints[0] in str(caught.value)
 
 
-async def test_a_lease_expires_after_its_ttl(etcd, etcd_prefix):  # noqa: F811 - fixture
+async def test_a_lease_expires_after_its_ttl(etcd, etcd_prefix):
     lease = await etcd.lease_grant(1)
     await etcd.put(f"{etcd_prefix}/k", "x", lease=lease.id)
     with trio.fail_after(3):
@@ -136,7 +133,7 @@ async def test_a_lease_expires_after_its_ttl(etcd, etcd_prefix):  # noqa: F811 -
             await trio.sleep(0.05)
 
 
-async def test_watch_sees_puts_and_deletes_in_order(etcd, etcd_prefix):  # noqa: F811
+async def test_watch_sees_puts_and_deletes_in_order(etcd, etcd_prefix):
     start = await etcd.put(f"{etcd_prefix}/w/a", "1")
     await etcd.put(f"{etcd_prefix}/w/b", "2")
     await etcd.delete(f"{etcd_prefix}/w/a")
@@ -155,7 +152,7 @@ async def test_watch_sees_puts_and_deletes_in_order(etcd, etcd_prefix):  # noqa:
     ]
 
 
-async def test_watch_from_now_sees_only_later_changes(etcd, etcd_prefix):  # noqa: F811
+async def test_watch_from_now_sees_only_later_changes(etcd, etcd_prefix):
     key = f"{etcd_prefix}/now"
     await etcd.put(key, "before")
     with trio.fail_after(2):
@@ -167,27 +164,22 @@ async def test_watch_from_now_sees_only_later_changes(etcd, etcd_prefix):  # noq
 
 
 async def test_watch_resumes_after_a_lost_connection_without_gaps_or_repeats(
-    etcd_server,  # noqa: F811 - fixture
-    etcd_prefix,  # noqa: F811 - fixture
+    etcd_server, etcd_prefix, etcd_proxy
 ):
-    async with trio.open_nursery() as nursery:
-        proxy = EtcdProxy(etcd_server.url)
-        await nursery.start(proxy.serve)
-        async with EtcdClient([etcd_server.url]) as direct, EtcdClient([proxy.url]) as watched:
-            key = f"{etcd_prefix}/resume"
-            start = await direct.put(key, "1")
-            values = []
-            with trio.fail_after(4):
-                async with watched.watch(key, start_revision=start) as events:
-                    async for event in events:
-                        values.append(event.kv.value)
-                        if event.kv.value == b"1":
-                            proxy.reset()  # every connection through the proxy drops
-                            await direct.put(key, "2")
-                            await direct.put(key, "3")
-                        if event.kv.value == b"3":
-                            break
-        nursery.cancel_scope.cancel()
+    async with EtcdClient([etcd_server.url]) as direct, EtcdClient([etcd_proxy.url]) as watched:
+        key = f"{etcd_prefix}/resume"
+        start = await direct.put(key, "1")
+        values = []
+        with trio.fail_after(4):
+            async with watched.watch(key, start_revision=start) as events:
+                async for event in events:
+                    values.append(event.kv.value)
+                    if event.kv.value == b"1":
+                        etcd_proxy.reset()  # every connection through the proxy drops
+                        await direct.put(key, "2")
+                        await direct.put(key, "3")
+                    if event.kv.value == b"3":
+                        break
     assert values == [b"1", b"2", b"3"]
 
 
@@ -245,7 +237,7 @@ async def test_a_stopped_etcd_is_unavailable_at_once_naming_the_endpoint(tmp_pat
     assert isinstance(caught.value, DelaydError)
 
 
-async def test_the_next_endpoint_takes_over_and_stays_preferred(etcd_server):  # noqa: F811
+async def test_the_next_endpoint_takes_over_and_stays_preferred(etcd_server):
     dead = dead_url()
     async with EtcdClient([dead, etcd_server.url]) as etcd:
         await etcd.put("/endpoints", "v")
@@ -257,17 +249,13 @@ async def test_the_next_endpoint_takes_over_and_stays_preferred(etcd_server):  #
     assert dead in str(caught.value)
 
 
-async def test_an_etcd_that_does_not_answer_times_out_as_unavailable(etcd_server):  # noqa: F811
-    async with trio.open_nursery() as nursery:
-        proxy = EtcdProxy(etcd_server.url)
-        await nursery.start(proxy.serve)
-        proxy.cut()
-        async with EtcdClient([proxy.url], timeout_s=0.2) as etcd:
-            started = trio.current_time()
-            with pytest.raises(EtcdUnavailable) as caught:
-                await etcd.put("/partitioned", "v")
-            assert trio.current_time() - started < 1
-        nursery.cancel_scope.cancel()
+async def test_an_etcd_that_does_not_answer_times_out_as_unavailable(etcd_proxy):
+    etcd_proxy.cut()
+    async with EtcdClient([etcd_proxy.url], timeout_s=0.2) as etcd:
+        started = trio.current_time()
+        with pytest.raises(EtcdUnavailable) as caught:
+            await etcd.put("/partitioned", "v")
+        assert trio.current_time() - started < 1
     assert caught.value.outcome_unknown
     assert "may or may not have been applied" in str(caught.value)
-    assert proxy.url in str(caught.value)
+    assert etcd_proxy.url in str(caught.value)

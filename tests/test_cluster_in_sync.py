@@ -20,7 +20,6 @@ from delayd.cluster.in_sync import (
 )
 from delayd.cluster.members import GroupKeys, MemberInfo, Role
 from delayd.serving.membership import Membership
-from tests.etcd_support import etcd_prefix, etcd_server  # noqa: F401 - fixtures
 
 GROUP = "g1"
 TTL_MS = 1000
@@ -65,7 +64,7 @@ async def read_in_sync(url: str, prefix: str) -> frozenset[str] | None:
     return None if kv is None else decode_members(kv.value)
 
 
-async def test_only_an_in_sync_member_takes_over(etcd_server, etcd_prefix, nursery):  # noqa: F811
+async def test_only_an_in_sync_member_takes_over(etcd_server, etcd_prefix, nursery):
     url = etcd_server.url
     a = await Member(url, etcd_prefix, "a").start(nursery)
     await until(lambda: a.role is Role.LEADER, 3, "a leads a new group")
@@ -86,7 +85,7 @@ async def test_only_an_in_sync_member_takes_over(etcd_server, etcd_prefix, nurse
     assert b.membership.may_lead() and b.membership.elections_total == 1
 
 
-async def test_the_leaders_writes_are_fenced_by_its_epoch(etcd_server, etcd_prefix, nursery):  # noqa: F811
+async def test_the_leaders_writes_are_fenced_by_its_epoch(etcd_server, etcd_prefix, nursery):
     url = etcd_server.url
     a = await Member(url, etcd_prefix, "a").start(nursery)
     await until(lambda: a.membership.in_sync.members == {"a"}, 3, "a writes the set")

@@ -38,8 +38,9 @@ from delayd.protocol import (
 )
 from delayd.protocol.redirect import leader_in
 from tests.broker_support import BrokerProcess
-from tests.etcd_support import EtcdProxy, EtcdServer, etcd_server  # noqa: F401
-from tests.intake_support import DELAYD, ROOT, RawClient, ServeProcess, _env
+from tests.etcd_support import EtcdProxy, EtcdServer
+from tests.intake_support import RawClient, ServeProcess
+from tests.process_support import DELAYD, ROOT, child_env
 
 pytestmark = pytest.mark.slow
 
@@ -127,7 +128,7 @@ class Group:
 
 
 @pytest.fixture
-def group(tmp_path: Path, etcd_server: EtcdServer) -> Iterator[Group]:  # noqa: F811
+def group(tmp_path: Path, etcd_server: EtcdServer) -> Iterator[Group]:
     made = Group(tmp_path, etcd_server.url)
     yield made
     made.close()
@@ -245,7 +246,7 @@ def test_sigterm_of_the_leader_hands_over_at_once(group: Group):
     assert time.monotonic() - started < 10
 
 
-def test_http_api_of_a_follower_names_the_leader(tmp_path: Path, etcd_server: EtcdServer):  # noqa: F811
+def test_http_api_of_a_follower_names_the_leader(tmp_path: Path, etcd_server: EtcdServer):
     group = Group(tmp_path, etcd_server.url, http=True)
     try:
         leader, follower = group.start_pair()
@@ -269,7 +270,7 @@ def test_cluster_status_shows_the_group(group: Group):
     leader, follower = group.start_pair()
     done = subprocess.run(
         [*DELAYD, "cluster", "status", "--etcd", group.etcd_url, "--json"],
-        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=30, check=True,
+        cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=30, check=True,
     )  # fmt: skip
     (shown,) = [g for g in json.loads(done.stdout)["groups"] if g["group"] == group.name]
     assert shown["leader"] == member_id(leader) and shown["epoch"] > 0
@@ -281,7 +282,7 @@ def test_cluster_status_shows_the_group(group: Group):
     }
     text = subprocess.run(
         [*DELAYD, "cluster", "status", "--etcd", group.etcd_url, "--group", group.name],
-        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=30, check=True,
+        cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=30, check=True,
     ).stdout  # fmt: skip
     assert f"group {group.name}: leader {member_id(leader)}" in text
     assert f"in sync: {member_id(leader)}" in text
@@ -289,7 +290,7 @@ def test_cluster_status_shows_the_group(group: Group):
 
 async def test_a_leader_cut_from_etcd_stops_acknowledging(
     tmp_path: Path,
-    etcd_server: EtcdServer,  # noqa: F811
+    etcd_server: EtcdServer,
     nursery: trio.Nursery,
 ):
     proxy = EtcdProxy(etcd_server.url)
@@ -329,7 +330,7 @@ async def test_a_leader_cut_from_etcd_stops_acknowledging(
 
 def test_a_broker_group_follower_names_its_leader_and_a_consumer_follows(
     tmp_path: Path,
-    etcd_server: EtcdServer,  # noqa: F811
+    etcd_server: EtcdServer,
     monkeypatch: pytest.MonkeyPatch,
 ):
     for name, value in member_env().items():
@@ -360,7 +361,7 @@ def test_a_broker_group_follower_names_its_leader_and_a_consumer_follows(
 
 async def test_a_leader_that_steps_down_and_leads_again_delivers_again(
     tmp_path: Path,
-    etcd_server: EtcdServer,  # noqa: F811
+    etcd_server: EtcdServer,
     nursery: trio.Nursery,
 ):
     proxy = EtcdProxy(etcd_server.url)

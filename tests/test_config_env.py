@@ -23,7 +23,8 @@ from delayd.server.config import (
 from delayd.server.config_env import environment_overrides, load_effective_config
 from delayd.server.config_print import config_to_toml
 from storage.flusher import FlushMode
-from tests.intake_support import DELAYD, ROOT, ServeProcess, _env
+from tests.intake_support import ServeProcess
+from tests.process_support import DELAYD, ROOT, child_env
 
 DOCS = ROOT / "docs" / "configuration.md"
 
@@ -126,7 +127,7 @@ def run_serve(*args: str, env: dict[str, str] | None = None) -> subprocess.Compl
         cwd=ROOT,
         capture_output=True,
         text=True,
-        env={**_env(), **(env or {})},
+        env={**child_env(), **(env or {})},
         timeout=30,
         check=False,
     )
@@ -158,24 +159,16 @@ def test_an_invalid_override_is_refused_at_start(tmp_path):
     assert not (tmp_path / "data").exists()  # refused before the data directory is touched
 
 
-def test_log_keys_of_the_file_take_effect(tmp_path):
+def test_log_keys_of_the_file_take_effect(tmp_path, procs):
     """[log] is read after logging was set up from the flags: the file's format and
     level replace them (json; warning hides the info lines a start writes)."""
     path = write(tmp_path / "d.toml", '[log]\nformat = "json"\nlevel = "warning"\n')
-    server = ServeProcess(tmp_path / "data", "--config", path)
-    try:
-        server.start()
-        assert server.stop() == 0
-    finally:
-        server.close()
+    server = procs.start(ServeProcess(tmp_path / "data", "--config", path))
+    assert server.stop() == 0
     assert server.log_path.read_text() == ""  # nothing at warning or above
     path = write(tmp_path / "d.toml", '[log]\nformat = "json"\n')
-    server = ServeProcess(tmp_path / "data", "--config", path)
-    try:
-        server.start()
-        assert server.stop() == 0
-    finally:
-        server.close()
+    server = procs.start(ServeProcess(tmp_path / "data", "--config", path))
+    assert server.stop() == 0
     records = [json.loads(line) for line in server.log_path.read_text().splitlines()]
     assert any(r["msg"] == "delayd serve stopped" for r in records)
     # A flag still beats the file.

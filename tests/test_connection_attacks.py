@@ -5,12 +5,9 @@ memory stays bounded, a well-behaved client keeps working, and /metrics counts i
 
 from __future__ import annotations
 
-import re
 import socket
 import time
 import urllib.request
-
-import pytest
 
 from delayd.protocol import (
     CLIENT,
@@ -33,32 +30,6 @@ from tests.intake_support import RawClient, ServeProcess, ok
 
 MIB = 1024 * 1024
 REQUESTS = 30_000  # pipelined by each client that never reads
-SAMPLE = re.compile(r"^(\w+)(\{[^}]*\})? (\S+)$")
-
-
-@pytest.fixture
-def servers():
-    started: list[ServeProcess | BrokerProcess] = []
-
-    def start(server):
-        started.append(server)
-        return server.start()
-
-    yield start
-    for server in started:
-        server.close()
-
-
-def scrape(address: tuple[str, int]) -> dict[str, float]:
-    """Every sample of /metrics, by ``name{labels}`` as exposed."""
-    url = "http://{}:{}/metrics".format(*address)
-    with urllib.request.urlopen(url, timeout=5) as response:
-        text = response.read().decode()
-    out = {}
-    for line in text.splitlines():
-        if match := SAMPLE.match(line):
-            out[match.group(1) + (match.group(2) or "")] = float(match.group(3))
-    return out
 
 
 def key(name: str, **labels: str) -> str:
@@ -112,14 +83,12 @@ class Peer:
         self.sock.close()
 
 
-def test_idle_and_slowloris_connections_are_closed_and_a_good_client_keeps_working(
-    tmp_path, servers
-):
+def test_idle_and_slowloris_connections_are_closed_and_a_good_client_keeps_working(tmp_path, procs):
     deadlines = {
         "DELAYD_SERVER_HELLO_TIMEOUT_MS": "1000",
         "DELAYD_SERVER_FRAME_TIMEOUT_MS": "2000",
     }
-    server = servers(ServeProcess(tmp_path / "data", env=deadlines))
+    server = procs.start(ServeProcess(tmp_path / "data", env=deadlines))
     idle = [Peer(server.address, hello=False) for _ in range(200)]
     half_hello = [Peer(server.address, hello=False) for _ in range(50)]
     hello = Connection(CLIENT).send(Hello(request_id=1))
@@ -140,7 +109,7 @@ def test_idle_and_slowloris_connections_are_closed_and_a_good_client_keeps_worki
     for peer in idle + half_hello + half_frame:
         assert peer.closing_error().code is ErrorCode.TIMEOUT
         peer.close()
-    metrics = scrape(server.metrics_address)
+    metrics = server.metrics()
     assert (
         metrics[key("delayd_connection_hello_failures_total", listener="intake", code="timeout")]
         == 250
@@ -153,15 +122,15 @@ def test_idle_and_slowloris_connections_are_closed_and_a_good_client_keeps_worki
     while metrics[key("delayd_open_connections", listener="intake")] != 1:  # the good client
         assert time.monotonic() < deadline, "timed-out connections still counted open"
         time.sleep(0.05)
-        metrics = scrape(server.metrics_address)
+        metrics = server.metrics()
     ok(good.send_batch([Message("last", "orders", delay_ms=600_000)]))
     assert sent > 20
 
 
-def test_connections_to_the_descriptor_limit_are_refused_and_delivery_goes_on(tmp_path, servers):
-    """RLIMIT_NOFILE 300: each listener takes 75 connections (delayd.serving.descriptor_limit),
+def test_connections_to_the_descriptor_limit_are_refused_and_delivery_goes_on(tmp_path, procs):
+    """RLIMIT_NOFILE 300: each listener takes 75 connections (delayd.serving.connection_limits),
     the rest of the descriptors stay with the logs, so bucket files still open and deliver."""
-    server = servers(ServeProcess(tmp_path / "data", nofile=300))
+    server = procs.start(ServeProcess(tmp_path / "data", nofile=300))
     peers = [Peer(server.address) for _ in range(150)]
     answers = [peer.receive() for peer in peers]
     admitted = [p for p, a in zip(peers, answers, strict=True) if isinstance(a, HelloOk)]
@@ -177,16 +146,14 @@ def test_connections_to_the_descriptor_limit_are_refused_and_delivery_goes_on(tm
     for peer in admitted[:10]:
         peer.close()
     deadline = time.monotonic() + 10
-    while scrape(server.metrics_address)[key("delayd_open_connections", listener="intake")] > 65:
+    while server.metrics()[key("delayd_open_connections", listener="intake")] > 65:
         assert time.monotonic() < deadline, "closed connections still counted open"
         time.sleep(0.05)
     good = RawClient(server.address)  # connects once others closed
     messages = [Message(f"d{i}", "orders", delay_ms=100 + 50 * i) for i in range(20)]
     ok(good.send_batch(messages))
     deadline = time.monotonic() + 15
-    while (metrics := scrape(server.metrics_address))[
-        'delayd_delivery_sent_messages_total{group="local"}'
-    ] < 20:
+    while (metrics := server.metrics())['delayd_delivery_sent_messages_total{group="local"}'] < 20:
         assert time.monotonic() < deadline, "delivery stopped under the descriptor limit"
         time.sleep(0.1)
     assert server.proc.poll() is None
@@ -201,10 +168,10 @@ def test_connections_to_the_descriptor_limit_are_refused_and_delivery_goes_on(tm
     assert metrics["process_max_fds"] == 300
 
 
-def test_unfinished_large_frames_cost_the_budget_not_their_size(tmp_path, servers):
+def test_unfinished_large_frames_cost_the_budget_not_their_size(tmp_path, procs):
     """40 connections each send 15 MiB of a 16 MiB frame and stop: four frames get the
     default 64 MiB budget, the others wait unread; without it the server held 600 MB."""
-    server = servers(ServeProcess(tmp_path / "data"))
+    server = procs.start(ServeProcess(tmp_path / "data"))
     peers = [Peer(server.address) for _ in range(40)]
     for peer in peers:
         assert isinstance(peer.receive(), HelloOk)
@@ -237,7 +204,7 @@ def test_unfinished_large_frames_cost_the_budget_not_their_size(tmp_path, server
     assert len(pending) == 36  # four sent all their 15 MiB; the others are held back
     good = RawClient(server.address)  # small frames need no budget
     ok(good.send_batch([Message("small", "orders", delay_ms=600_000)]))
-    metrics = scrape(server.metrics_address)
+    metrics = server.metrics()
     grown = rss_mb(server.proc.pid) - before
     assert (
         metrics[key("delayd_connection_unfinished_frame_bytes", listener="intake")] == 4 * 16 * MIB
@@ -269,12 +236,12 @@ def pump(blobs: dict[socket.socket, bytes], seconds: float) -> dict[socket.socke
     return sent
 
 
-def test_pipelined_requests_never_read_stall_only_their_senders(tmp_path, servers):
+def test_pipelined_requests_never_read_stall_only_their_senders(tmp_path, procs):
     """4 clients pipeline CANCELs and 4 SEND_BATCHes and never read: once their answers
     fill the socket and the writer's queue their readers stop, so the server stops
     taking their requests (the counts stop moving) and never closes them, its memory
     stays bounded, and /healthz and another client answer at once."""
-    server = servers(ServeProcess(tmp_path / "data"))
+    server = procs.start(ServeProcess(tmp_path / "data"))
     peers = []
     for kind in ("cancel", "send") * 4:
         peer = Peer(server.address)
@@ -297,7 +264,7 @@ def test_pipelined_requests_never_read_stall_only_their_senders(tmp_path, server
     for _ in range(3):
         pump(blobs, 1.0)
         assert healthy(server.metrics_address, 1)
-    counts = scrape(server.metrics_address)
+    counts = server.metrics()
     taken = (
         counts[key("delayd_cancel_requests_total", outcome="unknown")],
         counts["delayd_intake_accepted_messages_total"],
@@ -307,7 +274,7 @@ def test_pipelined_requests_never_read_stall_only_their_senders(tmp_path, server
     ok(good.send_batch([Message("good", "orders", delay_ms=600_000)]))
     assert time.monotonic() - started < 1.0
     time.sleep(1.0)
-    counts = scrape(server.metrics_address)
+    counts = server.metrics()
     unknown = key("delayd_cancel_requests_total", outcome="unknown")
     assert counts[unknown] == taken[0], "still reading"
     assert counts["delayd_intake_accepted_messages_total"] == taken[1] + 1, "still reading"
@@ -317,8 +284,8 @@ def test_pipelined_requests_never_read_stall_only_their_senders(tmp_path, server
     assert grown < 100, f"RSS grew by {grown:.0f} MB"
 
 
-def test_the_broker_caps_connections_and_counts_refusals(tmp_path, servers):
-    broker = servers(BrokerProcess(tmp_path / "data", "--max-connections", "5"))
+def test_the_broker_caps_connections_and_counts_refusals(tmp_path, procs):
+    broker = procs.start(BrokerProcess(tmp_path / "data", "--max-connections", "5"))
     peers = [Peer(broker.address) for _ in range(7)]
     answers = [peer.receive() for peer in peers]
     assert sum(isinstance(a, HelloOk) for a in answers) == 5
@@ -335,7 +302,7 @@ def test_the_broker_caps_connections_and_counts_refusals(tmp_path, servers):
     other.send(Stats(request_id=other.conn.next_request_id()))
     assert type(other.receive()).__name__ == "StatsResult"
     assert time.monotonic() - started < 2.0
-    metrics = scrape(broker.metrics_address)
+    metrics = broker.metrics()
     assert (
         metrics[
             key("delayd_refused_connections_total", listener="broker", reason="max_connections")
@@ -346,11 +313,11 @@ def test_the_broker_caps_connections_and_counts_refusals(tmp_path, servers):
     assert metrics["process_resident_memory_bytes"] > 0
 
 
-def test_accept_outlives_running_out_of_descriptors(tmp_path, servers):
+def test_accept_outlives_running_out_of_descriptors(tmp_path, procs):
     """A cap set above what RLIMIT_NOFILE allows: accept fails with EMFILE. The
     listener retries and counts it, and serves again once descriptors are free."""
     env = {"DELAYD_SERVER_MAX_CONNECTIONS": "1000"}
-    server = servers(ServeProcess(tmp_path / "data", env=env, nofile=200))
+    server = procs.start(ServeProcess(tmp_path / "data", env=env, nofile=200))
     peers = []
     for _ in range(260):  # beyond the limit: the last ones wait in the backlog
         sock = socket.create_connection(server.address, timeout=10)
@@ -362,7 +329,7 @@ def test_accept_outlives_running_out_of_descriptors(tmp_path, servers):
     deadline = time.monotonic() + 10
     while True:
         try:
-            metrics = scrape(server.metrics_address)
+            metrics = server.metrics()
             break
         except OSError:  # the metrics listener may still be short of descriptors
             assert time.monotonic() < deadline
@@ -374,7 +341,7 @@ def test_accept_outlives_running_out_of_descriptors(tmp_path, servers):
     good = RawClient(server.address)
     ok(good.send_batch([Message("after", "orders", delay_ms=100)]))
     deadline = time.monotonic() + 10
-    while scrape(server.metrics_address)['delayd_delivery_sent_messages_total{group="local"}'] < 1:
+    while server.metrics()['delayd_delivery_sent_messages_total{group="local"}'] < 1:
         assert time.monotonic() < deadline, "delivery stopped after EMFILE"
         time.sleep(0.1)
     assert "max_connections 1000 is more than the descriptor limit" in server.log_tail(400)

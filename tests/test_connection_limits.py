@@ -27,8 +27,7 @@ from delayd.protocol import (
 from delayd.protocol.bodies import encode_event
 from delayd.server.config import ConfigError, config_from_mapping
 from delayd.serving.connection_gate import ConnectionGate
-from delayd.serving.connection_limits import ConnectionLimits
-from delayd.serving.descriptor_limit import default_max_connections
+from delayd.serving.connection_limits import ConnectionLimits, default_max_connections
 from delayd.serving.frame_budget import FrameBudget
 from delayd.serving.frame_reader import read_and_dispatch
 

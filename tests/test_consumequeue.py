@@ -22,11 +22,12 @@ from storage.consumequeue import (
     segment_name,
     tag_hash,
 )
-from storage.crashfs import MODES, CrashSimFileSystem, crash_points, run_to_crash
+from storage.crashfs import MODES, CrashSimFileSystem
 from storage.errors import CorruptionError, LogClosedError
 from storage.framing import HEADER_SIZE
 from storage.fs import create_dirs_durably
 from storage.segmented_log import Record, SegmentedLog
+from tests.crash_support import power_loss_at_every_crash_point
 
 
 def entries_for(count: int, start: int = 0, size: int = 30) -> list[Entry]:
@@ -597,16 +598,4 @@ def test_queue_workload_covers_rolls_truncation_and_retention():
 
 @pytest.mark.parametrize("mode", MODES)
 def test_queue_power_loss_at_every_crash_point(mode, tmp_path):
-    failures: dict[int, str] = {}
-    for k in range(crash_points(queue_workload(Journal(3))) + 1):
-        journal = Journal(3)
-        fs = run_to_crash(queue_workload(journal), k)
-        root = tmp_path / f"k{k}"
-        fs.materialize(str(root), mode, random.Random(f"{k}:{mode}"))
-        try:
-            check_queue(root, journal)
-        except Exception as exc:
-            failures[k] = f"{type(exc).__name__}: {exc}"
-    if failures:
-        details = "\n".join(f"crash point {k}: {why}" for k, why in list(failures.items())[:3])
-        pytest.fail(f"failed at crash points {sorted(failures)}\n{details}", pytrace=False)
+    power_loss_at_every_crash_point(lambda: Journal(3), queue_workload, check_queue, tmp_path, mode)

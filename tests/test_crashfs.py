@@ -26,6 +26,18 @@ def durable_dir(fs: CrashSimFileSystem, path: str) -> None:
     fs.fsync_dir(os.path.dirname(path))
 
 
+def durable_file(fs: CrashSimFileSystem, data: bytes = b"") -> int:
+    """A new /d/f in a durable /d, holding ``data`` synced, and its name durable (the
+    directory synced after it was created); its descriptor."""
+    durable_dir(fs, "/d")
+    fd = fs.open("/d/f", O_WRITE)
+    if data:
+        fs.pwrite(fd, data, 0)
+        fs.fsync(fd)
+    fs.fsync_dir("/d")
+    return fd
+
+
 def write_file(fs: FileSystem, path: str, data: bytes, sync: bool) -> None:
     fd = fs.open(path, O_WRITE)
     fs.pwrite(fd, data, 0)
@@ -54,11 +66,7 @@ def tree(root: Path) -> dict[str, bytes]:
 
 def test_unsynced_write_is_dropped_and_synced_write_survives(tmp_path: Path) -> None:
     fs = CrashSimFileSystem()
-    durable_dir(fs, "/d")
-    fd = fs.open("/d/f", O_WRITE)
-    fs.pwrite(fd, b"synced", 0)
-    fs.fsync(fd)
-    fs.fsync_dir("/d")
+    fd = durable_file(fs, b"synced")
     fs.pwrite(fd, b"-lost", 6)
     assert fs.pread(fd, 100, 0) == b"synced-lost"  # readers see it before the crash
     assert tree(after_power_loss(fs, tmp_path)) == {"d/f": b"synced"}
@@ -66,9 +74,7 @@ def test_unsynced_write_is_dropped_and_synced_write_survives(tmp_path: Path) -> 
 
 def test_fdatasync_makes_data_durable(tmp_path: Path) -> None:
     fs = CrashSimFileSystem()
-    durable_dir(fs, "/d")
-    fd = fs.open("/d/f", O_WRITE)
-    fs.fsync_dir("/d")
+    fd = durable_file(fs)
     fs.pwrite(fd, b"data", 0)
     fs.fdatasync(fd)
     assert tree(after_power_loss(fs, tmp_path)) == {"d/f": b"data"}
@@ -127,11 +133,7 @@ def test_inode_under_two_names_after_half_synced_rename_shows_same_bytes(
 
 def test_unlink_without_dir_fsync_reappears_with_durable_content(tmp_path: Path) -> None:
     fs = CrashSimFileSystem()
-    durable_dir(fs, "/d")
-    fd = fs.open("/d/f", O_WRITE)
-    fs.pwrite(fd, b"durable", 0)
-    fs.fsync(fd)
-    fs.fsync_dir("/d")
+    fd = durable_file(fs, b"durable")
     fs.pwrite(fd, b"DURABLE+pending", 0)
     fs.unlink("/d/f")
     assert not fs.exists("/d/f")
@@ -142,9 +144,7 @@ def test_unlink_without_dir_fsync_reappears_with_durable_content(tmp_path: Path)
 
 def test_pending_truncate_is_dropped_until_fsync(tmp_path: Path) -> None:
     fs = CrashSimFileSystem()
-    durable_dir(fs, "/d")
-    fd = fs.open("/d/f", O_WRITE)
-    fs.fsync_dir("/d")
+    fd = durable_file(fs)
     fs.pwrite(fd, b"0123456789", 0)
     fs.fsync(fd)
     fs.ftruncate(fd, 4)
@@ -172,9 +172,7 @@ def test_restart_keeps_the_page_cache_but_not_durability(tmp_path: Path) -> None
 
 def pending_file(fs: CrashSimFileSystem, writes: list[tuple[int, bytes]]) -> None:
     """A durable, empty /d/f with ``writes`` pending on it."""
-    durable_dir(fs, "/d")
-    fd = fs.open("/d/f", O_WRITE)
-    fs.fsync_dir("/d")
+    fd = durable_file(fs)
     for offset, data in writes:
         fs.pwrite(fd, data, offset)
 
@@ -227,9 +225,7 @@ def test_torn_mode_keeps_all_but_a_torn_last_page(tmp_path: Path) -> None:
 
 def test_torn_mode_rest_of_page_shows_old_bytes(tmp_path: Path) -> None:
     fs = CrashSimFileSystem()
-    durable_dir(fs, "/d")
-    fd = fs.open("/d/f", O_WRITE)
-    fs.fsync_dir("/d")
+    fd = durable_file(fs)
     fs.pwrite(fd, b"o" * 100, 0)
     fs.fsync(fd)
     fs.pwrite(fd, b"n" * 100, 0)

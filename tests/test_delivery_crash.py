@@ -19,7 +19,6 @@ import pytest
 from delayd.logs.dispatch_log import EntryKind
 from tests.delivery_support import (
     LiveConsumer,
-    Processes,
     SteadySender,
     assert_never_early,
     broker_stats,
@@ -34,13 +33,6 @@ from tests.intake_support import check_exactly_once, terminate, write_config
 
 pytestmark = pytest.mark.slow
 ROUNDS = 22
-
-
-@pytest.fixture
-def procs(tmp_path):
-    processes = Processes(tmp_path)
-    yield processes
-    processes.close()
 
 
 def test_kill_9_while_accepting_and_delivering(procs, tmp_path):

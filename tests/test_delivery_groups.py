@@ -18,7 +18,6 @@ from delayd.logs.dispatch_log import DispatchEntry, EntryKind
 from delayd.sender.ledger import DEAD_LETTER_REASON, ORIGINAL_SUBJECT
 from tests.delivery_support import (
     SUBJECT,
-    Processes,
     SteadySender,
     assert_never_early,
     broker_stats,
@@ -26,7 +25,6 @@ from tests.delivery_support import (
     consume,
     dispatched_count,
     exactly_once,
-    free_port,
     groups_toml,
     hostport,
     now_ms,
@@ -36,6 +34,7 @@ from tests.delivery_support import (
     stored_count,
 )
 from tests.intake_support import check_exactly_once, terminate, write_config
+from tests.process_support import free_port
 
 pytestmark = pytest.mark.slow
 ROUNDS_WITH_GROUPS = 6
@@ -46,13 +45,6 @@ FAST_FAILOVER = (
     "[delivery]\nfailure_threshold = 2\nopen_ms = 100\nmax_open_ms = 400\n"
     "retry_base_ms = 20\nretry_max_ms = 200\n"
 )
-
-
-@pytest.fixture
-def procs(tmp_path):
-    processes = Processes(tmp_path)
-    yield processes
-    processes.close()
 
 
 def send(

@@ -6,12 +6,12 @@ import urllib.error
 import urllib.request
 
 from delayd.protocol import Message
+from tests.delivery_support import poll
 from tests.intake_support import RawClient, terminate
-from tests.test_intake_server import metrics, poll, serve  # noqa: F401  (fixture)
 
 
-def test_delivery_metrics_follow_the_workload(serve, tmp_path):  # noqa: F811
-    server = serve(None, "--metrics-listen", "127.0.0.1:0")
+def test_delivery_metrics_follow_the_workload(procs, tmp_path):
+    server = procs.serve(tmp_path / "data", "--metrics-listen", "127.0.0.1:0")
     url = "http://{}:{}/readyz".format(*server.metrics_address)
 
     def ready() -> bool:
@@ -27,8 +27,8 @@ def test_delivery_metrics_follow_the_workload(serve, tmp_path):  # noqa: F811
     later = [Message(f"later-{i}", "orders", delay_ms=7_200_000) for i in range(3)]
     near = [Message(f"near-{i}", "orders", delay_ms=30_000) for i in range(4)]
     client.send_batch(soon + later + near)
-    poll(lambda: metrics(server)['delayd_delivery_sent_messages_total{group="local"}'] == 5)
-    values = metrics(server)
+    poll(lambda: server.metrics()['delayd_delivery_sent_messages_total{group="local"}'] == 5)
+    values = server.metrics()
     assert values["delayd_delivery_lateness_seconds_count"] == 5
     assert values['delayd_delivery_lateness_seconds_bucket{le="+Inf"}'] == 5
     # The 30 s ones are within the 2-minute load window, in the wheel; the 2 h ones are

@@ -19,8 +19,8 @@ from storage.checkpoint import read_checkpoint
 from storage.fs import REAL_FS
 from tests.delivery_support import (
     SUBJECT,
-    Processes,
     SteadySender,
+    Workload,
     assert_never_early,
     check_dispatch_log,
     consume,
@@ -34,13 +34,6 @@ from tests.delivery_support import (
 from tests.intake_support import check_exactly_once, interrupt, terminate
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def procs(tmp_path):
-    processes = Processes(tmp_path)
-    yield processes
-    processes.close()
 
 
 def test_schedule_consume_round_trip(procs, tmp_path):
@@ -87,7 +80,7 @@ def test_schedule_consume_round_trip(procs, tmp_path):
 def test_sigterm_with_messages_pending_then_restart(procs, tmp_path):
     data = tmp_path / "data"
     server = procs.serve(data)
-    sender = SteadySender(server.address, "t", 7, delay_ms=(200, 2500), warm=100)
+    sender = SteadySender(server.address, "t", 7, Workload(delay_ms=(200, 2500), warm=100))
     sender.start()
     assert sender.started_acking.wait(20), server.log_tail()
     # Stop once some messages were delivered and the rest are pending, while the

@@ -19,9 +19,9 @@ import pytest
 import yaml
 
 from delayd.server.app import SHUTDOWN_GRACE_S
-from delayd.serving.descriptor_limit import MAX_DESCRIPTORS
+from storage.descriptor_limit import MAX_DESCRIPTORS
 from tests.exported_metrics import exported_by_a_live_server, parse_exposition
-from tests.intake_support import DELAYD, ROOT, _env
+from tests.process_support import DELAYD, ROOT, child_env
 
 DEPLOY = ROOT / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "delayd-dashboard.json"
@@ -214,7 +214,7 @@ def test_systemd_unit_outwaits_the_graceful_stop_and_lifts_the_descriptor_limit(
     settings = unit_settings()
     assert int(settings["TimeoutStopSec"]) >= 2 * SHUTDOWN_GRACE_S + STOP_MARGIN_S
     assert settings["KillSignal"] == "SIGTERM"
-    # The most the server raises its soft limit to (delayd/serving/descriptor_limit.py).
+    # The most the server raises its soft limit to (storage/descriptor_limit.py).
     assert int(settings["LimitNOFILE"]) == MAX_DESCRIPTORS
     assert settings["Restart"] == "on-failure"
 
@@ -226,7 +226,7 @@ def test_systemd_unit_verifies_and_starts_a_real_command(tmp_path):
     assert Path(program).name == "delayd" and args[0] == "serve"
     # The flags are the CLI's: it accepts them.
     done = subprocess.run(
-        [*DELAYD, *args, "--print-config"], capture_output=True, text=True, env=_env()
+        [*DELAYD, *args, "--print-config"], capture_output=True, text=True, env=child_env()
     )
     assert done.returncode == 0, done.stderr
     # systemd-analyze checks that ExecStart is executable: point it at this venv's.
@@ -274,7 +274,7 @@ def test_dockerfile_copies_what_exists_and_runs_a_real_command():
     command = next(json.loads(a) for i, a in instructions if i == "CMD")
     assert entrypoint == ["delayd"]
     done = subprocess.run(
-        [*DELAYD, *command, "--print-config"], capture_output=True, text=True, env=_env()
+        [*DELAYD, *command, "--print-config"], capture_output=True, text=True, env=child_env()
     )
     assert done.returncode == 0, done.stderr
     # Every port it listens on is exposed, and the health check asks the metrics one.

@@ -1,5 +1,5 @@
 """The servers raise their soft descriptor limit to the hard one at start
-(delayd.serving.descriptor_limit): a distribution's default of 1,024 would run out with
+(storage.descriptor_limit): a distribution's default of 1,024 would run out with
 enough bucket files and connections."""
 
 import resource
@@ -13,7 +13,7 @@ WANTED = 1 << 20 if HARD == resource.RLIM_INFINITY else min(HARD, 1 << 20)
 
 PROBE = """
 import resource, sys
-from delayd.serving.descriptor_limit import raise_descriptor_limit
+from storage.descriptor_limit import raise_descriptor_limit
 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
 resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[1]), hard))
 print(raise_descriptor_limit(), resource.getrlimit(resource.RLIMIT_NOFILE)[0])
@@ -42,17 +42,14 @@ def test_a_limit_already_at_the_top_is_left_alone():
     assert probe(WANTED) == (WANTED, WANTED)
 
 
-def test_delayd_serve_started_with_a_low_limit_raises_it(tmp_path):
+def test_delayd_serve_started_with_a_low_limit_raises_it(tmp_path, procs):
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    server = ServeProcess(tmp_path / "data")
+    server = procs.add(ServeProcess(tmp_path / "data"))
     resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))  # inherited by the child
     try:
         server.start()
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-    try:
-        assert server.proc is not None
-        assert soft_limit_of(server.proc.pid) == WANTED
-        assert server.stop() == 0
-    finally:
-        server.close()
+    assert server.proc is not None
+    assert soft_limit_of(server.proc.pid) == WANTED
+    assert server.stop() == 0

@@ -27,7 +27,7 @@ from delayd.sender.retry import RetryPolicy
 from delayd.sender.sender import SenderConfig
 from delayd.server.intake import IntakePath
 from delayd.server.receiver import IntakeLimits, Receiver
-from delayd.serving.write_refusals import (
+from delayd.write_refusals import (
     BROKER_COMMITLOG,
     CHECKPOINT,
     DISPATCH_LOG,
@@ -40,14 +40,10 @@ from storage.flusher import LogWriter
 from storage.segmented_log import SegmentedLog
 from tests.delivery_pipeline import T0, Pipeline, RecordingTarget, dispatch_entries
 from tests.intake_support import check_exactly_once, read_message_log
+from tests.trio_support import running
 
 NOW = 1_795_341_600_000
 MINUTE = 60_000
-
-
-@pytest.fixture
-def clock():
-    return trio.testing.MockClock(autojump_threshold=0.05)
 
 
 async def until(condition, timeout_s: float = 120) -> None:
@@ -110,8 +106,7 @@ def records(count: int, first_sequence: int, dues: list[int]) -> list[bytes]:
 async def test_intake_answers_disk_full_and_resumes_with_dense_sequences(tmp_path):
     fs = sim()
     intake = make_intake(fs)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(intake.writer.run)
+    async with running(intake.writer.run):
         first = await intake.send_batch(batch("a", 20))
         assert {r.code for r in first} == {ResultCode.OK}
 
@@ -132,7 +127,6 @@ async def test_intake_answers_disk_full_and_resumes_with_dense_sequences(tmp_pat
         assert after[0].queue_offset == 21  # sequences stay dense: b's were given back
         assert not intake.refusals.refusing(MESSAGE_LOG)
         fs.materialize(str(tmp_path / "after"), "drop", random.Random(0))
-        nursery.cancel_scope.cancel()
     logged = read_message_log(tmp_path / "after" / "data")
     assert [r.message_id for _, r in logged] == [
         *(f"a-{i}" for i in range(20)),
@@ -148,8 +142,7 @@ async def test_intake_stops_at_its_reserve_before_the_disk_is_full():
     # Ask the file system every batch: by default the guard asks once per MiB appended,
     # which would not notice a disk that shrinks at once, as this one is about to.
     intake.space.recheck_bytes = 1
-    async with trio.open_nursery() as nursery:
-        await nursery.start(intake.writer.run)
+    async with running(intake.writer.run):
         await intake.send_batch(batch("z", 1))
         intake.replayer.replay_available()  # the id index's file exists: sizes settle
         fs.capacity = fs.used_bytes() + reserve + 4000
@@ -177,7 +170,6 @@ async def test_intake_stops_at_its_reserve_before_the_disk_is_full():
         fs.capacity += 1 << 20
         after = await intake.send_batch(batch("c", 20))
         assert {r.code for r in after} == {ResultCode.OK}
-        nursery.cancel_scope.cancel()
 
 
 async def test_a_cancel_into_a_full_message_log_raises_disk_full():
@@ -244,8 +236,7 @@ async def test_the_replayer_pauses_on_a_full_disk_and_catches_up(clock):
     log.append_batch(records(10, 1, [NOW + MINUTE]), message_log.TYPE_MESSAGE)
     log.flush()
     fs.capacity = fs.used_bytes()
-    async with trio.open_nursery() as nursery:
-        await nursery.start(replayer.run)
+    async with running(replayer.run):
         replayer.notify(10)
         await trio.sleep(5)
         assert replayer.position == 0 and replayer.refusals.refusing(SCHEDULE_LOG)
@@ -255,7 +246,6 @@ async def test_the_replayer_pauses_on_a_full_disk_and_catches_up(clock):
         assert not replayer.refusals.refusing(SCHEDULE_LOG)
         assert not replayer.refusals.refusing(CHECKPOINT)
         await replayer.stop()
-        nursery.cancel_scope.cancel()
     assert replayer.replayed_total == 10
     replayer.close()
     log.close()
@@ -267,49 +257,43 @@ async def test_the_replayer_pauses_on_a_full_disk_and_catches_up(clock):
 async def test_delivered_messages_are_held_until_their_entries_find_room(clock):
     fs = sim()
     target = RecordingTarget("a")
-    pipeline = Pipeline("/data", [target], fs=fs)
-    ids = pipeline.schedule([T0 + 1000 + i for i in range(5)])
-    async with trio.open_nursery() as nursery:
-        await nursery.start(pipeline.run)
-        await trio.sleep(0.5)
-        fs.capacity = fs.used_bytes()  # room for no dispatch_log entry
-        sender = pipeline.delivery.sender
-        await until(lambda: len(target.received) == 5)
-        await until(lambda: sender.refusals.refusing(DISPATCH_LOG))
-        await trio.sleep(2)
-        assert sorted(r.message.message_id for r in target.received) == sorted(ids)
-        assert sender.in_flight == 5  # held: a cancel finds them in doubt, not lost
-        fs.capacity = None
-        await until(lambda: sender.in_flight == 0)
-        assert not sender.refusals.refusing(DISPATCH_LOG)
-        await pipeline.stop()
-        nursery.cancel_scope.cancel()
-    entries = [e for es in dispatch_entries("/data", fs).values() for e in es]
-    assert (
-        sorted(e.kind for e in entries if e.kind is not EntryKind.COMPLETE)
-        == [EntryKind.DISPATCHED] * 5
-    )
-    assert len(target.received) == 5  # each sent once: nothing resent for the wait
-    pipeline.close()
+    with Pipeline("/data", [target], fs=fs) as pipeline:
+        ids = pipeline.schedule([T0 + 1000 + i for i in range(5)])
+        async with pipeline.running():
+            await trio.sleep(0.5)
+            fs.capacity = fs.used_bytes()  # room for no dispatch_log entry
+            sender = pipeline.delivery.sender
+            await until(lambda: len(target.received) == 5)
+            await until(lambda: sender.refusals.refusing(DISPATCH_LOG))
+            await trio.sleep(2)
+            assert sorted(r.message.message_id for r in target.received) == sorted(ids)
+            assert sender.in_flight == 5  # held: a cancel finds them in doubt, not lost
+            fs.capacity = None
+            await until(lambda: sender.in_flight == 0)
+            assert not sender.refusals.refusing(DISPATCH_LOG)
+            await pipeline.stop()
+        entries = [e for es in dispatch_entries("/data", fs).values() for e in es]
+        assert (
+            sorted(e.kind for e in entries if e.kind is not EntryKind.COMPLETE)
+            == [EntryKind.DISPATCHED] * 5
+        )
+        assert len(target.received) == 5  # each sent once: nothing resent for the wait
 
 
 async def test_a_broker_disk_full_is_retried_without_dead_lettering(clock):
     target = RecordingTarget("a", refuse=ResultCode.DISK_FULL)
     fs = sim()
     retry = RetryPolicy(max_attempts=3, base_ms=1000, max_ms=1000)
-    pipeline = Pipeline("/data", [target], fs=fs, sender=SenderConfig(retry=retry))
-    [message_id] = pipeline.schedule([T0 + 1000])
-    async with trio.open_nursery() as nursery:
-        await nursery.start(pipeline.run)
-        await until(lambda: target.calls > 4)  # more sends than max_attempts
-        assert set(target.subjects) == {"orders"}  # never the dead-letter subject
-        target.refuse = None
-        await until(lambda: len(target.received) == 1)
-        await pipeline.stop()
-        nursery.cancel_scope.cancel()
-    [got] = target.received
-    assert got.message.message_id == message_id and got.message.subject == "orders"
-    pipeline.close()
+    with Pipeline("/data", [target], fs=fs, sender=SenderConfig(retry=retry)) as pipeline:
+        [message_id] = pipeline.schedule([T0 + 1000])
+        async with pipeline.running():
+            await until(lambda: target.calls > 4)  # more sends than max_attempts
+            assert set(target.subjects) == {"orders"}  # never the dead-letter subject
+            target.refuse = None
+            await until(lambda: len(target.received) == 1)
+            await pipeline.stop()
+        [got] = target.received
+        assert got.message.message_id == message_id and got.message.subject == "orders"
 
 
 # ------------------------------------------------------------------ broker commitlog

@@ -17,12 +17,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from delayd.http.openapi import openapi_document, render
+from delayd.server.http.openapi import openapi_document, render
 from tests.intake_support import ServeProcess
+from tests.process_support import ROOT
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "http.md"
 OPENAPI = ROOT / "docs" / "openapi.json"
 BLOCK = re.compile(r"^```(\w+)\n(.*?)^```$", re.S | re.M)
@@ -37,23 +37,19 @@ heartbeat_timeout_ms = 60000
 """
 
 
-def start_http_server(tmp_path: Path, *extra: str, config: str = "") -> ServeProcess:
-    args = list(extra)
+def http_serve_process(tmp_path: Path, config: str = "") -> ServeProcess:
+    """``delayd serve`` with the HTTP API on a free port (not started)."""
+    args = []
     if config:
         path = tmp_path / "serve.toml"
         path.write_text(config)
         args += ["--config", str(path)]
-    server = ServeProcess(tmp_path / "data", *args, metrics_listen="off", http_listen="127.0.0.1:0")
-    return server.start()
+    return ServeProcess(tmp_path / "data", *args, metrics_listen="off", http_listen="127.0.0.1:0")
 
 
 @pytest.fixture
-def http_server(tmp_path):
-    server = start_http_server(tmp_path, config=SMALL_LIMITS)
-    try:
-        yield server
-    finally:
-        server.close()
+def http_server(tmp_path, procs):
+    return procs.start(http_serve_process(tmp_path, config=SMALL_LIMITS))
 
 
 def base_url(server: ServeProcess) -> str:
@@ -189,25 +185,20 @@ def test_bad_input_is_answered_with_a_problem_never_a_500(http_server):
     assert ok.status_code == 201 and len(ok.json()["id"]) == 32  # made by the server
 
 
-def test_a_token_is_required_when_one_is_set(tmp_path):
-    server = start_http_server(tmp_path, config='[server]\ntoken = "s3cret"\n')
-    try:
-        url = base_url(server)
-        message = {"subject": "a", "delay": "1h"}
-        missing = problem_of(httpx.post(url + "/v1/messages", json=message), 401)
-        assert "Authorization: Bearer" in missing["detail"]
-        wrong = httpx.post(
-            url + "/v1/messages", json=message, headers={"Authorization": "Bearer nope"}
-        )
-        assert problem_of(wrong, 401)["detail"].endswith("(the one given is wrong)")
-        assert wrong.headers["www-authenticate"] == "Bearer"
-        right = httpx.post(
-            url + "/v1/messages", json=message, headers={"Authorization": "Bearer s3cret"}
-        )
-        assert right.status_code == 201
-        assert httpx.get(url + "/openapi.json").status_code == 200  # the contract is open
-    finally:
-        server.close()
+def test_a_token_is_required_when_one_is_set(tmp_path, procs):
+    server = procs.start(http_serve_process(tmp_path, config='[server]\ntoken = "s3cret"\n'))
+    url = base_url(server)
+    message = {"subject": "a", "delay": "1h"}
+    missing = problem_of(httpx.post(url + "/v1/messages", json=message), 401)
+    assert "Authorization: Bearer" in missing["detail"]
+    wrong = httpx.post(url + "/v1/messages", json=message, headers={"Authorization": "Bearer nope"})
+    assert problem_of(wrong, 401)["detail"].endswith("(the one given is wrong)")
+    assert wrong.headers["www-authenticate"] == "Bearer"
+    right = httpx.post(
+        url + "/v1/messages", json=message, headers={"Authorization": "Bearer s3cret"}
+    )
+    assert right.status_code == 201
+    assert httpx.get(url + "/openapi.json").status_code == 200  # the contract is open
 
 
 def pull(server, group: str, consumer: str, wait_ms: int = 0, subject: str = "jobs") -> dict:
@@ -279,10 +270,10 @@ def listening_sockets(pid: int) -> int:
     return count
 
 
-def test_with_the_http_listener_off_nothing_listens_for_it(tmp_path):
+def test_with_the_http_listener_off_nothing_listens_for_it(tmp_path, procs):
     off = ServeProcess(
         tmp_path / "off", "--broker-listen", "off", metrics_listen="off", http_listen="off"
-    ).start()
+    )
     on = ServeProcess(
         tmp_path / "on",
         "--broker-listen",
@@ -290,16 +281,14 @@ def test_with_the_http_listener_off_nothing_listens_for_it(tmp_path):
         metrics_listen="off",
         http_listen=None,  # the default, moved to a free port by the environment
         env={"DELAYD_HTTP_LISTEN": "127.0.0.1:0"},
-    ).start()
-    try:
-        assert off.http_address is None and "http" not in off.stdout
-        assert listening_sockets(off.proc.pid) == 1  # the intake listener alone
-        assert on.http_address is not None
-        assert listening_sockets(on.proc.pid) == 2
-        assert httpx.get(base_url(on) + "/openapi.json").status_code == 200
-    finally:
-        off.close()
-        on.close()
+    )
+    procs.start(off)
+    procs.start(on)
+    assert off.http_address is None and "http" not in off.stdout
+    assert listening_sockets(off.proc.pid) == 1  # the intake listener alone
+    assert on.http_address is not None
+    assert listening_sockets(on.proc.pid) == 2
+    assert httpx.get(base_url(on) + "/openapi.json").status_code == 200
 
 
 def test_a_binary_and_an_http_consumer_share_one_group(http_server):
@@ -323,48 +312,40 @@ def test_a_binary_and_an_http_consumer_share_one_group(http_server):
     assert len(over_http) == 4 and over_http | over_binary == {f"m-{i}" for i in range(8)}
 
 
-def test_sigterm_answers_a_long_poll_and_stops_the_server(tmp_path):
+def test_sigterm_answers_a_long_poll_and_stops_the_server(tmp_path, procs):
     """The HTTP listener stops with the server: a pull waiting in a long poll is
     answered at once (empty), and the process exits 0 without waiting it out."""
     import threading
 
-    server = start_http_server(tmp_path)
+    server = procs.start(http_serve_process(tmp_path))
     answers: list[httpx.Response] = []
     body = {"consumer_id": "c", "wait_ms": 30_000}
     poll = threading.Thread(
         target=lambda: answers.append(post(server, "/v1/subjects/s/groups/g/pull", body))
     )
-    try:
-        poll.start()
-        time.sleep(0.5)  # the pull is waiting in the broker (nothing to wait on from here)
-        started = time.monotonic()
-        assert server.stop() == 0
-        poll.join(10)
-        assert time.monotonic() - started < 4  # neither the poll (30 s) nor the grace (5 s)
-        assert answers and answers[0].status_code == 200
-        assert answers[0].json() == {"messages": [], "commit": []}
-    finally:
-        server.close()
+    poll.start()
+    time.sleep(0.5)  # the pull is waiting in the broker (nothing to wait on from here)
+    started = time.monotonic()
+    assert server.stop() == 0
+    poll.join(10)
+    assert time.monotonic() - started < 4  # neither the poll (30 s) nor the grace (5 s)
+    assert answers and answers[0].status_code == 200
+    assert answers[0].json() == {"messages": [], "commit": []}
 
 
-def test_an_http_member_that_stops_pulling_leaves_the_group(tmp_path):
+def test_an_http_member_that_stops_pulling_leaves_the_group(tmp_path, procs):
     """No pull for heartbeat_timeout_ms: the member is dropped, as a binary consumer
     that stops heartbeating, and its queue (with what it did not commit) moves."""
     config = "[broker]\nqueues_per_subject = 2\nheartbeat_timeout_ms = 1500\n"
-    server = start_http_server(tmp_path, config=config)
-    try:
-        assert pull(server, "g", "quiet")["messages"] == []
-        assert pull(server, "g", "busy")["messages"] == []  # one queue each
-        batch = {"messages": [{"subject": "jobs", "id": f"j-{i}"} for i in range(4)]}
-        assert post(server, "/v1/batches", batch).json()["scheduled"] == 4
-        own = pull_all(server, "g", "busy", 2)  # its queue only
-        assert len(own["messages"]) == 2 and len(own["commit"]) == 1
-        busy_queue = own["commit"][0]["queue"]
-        # "quiet" says nothing from now on; "busy" waits in a long poll (its heartbeat),
-        # which the rebalance wakes once "quiet" timed out.
-        rest = pull_all(server, "g", "busy", 2)
-        assert len(rest["messages"]) == 2 and {o["queue"] for o in rest["commit"]} == {
-            1 - busy_queue
-        }
-    finally:
-        server.close()
+    server = procs.start(http_serve_process(tmp_path, config=config))
+    assert pull(server, "g", "quiet")["messages"] == []
+    assert pull(server, "g", "busy")["messages"] == []  # one queue each
+    batch = {"messages": [{"subject": "jobs", "id": f"j-{i}"} for i in range(4)]}
+    assert post(server, "/v1/batches", batch).json()["scheduled"] == 4
+    own = pull_all(server, "g", "busy", 2)  # its queue only
+    assert len(own["messages"]) == 2 and len(own["commit"]) == 1
+    busy_queue = own["commit"][0]["queue"]
+    # "quiet" says nothing from now on; "busy" waits in a long poll (its heartbeat),
+    # which the rebalance wakes once "quiet" timed out.
+    rest = pull_all(server, "g", "busy", 2)
+    assert len(rest["messages"]) == 2 and {o["queue"] for o in rest["commit"]} == {1 - busy_queue}

@@ -1,13 +1,13 @@
-"""delayd.http.messages: the API's due times, bodies and ids to delayd Messages."""
+"""delayd.server.http.messages: the API's due times, bodies and ids to delayd Messages."""
 
 from __future__ import annotations
 
 import pytest
 
-from delayd.http.messages import consumed, due, to_message
-from delayd.http.models import ScheduleRequest
-from delayd.http.problems import ProblemError
 from delayd.protocol import Message
+from delayd.server.http.messages import consumed, due, to_message
+from delayd.server.http.models import ScheduleRequest
+from delayd.server.http.problems import ProblemError
 
 
 @pytest.mark.parametrize(

@@ -1,12 +1,12 @@
-"""The HTTP status of the intake's refusals, in process (delayd.http.problems): a
+"""The HTTP status of the intake's refusals, in process (delayd.server.http.problems): a
 full disk, a busy server and a failing log, which a real server rarely shows."""
 
 from __future__ import annotations
 
 import httpx
 
-from delayd.http import Backend, build_app
 from delayd.protocol import ResultCode, SendResult
+from delayd.server.http import Backend, build_app
 from storage.errors import StorageError
 
 

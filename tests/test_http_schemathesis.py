@@ -11,7 +11,6 @@ text) are answered 422 with the intake's own words, as for a binary send.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import schemathesis
@@ -20,10 +19,11 @@ from schemathesis.generation.modes import GenerationMode
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from tests.intake_support import ServeProcess
+from tests.process_support import ROOT
 
 pytestmark = pytest.mark.slow
 
-OPENAPI = Path(__file__).resolve().parent.parent / "docs" / "openapi.json"
+OPENAPI = ROOT / "docs" / "openapi.json"
 # Pulls return at once (a long poll per example would take the whole budget).
 # With a token: the document declares bearer auth, and schemathesis checks that a
 # request with a wrong one is refused.
@@ -43,14 +43,12 @@ def served_schema(tmp_path_factory):
         str(config),
         metrics_listen="off",
         http_listen="127.0.0.1:0",
-    ).start()
-    try:
+    )
+    with server:
         assert server.http_address is not None
         yield schemathesis.openapi.from_url(
             "http://{}:{}/openapi.json".format(*server.http_address)
         )
-    finally:
-        server.close()
 
 
 OPERATIONS = [

@@ -13,7 +13,7 @@ import pytest
 import xxhash
 
 from storage import indexfile
-from storage.crashfs import MODES, CrashSimFileSystem, crash_points, run_to_crash
+from storage.crashfs import MODES, CrashSimFileSystem
 from storage.errors import CorruptionError
 from storage.framing import crc32c
 from storage.index_store import IndexStore, file_name
@@ -27,6 +27,7 @@ from storage.indexfile import (
     IndexFile,
 )
 from storage.indexfile import _decode_header as decode_header
+from tests.crash_support import power_loss_at_every_crash_point
 
 SMALL = {"slot_count": 7, "max_entries": 50}
 
@@ -579,16 +580,4 @@ def test_index_workload_covers_rolls():
 
 @pytest.mark.parametrize("mode", MODES)
 def test_index_power_loss_at_every_crash_point(mode, tmp_path):
-    failures: dict[int, str] = {}
-    for k in range(crash_points(index_workload(Journal(5))) + 1):
-        journal = Journal(5)
-        fs = run_to_crash(index_workload(journal), k)
-        root = tmp_path / f"k{k}"
-        fs.materialize(str(root), mode, random.Random(f"{k}:{mode}"))
-        try:
-            check_index(root, journal)
-        except Exception as exc:
-            failures[k] = f"{type(exc).__name__}: {exc}"
-    if failures:
-        details = "\n".join(f"crash point {k}: {why}" for k, why in list(failures.items())[:3])
-        pytest.fail(f"failed at crash points {sorted(failures)}\n{details}", pytrace=False)
+    power_loss_at_every_crash_point(lambda: Journal(5), index_workload, check_index, tmp_path, mode)

@@ -29,6 +29,7 @@ from storage.framing import HEADER_SIZE
 from storage.fs import REAL_FS
 from storage.record_file import RecordFile
 from storage.segmented_log import RECOVERY_CHECKPOINT, SegmentedLog
+from tests.damage_support import cut, flip_byte
 
 T = 1_704_067_200_000  # 2024-01-01T00:00:00Z: in the past, so due times have passed
 MINUTE = 60_000
@@ -384,18 +385,6 @@ def test_find_tells_waiting_from_overdue_by_the_time_now(written):
 
 
 # ---------------------------------------------------------------- damage
-
-
-def flip_byte(path: str, position: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(position)
-        byte = f.read(1)
-        f.seek(position)
-        f.write(bytes([byte[0] ^ 0xFF]))
-
-
-def cut(path: str, size: int) -> None:
-    os.truncate(path, size)
 
 
 @dataclass

@@ -17,7 +17,6 @@ from delayd.protocol.codes import CancelOutcome
 from storage.segmented_log import SegmentedLog
 from tests.delivery_support import (
     SUBJECT,
-    Processes,
     assert_never_early,
     consume,
     exactly_once,
@@ -29,13 +28,6 @@ from tests.intake_support import NO_SYNC_FS, RawClient, read_schedule_log
 pytestmark = pytest.mark.slow
 
 DELAY_MS = 2500
-
-
-@pytest.fixture
-def procs(tmp_path):
-    processes = Processes(tmp_path)
-    yield processes
-    processes.close()
 
 
 def resend_all(address: tuple[str, int], ids: list[str], first_due: dict[str, int]) -> None:

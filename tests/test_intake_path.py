@@ -21,6 +21,7 @@ from storage.flusher import FlushMode, FlushPolicy, LogWriter
 from storage.fs import REAL_FS, FileSystem
 from storage.segmented_log import SegmentedLog
 from tests.intake_support import check_exactly_once, read_message_log
+from tests.trio_support import running
 
 NOW = 1_795_341_600_000
 
@@ -41,14 +42,12 @@ async def test_an_ack_means_the_message_survives_power_loss(tmp_path):
     fs.mkdir("/data")
     fs.fsync_dir("/")
     intake = make_intake("/data", fs)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(intake.writer.run)
+    async with running(intake.writer.run):
         results = await intake.send_batch(batch("acked", 50))
         assert [r.code for r in results] == [ResultCode.OK] * 50
         assert intake.pending_acks == 0
         unacked = intake.append(batch("unacked", 5))  # appended, its ack not awaited
         fs.materialize(str(tmp_path / "after"), "drop", random.Random(0))
-        nursery.cancel_scope.cancel()
     ids = {r.message_id for _, r in read_message_log(tmp_path / "after" / "data")}
     assert ids == {f"acked-{i}" for i in range(50)}  # the unacked five were not durable
     assert len(unacked.payloads) == 5
@@ -56,12 +55,9 @@ async def test_an_ack_means_the_message_survives_power_loss(tmp_path):
 
 async def test_concurrent_batches_share_fsyncs(tmp_path):
     intake = make_intake(str(tmp_path), REAL_FS)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(intake.writer.run)
-        async with trio.open_nursery() as senders:
-            for n in range(40):
-                senders.start_soon(intake.send_batch, batch(f"c{n}", 10))
-        nursery.cancel_scope.cancel()
+    async with running(intake.writer.run), trio.open_nursery() as senders:
+        for n in range(40):
+            senders.start_soon(intake.send_batch, batch(f"c{n}", 10))
     assert intake.receiver.accepted_total == 400
     assert intake.writer.fsyncs < 40  # group commit: far fewer fsyncs than batches
     intake.replayer.replay_available()
@@ -74,8 +70,7 @@ async def test_concurrent_batches_share_fsyncs(tmp_path):
 async def test_busy_from_pending_acks_and_from_replay_lag(tmp_path):
     limits = IntakeLimits(max_pending_acks=10, max_replay_lag_records=100)
     intake = make_intake(str(tmp_path), REAL_FS, limits)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(intake.writer.run)
+    async with running(intake.writer.run):
         first = intake.append(batch("a", 10))  # 10 waiting for their fsync
         second = intake.append(batch("b", 3))
         assert [r.code for r in intake.receiver.acknowledge(second)] == [ResultCode.BUSY] * 3
@@ -91,7 +86,6 @@ async def test_busy_from_pending_acks_and_from_replay_lag(tmp_path):
         assert intake.replayer.lag_records == 0
         again = await intake.send_batch(batch("d", 2))
         assert [r.code for r in again] == [ResultCode.OK] * 2
-        nursery.cancel_scope.cancel()
     intake.replayer.close()
     intake.log.close()
 

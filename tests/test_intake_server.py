@@ -10,9 +10,7 @@ import re
 import signal
 import socket
 import struct
-import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -37,6 +35,7 @@ from delayd.protocol import (
 )
 from delayd.replay.state import read_replay_checkpoint
 from storage.fs import REAL_FS
+from tests.delivery_support import SteadySender, Workload, now_ms, poll
 from tests.intake_support import (
     RawClient,
     ServeProcess,
@@ -50,38 +49,21 @@ from tests.intake_support import (
 
 pytestmark = pytest.mark.slow
 MINUTE = 60_000
+# As fast as acks come back, a few batches in flight, due within 20 minutes.
+FLOOD = Workload(
+    delay_ms=(0, 20 * MINUTE - 1),
+    past_due=0,
+    max_body=200,
+    batch=25,
+    in_flight=4,
+    pause_s=0,
+    warm=100,
+)
 
 
-@pytest.fixture
-def serve(tmp_path):
-    """Start ``delayd serve`` processes; all are killed at the end of the test."""
-    started: list[ServeProcess] = []
-
-    def start(data: Path | None = None, *extra: str) -> ServeProcess:
-        process = ServeProcess(data or tmp_path / "data", *extra)
-        started.append(process)
-        return process.start()
-
-    yield start
-    for process in started:
-        process.close()
-
-
-def poll(condition, timeout_s: float = 20.0) -> None:
-    """Ask until ``condition()`` holds (a server state seen through requests; there is
-    no event to wait for across processes)."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-
-
-def now_ms() -> int:
-    return time.time_ns() // 1_000_000
-
-
-def test_accepted_messages_land_in_their_buckets_with_their_contents(serve, tmp_path):
+def test_accepted_messages_land_in_their_buckets_with_their_contents(procs, tmp_path):
     config = write_config(tmp_path / "c.toml", "[schedule_log]\nsegment_scale_minutes = 5\n")
-    server = serve(None, "--config", config)
+    server = procs.serve(tmp_path / "data", "--config", config)
     client = RawClient(server.address)
     base = now_ms()
     rng = random.Random(4)
@@ -135,31 +117,18 @@ def test_accepted_messages_land_in_their_buckets_with_their_contents(serve, tmp_
     assert checkpoint.next_sequence == 201  # shutdown replayed all and checkpointed
 
 
-def metrics(server: ServeProcess) -> dict[str, float]:
-    assert server.metrics_address is not None
-    url = "http://{}:{}/metrics".format(*server.metrics_address)
-    with urllib.request.urlopen(url, timeout=10) as response:
-        text = response.read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("delayd_"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
-
-
 def stats(client: RawClient) -> dict:
     answer = client.request(lambda rid: Stats(request_id=rid))
     assert isinstance(answer, StatsResult)
     return answer.stats
 
 
-def test_refusals_past_due_and_metrics(serve, tmp_path):
+def test_refusals_past_due_and_metrics(procs, tmp_path):
     config = write_config(
         tmp_path / "c.toml",
         "[intake]\nmax_delay_ms = 86_400_000\nmax_body_bytes = 1000\nmax_properties_bytes = 64\n",
     )
-    server = serve(None, "--config", config, "--metrics-listen", "127.0.0.1:0")
+    server = procs.serve(tmp_path / "data", "--config", config, "--metrics-listen", "127.0.0.1:0")
     client = RawClient(server.address)
     before = now_ms()
     batch = [
@@ -190,7 +159,7 @@ def test_refusals_past_due_and_metrics(serve, tmp_path):
     assert "max_delay" in results[1].reason and "max_body_bytes" in results[2].reason
     # STATS reports replay lag; once it is 0 every accepted message is in schedule_log
     poll(lambda: stats(client)["replay.lag_records"] == 0)
-    values = metrics(server)
+    values = server.metrics()
     assert values["delayd_intake_accepted_messages_total"] == 2
     assert values["delayd_intake_past_due_messages_total"] == 1
     assert values['delayd_intake_refused_messages_total{reason="delay_too_long"}'] == 1
@@ -214,9 +183,9 @@ def frame(command: int, request_id: int, body: bytes, flags: int = 0) -> bytes:
     return head + struct.pack("<I", crc32c.crc32c(body, crc32c.crc32c(head))) + body
 
 
-def test_bad_input_gets_an_error_and_never_crashes_the_server(serve, tmp_path):
+def test_bad_input_gets_an_error_and_never_crashes_the_server(procs, tmp_path):
     config = write_config(tmp_path / "c.toml", '[server]\ntoken = "s3cret"\n')
-    server = serve(None, "--config", config)
+    server = procs.serve(tmp_path / "data", "--config", config)
     address = server.address
     hello = encode_event(Hello(token="s3cret", request_id=1))
     cases = [
@@ -253,69 +222,7 @@ def test_bad_input_gets_an_error_and_never_crashes_the_server(serve, tmp_path):
     assert set(check_exactly_once(tmp_path / "data", 1)) == {"after"}
 
 
-class SteadySender(threading.Thread):
-    """Sends batches with unique ids as fast as acks come back (a few batches in
-    flight), recording every acknowledged message, until the connection dies."""
-
-    IN_FLIGHT = 4
-    BATCH = 25
-
-    def __init__(self, address, round_no: int, seed: int) -> None:
-        super().__init__(daemon=True)
-        self.address = address
-        self.round_no = round_no
-        self.rng = random.Random(seed)
-        self.acked: dict[str, int] = {}  # id -> due_ms
-        self.sent = 0
-        self.started_acking = threading.Event()
-        self.error: BaseException | None = None
-
-    def batch(self) -> list[Message]:
-        out = []
-        for _ in range(self.BATCH):
-            self.sent += 1
-            out.append(
-                Message(
-                    f"r{self.round_no}-{self.sent}",
-                    "orders",
-                    body=self.rng.randbytes(self.rng.randrange(200)),
-                    delay_ms=self.rng.randrange(20 * MINUTE),
-                )
-            )
-        return out
-
-    def run(self) -> None:
-        try:
-            client = RawClient(self.address)
-        except OSError as exc:
-            self.error = exc
-            return
-        pending: dict[int, list[Message]] = {}
-        try:
-            while True:
-                while len(pending) < self.IN_FLIGHT:
-                    batch = self.batch()
-                    rid = client.send(lambda r, b=batch: SendBatch(b, request_id=r))
-                    pending[rid] = batch
-                answer = client.receive()
-                if isinstance(answer, ConnectionClosed):
-                    return  # the server was killed between frames
-                assert isinstance(answer, SendBatchResult), answer
-                for m, result in zip(pending.pop(answer.request_id), answer.results, strict=True):
-                    assert result.code is ResultCode.OK, result
-                    self.acked[m.message_id] = result.due_ms
-                if len(self.acked) >= 100:
-                    self.started_acking.set()
-        except (OSError, ProtocolError):
-            pass  # the server was killed (in the middle of a frame)
-        except BaseException as exc:
-            self.error = exc
-        finally:
-            self.started_acking.set()
-            client.close()
-
-
-def test_kill_9_during_a_steady_send_never_loses_or_duplicates(serve, tmp_path):
+def test_kill_9_during_a_steady_send_never_loses_or_duplicates(procs, tmp_path):
     config = write_config(
         tmp_path / "c.toml",
         "[replay]\ncheckpoint_interval_ms = 40\n"
@@ -328,8 +235,8 @@ def test_kill_9_during_a_steady_send_never_loses_or_duplicates(serve, tmp_path):
     acked: dict[str, int] = {}
     rounds = 22
     for round_no in range(rounds):
-        server = serve(data, "--config", config)
-        sender = SteadySender(server.address, round_no, rng.randrange(2**32))
+        server = procs.serve(data, "--config", config)
+        sender = SteadySender(server.address, f"r{round_no}", rng.randrange(2**32), FLOOD)
         sender.start()
         assert sender.started_acking.wait(20), server.log_tail()
         time.sleep(rng.uniform(0.0, 0.2))  # the workload's length, not a synchronisation
@@ -338,7 +245,7 @@ def test_kill_9_during_a_steady_send_never_loses_or_duplicates(serve, tmp_path):
         assert sender.error is None, sender.error
         acked.update(sender.acked)
         server.close()
-    server = serve(data, "--config", config)
+    server = procs.serve(data, "--config", config)
     terminate(server)  # a graceful stop replays everything and checkpoints
     scheduled = check_exactly_once(data, 1)
     lost = [mid for mid in acked if mid not in scheduled]
@@ -352,12 +259,12 @@ def test_kill_9_during_a_steady_send_never_loses_or_duplicates(serve, tmp_path):
     assert len(cuts) == rounds + 1 and any(cuts), cuts
 
 
-def test_torn_tails_after_kill_are_cut_and_replayed(serve, tmp_path):
+def test_torn_tails_after_kill_are_cut_and_replayed(procs, tmp_path):
     # No checkpoint until shutdown, so everything the killed run wrote is past it.
     config = write_config(tmp_path / "c.toml", "[replay]\ncheckpoint_interval_ms = 3600000\n")
     data = tmp_path / "data"
-    server = serve(data, "--config", config)
-    sender = SteadySender(server.address, 0, 7)
+    server = procs.serve(data, "--config", config)
+    sender = SteadySender(server.address, "r0", 7, FLOOD)
     sender.start()
     assert sender.started_acking.wait(20)
     poll(lambda: len(sender.acked) >= 300 and stats_of(server)["replay.lag_records"] == 0)
@@ -373,7 +280,7 @@ def test_torn_tails_after_kill_are_cut_and_replayed(serve, tmp_path):
         f.truncate(size - 50)
         f.seek(0, 2)
         f.write(b"\x00\x00\xffjunk")
-    server = serve(data, "--config", config)
+    server = procs.serve(data, "--config", config)
     terminate(server)
     log = server.log_path.read_text()
     assert "message_log: cut a torn tail of 18 bytes" in log
@@ -390,9 +297,9 @@ def stats_of(server: ServeProcess) -> dict:
         client.close()
 
 
-def test_changing_segment_scale_or_a_taken_port_is_refused(serve, tmp_path):
+def test_changing_segment_scale_or_a_taken_port_is_refused(procs, tmp_path):
     data = tmp_path / "data"
-    server = serve(data)
+    server = procs.serve(data)
     client = RawClient(server.address)
     ok(client.send_batch([Message("a", "orders", delay_ms=1)]))
     client.close()
@@ -431,11 +338,11 @@ def test_bad_configuration_is_refused_naming_the_key(tmp_path, text, words):
     assert not (tmp_path / "data").exists()  # refused before touching the data
 
 
-def test_a_graceful_stop_answers_every_batch_it_appended(serve, tmp_path):
+def test_a_graceful_stop_answers_every_batch_it_appended(procs, tmp_path):
     """SIGTERM while a client has 40 SEND_BATCHes pipelined: every batch the server
     appended is answered (OK) before the connection closes — none is left appended and
     unanswered — and every OK message is in schedule_log after the restart."""
-    server = serve(tmp_path / "data")
+    server = procs.serve(tmp_path / "data")
     client = RawClient(server.address)
     due = int(time.time() * 1000) + 3_600_000
     batches = [

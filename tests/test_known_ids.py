@@ -11,7 +11,6 @@ import random
 from dataclasses import replace
 
 import pytest
-import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -30,6 +29,7 @@ from storage.index_hashes import read_key_hashes
 from storage.index_store import IndexStore
 from storage.indexfile import default_hash
 from storage.segmented_log import SegmentedLog
+from tests.trio_support import running
 
 NOW = 1_795_341_600_000
 
@@ -121,8 +121,7 @@ async def test_duplicates_in_a_batch_before_replay_after_replay_and_after_a_reop
     data = str(tmp_path)
     intake, known = make_intake(data, REAL_FS)
     try:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(intake.writer.run)
+        async with running(intake.writer.run):
             first = await intake.send_batch([message("a", 5000), message("a", 9), message("b")])
             assert codes(first) == [ResultCode.OK, ResultCode.DUPLICATE, ResultCode.OK]
             assert first[1].due_ms == NOW + 5000  # the held message's due time
@@ -134,7 +133,6 @@ async def test_duplicates_in_a_batch_before_replay_after_replay_and_after_a_reop
             after = await intake.send_batch([message("b", 70), message("a", 70)])
             assert codes(after) == [ResultCode.DUPLICATE] * 2
             assert [r.due_ms for r in after] == [NOW + 1000, NOW + 5000]
-            nursery.cancel_scope.cancel()
         intake.replayer.checkpoint()
         assert intake.receiver.duplicate_total == 4
         assert intake.receiver.accepted_total == 3
@@ -143,8 +141,7 @@ async def test_duplicates_in_a_batch_before_replay_after_replay_and_after_a_reop
 
     intake, known = make_intake(data, REAL_FS)  # a restart: the filter starts cold
     try:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(intake.writer.run)
+        async with running(intake.writer.run):
             lookups = known.lookups
             results = await intake.send_batch([message("a"), message("c"), message("d")])
             assert codes(results) == [ResultCode.DUPLICATE, ResultCode.DUPLICATE, ResultCode.OK]
@@ -159,7 +156,6 @@ async def test_duplicates_in_a_batch_before_replay_after_replay_and_after_a_reop
             assert known.lookups - lookups < 10  # warm: new ids are not looked up
             resent = await intake.send_batch([message("b"), message("new-7")])
             assert codes(resent) == [ResultCode.DUPLICATE] * 2
-            nursery.cancel_scope.cancel()
     finally:
         close(intake, known)
 
@@ -180,8 +176,7 @@ async def test_ids_of_an_append_refused_for_a_full_disk_are_not_held(tmp_path):
     fs = FullDiskOnce()
     intake, known = make_intake(str(tmp_path), fs)
     try:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(intake.writer.run)
+        async with running(intake.writer.run):
             end = intake.log.end_offset
             fs.armed = True
             refused = intake.append([message("lost-1"), message("lost-2")])
@@ -191,7 +186,6 @@ async def test_ids_of_an_append_refused_for_a_full_disk_are_not_held(tmp_path):
             # The retry is a new send, not a DUPLICATE of what was never stored.
             again = await intake.send_batch([message("lost-1"), message("lost-2")])
             assert codes(again) == [ResultCode.OK] * 2
-            nursery.cancel_scope.cancel()
     finally:
         close(intake, known)
 
@@ -201,24 +195,20 @@ async def test_a_power_loss_forgets_only_what_was_never_acknowledged(tmp_path):
     fs.mkdir("/data")
     fs.fsync_dir("/")
     intake, known = make_intake("/data", fs)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(intake.writer.run)
+    async with running(intake.writer.run):
         acked = await intake.send_batch([message(f"acked-{i}") for i in range(20)])
         assert codes(acked) == [ResultCode.OK] * 20
         intake.append([message("unacked")])  # appended, never made durable
         fs.materialize(str(tmp_path / "after"), "drop", random.Random(3))
-        nursery.cancel_scope.cancel()
     close(intake, known)
 
     intake, known = make_intake(str(tmp_path / "after" / "data"), REAL_FS)
     try:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(intake.writer.run)
+        async with running(intake.writer.run):
             intake.replayer.replay_available()  # what the server's start-up catch-up does
             results = await intake.send_batch([message("acked-3"), message("unacked")])
             # The acknowledged id is held; the one never acknowledged may be sent again.
             assert codes(results) == [ResultCode.DUPLICATE, ResultCode.OK]
-            nursery.cancel_scope.cancel()
     finally:
         close(intake, known)
 
@@ -227,10 +217,8 @@ async def test_warming_skips_a_deleted_index_file_and_gives_up_on_an_unreadable_
     data = str(tmp_path)
     intake, known = make_intake(data, REAL_FS)
     try:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(intake.writer.run)
+        async with running(intake.writer.run):
             await intake.send_batch([message("a"), message("b")])
-            nursery.cancel_scope.cancel()
         intake.replayer.replay_available()
         intake.replayer.checkpoint()  # flushed: the entries are read from the file
         plan = known.begin_rebuild()
@@ -254,8 +242,7 @@ async def test_the_filter_is_rebuilt_bigger_when_full_and_keeps_every_id(tmp_pat
         known.warm = True  # the index is empty: the empty filter holds every id held
         capacity = known.capacity
         sent = [message(f"m-{i}") for i in range(capacity + 1000)]
-        async with trio.open_nursery() as nursery:
-            await nursery.start(intake.writer.run)
+        async with running(intake.writer.run):
             for start in range(0, len(sent), 4000):
                 await intake.send_batch(sent[start : start + 4000])
                 intake.replayer.replay_available()
@@ -273,7 +260,6 @@ async def test_the_filter_is_rebuilt_bigger_when_full_and_keeps_every_id(tmp_pat
             held = len(sent[::500]) + 1
             assert codes(again) == [ResultCode.DUPLICATE] * held + [ResultCode.OK]
             assert known.lookups - lookups <= held + 1  # the held ones (and a false maybe)
-            nursery.cancel_scope.cancel()
     finally:
         close(intake, known)
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.intake_support import DELAYD, METRICS, READY, ROOT, START_TIMEOUT_S, _env
+from tests.intake_support import METRICS, READY, START_TIMEOUT_S
+from tests.process_support import DELAYD, ROOT, child_env
 
 HEAVY = ("pyspark", "pyarrow")
 # Makes pyspark and pyarrow unimportable; at exit reports which of their modules were
@@ -58,7 +59,7 @@ def test_blocker_sees_an_import_of_spark():
         [sys.executable, "-c", BLOCK + "import pyspark\n"],
         capture_output=True,
         text=True,
-        env=_env(),
+        env=child_env(),
     )
     assert "heavy modules asked for: ['pyspark']; loaded: []" in done.stderr
 
@@ -83,7 +84,7 @@ def test_serve_send_and_consume_never_import_spark_or_arrow(tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=_env(),
+        env=child_env(),
     )
     try:
         lines = []
@@ -101,7 +102,7 @@ def test_serve_send_and_consume_never_import_spark_or_arrow(tmp_path):
             (["top", "--once", "--interval", "0.2", metrics], "throughput"),
         ):
             done = subprocess.run(
-                blocked(*args), capture_output=True, text=True, env=_env(), timeout=30
+                blocked(*args), capture_output=True, text=True, env=child_env(), timeout=30
             )
             assert done.returncode == 0, done.stderr
             assert prints in done.stdout and NONE_ASKED in done.stderr
@@ -119,14 +120,14 @@ def test_the_audit_says_what_to_install_without_the_extra(tmp_path):
     """``delayd audit`` and the spark-submit application exit 2 naming the extra."""
     (tmp_path / "data" / "delay").mkdir(parents=True)
     job = subprocess.run(
-        [*DELAYD, "audit", "--job-path"], capture_output=True, text=True, env=_env()
+        [*DELAYD, "audit", "--job-path"], capture_output=True, text=True, env=child_env()
     )
     submit = job.stdout.strip()
     assert job.returncode == 0 and Path(submit) == AUDIT_JOB
     arguments = ["--data", str(tmp_path / "data"), "--out", str(tmp_path / "out")]
     # `delayd audit`, and the file spark-submit runs, run by a plain interpreter
     for args in (blocked("audit", *arguments), blocked_file(Path(submit), *arguments)):
-        done = subprocess.run(args, capture_output=True, text=True, env=_env())
+        done = subprocess.run(args, capture_output=True, text=True, env=child_env())
         assert done.returncode == 2, done.stderr
         assert "pip install 'delayd[audit]'" in done.stderr
 
@@ -136,7 +137,7 @@ def test_the_audit_application_runs_from_the_checkout_and_the_package():
     audit's arguments."""
     for path in (ROOT / "tools" / "audit_job.py", AUDIT_JOB):
         done = subprocess.run(
-            [sys.executable, str(path), "--help"], capture_output=True, text=True, env=_env()
+            [sys.executable, str(path), "--help"], capture_output=True, text=True, env=child_env()
         )
         assert done.returncode == 0, done.stderr
         assert "--data" in done.stdout and "--master" in done.stdout

@@ -8,14 +8,13 @@ from __future__ import annotations
 import re
 import subprocess
 import time
-import urllib.request
 
 import pytest
 
 import delayd
 from tests.broker_support import BrokerProcess
 from tests.exported_metrics import Family, exported_by_a_live_server, parse_exposition
-from tests.intake_support import ROOT
+from tests.process_support import ROOT
 from tests.test_deploy import require
 
 pytestmark = pytest.mark.slow
@@ -169,17 +168,10 @@ def test_the_docs_name_only_exported_metrics(exported):
     assert documented - names - set(renamed) == set()
 
 
-def test_a_standalone_broker_follows_them_too(tmp_path):
+def test_a_standalone_broker_follows_them_too(tmp_path, procs):
     """``delayd broker`` registers its collectors its own way (from before recovery)."""
-    broker = BrokerProcess(tmp_path / "data")
-    try:
-        broker.start()
-        with urllib.request.urlopen(
-            "http://{}:{}/metrics".format(*broker.metrics_address), timeout=10
-        ) as response:
-            families = parse_exposition(response.read().decode())
-    finally:
-        broker.close()
+    broker = procs.start(BrokerProcess(tmp_path / "data"))
+    families = parse_exposition(broker.metrics_page())
     assert naming_problems(families) == []
     assert "delayd_broker_stored_messages_total" in families
     assert families["delayd_build_info"].samples

@@ -1,4 +1,4 @@
-"""delayd.serving.nowait_acquire: a free lock or semaphore is taken without a checkpoint;
+"""delayd.nowait_acquire: a free lock or semaphore is taken without a checkpoint;
 a taken one is waited for, in turn."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import trio
 import trio.testing
 
-from delayd.serving.nowait_acquire import acquire, holding
+from delayd.nowait_acquire import acquire, holding
 
 
 async def test_a_free_lock_and_semaphore_are_taken_without_yielding():

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import time
-import urllib.request
 
 from delayd.logs import layout
 from delayd.logs.buckets import bucket_of
@@ -15,7 +14,6 @@ from delayd.protocol import Message
 from tests.broker_support import BrokerProcess, messages
 from tests.delivery_support import poll
 from tests.intake_support import RawClient, ServeProcess, terminate
-from tests.test_intake_server import metrics, serve  # noqa: F401  (fixture)
 
 SECOND_MS = 1000
 MINUTE_MS = 60 * SECOND_MS
@@ -37,7 +35,7 @@ BANDS = {"1m": 2 + 3, "10m": 4, "1h": 5, "1d": 6, "later": 7}
 
 
 def pending(server) -> dict[str, float]:
-    values = metrics(server)
+    values = server.metrics()
     return {
         band: values[f'delayd_pending_messages{{horizon="{band}"}}']
         for band in ("1m", "10m", "1h", "1d", "later")
@@ -56,9 +54,9 @@ def files_of(directory: str) -> tuple[int, int]:
     return segments, size
 
 
-def test_pending_by_horizon_follows_schedule_and_dispatch_logs(serve, tmp_path):  # noqa: F811
+def test_pending_by_horizon_follows_schedule_and_dispatch_logs(procs, tmp_path):
     data = tmp_path / "data"
-    server = serve(data)
+    server = procs.serve(data)
     client = RawClient(server.address)
     sent_at_ms = time.time_ns() // 1_000_000
     batch = [
@@ -74,19 +72,19 @@ def test_pending_by_horizon_follows_schedule_and_dispatch_logs(serve, tmp_path):
     first_due = min(r.due_ms for r in results)
     assert first_due >= sent_at_ms + 8 * SECOND_MS
     oldest = "delayd_store_oldest_undelivered_bucket_start_timestamp_seconds"
-    assert metrics(server)[oldest] == bucket_of(first_due, 1) / 1000
+    assert server.metrics()[oldest] == bucket_of(first_due, 1) / 1000
 
     # Delivered: they leave the 1m band, nothing else moves.
     sent = 'delayd_delivery_sent_messages_total{group="local"}'
-    poll(lambda: metrics(server)[sent] == 2, 20, "2 sent")
+    poll(lambda: server.metrics()[sent] == 2, 20, "2 sent")
     after = {**BANDS, "1m": 3}
     poll(lambda: pending(server) == after, 5, f"pending == {after}")
     second_due = min(r.due_ms for r in results if r.due_ms > first_due + 10 * SECOND_MS)
-    assert metrics(server)[oldest] == bucket_of(second_due, 1) / 1000
+    assert server.metrics()[oldest] == bucket_of(second_due, 1) / 1000
 
     # The store: what the files hold, once the walk after the workload has run.
     def store_matches() -> bool:
-        values = metrics(server)
+        values = server.metrics()
         for log, directory in (
             ("message_log", layout.message_log_dir(str(data))),
             ("schedule_log", layout.schedule_log_dir(str(data))),
@@ -102,87 +100,70 @@ def test_pending_by_horizon_follows_schedule_and_dispatch_logs(serve, tmp_path):
 
     poll(store_matches, 15, "store metrics equal to the files")
     buckets = {bucket_of(r.due_ms, 1) for r in results}
-    assert metrics(server)['delayd_store_segments{log="schedule_log"}'] == len(buckets)
-    assert metrics(server)['delayd_store_segments{log="dispatch_log"}'] >= 1
+    assert server.metrics()['delayd_store_segments{log="schedule_log"}'] == len(buckets)
+    assert server.metrics()['delayd_store_segments{log="dispatch_log"}'] >= 1
     client.close()
     terminate(server)
 
     # A restart counts the logs: same numbers, none of the hook's.
     assert time.time_ns() // 1_000_000 < sent_at_ms + 35 * SECOND_MS, "too slow for 45 s"
-    server = serve(data)
+    server = procs.serve(data)
     poll(lambda: pending(server) == after, 10, f"pending == {after} after a restart")
-    assert metrics(server)[oldest] == bucket_of(second_due, 1) / 1000
+    assert server.metrics()[oldest] == bucket_of(second_due, 1) / 1000
     terminate(server)
 
 
-def test_metrics_listen_on_without_a_flag(tmp_path):
+def test_metrics_listen_on_without_a_flag(tmp_path, procs):
     """No --metrics-listen: /metrics is served (by default on 127.0.0.1:20880; here
     the environment moves it to a free port, so that parallel tests cannot collide),
     with every pending band at 0 on an empty data directory."""
-    server = ServeProcess(
-        tmp_path / "data",
-        metrics_listen=None,
-        env={"DELAYD_SERVER_METRICS_LISTEN": "127.0.0.1:0"},
+    server = procs.start(
+        ServeProcess(
+            tmp_path / "data",
+            metrics_listen=None,
+            env={"DELAYD_SERVER_METRICS_LISTEN": "127.0.0.1:0"},
+        )
     )
-    try:
-        server.start()
-        assert server.metrics_address is not None
-        poll(lambda: bool(pending(server)), 5, "the start-up count")
-        assert pending(server) == dict.fromkeys(BANDS, 0)
-        oldest = "delayd_store_oldest_undelivered_bucket_start_timestamp_seconds"
-        assert oldest not in metrics(server)
-        assert server.stop() == 0
-    finally:
-        server.close()
+    assert server.metrics_address is not None
+    poll(lambda: bool(pending(server)), 5, "the start-up count")
+    assert pending(server) == dict.fromkeys(BANDS, 0)
+    oldest = "delayd_store_oldest_undelivered_bucket_start_timestamp_seconds"
+    assert oldest not in server.metrics()
+    assert server.stop() == 0
 
 
-def scrape(address: tuple[str, int]) -> dict[str, float]:
-    url = "http://{}:{}/metrics".format(*address)
-    with urllib.request.urlopen(url, timeout=10) as response:
-        text = response.read().decode()
-    return {
-        name: float(value)
-        for name, value in (line.rsplit(" ", 1) for line in text.splitlines())
-        if name.startswith("delayd_")
-    }
-
-
-def test_broker_consumer_lag_per_group_and_subject_and_its_store(tmp_path):
+def test_broker_consumer_lag_per_group_and_subject_and_its_store(tmp_path, procs):
     """A `delayd broker` with 12 messages on "orders" (4 queues): group g consumed and
     committed the first 5 it pulled, group h joined and committed nothing (it would
     start from the earliest entry), group k committed on "audit" only."""
-    broker = BrokerProcess(tmp_path / "data")
-    try:
-        broker.start()
-        with broker.client() as c:
-            c.send_batch(messages("m", 12))
-            c.send_batch([Message("a-0", "audit"), Message("a-1", "audit")])
-            c.join("g", "orders", "g1")
-            got = c.pull("orders", "g", "g1", 5, 0)
-            assert len(got) == 5
-            c.commit_all("g", got)
-            c.join("h", "orders", "h1")
-            c.join("k", "audit", "k1")
-            c.commit_all("k", c.pull("audit", "k", "k1", 100, 0))
-        assert broker.metrics_address is not None
-        values = scrape(broker.metrics_address)
-        lag = "delayd_broker_subject_consumer_lag_messages"
-        assert values[f'{lag}{{group="g",subject="orders"}}'] == 12 - 5
-        assert values[f'{lag}{{group="h",subject="orders"}}'] == 12
-        assert values[f'{lag}{{group="k",subject="audit"}}'] == 0
-        assert not any(k.startswith(f'{lag}{{group="k",subject="orders"') for k in values)
-        # Its files, walked in the background (the first walk may predate the sends).
-        files, size = files_of(str(tmp_path / "data" / "broker" / "commitlog"))
-        assert files >= 1
+    broker = procs.start(BrokerProcess(tmp_path / "data"))
+    with broker.client() as c:
+        c.send_batch(messages("m", 12))
+        c.send_batch([Message("a-0", "audit"), Message("a-1", "audit")])
+        c.join("g", "orders", "g1")
+        got = c.pull("orders", "g", "g1", 5, 0)
+        assert len(got) == 5
+        c.commit_all("g", got)
+        c.join("h", "orders", "h1")
+        c.join("k", "audit", "k1")
+        c.commit_all("k", c.pull("audit", "k", "k1", 100, 0))
+    assert broker.metrics_address is not None
+    values = broker.metrics()
+    lag = "delayd_broker_subject_consumer_lag_messages"
+    assert values[f'{lag}{{group="g",subject="orders"}}'] == 12 - 5
+    assert values[f'{lag}{{group="h",subject="orders"}}'] == 12
+    assert values[f'{lag}{{group="k",subject="audit"}}'] == 0
+    assert not any(k.startswith(f'{lag}{{group="k",subject="orders"') for k in values)
+    # Its files, walked in the background (the first walk may predate the sends).
+    files, size = files_of(str(tmp_path / "data" / "broker" / "commitlog"))
+    assert files >= 1
 
-        def walked() -> bool:
-            now = scrape(broker.metrics_address)
-            return (
-                now['delayd_store_segments{log="broker_commitlog"}'] == files
-                and now['delayd_store_bytes{log="broker_commitlog"}'] == size
-            )
+    def walked() -> bool:
+        now = broker.metrics()
+        return (
+            now['delayd_store_segments{log="broker_commitlog"}'] == files
+            and now['delayd_store_bytes{log="broker_commitlog"}'] == size
+        )
 
-        poll(walked, 15, "the store walk")
-        assert broker.stop() == 0
-    finally:
-        broker.close()
+    poll(walked, 15, "the store walk")
+    assert broker.stop() == 0

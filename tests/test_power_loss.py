@@ -12,7 +12,6 @@ checkpoint (or a later one).
 from __future__ import annotations
 
 import random
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +22,11 @@ from storage.checkpoint import read_checkpoint, write_checkpoint
 from storage.crashfs import MODES, CrashSimFileSystem, crash_points, run_to_crash
 from storage.fs import REAL_FS, FileSystem
 from storage.segmented_log import SegmentedLog
+from tests.crash_support import (
+    assert_no_failures,
+    check_crash_point,
+    power_loss_at_every_crash_point,
+)
 
 DATA_DIR = "/data"
 LOG_DIR = "/data/log"
@@ -141,13 +145,6 @@ def check_recovered(root: Path, journal: Journal) -> None:
         assert journal.checkpoint_done <= int(value) <= journal.checkpoint_started
 
 
-def assert_no_failures(failures: dict[int, str]) -> None:
-    """One report for all failing crash points: which ones, and the first few in full."""
-    if failures:
-        details = "\n".join(f"crash point {k}: {why}" for k, why in list(failures.items())[:3])
-        pytest.fail(f"failed at crash points {sorted(failures)}\n{details}", pytrace=False)
-
-
 def test_workload_is_big_enough_to_cover_the_interesting_cases() -> None:
     """Guards the sizing below: a change that made the workload trivial would make the
     power-loss tests pass without testing anything."""
@@ -165,19 +162,15 @@ def test_workload_is_big_enough_to_cover_the_interesting_cases() -> None:
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("seed", SEEDS)
 def test_power_loss_at_every_crash_point(seed: int, mode: str, tmp_path: Path) -> None:
-    failures: dict[int, str] = {}
-    for k in range(crash_points(workload(Journal(seed))) + 1):
-        journal = Journal(seed)
-        fs = run_to_crash(workload(journal), k, PAGE_SIZE)
-        root = tmp_path / f"k{k}"
-        fs.materialize(str(root), mode, random.Random(f"{seed}:{k}:{mode}"))
-        try:
-            check_recovered(root, journal)
-        except Exception as exc:
-            failures[k] = f"{type(exc).__name__}: {exc}"
-        else:
-            shutil.rmtree(root)
-    assert_no_failures(failures)
+    power_loss_at_every_crash_point(
+        lambda: Journal(seed),
+        workload,
+        check_recovered,
+        tmp_path,
+        mode,
+        seed_prefix=f"{seed}:",
+        page_size=PAGE_SIZE,
+    )
 
 
 def test_log_directory_created_by_open_survives_power_loss(tmp_path: Path) -> None:
@@ -216,10 +209,5 @@ def test_kill_then_power_loss(seed: int, tmp_path: Path) -> None:
         journal.flush(log)
         root = tmp_path / f"k{k}"
         fs.materialize(str(root), "drop", random.Random(k))
-        try:
-            check_recovered(root, journal)
-        except Exception as exc:
-            failures[k] = f"{type(exc).__name__}: {exc}"
-        else:
-            shutil.rmtree(root)
+        check_crash_point(failures, k, root, lambda: check_recovered(root, journal))  # noqa: B023
     assert_no_failures(failures)

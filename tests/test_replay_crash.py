@@ -30,6 +30,11 @@ from delayd.replay import open_replayer
 from storage.crashfs import MODES, CrashSimFileSystem, crash_points, run_to_crash
 from storage.fs import FileSystem
 from storage.segmented_log import SegmentedLog
+from tests.crash_support import (
+    assert_no_failures,
+    check_crash_point,
+    power_loss_at_every_crash_point,
+)
 from tests.intake_support import NO_SYNC_FS, check_exactly_once, read_message_log
 
 DATA = "/data"
@@ -142,12 +147,6 @@ def scratch(tmp_path: Path):
         shutil.rmtree(root, ignore_errors=True)
 
 
-def assert_no_failures(failures: dict[int, str]) -> None:
-    if failures:
-        details = "\n".join(f"crash point {k}: {why}" for k, why in list(failures.items())[:3])
-        pytest.fail(f"failed at crash points {sorted(failures)}\n{details}", pytrace=False)
-
-
 def test_workload_covers_the_interesting_cases():
     """A change that made the workload trivial would make the crash tests pass without
     testing anything."""
@@ -167,19 +166,14 @@ def test_workload_covers_the_interesting_cases():
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("seed", SEEDS)
 def test_power_loss_at_every_crash_point(seed: int, mode: str, scratch: Path) -> None:
-    failures: dict[int, str] = {}
-    for k in range(crash_points(workload(Journal(seed))) + 1):
-        journal = Journal(seed)
-        fs = run_to_crash(workload(journal), k)
-        base = scratch / f"k{k}"
-        fs.materialize(str(base), mode, random.Random(f"{seed}:{k}:{mode}"))
-        try:
-            recover_and_check(base / DATA.strip("/"), journal)
-        except Exception as exc:
-            failures[k] = f"{type(exc).__name__}: {exc}"
-        else:
-            shutil.rmtree(base)
-    assert_no_failures(failures)
+    power_loss_at_every_crash_point(
+        lambda: Journal(seed),
+        workload,
+        lambda root, journal: recover_and_check(root / DATA.strip("/"), journal),
+        scratch,
+        mode,
+        seed_prefix=f"{seed}:",
+    )
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -223,11 +217,14 @@ def test_kill_then_power_loss_during_recovery(seed: int, scratch: Path) -> None:
                     break
             root = base / f"j{j}"
             again.materialize(str(root), "drop", random.Random(j))
-            try:
-                recover_and_check(root / DATA.strip("/"), journal_copy)
-            except Exception as exc:
-                failures[k] = f"power cut {j} ops into recovery: {type(exc).__name__}: {exc}"
+            passed = check_crash_point(
+                failures,
+                k,
+                root,
+                lambda: recover_and_check(root / DATA.strip("/"), journal_copy),  # noqa: B023
+                f"power cut {j} ops into recovery: ",
+            )
+            if not passed:
                 break
-            shutil.rmtree(root)
     assert nested == 4, "no crash point left anything for recovery to cut"
     assert_no_failures(failures)

@@ -28,7 +28,6 @@ from storage.fs import REAL_FS
 from tests.delivery_pipeline import Pipeline, RecordingTarget
 from tests.delivery_support import (
     SUBJECT,
-    Processes,
     broker_stats,
     consume,
     exactly_once,
@@ -36,7 +35,6 @@ from tests.delivery_support import (
     poll,
 )
 from tests.intake_support import write_config
-from tests.test_intake_server import metrics
 
 pytestmark = pytest.mark.slow
 MINUTE = 60_000
@@ -46,13 +44,6 @@ CONFIG = (
     "[replay]\ncheckpoint_interval_ms = 100\n"
     "[retention]\ninterval_ms = 100\nbucket_ms = 0\nmessage_log_ms = 0\n"
 )
-
-
-@pytest.fixture
-def procs(tmp_path):
-    processes = Processes(tmp_path)
-    yield processes
-    processes.close()
 
 
 def wall_ms() -> int:
@@ -68,31 +59,28 @@ def old_history(data: Path, origin_ms: int) -> dict[str, list[str]]:
     origin + 1 min; messages due at origin + 10 min, never delivered (their only broker
     group was down); messages due a few seconds from the real now. Their ids."""
     target = RecordingTarget("local")
-    pipeline = Pipeline(
+    with Pipeline(
         str(data),
         [target],
         message_log_segment_bytes=4096,
         limits=IntakeLimits(max_record_bytes=1024),
-    )
-    pipeline.delivery.ticker.origin_ms = origin_ms
-    ids: dict[str, list[str]] = {}
+    ) as pipeline:
+        pipeline.delivery.ticker.origin_ms = origin_ms
+        ids: dict[str, list[str]] = {}
 
-    async def main() -> None:
-        ids["delivered"] = pipeline.schedule([origin_ms + MINUTE + i for i in range(80)])
-        ids["undelivered"] = pipeline.schedule([origin_ms + 10 * MINUTE + i for i in range(40)])
-        ids["future"] = pipeline.schedule([wall_ms() + 4000 + i for i in range(20)])
-        async with trio.open_nursery() as nursery:
-            await nursery.start(pipeline.run)
-            await trio.sleep(5 * 60)
-            target.unavailable = True
-            await trio.sleep(5 * 60 + 30)  # past the undelivered ones' due time
-            await pipeline.stop()
-            nursery.cancel_scope.cancel()
+        async def main() -> None:
+            ids["delivered"] = pipeline.schedule([origin_ms + MINUTE + i for i in range(80)])
+            ids["undelivered"] = pipeline.schedule([origin_ms + 10 * MINUTE + i for i in range(40)])
+            ids["future"] = pipeline.schedule([wall_ms() + 4000 + i for i in range(20)])
+            async with pipeline.running():
+                await trio.sleep(5 * 60)
+                target.unavailable = True
+                await trio.sleep(5 * 60 + 30)  # past the undelivered ones' due time
+                await pipeline.stop()
 
-    # Jumps soon: retries against the dead group wake the sender often, and lateness
-    # does not matter here.
-    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0.002))
-    pipeline.close()
+        # Jumps soon: retries against the dead group wake the sender often, and lateness
+        # does not matter here.
+        trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0.002))
     assert sorted(r.message.message_id for r in target.received) == sorted(ids["delivered"])
     return ids
 
@@ -134,7 +122,7 @@ def test_served_retention_deletes_delivers_and_restarts(procs, tmp_path):
         30,
         "replayed segments deleted",
     )
-    values = metrics(server)
+    values = server.metrics()
     assert values['delayd_retention_deleted_files_total{log="schedule_log"}'] >= 2
     assert values['delayd_retention_deleted_files_total{log="dispatch_log"}'] >= 2
     deleted_segments = values['delayd_retention_deleted_files_total{log="message_log"}']
@@ -145,7 +133,7 @@ def test_served_retention_deletes_delivers_and_restarts(procs, tmp_path):
     # dispatch_log every second).
     poll(
         lambda: (
-            sum(v for k, v in metrics(server).items() if k.startswith("delayd_pending_messages{"))
+            sum(v for k, v in server.metrics().items() if k.startswith("delayd_pending_messages{"))
             == 0
         ),
         10,

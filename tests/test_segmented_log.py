@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from storage.errors import CorruptionError, LogClosedError, RecordTooLargeError
 from storage.framing import HEADER_SIZE, TYPE_DATA
 from storage.segmented_log import RECOVERY_CHECKPOINT, SegmentedLog, segment_name
+from tests.damage_support import flip_byte
 
 NO_CHECKPOINT = 1 << 40  # keep the recovery checkpoint out of tests that crash by hand
 
@@ -141,14 +142,6 @@ def test_zero_filled_tail_is_cut_quietly(tmp_path):
         assert log.recovery.truncated_bytes == 3000
 
 
-def flip_byte(path: str, position: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(position)
-        byte = f.read(1)
-        f.seek(position)
-        f.write(bytes([byte[0] ^ 0x40]))
-
-
 def test_flipped_byte_mid_log_is_reported_not_truncated(tmp_path):
     directory = str(tmp_path)
     log = SegmentedLog.open(
@@ -162,7 +155,7 @@ def test_flipped_byte_mid_log_is_reported_not_truncated(tmp_path):
     path = os.path.join(directory, segment_files(directory)[0])
     size_before = os.path.getsize(path)
     victim = offsets[20]
-    flip_byte(path, victim + HEADER_SIZE + 3)
+    flip_byte(path, victim + HEADER_SIZE + 3, mask=0x40)
     with pytest.raises(CorruptionError) as caught:
         SegmentedLog.open(directory, max_unsynced_bytes=512)
     assert caught.value.path == path
@@ -178,7 +171,7 @@ def test_corruption_below_the_recovery_checkpoint_is_reported_on_read(tmp_path):
         offsets = log.append_batch([b"payload-%03d" % i for i in range(100)])
     assert os.path.exists(os.path.join(directory, RECOVERY_CHECKPOINT))
     path = os.path.join(directory, segment_files(directory)[0])
-    flip_byte(path, offsets[50] + HEADER_SIZE)
+    flip_byte(path, offsets[50] + HEADER_SIZE, mask=0x40)
     with SegmentedLog.open(directory) as log:  # not scanned: below the checkpoint
         assert log.read(offsets[49]).payload == b"payload-049"
         with pytest.raises(CorruptionError) as on_read:
@@ -193,7 +186,7 @@ def test_bad_record_inside_the_unsynced_window_is_a_torn_tail(tmp_path):
     directory = str(tmp_path)
     written = write_crashed_log(directory, 30, segment_size=1 << 20)
     path = os.path.join(directory, segment_files(directory)[0])
-    flip_byte(path, written[27][0] + HEADER_SIZE)  # a power loss can leave this
+    flip_byte(path, written[27][0] + HEADER_SIZE, mask=0x40)  # a power loss can leave this
     with SegmentedLog.open(directory) as log:
         assert [(r.offset, r.payload) for r in log.iter_from(0)] == written[:27]
         assert log.recovery.truncated_at == written[27][0]

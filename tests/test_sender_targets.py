@@ -32,7 +32,8 @@ from delayd.protocol import (
     SendResult,
 )
 from delayd.sender import EmbeddedTarget, RemoteTarget, SendTarget, TargetUnavailable
-from tests.client_support import HANG, BrokerProcess, ScriptedServer, SilentServer, free_port
+from tests.client_support import HANG, BrokerProcess, ScriptedServer, SilentServer
+from tests.process_support import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -22,28 +22,11 @@ from delayd.server.app import DelayServer, open_listeners, serve_metrics_early
 from delayd.server.config import ServeConfig
 from storage.dirlock import LOCK_NAME, read_holder
 from tests.broker_support import BrokerProcess
-from tests.intake_support import (
-    DELAYD,
-    ROOT,
-    RawClient,
-    ServeProcess,
-    _env,
-    ok,
-    read_message_log,
-    terminate,
-)
+from tests.intake_support import RawClient, ServeProcess, ok, read_message_log, terminate
+from tests.process_support import DELAYD, ROOT, child_env
 from tests.test_metrics_http import http_get
 
 REFUSAL_TIMEOUT_S = 10.0  # a refused start exits in well under a second
-
-
-@pytest.fixture
-def processes():
-    """Every ServeProcess / BrokerProcess a test starts is killed at its end."""
-    started: list[ServeProcess | BrokerProcess] = []
-    yield started
-    for process in started:
-        process.close()
 
 
 def run_to_exit(*args: str) -> tuple[int, str, float]:
@@ -53,7 +36,7 @@ def run_to_exit(*args: str) -> tuple[int, str, float]:
         [*DELAYD, *args],
         cwd=ROOT,
         capture_output=True,
-        env=_env(),
+        env=child_env(),
         timeout=REFUSAL_TIMEOUT_S,
         check=False,
     )
@@ -90,11 +73,9 @@ def assert_names_holder(log: str, pid: int, command: str) -> None:
     assert "Stop that process" in log, log  # what to do about it
 
 
-def test_a_second_serve_or_broker_is_refused_and_the_first_keeps_serving(tmp_path, processes):
+def test_a_second_serve_or_broker_is_refused_and_the_first_keeps_serving(tmp_path, procs):
     data = tmp_path / "data"
-    first = ServeProcess(data)
-    processes.append(first)
-    first.start()
+    first = procs.start(ServeProcess(data))
     assert first.proc is not None and first.address is not None
     send(first.address, "before")
 
@@ -111,11 +92,9 @@ def test_a_second_serve_or_broker_is_refused_and_the_first_keeps_serving(tmp_pat
     assert ids == [f"before-{i}" for i in range(10)] + [f"after-{i}" for i in range(10)]
 
 
-def test_a_second_broker_on_a_broker_directory_is_refused(tmp_path, processes):
+def test_a_second_broker_on_a_broker_directory_is_refused(tmp_path, procs):
     data = tmp_path / "broker"
-    first = BrokerProcess(data)
-    processes.append(first)
-    first.start()
+    first = procs.start(BrokerProcess(data))
     assert first.proc is not None
     for attempt in (second_broker, second_serve):
         code, log, _ = attempt(data)
@@ -138,11 +117,9 @@ def host_port(address: tuple[str, int]) -> str:
     return "{}:{}".format(*address)
 
 
-def test_the_lock_is_freed_on_exit_and_by_kill_9(tmp_path, processes):
+def test_the_lock_is_freed_on_exit_and_by_kill_9(tmp_path, procs):
     data = tmp_path / "data"
-    server = ServeProcess(data)
-    processes.append(server)
-    server.start()
+    server = procs.start(ServeProcess(data))
     assert server.address is not None
     send(server.address, "one")
     terminate(server)

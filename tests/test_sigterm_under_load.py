@@ -146,42 +146,36 @@ def check_stored(stored: list[str], acked: list[str], sent: set[str]) -> None:
     assert set(stored) < sent  # the stop cut the load short: some were never stored
 
 
-def test_every_stored_batch_is_answered_across_sigterm_under_load(tmp_path):
+def test_every_stored_batch_is_answered_across_sigterm_under_load(tmp_path, procs):
     data = tmp_path / "data"
-    server = ServeProcess(data, "--broker-listen", "off", metrics_listen="off")
-    try:
-        acked_total: list[str] = []
-        sent_total: set[str] = set()
-        for round_no in range(ROUNDS):
-            server.start()
-            tally = pipeline_through_stop(server, f"r{round_no}")
-            check_round(server, tally)
-            acked_total += tally.acked
-            sent_total |= tally.sent
-        stored = [record.message_id for _, record in read_message_log(data)]
-        check_stored(stored, acked_total, sent_total)
-    finally:
-        server.close()
+    server = procs.add(ServeProcess(data, "--broker-listen", "off", metrics_listen="off"))
+    acked_total: list[str] = []
+    sent_total: set[str] = set()
+    for round_no in range(ROUNDS):
+        server.start()
+        tally = pipeline_through_stop(server, f"r{round_no}")
+        check_round(server, tally)
+        acked_total += tally.acked
+        sent_total |= tally.sent
+    stored = [record.message_id for _, record in read_message_log(data)]
+    check_stored(stored, acked_total, sent_total)
 
 
-def test_the_broker_answers_every_stored_batch_across_sigterm_under_load(tmp_path):
+def test_the_broker_answers_every_stored_batch_across_sigterm_under_load(tmp_path, procs):
     """The same for ``delayd broker``'s SEND_BATCH: read back by draining the subject
     after a restart (the broker stores each id once, so a lost answer shows as a
     stored id never acknowledged)."""
-    server = BrokerProcess(tmp_path / "broker", "--metrics-listen", "off")
-    try:
-        acked_total: list[str] = []
-        sent_total: set[str] = set()
-        for round_no in range(ROUNDS):
-            server.start()
-            tally = pipeline_through_stop(server, f"r{round_no}", delayed=False)
-            check_round(server, tally)
-            acked_total += tally.acked
-            sent_total |= tally.sent
+    server = procs.add(BrokerProcess(tmp_path / "broker", "--metrics-listen", "off"))
+    acked_total: list[str] = []
+    sent_total: set[str] = set()
+    for round_no in range(ROUNDS):
         server.start()
-        with server.client() as client:
-            stored = [m.message_id for m in client.drain("orders", "check", "c1")]
-        assert server.stop() == 0
-        check_stored(stored, acked_total, sent_total)
-    finally:
-        server.close()
+        tally = pipeline_through_stop(server, f"r{round_no}", delayed=False)
+        check_round(server, tally)
+        acked_total += tally.acked
+        sent_total |= tally.sent
+    server.start()
+    with server.client() as client:
+        stored = [m.message_id for m in client.drain("orders", "check", "c1")]
+    assert server.stop() == 0
+    check_stored(stored, acked_total, sent_total)

@@ -14,7 +14,7 @@ from delayd.serving.store_metrics import (
     StoreSizes,
     directory_size,
 )
-from delayd.serving.write_refusals import MESSAGE_LOG, WriteRefusals
+from delayd.write_refusals import MESSAGE_LOG, WriteRefusals
 from storage.errors import DiskFullError
 
 

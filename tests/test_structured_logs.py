@@ -1,4 +1,4 @@
-"""Structured logs (delayd.serving.structured_logs): key=value and JSON lines, levels, fields,
+"""Structured logs (delayd.structured_logs): key=value and JSON lines, levels, fields,
 tracebacks on one line; and `delayd serve` / `delayd broker` wired to them without
 touching their ready lines on stdout."""
 
@@ -12,9 +12,10 @@ import subprocess
 
 import pytest
 
-from delayd.serving.structured_logs import configure_logging, fields
+from delayd.structured_logs import configure_logging, fields
 from tests.broker_support import BrokerProcess
-from tests.intake_support import DELAYD, ROOT, ServeProcess, _env, write_config
+from tests.intake_support import ServeProcess, write_config
+from tests.process_support import DELAYD, ROOT, child_env
 
 KV_PAIR = re.compile(r'(\S+?)=("(?:[^"\\]|\\.)*"|\S*)')
 
@@ -112,16 +113,13 @@ def test_unknown_format_or_level_is_refused(root_logging, log_format, level):
         configure_logging(log_format, level)
 
 
-def test_serve_logs_json_and_keeps_its_ready_lines_on_stdout(tmp_path):
-    server = ServeProcess(
-        tmp_path / "data", "--metrics-listen", "127.0.0.1:0", "--log-format", "json"
+def test_serve_logs_json_and_keeps_its_ready_lines_on_stdout(tmp_path, procs):
+    server = procs.add(
+        ServeProcess(tmp_path / "data", "--metrics-listen", "127.0.0.1:0", "--log-format", "json")
     )
-    try:
-        server.start()  # parses "delayd serve listening on H:P" from stdout
-        assert server.metrics_address is not None and server.broker_address is not None
-        assert server.stop() == 0
-    finally:
-        server.close()
+    server.start()  # parses "delayd serve listening on H:P" from stdout
+    assert server.metrics_address is not None and server.broker_address is not None
+    assert server.stop() == 0
     lines = server.log_path.read_text().splitlines()
     records = [json.loads(line) for line in lines]  # every stderr line is a JSON record
     assert any(r["msg"] == "delayd serve stopped" and r["level"] == "info" for r in records)
@@ -135,7 +133,7 @@ def test_serve_reports_a_bad_configuration_as_a_log_record(tmp_path):
         [*args, "--log-format", "kv", "--log-level", "warning"],
         cwd=ROOT,
         capture_output=True,
-        env=_env(),
+        env=child_env(),
         timeout=30,
         check=False,
     )
@@ -146,14 +144,11 @@ def test_serve_reports_a_bad_configuration_as_a_log_record(tmp_path):
     assert "unknown key intake.max_dealy_ms" in pairs["msg"]
 
 
-def test_broker_logs_kv_and_its_metrics_line_is_still_found(tmp_path):
-    broker = BrokerProcess(tmp_path / "data", "--log-format", "kv")
-    try:
-        broker.start()  # ready line from stdout, metrics address from the log
-        assert broker.metrics_address is not None
-        assert broker.stop() == 0
-    finally:
-        broker.close()
+def test_broker_logs_kv_and_its_metrics_line_is_still_found(tmp_path, procs):
+    broker = procs.add(BrokerProcess(tmp_path / "data", "--log-format", "kv"))
+    broker.start()  # ready line from stdout, metrics address from the log
+    assert broker.metrics_address is not None
+    assert broker.stop() == 0
     lines = broker.log_path.read_text().splitlines()
     records = [parse_kv(line) for line in lines]  # every stderr line is a logfmt record
     assert any(r["msg"] == "delayd broker stopped" for r in records)

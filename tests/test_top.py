@@ -5,6 +5,7 @@ terminal (keys select and quit, Ctrl-C quits)."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import io
 import math
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import termios
 import time
+from collections.abc import Iterator
 from functools import partial
 
 import pytest
@@ -38,7 +40,7 @@ from delayd.top import (
     server_view,
 )
 from delayd.top.render import fmt_bytes, fmt_rate, fmt_seconds
-from tests.intake_support import ROOT, _env
+from tests.process_support import ROOT, child_env
 
 T = 1_795_341_600_000  # 2026-11-22T10:00:00Z
 HORIZON_PENDING = {"1m": 12_000, "10m": 3_000, "1h": 600, "1d": 0, "later": 6_000}
@@ -356,7 +358,7 @@ def test_many_servers_scroll_to_the_selected_one_and_an_unreachable_one_says_why
 
 
 def delayd_env() -> dict[str, str]:
-    env = _env()
+    env = child_env()
     env.update(COLUMNS="80", LINES="24")
     return env
 
@@ -403,11 +405,13 @@ async def test_once_against_a_real_metrics_endpoint():
     assert line_with(lines, "orders", "OPEN")
 
 
-def open_top_in_a_terminal(*targets: str) -> tuple[subprocess.Popen, int]:
-    """`delayd top` on a pseudo terminal of 80x24; returns it and the master fd."""
+@contextlib.contextmanager
+def top_in_a_terminal(*targets: str) -> Iterator[tuple[subprocess.Popen, int]]:
+    """`delayd top` on a pseudo terminal of 80x24: the process and the master fd. On
+    leaving, a process still running is killed and the terminal closed."""
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
-    env = _env()
+    env = child_env()
     env.update(TERM="xterm-256color")
     for name in ("COLUMNS", "LINES"):
         env.pop(name, None)
@@ -421,7 +425,13 @@ def open_top_in_a_terminal(*targets: str) -> tuple[subprocess.Popen, int]:
         start_new_session=True,
     )
     os.close(slave)
-    return proc, master
+    try:
+        yield proc, master
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        os.close(master)
 
 
 ANSI = re.compile(r"\x1b(\[[0-9;?]*[A-Za-z]|\][^\x07]*\x07|[()][A-Z0-9]|[=>])")
@@ -449,8 +459,7 @@ def assert_terminal_restored(master: int) -> None:
 
 @pytest.mark.slow
 def test_live_view_selects_with_digits_and_quits_on_q():
-    proc, master = open_top_in_a_terminal("127.0.0.1:1", "127.0.0.1:2")
-    try:
+    with top_in_a_terminal("127.0.0.1:1", "127.0.0.1:2") as (proc, master):
         screen_until(master, r"▶1\s+127\.0\.0\.1:1 ")
         assert not termios.tcgetattr(master)[3] & termios.ICANON  # keys one at a time
         os.write(master, b"2")
@@ -458,23 +467,12 @@ def test_live_view_selects_with_digits_and_quits_on_q():
         os.write(master, b"q")
         assert proc.wait(10) == 0
         assert_terminal_restored(master)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-        os.close(master)
 
 
 @pytest.mark.slow
 def test_live_view_quits_on_ctrl_c():
-    proc, master = open_top_in_a_terminal("127.0.0.1:1")
-    try:
+    with top_in_a_terminal("127.0.0.1:1") as (proc, master):
         screen_until(master, "unreachable")
         proc.send_signal(signal.SIGINT)
         assert proc.wait(10) == 0
         assert_terminal_restored(master)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-        os.close(master)

@@ -35,7 +35,8 @@ from storage.fs import REAL_FS
 from storage.record_file import RecordFile
 from storage.segmented_log import RECOVERY_CHECKPOINT, SegmentedLog
 from storage.torn_tail import DEFAULT_MAX_UNSYNCED_BYTES, is_torn_tail
-from tests.audit_support import T0, append_bytes, flip_byte
+from tests.audit_support import T0
+from tests.damage_support import append_bytes, cut, flip_byte
 
 TORN, CORRUPT = "torn", "corrupt"
 BUCKET = "202611221000"  # the bucket of T0
@@ -101,7 +102,7 @@ def write_bucket(
 def torn_last_record_of_the_active_segment(data: str) -> Verdict:
     offsets = write_message_log(data, 12, crashed=True)
     path, base = segment_of(data, offsets[-1])
-    os.truncate(path, os.path.getsize(path) - 4)
+    cut(path, os.path.getsize(path) - 4)
     return Verdict(TORN, os.path.basename(path), offsets[-1] - base)
 
 
@@ -139,7 +140,7 @@ def damaged_sealed_segment_inside_the_unsynced_window(data: str) -> Verdict:
 
 def torn_last_record_of_a_bucket(data: str) -> Verdict:
     path, offsets = write_bucket(data, 5, replayed=False)
-    os.truncate(path, os.path.getsize(path) - 4)
+    cut(path, os.path.getsize(path) - 4)
     return Verdict(TORN, BUCKET, offsets[-1])
 
 
@@ -195,10 +196,10 @@ def recovery_verdict(data: str, copy: str) -> Verdict | None:
     sizes = {bucket.name: bucket.size for bucket in list_files(copy, SCHEDULE_LOG)}
     try:
         with SegmentedLog.open(layout.message_log_dir(copy)) as log:
-            cut = log.recovery.truncated_at
-            if cut is not None:
-                base = max(s.base for s in list_files(copy, MESSAGE_LOG) if s.base <= cut)
-                return Verdict(TORN, f"{base:020d}", cut - base)
+            cut_at = log.recovery.truncated_at
+            if cut_at is not None:
+                base = max(s.base for s in list_files(copy, MESSAGE_LOG) if s.base <= cut_at)
+                return Verdict(TORN, f"{base:020d}", cut_at - base)
             for _ in log.iter_from(log.min_offset):
                 pass
             open_replayer(copy, log, segment_scale=1, index=False).close()

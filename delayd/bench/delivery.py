@@ -1,4 +1,4 @@
-"""Delivery benchmark (issue 5): how late, how fast in a burst, how much memory and how
+"""Delivery benchmark: how late, how fast in a burst, how much memory and how
 quick a restart of ``delayd serve`` delivering delayed messages to its embedded broker.
 
 Prints one JSON object per figure on stdout:

@@ -1,4 +1,4 @@
-"""The real-time broker delayd delivers into and consumers pull from (issue 3).
+"""The real-time broker delayd delivers into and consumers pull from.
 
 Modules, bottom up: ``config`` (BrokerConfig), ``record`` (the commitlog record: the
 protocol's message layout), ``routing`` (queue selection), ``dedupe`` (the idempotency

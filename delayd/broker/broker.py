@@ -49,7 +49,7 @@ from delayd.protocol.message_layout import (
     read_heads,
 )
 from delayd.protocol.primitives import MAX_STR_BYTES
-from delayd.serving.write_refusals import BROKER_COMMITLOG, CHECKPOINT, WriteRefusals
+from delayd.write_refusals import BROKER_COMMITLOG, CHECKPOINT, WriteRefusals
 from storage.errors import DiskFullError
 from storage.fs import REAL_FS, FileSystem
 

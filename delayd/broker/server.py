@@ -32,6 +32,7 @@ import trio
 
 from delayd.broker.broker import Broker
 from delayd.errors import RejectedError
+from delayd.nowait_acquire import acquire
 from delayd.protocol import (
     Cancel,
     CancelBatch,
@@ -57,7 +58,6 @@ from delayd.protocol import (
 from delayd.protocol.frames import DEFAULT_MAX_FRAME_SIZE
 from delayd.serving.connection import ServerConnection, internal_error
 from delayd.serving.connection_gate import ConnectionGate
-from delayd.serving.nowait_acquire import acquire
 from delayd.serving.stoppable_listener import StoppableListener
 from delayd.serving.tls import ServerTls
 from storage.errors import StorageError

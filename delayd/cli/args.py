@@ -23,7 +23,7 @@ from delayd.address import Address, parse_address
 from delayd.cluster.config import etcd_urls
 from delayd.durations import parse_duration_ms
 from delayd.group_address import parse_group_address
-from delayd.serving.structured_logs import (
+from delayd.structured_logs import (
     DEFAULT_LOG_FORMAT,
     DEFAULT_LOG_LEVEL,
     LOG_FORMATS,

@@ -61,8 +61,8 @@ from delayd.serving.data_dir import serve_data_dir
 from delayd.serving.gc_tuning import tune_gc_for_serving
 from delayd.serving.listeners import bound_addresses, open_listeners
 from delayd.serving.metrics_http import Readiness, serve_metrics
-from delayd.serving.structured_logs import configure_logging
 from delayd.serving.tls import ServerTls, reload_on_sighup
+from delayd.structured_logs import configure_logging
 from delayd.tls import ServerTlsConfig, TlsError
 from storage.flusher import FlushMode, FlushPolicy
 

@@ -52,12 +52,12 @@ from delayd.server.config_env import load_effective_config
 from delayd.server.config_print import config_to_toml
 from delayd.serving.data_dir import serve_data_dir
 from delayd.serving.gc_tuning import tune_gc_for_serving
-from delayd.serving.structured_logs import (
+from delayd.serving.tls import ServerTls, reload_on_sighup
+from delayd.structured_logs import (
     DEFAULT_LOG_FORMAT,
     DEFAULT_LOG_LEVEL,
     configure_logging,
 )
-from delayd.serving.tls import ServerTls, reload_on_sighup
 from delayd.tls import ServerTlsConfig, TlsError
 
 log = logging.getLogger("delayd.serve")

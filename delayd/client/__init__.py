@@ -9,20 +9,21 @@
 - ``ClientTls(ca_file=, cert_file=, key_file=)``: ``tls=`` of every client, for a
   server that listens with TLS (delayd.tls).
 
-Shared, I/O-free pieces: ``_ids`` (message ids), ``_backoff``, ``_messages`` (send
+Shared, I/O-free pieces: ``_backoff``, ``_messages`` (send
 arguments to Messages, frames), ``_consumer_state`` (prefetch, dedupe, offsets),
 ``_session_base`` (address, back-off, first connection). The links (``_async_link``,
 ``_blocking_link``) move bytes through ``delayd.protocol.Connection`` and open with
 ``delayd.protocol.handshake``; the sessions reconnect them with back-off.
+``new_message_id`` (delayd.message_ids) makes the ids of messages sent without one.
 """
 
-from delayd.client._ids import new_message_id
 from delayd.client.async_consumer import AsyncConsumer, open_consumer
 from delayd.client.async_producer import AsyncProducer, open_producer
 from delayd.client.blocking_consumer import Consumer
 from delayd.client.blocking_producer import Producer
 from delayd.client.cancel_receipt import CancelReceipt, RescheduleReceipt
 from delayd.client.receipt import Receipt
+from delayd.message_ids import new_message_id
 from delayd.tls import ClientTls, TlsError
 
 __all__ = [

@@ -9,9 +9,9 @@ starting. The randomness is injected so tests can pin the schedule.
 A reconnecting session records each failure with ``failed(now_s)`` and asks
 ``wait_s(now_s)`` before its next attempt: the delay runs from the failure, not from
 the call that waits, so time a caller spent elsewhere (between two ``receive(timeout_s=1)``
-calls, say) counts towards it. Sleeping a fresh delay at the start of every call was
-the bug of issue 18: once the delay grew past a caller's time-out, every call ran out of
-time inside the sleep — or gave up before it — and the client never tried again.
+calls, say) counts towards it. Sleeping a fresh delay at the start of every call would
+fail: once the delay grew past a caller's time-out, every call would run out of time
+inside the sleep — or give up before it — and the client would never try again.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ from datetime import datetime, timedelta
 from typing import Any, TypedDict, Unpack
 
 from delayd.client._due import send_times
-from delayd.client._ids import new_message_id
+from delayd.message_ids import new_message_id
 from delayd.protocol import Message
 
 # Frames are split so that a huge send_batch neither makes one frame larger than the

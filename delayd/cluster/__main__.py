@@ -15,7 +15,7 @@ from delayd.cluster.election import GroupMember
 from delayd.cluster.etcd import EtcdClient
 from delayd.cluster.lease_guard import DEFAULT_LEASE_TTL_MS
 from delayd.cluster.members import DEFAULT_PREFIX, MemberInfo, View
-from delayd.serving.structured_logs import configure_logging
+from delayd.structured_logs import configure_logging
 
 
 async def _demo(args: argparse.Namespace) -> None:

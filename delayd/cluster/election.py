@@ -53,7 +53,7 @@ from delayd.cluster.members import (
     view_of,
 )
 from delayd.errors import EtcdError, EtcdUnavailable
-from delayd.serving.structured_logs import fields
+from delayd.structured_logs import fields
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from delayd.logs.dispatch_log import (
     encode_entry,
     read_state,
 )
-from delayd.serving.descriptor_limit import soft_descriptor_limit
+from storage.descriptor_limit import soft_descriptor_limit
 from storage.fs import REAL_FS, FileSystem
 
 DEFAULT_MAX_OPEN = 64

@@ -39,10 +39,10 @@ from delayd.logs.bucket_files import BucketFiles
 from delayd.logs.buckets import bucket_of, bucket_width_ms
 from delayd.logs.id_index import IdIndex, scheduled_id
 from delayd.logs.known_ids import KnownIds
+from delayd.nowait_acquire import holding
 from delayd.replay.recovery import RecoveryReport
 from delayd.replay.state import ReplayCheckpoint, write_replay_checkpoint
-from delayd.serving.nowait_acquire import holding
-from delayd.serving.write_refusals import CHECKPOINT, SCHEDULE_LOG, WriteRefusals
+from delayd.write_refusals import CHECKPOINT, SCHEDULE_LOG, WriteRefusals
 from storage.errors import DiskFullError, StorageError
 from storage.framing import HEADER_SIZE
 from storage.fs import FileSystem

@@ -1,4 +1,4 @@
-"""Replication of a group's streams from its leader to its followers (issue 20).
+"""Replication of a group's streams from its leader to its followers.
 
 The data path only: streams, the epoch history, the wire frames, the leader's and the
 follower's sides. Wiring them into ``delayd serve`` / ``delayd broker`` roles is the

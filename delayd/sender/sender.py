@@ -54,6 +54,7 @@ import trio
 from delayd.logs.dispatch_files import DispatchFiles
 from delayd.logs.dispatch_log import EntryKind, check_group_name
 from delayd.logs.schedule_reader import ScheduleReader
+from delayd.nowait_acquire import holding
 from delayd.sender.circuit import CircuitBreaker, CircuitState
 from delayd.sender.histogram import Histogram
 from delayd.sender.ledger import Item, Ledger, Watcher, Withdrawal
@@ -61,10 +62,9 @@ from delayd.sender.retry import RetryPolicy, dead_letter_subject
 from delayd.sender.routing import GroupWeight, Router
 from delayd.sender.targets import SendTarget, TargetUnavailable
 from delayd.sender.wire import encode_batch
-from delayd.serving.nowait_acquire import holding
-from delayd.serving.write_refusals import DISPATCH_LOG, WriteRefusals
 from delayd.wheel.manager import WheelManager
 from delayd.wheel.timer import OFFSET_BITS, DueEntries
+from delayd.write_refusals import DISPATCH_LOG, WriteRefusals
 from storage.errors import DiskFullError
 
 log = logging.getLogger(__name__)

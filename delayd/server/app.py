@@ -33,7 +33,6 @@ from delayd.broker.metrics import BrokerCollector
 from delayd.broker.server import broker_listener
 from delayd.cluster.config import DEFAULT_SERVE_REPLICATION_PORT
 from delayd.cluster.members import MemberInfo
-from delayd.http import Backend, HttpListener, open_api
 from delayd.logs import layout
 from delayd.logs.known_ids import KnownIds
 from delayd.logs.message_status import UNKNOWN, MessageStatus, message_status
@@ -42,6 +41,7 @@ from delayd.server.config import Address, ServeConfig
 from delayd.server.connection import DelayConnection
 from delayd.server.delivery import Delivery, build_targets
 from delayd.server.delivery_metrics import DeliveryCollector
+from delayd.server.http import Backend, HttpListener, open_api
 from delayd.server.intake import IntakePath
 from delayd.server.listener import IntakeListener
 from delayd.server.metrics import IntakeCollector
@@ -56,7 +56,7 @@ from delayd.serving.listeners import open_listeners as bind
 from delayd.serving.metrics_http import Readiness, serve_metrics
 from delayd.serving.store_metrics import RESUME_FREE_BYTES, StoreMetrics, broker_directories
 from delayd.serving.tls import ServerTls
-from delayd.serving.write_refusals import WriteRefusals
+from delayd.write_refusals import WriteRefusals
 from storage.errors import StorageError
 from storage.flusher import FlushMode, LogWriter
 from storage.fs import REAL_FS, FileSystem
@@ -499,7 +499,7 @@ class DelayServer:
         *,
         task_status: trio.TaskStatus[Address],
     ) -> None:
-        """The HTTP API (delayd.http) on the same intake path and broker; a log that
+        """The HTTP API (delayd.server.http) on the same intake path and broker; a log that
         cannot be written stops the server, as it does from the binary listener."""
 
         def storage_failed(exc: StorageError) -> None:

@@ -29,10 +29,10 @@ from delayd.logs import message_log, schedule_log, tombstone
 from delayd.logs.dispatch_files import DispatchFiles
 from delayd.logs.dispatch_log import DispatchEntry, EntryKind, find_entry
 from delayd.logs.id_index import IdIndex, Location
+from delayd.nowait_acquire import holding
 from delayd.protocol.codes import CancelOutcome, RescheduleOutcome
 from delayd.replay.replayer import Replayer, TombstoneRecord
 from delayd.sender.sender import Sender, Withdrawal
-from delayd.serving.nowait_acquire import holding
 from delayd.wheel.manager import WheelManager, Whereabouts
 from delayd.wheel.timer import pack_ref
 

@@ -38,7 +38,7 @@ from delayd.serving.connection_limits import (
     DEFAULT_MAX_UNFINISHED_FRAME_BYTES,
     ConnectionLimits,
 )
-from delayd.serving.structured_logs import (
+from delayd.structured_logs import (
     DEFAULT_LOG_FORMAT,
     DEFAULT_LOG_LEVEL,
     LOG_FORMATS,

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from delayd.nowait_acquire import acquire
 from delayd.protocol import (
     Cancel,
     CancelBatch,
@@ -52,7 +53,6 @@ from delayd.server.intake import IntakePath
 from delayd.server.receiver import Intake
 from delayd.serving.connection import ServerConnection
 from delayd.serving.connection_gate import ConnectionGate
-from delayd.serving.nowait_acquire import acquire
 from storage.errors import DiskFullError, StorageError
 
 if TYPE_CHECKING:  # only a member of a group has one (it needs the etcd client)

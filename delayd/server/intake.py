@@ -36,7 +36,7 @@ from delayd.logs.message_log import TYPE_MESSAGE
 from delayd.protocol import EncodedMessages, Message, ResultCode, SendResult
 from delayd.replay import Replayer
 from delayd.server.receiver import Intake, Receiver
-from delayd.serving.write_refusals import MESSAGE_LOG, WriteRefusals
+from delayd.write_refusals import MESSAGE_LOG, WriteRefusals
 from storage.errors import DiskFullError
 from storage.flusher import FlushMode, LogWriter
 from storage.space import FreeSpaceGuard

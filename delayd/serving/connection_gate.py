@@ -33,9 +33,9 @@ import trio
 
 from delayd.protocol import Error, ErrorCode
 from delayd.protocol.bodies import encode_event
-from delayd.serving.connection_limits import ConnectionLimits
-from delayd.serving.descriptor_limit import default_max_connections, soft_descriptor_limit
+from delayd.serving.connection_limits import ConnectionLimits, default_max_connections
 from delayd.serving.frame_budget import FrameBudget
+from storage.descriptor_limit import soft_descriptor_limit
 
 log = logging.getLogger(__name__)
 

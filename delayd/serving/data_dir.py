@@ -11,7 +11,7 @@ from typing import Any
 import trio
 
 from delayd.errors import DelaydError
-from delayd.serving.descriptor_limit import raise_descriptor_limit
+from storage.descriptor_limit import raise_descriptor_limit
 from storage.dirlock import DirectoryLock
 from storage.errors import StorageError
 

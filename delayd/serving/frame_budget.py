@@ -40,9 +40,7 @@ class FrameBudget:
         full; returns what was taken (pass it to ``release``)."""
         size = min(size, self.max_bytes)
         if not self._turn.locked() and self.reserved + size <= self.max_bytes:
-            self.reserved += (
-                size  # room at once: no scheduling step (delayd.serving.nowait_acquire)
-            )
+            self.reserved += size  # room at once: no scheduling step (delayd.nowait_acquire)
             return size
         self.waiting += 1
         try:

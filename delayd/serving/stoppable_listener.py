@@ -141,8 +141,8 @@ async def linger(stream: trio.abc.Stream) -> None:
     FIN behind them, then read and drop what the client still sends until it closes
     too (at most LINGER_S). Closing a socket whose receive buffer holds unread requests
     sends RST instead of FIN, and the kernel then drops the answers it has not sent yet
-    (RFC 2525, 2.17): batches appended, answers lost, the client resends — the
-    duplicates of issue 18. HTTP servers' "lingering close" is the same cure. The
+    (RFC 2525, 2.17): batches appended, answers lost, the client resends, and
+    the messages are stored twice. HTTP servers' "lingering close" is the same cure. The
     caller closes the stream afterwards."""
     stream = transport_of(stream)  # under TLS: its FIN after the records written
     if not isinstance(stream, trio.abc.HalfCloseableStream):

@@ -9,7 +9,7 @@ directory costs at most about 5 % of a core; a scrape reads the last walk's resu
 The free space of the data directory's file system is asked (statvfs, in a worker
 thread) every second: ``delayd_store_free_bytes`` and ``_filesystem_bytes`` for the
 alert that comes before a full disk, ``delayd_store_refusing_writes{log}`` for the
-logs that refuse writes now (delayd.serving.write_refusals). When a log refuses and the file
+logs that refuse writes now (delayd.write_refusals). When a log refuses and the file
 system has ``RESUME_FREE_BYTES`` free again, the refusals are cleared, so /readyz turns
 ready again even while no client retries; a log that still cannot write refuses again.
 """
@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from delayd.serving.write_refusals import LOGS, WriteRefusals
+from delayd.write_refusals import LOGS, WriteRefusals
 
 log = logging.getLogger(__name__)
 

@@ -29,9 +29,11 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from delayd.broker import Broker
 from delayd.errors import RejectedError
-from delayd.http import problems
-from delayd.http.messages import consumed, due, to_message
-from delayd.http.models import (
+from delayd.logs.message_status import MessageState, MessageStatus
+from delayd.protocol import CancelOutcome, Message, RescheduleOutcome, ResultCode, SendResult
+from delayd.server.http import problems
+from delayd.server.http.messages import consumed, due, to_message
+from delayd.server.http.models import (
     MAX_BATCH_MESSAGES,
     BatchItem,
     BatchRequest,
@@ -49,12 +51,10 @@ from delayd.http.models import (
     Scheduled,
     ScheduleRequest,
 )
-from delayd.http.problems import ProblemError, bad_input, refusal
-from delayd.logs.message_status import MessageState, MessageStatus
-from delayd.protocol import CancelOutcome, Message, RescheduleOutcome, ResultCode, SendResult
+from delayd.server.http.problems import ProblemError, bad_input, refusal
 from storage.errors import DiskFullError, StorageError
 
-if TYPE_CHECKING:  # the server imports this package: no import of it at run time
+if TYPE_CHECKING:  # server.app imports this package: types only, no cycle at run time
     from delayd.server.cancels import Answer
     from delayd.server.intake import IntakePath
     from delayd.serving.membership import Membership

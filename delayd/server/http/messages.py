@@ -4,7 +4,7 @@ A due time is given as ``at`` (RFC 3339 with an offset, or epoch ms) or ``delay`
 or a duration such as ``90s`` or ``1h30m``); both become the wire's ``at_ms`` /
 ``delay_ms``, and the Receiver computes ``due_ms`` on receipt as for a binary send. A
 message without an id gets one made as the Python clients make theirs
-(delayd.client.new_message_id), and the answer says which.
+(delayd.message_ids), and the answer says which.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from __future__ import annotations
 import base64
 import binascii
 
-from delayd.client import new_message_id
 from delayd.durations import parse_duration_ms
-from delayd.http.models import ConsumedMessage, ScheduleRequest
-from delayd.http.problems import bad_input
+from delayd.message_ids import new_message_id
 from delayd.protocol import Message
+from delayd.server.http.models import ConsumedMessage, ScheduleRequest
+from delayd.server.http.problems import bad_input
 from delayd.timestamps import parse_utc_ms
 
 MAX_EPOCH_MS = (1 << 63) - 1  # the wire's i64

@@ -1,6 +1,6 @@
 """The OpenAPI document of the HTTP API, as the server serves it at /openapi.json.
 
-``python -m delayd.http.openapi > docs/openapi.json`` writes the copy kept in docs/
+``python -m delayd.server.http.openapi > docs/openapi.json`` writes the copy kept in docs/
 (tests/test_http_api.py checks that it equals the served one).
 """
 
@@ -10,7 +10,7 @@ import json
 import sys
 from typing import Any
 
-from delayd.http.routes import Backend, build_app
+from delayd.server.http.routes import Backend, build_app
 
 
 def openapi_document() -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""Message ids made by the client: 32 hex digits, ordered by creation time.
+"""Message ids made where a message has none (the clients, the HTTP API): 32 hex
+digits, ordered by creation time.
 
 Layout, as UUIDv7 and ULID: 48 bits of Unix time in milliseconds, then 80 bits that are
 random at the first id of each millisecond and counted up by one for every further id

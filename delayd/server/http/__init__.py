@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import trio
 
-from delayd.http.limits import BodyLimit, body_limit_bytes
-from delayd.http.listener import HttpListener
-from delayd.http.routes import Backend, build_app
+from delayd.server.http.limits import BodyLimit, body_limit_bytes
+from delayd.server.http.listener import HttpListener
+from delayd.server.http.routes import Backend, build_app
 from delayd.serving.tls import ServerTls
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from delayd.http.problems import ProblemError
+from delayd.server.http.problems import ProblemError
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
