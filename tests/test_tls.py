@@ -23,7 +23,19 @@ from delayd.broker import Broker, BrokerConfig
 from delayd.broker.server import serve_broker
 from delayd.client import ClientTls, Consumer, Producer, open_producer
 from delayd.errors import DelaydTimeout
-from delayd.protocol import Message, ResultCode
+from delayd.protocol import (
+    NEED_DATA,
+    SERVER,
+    Connection,
+    ConnectionClosed,
+    Error,
+    ErrorCode,
+    Hello,
+    HelloOk,
+    Message,
+    ResultCode,
+)
+from delayd.protocol.redirect import not_leader_reason
 from delayd.sender import RemoteTarget, TargetUnavailable
 from delayd.server.config import ConfigError, config_from_mapping
 from delayd.server.config_print import config_to_toml
@@ -193,6 +205,59 @@ async def test_with_the_ca_every_client_and_the_sender_work(pki: Pki, tmp_path: 
 
         got = await trio.to_thread.run_sync(blocking)
         assert got == ["a-1", "b-1", "sent-0", "sent-1", "sent-2"]
+
+
+async def not_leader_member(
+    tls: ServerTls, leader: str, handshakes: list[str], *, task_status=trio.TASK_STATUS_IGNORED
+) -> None:
+    """A member that does not lead, over ``tls``: HELLO_OK, then ERROR NOT_LEADER naming
+    ``leader`` for every request. Counts its TLS handshakes in ``handshakes``."""
+
+    async def handle(stream: trio.SocketStream) -> None:
+        secure = await tls.accept(stream, 5)
+        if secure is None:
+            return
+        handshakes.append("done")
+        conn = Connection(SERVER)
+        reason = not_leader_reason("g", "follower", 1, leader)
+        async with secure:
+            while data := await secure.receive_some(65536):
+                conn.receive_data(data)
+                while (event := conn.next_event()) is not NEED_DATA:
+                    if isinstance(event, ConnectionClosed):
+                        return
+                    if isinstance(event, Hello):
+                        answer = HelloOk(1, "follower", request_id=event.request_id)
+                    else:
+                        answer = Error(ErrorCode.NOT_LEADER, reason, request_id=event.request_id)
+                    await secure.send_all(conn.send(answer))
+
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    task_status.started(f"127.0.0.1:{listeners[0].socket.getsockname()[1]}")
+    await trio.serve_listeners(handle, listeners)
+
+
+async def test_a_not_leader_redirect_keeps_the_tls_settings(pki: Pki, tmp_path: Path):
+    """Given a group's members, the clients follow NOT_LEADER from a follower to the
+    leader with the same TLS settings: the leader requires the client's certificate."""
+    mutual = ServerTls(pki.server(mutual=True))
+    handshakes: list[str] = []
+    async with tls_broker(tmp_path / "b", mutual) as leader, trio.open_nursery() as nursery:
+        follower = await nursery.start(not_leader_member, mutual, leader, handshakes)
+        members = f"{follower},{leader}"
+        client = pki.client(with_cert=True)
+        async with open_producer(members, tls=client, timeout_s=5) as producer:
+            receipt = await producer.send("orders", b"async", message_id="r-1")
+            assert receipt.code is ResultCode.OK
+            assert producer._session.connects == 2  # the follower, then the leader
+
+        def blocking() -> ResultCode:
+            with Producer(members, tls=client, timeout_s=5) as producer:
+                return producer.send("orders", b"blocking", message_id="r-2").code
+
+        assert await trio.to_thread.run_sync(blocking) is ResultCode.OK
+        assert handshakes == ["done", "done"]  # each client asked the follower first
+        nursery.cancel_scope.cancel()
 
 
 async def test_the_sender_reports_a_broker_certificate_it_does_not_trust(pki: Pki, tmp_path: Path):
