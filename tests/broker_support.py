@@ -34,7 +34,7 @@ from delayd.protocol import (
 from tests.process_support import DELAYD, ROOT, ChildProcess, child_env
 
 READY = re.compile(r"delayd broker listening on (\S+):(\d+)")
-METRICS = re.compile(r"metrics on http://(\S+):(\d+)/metrics")
+METRICS = re.compile(r"metrics on https?://(\S+):(\d+)/metrics")
 START_TIMEOUT_S = 20.0
 
 

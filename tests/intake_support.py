@@ -39,8 +39,8 @@ from tests.process_support import DELAYD, ROOT, ChildProcess, child_env
 
 READY = re.compile(r"delayd serve listening on (\S+):(\d+)")
 BROKER = re.compile(r"delayd serve broker listening on (\S+):(\d+)")
-METRICS = re.compile(r"delayd serve metrics on http://(\S+):(\d+)/metrics")
-HTTP = re.compile(r"delayd serve http on http://(\S+):(\d+)/v1")
+METRICS = re.compile(r"delayd serve metrics on https?://(\S+):(\d+)/metrics")
+HTTP = re.compile(r"delayd serve http on https?://(\S+):(\d+)/v1")
 START_TIMEOUT_S = 30.0
 
 

@@ -41,6 +41,7 @@ SERVER = (
     *DELIVERY,
     "delayd.cluster",
     "delayd.replay",
+    "delayd.tls",
     "delayd.serving",
     "delayd.replication",
     "delayd.broker",
@@ -54,6 +55,9 @@ ROWS: list[tuple[str, Iterable[str]]] = [
     *((leaf, ()) for leaf in LEAVES),
     ("delayd.errors", ["storage"]),
     ("delayd.protocol", ["delayd.errors"]),
+    # TLS rules the clients and the servers share (files, ClientTls, handshake errors);
+    # the listeners' side is delayd.serving's.
+    ("delayd.tls", ["delayd.errors"]),
     ("delayd.write_refusals", ["storage"]),  # which logs refuse writes on a full disk
     ("delayd.logs", ["storage"]),
     ("delayd.wheel", ["storage", "delayd.logs"]),
@@ -66,7 +70,14 @@ ROWS: list[tuple[str, Iterable[str]]] = [
     ("delayd.cluster", ["delayd.errors", "delayd.group_address"]),
     (
         "delayd.serving",
-        ["storage", "delayd.errors", "delayd.protocol", "delayd.write_refusals", "delayd.cluster"],
+        [
+            "storage",
+            "delayd.errors",
+            "delayd.protocol",
+            "delayd.tls",
+            "delayd.write_refusals",
+            "delayd.cluster",
+        ],
     ),
     # Copies a member's logs to the others; the servers sit above it and wire it in.
     (
@@ -82,14 +93,23 @@ ROWS: list[tuple[str, Iterable[str]]] = [
     ),
     (
         "delayd.client",
-        ["delayd.errors", "delayd.protocol", "delayd.group_address", "delayd.cluster"],
+        [
+            "delayd.errors",
+            "delayd.protocol",
+            "delayd.tls",
+            "delayd.group_address",
+            "delayd.cluster",
+        ],
     ),
     ("delayd", ["delayd.client", "delayd.errors", "delayd.protocol"]),  # its public names
     (
         "delayd.broker",
         ["storage", "delayd.errors", "delayd.protocol", "delayd.write_refusals", "delayd.serving"],
     ),
-    ("delayd.sender", [*DELIVERY, "delayd.broker"]),  # the embedded broker is a target
+    (
+        "delayd.sender",
+        [*DELIVERY, "delayd.tls", "delayd.broker"],
+    ),  # the embedded broker is a target
     ("delayd.server", SERVER),  # with its HTTP API (delayd.server.http)
     ("delayd.inspect", ["storage", "delayd.logs", "delayd.wheel", "delayd.replay"]),
     ("delayd.top", ["delayd.logs"]),

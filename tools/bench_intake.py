@@ -109,7 +109,7 @@ class IntakeClient(RawClient):
 
 
 def client_main(args: argparse.Namespace) -> None:
-    client = IntakeClient(*parse_address(args.addr), "bench-intake")
+    client = IntakeClient(*parse_address(args.addr), "bench-intake", tls_ca=args.tls_ca)
     warmup = client.frames(20, seed=1)
     client.send_all(warmup, args.in_flight)
     frames = client.frames(args.messages // BATCH, seed=2)
@@ -144,9 +144,13 @@ def redis_client_main(args: argparse.Namespace) -> None:
     print(json.dumps({"acked": len(rounds) * BATCH, "seconds": seconds}))
 
 
-def run_client(mode: str, addr: str, messages: int, in_flight: int = 1) -> dict:
+def run_client(
+    mode: str, addr: str, messages: int, in_flight: int = 1, tls_ca: str | None = None
+) -> dict:
     args = [sys.executable, __file__, mode, "--addr", addr, "--messages", str(messages),
             "--in-flight", str(in_flight)]  # fmt: skip
+    if tls_ca is not None:
+        args += ["--tls-ca", tls_ca]
     done = subprocess.run(
         pinned(CLIENT_CPU, args), capture_output=True, text=True, check=True, cwd=ROOT
     )
@@ -156,17 +160,20 @@ def run_client(mode: str, addr: str, messages: int, in_flight: int = 1) -> dict:
 # ----------------------------------------------------------------------------- servers
 
 
-def start_delayd(data: str, repo: Path = ROOT) -> tuple[subprocess.Popen, str]:
-    """``delayd serve`` from checkout ``repo``, pinned to SERVER_CPU; (process, address)."""
+def start_delayd(
+    data: str, repo: Path = ROOT, extra: tuple[str, ...] = ()
+) -> tuple[subprocess.Popen, str]:
+    """``delayd serve`` from checkout ``repo`` with the flags ``extra``, pinned to
+    SERVER_CPU; (process, address)."""
     config = Path(data) / "bench.toml"
     config.write_text("[intake]\nmax_pending_acks = 1000000\nmax_replay_lag_records = 10000000\n")
     args = [sys.executable, "-m", "delayd", "serve", "--data", str(Path(data) / "d"),
             "--config", str(config), "--listen", "127.0.0.1:0", "--broker-listen", "off",
-            "--log-level", "warning"]  # fmt: skip
+            "--log-level", "warning", *extra]  # fmt: skip
     if "--metrics-listen" in _serve_help(repo):
-        args[-2:-2] = ["--metrics-listen", "off"]  # the default port may be taken
+        args += ["--metrics-listen", "off"]  # the default port may be taken
     if "--http-listen" in _serve_help(repo):
-        args[-2:-2] = ["--http-listen", "off"]
+        args += ["--http-listen", "off"]
     env = dict(os.environ, PYTHONPATH=str(repo))
     proc = subprocess.Popen(pinned(SERVER_CPU, args), cwd=repo, stdout=subprocess.PIPE, env=env)
     out = ""
@@ -262,6 +269,7 @@ def main() -> None:
     parser.add_argument("--addr", help=argparse.SUPPRESS)
     parser.add_argument("--messages", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--in-flight", type=int, default=16, help=argparse.SUPPRESS)
+    parser.add_argument("--tls-ca", help=argparse.SUPPRESS)
     parser.add_argument(
         "--repo",
         type=Path,

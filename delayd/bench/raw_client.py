@@ -5,6 +5,7 @@ STATS."""
 from __future__ import annotations
 
 import socket
+import ssl
 from functools import partial
 
 from delayd import protocol
@@ -14,11 +15,17 @@ from delayd.protocol.handshake import say_hello_blocking
 
 class RawClient:
     """A connection to a delay server (``host``, ``port``) that said HELLO as
-    ``client_name``. ``next_request_id()`` numbers the requests a caller encodes."""
+    ``client_name``, over TLS trusting ``tls_ca`` (a CA file) when given.
+    ``next_request_id()`` numbers the requests a caller encodes."""
 
-    def __init__(self, host: str, port: int, client_name: str) -> None:
+    def __init__(
+        self, host: str, port: int, client_name: str, *, tls_ca: str | None = None
+    ) -> None:
         self.sock = socket.create_connection((host, port))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if tls_ca is not None:
+            context = ssl.create_default_context(cafile=tls_ca)
+            self.sock = context.wrap_socket(self.sock, server_hostname=host)
         say_hello_blocking(
             protocol.Connection(protocol.CLIENT),
             self.sock.sendall,

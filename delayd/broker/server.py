@@ -59,6 +59,7 @@ from delayd.protocol.frames import DEFAULT_MAX_FRAME_SIZE
 from delayd.serving.connection import ServerConnection, internal_error
 from delayd.serving.connection_gate import ConnectionGate
 from delayd.serving.stoppable_listener import StoppableListener
+from delayd.serving.tls import ServerTls
 from storage.errors import StorageError
 
 if TYPE_CHECKING:  # only a member of a group has one (it needs the etcd client)
@@ -78,16 +79,20 @@ async def serve_broker(
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
     listeners: list[trio.SocketListener] | None = None,
     gate: ConnectionGate | None = None,
+    tls: ServerTls | None = None,
     task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Listen on host:port (0: any free port), or on ``listeners`` already bound there
     (delayd.serving.listeners: bound before recovery), and serve until cancelled.
 
     ``gate``: the listener's cap and counts (for /metrics); by default one of the
-    broker's ``connection_limits``. Reports the bound (host, port) addresses through
-    ``task_status.started``. Raises ListenError when host:port cannot be bound.
+    broker's ``connection_limits``. ``tls``: serve over TLS (delayd.tls). Reports the
+    bound (host, port) addresses through ``task_status.started``. Raises ListenError
+    when host:port cannot be bound.
     """
-    listener = broker_listener(broker, token=token, max_frame_size=max_frame_size, gate=gate)
+    listener = broker_listener(
+        broker, token=token, max_frame_size=max_frame_size, gate=gate, tls=tls
+    )
     await listener.serve(host, port, listeners=listeners, task_status=task_status)
 
 
@@ -98,22 +103,23 @@ def broker_listener(
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
     gate: ConnectionGate | None = None,
     membership: Membership | None = None,
+    tls: ServerTls | None = None,
 ) -> StoppableListener[BrokerConnection]:
     """The broker's listener with a graceful stop: ``serve`` it as serve_broker does,
     then ``stop(grace_s)`` answers every SEND_BATCH appended before closing (a held
     PULL is dropped: nothing is committed by it) — delayd.serving.stoppable_listener. ``gate``:
     its cap and counts (for /metrics); by default one of the broker's
     ``connection_limits``. ``membership``: the group whose leader alone serves (None:
-    this broker runs alone)."""
+    this broker runs alone). ``tls``: serve over TLS (delayd.tls)."""
     if gate is None:
         gate = ConnectionGate("broker", broker.config.connection_limits)
     # The connections count their protocol errors on the gate that admitted them.
     counted = gate
 
-    def connection(stream: trio.SocketStream) -> BrokerConnection:
+    def connection(stream: trio.abc.Stream) -> BrokerConnection:
         return BrokerConnection(broker, stream, token, max_frame_size, counted, membership)
 
-    return StoppableListener("the broker", connection, gate)
+    return StoppableListener("the broker", connection, gate, tls)
 
 
 class BrokerConnection(ServerConnection[SendBatchResult]):
@@ -127,7 +133,7 @@ class BrokerConnection(ServerConnection[SendBatchResult]):
     def __init__(
         self,
         broker: Broker,
-        stream: trio.SocketStream,
+        stream: trio.abc.Stream,
         token: str | None,
         max_frame_size: int,
         gate: ConnectionGate,

@@ -4,8 +4,9 @@ Each type is an argparse ``type=`` callable: the parsed value, or ArgumentTypeEr
 with a message that says what was wrong and gives the right form (argparse prints it
 after the option's name and exits 2).
 
-A client's address and token may come from the environment (``DELAYD_SERVER``,
-``DELAYD_BROKER``, ``DELAYD_TOKEN``), so that a token is not left in the shell's
+A client's address, token and TLS files may come from the environment
+(``DELAYD_SERVER``, ``DELAYD_BROKER``, ``DELAYD_TOKEN``, ``DELAYD_TLS_CA``,
+``DELAYD_TLS_CERT``, ``DELAYD_TLS_KEY``), so that a token is not left in the shell's
 history or in ``ps``; a flag given wins over its variable.
 """
 
@@ -29,10 +30,14 @@ from delayd.structured_logs import (
     LOG_LEVELS,
 )
 from delayd.timestamps import parse_utc_ms
+from delayd.tls import ClientTls, TlsError
 
 SERVER_VARIABLE = "DELAYD_SERVER"
 BROKER_VARIABLE = "DELAYD_BROKER"
 TOKEN_VARIABLE = "DELAYD_TOKEN"
+TLS_CA_VARIABLE = "DELAYD_TLS_CA"
+TLS_CERT_VARIABLE = "DELAYD_TLS_CERT"
+TLS_KEY_VARIABLE = "DELAYD_TLS_KEY"
 
 
 def address(text: str) -> str:
@@ -207,6 +212,49 @@ def add_peer_options(parser: argparse.ArgumentParser, flag: str, variable: str, 
         help=f"the {who}",
     )  # fmt: skip
     add_token_option(parser, who)
+    add_client_tls_options(parser)
+
+
+def add_client_tls_options(parser: argparse.ArgumentParser) -> None:
+    """``--tls-ca``, ``--tls-cert`` and ``--tls-key`` of a client command (or
+    ``$DELAYD_TLS_*``); read them with ``client_tls``."""
+    add_env_option(
+        parser, "--tls-ca", TLS_CA_VARIABLE, metavar="FILE",
+        help="connect with TLS, trusting the CA in FILE (PEM)",
+    )  # fmt: skip
+    add_env_option(
+        parser, "--tls-cert", TLS_CERT_VARIABLE, metavar="FILE",
+        help="client certificate for mutual TLS (PEM)",
+    )  # fmt: skip
+    add_env_option(
+        parser, "--tls-key", TLS_KEY_VARIABLE, metavar="FILE",
+        help="the client certificate's key (PEM)",
+    )  # fmt: skip
+
+
+def client_tls(args: argparse.Namespace) -> ClientTls | None:
+    """The ClientTls of ``add_client_tls_options``, or None (plain TCP) when none of
+    them is given. Raises TlsError for a certificate without its key."""
+    if args.tls_ca is None and args.tls_cert is None and args.tls_key is None:
+        return None
+    try:
+        return ClientTls(args.tls_ca, args.tls_cert, args.tls_key)
+    except ValueError as exc:
+        raise TlsError(f"{exc} (--tls-cert, --tls-key)") from None
+
+
+def add_server_tls_options(parser: argparse.ArgumentParser) -> None:
+    """``--tls-cert``, ``--tls-key`` and ``--tls-client-ca`` of a server command (they
+    win over its ``[tls]``)."""
+    parser.add_argument(
+        "--tls-cert", metavar="FILE", help="serve every listener with TLS: certificate (PEM)"
+    )
+    parser.add_argument("--tls-key", metavar="FILE", help="the certificate's key (PEM)")
+    parser.add_argument(
+        "--tls-client-ca",
+        metavar="FILE",
+        help="require client certificates signed by the CA in FILE (mutual TLS)",
+    )
 
 
 def add_server_options(parser: argparse.ArgumentParser) -> None:

@@ -5,7 +5,9 @@ Prints "delayd broker listening on HOST:PORT" on stdout once it accepts connecti
 (the actual port when --listen asks for port 0); everything else goes to the log on
 stderr, one line each. Shutdown: stop accepting and reading, answer every SEND_BATCH
 already appended, close connections (FIN after the last answer), then flush the
-commitlog, checkpoint the consume queues and index, persist offsets, exit 0.
+commitlog, checkpoint the consume queues and index, persist offsets, exit 0. SIGHUP
+reads the TLS files again (--tls-cert, --tls-key, --tls-client-ca; delayd.tls) for new
+connections.
 
 Start-up takes the data directory's lock (one writer at a time), then binds its ports,
 then recovers: another process holding the directory or a port in use ends it at
@@ -36,6 +38,7 @@ from delayd.broker.server import broker_listener
 from delayd.cli.args import (
     add_cluster_options,
     add_logging_options,
+    add_server_tls_options,
     add_token_option,
     count,
     listen_address,
@@ -58,7 +61,9 @@ from delayd.serving.data_dir import serve_data_dir
 from delayd.serving.gc_tuning import tune_gc_for_serving
 from delayd.serving.listeners import bound_addresses, open_listeners
 from delayd.serving.metrics_http import Readiness, serve_metrics
+from delayd.serving.tls import ServerTls, reload_on_sighup
 from delayd.structured_logs import configure_logging
+from delayd.tls import ServerTlsConfig, TlsError
 from storage.flusher import FlushMode, FlushPolicy
 
 log = logging.getLogger("delayd.broker")
@@ -140,6 +145,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="BYTES",
         help="large frames still arriving, all connections together; more wait",
     )
+    add_server_tls_options(parser)
     add_cluster_options(parser)
     add_logging_options(parser)
 
@@ -162,13 +168,17 @@ def run(args: argparse.Namespace) -> int:
         cluster = cluster_with_flags(cluster_from_environment(os.environ), args)
         if cluster.enabled:
             cluster.advertised(args.listen.host)  # a wildcard listen host needs --advertise
-    except ValueError as exc:
+        tls_config = ServerTlsConfig.from_files(args.tls_cert, args.tls_key, args.tls_client_ca)
+        tls = None if tls_config is None else ServerTls(tls_config)
+    except (ValueError, TlsError) as exc:
         log.error("bad configuration: %s", exc)
         return 2
-    return serve_data_dir(log, args.data, "delayd broker", _serve, args, config, cluster)
+    return serve_data_dir(log, args.data, "delayd broker", _serve, args, config, cluster, tls)
 
 
-async def _serve(args: argparse.Namespace, config: BrokerConfig, cluster: ClusterConfig) -> None:
+async def _serve(
+    args: argparse.Namespace, config: BrokerConfig, cluster: ClusterConfig, tls: ServerTls | None
+) -> None:
     # Ports first: a clash is reported at once, not after recovery (delayd.serving.listeners).
     # Clients wait in the backlog while the broker recovers; /healthz answers and
     # /readyz says "recovering" meanwhile.
@@ -189,14 +199,18 @@ async def _serve(args: argparse.Namespace, config: BrokerConfig, cluster: Cluste
 
         membership = Membership(cluster)
     async with trio.open_nursery() as early:
+        await early.start(reload_on_sighup, tls)  # SIGHUP: the TLS files again
         registry = CollectorRegistry(auto_describe=False)
         readiness = Readiness(f"recovering {args.data}")
         try:
             if args.metrics_listen is not None:
                 metrics_listeners = await open_listeners("metrics", *args.metrics_listen)
-                serve = partial(serve_metrics, readiness=readiness, listeners=metrics_listeners)
+                serve = partial(
+                    serve_metrics, readiness=readiness, listeners=metrics_listeners, tls=tls
+                )
                 m_bound = await early.start(serve, registry, *args.metrics_listen)
-                log.info("metrics on http://%s:%d/metrics", *m_bound[0])
+                scheme = "http" if tls is None else "https"
+                log.info("metrics on %s://%s:%d/metrics", scheme, *m_bound[0])
             broker = await trio.to_thread.run_sync(partial(Broker.open, args.data, config))
         except BaseException:
             for listener in [*listeners, *(replication or ())]:
@@ -208,7 +222,9 @@ async def _serve(args: argparse.Namespace, config: BrokerConfig, cluster: Cluste
             with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                 async with trio.open_nursery() as front:
                     host, port = args.listen
-                    server = broker_listener(broker, token=args.token, membership=membership)
+                    server = broker_listener(
+                        broker, token=args.token, membership=membership, tls=tls
+                    )
                     serve = partial(server.serve, host, port, listeners=listeners)
                     bound = await front.start(serve)
                     if membership is not None:

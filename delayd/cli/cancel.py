@@ -17,7 +17,7 @@ import argparse
 import json
 import sys
 
-from delayd.cli.args import add_server_options
+from delayd.cli.args import add_server_options, client_tls
 from delayd.client import Producer
 from delayd.errors import DelaydError
 from delayd.timestamps import format_utc
@@ -40,7 +40,11 @@ def answer_json(message_id: str, outcome: str, dispatched_ms: int | None) -> str
 def run(args: argparse.Namespace) -> int:
     try:
         with Producer(
-            args.server, token=args.token, timeout_s=args.timeout, retry_first_connect=False
+            args.server,
+            token=args.token,
+            tls=client_tls(args),
+            timeout_s=args.timeout,
+            retry_first_connect=False,
         ) as producer:
             receipt = producer.cancel(args.message_id)
     except (DelaydError, ValueError) as exc:

@@ -20,7 +20,13 @@ import json
 import sys
 from typing import Any, TextIO
 
-from delayd.cli.args import BROKER_VARIABLE, add_peer_options, non_negative_count, seconds
+from delayd.cli.args import (
+    BROKER_VARIABLE,
+    add_peer_options,
+    client_tls,
+    non_negative_count,
+    seconds,
+)
 from delayd.client._consumer_state import COMMIT_MODES
 from delayd.errors import DelaydError
 from delayd.protocol import Message
@@ -102,6 +108,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
             subject=args.subject,
             group=args.group,
             token=args.token,
+            tls=client_tls(args),
             commit=args.commit,
             retry_first_connect=False,
         ) as consumer:

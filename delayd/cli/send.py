@@ -21,7 +21,7 @@ import json
 import sys
 from typing import Any
 
-from delayd.cli.args import add_server_options, duration_ms, utc_time_ms
+from delayd.cli.args import add_server_options, client_tls, duration_ms, utc_time_ms
 from delayd.client import Producer, Receipt
 from delayd.errors import DelaydError
 from delayd.timestamps import format_utc
@@ -81,7 +81,11 @@ def run(args: argparse.Namespace) -> int:
     body = sys.stdin.buffer.read() if args.body == "-" else args.body.encode()
     try:
         with Producer(
-            args.server, token=args.token, timeout_s=args.timeout, retry_first_connect=False
+            args.server,
+            token=args.token,
+            tls=client_tls(args),
+            timeout_s=args.timeout,
+            retry_first_connect=False,
         ) as producer:
             receipt = producer.send(
                 args.subject,

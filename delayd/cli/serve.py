@@ -4,10 +4,11 @@ time buckets and deliver them when due; an embedded broker runs in the same proc
 Prints "delayd serve listening on HOST:PORT" on stdout once it accepts producers (the
 real port when --listen asks for port 0), preceded by "delayd serve broker listening
 on HOST:PORT", "delayd serve metrics on http://HOST:PORT/metrics" and "delayd serve http on
-http://HOST:PORT/v1" when those listen (metrics: 127.0.0.1:20880, the HTTP API:
-127.0.0.1:20890, unless configured otherwise). Logs go to stderr, one
+http://HOST:PORT/v1" when those listen (https with TLS; metrics: 127.0.0.1:20880, the
+HTTP API: 127.0.0.1:20890, unless configured otherwise). Logs go to stderr, one
 line each. On SIGTERM or SIGINT: stop accepting, answer what is in flight, flush,
-write the replay checkpoint, exit 0.
+write the replay checkpoint, exit 0. On SIGHUP: read the TLS certificate, key and CA
+files again for new connections (delayd.tls).
 
 Exit status: 0 after a clean stop; 2 for a bad configuration; 1 when the data
 directory cannot be served (corruption, a changed segment_scale, another process
@@ -40,6 +41,7 @@ from delayd.address import format_address
 from delayd.cli.args import (
     add_cluster_options,
     add_logging_options,
+    add_server_tls_options,
     listen_address,
     optional_listen_address,
 )
@@ -50,11 +52,13 @@ from delayd.server.config_env import load_effective_config
 from delayd.server.config_print import config_to_toml
 from delayd.serving.data_dir import serve_data_dir
 from delayd.serving.gc_tuning import tune_gc_for_serving
+from delayd.serving.tls import ServerTls, reload_on_sighup
 from delayd.structured_logs import (
     DEFAULT_LOG_FORMAT,
     DEFAULT_LOG_LEVEL,
     configure_logging,
 )
+from delayd.tls import ServerTlsConfig, TlsError
 
 log = logging.getLogger("delayd.serve")
 
@@ -101,6 +105,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="HOST:PORT|off",
         help="the HTTP/JSON API, docs/http.md (default 127.0.0.1:20890; 'off')",
     )
+    add_server_tls_options(parser)
     add_cluster_options(parser)
     add_logging_options(parser)
     # None: not given, so that [log] of the file (or DELAYD_LOG_*) applies.
@@ -119,6 +124,14 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str] | None = N
         value = getattr(args, name)
         if value is not _UNSET:
             config = dataclasses.replace(config, **{name: value})
+    if args.tls_cert is not None or args.tls_key is not None or args.tls_client_ca is not None:
+        # The flags replace [tls] as a whole: a certificate from one and a key from the
+        # other would be a pair nobody chose.
+        try:
+            tls = ServerTlsConfig.from_files(args.tls_cert, args.tls_key, args.tls_client_ca)
+        except ValueError as exc:
+            raise ConfigError(f"flags: {exc}") from None
+        config = dataclasses.replace(config, tls=tls)
     try:
         cluster = cluster_with_flags(config.cluster, args)
         if cluster is not config.cluster:
@@ -143,13 +156,18 @@ def run(args: argparse.Namespace) -> int:
     if args.data is None:
         log.error("bad configuration: --data DIR is required to serve")
         return 2
-    return serve_data_dir(log, args.data, "delayd serve", _serve, args.data, config)
+    try:
+        tls = None if config.tls is None else ServerTls(config.tls)
+    except TlsError as exc:
+        log.error("bad configuration: %s", exc)
+        return 2
+    return serve_data_dir(log, args.data, "delayd serve", _serve, args.data, config, tls)
 
 
 RECOVERY_REPORT_INTERVAL_S = 2.0
 
 
-async def _open(data_dir: str, config: ServeConfig) -> DelayServer:
+async def _open(data_dir: str, config: ServeConfig, tls: ServerTls | None) -> DelayServer:
     """DelayServer.open in a worker thread; while it takes long (recovery of big logs),
     a line every RECOVERY_REPORT_INTERVAL_S says it is still at it, so that a slow
     start does not look like a hung one."""
@@ -162,24 +180,27 @@ async def _open(data_dir: str, config: ServeConfig) -> DelayServer:
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(report, trio.current_time())
-        server = await trio.to_thread.run_sync(DelayServer.open, data_dir, config)
+        open_server = partial(DelayServer.open, data_dir, config, tls=tls)
+        server = await trio.to_thread.run_sync(open_server)
         nursery.cancel_scope.cancel()
     return server
 
 
-async def _serve(data_dir: str, config: ServeConfig) -> None:
+async def _serve(data_dir: str, config: ServeConfig, tls: ServerTls | None) -> None:
     # Every port first: a clash is reported now, not after a long recovery. Producers'
     # connections wait in the backlog until recovery is done; /healthz answers and
     # /readyz says "recovering" meanwhile.
     listeners = await open_listeners(config)
     async with trio.open_nursery() as early:
+        await early.start(reload_on_sighup, tls)  # SIGHUP: the TLS files again
         metrics = None
         if listeners.metrics is not None:
             recovering = f"recovering {data_dir}"
-            metrics = await early.start(serve_metrics_early, listeners.metrics, recovering)
+            serve_early = partial(serve_metrics_early, tls=tls)
+            metrics = await early.start(serve_early, listeners.metrics, recovering)
             listeners = dataclasses.replace(listeners, metrics=None)  # served from here on
         try:
-            server = await _open(data_dir, config)
+            server = await _open(data_dir, config, tls)
         except BaseException:
             await listeners.aclose()
             raise
@@ -188,13 +209,14 @@ async def _serve(data_dir: str, config: ServeConfig) -> None:
             async with trio.open_nursery() as nursery:
                 run = partial(server.run, listeners=listeners, metrics=metrics)
                 bound = await nursery.start(run)
+                scheme = "http" if tls is None else "https"
                 if bound.broker is not None:
                     print(f"delayd serve broker listening on {format_address(*bound.broker)}")
                 if bound.metrics is not None:
-                    metrics_url = f"http://{format_address(*bound.metrics)}/metrics"
+                    metrics_url = f"{scheme}://{format_address(*bound.metrics)}/metrics"
                     print(f"delayd serve metrics on {metrics_url}")
                 if bound.http is not None:
-                    print(f"delayd serve http on http://{format_address(*bound.http)}/v1")
+                    print(f"delayd serve http on {scheme}://{format_address(*bound.http)}/v1")
                 print(f"delayd serve listening on {format_address(*bound.intake)}", flush=True)
                 async for signum in signals:
                     log.info("%s: shutting down", signal.Signals(signum).name)

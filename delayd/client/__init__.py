@@ -5,7 +5,9 @@
 - ``Producer(addr)`` / ``Consumer(addr, subject=, group=)``: the same for synchronous code
   on plain sockets (blocking_producer.py, blocking_consumer.py);
 - ``Receipt``: what a send returns; consumers yield ``delayd.protocol.Message``;
-  ``CancelReceipt`` / ``RescheduleReceipt``: what ``cancel`` / ``reschedule`` return.
+  ``CancelReceipt`` / ``RescheduleReceipt``: what ``cancel`` / ``reschedule`` return;
+- ``ClientTls(ca_file=, cert_file=, key_file=)``: ``tls=`` of every client, for a
+  server that listens with TLS (delayd.tls).
 
 Shared, I/O-free pieces: ``_backoff``, ``_messages`` (send
 arguments to Messages, frames), ``_consumer_state`` (prefetch, dedupe, offsets),
@@ -22,15 +24,18 @@ from delayd.client.blocking_producer import Producer
 from delayd.client.cancel_receipt import CancelReceipt, RescheduleReceipt
 from delayd.client.receipt import Receipt
 from delayd.message_ids import new_message_id
+from delayd.tls import ClientTls, TlsError
 
 __all__ = [
     "AsyncConsumer",
     "AsyncProducer",
     "CancelReceipt",
+    "ClientTls",
     "Consumer",
     "Producer",
     "Receipt",
     "RescheduleReceipt",
+    "TlsError",
     "new_message_id",
     "open_consumer",
     "open_producer",

@@ -13,6 +13,7 @@ one (with back-off) and retries, which keeps the state here simple.
 from __future__ import annotations
 
 import socket
+import ssl
 from collections.abc import Callable
 
 import anyio
@@ -23,10 +24,33 @@ from delayd.errors import ConnectionClosedError, DelaydError
 from delayd.protocol import CLIENT, Connection, Error, Request, Response
 from delayd.protocol.answers import error_to_exception, route_answers
 from delayd.protocol.handshake import say_hello
+from delayd.tls import ClientTls, handshake_failure
 
 RECEIVE_SIZE = 256 * 1024  # bytes per read; a full PULL_RESULT in a few reads
 # What the socket layer raises when the peer goes away, on either backend.
 _LINK_ERRORS = (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError)
+
+
+async def _connect(address: Address, tls: ClientTls | None) -> anyio.abc.ByteStream:
+    """A TCP stream to ``address``, with the TLS handshake done when ``tls`` is given.
+    Raises OSError, ConnectionClosedError or TlsError (delayd.tls.handshake_failure)."""
+    host, port = address
+    if tls is None:
+        return await anyio.connect_tcp(host, port)
+    try:
+        # Not standard_compatible: a server's close without close_notify is EOF (the
+        # frames carry their own lengths; delayd.tls).
+        return await anyio.connect_tcp(
+            host,
+            port,
+            ssl_context=tls.ssl_context,
+            tls_hostname=tls.server_name or host,
+            tls_standard_compatible=False,
+        )
+    except ssl.SSLError as exc:
+        raise handshake_failure(exc, str(address)) from None
+    except (anyio.EndOfStream, anyio.BrokenResourceError):
+        raise ConnectionClosedError(f"{address} closed the connection during TLS") from None
 
 
 class _Waiter:
@@ -47,7 +71,7 @@ class AsyncLink:
     the owner's task group; ``abort()`` ends it.
     """
 
-    def __init__(self, stream: anyio.abc.SocketStream, conn: Connection, addr: str) -> None:
+    def __init__(self, stream: anyio.abc.ByteStream, conn: Connection, addr: str) -> None:
         self.addr = addr
         self._stream = stream
         self._conn = conn
@@ -62,17 +86,27 @@ class AsyncLink:
         return self.failure is not None
 
     @classmethod
-    async def open(cls, address: Address, *, token: str | None, client_name: str) -> AsyncLink:
-        """Connect to ``address`` and do HELLO (delayd.protocol.handshake).
+    async def open(
+        cls,
+        address: Address,
+        *,
+        token: str | None,
+        client_name: str,
+        tls: ClientTls | None = None,
+    ) -> AsyncLink:
+        """Connect to ``address`` (over TLS when ``tls`` is given) and do HELLO
+        (delayd.protocol.handshake).
 
-        Raises OSError when the connection cannot be made, and what say_hello raises:
-        ConnectionClosedError when it closes during HELLO, RejectedError (UNAUTHORIZED)
-        for a wrong or missing token, BusyError when the server is shutting down,
-        ProtocolError when the peer does not speak the delayd protocol. No time-out
-        here: the caller bounds the whole call.
+        Raises OSError when the connection cannot be made, TlsError when the TLS
+        handshake fails, and what say_hello raises: ConnectionClosedError when it closes
+        during HELLO, RejectedError (UNAUTHORIZED) for a wrong or missing token,
+        BusyError when the server is shutting down, ProtocolError when the peer does not
+        speak the delayd protocol; ssl.SSLError when TLS fails after the handshake (the
+        server refused the client's certificate). No time-out here: the caller bounds
+        the whole call.
         """
         addr = str(address)
-        stream = await anyio.connect_tcp(*address)
+        stream = await _connect(address, tls)
         try:
             # Requests are small and answered at once; Nagle would add up to 40 ms each.
             raw = stream.extra(anyio.abc.SocketAttribute.raw_socket)

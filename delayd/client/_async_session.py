@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ssl
 from typing import Any
 
 import anyio
@@ -10,6 +11,7 @@ import anyio.abc
 from delayd.client._async_link import AsyncLink
 from delayd.client._session_base import SessionBase
 from delayd.errors import BusyError, ConnectionClosedError, EtcdError, NotLeaderError
+from delayd.tls import handshake_failure
 
 # Failures worth another connection attempt: the server is not there (yet), restarting,
 # or shutting down. Wrong tokens and protocol errors are not retried: the next attempt
@@ -27,7 +29,7 @@ class AsyncSession(SessionBase[AsyncLink]):
     """
 
     def __init__(self, addr: str, *, task_group: anyio.abc.TaskGroup, **options: Any) -> None:
-        """``options``: SessionBase's (token, client_name, backoff)."""
+        """``options``: SessionBase's (token, client_name, backoff, tls)."""
         super().__init__(addr, **options)
         self._task_group = task_group
         self._lock = anyio.Lock()
@@ -37,7 +39,7 @@ class AsyncSession(SessionBase[AsyncLink]):
         retries until cancelled.
 
         Raises what AsyncLink.open raises that is not retryable (RejectedError for a
-        wrong token, ProtocolError), and what SessionBase.connect_failed raises; the
+        wrong token, TlsError, ProtocolError), and what SessionBase.connect_failed raises; the
         caller's deadline bounds the retries. The back-off runs from the last failure,
         not from this call, so a call cancelled by a deadline shorter than the delay
         does not push the next attempt further away.
@@ -51,9 +53,7 @@ class AsyncSession(SessionBase[AsyncLink]):
                 if self.finder.needs_lookup and not await self._lookup():
                     continue
                 try:
-                    link = await AsyncLink.open(
-                        self.next_address(), token=self._token, client_name=self._client_name
-                    )
+                    link = await self._open_link()
                 except RETRYABLE_CONNECT_ERRORS as exc:
                     self.connect_failed(exc, anyio.current_time())
                     continue
@@ -61,6 +61,17 @@ class AsyncSession(SessionBase[AsyncLink]):
                 self.connects += 1
                 self._task_group.start_soon(link.run)
             return self._link
+
+    async def _open_link(self) -> AsyncLink:
+        """A link to the member to try now (SessionBase.next_address), over the
+        session's TLS: a redirect to another member keeps the same settings."""
+        address = self.next_address()
+        try:
+            return await AsyncLink.open(
+                address, token=self._token, client_name=self._client_name, tls=self._tls
+            )
+        except ssl.SSLError as exc:  # after the handshake: the client's certificate refused
+            raise handshake_failure(exc, str(address)) from None
 
     async def _lookup(self) -> bool:
         """Read the group's members and leader from etcd; False (after counting it as

@@ -8,6 +8,7 @@ from typing import Self
 from delayd.client._backoff import Backoff
 from delayd.client._blocking_session import BlockingSession
 from delayd.errors import ConnectionClosedError
+from delayd.tls import ClientTls
 
 
 class BlockingClient:
@@ -20,12 +21,18 @@ class BlockingClient:
     listener = "intake"  # a member's address etcd:// resolves to (SessionBase)
 
     def __init__(
-        self, addr: str, token: str | None, client_name: str, timeout_s: float, retry: bool
+        self,
+        addr: str,
+        token: str | None,
+        client_name: str,
+        timeout_s: float,
+        retry: bool,
+        tls: ClientTls | None = None,
     ) -> None:
         """``retry``: whether a first connection that cannot be made is retried
-        (SessionBase.retry_first_connect)."""
+        (SessionBase.retry_first_connect); ``tls``: connect over TLS (SessionBase)."""
         self._session = BlockingSession(
-            addr, token=token, client_name=client_name, listener=self.listener
+            addr, token=token, client_name=client_name, listener=self.listener, tls=tls
         )
         self._session.retry_first_connect = retry
         self.addr = addr

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import socket
+import ssl
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -24,8 +25,25 @@ from delayd.errors import ConnectionClosedError, DelaydError, DelaydTimeout
 from delayd.protocol import CLIENT, Connection, Error, Request, Response
 from delayd.protocol.answers import error_to_exception, route_answers
 from delayd.protocol.handshake import say_hello_blocking
+from delayd.tls import ClientTls, handshake_failure
 
 RECEIVE_SIZE = 256 * 1024  # bytes per recv()
+
+
+def _secure(sock: socket.socket, host: str, addr: str, tls: ClientTls) -> ssl.SSLSocket:
+    """``sock`` with the TLS handshake done (within the socket's time-out); closed on
+    failure. Raises DelaydTimeout, TlsError, ConnectionClosedError or OSError."""
+    try:
+        return tls.ssl_context.wrap_socket(sock, server_hostname=tls.server_name or host)
+    except TimeoutError:
+        sock.close()
+        raise DelaydTimeout(f"TLS handshake with {addr} timed out") from None
+    except ssl.SSLError as exc:
+        sock.close()
+        raise handshake_failure(exc, addr) from None
+    except BaseException:
+        sock.close()
+        raise
 
 
 class BlockingLink:
@@ -41,10 +59,17 @@ class BlockingLink:
 
     @classmethod
     def open(
-        cls, address: Address, *, token: str | None, client_name: str, deadline: float
+        cls,
+        address: Address,
+        *,
+        token: str | None,
+        client_name: str,
+        deadline: float,
+        tls: ClientTls | None = None,
     ) -> BlockingLink:
-        """Connect and do HELLO (delayd.protocol.handshake) before ``deadline``
-        (monotonic seconds).
+        """Connect (over TLS when ``tls`` is given) and do HELLO
+        (delayd.protocol.handshake) before ``deadline`` (monotonic seconds). A
+        certificate refused in the handshake is a TlsError.
 
         Raises OSError when the connection cannot be made, DelaydTimeout at the
         deadline, and what say_hello_blocking raises: ConnectionClosedError when the
@@ -60,6 +85,8 @@ class BlockingLink:
             sock = socket.create_connection(address, timeout=remaining)
         except TimeoutError:
             raise DelaydTimeout(f"connecting to {addr} timed out") from None
+        if tls is not None:
+            sock = _secure(sock, address.host, addr, tls)
         link = cls(sock, Connection(CLIENT), addr)
         try:
             # Requests are small and answered at once; Nagle would add up to 40 ms each.
@@ -180,6 +207,8 @@ class BlockingLink:
             return self._sock.recv(RECEIVE_SIZE)
         except TimeoutError:
             raise DelaydTimeout(f"no answer from {self.addr} in time") from None
+        except ssl.SSLError as exc:  # the server refused this client's certificate
+            raise handshake_failure(exc, self.addr) from None
         except OSError as exc:
             raise ConnectionClosedError(f"connection to {self.addr} lost: {exc!r}") from None
 

@@ -60,6 +60,7 @@ class BlockingSession(SessionBase[BlockingLink]):
                     token=self._token,
                     client_name=self._client_name,
                     deadline=attempt_deadline,
+                    tls=self._tls,
                 )
             except RETRYABLE_CONNECT_ERRORS as exc:
                 self.connect_failed(exc, time.monotonic())

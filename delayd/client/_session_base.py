@@ -14,6 +14,7 @@ from delayd.client._backoff import Backoff
 from delayd.client._leader import LeaderFinder
 from delayd.errors import DelaydError, DelaydTimeout, NotLeaderError, UnreachableError
 from delayd.group_address import parse_group_address
+from delayd.tls import ClientTls
 
 if TYPE_CHECKING:
     from delayd.cluster.group_state import GroupState
@@ -40,6 +41,9 @@ class SessionBase(Generic[LinkT]):
     ``listener``: ``intake`` (a producer) or ``broker`` (a consumer), the address of a
     member an ``etcd://`` address resolves to.
 
+    ``tls``: connect to every member over TLS with these settings (None: plain TCP);
+    its files are read here, so a TlsError names them before any connection.
+
     ``retry_first_connect`` (an attribute, True unless the owner says otherwise):
     whether a first connection that cannot be made is retried (connect_failed). Raises
     ValueError for a malformed ``addr`` (delayd.address).
@@ -53,9 +57,13 @@ class SessionBase(Generic[LinkT]):
         client_name: str,
         backoff: Backoff | None = None,
         listener: str = "intake",
+        tls: ClientTls | None = None,
     ) -> None:
         self.finder = LeaderFinder(parse_group_address(addr))
         self.addr = addr
+        self._tls = tls
+        if tls is not None:
+            tls.ssl_context  # noqa: B018  # its files read now: a TlsError names them
         self.listener = listener  # which of a member's addresses etcd:// resolves to
         self._token = token
         self._client_name = client_name

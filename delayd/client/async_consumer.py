@@ -51,6 +51,7 @@ from delayd.protocol import (
     Message,
     PullResult,
 )
+from delayd.tls import ClientTls
 
 
 class AsyncConsumer:
@@ -364,6 +365,7 @@ async def open_consumer(
     subject: str,
     group: str,
     token: str | None = None,
+    tls: ClientTls | None = None,
     auto_commit: bool = True,
     commit: str = "periodic",
     consumer_id: str | None = None,
@@ -377,7 +379,8 @@ async def open_consumer(
     """An async consumer of ``subject`` in ``group`` at ``addr`` (``"host:port"``).
 
     Joins the group before the body runs (within ``timeout_s``: DelaydTimeout, or
-    RejectedError for a wrong token or a refused subscription). On exit commits what
+    RejectedError for a wrong token or a refused subscription; over TLS with ``tls``,
+    TlsError for a certificate refused). On exit commits what
     was processed — including the last message when the body ended without an
     exception — and closes. ``max_messages`` is the PULL batch size, ``pull_wait_ms``
     how long the broker may hold a PULL that finds nothing. ``commit`` is "periodic"
@@ -387,7 +390,7 @@ async def open_consumer(
     """
     async with background_task_group() as tg:
         session = AsyncSession(
-            addr, token=token, client_name=client_name, task_group=tg, listener="broker"
+            addr, token=token, client_name=client_name, task_group=tg, listener="broker", tls=tls
         )
         session.retry_first_connect = retry_first_connect
         consumer = AsyncConsumer(

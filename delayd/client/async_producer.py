@@ -31,6 +31,7 @@ from delayd.client.cancel_receipt import CancelReceipt, RescheduleReceipt
 from delayd.client.receipt import Receipt, still_busy, stored_or_raise
 from delayd.errors import BusyError, ConnectionClosedError, DelaydTimeout, NotLeaderError
 from delayd.protocol import Message, SendBatchResult
+from delayd.tls import ClientTls
 from delayd.version import __version__
 
 CLIENT_NAME = f"delayd-python-async/{__version__}"
@@ -245,6 +246,7 @@ async def open_producer(
     addr: str,
     *,
     token: str | None = None,
+    tls: ClientTls | None = None,
     timeout_s: float = 10.0,
     busy_retries: int = 5,
     client_name: str = CLIENT_NAME,
@@ -254,14 +256,16 @@ async def open_producer(
     group's members ``"h1:p1,h2:p2"`` or ``"etcd://host:port/GROUP"`` (the group's leader
     is found, and followed across a failover: docs/clients.md, "Addresses").
 
-    Connects (HELLO, with ``token`` when given) before the body runs, retrying with
-    back-off for up to ``timeout_s`` — or, with ``retry_first_connect=False``, raising
-    UnreachableError at once when that connection cannot be made. Raises ValueError for
-    a malformed ``addr``, RejectedError for a wrong token, DelaydTimeout when the
-    server cannot be reached.
+    Connects (HELLO, with ``token`` when given; over TLS with ``tls``) before the body
+    runs, retrying with back-off for up to ``timeout_s`` — or, with
+    ``retry_first_connect=False``, raising UnreachableError at once when that
+    connection cannot be made. Raises ValueError for a malformed ``addr``,
+    RejectedError for a wrong token, TlsError for a certificate refused (by either
+    side) or a TLS file that cannot be used, DelaydTimeout when the server cannot be
+    reached.
     """
     async with background_task_group() as tg:
-        session = AsyncSession(addr, token=token, client_name=client_name, task_group=tg)
+        session = AsyncSession(addr, token=token, client_name=client_name, task_group=tg, tls=tls)
         session.retry_first_connect = retry_first_connect
         producer = AsyncProducer(session, timeout_s=timeout_s, busy_retries=busy_retries)
         try:

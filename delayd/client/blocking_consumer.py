@@ -49,6 +49,7 @@ from delayd.protocol import (
     Request,
     Response,
 )
+from delayd.tls import ClientTls
 from delayd.version import __version__
 
 CLIENT_NAME = f"delayd-python-blocking/{__version__}"
@@ -65,9 +66,10 @@ class Consumer(BlockingClient):
     durable on the broker before the next message is handed out (at most one message
     comes again after a crash; docs/clients.md). ``timeout_s`` bounds every request;
     iterating waits for messages for ever, reconnecting while the broker is away.
-    ``retry_first_connect=False``: a first connection that cannot be made raises
-    UnreachableError at once (as the Producer's). Raises ValueError for a malformed
-    ``addr`` or an unknown ``commit`` mode.
+    ``tls``: connect over TLS (delayd.tls.ClientTls). ``retry_first_connect=False``: a
+    first connection that cannot be made raises UnreachableError at once (as the
+    Producer's). Raises ValueError for a malformed ``addr`` or an unknown ``commit``
+    mode, TlsError for a TLS file that cannot be used.
     """
 
     listener = "broker"  # etcd:// resolves to the members' broker addresses
@@ -79,6 +81,7 @@ class Consumer(BlockingClient):
         subject: str,
         group: str,
         token: str | None = None,
+        tls: ClientTls | None = None,
         auto_commit: bool = True,
         commit: str = "periodic",
         consumer_id: str | None = None,
@@ -89,7 +92,7 @@ class Consumer(BlockingClient):
         client_name: str = CLIENT_NAME,
         retry_first_connect: bool = True,
     ) -> None:
-        super().__init__(addr, token, client_name, timeout_s, retry_first_connect)
+        super().__init__(addr, token, client_name, timeout_s, retry_first_connect, tls)
         self.subscription = Subscription(subject, group, consumer_id or new_consumer_id())
         self.max_messages = max_messages
         self.pull_wait_ms = pull_wait_ms

@@ -38,6 +38,7 @@ from delayd.errors import (
     NotLeaderError,
 )
 from delayd.protocol import Message, Response, SendBatch, SendBatchResult
+from delayd.tls import ClientTls
 from delayd.version import __version__
 
 CLIENT_NAME = f"delayd-python-blocking/{__version__}"
@@ -49,10 +50,13 @@ class Producer(BlockingClient):
 
     Connects on ``with`` (or on the first call). ``timeout_s`` bounds every call,
     reconnection and retries included (DelaydTimeout); BUSY messages are sent again up
-    to ``busy_retries`` times with back-off. With ``retry_first_connect=False`` a first
-    connection that cannot be made raises UnreachableError at once instead of being
-    retried until ``timeout_s`` (later reconnections are retried either way). Raises
-    ValueError for a malformed ``addr``.
+    to ``busy_retries`` times with back-off. ``tls``: connect over TLS (a CA file,
+    and a certificate and key for mutual TLS; delayd.tls.ClientTls). With
+    ``retry_first_connect=False`` a first connection that cannot be made raises
+    UnreachableError at once instead of being retried until ``timeout_s`` (later
+    reconnections are retried either way). Raises ValueError for a malformed ``addr``,
+    TlsError for a TLS file that cannot be used, and on a call for a certificate the
+    client refused.
     """
 
     def __init__(
@@ -60,6 +64,7 @@ class Producer(BlockingClient):
         addr: str,
         *,
         token: str | None = None,
+        tls: ClientTls | None = None,
         timeout_s: float = 10.0,
         busy_retries: int = 5,
         max_frame_messages: int = MAX_FRAME_MESSAGES,
@@ -67,7 +72,7 @@ class Producer(BlockingClient):
         client_name: str = CLIENT_NAME,
         retry_first_connect: bool = True,
     ) -> None:
-        super().__init__(addr, token, client_name, timeout_s, retry_first_connect)
+        super().__init__(addr, token, client_name, timeout_s, retry_first_connect, tls)
         self.busy_retries = busy_retries
         self.max_frame_messages = max_frame_messages
         self.max_in_flight = max_in_flight

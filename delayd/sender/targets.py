@@ -16,6 +16,7 @@ library brings anyio, which the servers do without.
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Protocol
@@ -40,6 +41,7 @@ from delayd.protocol import (
 from delayd.protocol.answers import route_answers
 from delayd.protocol.handshake import say_hello
 from delayd.protocol.redirect import leader_in
+from delayd.tls import ClientTls, handshake_failure, transport_of
 from delayd.version import __version__
 
 if TYPE_CHECKING:
@@ -124,10 +126,11 @@ class RemoteTarget:
     Holds one connection, opened on the first call and again on the first call after it
     failed. ``addresses`` (``"host:port"``, ``"[v6]:port"``) are tried in order,
     starting with the one that worked last, each for at most ``connect_timeout_s``
-    (TCP connect and HELLO). ``timeout_s`` bounds a whole ``send_batch``, connecting
-    included; a request not answered by then ends the connection, since its outcome
-    and the stream's state are unknown. Concurrent calls share the connection, their
-    frames pipelined, so the broker's group commit acknowledges them together.
+    (TCP connect, the TLS handshake when ``tls`` is given, and HELLO). ``timeout_s``
+    bounds a whole ``send_batch``, connecting included; a request not answered by then
+    ends the connection, since its outcome and the stream's state are unknown.
+    Concurrent calls share the connection, their frames pipelined, so the broker's
+    group commit acknowledges them together.
 
     A batch too large for one frame is split in halves until each part fits; a single
     message too large for a frame comes back refused (BODY_TOO_LARGE), not raised.
@@ -144,6 +147,7 @@ class RemoteTarget:
         addresses: Sequence[str],
         *,
         token: str | None = None,
+        tls: ClientTls | None = None,
         timeout_s: float = 5.0,
         connect_timeout_s: float = 1.0,
     ) -> None:
@@ -160,6 +164,7 @@ class RemoteTarget:
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
         self._token = token
+        self._tls = tls
         self._current = 0  # index of the address that worked last: tried first
         self._link: _Link | None = None
         self._connecting = trio.Lock()
@@ -243,9 +248,11 @@ class RemoteTarget:
                 endpoint = self._endpoints[index]
                 with trio.move_on_after(self.connect_timeout_s):
                     try:
-                        link = await _Link.open(self.name, address, endpoint, self._token)
+                        link = await _Link.open(
+                            self.name, address, endpoint, self._token, self._tls
+                        )
                     except (*_LINK_ERRORS, DelaydError) as exc:
-                        problems.append(f"{address}: {exc}")
+                        problems.append(f"{address}: {_why(exc, address)}")
                         continue
                     if self._closed:  # aclose() ran while this connected
                         link.fail("was closed by the sender")
@@ -262,6 +269,39 @@ class RemoteTarget:
         if self._link is not None:
             self._link.fail("was closed by the sender")
         await trio.lowlevel.checkpoint()
+
+
+def _why(exc: BaseException, address: str) -> str:
+    """``exc`` in words; a trio stream error says nothing itself, but the TLS error
+    behind it does (the broker refused the sender's certificate)."""
+    if isinstance(exc.__cause__, ssl.SSLError):
+        return str(handshake_failure(exc.__cause__, address))
+    return str(exc) or type(exc).__name__
+
+
+async def _connect(endpoint: Address, tls: ClientTls | None) -> trio.abc.Stream:
+    """A TCP stream to ``endpoint``, with the TLS handshake done when ``tls`` is given.
+    Raises OSError, a trio stream error, or TargetUnavailable for a refused handshake."""
+    host, port = endpoint
+    tcp = await trio.open_tcp_stream(host, port)  # TCP_NODELAY is trio's default
+    if tls is None:
+        return tcp
+    server_name = tls.server_name or host
+    # https_compatible: a broker's close without close_notify is EOF (delayd.tls).
+    context = tls.ssl_context
+    stream = trio.SSLStream(tcp, context, server_hostname=server_name, https_compatible=True)
+    try:
+        await stream.do_handshake()
+    except trio.BrokenResourceError as exc:
+        tcp.socket.close()
+        if isinstance(exc.__cause__, ssl.SSLError):
+            failure = handshake_failure(exc.__cause__, str(endpoint))
+            raise TargetUnavailable(str(failure)) from None
+        raise
+    except BaseException:
+        tcp.socket.close()
+        raise
+    return stream
 
 
 class _Waiter:
@@ -286,12 +326,11 @@ class _Link:
     answer that will arrive for nobody), so a cancelled request ends the link.
     """
 
-    def __init__(
-        self, group: str, address: str, stream: trio.SocketStream, conn: Connection
-    ) -> None:
+    def __init__(self, group: str, address: str, stream: trio.abc.Stream, conn: Connection) -> None:
         self.group = group
         self.address = address
         self._stream = stream
+        self._socket = transport_of(stream).socket  # type: ignore[attr-defined]
         self._conn = conn
         self._waiters: dict[int, _Waiter] = {}  # by request id
         self._writing = trio.StrictFIFOLock()  # one frame at a time on the stream
@@ -299,12 +338,21 @@ class _Link:
         self.failure: str | None = None
 
     @classmethod
-    async def open(cls, group: str, address: str, endpoint: Address, token: str | None) -> _Link:
-        """Connect and do HELLO (delayd.protocol.handshake). Raises OSError or a trio
-        stream error when the connection fails, and what say_hello raises: RejectedError
-        for a wrong token, BusyError for a broker shutting down, ConnectionClosedError,
-        ProtocolError for a peer that does not speak the protocol."""
-        stream = await trio.open_tcp_stream(*endpoint)  # TCP_NODELAY is trio's default
+    async def open(
+        cls,
+        group: str,
+        address: str,
+        endpoint: Address,
+        token: str | None,
+        tls: ClientTls | None = None,
+    ) -> _Link:
+        """Connect (over TLS with ``tls``) and do HELLO (delayd.protocol.handshake).
+        Raises OSError or a trio stream error when the connection fails,
+        TargetUnavailable when the broker refuses the TLS handshake, and what say_hello
+        raises: RejectedError for a wrong token, BusyError for a broker shutting down,
+        ConnectionClosedError, ProtocolError for a peer that does not speak the
+        protocol."""
+        stream = await _connect(endpoint, tls)
         try:
             conn = Connection(CLIENT)
             await say_hello(
@@ -316,7 +364,7 @@ class _Link:
                 peer=address,
             )
         except BaseException:
-            stream.socket.close()
+            transport_of(stream).socket.close()  # type: ignore[attr-defined]
             raise
         return cls(group, address, stream, conn)
 
@@ -325,7 +373,7 @@ class _Link:
         ClosedResourceError) and wake every waiting request."""
         if self.failure is None:
             self.failure = reason
-            self._stream.socket.close()
+            self._socket.close()
         for waiter in self._waiters.values():
             waiter.wake.set()
 

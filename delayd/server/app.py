@@ -55,6 +55,7 @@ from delayd.serving.listeners import bound_addresses
 from delayd.serving.listeners import open_listeners as bind
 from delayd.serving.metrics_http import Readiness, serve_metrics
 from delayd.serving.store_metrics import RESUME_FREE_BYTES, StoreMetrics, broker_directories
+from delayd.serving.tls import ServerTls
 from delayd.write_refusals import WriteRefusals
 from storage.errors import StorageError
 from storage.flusher import FlushMode, LogWriter
@@ -138,14 +139,16 @@ async def serve_metrics_early(
     listeners: list[trio.SocketListener],
     reason: str,
     *,
+    tls: ServerTls | None = None,
     task_status: trio.TaskStatus[MetricsEndpoint] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve an empty registry on ``listeners`` until cancelled, /readyz answering 503
-    ``starting: <reason>``; reports the MetricsEndpoint to hand to ``run``."""
+    """Serve an empty registry on ``listeners`` (over TLS when ``tls`` is given) until
+    cancelled, /readyz answering 503 ``starting: <reason>``; reports the
+    MetricsEndpoint to hand to ``run``."""
     registry = CollectorRegistry(auto_describe=False)
     readiness = Readiness(reason)
     address = bound_addresses(listeners)[0]
-    serve = partial(serve_metrics, readiness=readiness, listeners=listeners)
+    serve = partial(serve_metrics, readiness=readiness, listeners=listeners, tls=tls)
     async with trio.open_nursery() as nursery:
         await nursery.start(serve, registry, *address)
         task_status.started(MetricsEndpoint(registry, readiness, address))
@@ -171,8 +174,10 @@ class DelayServer:
         replayer: Replayer,
         broker: Broker,
         delivery: Delivery,
+        tls: ServerTls | None = None,
     ) -> None:
         self.config = config
+        self.tls = tls  # every listener's TLS (delayd.tls); None: plain TCP
         self.delivery = delivery
         self.message_log = message_log
         self.replayer = replayer
@@ -192,11 +197,11 @@ class DelayServer:
 
             self.membership = Membership(config.cluster)
         self.listener = IntakeListener(
-            self._connection, ConnectionGate("intake", config.connection_limits)
+            self._connection, ConnectionGate("intake", config.connection_limits), tls
         )
         # Its gate: the [broker] connection keys (the embedded broker's config).
         self.broker_listener = broker_listener(
-            broker, token=config.token, membership=self.membership
+            broker, token=config.token, membership=self.membership, tls=tls
         )
         self._stop = trio.Event()
         # Recovery of the logs is done when the server is built; /readyz turns ready
@@ -257,11 +262,21 @@ class DelayServer:
         return PendingTracker(delivery.data_dir, delivery.fs, active_ahead_ms=active_ahead_ms)
 
     @classmethod
-    def open(cls, data_dir: str, config: ServeConfig, *, fs: FileSystem = REAL_FS) -> DelayServer:
-        """Open and recover everything under ``data_dir`` (blocking).
+    def open(
+        cls,
+        data_dir: str,
+        config: ServeConfig,
+        *,
+        fs: FileSystem = REAL_FS,
+        tls: ServerTls | None = None,
+    ) -> DelayServer:
+        """Open and recover everything under ``data_dir`` (blocking). ``tls``: the
+        listeners' TLS, loaded from ``config.tls`` when not given.
 
-        Raises SegmentScaleMismatchError, CorruptionError, StorageError.
+        Raises SegmentScaleMismatchError, CorruptionError, StorageError, TlsError.
         """
+        if tls is None and config.tls is not None:
+            tls = ServerTls(config.tls)  # first: a bad file is reported before recovery
         message_log = SegmentedLog.open(
             layout.message_log_dir(data_dir), fs=fs, segment_size=config.message_log_segment_bytes
         )
@@ -318,9 +333,9 @@ class DelayServer:
             replayer.close()
             message_log.close()
             raise
-        return cls(config, message_log, replayer, broker, delivery)
+        return cls(config, message_log, replayer, broker, delivery, tls)
 
-    def _connection(self, stream: trio.SocketStream) -> DelayConnection:
+    def _connection(self, stream: trio.abc.Stream) -> DelayConnection:
         return DelayConnection(
             self.intake,
             stream,
@@ -426,7 +441,10 @@ class DelayServer:
                     else:
                         host, port = config.metrics_listen
                         serve = partial(
-                            serve_metrics, readiness=self.readiness, listeners=listeners.metrics
+                            serve_metrics,
+                            readiness=self.readiness,
+                            listeners=listeners.metrics,
+                            tls=self.tls,
                         )
                         metrics_bound = (await root.start(serve, registry, host, port))[0]
                 http_bound = None
@@ -504,6 +522,7 @@ class DelayServer:
             listeners.http,
             max_record_bytes=self.config.limits.max_record_bytes,
             grace_s=SHUTDOWN_GRACE_S,
+            tls=self.tls,
         )
         await self.http.serve(task_status=task_status)
 

@@ -44,6 +44,7 @@ from delayd.structured_logs import (
     LOG_FORMATS,
     LOG_LEVELS,
 )
+from delayd.tls import ClientTls, ServerTlsConfig
 from storage.flusher import FlushMode, FlushPolicy
 from storage.framing import HEADER_SIZE
 from storage.record_file import DEFAULT_MAX_UNSYNCED_BYTES as BUCKET_MAX_UNSYNCED_BYTES
@@ -93,12 +94,14 @@ class RetentionConfig:
 class BrokerGroupConfig:
     """One ``[[broker_groups]]`` entry: a broker group the sender delivers to —
     ``embedded`` (the broker inside this process) or broker processes at
-    ``addresses`` (one group: tried in order) — and its share of keyless messages."""
+    ``addresses`` (one group: tried in order, over TLS when ``tls`` is given) — and
+    its share of keyless messages."""
 
     name: str
     addresses: tuple[str, ...] = ()
     weight: int = 1
     embedded: bool = False
+    tls: ClientTls | None = None  # None: plain TCP to the group's brokers
 
     def __post_init__(self) -> None:
         try:
@@ -117,6 +120,11 @@ class BrokerGroupConfig:
                 raise ConfigError(f"broker_groups.{self.name}.addresses: {exc}") from None
         if self.weight < 1:
             raise ConfigError(f"broker_groups.{self.name}.weight must be >= 1")
+        if self.embedded and self.tls is not None:
+            raise ConfigError(
+                f"broker_groups: group {self.name!r} is embedded (no connection): "
+                "remove its tls_* keys"
+            )
 
 
 def parse_listen_address(text: str, what: str) -> Address:
@@ -146,6 +154,7 @@ class ServeConfig:
     metrics_listen: Address | None = DEFAULT_METRICS_LISTEN  # None: no /metrics endpoint
     http_listen: Address | None = DEFAULT_HTTP_LISTEN  # None: no HTTP API
     token: str | None = field(default=None, repr=False)
+    tls: ServerTlsConfig | None = None  # None: every listener plain TCP
     max_frame_bytes: int = DEFAULT_MAX_FRAME_SIZE
     # The intake listener's connections (delayd.serving.connection_limits); 0 = by the fd limit.
     max_connections: int = 0
@@ -288,6 +297,11 @@ _SCHEMA: dict[str, dict[str, tuple[Callable[[Any, str], Any], str]]] = {
     "http": {
         "listen": (lambda v, k: parse_optional_listen_address(_str(v, k), k), "http_listen"),
     },
+    "tls": {
+        "cert_file": (_str, "tls.cert_file"),
+        "key_file": (_str, "tls.key_file"),
+        "client_ca_file": (_str, "tls.client_ca_file"),
+    },
     "log": {
         "format": (_choice(*LOG_FORMATS), "log_format"),
         "level": (_choice(*LOG_LEVELS), "log_level"),
@@ -331,8 +345,9 @@ _SCHEMA: dict[str, dict[str, tuple[Callable[[Any, str], Any], str]]] = {
         "bucket_ms": (_non_negative, "retention.bucket_ms"),
     },
 }
-_NESTED = ("limits", "flush", "sender", "retry", "retention")
-_GROUP_KEYS = {"name", "addresses", "weight", "embedded"}
+_NESTED = ("limits", "flush", "sender", "retry", "retention", "tls")
+_GROUP_TLS_KEYS = ("tls_ca_file", "tls_cert_file", "tls_key_file")
+_GROUP_KEYS = {"name", "addresses", "weight", "embedded", *_GROUP_TLS_KEYS}
 # [broker] takes the embedded broker's BrokerConfig fields of simple types by name.
 _BROKER_KEYS = {
     f.name
@@ -365,6 +380,9 @@ def string_keys() -> frozenset[str]:
         "server.metrics_listen",
         "server.token",
         "http.listen",
+        "tls.cert_file",
+        "tls.key_file",
+        "tls.client_ca_file",
         "message_log.flush",
         "log.format",
         "log.level",
@@ -456,6 +474,8 @@ def config_from_mapping(
             values["sender"] = SenderConfig(**sender)
         if nested["retention"]:
             values["retention"] = RetentionConfig(**nested["retention"])
+        if nested["tls"]:
+            values["tls"] = _server_tls(nested["tls"])
     except ValueError as exc:
         raise ConfigError(f"{source}: {exc}") from None
     if broker:
@@ -467,6 +487,13 @@ def config_from_mapping(
         return ServeConfig(**values)
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
+
+
+def _server_tls(values: dict[str, str]) -> ServerTlsConfig | None:
+    """``[tls]`` as a ServerTlsConfig. Raises ValueError for a half-given pair."""
+    return ServerTlsConfig.from_files(
+        values.get("cert_file"), values.get("key_file"), values.get("client_ca_file")
+    )
 
 
 def _broker_groups(entries: Any, source: str) -> tuple[BrokerGroupConfig, ...]:
@@ -489,17 +516,32 @@ def _broker_groups(entries: Any, source: str) -> tuple[BrokerGroupConfig, ...]:
         if not isinstance(embedded, bool):
             raise ConfigError(f"{source}: broker_groups.{name}.embedded must be true or false")
         weight = _int(entry.get("weight", 1), f"{source}: broker_groups.{name}.weight")
+        files = [
+            None if key not in entry else _str(entry[key], f"{source}: broker_groups.{name}.{key}")
+            for key in _GROUP_TLS_KEYS
+        ]
         try:
+            tls = None
+            if any(file is not None for file in files):
+                if files[0] is None:
+                    raise ConfigError(
+                        f"broker_groups.{name}: tls_cert_file and tls_key_file need "
+                        "tls_ca_file, the CA that signed the brokers' certificate"
+                    )
+                tls = ClientTls(*files)
             groups.append(
                 BrokerGroupConfig(
                     name,
                     tuple(_str(a, f"{source}: broker_groups.{name}.addresses") for a in addresses),
                     weight,
                     embedded,
+                    tls,
                 )
             )
         except ConfigError as exc:
             raise ConfigError(f"{source}: {exc}") from None
+        except ValueError as exc:  # from ClientTls
+            raise ConfigError(f"{source}: broker_groups.{name}: {exc}") from None
     return tuple(groups)
 
 

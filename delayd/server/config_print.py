@@ -72,8 +72,13 @@ def config_to_toml(config: ServeConfig) -> str:
     """The whole effective configuration as a TOML document (see the module docstring)."""
     lines = ["# delayd serve: effective configuration (docs/configuration.md)"]
     for table, keys in key_targets().items():
+        if table == "tls" and config.tls is None:
+            lines += ["", "# [tls] not set: every listener is plain TCP"]
+            continue
         lines += ["", f"[{table}]"]
         for key, target in keys.items():
+            if table == "tls" and _value(config, target) is None:
+                continue  # client_ca_file unset: no client certificates asked for
             if key == "token":
                 state = "set" if config.token is not None else "not set"
                 lines.append(f"# token: {state} (never printed)")
@@ -88,6 +93,13 @@ def config_to_toml(config: ServeConfig) -> str:
         else:
             lines.append(f"addresses = {_toml(list(group.addresses))}")
         lines.append(f"weight = {group.weight}")
+        if group.tls is not None:
+            tls = group.tls
+            files = {"tls_ca_file": tls.ca_file, "tls_cert_file": tls.cert_file}
+            files["tls_key_file"] = tls.key_file
+            for key, file in files.items():
+                if file is not None:
+                    lines.append(f"{key} = {_toml(file)}")
     lines += ["", "[cluster]", *_cluster_lines(config)]
     return "\n".join(lines) + "\n"
 

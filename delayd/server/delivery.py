@@ -49,7 +49,7 @@ def build_targets(config: ServeConfig, broker: Broker) -> list[tuple[SendTarget,
         if group.embedded:
             target = EmbeddedTarget(group.name, broker)
         else:
-            target = RemoteTarget(group.name, group.addresses, token=config.token)
+            target = RemoteTarget(group.name, group.addresses, token=config.token, tls=group.tls)
         targets.append((target, group.weight))
     return targets
 

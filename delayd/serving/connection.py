@@ -52,6 +52,7 @@ from delayd.serving.connection_gate import ConnectionGate
 from delayd.serving.frame_reader import read_and_dispatch
 from delayd.serving.frame_writer import FrameWriter
 from delayd.serving.stoppable_listener import linger
+from delayd.tls import transport_of
 
 log = logging.getLogger(__name__)
 
@@ -197,10 +198,10 @@ def internal_error(exc: Exception, event: Event) -> Error:
 
 
 def _peer_name(stream: trio.abc.Stream) -> str:
-    """``host:port`` of a TCP stream's peer, for logs; a Unix socket's path, or ``?``
-    when there is none (a socketpair, an in-memory stream)."""
+    """``host:port`` of a TCP stream's peer (under TLS too), for logs; a Unix socket's
+    path, or ``?`` when there is none (a socketpair, an in-memory stream)."""
     try:
-        name = stream.socket.getpeername()  # type: ignore[attr-defined]
+        name = transport_of(stream).socket.getpeername()  # type: ignore[attr-defined]
     except (AttributeError, OSError):
         return "?"
     return "{}:{}".format(*name[:2]) if isinstance(name, tuple) else name or "?"

@@ -20,6 +20,7 @@ import trio
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from delayd.serving.listeners import bound_addresses, open_listeners
+from delayd.serving.tls import ServerTls
 
 MAX_REQUEST_BYTES = 8192
 REQUEST_TIMEOUT_S = 5.0
@@ -72,19 +73,26 @@ async def serve_metrics(
     *,
     readiness: Readiness | None = None,
     listeners: list[trio.SocketListener] | None = None,
+    tls: ServerTls | None = None,
     task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve /metrics, /healthz and /readyz on host:port (or on ``listeners`` already
-    bound there) until cancelled; reports the bound addresses. /readyz follows
-    ``readiness``; None means always ready, for a caller that starts serving metrics only
-    once it serves. Raises ListenError when host:port cannot be bound."""
+    bound there) until cancelled, over TLS when ``tls`` is given; reports the bound
+    addresses. /readyz follows ``readiness``; None means always ready, for a caller that
+    starts serving metrics only once it serves. Raises ListenError when host:port cannot
+    be bound."""
     if listeners is None:
         listeners = await open_listeners("metrics", host, port)
     addresses = bound_addresses(listeners)
 
-    async def handle(stream: trio.SocketStream) -> None:
+    async def handle(socket_stream: trio.SocketStream) -> None:
+        stream: trio.abc.Stream | None = socket_stream
         try:
             with trio.move_on_after(REQUEST_TIMEOUT_S):
+                if tls is not None:
+                    stream = await tls.accept(socket_stream, REQUEST_TIMEOUT_S)
+                    if stream is None:
+                        return
                 request = await _read_head(stream)
                 status, content_type, body = _respond(request, registry, readiness)
                 head = (
@@ -95,14 +103,14 @@ async def serve_metrics(
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
         finally:
-            await stream.aclose()
+            await (stream or socket_stream).aclose()
 
     async with trio.open_nursery() as nursery:
         await nursery.start(trio.serve_listeners, handle, listeners)
         task_status.started(addresses)
 
 
-async def _read_head(stream: trio.SocketStream) -> bytes:
+async def _read_head(stream: trio.abc.ReceiveStream) -> bytes:
     data = b""
     while b"\r\n\r\n" not in data and b"\n\n" not in data and len(data) < MAX_REQUEST_BYTES:
         chunk = await stream.receive_some(MAX_REQUEST_BYTES)

@@ -24,6 +24,8 @@ import trio
 
 from delayd.serving.connection_gate import ConnectionGate
 from delayd.serving.listeners import bound_addresses, open_listeners
+from delayd.serving.tls import ServerTls
+from delayd.tls import transport_of
 
 Address = tuple[str, int]
 
@@ -40,15 +42,21 @@ C = TypeVar("C", bound=StoppableConnection)
 
 
 class StoppableListener(Generic[C]):
-    """Serves ``make_connection(stream)`` for every socket ``gate`` admits; ``name``
-    names the listener in errors ("intake", "the broker")."""
+    """Serves ``make_connection(stream)`` for every socket ``gate`` admits, over TLS
+    when ``tls`` is given; ``name`` names the listener in errors ("intake", "the
+    broker")."""
 
     def __init__(
-        self, name: str, make_connection: Callable[[trio.SocketStream], C], gate: ConnectionGate
+        self,
+        name: str,
+        make_connection: Callable[[trio.abc.Stream], C],
+        gate: ConnectionGate,
+        tls: ServerTls | None = None,
     ) -> None:
         self.name = name
         self.make_connection = make_connection
         self.gate = gate
+        self.tls = tls  # None: plain TCP
         self._connections: set[C] = set()
         self._accept_scope = trio.CancelScope()
         self._connections_scope = trio.CancelScope()
@@ -89,7 +97,12 @@ class StoppableListener(Generic[C]):
             self._done.set()
 
     async def _handle(self, stream: trio.SocketStream) -> None:
-        connection = self.make_connection(stream)
+        served: trio.abc.Stream | None = stream
+        if self.tls is not None:  # the handshake counts against the HELLO deadline
+            served = await self.tls.accept(stream, self.gate.limits.hello_timeout_s)
+            if served is None:
+                return
+        connection = self.make_connection(served)
         if self._stopping:
             connection.stop_reading()
         self._connections.add(connection)
@@ -131,6 +144,7 @@ async def linger(stream: trio.abc.Stream) -> None:
     (RFC 2525, 2.17): batches appended, answers lost, the client resends, and
     the messages are stored twice. HTTP servers' "lingering close" is the same cure. The
     caller closes the stream afterwards."""
+    stream = transport_of(stream)  # under TLS: its FIN after the records written
     if not isinstance(stream, trio.abc.HalfCloseableStream):
         return  # an in-memory stream (tests): no kernel to drop anything
     with (

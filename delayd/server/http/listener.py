@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import ssl
 from functools import partial
 from typing import Any
 
@@ -21,21 +22,35 @@ import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
 
+from delayd.serving.connection_limits import DEFAULT_HELLO_TIMEOUT_MS
 from delayd.serving.listeners import bound_addresses
+from delayd.serving.tls import ServerTls
 
 log = logging.getLogger(__name__)
 
 Address = tuple[str, int]
 KEEP_ALIVE_S = 75  # longer than a typical proxy's or client pool's idle time
+# A TLS handshake not done by then is dropped: the binary listeners' HELLO deadline
+# (hypercorn's own default, 60 s, would let a stalled client hold a descriptor longer).
+TLS_HANDSHAKE_TIMEOUT_S = DEFAULT_HELLO_TIMEOUT_MS / 1000
 
 
 class HttpListener:
-    """Serves ``app`` on bound ``listeners`` until ``stop``."""
+    """Serves ``app`` on bound ``listeners`` until ``stop``, over TLS (https) when
+    ``tls`` is given."""
 
-    def __init__(self, app: Any, listeners: list[trio.SocketListener], *, grace_s: float) -> None:
+    def __init__(
+        self,
+        app: Any,
+        listeners: list[trio.SocketListener],
+        *,
+        grace_s: float,
+        tls: ServerTls | None = None,
+    ) -> None:
         self.app = app
         self.listeners = listeners
         self.grace_s = grace_s
+        self.tls = tls
         self.on_stop: list[Any] = []  # callables run when the stop begins
         self._stop = trio.Event()
         self._stopped = trio.Event()
@@ -43,12 +58,13 @@ class HttpListener:
     async def serve(self, *, task_status: trio.TaskStatus[Address]) -> None:
         """Serve until ``stop``; reports the first bound address once it accepts."""
         address = bound_addresses(self.listeners)[0]
-        config = Config()
+        config = Config() if self.tls is None else _TlsConfig(self.tls)
         config.bind = [f"fd://{os.dup(listener.socket.fileno())}" for listener in self.listeners]
         for listener in self.listeners:
             await listener.aclose()
         config.graceful_timeout = self.grace_s
         config.keep_alive_timeout = KEEP_ALIVE_S
+        config.ssl_handshake_timeout = TLS_HANDSHAKE_TIMEOUT_S
         config.accesslog = None
         config.errorlog = log
         config.include_server_header = False
@@ -66,3 +82,19 @@ class HttpListener:
             hook()
         self._stop.set()
         await self._stopped.wait()
+
+
+class _TlsConfig(Config):
+    """hypercorn's configuration with delayd's TLS context: hypercorn builds its one
+    context at start; this one follows ``ServerTls.reload`` (delayd.tls)."""
+
+    def __init__(self, tls: ServerTls) -> None:
+        super().__init__()
+        self._tls = tls
+
+    @property
+    def ssl_enabled(self) -> bool:
+        return True
+
+    def create_ssl_context(self) -> ssl.SSLContext:
+        return self._tls.http_front_context()
