@@ -191,7 +191,8 @@ def test_clients_given_the_members_or_etcd_reach_the_leader(group: Group):
     leader, follower = group.start_pair()
     members = f"{addr(follower.address)},{addr(leader.address)}"
     with delayd.Producer(members, timeout_s=5) as producer:
-        receipt = producer.send("orders", b"x", message_id="via-follower")
+        # Due in a minute: delivery must not win the race with the cancel below.
+        receipt = producer.send("orders", b"x", message_id="via-follower", delay_ms=60_000)
         assert receipt.code is delayd.ResultCode.OK
         assert producer.cancel("via-follower").cancelled
     via_etcd = f"etcd://{group.etcd_url.removeprefix('http://')}/{group.name}"
