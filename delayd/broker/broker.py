@@ -240,6 +240,7 @@ class Broker:
                     self.offsets.compact()
                 if self.offsets.dirty:
                     await trio.to_thread.run_sync(self.offsets.flush, self.offsets.version)
+                    self.offsets.on_grew()
         self.checkpoints += 1
 
     async def make_offsets_durable(self) -> None:
@@ -258,6 +259,7 @@ class Broker:
             if self.offsets.needs_compaction():
                 self.offsets.compact()  # a commit the disk refused before: write it now
             await trio.to_thread.run_sync(self.offsets.flush, self.offsets.version)
+            self.offsets.on_grew()
 
     async def _expiry_loop(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         # Sleeps until the next member could time out, or until membership changes.

@@ -77,7 +77,9 @@ class OffsetStore:
         self.fs = fs
         self.compact_bytes = compact_bytes
         self.following = False  # a follower's copy: written by replication only
-        self.on_append: Callable[[], None] = lambda: None  # replication's growth signal
+        # Called on the event loop after every append and every flush: replication's
+        # growth signal (BrokerStreams.grew).
+        self.on_grew: Callable[[], None] = lambda: None
         self._offsets: dict[OffsetKey, int] = {}
         self._files: dict[int, RecordFile] = {}  # generation -> file, ascending
         self._table_generation: int | None = None  # the snapshot the table starts from
@@ -173,7 +175,7 @@ class OffsetStore:
             self._unlogged = True
             return
         self._applied[max(self._files)] = current.end_offset
-        self.on_append()
+        self.on_grew()
 
     def items(self) -> list[tuple[OffsetKey, int]]:
         return list(self._offsets.items())
@@ -203,7 +205,7 @@ class OffsetStore:
         created.append(self._snapshot_payload(), SNAPSHOT_TYPE)
         self._table_generation = generation
         self._applied[generation] = created.end_offset
-        self.on_append()
+        self.on_grew()
         return created
 
     def _snapshot_payload(self) -> bytes:
@@ -247,6 +249,7 @@ class OffsetStore:
         self._unlogged = False
         self._saved_version = max(self._saved_version, version)
         self.drop_superseded()
+        self.on_grew()
 
     def drop_superseded(self) -> None:
         """Delete the generations older than the one the table starts from, once that

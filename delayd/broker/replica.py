@@ -9,6 +9,7 @@ the streams of an open broker, wired so that its appends and fsyncs wake the lea
 state in step with what it receives::
 
     streams = broker_streams(broker)
+    history = EpochHistory.open(broker_epoch_history_path(data_dir))
     replica = BrokerReplica(broker)          # broker.follow() until replica.promote()
     follower = Follower(streams, history, group=..., member=..., leader=...,
                         on_truncated=replica.on_truncated, on_durable=replica.on_durable)
@@ -16,8 +17,15 @@ state in step with what it receives::
 
 from __future__ import annotations
 
+import os
+
 from delayd.broker.broker import Broker
 from delayd.replication.streams import COMMITLOG, BrokerStreams
+
+
+def broker_epoch_history_path(data_dir: str) -> str:
+    """Where a broker member keeps its epoch history (delayd.replication.epochs)."""
+    return os.path.join(data_dir, "broker", "replication", "epochs")
 
 
 class CommitlogStream:
@@ -57,7 +65,7 @@ def broker_streams(broker: Broker) -> BrokerStreams:
     """The streams of ``broker`` (open), its appenders wired to their growth signal."""
     streams = BrokerStreams(CommitlogStream(broker), broker.offsets)
     broker.store.on_grew = streams.grew
-    broker.offsets.on_append = streams.grew
+    broker.offsets.on_grew = streams.grew
     return streams
 
 
