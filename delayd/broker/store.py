@@ -6,7 +6,7 @@ Layout under ``<data>/broker/``::
     consumequeue/<subject>/<queue>/...     storage.consumequeue, one per (subject, queue)
     index/<20-digit offset>                storage.indexfile: "i\\0<id>" and "k\\0<subject>\\0<key>"
     reput.checkpoint                       storage.checkpoint blob holding JSON (below)
-    offsets.json                           offsets.py
+    offsets/<20-digit generation>          offsets.py (the committed offsets' log)
 
 The commitlog is the truth; consume queues and index are derived from it by the reput
 (RocketMQ's ReputMessageService), only up to the commitlog's durable offset, so a crash
