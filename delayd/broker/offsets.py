@@ -135,9 +135,15 @@ class OffsetStore:
 
     def file(self, generation: int) -> RecordFile:
         """The file of ``generation``, opened (created empty when missing: a follower
-        receiving a generation's first records)."""
+        receiving a generation's first records). Raises ValueError for a generation
+        this leader compacted away (a late reader must not bring it back)."""
         found = self._files.get(generation)
         if found is None:
+            if not self.following and self._files and generation < max(self._files):
+                raise ValueError(
+                    f"offsets generation {generation} was compacted away: the newest is "
+                    f"{max(self._files)}"
+                )
             path = os.path.join(self.directory, generation_name(generation))
             found = self._files[generation] = RecordFile.open(path, fs=self.fs)
         return found

@@ -298,9 +298,9 @@ class Leader:
             seen = self.streams.version
             sent = False
             for name in self.streams.names():
-                source = self.streams.get(name)
+                source = self.streams.find(name)  # gone since listed: nothing to send
                 position = positions.get(name, 0)
-                if position >= source.end_offset:
+                if source is None or position >= source.end_offset:
                     continue
                 data = source.read_raw(position, self.chunk_bytes)
                 acked = self._acked_changes(sent_acked)

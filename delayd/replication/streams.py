@@ -102,6 +102,11 @@ class StreamSet:
         receiving its first records). Raises ValueError for a bad name."""
         raise NotImplementedError
 
+    def find(self, name: str) -> Stream | None:
+        """The stream ``name`` if it exists now, else None (never creates one: the
+        leader reading a stream deleted since it listed the names)."""
+        return self.get(name)
+
     def _opened(self) -> list[tuple[str, Stream]]:
         """The streams open now (what ``flush_all`` flushes)."""
         return [(name, self.get(name)) for name in self.names()]
@@ -256,3 +261,8 @@ class BrokerStreams(StreamSet):
         if name == COMMITLOG:
             return self.commitlog
         return self.offsets.file(offsets_generation(name))
+
+    def find(self, name: str) -> Stream | None:
+        if name != COMMITLOG and offsets_generation(name) not in self.offsets.generations():
+            return None  # compacted away
+        return self.get(name)
