@@ -37,6 +37,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 from array import array
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -270,6 +271,11 @@ class BrokerStore:
         self._pending: deque[_Appended] = deque()
         # Why the last reput pass could not run (a full disk), None when it did.
         self.reput_blocked: DiskFullError | None = None
+        # A checkpoint written in a worker thread and a follower's truncation of the
+        # derived state take turns; a checkpoint snapshot taken before a truncation
+        # (``_cuts`` moved since) is not written: it could name offsets past the cut.
+        self._derived_lock = threading.Lock()
+        self._cuts = 0
 
     # ------------------------------------------------------------------ opening
 
@@ -583,14 +589,16 @@ class BrokerStore:
             return
         if offset < self.commitlog.min_offset:
             raise ValueError(f"cannot truncate the commitlog below {self.commitlog.min_offset}")
-        for queue in self.queues.values():
-            queue.truncate_beyond(offset)
-        self.index.truncate_beyond(offset)
-        self.reput_offset = min(self.reput_offset, offset)
-        if dedupe_from is not None:
-            dedupe_from = min(dedupe_from, self.reput_offset)
-        self.flush_derived(self.checkpoint_snapshot(dedupe_from))
-        self.commitlog.truncate(offset)
+        with self._derived_lock:
+            self._cuts += 1
+            for queue in self.queues.values():
+                queue.truncate_beyond(offset)
+            self.index.truncate_beyond(offset)
+            self.reput_offset = min(self.reput_offset, offset)
+            if dedupe_from is not None:
+                dedupe_from = min(dedupe_from, self.reput_offset)
+            self._flush_derived(self.checkpoint_snapshot(dedupe_from))
+            self.commitlog.truncate(offset)
         self.index.prepare(offset)
         self.next_queue_offset = {key: queue.end_index for key, queue in self.queues.items()}
         self.recent = RecentRecords(self.config.recent_cache_bytes)
@@ -749,16 +757,21 @@ class BrokerStore:
 
     # ------------------------------------------------------------------ checkpoint, close
 
-    def checkpoint_snapshot(self, dedupe_from: int | None) -> tuple[int, list, int | None]:
+    def checkpoint_snapshot(self, dedupe_from: int | None) -> tuple[int, list, int | None, int]:
         """What :meth:`flush_derived` needs, taken on the event loop at one instant."""
         if dedupe_from is None:
             dedupe_from = self.reput_offset
-        return self.reput_offset, list(self.queues.items()), dedupe_from
+        return self.reput_offset, list(self.queues.items()), dedupe_from, self._cuts
 
-    def flush_derived(self, snapshot: tuple[int, list, int | None]) -> None:
+    def flush_derived(self, snapshot: tuple[int, list, int | None, int]) -> None:
         """Flush queues and index, then replace the reput checkpoint (blocking: run it
         in a worker thread; appends may go on meanwhile)."""
-        offset, queues, dedupe_from = snapshot
+        with self._derived_lock:
+            if snapshot[3] == self._cuts:
+                self._flush_derived(snapshot)
+
+    def _flush_derived(self, snapshot: tuple[int, list, int | None, int]) -> None:
+        offset, queues, dedupe_from, _ = snapshot
         ends = {key: queue.flush() for key, queue in queues}
         self.index.flush()
         checkpoint = ReputCheckpoint(offset, ends, dedupe_from)
