@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from delayd.broker.broker import Broker
+from delayd.broker.broker import Broker, open_broker
 from delayd.broker.config import BrokerConfig
 from delayd.broker.replica import BrokerReplica, broker_epoch_history_path, broker_streams
 from delayd.errors import RejectedError
@@ -69,17 +69,12 @@ class BrokerMember:
 
 @asynccontextmanager
 async def running(data_dir: Path, config: BrokerConfig = CONFIG) -> AsyncIterator[BrokerMember]:
-    broker = await trio.to_thread.run_sync(lambda: Broker.open(str(data_dir), config))
-    member = BrokerMember(broker, str(data_dir))
-    try:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(broker.run)
-            try:
-                yield member
-            finally:
-                nursery.cancel_scope.cancel()
-    finally:
-        member.history.close()
+    async with open_broker(str(data_dir), config) as broker:
+        member = BrokerMember(broker, str(data_dir))
+        try:
+            yield member
+        finally:
+            member.history.close()
 
 
 def follower_of(member: BrokerMember, name: str, leader: Leader) -> tuple[Follower, BrokerReplica]:
