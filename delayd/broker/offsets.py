@@ -319,6 +319,8 @@ class OffsetStore:
             self._applied[generation] = source.end_offset
         if changed:
             self._version += 1
+            if self.following:
+                self._saved_version = self._version  # replication flushed them first
         return changed
 
     def close(self) -> None:
