@@ -16,7 +16,7 @@ import trio
 
 from delayd.broker.broker import Broker, open_broker
 from delayd.broker.config import BrokerConfig
-from delayd.broker.replica import BrokerReplica, broker_epoch_history_path, broker_streams
+from delayd.broker.replica import BrokerReplica, broker_epoch_history_path
 from delayd.errors import RejectedError
 from delayd.protocol.codes import ResultCode
 from delayd.protocol.events import Message
@@ -34,7 +34,9 @@ class BrokerMember:
     def __init__(self, broker: Broker, data_dir: str) -> None:
         self.broker = broker
         self.data_dir = data_dir
-        self.streams: BrokerStreams = broker_streams(broker)
+        self.replica = BrokerReplica(broker)
+        self.streams = BrokerStreams(self.replica.commitlog, broker.offsets)
+        self.replica.signal_growth(self.streams.grew)
         self.history = EpochHistory.open(broker_epoch_history_path(data_dir))
 
     async def send(self, prefix: str, count: int) -> list[str]:
@@ -78,7 +80,8 @@ async def running(data_dir: Path, config: BrokerConfig = CONFIG) -> AsyncIterato
 
 
 def follower_of(member: BrokerMember, name: str, leader: Leader) -> tuple[Follower, BrokerReplica]:
-    replica = BrokerReplica(member.broker)
+    replica = member.replica
+    replica.follow()
     follower = Follower(
         member.streams,
         member.history,

@@ -1,26 +1,27 @@
-"""The broker as a member of a replicated group: its streams, and its follower's hooks.
+"""The broker as a member of a replicated group: what replication needs of it.
 
-A broker group ships its commitlog and its committed consumer offsets
-(``BrokerStreams``); each member derives its consume queues, index and idempotency
-window from the commitlog, and its offsets table from the offsets log, with the code a
-restart uses (docs/replication.md, "Broker streams"). ``broker_streams(broker)`` gives
-the streams of an open broker, wired so that its appends and fsyncs wake the leader;
-``BrokerReplica`` gives a ``Follower`` the hooks that keep a following broker's derived
-state in step with what it receives::
+A broker group ships its commitlog and its committed consumer offsets (the
+``BrokerStreams`` of delayd.replication); each member derives its consume queues, index
+and idempotency window from the commitlog, and its offsets table from the offsets log,
+with the code a restart uses (docs/replication.md, "Broker streams"). The process that
+runs a member (it sits above both the broker and replication) wires them::
 
-    streams = broker_streams(broker)
-    history = EpochHistory.open(broker_epoch_history_path(data_dir))
-    replica = BrokerReplica(broker)          # broker.follow() until replica.promote()
-    follower = Follower(streams, history, group=..., member=..., leader=...,
-                        on_truncated=replica.on_truncated, on_durable=replica.on_durable)
+    replica = BrokerReplica(broker)
+    streams = BrokerStreams(replica.commitlog, broker.offsets)
+    replica.signal_growth(streams.grew)       # appends and fsyncs wake the leader
+    # leading:   Leader(streams, history, epoch, group=...)
+    # following: replica.follow(), then
+    Follower(streams, history, group=..., member=..., leader=...,
+             on_truncated=replica.on_truncated, on_durable=replica.on_durable)
+    # promoted:  replica.promote()
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 from delayd.broker.broker import Broker
-from delayd.replication.streams import COMMITLOG, BrokerStreams
 
 
 def broker_epoch_history_path(data_dir: str) -> str:
@@ -61,32 +62,34 @@ class CommitlogStream:
         """The broker closes its commitlog."""
 
 
-def broker_streams(broker: Broker) -> BrokerStreams:
-    """The streams of ``broker`` (open), its appenders wired to their growth signal."""
-    streams = BrokerStreams(CommitlogStream(broker), broker.offsets)
-    broker.store.on_grew = streams.grew
-    broker.offsets.on_grew = streams.grew
-    return streams
-
-
 class BrokerReplica:
-    """A following broker: refuses sends and commits (``Broker.follow``) and derives
-    from what replication delivers, until :meth:`promote`."""
+    """An open broker as a group member: its commitlog stream, the growth signal of its
+    appenders, and the hooks a ``Follower`` calls while it follows."""
 
     def __init__(self, broker: Broker) -> None:
         self.broker = broker
-        broker.follow()
+        self.commitlog = CommitlogStream(broker)
+
+    def signal_growth(self, grew: Callable[[], None]) -> None:
+        """Have every append and fsync of the commitlog and the offsets log call
+        ``grew`` (``StreamSet.grew``)."""
+        self.broker.store.on_grew = grew
+        self.broker.offsets.on_grew = grew
+
+    def follow(self) -> None:
+        """Refuse sends and commits (``Broker.follow``) and derive from what
+        replication delivers, until :meth:`promote`."""
+        self.broker.follow()
 
     async def on_durable(self, flushed: dict[str, int]) -> None:
         """Follower hook: records became durable; derive from them."""
         self.broker.apply_replicated()
 
     async def on_truncated(self, stream: str, offset: int) -> None:
-        """Follower hook: ``stream`` was cut back to ``offset``. The commitlog's derived
-        state was cut with it (CommitlogStream); the offsets table is rebuilt from the
-        offsets log on disk, as ``OffsetStore.open`` builds it."""
-        if stream != COMMITLOG:
-            self.broker.offsets.reload()
+        """Follower hook: a stream was cut back. The commitlog's derived state was cut
+        with it (CommitlogStream); the offsets table is rebuilt from the offsets log on
+        disk, as ``OffsetStore.open`` builds it (cheap: the log is compacted)."""
+        self.broker.offsets.reload()
 
     def promote(self) -> None:
         """The member leads now: everything received is derived, sends are accepted."""
