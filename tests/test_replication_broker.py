@@ -6,6 +6,7 @@ offsets table with the code a restart uses; promotion; a divergent tail cut."""
 from __future__ import annotations
 
 import os
+import random
 import shutil
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -22,10 +23,13 @@ from delayd.protocol.codes import ResultCode
 from delayd.protocol.events import Message
 from delayd.replication import COMMITLOG, EpochHistory, Follower, Leader
 from delayd.replication.streams import BrokerStreams
+from storage.crashfs import MODES, CrashSimFileSystem, crash_points, run_to_crash
 
 GROUP = "bg"
 SUBJECTS = ("orders", "payments")
-CONFIG = BrokerConfig(queues_per_subject=3, segment_size=8192, checkpoint_interval_ms=50)
+CONFIG = BrokerConfig(
+    queues_per_subject=3, segment_size=8192, checkpoint_interval_ms=50, dedupe_max_ids=4096
+)
 
 
 class BrokerMember:
@@ -285,3 +289,73 @@ async def test_a_wiped_follower_resyncs_its_broker(tmp_path: Path) -> None:
                 following.cancel_scope.cancel()
                 assert_same_broker(b, a, tmp_path)
             nursery.cancel_scope.cancel()
+
+
+# --- a power loss while a follower cuts its tail ------------------------------------------
+
+CRASH_CONFIG = BrokerConfig(
+    queues_per_subject=3,
+    segment_size=4096,
+    index_slot_count=64,
+    index_max_entries=256,
+    dedupe_max_ids=1024,  # the window's table is allocated whole: keep it small
+)
+NOW_MS = 1_800_000_000_000
+
+
+def stored(broker: Broker, prefix: str, count: int) -> None:
+    """Append ``count`` messages, make them durable and reput them, synchronously."""
+    messages = [
+        Message(f"{prefix}-{i}", SUBJECTS[i % 2], body=b"x" * (i % 40)) for i in range(count)
+    ]
+    assert {r.code for r in broker.append_batch(messages, NOW_MS)} == {ResultCode.OK}
+    broker.store.commitlog.flush()
+    broker.store.reput_durable()
+
+
+def truncation_workload(fs: CrashSimFileSystem, cut_only: bool = False) -> None:
+    """A broker with a reput checkpoint past ``cut`` cuts its commitlog back to it."""
+    fs.mkdir("/data")
+    fs.fsync_dir("/")
+    broker = Broker.open("/data", CRASH_CONFIG, fs=fs, clock=lambda: NOW_MS)
+    stored(broker, "kept", 30)
+    cut = broker.store.commitlog.end_offset
+    stored(broker, "cut", 30)
+    broker.store.flush_derived(broker.store.checkpoint_snapshot(broker.window.oldest_offset))
+    if cut_only:
+        return
+    broker.truncate_commitlog(cut)
+    broker.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_power_loss_while_a_follower_cuts_its_tail_leaves_a_broker_that_opens(
+    tmp_path: Path, mode: str
+) -> None:
+    """At every crash point of Broker.truncate_commitlog the broker reopens (no reput
+    checkpoint, queue or index ahead of the commitlog), its queues hold exactly the
+    commitlog's records and its dedupe window exactly their ids (a follower cut part
+    way is cut again by its next session)."""
+    before = crash_points(lambda fs: truncation_workload(fs, cut_only=True))
+    after = crash_points(truncation_workload)
+    assert after > before + 5
+    for k in range(before, after + 1):
+        fs = run_to_crash(truncation_workload, k, page_size=512)
+        dest = tmp_path / f"{mode}-{k}"
+        fs.materialize(str(dest), mode, random.Random(k))
+        broker = Broker.open(str(dest / "data"), CRASH_CONFIG, clock=lambda: NOW_MS)
+        try:
+            records = list(broker.store.commitlog.iter_from(0))
+            # The commitlog is whole, cut, or cut part way (its newest segments gone).
+            assert 30 <= len(records) <= 60, k
+            queued = sum(len(entries) for entries in queue_contents(broker).values())
+            assert queued == len(records), k
+            held = {f"kept-{i}" for i in range(30)} | {f"cut-{i}" for i in range(len(records) - 30)}
+            known = {
+                message_id
+                for message_id in [f"kept-{i}" for i in range(30)] + [f"cut-{i}" for i in range(30)]
+                if broker.window.find(message_id.encode()) is not None
+            }
+            assert known == held, k
+        finally:
+            broker.close()

@@ -581,24 +581,32 @@ class BrokerStore:
 
     def truncate_commitlog(self, offset: int, dedupe_from: int | None) -> None:
         """Cut the commitlog back to ``offset`` (a follower told to by its leader), and
-        first what was derived from the records past it: queues, index and the reput
-        checkpoint, durably, so no crash leaves them ahead of the commitlog (recovery
-        would call that corruption). Raises ValueError when ``offset`` is not a record
-        boundary of the commitlog."""
+        first what was derived from the records past it, durably, so that recovery
+        after a crash at any point finds nothing derived ahead of the commitlog: a
+        reput checkpoint at the cut that names no queue (recovery then cuts every queue
+        and the index back to it and re-puts from there, as for queues created after a
+        checkpoint), then the queues and the index, then the commitlog, then a full
+        checkpoint. Raises ValueError when ``offset`` is not a record boundary of the
+        commitlog."""
         if offset >= self.commitlog.end_offset:
             return
         if offset < self.commitlog.min_offset:
             raise ValueError(f"cannot truncate the commitlog below {self.commitlog.min_offset}")
         with self._derived_lock:
             self._cuts += 1
+            reput = min(self.reput_offset, offset)
+            dedupe_from = reput if dedupe_from is None else min(dedupe_from, reput)
+            write_checkpoint(
+                self.fs,
+                os.path.join(self.directory, CHECKPOINT_NAME),
+                ReputCheckpoint(reput, {}, dedupe_from).encode(),
+            )
             for queue in self.queues.values():
                 queue.truncate_beyond(offset)
             self.index.truncate_beyond(offset)
-            self.reput_offset = min(self.reput_offset, offset)
-            if dedupe_from is not None:
-                dedupe_from = min(dedupe_from, self.reput_offset)
-            self._flush_derived(self.checkpoint_snapshot(dedupe_from))
+            self.reput_offset = reput
             self.commitlog.truncate(offset)
+            self._flush_derived(self.checkpoint_snapshot(dedupe_from))
         self.index.prepare(offset)
         self.next_queue_offset = {key: queue.end_index for key, queue in self.queues.items()}
         self.recent = RecentRecords(self.config.recent_cache_bytes)
