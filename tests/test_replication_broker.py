@@ -266,6 +266,35 @@ async def test_a_divergent_tail_is_cut_and_its_derived_state_rebuilt(tmp_path: P
         assert_same_broker(b, a, tmp_path)  # the cut is durable: a restart agrees
 
 
+async def test_promotion_derives_what_was_received_but_not_yet_flushed(tmp_path: Path) -> None:
+    """Records a follower appended before it stopped, not yet flushed nor derived, are
+    in their queues before the promoted broker's first append takes queue offsets."""
+    async with running(tmp_path / "a") as a, running(tmp_path / "b") as b:
+        await a.send("first", 20)
+        leader = Leader(a.streams, a.history, 3, group=GROUP)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(leader.run, "127.0.0.1", 0)
+            follower, replica = follower_of(b, "b", leader)
+            nursery.start_soon(follower.run)
+            await caught_up(b, a)
+            nursery.cancel_scope.cancel()
+        start = b.broker.store.commitlog.end_offset
+        await a.send("received", 12)
+        data = a.broker.store.commitlog.read_raw(start, 1 << 20)
+        b.streams.get(COMMITLOG).append_raw(start, data)  # the session ended here
+        replica.promote()
+        results = await b.broker.send_batch([Message("new", SUBJECTS[0], body=b"n")])
+        assert results[0].code is ResultCode.OK
+        end = b.broker.store.queue_end(SUBJECTS[0], results[0].queue)
+        assert results[0].queue_offset == end - 1
+        contents = queue_contents(b.broker)
+        assert sum(map(len, contents.values())) == 33
+        assert (
+            contents[(SUBJECTS[0], results[0].queue)][-1][1]
+            == b.broker.store.read_queue(SUBJECTS[0], results[0].queue, end - 1, 1, 1 << 20)[1][0]
+        )
+
+
 async def test_a_wiped_follower_resyncs_its_broker(tmp_path: Path) -> None:
     async with running(tmp_path / "a") as a:
         await a.send("m", 50)

@@ -292,7 +292,11 @@ class Broker:
     def promote(self) -> None:
         """Become the group's broker again (the leader's): everything replicated is
         derived, then sends and commits are accepted; consumers that rejoin start
-        from the replicated committed offsets."""
+        from the replicated committed offsets. Call it once the follower stopped:
+        what it appended is made durable here first, so that every record before the
+        next append is in its queue (else new queue offsets would repeat its)."""
+        self.store.commitlog.flush()
+        self.offsets.flush()
         self.apply_replicated()
         self.following = False
         self.offsets.following = False
