@@ -689,7 +689,8 @@ class Broker:
 
     def commit(self, group: str, subject: str, queue: int, offset: int) -> None:
         """COMMIT_OFFSET: ``group`` consumed ``queue`` below ``offset``. Acknowledged from
-        memory; persisted with the next checkpoint. Raises RejectedError for an unknown
+        memory, appended to the offsets log at once, durable with the next checkpoint
+        (or :meth:`make_offsets_durable`). Raises RejectedError for an unknown
         queue or an offset past the end of the queue, and on a follower."""
         self._refuse_if_following()
         _check_name("group", group)
