@@ -4,13 +4,12 @@
 commit that landed; ``commit="sync"`` commits each message durably before the next is
 handed out, so at most the one message being processed comes again — whether the
 consumer or the broker is killed with kill -9. The durable COMMIT_OFFSET under it is
-tested here too: its wire form and the broker's group-committed write of offsets.json.
+tested here too: its wire form and the broker's group-committed flush of the offsets log.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -57,25 +56,27 @@ def test_durable_commit_offset_on_the_wire() -> None:
 
 
 async def test_durable_commits_are_on_disk_and_share_writes(tmp_path: Path) -> None:
-    """make_offsets_durable returns once offsets.json holds every commit made before
-    it; 20 callers at once cost far fewer than 20 writes (group commit)."""
+    """make_offsets_durable returns once the offsets log holds every commit made before
+    it, fsynced; 20 callers at once cost far fewer than 20 flushes (group commit)."""
     async with open_broker(str(tmp_path)) as broker:
-        directory = os.path.dirname(broker.offsets.path)
-        writes = 0
-        write = broker.offsets.write
+        directory = broker.store.directory
+        flushes = 0
+        flush = broker.offsets.flush
 
-        def counting_write(version: int, data: bytes) -> None:
-            nonlocal writes
-            writes += 1
-            write(version, data)
+        def counting_flush(version: int | None = None) -> None:
+            nonlocal flushes
+            flushes += 1
+            flush(version)
 
-        broker.offsets.write = counting_write  # type: ignore[method-assign]
+        broker.offsets.flush = counting_flush  # type: ignore[method-assign]
         broker.commit("g", "s", 0, 0)  # offset 0: valid in an empty queue
         await broker.make_offsets_durable()
         assert OffsetStore.open(directory).get("g", "s", 0) == 0, "on disk on return"
-        assert writes == 1
+        generation, end = broker.offsets.position()
+        assert broker.offsets.file(generation).durable_offset == end, "fsynced on return"
+        assert flushes == 1
         await broker.make_offsets_durable()
-        assert writes == 1, "nothing new: no write"
+        assert flushes == 1, "nothing new: no flush"
 
         async def commit_and_wait(group: int) -> None:
             broker.commit(f"g{group}", "s", 0, 0)
@@ -85,7 +86,7 @@ async def test_durable_commits_are_on_disk_and_share_writes(tmp_path: Path) -> N
         async with trio.open_nursery() as nursery:
             for group in range(20):
                 nursery.start_soon(commit_and_wait, group)
-        assert writes <= 3, writes  # one in flight, one for all who queued behind it
+        assert flushes <= 3, flushes  # one in flight, one for all who queued behind it
 
 
 # --- consumers killed with kill -9 ----------------------------------------------------------

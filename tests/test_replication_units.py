@@ -184,6 +184,18 @@ def test_a_new_stream_counts_once_the_lag_has_passed() -> None:
     assert tracker.proposed(1000) == frozenset()
 
 
+def test_a_stream_the_leader_deleted_holds_nobody_back() -> None:
+    """A compacted offsets generation: a follower that joined after it was superseded
+    never gets it, and is in sync all the same once the leader says it is gone."""
+    old, new = "offsets/00000000000000000001", "offsets/00000000000000000002"
+    tracker = InSyncTracker(1000, 1, {"commitlog": 10, old: 300})
+    tracker.leader_grew(new, 80, 0)
+    tracker.follower_reset("b", {"commitlog": 10, new: 80})
+    assert tracker.proposed(1000) == frozenset()
+    tracker.leader_removed(old)
+    assert tracker.proposed(1000) == {"b"}
+
+
 def test_acks_need_every_in_sync_follower_and_min_in_sync() -> None:
     tracker = InSyncTracker(1000, 1, {"message_log": 0})
     tracker.follower_reset("b", {"message_log": 0})

@@ -70,7 +70,7 @@ def wall_ms() -> int:
 
 def _check_name(what: str, value: str) -> None:
     """Group names and consumer ids: non-empty, at most 255 characters, no control
-    characters (they appear in offsets.json, STATS names and logs)."""
+    characters (they appear in the offsets log, STATS names and logs)."""
     if not value or len(value) > 255 or any(ord(c) < 32 for c in value) or "/" in value:
         raise RejectedError(
             ErrorCode.INVALID_REQUEST,
@@ -121,6 +121,9 @@ class Broker:
         # however long the wait, though they send no heartbeat meanwhile.
         self._holding: dict[tuple[str, str, str], tuple[int, Hashable]] = {}
         self._closed = False
+        # A follower's broker (follow / promote): replication writes its commitlog and
+        # offsets, it derives the rest; it stores nothing and commits nothing itself.
+        self.following = False
         store.on_arrival = self.hub.notify
 
     # ------------------------------------------------------------------ lifecycle
@@ -148,24 +151,28 @@ class Broker:
             start = store.commitlog.min_offset
             if checkpoint is not None and checkpoint.dedupe_from is not None:
                 start = checkpoint.dedupe_from
-            began = time.perf_counter()
-            scanned = 0
-            for offset, message_id, store_ms in store.scan_ids(start):
-                broker.window.add(message_id, offset, store_ms)
-                scanned += 1
-            broker.window.expire(clock())
-            log.info(
-                "idempotency window rebuilt: %d records scanned from offset %d in %.3f s, "
-                "%d ids kept",
-                scanned,
-                start,
-                time.perf_counter() - began,
-                len(broker.window),
-            )
+            broker._fill_window(start)
         except BaseException:
             store.close(None)
             raise
         return broker
+
+    def _fill_window(self, start: int, until: int | None = None) -> None:
+        """Add the ids of the commitlog's records from ``start`` (below ``until``) to
+        the idempotency window, as a restart does."""
+        began = time.perf_counter()
+        scanned = 0
+        for offset, message_id, store_ms in self.store.scan_ids(start, until):
+            self.window.add(message_id, offset, store_ms)
+            scanned += 1
+        self.window.expire(self.clock())
+        log.info(
+            "idempotency window rebuilt: %d records scanned from offset %d in %.3f s, %d ids kept",
+            scanned,
+            start,
+            time.perf_counter() - began,
+            len(self.window),
+        )
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED):
         """Run the background tasks (flusher and reput, checkpoints, heartbeat expiry) until
@@ -188,13 +195,16 @@ class Broker:
         try:
             self.store.close(self.window.oldest_offset)
         finally:
-            version, data = self.offsets.snapshot()
             try:
-                self.offsets.write(version, data)
+                if self.offsets.needs_compaction():
+                    self.offsets.compact()
+                self.offsets.flush()
             except DiskFullError as exc:
-                # The last offsets written stand: consumers see the commits since
+                # The commits written stand: consumers see the ones that were not
                 # again (at least once).
-                log.warning("broker closed without writing offsets.json: %s", exc)
+                log.warning("broker closed without writing every commit: %s", exc)
+            finally:
+                self.offsets.close()
         log.info("broker closed: %d messages stored this run", self.store.messages_stored)
 
     async def _checkpoint_loop(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -220,29 +230,36 @@ class Broker:
             self.refusals.clear(CHECKPOINT)
 
     async def checkpoint(self) -> None:
-        """Flush consume queues and index, write the reput checkpoint and offsets.json."""
+        """Flush consume queues and index, write the reput checkpoint, make the commits
+        durable (compacting their log when it has grown)."""
         snapshot = self.store.checkpoint_snapshot(self.window.oldest_offset)
         await trio.to_thread.run_sync(self.store.flush_derived, snapshot)
-        if self.offsets.dirty:
-            version, data = self.offsets.snapshot()
-            await trio.to_thread.run_sync(self.offsets.write, version, data)
+        if not self.following:
+            async with self._offsets_write_lock:
+                if self.offsets.needs_compaction():
+                    self.offsets.compact()
+                if self.offsets.dirty:
+                    await trio.to_thread.run_sync(self.offsets.flush, self.offsets.version)
+                    self.offsets.on_grew()
         self.checkpoints += 1
 
     async def make_offsets_durable(self) -> None:
-        """Return once every commit made before the call is in offsets.json on disk.
+        """Return once every commit made before the call is durable in the offsets log.
 
-        Callers that arrive while a write is under way wait for it, then the first of
-        them writes the table once for all of them (group commit, as the commitlog's
-        fsyncs): under many durable commits the writes do not queue up one per commit.
-        Raises OSError when the file cannot be written (the commits stay in memory and
-        go out with a later write).
+        Callers that arrive while a flush is under way wait for it, then the first of
+        them flushes once for all of them (group commit, as the commitlog's fsyncs):
+        under many durable commits the fsyncs do not queue up one per commit. Raises
+        OSError when a commit cannot be written (the commits stay in memory and go out
+        with a later checkpoint).
         """
         wanted = self.offsets.version
         async with self._offsets_write_lock:
             if self.offsets.saved_version >= wanted:
                 return
-            version, data = self.offsets.snapshot()
-            await trio.to_thread.run_sync(self.offsets.write, version, data)
+            if self.offsets.needs_compaction():
+                self.offsets.compact()  # a commit the disk refused before: write it now
+            await trio.to_thread.run_sync(self.offsets.flush, self.offsets.version)
+            self.offsets.on_grew()
 
     async def _expiry_loop(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         # Sleeps until the next member could time out, or until membership changes.
@@ -262,6 +279,59 @@ class Broker:
             for (group, subject, consumer_id), (_, connection) in self._holding.items():
                 self.groups.touch(group, subject, consumer_id, connection, now_ms)
             self._rebalanced(self.groups.expire(now_ms))
+
+    # ------------------------------------------------------------------ following
+
+    def follow(self) -> None:
+        """Become a follower's broker: from now on replication appends to the commitlog
+        and the offsets log, :meth:`apply_replicated` derives the rest, and sends and
+        commits are refused."""
+        self.following = True
+        self.offsets.following = True
+
+    def promote(self) -> None:
+        """Become the group's broker again (the leader's): everything replicated is
+        derived, then sends and commits are accepted; consumers that rejoin start
+        from the replicated committed offsets. Call it once the follower stopped:
+        what it appended is made durable here first, so that every record before the
+        next append is in its queue (else new queue offsets would repeat its)."""
+        self.store.commitlog.flush()
+        self.offsets.flush()
+        self.apply_replicated()
+        self.following = False
+        self.offsets.following = False
+        self._cursors.clear()
+        self.offsets.drop_superseded()
+
+    def apply_replicated(self) -> None:
+        """Derive what the records replication made durable give (a follower, after
+        each group commit): consume queues and index by the reput recovery runs, the
+        idempotency window, the committed offsets table."""
+        start = self.store.reput_offset
+        self.store.reput_replicated()
+        if self.store.reput_offset > start:
+            self._fill_window(start, self.store.reput_offset)
+        if self.offsets.apply_appended():
+            self.offsets.drop_superseded()
+
+    def truncate_commitlog(self, offset: int) -> None:
+        """Cut the commitlog back to ``offset`` with everything derived from the records
+        past it (a follower told to by its leader): queues and index by the store, the
+        idempotency window rebuilt by the scan a restart runs."""
+        oldest = self.window.oldest_offset
+        self.store.truncate_commitlog(offset, oldest)
+        self.window = IdWindow(
+            self.config.dedupe_max_ids, self.config.dedupe_window_ms, self._stored_id
+        )
+        start = self.store.commitlog.min_offset if oldest is None else min(oldest, offset)
+        self._fill_window(start)
+
+    def _refuse_if_following(self) -> None:
+        if self.following:
+            raise RejectedError(
+                ErrorCode.INVALID_REQUEST,
+                "this broker follows its group's leader: send and commit to the leader",
+            )
 
     @staticmethod
     def monotonic_ms() -> int:
@@ -310,8 +380,10 @@ class Broker:
         stamped in, instead of the Messages encoded again — the same bytes, 0.3 µs per
         message instead of 1.3. ``messages`` may then be None: what the checks need is
         read from the encoded heads, and a Message is decoded only to explain a refusal.
-        Raises ValueError when ``encoded`` does not hold one span per message.
+        Raises ValueError when ``encoded`` does not hold one span per message, and
+        RejectedError on a follower.
         """
+        self._refuse_if_following()
         if messages is None:
             if encoded is None:
                 raise ValueError("give the messages, their encoding, or both")
@@ -564,6 +636,7 @@ class Broker:
         """JOIN_GROUP: the member's queues. A group seen for the first time gets its
         start offsets (earliest or latest, per config) committed now, so a restart does
         not move them. Raises RejectedError for bad names."""
+        self._refuse_if_following()
         _check_name("group", group)
         _check_subject(subject)
         _check_name("consumer_id", consumer_id)
@@ -616,8 +689,10 @@ class Broker:
 
     def commit(self, group: str, subject: str, queue: int, offset: int) -> None:
         """COMMIT_OFFSET: ``group`` consumed ``queue`` below ``offset``. Acknowledged from
-        memory; persisted with the next checkpoint. Raises RejectedError for an unknown
-        queue or an offset past the end of the queue."""
+        memory, appended to the offsets log at once, durable with the next checkpoint
+        (or :meth:`make_offsets_durable`). Raises RejectedError for an unknown
+        queue or an offset past the end of the queue, and on a follower."""
+        self._refuse_if_following()
         _check_name("group", group)
         _check_subject(subject)
         count = self.queue_count(subject)
@@ -710,6 +785,7 @@ class Broker:
         max_messages: int,
         connection: Hashable,
     ) -> tuple[EncodedMessages | None, Sequence[int]]:
+        self._refuse_if_following()
         _check_subject(subject)
         if max_messages <= 0:
             raise RejectedError(ErrorCode.INVALID_REQUEST, "max_messages must be at least 1")

@@ -48,7 +48,7 @@ class BrokerConfig:
     max_pull_messages: int = 4096  # a PULL asking for more gets this many at most
     max_pull_bytes: int = 4 * 1024 * 1024  # body bytes per PULL_RESULT (>= 1 message)
     max_wait_ms: int = 60_000  # a longer PULL wait_ms is cut to this
-    checkpoint_interval_ms: int = 1_000  # reput checkpoint and offsets.json
+    checkpoint_interval_ms: int = 1_000  # reput checkpoint, offsets fsync
     recent_cache_bytes: int = 64 * 1024 * 1024  # newest records of each queue, for PULL
     index_slot_count: int | None = None  # None: storage.indexfile's default (tests shrink)
     index_max_entries: int | None = None

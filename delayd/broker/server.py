@@ -257,7 +257,7 @@ class BrokerConnection(ServerConnection[SendBatchResult]):
         await self._answer(self._not_leader(event.request_id) or answer)
 
     async def _commit_durable(self, event: CommitOffset) -> None:
-        """Answer a durable COMMIT_OFFSET once offsets.json holds it (a task, so the
+        """Answer a durable COMMIT_OFFSET once the offsets log holds it (a task, so the
         requests behind it are not held up by the write)."""
         try:
             await self.broker.make_offsets_durable()

@@ -6,7 +6,7 @@ Layout under ``<data>/broker/``::
     consumequeue/<subject>/<queue>/...     storage.consumequeue, one per (subject, queue)
     index/<20-digit offset>                storage.indexfile: "i\\0<id>" and "k\\0<subject>\\0<key>"
     reput.checkpoint                       storage.checkpoint blob holding JSON (below)
-    offsets.json                           offsets.py
+    offsets/<20-digit generation>          offsets.py (the committed offsets' log)
 
 The commitlog is the truth; consume queues and index are derived from it by the reput
 (RocketMQ's ReputMessageService), only up to the commitlog's durable offset, so a crash
@@ -37,6 +37,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 from array import array
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -90,6 +91,17 @@ def key_index_key(subject: str | bytes, key: str | bytes) -> bytes:
     s = subject.encode() if isinstance(subject, str) else subject
     k = key.encode() if isinstance(key, str) else key
     return b"k\x00" + s + b"\x00" + k
+
+
+class _Until:
+    """A commitlog read only below ``until`` (what ``rebuild`` scans)."""
+
+    def __init__(self, commitlog: SegmentedLog, until: int) -> None:
+        self.commitlog = commitlog
+        self.until = until
+
+    def iter_from(self, offset: int) -> Iterator[Record]:
+        return self.commitlog.iter_from(offset, until=self.until)
 
 
 @dataclass
@@ -251,11 +263,19 @@ class BrokerStore:
         self._read_ahead: dict[int, bytes] = {}  # the last span scanned, by offset
         self.last_store_ms = 0  # store_ms of the newest record seen
         self.on_arrival: Callable[[set[QueueKey]], None] = lambda keys: None
+        # Called after every append and every fsync of the commitlog: replication's
+        # growth signal (BrokerStreams.grew).
+        self.on_grew: Callable[[], None] = lambda: None
         self.messages_stored = 0
         # Appended batches not yet reput, each an _Appended.
         self._pending: deque[_Appended] = deque()
         # Why the last reput pass could not run (a full disk), None when it did.
         self.reput_blocked: DiskFullError | None = None
+        # A checkpoint written in a worker thread and a follower's truncation of the
+        # derived state take turns; a checkpoint snapshot taken before a truncation
+        # (``_cuts`` moved since) is not written: it could name offsets past the cut.
+        self._derived_lock = threading.Lock()
+        self._cuts = 0
 
     # ------------------------------------------------------------------ opening
 
@@ -276,7 +296,7 @@ class BrokerStore:
             store.commitlog.close()
             raise
         # The reput runs in the flusher's step, right after each fsync (reput_durable).
-        store.writer = LogWriter(store.commitlog, config.flush, on_durable=store.reput_durable)
+        store.writer = LogWriter(store.commitlog, config.flush, on_durable=store._after_fsync)
         return store
 
     def _recover(self) -> None:
@@ -317,6 +337,23 @@ class BrokerStore:
             for record in commitlog.iter_from(index_from, until=start):
                 self._index_record(record.offset, record.payload)
         self.index.prepare(commitlog.end_offset)
+        rebuilt = self._reput_records(start, commitlog.end_offset)
+        log.info(
+            "broker store recovered: commitlog [%d, %d), reput from %d re-put %d queue "
+            "entries, %d queues",
+            commitlog.min_offset,
+            commitlog.end_offset,
+            start,
+            rebuilt,
+            len(self.queues),
+        )
+
+    def _reput_records(self, start: int, until: int) -> int:
+        """Put the commitlog's records in [start, until) into their consume queues and
+        the index, as recovery does (and a follower, for the records it received);
+        returns how many queue entries were written. Raises CorruptionError when a
+        record or a queue does not agree with the commitlog."""
+        commitlog = self.commitlog
         last_offset: dict[QueueKey, int] = {}
 
         def queue_for(record: Record) -> tuple[ConsumeQueue, int]:
@@ -330,7 +367,7 @@ class BrokerStore:
             queue = self.queues.get(key) or self._open_queue(key)
             return queue, 0
 
-        rebuilt = rebuild(queue_for, commitlog, start)
+        rebuilt = rebuild(queue_for, _Until(commitlog, until), start)
         for key, queue in self.queues.items():
             self.next_queue_offset[key] = queue.end_index
             if key in last_offset and last_offset[key] + 1 != queue.end_index:
@@ -341,16 +378,8 @@ class BrokerStore:
                     f"queue {key} ends at index {queue.end_index} but its last record in the "
                     f"commitlog has queue_offset {last_offset[key]}",
                 )
-        self.reput_offset = commitlog.end_offset
-        log.info(
-            "broker store recovered: commitlog [%d, %d), reput from %d re-put %d queue "
-            "entries, %d queues",
-            commitlog.min_offset,
-            commitlog.end_offset,
-            start,
-            rebuilt,
-            len(self.queues),
-        )
+        self.reput_offset = until
+        return rebuilt
 
     def _index_record(self, offset: int, payload: bytes) -> Message:
         try:
@@ -383,10 +412,11 @@ class BrokerStore:
         self.queues[key] = queue
         return queue
 
-    def scan_ids(self, start: int) -> Iterator[tuple[int, bytes, int]]:
-        """(offset, message_id bytes, store_ms) of every record from ``start`` on: the
-        idempotency window's rebuild. Raises CorruptionError for a bad record."""
-        for record in self.commitlog.iter_from(max(start, self.commitlog.min_offset)):
+    def scan_ids(self, start: int, until: int | None = None) -> Iterator[tuple[int, bytes, int]]:
+        """(offset, message_id bytes, store_ms) of every record from ``start`` on (below
+        ``until``): the idempotency window's rebuild. Raises CorruptionError for a bad
+        record."""
+        for record in self.commitlog.iter_from(max(start, self.commitlog.min_offset), until):
             try:
                 message_id, store_ms = record_summary(record.payload)
             except RecordError as exc:
@@ -434,6 +464,7 @@ class BrokerStore:
             )
         )
         self.messages_stored += len(payloads)
+        self.on_grew()
         # Every append asks for an fsync at once, in either flush mode: the reput that
         # follows it makes the records visible (in ``async`` mode, one fsync after the
         # append rather than one flush interval; acks there still do not wait).
@@ -469,6 +500,10 @@ class BrokerStore:
             self.reput_durable()
 
     # ------------------------------------------------------------------ reput
+
+    def _after_fsync(self) -> None:
+        self.reput_durable()
+        self.on_grew()
 
     def reput_durable(self) -> set[QueueKey]:
         """One reput pass over the appended batches that are durable now (synchronous):
@@ -528,6 +563,56 @@ class BrokerStore:
             self.recent.extend(key, queue_offset, offsets, payloads)
         self.on_arrival(set(grown))
         return set(grown)
+
+    # ------------------------------------------------------------------ following
+
+    def reput_replicated(self) -> set[QueueKey]:
+        """A follower's reput: put the records replication appended, up to the durable
+        end, into their queues and the index with the code recovery uses; calls
+        ``on_arrival`` with the queues that grew and returns them."""
+        durable = self.commitlog.durable_offset
+        if durable <= self.reput_offset:
+            return set()
+        before = {key: queue.end_index for key, queue in self.queues.items()}
+        self._reput_records(self.reput_offset, durable)
+        grown = {key for key, queue in self.queues.items() if queue.end_index != before.get(key)}
+        self.on_arrival(grown)
+        return grown
+
+    def truncate_commitlog(self, offset: int, dedupe_from: int | None) -> None:
+        """Cut the commitlog back to ``offset`` (a follower told to by its leader), and
+        first what was derived from the records past it, durably, so that recovery
+        after a crash at any point finds nothing derived ahead of the commitlog: a
+        reput checkpoint at the cut that names no queue (recovery then cuts every queue
+        and the index back to it and re-puts from there, as for queues created after a
+        checkpoint), then the queues and the index, then the commitlog, then a full
+        checkpoint. Raises ValueError when ``offset`` is not a record boundary of the
+        commitlog."""
+        if offset >= self.commitlog.end_offset:
+            return
+        if offset < self.commitlog.min_offset:
+            raise ValueError(f"cannot truncate the commitlog below {self.commitlog.min_offset}")
+        with self._derived_lock:
+            self._cuts += 1
+            reput = min(self.reput_offset, offset)
+            dedupe_from = reput if dedupe_from is None else min(dedupe_from, reput)
+            write_checkpoint(
+                self.fs,
+                os.path.join(self.directory, CHECKPOINT_NAME),
+                ReputCheckpoint(reput, {}, dedupe_from).encode(),
+            )
+            for queue in self.queues.values():
+                queue.truncate_beyond(offset)
+            self.index.truncate_beyond(offset)
+            self.reput_offset = reput
+            self.commitlog.truncate(offset)
+            self._flush_derived(self.checkpoint_snapshot(dedupe_from))
+        self.index.prepare(offset)
+        self.next_queue_offset = {key: queue.end_index for key, queue in self.queues.items()}
+        self.recent = RecentRecords(self.config.recent_cache_bytes)
+        self._read_ahead = {}
+        self._pending.clear()
+        self.on_grew()
 
     # ------------------------------------------------------------------ reading
 
@@ -680,16 +765,21 @@ class BrokerStore:
 
     # ------------------------------------------------------------------ checkpoint, close
 
-    def checkpoint_snapshot(self, dedupe_from: int | None) -> tuple[int, list, int | None]:
+    def checkpoint_snapshot(self, dedupe_from: int | None) -> tuple[int, list, int | None, int]:
         """What :meth:`flush_derived` needs, taken on the event loop at one instant."""
         if dedupe_from is None:
             dedupe_from = self.reput_offset
-        return self.reput_offset, list(self.queues.items()), dedupe_from
+        return self.reput_offset, list(self.queues.items()), dedupe_from, self._cuts
 
-    def flush_derived(self, snapshot: tuple[int, list, int | None]) -> None:
+    def flush_derived(self, snapshot: tuple[int, list, int | None, int]) -> None:
         """Flush queues and index, then replace the reput checkpoint (blocking: run it
         in a worker thread; appends may go on meanwhile)."""
-        offset, queues, dedupe_from = snapshot
+        with self._derived_lock:
+            if snapshot[3] == self._cuts:
+                self._flush_derived(snapshot)
+
+    def _flush_derived(self, snapshot: tuple[int, list, int | None, int]) -> None:
+        offset, queues, dedupe_from, _ = snapshot
         ends = {key: queue.flush() for key, queue in queues}
         self.index.flush()
         checkpoint = ReputCheckpoint(offset, ends, dedupe_from)

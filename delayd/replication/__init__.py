@@ -9,12 +9,22 @@ from delayd.replication.epochs import EpochHistory, EpochHistoryError
 from delayd.replication.follower import Follower, FollowRefused
 from delayd.replication.in_sync import InSyncTracker
 from delayd.replication.leader import ACK_LEADER, ACK_SYNC, Leader, LeaderFenced, LeaderStopped
-from delayd.replication.streams import MESSAGE_LOG, DelayStreams, dispatch_stream
+from delayd.replication.streams import (
+    COMMITLOG,
+    MESSAGE_LOG,
+    BrokerStreams,
+    DelayStreams,
+    StreamSet,
+    dispatch_stream,
+    offsets_stream,
+)
 
 __all__ = [
     "ACK_LEADER",
     "ACK_SYNC",
+    "COMMITLOG",
     "MESSAGE_LOG",
+    "BrokerStreams",
     "DelayStreams",
     "EpochHistory",
     "EpochHistoryError",
@@ -24,5 +34,7 @@ __all__ = [
     "Leader",
     "LeaderFenced",
     "LeaderStopped",
+    "StreamSet",
     "dispatch_stream",
+    "offsets_stream",
 ]

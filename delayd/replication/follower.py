@@ -14,7 +14,9 @@ leader answers TRUNCATE_TO; the follower
 then appends every RECORDS frame raw at the offset it names (the storage checks every
 CRC and that the offset is the stream's end, so a copy is byte-identical or refused),
 makes them durable in group commits (one flush in a worker thread covers every record
-that arrived meanwhile) and reports DURABLE after each. A broken connection, a refused
+that arrived meanwhile), reports DURABLE after each and then awaits
+``on_durable(flushed)``, where the server derives what it derives from the new durable
+records (as a restart's recovery would). A broken connection, a refused
 frame or a stale leader ends the session; ``run`` reconnects with exponential backoff.
 """
 
@@ -29,7 +31,7 @@ from delayd.errors import DelaydError
 from delayd.replication import wire
 from delayd.replication.connection import receive_event
 from delayd.replication.epochs import EpochHistory
-from delayd.replication.streams import DelayStreams, Stream
+from delayd.replication.streams import Stream, StreamSet
 from storage.errors import RawAppendRefused
 
 log = logging.getLogger(__name__)
@@ -38,6 +40,7 @@ MIN_BACKOFF_MS = 50
 MAX_BACKOFF_MS = 2000
 
 OnTruncated = Callable[[str, int], Awaitable[object]]
+OnDurable = Callable[[dict[str, int]], Awaitable[object]]
 
 
 class FollowRefused(DelaydError):
@@ -50,13 +53,14 @@ class Follower:
 
     def __init__(
         self,
-        streams: DelayStreams,
+        streams: StreamSet,
         history: EpochHistory,
         *,
         group: str,
         member: str,
         leader: tuple[str, int],
         on_truncated: OnTruncated | None = None,
+        on_durable: OnDurable | None = None,
         min_backoff_ms: int = MIN_BACKOFF_MS,
         max_backoff_ms: int = MAX_BACKOFF_MS,
     ) -> None:
@@ -66,6 +70,7 @@ class Follower:
         self.member = member
         self.leader = leader
         self.on_truncated = on_truncated
+        self.on_durable = on_durable
         self.min_backoff_ms = min_backoff_ms
         self.max_backoff_ms = max_backoff_ms
         self.acked: dict[str, int] = {}  # the group's acknowledged offsets, as last told
@@ -135,7 +140,11 @@ class Follower:
                 self.history.begin(answer.epoch, self.streams.ends())
             self.leader_epoch = answer.epoch
             self.sessions += 1
-            await stream.send_all(wire.encode(wire.Durable(self.streams.durable_ends())))
+            durable = self.streams.durable_ends()
+            if self.on_durable is not None:
+                # What an earlier session left durable but not yet derived.
+                await self.on_durable(durable)
+            await stream.send_all(wire.encode(wire.Durable(durable)))
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._commit, stream)
                 await self._copy(stream, decoder, answer.epoch)
@@ -192,6 +201,8 @@ class Follower:
             dirty, self._dirty = self._dirty, {}
             flushed = await trio.to_thread.run_sync(_flush_all, dirty)
             await stream.send_all(wire.encode(wire.Durable(flushed)))
+            if self.on_durable is not None:
+                await self.on_durable(flushed)
 
 
 def _flush_all(streams: dict[str, Stream]) -> dict[str, int]:

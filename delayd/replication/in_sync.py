@@ -46,6 +46,12 @@ class InSyncTracker:
         """The leader's ``stream`` now ends at ``end``."""
         self._events.append((now_ms, stream, end))
 
+    def leader_removed(self, stream: str) -> None:
+        """The leader deleted ``stream`` (superseded by a newer one): no follower needs
+        it to be in sync."""
+        self.horizon.pop(stream, None)
+        self._events = deque(event for event in self._events if event[1] != stream)
+
     def follower_durable(self, member: str, offsets: dict[str, int]) -> None:
         """``member`` reports these streams durable up to these offsets (a report
         never lowers what an earlier one said: a DURABLE frame may be late)."""

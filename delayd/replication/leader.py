@@ -34,7 +34,7 @@ from delayd.replication import wire
 from delayd.replication.connection import receive_event
 from delayd.replication.epochs import EpochHistory
 from delayd.replication.in_sync import InSyncTracker
-from delayd.replication.streams import DelayStreams
+from delayd.replication.streams import StreamSet
 from delayd.serving.listeners import bound_addresses, open_listeners
 
 log = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ class Leader:
 
     def __init__(
         self,
-        streams: DelayStreams,
+        streams: StreamSet,
         history: EpochHistory,
         epoch: int,
         *,
@@ -203,6 +203,8 @@ class Leader:
             for name, end in ends.items():
                 if end != self._known_ends.get(name, 0):
                     self.tracker.leader_grew(name, end, now)
+            for name in self._known_ends.keys() - ends.keys():
+                self.tracker.leader_removed(name)  # compacted away: nobody needs it
             self._known_ends = ends
             self._wake()
             await self.streams.wait_growth(seen)
@@ -296,9 +298,9 @@ class Leader:
             seen = self.streams.version
             sent = False
             for name in self.streams.names():
-                source = self.streams.get(name)
+                source = self.streams.find(name)  # gone since listed: nothing to send
                 position = positions.get(name, 0)
-                if position >= source.end_offset:
+                if source is None or position >= source.end_offset:
                     continue
                 data = source.read_raw(position, self.chunk_bytes)
                 acked = self._acked_changes(sent_acked)

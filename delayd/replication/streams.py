@@ -1,17 +1,27 @@
-"""The streams of a delay data directory: what replication copies, byte for byte.
+"""The streams of a group's data directory: what replication copies, byte for byte.
 
 A *stream* is an append-only sequence of storage-framed records with byte offsets
-(docs/replication.md, "Replication protocol"). A delay group has
+(docs/replication.md, "Replication protocol"). ``StreamSet`` is what the leader and the
+follower use of a group's streams, whatever the group; a delay group has
+(``DelayStreams``)
 
 * ``message_log``: the SegmentedLog of messages and tombstones (its END_OF_SEGMENT
   markers are part of the stream, so a copy rolls its segments where the source did);
 * ``dispatch_log/<yyyyMMddHHmm>``: one RecordFile per dispatch_log bucket, new ones
   appearing as buckets are first written.
 
-Everything else in the data directory (schedule_log, the id index, checkpoints) each
-member derives from these with the code a restart uses, so it is never shipped.
+and a broker group has (``BrokerStreams``)
 
-``DelayStreams`` gives them one interface (``Stream``) and a growth signal: whoever
+* ``commitlog``: the broker's SegmentedLog of message records;
+* ``offsets/<20-digit generation>``: the committed consumer offsets, one RecordFile per
+  generation of their log (delayd/broker/offsets.py), a new one appearing at each
+  compaction and the older ones deleted.
+
+Everything else in the data directory (schedule_log, the id index, checkpoints; consume
+queues, the broker's index, the dedupe window) each member derives from these with the
+code a restart uses, so it is never shipped.
+
+A ``StreamSet`` gives them one interface (``Stream``) and a growth signal: whoever
 appends to a stream calls ``grew()`` (as intake calls the replayer's ``notify``), and a
 leader waiting in ``wait_growth`` sends the new records at once, without polling.
 """
@@ -75,7 +85,67 @@ def check_stream_name(name: str) -> str:
     )
 
 
-class DelayStreams:
+class StreamSet:
+    """A group's streams as the leader and the follower see them, and their growth
+    signal. Subclasses say which streams there are (``names``, ``get``)."""
+
+    def __init__(self) -> None:
+        self._growth = trio.Event()
+        self.version = 0  # bumped by every grew()
+
+    def names(self) -> list[str]:
+        """Every stream on disk now, in the order the leader sends them."""
+        raise NotImplementedError
+
+    def get(self, name: str) -> Stream:
+        """The stream ``name``, created empty when it does not exist yet (a follower
+        receiving its first records). Raises ValueError for a bad name."""
+        raise NotImplementedError
+
+    def find(self, name: str) -> Stream | None:
+        """The stream ``name`` if it exists now, else None (never creates one: the
+        leader reading a stream deleted since it listed the names)."""
+        return self.get(name)
+
+    def _opened(self) -> list[tuple[str, Stream]]:
+        """The streams open now (what ``flush_all`` flushes)."""
+        return [(name, self.get(name)) for name in self.names()]
+
+    def ends(self) -> dict[str, int]:
+        """Where each stream ends (its next record's offset)."""
+        return {name: self.get(name).end_offset for name in self.names()}
+
+    def durable_ends(self) -> dict[str, int]:
+        """How much of each stream survives a power loss."""
+        return {name: self.get(name).durable_offset for name in self.names()}
+
+    def flush_all(self) -> dict[str, int]:
+        """Make every stream durable; their durable ends, for the ones that had grown."""
+        flushed = {}
+        for name, stream in self._opened():
+            if stream.durable_offset < stream.end_offset:
+                flushed[name] = stream.flush()
+        return flushed
+
+    def grew(self) -> None:
+        """Say that a stream grew (records appended or made durable): wakes every task
+        in ``wait_growth``."""
+        self.version += 1
+        self._growth.set()
+        self._growth = trio.Event()
+
+    async def wait_growth(self, seen: int) -> int:
+        """Wait until ``version`` differs from ``seen`` (returns at once if it does
+        already); returns the version."""
+        while self.version == seen:
+            await self._growth.wait()
+        return self.version
+
+    def close(self) -> None:
+        """Close what this object opened itself."""
+
+
+class DelayStreams(StreamSet):
     """The streams of the data directory ``data_dir``, opened on first use.
 
     ``message_log``: the server's own SegmentedLog when it has one open (then this
@@ -92,6 +162,7 @@ class DelayStreams:
         message_log: SegmentedLog | None = None,
         segment_size: int = DEFAULT_SEGMENT_SIZE,
     ) -> None:
+        super().__init__()
         self.data_dir = data_dir
         self.fs = fs
         self._owns_message_log = message_log is None
@@ -102,8 +173,6 @@ class DelayStreams:
         self.message_log = message_log
         self._buckets: dict[str, RecordFile] = {}
         self._dispatch_dir = layout.dispatch_log_dir(data_dir)
-        self._growth = trio.Event()
-        self.version = 0  # bumped by every grew()
 
     # ------------------------------------------------------------------ the set
 
@@ -132,37 +201,8 @@ class DelayStreams:
             bucket = self._buckets[name] = RecordFile.open(path, fs=self.fs)
         return bucket
 
-    def ends(self) -> dict[str, int]:
-        """Where each stream ends (its next record's offset)."""
-        return {name: self.get(name).end_offset for name in self.names()}
-
-    def durable_ends(self) -> dict[str, int]:
-        """How much of each stream survives a power loss."""
-        return {name: self.get(name).durable_offset for name in self.names()}
-
-    def flush_all(self) -> dict[str, int]:
-        """Make every stream durable; their durable ends, for the ones that had grown."""
-        flushed = {}
-        for name, stream in [(MESSAGE_LOG, self.message_log), *self._buckets.items()]:
-            if stream.durable_offset < stream.end_offset:
-                flushed[name] = stream.flush()
-        return flushed
-
-    # ------------------------------------------------------------------ growth
-
-    def grew(self) -> None:
-        """Say that a stream grew (records appended or made durable): wakes every task
-        in ``wait_growth``."""
-        self.version += 1
-        self._growth.set()
-        self._growth = trio.Event()
-
-    async def wait_growth(self, seen: int) -> int:
-        """Wait until ``version`` differs from ``seen`` (returns at once if it does
-        already); returns the version."""
-        while self.version == seen:
-            await self._growth.wait()
-        return self.version
+    def _opened(self) -> list[tuple[str, Stream]]:
+        return [(MESSAGE_LOG, self.message_log), *self._buckets.items()]
 
     def close(self) -> None:
         for bucket in self._buckets.values():
@@ -170,3 +210,59 @@ class DelayStreams:
         self._buckets.clear()
         if self._owns_message_log:
             self.message_log.close()
+
+
+COMMITLOG = "commitlog"
+OFFSETS_PREFIX = "offsets/"
+
+
+class OffsetFiles(Protocol):
+    """The files of the committed-offsets log, as delayd.broker.offsets keeps them."""
+
+    def generations(self) -> list[int]: ...
+
+    def file(self, generation: int) -> Stream: ...
+
+
+def offsets_stream(generation: int) -> str:
+    """The stream name of the committed-offsets generation ``generation``."""
+    return f"{OFFSETS_PREFIX}{generation:020d}"
+
+
+def offsets_generation(name: str) -> int:
+    """The generation the stream ``name`` holds; raises ValueError saying what the
+    broker's stream names are."""
+    tail = name[len(OFFSETS_PREFIX) :]
+    if name.startswith(OFFSETS_PREFIX) and len(tail) == 20 and tail.isdigit():
+        return int(tail)
+    raise ValueError(
+        f"{name!r} is not a stream of a broker data directory: the streams are "
+        f"{COMMITLOG!r} and {OFFSETS_PREFIX}<20-digit generation>"
+    )
+
+
+class BrokerStreams(StreamSet):
+    """A broker's streams: its commitlog and its committed-offsets generations.
+
+    Both belong to the broker, which opens and closes them; ``commitlog`` may be an
+    adapter of the broker's SegmentedLog (a truncation must cut what the broker derived
+    from the records first). One trio thread uses it, as DelayStreams.
+    """
+
+    def __init__(self, commitlog: Stream, offsets: OffsetFiles) -> None:
+        super().__init__()
+        self.commitlog = commitlog
+        self.offsets = offsets
+
+    def names(self) -> list[str]:
+        return [COMMITLOG, *map(offsets_stream, self.offsets.generations())]
+
+    def get(self, name: str) -> Stream:
+        if name == COMMITLOG:
+            return self.commitlog
+        return self.offsets.file(offsets_generation(name))
+
+    def find(self, name: str) -> Stream | None:
+        if name != COMMITLOG and offsets_generation(name) not in self.offsets.generations():
+            return None  # compacted away
+        return self.get(name)
