@@ -353,17 +353,19 @@ async def test_a_follower_that_loses_power_mid_copy_recovers_and_resumes(
             with pytest.raises(BaseExceptionGroup) as crashed:
                 await _copy_on(fs, leader, a, until_crash=True)
             assert crashed.value.split(SimulatedCrash)[0] is not None
+            # What the follower had reported durable before the power went (how much
+            # that is depends on how its group commits fell: timing, not the rule).
+            reported = leader.tracker.durable.get("b", {}).get(MESSAGE_LOG, 0)
             root = tmp_path / "b"
             fs.materialize(str(root), "torn", random.Random(crash_at))
             b = Member(root / "data")
             durable_before = b.streams.message_log.end_offset
+            assert durable_before >= reported  # nothing reported durable was lost
             nursery.start_soon(follower_of(b, "b", leader).run)
             a.append_messages(5)
             await caught_up(b, a)
             nursery.cancel_scope.cancel()
         b.close()
-    if crash_at == 0.9:
-        assert durable_before > 0  # what was durable survived (not only a resync)
     assert log_files(str(root / "data")) == log_files(str(tmp_path / "a"))
 
 
