@@ -9,6 +9,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from delayd.server.retention import LOGS, Retention
+from delayd.serving.metric_families import labelled
 
 
 class RetentionCollector(Collector):
@@ -19,22 +20,21 @@ class RetentionCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         retention = self.retention
-        files = CounterMetricFamily(
+        yield labelled(
+            CounterMetricFamily,
             "delayd_retention_deleted_files",
             "Files retention deleted, by log (message_log segments, schedule_log and "
             "dispatch_log bucket files, id_index files).",
-            labels=["log"],
+            "log",
+            ((name, retention.deleted_files[name]) for name in LOGS),
         )
-        size = CounterMetricFamily(
+        yield labelled(
+            CounterMetricFamily,
             "delayd_retention_deleted_bytes",
             "Bytes of the files retention deleted, by log.",
-            labels=["log"],
+            "log",
+            ((name, retention.deleted_bytes[name]) for name in LOGS),
         )
-        for name in LOGS:
-            files.add_metric([name], retention.deleted_files[name])
-            size.add_metric([name], retention.deleted_bytes[name])
-        yield files
-        yield size
         yield CounterMetricFamily(
             "delayd_retention_passes",
             "Retention passes made.",
