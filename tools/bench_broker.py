@@ -35,13 +35,11 @@ import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
 
 import anyio
 import bench_common
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+REPO = bench_common.ROOT
 
 import delayd  # noqa: E402
 from delayd.address import parse_address  # noqa: E402
@@ -75,11 +73,7 @@ class Broker:
         self.addr = line.rsplit(" ", 1)[1].strip()  # "delayd broker listening on HOST:PORT"
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        bench_common.stop_process(self.proc, 10)
 
 
 def pin_client() -> bool:

@@ -20,21 +20,20 @@ class RetentionCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         retention = self.retention
-        yield labelled(
-            CounterMetricFamily,
-            "delayd_retention_deleted_files",
-            "Files retention deleted, by log (message_log segments, schedule_log and "
-            "dispatch_log bucket files, id_index files).",
-            "log",
-            ((name, retention.deleted_files[name]) for name in LOGS),
-        )
-        yield labelled(
-            CounterMetricFamily,
-            "delayd_retention_deleted_bytes",
-            "Bytes of the files retention deleted, by log.",
-            "log",
-            ((name, retention.deleted_bytes[name]) for name in LOGS),
-        )
+        deleted = {
+            "files": "Files retention deleted, by log (message_log segments, schedule_log "
+            "and dispatch_log bucket files, id_index files).",
+            "bytes": "Bytes of the files retention deleted, by log.",
+        }
+        for unit, documentation in deleted.items():
+            counts = getattr(retention, f"deleted_{unit}")
+            yield labelled(
+                CounterMetricFamily,
+                f"delayd_retention_deleted_{unit}",
+                documentation,
+                "log",
+                ((name, counts[name]) for name in LOGS),
+            )
         yield CounterMetricFamily(
             "delayd_retention_passes",
             "Retention passes made.",
