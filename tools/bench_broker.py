@@ -268,29 +268,14 @@ def main() -> None:
     data = tempfile.mkdtemp(prefix="bench-broker-")
     broker = Broker(data)
     placement = {"pinned": pinned and broker.pinned}
+    produced = {"frame": FRAME, **placement}  # what both produce figures carry
     try:
         with Case(broker, "produce, blocking", profile=args.profile) as case:
             rate = produce_blocking(broker.addr, messages("blocking", n), in_flight=8)
-        emit(
-            "produce_blocking",
-            rate,
-            "msg/s",
-            frame=FRAME,
-            in_flight=8,
-            **placement,
-            **case.figures(n),
-        )
+        emit("produce_blocking", rate, "msg/s", in_flight=8, **produced, **case.figures(n))
         with Case(broker, "produce, async (trio)", profile=args.profile) as case:
             rate = anyio.run(produce_async, broker.addr, messages("async", n), 8, backend="trio")
-        emit(
-            "produce_async_trio",
-            rate,
-            "msg/s",
-            frame=FRAME,
-            tasks=8,
-            **placement,
-            **case.figures(n),
-        )
+        emit("produce_async_trio", rate, "msg/s", tasks=8, **produced, **case.figures(n))
         with Case(broker, "consume, async (trio)", profile=args.profile) as case:
             rate = anyio.run(consume_async, broker.addr, "blocking", n, backend="trio")
         emit("consume_async_trio", rate, "msg/s", **placement, **case.figures(n))
