@@ -21,13 +21,13 @@ from delayd.server.intake import IntakePath
 from delayd.server.receiver import Receiver
 from delayd.serving.metric_families import labelled
 
-E = TypeVar("E", bound=Enum)
+Member = TypeVar("Member", bound=Enum)
 
 # Every refusal reason is exported from the start (at 0), so alerts see the series.
 REFUSAL_CODES = [c for c in ResultCode if not c.is_success]
 
 
-def _by_name(counts: Mapping[E, int], members: Iterable[E]) -> Iterator[tuple[str, int]]:
+def _by_name(counts: Mapping[Member, int], members: Iterable[Member]) -> Iterator[tuple[str, int]]:
     """``(member name in lower case, its count)`` for every member of an enum, so a
     family lists every outcome from the start (at 0)."""
     return ((member.name.lower(), counts[member]) for member in members)
@@ -53,7 +53,7 @@ class IntakeCollector(Collector):
             "delayd_intake_refused_messages_total",
             "Messages refused since the server started, by reason (result code).",
             "reason",
-            ((code.name.lower(), receiver.refused_total[code]) for code in REFUSAL_CODES),
+            _by_name(receiver.refused_total, REFUSAL_CODES),
         )
         yield CounterMetricFamily(
             "delayd_intake_duplicate_messages_total",
