@@ -610,18 +610,10 @@ class ConsumeQueue(Store):
     def described(self) -> str:
         return f"consume queue {self.directory}"
 
-    def close(self) -> None:
-        """Flush (unless an earlier write failed) and release every file."""
-        if self._closed:
-            return
-        try:
-            if self._failed is None:
-                self.flush()
-        finally:
-            self._closed = True
-            self.fs.close(self._write_fd)
-            for base in list(self._readers):
-                self._close_reader(base)
+    def _release_files(self) -> None:
+        self.fs.close(self._write_fd)
+        for base in list(self._readers):
+            self._close_reader(base)
 
 
 class _CommitLog(Protocol):

@@ -209,12 +209,17 @@ class CrashSimFileSystem:
         parts = self._parts(path)
         if not parts:
             raise _os_error(errno.EBUSY, path)  # the root cannot be created or moved
-        parent = self._lookup("/".join(parts[:-1]))
-        if parent is None:
-            raise _os_error(errno.ENOENT, path)
-        if not isinstance(parent, _Dir):
-            raise _os_error(errno.ENOTDIR, path)
-        return parent, parts[-1]
+        return self._dir("/".join(parts[:-1]), named=path), parts[-1]
+
+    def _dir(self, path: str, named: str | None = None) -> _Dir:
+        """The directory at ``path``; ENOENT or ENOTDIR (naming ``named``, by default
+        ``path``) when there is none."""
+        node = self._lookup(path)
+        if node is None:
+            raise _os_error(errno.ENOENT, named or path)
+        if not isinstance(node, _Dir):
+            raise _os_error(errno.ENOTDIR, named or path)
+        return node
 
     def _file(self, fd: int, write: bool = False) -> _File:
         if fd not in self._fds:
@@ -356,12 +361,7 @@ class CrashSimFileSystem:
     def listdir(self, path: str) -> list[str]:
         with self._lock:
             self._check()
-            node = self._lookup(path)
-            if node is None:
-                raise _os_error(errno.ENOENT, path)
-            if not isinstance(node, _Dir):
-                raise _os_error(errno.ENOTDIR, path)
-            return sorted(node.entries)
+            return sorted(self._dir(path).entries)
 
     def exists(self, path: str) -> bool:
         with self._lock:
@@ -371,11 +371,7 @@ class CrashSimFileSystem:
     def fsync_dir(self, path: str) -> None:
         with self._lock:
             self._check()
-            node = self._lookup(path)
-            if node is None:
-                raise _os_error(errno.ENOENT, path)
-            if not isinstance(node, _Dir):
-                raise _os_error(errno.ENOTDIR, path)
+            node = self._dir(path)
             self._mutation()
             node.durable = dict(node.entries)
 

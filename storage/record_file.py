@@ -310,11 +310,5 @@ class RecordFile(Store):
     def described(self) -> str:
         return self.path
 
-    def close(self) -> None:
-        if not self._closed:
-            try:
-                if self._failed is None:
-                    self.flush()
-            finally:
-                self._closed = True
-                self.fs.close(self._fd)
+    def _release_files(self) -> None:
+        self.fs.close(self._fd)

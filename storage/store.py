@@ -14,8 +14,8 @@ from storage.errors import LogClosedError, StorageError
 
 class Store:
     """Base of SegmentedLog, RecordFile, ConsumeQueue and IndexFile. A subclass sets
-    ``_closed`` when it closes and ``_failed`` to the error that poisoned it, names itself
-    in ``described`` and releases its files in ``close``."""
+    ``_failed`` to the error that poisoned it, names itself in ``described`` and releases
+    its files in ``_release_files`` (or overrides ``close`` altogether)."""
 
     _closed: bool = False
     _failed: BaseException | None = None
@@ -26,6 +26,21 @@ class Store:
         raise NotImplementedError
 
     def close(self) -> None:
+        """Flush (unless an earlier write failed) and release every file, even when the
+        flush raises; closing again does nothing."""
+        if self._closed:
+            return
+        try:
+            if self._failed is None:
+                self._flush_before_close()
+        finally:
+            self._closed = True
+            self._release_files()
+
+    def _flush_before_close(self) -> None:
+        self.flush()
+
+    def _release_files(self) -> None:
         raise NotImplementedError
 
     def __enter__(self) -> Self:

@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Self
 
 from delayd.protocol import (
     NEED_DATA,
@@ -119,36 +120,51 @@ class BrokerProcess:
         self.kill()
 
 
-class SilentServer:
-    """Listens on a loopback port, accepts, and never says a word."""
+class LoopbackListener:
+    """Listens on a loopback port; a thread accepts and hands each connection to
+    ``accepted``. ``close`` shuts the listener and every connection down."""
 
     def __init__(self) -> None:
         self._sock = socket.socket()
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind(("127.0.0.1", 0))
         self._sock.listen(16)
         self.addr = f"127.0.0.1:{self._sock.getsockname()[1]}"
-        self._accepted: list[socket.socket] = []
-        self._thread = threading.Thread(target=self._accept, daemon=True)
-        self._thread.start()
+        self._open: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def accepted(self, sock: socket.socket) -> None:
+        """Called in the accept thread for every connection; it stays open until close."""
 
     def _accept(self) -> None:
         while True:
             try:
-                conn, _ = self._sock.accept()
+                sock, _ = self._sock.accept()
             except OSError:
                 return
-            self._accepted.append(conn)
+            self._open.append(sock)
+            self.accepted(sock)
 
     def close(self) -> None:
+        # Closing alone leaves the port listening while the accept thread is blocked in
+        # accept(); shutting it down wakes that thread, and connections are refused.
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()
-        for conn in self._accepted:
-            conn.close()
+        for sock in self._open:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
 
-    def __enter__(self) -> SilentServer:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class SilentServer(LoopbackListener):
+    """Listens on a loopback port, accepts, and never says a word."""
 
 
 # What a ScriptedServer does with a SEND_BATCH: None stores and answers as a broker
@@ -160,7 +176,7 @@ HANG = "hang"  # store nothing and never answer (the connection stays open)
 SendHook = Callable[[SendBatch], list[SendResult] | Error | str | None]
 
 
-class ScriptedServer:
+class ScriptedServer(LoopbackListener):
     """A delayd server in a thread that stores SEND_BATCH messages in memory.
 
     ``stored`` maps message id to message (ids already there answer DUPLICATE, as a
@@ -176,26 +192,14 @@ class ScriptedServer:
         self.connections = 0  # accepted so far
         self.active = 0  # open now
         self._lock = threading.Lock()
-        self._sock = socket.socket()
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind(("127.0.0.1", 0))
-        self._sock.listen(16)
-        self.addr = f"127.0.0.1:{self._sock.getsockname()[1]}"
-        self._open: list[socket.socket] = []
         self._closed = threading.Event()
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__()
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                sock, _ = self._sock.accept()
-            except OSError:
-                return
-            with self._lock:
-                self.connections += 1
-                self.active += 1
-            self._open.append(sock)
-            threading.Thread(target=self._serve, args=(sock,), daemon=True).start()
+    def accepted(self, sock: socket.socket) -> None:
+        with self._lock:
+            self.connections += 1
+            self.active += 1
+        threading.Thread(target=self._serve, args=(sock,), daemon=True).start()
 
     def _serve(self, sock: socket.socket) -> None:
         conn = Connection(SERVER, token=self.token)
@@ -253,19 +257,5 @@ class ScriptedServer:
             return results
 
     def close(self) -> None:
-        self._closed.set()
-        # Closing alone leaves the port listening while the accept thread is blocked in
-        # accept(); shutting it down wakes that thread, and connections are refused.
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
-        self._sock.close()
-        for sock in self._open:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-            sock.close()
-
-    def __enter__(self) -> ScriptedServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        self._closed.set()  # wakes the connections told to HANG
+        super().close()

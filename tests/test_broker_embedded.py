@@ -3,14 +3,16 @@ delay server sets, and recovery of the derived files from the commitlog."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+from collections.abc import AsyncIterator
 
 import pytest
 import trio
 import trio.testing
 
-from delayd.broker import BrokerConfig, open_broker
+from delayd.broker import Broker, BrokerConfig, open_broker
 from delayd.broker.record import RECORD_TYPE, encode_record
 from delayd.broker.store import CACHED_RECORD_OVERHEAD, CHECKPOINT_NAME, RecentRecords
 from delayd.errors import CorruptionError, RejectedError
@@ -163,16 +165,24 @@ async def test_the_index_file_is_created_when_the_broker_opens_not_by_the_first_
         assert [m.message_id for m in broker.query("orders", message_id="first-2")] == ["first-2"]
 
 
+@contextlib.asynccontextmanager
+async def pulling(broker: Broker, consumer_id: str, wait_ms: int) -> AsyncIterator[list[Message]]:
+    """A PULL of up to 10 messages of "orders" for ``consumer_id`` of group "g", held in
+    the background; the list it yields holds what the PULL returned once the block ends."""
+    got: list[Message] = []
+
+    async def pull() -> None:
+        got.extend(await broker.pull("orders", "g", consumer_id, 10, wait_ms))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pull)
+        yield got
+
+
 async def test_long_poll_is_woken_by_the_reput_not_by_a_timer(tmp_path):
     async with open_broker(str(tmp_path), CONFIG) as broker:
         broker.join("g", "orders", "c", None, broker.monotonic_ms())
-        got: list[Message] = []
-
-        async def consumer() -> None:
-            got.extend(await broker.pull("orders", "g", "c", 10, 60_000))
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(consumer)
+        async with pulling(broker, "c", 60_000) as got:
             await trio.testing.wait_all_tasks_blocked()
             assert broker.hub.held == 1
             with trio.fail_after(5):
@@ -188,13 +198,7 @@ async def test_a_member_waiting_in_a_long_poll_does_not_time_out(tmp_path, clock
     async with open_broker(str(tmp_path), config) as broker:
         broker.join("g", "orders", "waiting", None, broker.monotonic_ms())
         broker.join("g", "orders", "silent", None, broker.monotonic_ms())
-        got: list[Message] = []
-
-        async def consumer() -> None:
-            got.extend(await broker.pull("orders", "g", "waiting", 10, 30_000))
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(consumer)
+        async with pulling(broker, "waiting", 30_000) as got:
             await trio.sleep(10)  # three heartbeat timeouts
             assert broker.groups.members("g", "orders") == ["waiting"]  # silent is gone
             await broker.send_batch([Message("late", "orders", key="k")])

@@ -153,10 +153,13 @@ def settled(members: list[Running]) -> bool:
 
 
 async def leader_and_follower(
-    nursery: trio.Nursery, prefix: str, first: tuple[str, str], second: tuple[str, str]
+    nursery: trio.Nursery,
+    prefix: str,
+    first: tuple[str | list[str], str],
+    second: tuple[str | list[str], str],
 ) -> tuple[Running, Running]:
     """Start ``first`` and wait until it leads, then ``second`` and wait until it
-    follows; each is (etcd url, member id)."""
+    follows; each is (etcd url or urls, member id)."""
     leader = await Running(first[0], prefix, first[1]).start(nursery)
     await wait_for(lambda: leader.role is Role.LEADER, what="the first leader")
     follower = await Running(second[0], prefix, second[1]).start(nursery)
@@ -164,108 +167,103 @@ async def leader_and_follower(
     return leader, follower
 
 
+async def elected(nursery: trio.Nursery, url: str, prefix: str) -> list[Running]:
+    """Start members m0, m1 and m2 and wait until one leads and the others follow."""
+    members = [await Running(url, prefix, f"m{i}").start(nursery) for i in range(3)]
+    await wait_for(lambda: settled(members), what="one leader, two followers")
+    return members
+
+
 async def test_three_members_elect_exactly_one_leader_and_register(
     etcd_server,
     etcd_prefix,
+    nursery,
 ):
-    async with trio.open_nursery() as nursery:
-        members = [
-            await Running(etcd_server.url, etcd_prefix, f"m{i}").start(nursery) for i in range(3)
-        ]
-        await wait_for(lambda: settled(members), what="one leader, two followers")
-        (leader,) = leaders(members)
-        assert leader.member.elections_won == 1
-        assert leader.member.may_lead()
-        assert not any(m.member.may_lead() for m in members if m is not leader)
+    members = await elected(nursery, etcd_server.url, etcd_prefix)
+    (leader,) = leaders(members)
+    assert leader.member.elections_won == 1
+    assert leader.member.may_lead()
+    assert not any(m.member.may_lead() for m in members if m is not leader)
 
-        async with EtcdClient([etcd_server.url]) as etcd:
-            keys = GroupKeys(etcd_prefix, GROUP)
-            registered = await etcd.range(keys.members, prefix=True)
-            held = await etcd.get(keys.leader)
-        assert [MemberInfo.from_json(kv.value) for kv in registered.kvs] == [
-            MemberInfo(f"m{i}", intake=f"m{i}:7000") for i in range(3)
-        ]
-        assert held.create_revision == leader.member.epoch
-        assert MemberInfo.from_json(held.value) == leader.member.info
-        # Nobody ever saw two leaders: each member took LEADER at most once, and only one did.
-        took_lead = [m for m in members if any(v.role is Role.LEADER for _, v, _ in m.changes)]
-        assert took_lead == [leader]
-        nursery.cancel_scope.cancel()
+    async with EtcdClient([etcd_server.url]) as etcd:
+        keys = GroupKeys(etcd_prefix, GROUP)
+        registered = await etcd.range(keys.members, prefix=True)
+        held = await etcd.get(keys.leader)
+    assert [MemberInfo.from_json(kv.value) for kv in registered.kvs] == [
+        MemberInfo(f"m{i}", intake=f"m{i}:7000") for i in range(3)
+    ]
+    assert held.create_revision == leader.member.epoch
+    assert MemberInfo.from_json(held.value) == leader.member.info
+    # Nobody ever saw two leaders: each member took LEADER at most once, and only one did.
+    took_lead = [m for m in members if any(v.role is Role.LEADER for _, v, _ in m.changes)]
+    assert took_lead == [leader]
 
 
 async def test_a_resigning_leader_hands_over_fast_and_epochs_grow(
     etcd_server,
     etcd_prefix,
+    nursery,
 ):
-    async with trio.open_nursery() as nursery:
-        members = [
-            await Running(etcd_server.url, etcd_prefix, f"m{i}").start(nursery) for i in range(3)
-        ]
-        await wait_for(lambda: settled(members), what="a first leader")
-        epochs = []
-        while len(members) > 1:
-            (leader,) = leaders(members)
-            epochs.append(leader.member.epoch)
-            stopped = trio.current_time()
-            await leader.stop()
-            assert leader.changes[-1][1] == NO_LEADER  # it stepped down as it stopped
-            members.remove(leader)
-            taken = await wait_for(lambda: settled(members), what="the next leader")
-            assert taken - stopped < 0.5
-        epochs.append(members[0].member.epoch)
-        assert epochs == sorted(set(epochs))  # strictly increasing
-        nursery.cancel_scope.cancel()
+    members = await elected(nursery, etcd_server.url, etcd_prefix)
+    epochs = []
+    while len(members) > 1:
+        (leader,) = leaders(members)
+        epochs.append(leader.member.epoch)
+        stopped = trio.current_time()
+        await leader.stop()
+        assert leader.changes[-1][1] == NO_LEADER  # it stepped down as it stopped
+        members.remove(leader)
+        taken = await wait_for(lambda: settled(members), what="the next leader")
+        assert taken - stopped < 0.5
+    epochs.append(members[0].member.epoch)
+    assert epochs == sorted(set(epochs))  # strictly increasing
 
 
 @pytest.mark.slow
 async def test_a_leader_cut_off_from_etcd_steps_down_before_its_lease_expires(
-    etcd_server, etcd_prefix, etcd_proxy
+    etcd_server, etcd_prefix, etcd_proxy, nursery
 ):
-    async with trio.open_nursery() as nursery:
-        cut_off, other = await leader_and_follower(
-            nursery, etcd_prefix, (etcd_proxy.url, "cut"), (etcd_server.url, "other")
-        )
-        old_epoch = cut_off.member.epoch
+    cut_off, other = await leader_and_follower(
+        nursery, etcd_prefix, (etcd_proxy.url, "cut"), (etcd_server.url, "other")
+    )
+    old_epoch = cut_off.member.epoch
 
-        etcd_proxy.cut()  # a partition: renewals from "cut" hang, etcd hears nothing
-        cut_at = trio.current_time()
-        await wait_for(lambda: other.role is Role.LEADER, timeout_s=4, what="a new leader")
-        stepped_down = cut_off.last_took(Role.CANDIDATE)
-        took_over = other.last_took(Role.LEADER)
+    etcd_proxy.cut()  # a partition: renewals from "cut" hang, etcd hears nothing
+    cut_at = trio.current_time()
+    await wait_for(lambda: other.role is Role.LEADER, timeout_s=4, what="a new leader")
+    stepped_down = cut_off.last_took(Role.CANDIDATE)
+    took_over = other.last_took(Role.LEADER)
 
-        # At the latest ttl - margin after the last renewal answered before the cut...
-        assert stepped_down - cut_at < (TTL_MS - TTL_MS // 4) / 1000 + 0.25
-        # ... which is before etcd can let the lease go: ttl after that renewal was sent.
-        assert stepped_down < took_over
-        assert not cut_off.member.may_lead()
-        assert "no lease renewal answered" in cut_off.changes[-1][2]
-        assert other.member.epoch > old_epoch
-        assert took_over - cut_at < TTL_MS / 1000 + 1.5  # etcd checks expiries every 0.5 s
+    # At the latest ttl - margin after the last renewal answered before the cut...
+    assert stepped_down - cut_at < (TTL_MS - TTL_MS // 4) / 1000 + 0.25
+    # ... which is before etcd can let the lease go: ttl after that renewal was sent.
+    assert stepped_down < took_over
+    assert not cut_off.member.may_lead()
+    assert "no lease renewal answered" in cut_off.changes[-1][2]
+    assert other.member.epoch > old_epoch
+    assert took_over - cut_at < TTL_MS / 1000 + 1.5  # etcd checks expiries every 0.5 s
 
-        etcd_proxy.heal()  # the old leader comes back with a new lease, and follows
-        await wait_for(lambda: settled([cut_off, other]), what="the old leader following")
-        assert cut_off.member.leader.member_id == "other"
-        nursery.cancel_scope.cancel()
+    etcd_proxy.heal()  # the old leader comes back with a new lease, and follows
+    await wait_for(lambda: settled([cut_off, other]), what="the old leader following")
+    assert cut_off.member.leader.member_id == "other"
 
 
 @pytest.mark.slow
 async def test_a_follower_cut_off_from_etcd_leaves_and_comes_back(
-    etcd_server, etcd_prefix, etcd_proxy
+    etcd_server, etcd_prefix, etcd_proxy, nursery
 ):
-    async with trio.open_nursery() as nursery:
-        leader, follower = await leader_and_follower(
-            nursery, etcd_prefix, (etcd_server.url, "leader"), (etcd_proxy.url, "follower")
-        )
-        epoch = leader.member.epoch
+    leader, follower = await leader_and_follower(
+        nursery, etcd_prefix, (etcd_server.url, "leader"), (etcd_proxy.url, "follower")
+    )
+    epoch = leader.member.epoch
 
-        etcd_proxy.cut()
-        await wait_for(lambda: follower.role is Role.CANDIDATE, what="the follower leaving")
-        assert "leaving the group: no lease renewal answered" in follower.changes[-1][2]
-        etcd_proxy.heal()
-        await wait_for(lambda: settled([leader, follower]), what="the follower back")
-        assert leader.member.epoch == epoch  # the leader never noticed
-        assert [view.role for _, view, _ in leader.changes] == [Role.LEADER]
-        nursery.cancel_scope.cancel()
+    etcd_proxy.cut()
+    await wait_for(lambda: follower.role is Role.CANDIDATE, what="the follower leaving")
+    assert "leaving the group: no lease renewal answered" in follower.changes[-1][2]
+    etcd_proxy.heal()
+    await wait_for(lambda: settled([leader, follower]), what="the follower back")
+    assert leader.member.epoch == epoch  # the leader never noticed
+    assert [view.role for _, view, _ in leader.changes] == [Role.LEADER]
 
 
 @pytest.mark.slow
@@ -273,10 +271,9 @@ async def test_a_short_etcd_restart_changes_no_role(tmp_path):
     server = EtcdServer(tmp_path / "etcd").start()  # its own: this one is stopped
     try:
         async with trio.open_nursery() as nursery:
-            leader = await Running(server.url, "/restart", "leader").start(nursery)
-            await wait_for(lambda: leader.role is Role.LEADER, what="the leader")
-            follower = await Running(server.url, "/restart", "follower").start(nursery)
-            await wait_for(lambda: settled([leader, follower]), what="a follower")
+            leader, follower = await leader_and_follower(
+                nursery, "/restart", (server.url, "leader"), (server.url, "follower")
+            )
             before = (leader.member.view, follower.member.view)
 
             await trio.to_thread.run_sync(server.stop)
@@ -299,10 +296,9 @@ async def test_losing_one_etcd_of_three_changes_no_role(tmp_path):
     urls = [server.url for server in cluster]
     try:
         async with trio.open_nursery() as nursery:
-            leader = await Running(urls, "/three", "leader").start(nursery)
-            await wait_for(lambda: leader.role is Role.LEADER, what="the leader")
-            follower = await Running(urls, "/three", "follower").start(nursery)
-            await wait_for(lambda: settled([leader, follower]), what="a follower")
+            leader, follower = await leader_and_follower(
+                nursery, "/three", (urls, "leader"), (urls, "follower")
+            )
             before = (leader.member.view, follower.member.view)
 
             cluster[0].kill()  # the etcd both members talk to: its machine dies
@@ -322,41 +318,39 @@ async def test_losing_one_etcd_of_three_changes_no_role(tmp_path):
 async def test_may_lead_is_false_past_the_deadline_even_before_the_step_down_runs(
     etcd_server,
     etcd_prefix,
+    nursery,
 ):
-    async with trio.open_nursery() as nursery:
-        stalled = await Running(etcd_server.url, etcd_prefix, "stalled").start(nursery)
-        await wait_for(lambda: stalled.role is Role.LEADER, what="the leader")
-        assert stalled.member.may_lead()
-        time.sleep((TTL_MS - TTL_MS // 4) / 1000 + 0.05)  # the event loop stalls past it
-        assert stalled.role is Role.LEADER  # no task ran to step down ...
-        assert not stalled.member.may_lead()  # ... but nothing may be acknowledged
-        nursery.cancel_scope.cancel()
+    stalled = await Running(etcd_server.url, etcd_prefix, "stalled").start(nursery)
+    await wait_for(lambda: stalled.role is Role.LEADER, what="the leader")
+    assert stalled.member.may_lead()
+    time.sleep((TTL_MS - TTL_MS // 4) / 1000 + 0.05)  # the event loop stalls past it
+    assert stalled.role is Role.LEADER  # no task ran to step down ...
+    assert not stalled.member.may_lead()  # ... but nothing may be acknowledged
 
 
 @pytest.mark.slow
 async def test_a_member_that_is_not_eligible_never_campaigns(
     etcd_server,
     etcd_prefix,
+    nursery,
 ):
     ready = False
-    async with trio.open_nursery() as nursery:
-        first = await Running(etcd_server.url, etcd_prefix, "first").start(nursery)
-        await wait_for(lambda: first.role is Role.LEADER, what="the first leader")
-        waiting = await Running(
-            etcd_server.url, etcd_prefix, "waiting", eligible=lambda: ready
-        ).start(nursery)
-        await wait_for(lambda: waiting.role is Role.FOLLOWER, what="a follower")
+    first = await Running(etcd_server.url, etcd_prefix, "first").start(nursery)
+    await wait_for(lambda: first.role is Role.LEADER, what="the first leader")
+    waiting = await Running(etcd_server.url, etcd_prefix, "waiting", eligible=lambda: ready).start(
+        nursery
+    )
+    await wait_for(lambda: waiting.role is Role.FOLLOWER, what="a follower")
 
-        await first.stop()
-        await wait_for(lambda: waiting.role is Role.CANDIDATE, what="the leader gone")
-        await trio.sleep(TTL_MS / 1000)
-        assert waiting.role is Role.CANDIDATE  # nobody leads: nobody may
+    await first.stop()
+    await wait_for(lambda: waiting.role is Role.CANDIDATE, what="the leader gone")
+    await trio.sleep(TTL_MS / 1000)
+    assert waiting.role is Role.CANDIDATE  # nobody leads: nobody may
 
-        ready = True
-        became = trio.current_time()
-        took_over = await wait_for(lambda: waiting.role is Role.LEADER, what="an eligible member")
-        assert took_over - became < TTL_MS / 3000 + 0.4  # asked again every ttl/3
-        nursery.cancel_scope.cancel()
+    ready = True
+    became = trio.current_time()
+    took_over = await wait_for(lambda: waiting.role is Role.LEADER, what="an eligible member")
+    assert took_over - became < TTL_MS / 3000 + 0.4  # asked again every ttl/3
 
 
 # Members in child processes
@@ -416,24 +410,23 @@ async def test_a_leader_process_that_dies_is_replaced(
     how,
     etcd_server,
     etcd_prefix,
+    nursery,
 ):
-    async with trio.open_nursery() as nursery:
-        child = await MemberProcess(etcd_server.url, etcd_prefix, "child").start(nursery)
-        led = await child.wait_role("leader")
-        here = await Running(etcd_server.url, etcd_prefix, "here").start(nursery)
-        await wait_for(lambda: here.role is Role.FOLLOWER, what="a follower")
-        assert here.member.leader.member_id == "child"
-        assert here.member.epoch == led["epoch"]
+    child = await MemberProcess(etcd_server.url, etcd_prefix, "child").start(nursery)
+    led = await child.wait_role("leader")
+    here = await Running(etcd_server.url, etcd_prefix, "here").start(nursery)
+    await wait_for(lambda: here.role is Role.FOLLOWER, what="a follower")
+    assert here.member.leader.member_id == "child"
+    assert here.member.epoch == led["epoch"]
 
-        child.process.send_signal(signal.SIGKILL if how == "kill -9" else signal.SIGTERM)
-        died = trio.current_time()
-        took_over = await wait_for(lambda: here.role is Role.LEADER, timeout_s=4, what="takeover")
-        if how == "kill -9":
-            # Only the lease's expiry lets anyone in: at least ttl - ttl/3 after the
-            # child's last renewal, at most ttl plus etcd's 0.5 s expiry check.
-            assert 0.5 < took_over - died < TTL_MS / 1000 + 1.5
-        else:
-            assert took_over - died < 0.5  # it resigned
-            assert (await child.wait_role("candidate"))["reason"] == "stopping"
-        assert here.member.epoch > led["epoch"]
-        nursery.cancel_scope.cancel()
+    child.process.send_signal(signal.SIGKILL if how == "kill -9" else signal.SIGTERM)
+    died = trio.current_time()
+    took_over = await wait_for(lambda: here.role is Role.LEADER, timeout_s=4, what="takeover")
+    if how == "kill -9":
+        # Only the lease's expiry lets anyone in: at least ttl - ttl/3 after the
+        # child's last renewal, at most ttl plus etcd's 0.5 s expiry check.
+        assert 0.5 < took_over - died < TTL_MS / 1000 + 1.5
+    else:
+        assert took_over - died < 0.5  # it resigned
+        assert (await child.wait_role("candidate"))["reason"] == "stopping"
+    assert here.member.epoch > led["epoch"]

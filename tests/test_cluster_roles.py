@@ -290,43 +290,35 @@ def test_cluster_status_shows_the_group(group: Group):
 
 
 async def test_a_leader_cut_from_etcd_stops_acknowledging(
-    tmp_path: Path,
-    etcd_server: EtcdServer,
-    nursery: trio.Nursery,
+    etcd_server: EtcdServer, etcd_proxy: EtcdProxy, group: Group
 ):
-    proxy = EtcdProxy(etcd_server.url)
-    await nursery.start(proxy.serve)
-    group = Group(tmp_path, etcd_server.url)
-    try:
-        leader = await trio.to_thread.run_sync(group.start, "a", proxy.url)
+    leader = await trio.to_thread.run_sync(group.start, "a", etcd_proxy.url)
 
-        async def leads() -> bool:
-            async with EtcdClient([etcd_server.url]) as etcd:
-                kv = await etcd.get(GroupKeys(DEFAULT_PREFIX, group.name).leader)
-            return kv is not None
+    async def leads() -> bool:
+        async with EtcdClient([etcd_server.url]) as etcd:
+            kv = await etcd.get(GroupKeys(DEFAULT_PREFIX, group.name).leader)
+        return kv is not None
 
-        with trio.fail_after(10):
-            while not await leads():
-                await trio.sleep(0.02)
-        client = await trio.to_thread.run_sync(RawClient, leader.address)
-        message = Message("m-3", "orders", body=b"x")
+    with trio.fail_after(10):
+        while not await leads():
+            await trio.sleep(0.02)
+    client = await trio.to_thread.run_sync(RawClient, leader.address)
+    message = Message("m-3", "orders", body=b"x")
 
-        def send() -> object:
-            return client.request(lambda rid: SendBatch([message], request_id=rid))
+    def send() -> object:
+        return client.request(lambda rid: SendBatch([message], request_id=rid))
 
-        assert isinstance(await trio.to_thread.run_sync(send), SendBatchResult)
-        proxy.cut()
-        cut_at = trio.current_time()
-        # Steps down at ttl - ttl/4 after the last answered renewal, before etcd can
-        # let the lease go: from then on NOT_LEADER, never an acknowledgement.
-        with trio.fail_after(LEASE_TTL_MS / 1000 + 1):
-            while isinstance(await trio.to_thread.run_sync(send), SendBatchResult):
-                await trio.sleep(0.02)
-        assert trio.current_time() - cut_at < LEASE_TTL_MS / 1000
-        assert not_leader(await trio.to_thread.run_sync(send)) is None
-        client.close()
-    finally:
-        group.close()
+    assert isinstance(await trio.to_thread.run_sync(send), SendBatchResult)
+    etcd_proxy.cut()
+    cut_at = trio.current_time()
+    # Steps down at ttl - ttl/4 after the last answered renewal, before etcd can
+    # let the lease go: from then on NOT_LEADER, never an acknowledgement.
+    with trio.fail_after(LEASE_TTL_MS / 1000 + 1):
+        while isinstance(await trio.to_thread.run_sync(send), SendBatchResult):
+            await trio.sleep(0.02)
+    assert trio.current_time() - cut_at < LEASE_TTL_MS / 1000
+    assert not_leader(await trio.to_thread.run_sync(send)) is None
+    client.close()
 
 
 def test_a_broker_group_follower_names_its_leader_and_a_consumer_follows(
@@ -361,43 +353,35 @@ def test_a_broker_group_follower_names_its_leader_and_a_consumer_follows(
 
 
 async def test_a_leader_that_steps_down_and_leads_again_delivers_again(
-    tmp_path: Path,
-    etcd_server: EtcdServer,
-    nursery: trio.Nursery,
+    etcd_proxy: EtcdProxy, group: Group
 ):
-    proxy = EtcdProxy(etcd_server.url)
-    await nursery.start(proxy.serve)
-    group = Group(tmp_path, etcd_server.url)
-    try:
-        member = await trio.to_thread.run_sync(group.start, "a", proxy.url)
-        leads = lambda: group.leader_id() == member_id(member)  # noqa: E731
-        await trio.to_thread.run_sync(wait_until, leads, 10, "the member leads")
+    member = await trio.to_thread.run_sync(group.start, "a", etcd_proxy.url)
+    leads = lambda: group.leader_id() == member_id(member)  # noqa: E731
+    await trio.to_thread.run_sync(wait_until, leads, 10, "the member leads")
 
-        def send(message_id: str, delay_ms: int) -> None:
-            with delayd.Producer(addr(member.address), timeout_s=5) as producer:
-                assert producer.send("orders", b"x", message_id=message_id, delay_ms=delay_ms).ok
+    def send(message_id: str, delay_ms: int) -> None:
+        with delayd.Producer(addr(member.address), timeout_s=5) as producer:
+            assert producer.send("orders", b"x", message_id=message_id, delay_ms=delay_ms).ok
 
-        # Due while the member does not lead: delivered once it leads again, by the
-        # delivery built anew at that promotion.
-        await trio.to_thread.run_sync(send, "due-later", 1500)
-        proxy.cut()
-        await trio.sleep(LEASE_TTL_MS / 1000)  # stepped down: delivery stopped
-        proxy.heal()
-        await trio.to_thread.run_sync(wait_until, leads, 10, "the member leads again")
-        await trio.to_thread.run_sync(send, "due-now", 0)
+    # Due while the member does not lead: delivered once it leads again, by the
+    # delivery built anew at that promotion.
+    await trio.to_thread.run_sync(send, "due-later", 1500)
+    etcd_proxy.cut()
+    await trio.sleep(LEASE_TTL_MS / 1000)  # stepped down: delivery stopped
+    etcd_proxy.heal()
+    await trio.to_thread.run_sync(wait_until, leads, 10, "the member leads again")
+    await trio.to_thread.run_sync(send, "due-now", 0)
 
-        def consume() -> set[str]:
-            got: set[str] = set()
-            broker = addr(member.broker_address)
-            with delayd.Consumer(broker, subject="orders", group="c", timeout_s=5) as consumer:
-                while len(got) < 2:
-                    message = consumer.receive(timeout_s=5)
-                    assert message is not None, f"only {got} delivered"
-                    got.add(message.message_id)
-            return got
+    def consume() -> set[str]:
+        got: set[str] = set()
+        broker = addr(member.broker_address)
+        with delayd.Consumer(broker, subject="orders", group="c", timeout_s=5) as consumer:
+            while len(got) < 2:
+                message = consumer.receive(timeout_s=5)
+                assert message is not None, f"only {got} delivered"
+                got.add(message.message_id)
+        return got
 
-        assert await trio.to_thread.run_sync(consume) == {"due-later", "due-now"}
-        log = member.log_path.read_text()
-        assert log.count(": delivering") == 2 and log.count(": stopping delivery") == 1
-    finally:
-        group.close()
+    assert await trio.to_thread.run_sync(consume) == {"due-later", "due-now"}
+    log = member.log_path.read_text()
+    assert log.count(": delivering") == 2 and log.count(": stopping delivery") == 1

@@ -74,6 +74,22 @@ class Served:
             client.receive_data(final)
             self.closing = client.next_event()  # type: ignore[assignment]
 
+    async def run_beside(self, stream: trio.SocketStream, peer, *args) -> None:
+        """``run`` while ``peer(*args)`` plays the client; the peer is cancelled once
+        the connection ends."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(peer, *args)
+            await self.run(stream)
+            nursery.cancel_scope.cancel()
+
+
+async def trickle(stream: trio.SocketStream, data: bytes, every_s: float) -> None:
+    """Send ``data`` one byte every ``every_s`` seconds, until the server hangs up."""
+    with contextlib.suppress(trio.BrokenResourceError):  # closed at the deadline
+        for byte in data:
+            await stream.send_all(bytes([byte]))
+            await trio.sleep(every_s)
+
 
 async def pair() -> tuple[trio.SocketStream, trio.SocketStream]:
     a, b = trio.socket.socketpair()
@@ -100,16 +116,7 @@ async def test_a_trickled_hello_is_closed_at_the_hello_deadline(autojump_clock):
     server, client = await pair()
     start = trio.current_time()
 
-    async def trickle() -> None:
-        with contextlib.suppress(trio.BrokenResourceError):  # closed at the deadline
-            for byte in hello_frame():
-                await client.send_all(bytes([byte]))
-                await trio.sleep(1)
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(trickle)
-        await served.run(server)
-        nursery.cancel_scope.cancel()
+    await served.run_beside(server, trickle, client, hello_frame(), 1)
     assert served.ended_at - start == pytest.approx(10.0)
     assert served.closing.code is ErrorCode.TIMEOUT
     assert served.events == []
@@ -125,15 +132,9 @@ async def test_a_frame_trickled_after_hello_is_closed_at_the_frame_deadline(auto
         await client.send_all(hello_frame())
         await trio.sleep(100)  # idle after HELLO: allowed
         started["at"] = trio.current_time()
-        with contextlib.suppress(trio.BrokenResourceError):  # closed at the deadline
-            for byte in stats_frame(2):
-                await client.send_all(bytes([byte]))
-                await trio.sleep(7)
+        await trickle(client, stats_frame(2), 7)
 
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(slowloris)
-        await served.run(server)
-        nursery.cancel_scope.cancel()
+    await served.run_beside(server, slowloris)
     assert served.ended_at - started["at"] == pytest.approx(30.0)
     assert served.closing.code is ErrorCode.TIMEOUT
     assert "not complete 30000 ms after its first byte" in served.closing.reason

@@ -207,6 +207,21 @@ class Progress:
     acked_b: int = 0  # bytes of B after the cut durable
 
 
+def assert_recovered(got: bytes, progress: Progress, before: bytes, after: bytes) -> None:
+    """What recovery may return after the workload wrote ``before``, cut it back and
+    wrote ``after`` past the cut, as far as ``progress`` says it got."""
+    if not progress.cut_done:
+        # Before the cut returned: a prefix of ``before``, at least what was flushed (or
+        # the cut).
+        assert before.startswith(got), "bytes that were never appended"
+        floor = progress.acked_a if progress.cut is None else progress.cut
+        assert len(got) >= floor, f"lost durable bytes: {len(got)} < {floor}"
+    else:
+        assert got[: progress.cut] == before[: progress.cut], "the kept prefix changed"
+        assert after.startswith(got[progress.cut :]), "bytes past the cut not appended"
+        assert len(got) >= progress.cut + progress.acked_b, "lost durable bytes after the cut"
+
+
 def raw_workload(progress: Progress) -> Callable[[CrashSimFileSystem], None]:
     """Copy stream A raw in chunks (flushing now and then), cut back to a record
     boundary inside what was flushed, copy stream B after the cut: a follower that
@@ -239,15 +254,7 @@ def raw_workload(progress: Progress) -> Callable[[CrashSimFileSystem], None]:
 def check_raw_recovered(root: Path, progress: Progress) -> None:
     with SegmentedLog.open(str(root) + LOG_DIR, **SMALL) as log:
         got = read_all(log)
-    if not progress.cut_done:
-        # Before the cut returned: a prefix of A, at least what was flushed (or the cut).
-        assert STREAM_A.startswith(got), "bytes that were never appended"
-        floor = progress.acked_a if progress.cut is None else progress.cut
-        assert len(got) >= floor, f"lost durable bytes: {len(got)} < {floor}"
-    else:
-        assert got[: progress.cut] == STREAM_A[: progress.cut], "the kept prefix changed"
-        assert STREAM_B.startswith(got[progress.cut :]), "bytes past the cut not from B"
-        assert len(got) >= progress.cut + progress.acked_b, "lost durable bytes after the cut"
+    assert_recovered(got, progress, STREAM_A, STREAM_B)
 
 
 def test_raw_workload_covers_flushes_and_the_cut() -> None:
@@ -326,14 +333,7 @@ def check_file_recovered(root: Path, progress: Progress) -> None:
     with RecordFile.open(str(root) + FILE_PATH) as file:
         got = file.read_raw(0, 1 << 20) if file.end_offset else b""
         assert len(got) == file.end_offset  # whole records, nothing else
-    if not progress.cut_done:
-        assert FILE_STREAM.startswith(got), "bytes that were never appended"
-        floor = progress.acked_a if progress.cut is None else progress.cut
-        assert len(got) >= floor, f"lost durable bytes: {len(got)} < {floor}"
-    else:
-        assert got[: progress.cut] == FILE_STREAM[: progress.cut], "the kept prefix changed"
-        assert FILE_OTHER.startswith(got[progress.cut :]), "bytes past the cut not appended"
-        assert len(got) >= progress.cut + progress.acked_b, "lost durable bytes after the cut"
+    assert_recovered(got, progress, FILE_STREAM, FILE_OTHER)
 
 
 @pytest.mark.parametrize("mode", MODES)

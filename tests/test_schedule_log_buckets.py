@@ -13,6 +13,7 @@ from delayd.logs.buckets import (
     MAX_BUCKET_START_MS,
     bucket_name,
     bucket_of,
+    bucket_starts,
     bucket_width_ms,
     check_segment_scale,
     is_bucket_name,
@@ -108,6 +109,11 @@ def test_parse_refuses_what_is_not_a_bucket_name(bad):
     with pytest.raises(ValueError):
         parse_bucket_name(bad)
     assert not is_bucket_name(bad)
+
+
+def test_bucket_starts_lists_the_buckets_of_a_directory_ascending_and_skips_other_files():
+    listing = ["202611221530", "recovery.checkpoint", "202611221000", FULL_WIDTH, "2026112215"]
+    assert bucket_starts(listing) == [T, utc_ms(2026, 11, 22, 15, 30)]
 
 
 @pytest.mark.parametrize("bad", [-MINUTE, T + 1, MAX_BUCKET_START_MS + MINUTE])

@@ -35,13 +35,11 @@ import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
 
 import anyio
 import bench_common
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+REPO = bench_common.ROOT
 
 import delayd  # noqa: E402
 from delayd.address import parse_address  # noqa: E402
@@ -75,11 +73,7 @@ class Broker:
         self.addr = line.rsplit(" ", 1)[1].strip()  # "delayd broker listening on HOST:PORT"
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        bench_common.stop_process(self.proc, 10)
 
 
 def pin_client() -> bool:
@@ -274,29 +268,14 @@ def main() -> None:
     data = tempfile.mkdtemp(prefix="bench-broker-")
     broker = Broker(data)
     placement = {"pinned": pinned and broker.pinned}
+    produced = {"frame": FRAME, **placement}  # what both produce figures carry
     try:
         with Case(broker, "produce, blocking", profile=args.profile) as case:
             rate = produce_blocking(broker.addr, messages("blocking", n), in_flight=8)
-        emit(
-            "produce_blocking",
-            rate,
-            "msg/s",
-            frame=FRAME,
-            in_flight=8,
-            **placement,
-            **case.figures(n),
-        )
+        emit("produce_blocking", rate, "msg/s", in_flight=8, **produced, **case.figures(n))
         with Case(broker, "produce, async (trio)", profile=args.profile) as case:
             rate = anyio.run(produce_async, broker.addr, messages("async", n), 8, backend="trio")
-        emit(
-            "produce_async_trio",
-            rate,
-            "msg/s",
-            frame=FRAME,
-            tasks=8,
-            **placement,
-            **case.figures(n),
-        )
+        emit("produce_async_trio", rate, "msg/s", tasks=8, **produced, **case.figures(n))
         with Case(broker, "consume, async (trio)", profile=args.profile) as case:
             rate = anyio.run(consume_async, broker.addr, "blocking", n, backend="trio")
         emit("consume_async_trio", rate, "msg/s", **placement, **case.figures(n))

@@ -36,8 +36,7 @@ from pathlib import Path
 
 import bench_common
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+ROOT = bench_common.ROOT
 
 from delayd.address import parse_address  # noqa: E402
 from delayd.bench.raw_client import RawClient  # noqa: E402
@@ -258,8 +257,7 @@ def bench_redis(messages: int) -> None:
                  appendfsync="always", per_round_trip=BATCH, messages=result["acked"])  # fmt: skip
             emit("redis_server_cpu_per_message", cpu / result["acked"] * 1e6, "us")
         finally:
-            proc.terminate()
-            proc.wait(30)
+            bench_common.stop_process(proc, 30)
 
 
 def main() -> None:

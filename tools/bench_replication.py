@@ -30,20 +30,16 @@ import time
 from pathlib import Path
 
 import bench_common
+import trio
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import trio  # noqa: E402
-
-from delayd.replication import (  # noqa: E402
+from delayd.replication import (
     MESSAGE_LOG,
     DelayStreams,
     EpochHistory,
     Follower,
     Leader,
 )
-from storage.flusher import LogWriter  # noqa: E402
+from storage.flusher import LogWriter
 
 RECORD = b"r" * 150
 BATCH = 100
@@ -166,8 +162,7 @@ def bench(records: int, producers: int) -> None:
     finally:
         for proc in (leader, follower):
             if proc is not None and proc.poll() is None:
-                proc.terminate()
-                proc.wait(10)
+                bench_common.stop_process(proc, 10)
         shutil.rmtree(work, ignore_errors=True)
 
 

@@ -25,7 +25,7 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import httpx
 import trio
@@ -189,34 +189,33 @@ class Put:
         return {"request_put": body}
 
 
-def _key_range(key: Key, prefix: bool) -> dict[str, str]:
-    """The key, or with ``prefix`` every key under it, of a range or delete request."""
-    body = {"key": _b64(key)}
-    if prefix:
-        body["range_end"] = _b64(prefix_range_end(key))
-    return body
+@dataclass(frozen=True, slots=True)
+class _OnKeys:
+    """An op on ``key``, or with ``prefix`` on every key under it."""
+
+    request: ClassVar[str]  # the op's member in a txn's list of requests
+    key: Key
+    prefix: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        body = {"key": _b64(self.key)}
+        if self.prefix:
+            body["range_end"] = _b64(prefix_range_end(self.key))
+        return {self.request: body}
 
 
 @dataclass(frozen=True, slots=True)
-class Get:
+class Get(_OnKeys):
     """Read ``key`` (every key under it with ``prefix``)."""
 
-    key: Key
-    prefix: bool = False
-
-    def to_json(self) -> dict[str, Any]:
-        return {"request_range": _key_range(self.key, self.prefix)}
+    request: ClassVar[str] = "request_range"
 
 
 @dataclass(frozen=True, slots=True)
-class Delete:
+class Delete(_OnKeys):
     """Delete ``key`` (every key under it with ``prefix``)."""
 
-    key: Key
-    prefix: bool = False
-
-    def to_json(self) -> dict[str, Any]:
-        return {"request_delete_range": _key_range(self.key, self.prefix)}
+    request: ClassVar[str] = "request_delete_range"
 
 
 Op = Put | Get | Delete

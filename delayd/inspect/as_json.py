@@ -84,12 +84,7 @@ def _segment(s: SegmentInfo) -> JSON:
 def _bucket(b: BucketInfo) -> JSON:
     dispatch = None
     if b.dispatch is not None:
-        dispatch = {
-            "bytes": b.dispatch.bytes,
-            "entries": b.dispatch.entries,
-            "complete_up_to": b.dispatch.complete_up_to,
-            "damage": damage(b.dispatch.damage),
-        }
+        dispatch = _fields(b.dispatch, damage=damage(b.dispatch.damage))
     return {
         "name": b.name,
         "schedule_log": None
@@ -119,13 +114,8 @@ def _wheel(cursors: LoadCursors | None) -> JSON | None:
 def checkpoints(c: CheckpointInfo) -> JSON:
     replay = None
     if c.replay is not None:
-        replay = {
-            "position": c.replay.position,
-            "next_sequence": c.replay.next_sequence,
-            "bucket_sizes": {
-                safe_bucket_name(s): n for s, n in sorted(c.replay.bucket_sizes.items())
-            },
-        }
+        sizes = sorted(c.replay.bucket_sizes.items())
+        replay = _fields(c.replay, bucket_sizes={safe_bucket_name(s): n for s, n in sizes})
     return {
         "directory": c.directory,
         "meta": c.meta,

@@ -29,7 +29,7 @@ import os
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from delayd.logs.buckets import bucket_name, parse_bucket_name
+from delayd.logs.buckets import bucket_name, bucket_starts
 from storage.framing import TYPE_DATA
 from storage.fs import O_READ, REAL_FS, FileSystem, create_dirs_durably
 from storage.record_file import DEFAULT_MAX_UNSYNCED_BYTES, RecordFile
@@ -83,13 +83,7 @@ class BucketFiles:
 
     def buckets(self) -> list[int]:
         """Starts (epoch ms) of every bucket file in the directory, ascending."""
-        starts = []
-        for name in self.fs.listdir(self.directory):
-            try:
-                starts.append(parse_bucket_name(name))
-            except ValueError:
-                continue  # not a bucket's name: some other file, left alone
-        return sorted(starts)
+        return bucket_starts(self.fs.listdir(self.directory))
 
     def get(self, start_ms: int, *, trusted_end: int | None = None) -> RecordFile:
         """The open RecordFile of the bucket, opening (and creating) it when needed.

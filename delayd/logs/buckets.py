@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import functools
+from collections.abc import Iterable
 
 MS_PER_MINUTE = 60_000
 MIN_SEGMENT_SCALE = 1  # minutes
@@ -105,3 +106,15 @@ def is_bucket_name(name: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def bucket_starts(names: Iterable[str]) -> list[int]:
+    """The starts (epoch ms) of the bucket files among ``names`` (a directory's
+    listing), ascending; any other file in the directory is left out."""
+    starts = []
+    for name in names:
+        try:
+            starts.append(parse_bucket_name(name))
+        except ValueError:
+            continue
+    return sorted(starts)

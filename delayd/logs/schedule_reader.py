@@ -21,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from delayd.logs import schedule_log
-from delayd.logs.buckets import bucket_name, parse_bucket_name
+from delayd.logs.buckets import bucket_name, bucket_starts
 from storage.fs import O_READ, REAL_FS, FileSystem
 from storage.scan import BadFrame, read_frame, read_frames, scan_frames
 
@@ -47,13 +47,7 @@ class ScheduleReader:
 
     def buckets(self) -> list[int]:
         """Starts (epoch ms) of every bucket file, ascending."""
-        starts = []
-        for name in self.fs.listdir(self.directory):
-            try:
-                starts.append(parse_bucket_name(name))
-            except ValueError:
-                continue
-        return sorted(starts)
+        return bucket_starts(self.fs.listdir(self.directory))
 
     def size(self, bucket_ms: int) -> int:
         """The file's length now (0 when the bucket has no file)."""

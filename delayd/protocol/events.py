@@ -265,41 +265,46 @@ class CommitOffsetOk(Response):
 
 
 @dataclass(frozen=True, slots=True)
-class JoinGroup(Request):
-    command: ClassVar[Command] = Command.JOIN_GROUP
+class _AsMember(Request):
+    """A request a consumer makes as a member of ``group`` on ``subject``."""
+
     group: str
     subject: str
     consumer_id: str
 
 
 @dataclass(frozen=True, slots=True)
-class JoinGroupResult(Response):
+class _Assignment(Response):
+    """The queues of the subject assigned to the consumer that asked."""
+
+    queues: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        _freeze(self, "queues")
+
+
+@dataclass(frozen=True, slots=True)
+class JoinGroup(_AsMember):
+    command: ClassVar[Command] = Command.JOIN_GROUP
+
+
+@dataclass(frozen=True, slots=True)
+class JoinGroupResult(_Assignment):
     """The queues of the subject now assigned to the consumer that joined."""
 
     command: ClassVar[Command] = Command.JOIN_GROUP_RESULT
-    queues: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        _freeze(self, "queues")
 
 
 @dataclass(frozen=True, slots=True)
-class Heartbeat(Request):
+class Heartbeat(_AsMember):
     command: ClassVar[Command] = Command.HEARTBEAT
-    group: str
-    subject: str
-    consumer_id: str
 
 
 @dataclass(frozen=True, slots=True)
-class HeartbeatResult(Response):
+class HeartbeatResult(_Assignment):
     """The consumer's current assignment, which changes when members join or leave."""
 
     command: ClassVar[Command] = Command.HEARTBEAT_RESULT
-    queues: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        _freeze(self, "queues")
 
 
 @dataclass(frozen=True, slots=True)

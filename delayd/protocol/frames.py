@@ -21,6 +21,7 @@ import crc32c as _crc32c
 
 from delayd.errors import LocalProtocolError, RemoteProtocolError
 from delayd.protocol.codes import Command, ErrorCode
+from delayd.protocol.receive_buffer import ReceiveBuffer
 
 MAGIC = b"DLYD"
 # Version of the frame *layout* below. A peer with another layout cannot be parsed at
@@ -104,7 +105,7 @@ def encode_frame(command: int, request_id: int, body: bytes = b"", *, flags: int
     return finish_frame(out, command, request_id, flags)
 
 
-class FrameDecoder:
+class FrameDecoder(ReceiveBuffer):
     """Cuts a byte stream into frames, sans-I/O: ``feed(bytes)``, then ``next_frame()``.
 
     Checks, in this order, as soon as the bytes for each check have arrived: the magic
@@ -116,14 +117,8 @@ class FrameDecoder:
     """
 
     def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
+        super().__init__()
         self.max_frame_size = _check_max_frame_size(max_frame_size)
-        self._buf = bytearray()
-        self._pos = 0  # start of the first unconsumed byte in _buf
-
-    @property
-    def buffered(self) -> int:
-        """Bytes received but not yet returned as part of a frame."""
-        return len(self._buf) - self._pos
 
     @property
     def incomplete_frame_size(self) -> int:
@@ -133,14 +128,6 @@ class FrameDecoder:
             return 0
         body_length = HEADER_PREFIX.unpack_from(self._buf, self._pos)[-1]
         return HEADER_SIZE + body_length
-
-    def feed(self, data: bytes | bytearray | memoryview) -> None:
-        # Compact lazily: deleting consumed bytes after every frame would copy the rest of
-        # the buffer once per frame, quadratic for a burst of small frames.
-        if self._pos and self._pos * 2 >= len(self._buf):
-            del self._buf[: self._pos]
-            self._pos = 0
-        self._buf += data
 
     def next_frame(self) -> Frame | None:
         """The next complete frame, or None when more bytes are needed.

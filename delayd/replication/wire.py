@@ -30,6 +30,7 @@ import struct
 from dataclasses import dataclass, field
 
 from delayd.errors import RemoteProtocolError
+from delayd.protocol.receive_buffer import ReceiveBuffer
 from storage.framing import HEADER, HEADER_SIZE, encode_record, record_crc
 
 MAGIC = "delayd-replication"
@@ -229,19 +230,12 @@ def _offset_map(value: dict, name: str, frame: str) -> dict[str, int]:
     return item
 
 
-class WireDecoder:
+class WireDecoder(ReceiveBuffer):
     """Cuts a byte stream into replication events: ``feed(bytes)``, ``next_event()``."""
 
     def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
+        super().__init__()
         self.max_frame_size = max_frame_size
-        self._buf = bytearray()
-        self._pos = 0
-
-    def feed(self, data: bytes | bytearray | memoryview) -> None:
-        if self._pos and self._pos * 2 >= len(self._buf):
-            del self._buf[: self._pos]
-            self._pos = 0
-        self._buf += data
 
     def next_event(self) -> Event | None:
         """The next whole event, or None when more bytes are needed. Raises WireError

@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 
 from delayd.sender.histogram import Histogram
 from delayd.server.delivery import Delivery
+from delayd.serving.metric_families import labelled
 
 
 def _histogram(name: str, documentation: str, histogram: Histogram) -> HistogramMetricFamily:
@@ -100,24 +101,24 @@ class DeliveryCollector(Collector):
             "dead_lettered": "Messages sent to their dead-letter subject after max_attempts.",
         }
         for field, documentation in families.items():
-            family = CounterMetricFamily(
-                f"delayd_delivery_{field}_messages_total", documentation, labels=["group"]
+            yield labelled(
+                CounterMetricFamily,
+                f"delayd_delivery_{field}_messages_total",
+                documentation,
+                "group",
+                ((group.name, getattr(group, field)) for group in groups),
             )
-            for group in groups:
-                family.add_metric([group.name], getattr(group, field))
-            yield family
-        circuit = GaugeMetricFamily(
+        yield labelled(
+            GaugeMetricFamily,
             "delayd_delivery_circuit_state",
             "Circuit breaker of each broker group: 0 closed, 1 half-open, 2 open.",
-            labels=["group"],
+            "group",
+            ((group.name, int(group.circuit)) for group in groups),
         )
-        queued = GaugeMetricFamily(
+        yield labelled(
+            GaugeMetricFamily,
             "delayd_delivery_queued_messages",
             "Messages routed to a broker group and waiting to be sent.",
-            labels=["group"],
+            "group",
+            ((group.name, group.queued) for group in groups),
         )
-        for group in groups:
-            circuit.add_metric([group.name], int(group.circuit))
-            queued.add_metric([group.name], group.queued)
-        yield circuit
-        yield queued

@@ -8,7 +8,9 @@ them on the server's event loop, one request per connection.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
+from enum import Enum
+from typing import TypeVar
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -17,9 +19,18 @@ from delayd.protocol import CancelOutcome, RescheduleOutcome, ResultCode
 from delayd.replay import Replayer
 from delayd.server.intake import IntakePath
 from delayd.server.receiver import Receiver
+from delayd.serving.metric_families import labelled
+
+Member = TypeVar("Member", bound=Enum)
 
 # Every refusal reason is exported from the start (at 0), so alerts see the series.
 REFUSAL_CODES = [c for c in ResultCode if not c.is_success]
+
+
+def _by_name(counts: Mapping[Member, int], members: Iterable[Member]) -> Iterator[tuple[str, int]]:
+    """``(member name in lower case, its count)`` for every member of an enum, so a
+    family lists every outcome from the start (at 0)."""
+    return ((member.name.lower(), counts[member]) for member in members)
 
 
 class IntakeCollector(Collector):
@@ -37,14 +48,13 @@ class IntakeCollector(Collector):
             "Messages accepted and acknowledged durable since the server started.",
             value=receiver.accepted_total,
         )
-        refused = CounterMetricFamily(
+        yield labelled(
+            CounterMetricFamily,
             "delayd_intake_refused_messages_total",
             "Messages refused since the server started, by reason (result code).",
-            labels=["reason"],
+            "reason",
+            _by_name(receiver.refused_total, REFUSAL_CODES),
         )
-        for code in REFUSAL_CODES:
-            refused.add_metric([code.name.lower()], receiver.refused_total[code])
-        yield refused
         yield CounterMetricFamily(
             "delayd_intake_duplicate_messages_total",
             "Messages answered DUPLICATE: their id was already held (scheduled, delivered "
@@ -102,22 +112,20 @@ class IntakeCollector(Collector):
         )
         canceller = self.intake.canceller
         if canceller is not None:
-            cancels = CounterMetricFamily(
+            yield labelled(
+                CounterMetricFamily,
                 "delayd_cancel_requests_total",
                 "CANCEL requests resolved since the server started, by outcome.",
-                labels=["outcome"],
+                "outcome",
+                _by_name(canceller.cancels, CancelOutcome),
             )
-            for outcome in CancelOutcome:
-                cancels.add_metric([outcome.name.lower()], canceller.cancels[outcome])
-            yield cancels
-            reschedules = CounterMetricFamily(
+            yield labelled(
+                CounterMetricFamily,
                 "delayd_reschedule_requests_total",
                 "RESCHEDULE requests answered since the server started, by outcome.",
-                labels=["outcome"],
+                "outcome",
+                _by_name(canceller.reschedules, RescheduleOutcome),
             )
-            for r_outcome in RescheduleOutcome:
-                reschedules.add_metric([r_outcome.name.lower()], canceller.reschedules[r_outcome])
-            yield reschedules
         yield GaugeMetricFamily(
             "delayd_schedule_log_open_files",
             "schedule_log bucket files currently open (at most 2 x max_open_files).",

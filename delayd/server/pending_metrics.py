@@ -38,6 +38,7 @@ from delayd.logs.buckets import bucket_name, parse_bucket_name
 from delayd.logs.dispatch_log import EntryKind, read_last_entry
 from delayd.replay.replayer import OnScheduled
 from delayd.server.pending import PendingCounts
+from delayd.serving.metric_families import labelled
 from storage.errors import CorruptionError
 from storage.fs import O_READ, FileSystem
 from storage.scan import BadFrame, count_frames, scan_frames
@@ -267,15 +268,14 @@ class PendingCollector(Collector):
         bands = counts.bands(now_ms)
         if bands is None:
             return  # still counting at start: absent, not a wrong number
-        pending = GaugeMetricFamily(
+        yield labelled(
+            GaugeMetricFamily,
             "delayd_pending_messages",
             "Messages in schedule_log without a dispatch_log entry, by horizon of their "
             "bucket's start from now (bands do not overlap).",
-            labels=["horizon"],
+            "horizon",
+            bands.items(),
         )
-        for label, count in bands.items():
-            pending.add_metric([label], count)
-        yield pending
         oldest = GaugeMetricFamily(
             "delayd_store_oldest_undelivered_bucket_start_timestamp_seconds",
             "Start (Unix time, seconds) of the oldest schedule_log bucket holding a message "

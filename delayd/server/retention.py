@@ -51,7 +51,7 @@ from functools import partial
 import trio
 
 from delayd.logs import layout, message_log, tombstone
-from delayd.logs.buckets import bucket_name, parse_bucket_name
+from delayd.logs.buckets import bucket_name, bucket_starts
 from delayd.logs.dispatch_log import EntryKind, read_last_entry
 from delayd.logs.id_index import MAX_MINUTE, MINUTE_MS, pack_location
 from delayd.replay import Replayer
@@ -100,16 +100,6 @@ def _unlink(fs: FileSystem, path: str) -> None:
         fs.unlink(path)
 
 
-def _bucket_starts(fs: FileSystem, directory: str) -> list[int]:
-    starts = []
-    for name in fs.listdir(directory):
-        try:
-            starts.append(parse_bucket_name(name))
-        except ValueError:
-            continue
-    return sorted(starts)
-
-
 def remove_orphans(data_dir: str, fs: FileSystem) -> list[str]:
     """Delete the dispatch_log files that have no schedule_log file — what a crash
     between the two halves of a bucket deletion leaves — and return their names. Call
@@ -120,8 +110,8 @@ def remove_orphans(data_dir: str, fs: FileSystem) -> list[str]:
     dispatch_dir = layout.dispatch_log_dir(data_dir)
     if not fs.exists(dispatch_dir):
         return []
-    scheduled = set(_bucket_starts(fs, schedule_dir)) if fs.exists(schedule_dir) else set()
-    orphans = [b for b in _bucket_starts(fs, dispatch_dir) if b not in scheduled]
+    scheduled = set(bucket_starts(fs.listdir(schedule_dir))) if fs.exists(schedule_dir) else set()
+    orphans = [b for b in bucket_starts(fs.listdir(dispatch_dir)) if b not in scheduled]
     for start_ms in orphans:
         _unlink(fs, os.path.join(dispatch_dir, bucket_name(start_ms)))
     if orphans:
@@ -265,7 +255,7 @@ class Retention:
         COMPLETE mark at their schedule_log file's length (worker thread; a hint only:
         checked again under the locks)."""
         out = []
-        for start_ms in _bucket_starts(self.fs, self.schedule_dir):
+        for start_ms in bucket_starts(self.fs.listdir(self.schedule_dir)):
             if start_ms > newest_ms:
                 break
             bucket = self._complete(start_ms)
@@ -363,7 +353,7 @@ class Retention:
         (worker thread, append lock held by the caller); (files, bytes)."""
         assert self.replayer.index is not None
         store = self.replayer.index.store
-        remaining = _bucket_starts(self.fs, self.schedule_dir)
+        remaining = bucket_starts(self.fs.listdir(self.schedule_dir))
         oldest_minute = remaining[0] // MINUTE_MS if remaining else MAX_MINUTE
         cutoff = pack_location(max(0, oldest_minute) * MINUTE_MS, 0)
         before = {path: _file_size(self.fs, path) or 0 for path in store.files}

@@ -9,6 +9,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from delayd.server.retention import LOGS, Retention
+from delayd.serving.metric_families import labelled
 
 
 class RetentionCollector(Collector):
@@ -19,22 +20,20 @@ class RetentionCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         retention = self.retention
-        files = CounterMetricFamily(
-            "delayd_retention_deleted_files",
-            "Files retention deleted, by log (message_log segments, schedule_log and "
-            "dispatch_log bucket files, id_index files).",
-            labels=["log"],
-        )
-        size = CounterMetricFamily(
-            "delayd_retention_deleted_bytes",
-            "Bytes of the files retention deleted, by log.",
-            labels=["log"],
-        )
-        for name in LOGS:
-            files.add_metric([name], retention.deleted_files[name])
-            size.add_metric([name], retention.deleted_bytes[name])
-        yield files
-        yield size
+        deleted = {
+            "files": "Files retention deleted, by log (message_log segments, schedule_log "
+            "and dispatch_log bucket files, id_index files).",
+            "bytes": "Bytes of the files retention deleted, by log.",
+        }
+        for unit, documentation in deleted.items():
+            counts = getattr(retention, f"deleted_{unit}")
+            yield labelled(
+                CounterMetricFamily,
+                f"delayd_retention_deleted_{unit}",
+                documentation,
+                "log",
+                ((name, counts[name]) for name in LOGS),
+            )
         yield CounterMetricFamily(
             "delayd_retention_passes",
             "Retention passes made.",

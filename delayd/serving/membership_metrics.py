@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from delayd.serving.membership import LISTENERS, Membership
+from delayd.serving.metric_families import labelled
 
 
 class MembershipCollector:
@@ -42,11 +43,10 @@ class MembershipCollector:
             "not written yet).",
             value=len(members or ()),
         )
-        refused = CounterMetricFamily(
+        yield labelled(
+            CounterMetricFamily,
             "delayd_cluster_not_leader_requests_total",
             "Requests answered NOT_LEADER because this member does not lead, by listener.",
-            labels=["listener"],
+            "listener",
+            ((listener, membership.not_leader_total[listener]) for listener in LISTENERS),
         )
-        for listener in LISTENERS:
-            refused.add_metric([listener], membership.not_leader_total[listener])
-        yield refused

@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from delayd.serving.metric_families import labelled
 from delayd.write_refusals import LOGS, WriteRefusals
 
 log = logging.getLogger(__name__)
@@ -109,23 +110,23 @@ class StoreCollector(Collector):
         sizes = self.sizes.sizes
         if sizes is None:
             return
-        size = GaugeMetricFamily(
+        by_log = sorted(sizes.items())
+        yield labelled(
+            GaugeMetricFamily,
             "delayd_store_bytes",
             "Bytes of all files of each log (apparent size; checkpoints included), as of "
             "the last walk.",
-            labels=["log"],
+            "log",
+            ((name, found.bytes) for name, found in by_log),
         )
-        segments = GaugeMetricFamily(
+        yield labelled(
+            GaugeMetricFamily,
             "delayd_store_segments",
             "Segment files of each log (one per bucket for schedule_log and dispatch_log), "
             "as of the last walk.",
-            labels=["log"],
+            "log",
+            ((name, found.segments) for name, found in by_log),
         )
-        for name, found in sorted(sizes.items()):
-            size.add_metric([name], found.bytes)
-            segments.add_metric([name], found.segments)
-        yield size
-        yield segments
 
 
 def broker_directories(broker_dir: str) -> dict[str, str]:
