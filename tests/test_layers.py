@@ -87,6 +87,7 @@ ROWS: list[tuple[str, Iterable[str]]] = [
             "delayd.errors",
             "delayd.protocol",
             "delayd.logs",
+            "delayd.tls",
             "delayd.serving",
             "delayd.cluster",
         ],

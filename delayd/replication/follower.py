@@ -18,29 +18,51 @@ that arrived meanwhile), reports DURABLE after each and then awaits
 ``on_durable(flushed)``, where the server derives what it derives from the new durable
 records (as a restart's recovery would). A broken connection, a refused
 frame or a stale leader ends the session; ``run`` reconnects with exponential backoff.
+
+With a ``ClientTls`` the follower connects over TLS: it verifies the leader's
+certificate and, for mutual TLS, presents its own. A refused handshake (either side's
+refusal) is a TlsError, logged as a warning, and the follower keeps retrying with the
+same backoff: rotating a certificate (and SIGHUP on the leader) is what fixes it, and
+the follower reads its own files again at every connection, so it sees a rotation of
+them too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import ssl
 from collections.abc import Awaitable, Callable
 
 import trio
 
-from delayd.errors import DelaydError
+from delayd.errors import ConnectionClosedError, DelaydError
 from delayd.replication import wire
 from delayd.replication.connection import receive_event
 from delayd.replication.epochs import EpochHistory
 from delayd.replication.streams import Stream, StreamSet
+from delayd.tls import ClientTls, ServerTlsConfig, TlsError, handshake_failure
 from storage.errors import RawAppendRefused
 
 log = logging.getLogger(__name__)
 
 MIN_BACKOFF_MS = 50
 MAX_BACKOFF_MS = 2000
+HANDSHAKE_TIMEOUT_S = 10.0
+
+# Why a session ended, as ``failures`` counts it (a bounded metric label).
+FAILURE_REASONS = ("tls", "refused", "network", "protocol")
 
 OnTruncated = Callable[[str, int], Awaitable[object]]
 OnDurable = Callable[[dict[str, int]], Awaitable[object]]
+
+
+def member_client_tls(config: ServerTlsConfig) -> ClientTls:
+    """What a member of a group whose listeners serve ``config`` (``[tls]``) uses to
+    follow: it presents its own certificate (which mutual TLS on the leader asks for)
+    and trusts the client CA, the one that signed every member's certificate (the
+    system's trust store when none is set)."""
+    return ClientTls(config.client_ca_file, config.cert_file, config.key_file)
 
 
 class FollowRefused(DelaydError):
@@ -63,6 +85,7 @@ class Follower:
         on_durable: OnDurable | None = None,
         min_backoff_ms: int = MIN_BACKOFF_MS,
         max_backoff_ms: int = MAX_BACKOFF_MS,
+        tls: ClientTls | None = None,
     ) -> None:
         self.streams = streams
         self.history = history
@@ -73,10 +96,12 @@ class Follower:
         self.on_durable = on_durable
         self.min_backoff_ms = min_backoff_ms
         self.max_backoff_ms = max_backoff_ms
+        self.tls = tls
         self.acked: dict[str, int] = {}  # the group's acknowledged offsets, as last told
         self.leader_epoch: int | None = None
         self.sessions = 0  # sessions that got as far as TRUNCATE_TO
         self.last_error: BaseException | None = None
+        self.failures = dict.fromkeys(FAILURE_REASONS, 0)  # sessions ended by an error
         self._appended = trio.Event()
         self._dirty: dict[str, Stream] = {}
 
@@ -90,27 +115,37 @@ class Follower:
             sessions = self.sessions
             try:
                 await self.follow_once()
-            except* (OSError, trio.BrokenResourceError, wire.WireError, FollowRefused) as failed:
-                self.last_error = failed.exceptions[0]
-                log.info(
-                    "member %s of group %s: following %s:%d ended: %s",
-                    self.member,
-                    self.group,
-                    *self.leader,
-                    self.last_error,
-                )
+            except* SESSION_ERRORS as failed:
+                self._failed(failed.exceptions[0])
             if self.sessions > sessions:
                 backoff_ms = self.min_backoff_ms
             await trio.sleep(backoff_ms / 1000)
             backoff_ms = min(backoff_ms * 2, self.max_backoff_ms)
 
+    def _failed(self, error: BaseException) -> None:
+        self.last_error = error
+        reason = _failure_reason(error)
+        self.failures[reason] += 1
+        # A refused certificate needs an operator (it fails the same way until a
+        # rotation); a broken connection is routine during a failover.
+        level = logging.WARNING if reason == "tls" else logging.INFO
+        log.log(
+            level,
+            "member %s of group %s: following %s:%d ended: %s",
+            self.member,
+            self.group,
+            *self.leader,
+            error,
+        )
+
     async def follow_once(self) -> None:
         """One session: connect, FOLLOW, truncate, then copy until the connection
-        ends (returns) or a frame is refused (raises FollowRefused)."""
-        host, port = self.leader
+        ends (returns) or a frame is refused (raises FollowRefused; TlsError for a
+        refused TLS handshake)."""
         self._appended = trio.Event()
         self._dirty = {}
-        stream = await trio.open_tcp_stream(host, port)
+        host, port = self.leader
+        stream = await self._connect()
         async with stream:
             decoder = wire.WireDecoder()
             # What a broken session left unsynced is made durable first: the ends
@@ -119,10 +154,19 @@ class Follower:
             follow = wire.Follow(
                 self.group, self.member, self.history.last_epoch(), self.streams.ends()
             )
-            await stream.send_all(wire.encode(follow))
-            answer = await receive_event(stream, decoder)
+            try:
+                await stream.send_all(wire.encode(follow))
+                answer = await receive_event(stream, decoder)
+            except trio.BrokenResourceError as exc:
+                # Under TLS 1.3 a leader's refusal of this member's certificate
+                # arrives as the first read fails, after the handshake ended.
+                raise self._refusal(exc) from None
             if answer is None:
-                return
+                hint = "" if self.tls is not None else " (does it serve TLS?)"
+                raise ConnectionClosedError(
+                    f"the leader at {host}:{port} closed the connection before answering "
+                    f"FOLLOW{hint}"
+                )
             if isinstance(answer, wire.Fenced):
                 raise FollowRefused(
                     f"the leader at {host}:{port} is fenced by epoch {answer.epoch}"
@@ -150,6 +194,41 @@ class Follower:
                 await self._copy(stream, decoder, answer.epoch)
                 nursery.cancel_scope.cancel()
 
+    async def _connect(self) -> trio.abc.Stream:
+        """A connection to the leader, with the TLS handshake done when ``tls`` is
+        set. Raises OSError, TlsError (a file or a certificate refused), or
+        FollowRefused when the handshake does not end in time."""
+        host, port = self.leader
+        if self.tls is None:
+            return await trio.open_tcp_stream(host, port)
+        # A copy reads the files again: a rotated certificate is used from now on.
+        context = dataclasses.replace(self.tls).ssl_context
+        tcp = await trio.open_tcp_stream(host, port)
+        # https_compatible: a leader's close without close_notify is EOF (delayd.tls).
+        secure = trio.SSLStream(
+            tcp, context, server_hostname=self.tls.server_name or host, https_compatible=True
+        )
+        try:
+            with trio.fail_after(HANDSHAKE_TIMEOUT_S):
+                await secure.do_handshake()
+        except trio.TooSlowError:
+            await tcp.aclose()
+            raise FollowRefused(
+                f"no TLS handshake with {host}:{port} within {HANDSHAKE_TIMEOUT_S:g} s"
+            ) from None
+        except trio.BrokenResourceError as exc:
+            await tcp.aclose()
+            raise self._refusal(exc) from None
+        return secure
+
+    def _refusal(self, exc: trio.BrokenResourceError) -> Exception:
+        """What a broken connection means: a TlsError saying who refused what when
+        TLS failed under it, else the broken connection itself."""
+        cause = exc.__cause__
+        if self.tls is not None and isinstance(cause, ssl.SSLError):
+            return handshake_failure(cause, "{}:{}".format(*self.leader))
+        return exc
+
     async def _truncate(self, offsets: dict[str, int]) -> None:
         for name, offset in offsets.items():
             stream = self.streams.get(name)
@@ -167,7 +246,7 @@ class Follower:
                 if self.on_truncated is not None:
                     await self.on_truncated(name, offset)
 
-    async def _copy(self, stream: trio.SocketStream, decoder: wire.WireDecoder, epoch: int) -> None:
+    async def _copy(self, stream: trio.abc.Stream, decoder: wire.WireDecoder, epoch: int) -> None:
         while True:
             event = await receive_event(stream, decoder)
             if event is None:
@@ -192,7 +271,7 @@ class Follower:
             self._dirty[event.stream] = target
             self._appended.set()
 
-    async def _commit(self, stream: trio.SocketStream) -> None:
+    async def _commit(self, stream: trio.abc.Stream) -> None:
         """Group commit: flush every stream that grew since the last flush, in a worker
         thread, then say DURABLE; records arriving meanwhile wait for the next one."""
         while True:
@@ -203,6 +282,28 @@ class Follower:
             await stream.send_all(wire.encode(wire.Durable(flushed)))
             if self.on_durable is not None:
                 await self.on_durable(flushed)
+
+
+# What ends a session and is retried after a backoff; anything else (a disk error)
+# stops the follower.
+SESSION_ERRORS = (
+    OSError,
+    trio.BrokenResourceError,
+    ConnectionClosedError,
+    TlsError,
+    wire.WireError,
+    FollowRefused,
+)
+
+
+def _failure_reason(error: BaseException) -> str:
+    if isinstance(error, TlsError):
+        return "tls"
+    if isinstance(error, FollowRefused):
+        return "refused"
+    if isinstance(error, wire.WireError):
+        return "protocol"
+    return "network"
 
 
 def _flush_all(streams: dict[str, Stream]) -> dict[str, int]:

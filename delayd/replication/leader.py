@@ -19,6 +19,11 @@ group's record of the set true must stop. With ``ack = "leader"`` it returns at 
 
 A leader that meets a newer epoch (a follower that followed one, or says FENCED) stops:
 every waiter gets LeaderFenced, and ``run`` returns.
+
+With a ``ServerTls`` (the one the server's other listeners share, so SIGHUP reloads it
+here too) every connection does its TLS handshake in its own task within
+FOLLOW_TIMEOUT_S; under mutual TLS a follower must present a certificate of the client
+CA. A refused handshake is logged by ServerTls and counted in ``refused_handshakes``.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from delayd.replication.epochs import EpochHistory
 from delayd.replication.in_sync import InSyncTracker
 from delayd.replication.streams import StreamSet
 from delayd.serving.listeners import bound_addresses, open_listeners
+from delayd.serving.tls import ServerTls
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +50,7 @@ ACK_LEADER = "leader"
 DEFAULT_REPLICA_LAG_MS = 1000
 DEFAULT_MIN_IN_SYNC = 1
 CHUNK_BYTES = 1 << 20  # raw bytes per RECORDS frame (one record may exceed it)
-FOLLOW_TIMEOUT_S = 10.0  # a connection must say FOLLOW within this
+FOLLOW_TIMEOUT_S = 10.0  # a connection must end its TLS handshake, then say FOLLOW, within this
 
 OnInSyncChange = Callable[[frozenset[str]], Awaitable[object]]
 
@@ -92,6 +98,7 @@ class Leader:
         in_sync: frozenset[str] = frozenset(),
         on_in_sync_change: OnInSyncChange | None = None,
         chunk_bytes: int = CHUNK_BYTES,
+        tls: ServerTls | None = None,
     ) -> None:
         if ack not in (ACK_SYNC, ACK_LEADER):
             raise ValueError(f"ack must be {ACK_SYNC!r} or {ACK_LEADER!r}, got {ack!r}")
@@ -102,11 +109,13 @@ class Leader:
         self.ack = ack
         self.on_in_sync_change = on_in_sync_change
         self.chunk_bytes = chunk_bytes
+        self.tls = tls
         self.tracker = InSyncTracker(replica_lag_ms, min_in_sync, streams.ends())
         self._initial_in_sync = in_sync
         self.addresses: list[tuple[str, int]] = []
         self.connected: set[str] = set()
         self.in_sync_changes = 0
+        self.refused_handshakes = 0
         self._known_ends = streams.ends()
         self._progress = trio.Event()
         self._stopped: LeaderStopped | None = None
@@ -233,11 +242,19 @@ class Leader:
             with trio.move_on_at(math.inf if due_ms is None else due_ms / 1000):
                 await progress.wait()
 
-    async def _serve_one(self, stream: trio.SocketStream) -> None:
+    async def _serve_one(self, tcp: trio.SocketStream) -> None:
         decoder = wire.WireDecoder()
         try:
-            async with stream:
-                with trio.move_on_after(FOLLOW_TIMEOUT_S):
+            async with tcp:
+                deadline = trio.current_time() + FOLLOW_TIMEOUT_S
+                stream: trio.abc.Stream = tcp
+                if self.tls is not None:
+                    secure = await self.tls.accept(tcp, FOLLOW_TIMEOUT_S)
+                    if secure is None:
+                        self.refused_handshakes += 1
+                        return
+                    stream = secure
+                with trio.move_on_at(deadline):
                     follow = await receive_event(stream, decoder)
                 if not isinstance(follow, wire.Follow):
                     log.warning("replication: a connection did not start with FOLLOW; closed")
@@ -247,7 +264,7 @@ class Leader:
             log.info("replication connection of group %s ended: %s", self.group, ended.exceptions)
 
     async def _follower_session(
-        self, stream: trio.SocketStream, decoder: wire.WireDecoder, follow: wire.Follow
+        self, stream: trio.abc.Stream, decoder: wire.WireDecoder, follow: wire.Follow
     ) -> None:
         if follow.group != self.group:
             log.warning(
@@ -292,7 +309,7 @@ class Leader:
             ends = self.streams.ends()
         return {name: min(end, ends.get(name, 0)) for name, end in follow.ends.items()}
 
-    async def _send_records(self, stream: trio.SocketStream, positions: dict[str, int]) -> None:
+    async def _send_records(self, stream: trio.abc.Stream, positions: dict[str, int]) -> None:
         sent_acked: dict[str, int] = {}
         while self._stopped is None:
             seen = self.streams.version
@@ -320,7 +337,7 @@ class Leader:
         return changed
 
     async def _receive_reports(
-        self, stream: trio.SocketStream, decoder: wire.WireDecoder, member: str
+        self, stream: trio.abc.Stream, decoder: wire.WireDecoder, member: str
     ) -> None:
         while True:
             event = await receive_event(stream, decoder)
