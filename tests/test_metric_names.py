@@ -8,8 +8,10 @@ from __future__ import annotations
 import re
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
+import trio
 
 import delayd
 from tests.broker_support import BrokerProcess
@@ -53,7 +55,8 @@ UNITS = {
 FLAGS = {"delayd_intake_id_filter_warm"}
 # Label names with a bounded set of values: a listener, a reason or code from an enum,
 # a log, a configured broker group, a horizon band, a broker subject and queue number,
-# a histogram bound, the build. Never a message id, a peer or a connection.
+# a histogram bound, the build, a member of the replicated group (as many as the group
+# has). Never a message id, a peer or a connection.
 LABELS = {
     "listener",
     "reason",
@@ -66,6 +69,7 @@ LABELS = {
     "queue",
     "le",
     "version",
+    "member",
 }
 PREFIXES = ("delayd_", "process_")
 # The standard process series every Prometheus client library exports under this name,
@@ -146,6 +150,41 @@ def test_a_group_members_metrics_follow_them_too():
     assert "delayd_cluster_not_leader_requests_total" in families
 
 
+def exported_by_replication(data_dir: Path) -> dict[str, Family]:
+    """The metrics of a replication Leader and of a Follower (delayd.replication.metrics),
+    scraped from the collector on a fresh data directory: a server running alone has
+    neither."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from delayd.replication import DelayStreams, EpochHistory, Follower, Leader
+    from delayd.replication.metrics import ReplicationCollector
+
+    async def scrape() -> dict[str, Family]:
+        streams = DelayStreams(str(data_dir))
+        history = EpochHistory.open_in(str(data_dir))
+        try:
+            leader = Leader(streams, history, 1, group="g")
+            follower = Follower(streams, history, group="g", member="m", leader=("::1", 1))
+            families = {}
+            for role in (leader, follower):
+                registry = CollectorRegistry(auto_describe=False)
+                registry.register(ReplicationCollector(lambda role=role: role))
+                families.update(parse_exposition(generate_latest(registry).decode()))
+            return families
+        finally:
+            streams.close()
+            history.close()
+
+    return trio.run(scrape)
+
+
+def test_replications_metrics_follow_them_too(tmp_path):
+    families = exported_by_replication(tmp_path)
+    assert naming_problems(families) == []
+    assert "delayd_replication_follower_lag_bytes" in families
+    assert "delayd_replication_received_bytes_total" in families
+
+
 def renamed_in_the_docs() -> dict[str, str]:
     """old -> new, from the "Renamed metrics" table of docs/operations.md."""
     text = (ROOT / "docs" / "operations.md").read_text()
@@ -154,12 +193,12 @@ def renamed_in_the_docs() -> dict[str, str]:
     return dict(re.findall(r"^\| `(delayd_\w+)` \| `(delayd_\w+)`", table, re.M))
 
 
-def test_the_docs_name_only_exported_metrics(exported):
+def test_the_docs_name_only_exported_metrics(exported, tmp_path):
     """Every ``delayd_…`` name in docs/ and the README is one the server exports, or
     an old name in the table of renames, whose new name it exports."""
     renamed = renamed_in_the_docs()
     assert len(renamed) >= 20
-    exported = {**exported, **exported_by_a_group_member()}
+    exported = {**exported, **exported_by_a_group_member(), **exported_by_replication(tmp_path)}
     names = set(exported) | {n for family in exported.values() for n in family.sample_names()}
     assert set(renamed.values()) <= names
     documented = set()

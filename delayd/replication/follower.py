@@ -101,7 +101,9 @@ class Follower:
         self.leader_epoch: int | None = None
         self.sessions = 0  # sessions that got as far as TRUNCATE_TO
         self.last_error: BaseException | None = None
+        self.connections = 0  # attempts to connect to the leader
         self.failures = dict.fromkeys(FAILURE_REASONS, 0)  # sessions ended by an error
+        self.received_bytes = 0  # record bytes copied from the leader
         self._appended = trio.Event()
         self._dirty: dict[str, Stream] = {}
 
@@ -144,6 +146,7 @@ class Follower:
         refused TLS handshake)."""
         self._appended = trio.Event()
         self._dirty = {}
+        self.connections += 1
         host, port = self.leader
         stream = await self._connect()
         async with stream:
@@ -267,6 +270,7 @@ class Follower:
                 # again from FOLLOW. Any other storage error is this member's disk's and
                 # stops it (a failed fsync must not be retried).
                 raise FollowRefused(f"{event.stream}: {exc}") from exc
+            self.received_bytes += len(event.data)
             self.acked.update(event.acked)
             self._dirty[event.stream] = target
             self._appended.set()

@@ -116,6 +116,10 @@ class Leader:
         self.connected: set[str] = set()
         self.in_sync_changes = 0
         self.refused_handshakes = 0
+        self.sent_bytes = 0
+        # When each follower last had durable every byte the leader had: its lag in
+        # time is the age of that moment while it lacks bytes.
+        self._caught_up_ms: dict[str, int] = {}
         self._known_ends = streams.ends()
         self._progress = trio.Event()
         self._stopped: LeaderStopped | None = None
@@ -151,6 +155,27 @@ class Leader:
         a failover to it could lose under ``ack = "leader"``."""
         ends = self.streams.ends()
         return {member: self.tracker.lag_bytes(member, ends) for member in self.tracker.durable}
+
+    def lag_ms(self) -> dict[str, int]:
+        """How long each known follower has lacked bytes of the leader's streams: the
+        time since it last had all of them durable (0 when it has them now)."""
+        now = _now_ms()
+        lags = self.lag()
+        return {
+            member: 0 if lacking == 0 else now - self._caught_up_ms.get(member, now)
+            for member, lacking in lags.items()
+        }
+
+    def acknowledged_offsets(self) -> dict[str, int]:
+        """Every stream's acknowledged offset now: the leader's durable end with
+        ``ack = "leader"``, the sync rule's otherwise."""
+        if self.ack == ACK_LEADER:
+            return self.streams.durable_ends()
+        return {name: self.acknowledged(name) for name in self.streams.names()}
+
+    def _note_caught_up(self, member: str, ends: dict[str, int], now_ms: int) -> None:
+        if self.tracker.lag_bytes(member, ends) == 0:
+            self._caught_up_ms[member] = now_ms
 
     def stop(self) -> None:
         """Stop acknowledging and serving (waiters get LeaderStopped)."""
@@ -209,6 +234,8 @@ class Leader:
             seen = self.streams.version
             ends = self.streams.ends()
             now = _now_ms()
+            for member in self.tracker.durable:  # caught up until this growth
+                self._note_caught_up(member, self._known_ends, now)
             for name, end in ends.items():
                 if end != self._known_ends.get(name, 0):
                     self.tracker.leader_grew(name, end, now)
@@ -286,6 +313,7 @@ class Leader:
         positions = {name: targets.get(name, 0) for name in self.streams.names()}
         positions.update(targets)
         self.tracker.follower_reset(follow.member, positions)
+        self._note_caught_up(follow.member, self.streams.ends(), _now_ms())
         self._wake()
         with trio.CancelScope() as scope:
             self._connections[follow.member] = scope
@@ -325,6 +353,7 @@ class Leader:
                     wire.encode(wire.Records(self.epoch, name, position, data, acked))
                 )
                 positions[name] = position + len(data)
+                self.sent_bytes += len(data)
                 sent = True
             if not sent:
                 await self.streams.wait_growth(seen)
@@ -345,6 +374,7 @@ class Leader:
                 raise trio.BrokenResourceError(f"follower {member} closed the connection")
             if isinstance(event, wire.Durable):
                 self.tracker.follower_durable(member, event.offsets)
+                self._note_caught_up(member, self.streams.ends(), _now_ms())
                 self._wake()
             elif isinstance(event, wire.Fenced):
                 self._fenced_by(event.epoch)
