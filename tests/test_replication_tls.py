@@ -131,7 +131,8 @@ async def test_a_plain_follower_of_a_tls_leader_is_refused(pki: Pki, tmp_path: P
                 while sum(follower.failures.values()) < 2:
                     await trio.sleep(0.005)
             assert follower.failures["network"] >= 2
-            assert "before answering FOLLOW (does it serve TLS?)" in str(follower.last_error)
+            why = str(follower.last_error)
+            assert "before answering FOLLOW: does it lead group g1, and does it serve TLS" in why
             assert follower.sessions == 0 and leader.refused_handshakes >= 1
             assert b.streams.message_log.end_offset == 0
             nursery.cancel_scope.cancel()

@@ -165,10 +165,10 @@ class Follower:
                 # arrives as the first read fails, after the handshake ended.
                 raise self._refusal(exc) from None
             if answer is None:
-                hint = "" if self.tls is not None else " (does it serve TLS?)"
+                tls = "" if self.tls is not None else ", and does it serve TLS (ClientTls)"
                 raise ConnectionClosedError(
                     f"the leader at {host}:{port} closed the connection before answering "
-                    f"FOLLOW{hint}"
+                    f"FOLLOW: does it lead group {self.group}{tls}?"
                 )
             if isinstance(answer, wire.Fenced):
                 raise FollowRefused(
