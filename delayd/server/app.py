@@ -62,6 +62,7 @@ from storage.fs import REAL_FS, FileSystem
 from storage.segmented_log import SegmentedLog
 
 if TYPE_CHECKING:
+    from delayd.server.replicating import GroupReplication
     from delayd.serving.membership import Membership
 
 log = logging.getLogger(__name__)
@@ -191,6 +192,7 @@ class DelayServer:
             from delayd.serving.membership import Membership
 
             self.membership = Membership(config.cluster)
+        self.replication: GroupReplication | None = None  # built in run (its listener)
         self.listener = IntakeListener(
             self._connection, ConnectionGate("intake", config.connection_limits)
         )
@@ -437,6 +439,7 @@ class DelayServer:
                 intake_bound = await root.start(serve_intake, host, port)
                 bound = BoundAddresses(intake_bound[0], broker_bound, metrics_bound, http_bound)
                 if self.membership is not None:
+                    await root.start(self._replicate, listeners)
                     await root.start(self.membership.run, self._member_info(bound, listeners))
                 task_status.started(bound)
                 root.start_soon(self._start_delivery, root, self.message_log.durable_offset)
@@ -451,6 +454,47 @@ class DelayServer:
             self.message_log.close()
             if self.known is not None:
                 self.known.close()
+
+    async def _replicate(
+        self, listeners: ServeListeners, *, task_status: trio.TaskStatus[None]
+    ) -> None:
+        """The group's data path (delayd.server.replicating): message_log shipped to the
+        followers; acks wait for the group; intake waits, after each promotion, until
+        what the member copied as a follower is replayed."""
+        from delayd.server.replicating import GroupReplication
+
+        assert self.membership is not None
+        replication = GroupReplication(
+            self.delivery.data_dir,
+            self.message_log,
+            self.replayer,
+            self.membership,
+            self.config.cluster,
+            listeners.replication,
+            fs=self.delivery.fs,
+            on_promoted=self._catch_up_intake,
+            on_demoted=self._hold_intake,
+        )
+        self.replication = replication
+        self.writer.on_durable = replication.grew
+        self.intake.replication = replication
+        self._hold_intake()
+        await replication.run(task_status=task_status)
+
+    def _hold_intake(self) -> None:
+        """Until the next promotion's catch-up, intake takes nothing (make_room waits)."""
+        if self.intake.ids_ready.is_set():
+            self.intake.ids_ready = trio.Event()
+
+    async def _catch_up_intake(self) -> None:
+        """Promoted: replay what was copied, number new messages after it, let intake
+        in. The id index then holds every id the group acknowledged (DUPLICATE for a
+        producer's retry across the failover)."""
+        replayer = self.replayer
+        while replayer.position < self.message_log.durable_offset:
+            await trio.sleep(0.005)
+        self.receiver.resume_after(replayer.next_sequence)
+        self.intake.ids_ready.set()
 
     def _member_info(self, bound: BoundAddresses, listeners: ServeListeners) -> MemberInfo:
         """This server as the group's members and clients reach it: the advertised host
@@ -534,8 +578,10 @@ class DelayServer:
                     now - started,
                 )
         # Every id message_log held at start is in the id index now: intake may decide
-        # duplicates (it waited until here), and the id filter can be filled.
-        self.intake.ids_ready.set()
+        # duplicates (it waited until here), and the id filter can be filled. A member
+        # of a group lets intake in at each promotion instead (_catch_up_intake).
+        if self.membership is None:
+            self.intake.ids_ready.set()
         if self.known is not None:
             root.start_soon(self._keep_id_filter)
         if self.membership is not None:

@@ -43,6 +43,7 @@ from storage.space import FreeSpaceGuard
 
 if TYPE_CHECKING:
     from delayd.server.cancels import Answer, Canceller
+    from delayd.server.replicating import GroupReplication
 
 
 def wall_ms() -> int:
@@ -74,6 +75,8 @@ class IntakePath:
             self.ids_ready.set()
         # Set by the server once delivery is built: it resolves cancel and reschedule.
         self.canceller: Canceller | None = None
+        # A member of a group: acks wait until the group has the records (ack = sync).
+        self.replication: GroupReplication | None = None
         self.refusals = WriteRefusals()  # the server shares its own
         reserve = receiver.limits.min_free_bytes
         self.space = FreeSpaceGuard(self.log.fs, self.log.directory, reserve)
@@ -136,10 +139,17 @@ class IntakePath:
             try:
                 if self.writer.policy.mode is FlushMode.SYNC:
                     await self.writer.flush()
+                await self._replicated()
             finally:
                 self.pending_acks -= count
             self.replayer.notify(max(i.last_sequence for i in intakes if i.payloads))
         return [self.receiver.acknowledge(intake) for intake in intakes]
+
+    async def _replicated(self) -> None:
+        """Wait until the group acknowledged message_log up to what is durable here
+        (a member of a group; the caller asks may_lead() before it answers)."""
+        if self.replication is not None:
+            await self.replication.wait_acknowledged(self.log.durable_offset)
 
     async def send_batch(self, messages: Sequence[Message]) -> list[SendResult]:
         """Both halves at once, for callers that need no pipelining order (the HTTP
@@ -199,6 +209,7 @@ class IntakePath:
         """``settle`` for the answers of one ``append_tombstones``."""
         if self.writer.policy.mode is FlushMode.SYNC:
             await self.writer.flush()
+        await self._replicated()
         self.replayer.notify(0)
         assert self.canceller is not None
         await self.canceller.wait_all(answers)
