@@ -1,0 +1,131 @@
+"""The data path wired into ``delayd serve`` (docs/replication.md), with real processes
+and a real etcd: a follower holds the leader's message_log byte for byte once sends
+are acknowledged (ack = sync), takes over after a kill -9 of the leader and delivers
+every acknowledged message once and not early; the old leader comes back as a
+follower and copies what the group wrote meanwhile."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import delayd
+from delayd.logs import layout
+from tests.delivery_support import consume, now_ms
+from tests.etcd_support import EtcdServer
+from tests.fault_checker import History, check
+from tests.intake_support import ServeProcess
+from tests.test_cluster_roles import LEASE_TTL_MS, Group, addr, member_id, state, wait_until
+
+pytestmark = pytest.mark.slow
+
+COUNT = 200
+DELAY_MS = 6_000  # due after the kill and the takeover: the new leader delivers them all
+
+
+def sync_env() -> dict[str, str]:
+    return {
+        "DELAYD_CLUSTER_REPLICATION_LISTEN": "127.0.0.1:0",
+        "DELAYD_CLUSTER_LEASE_TTL_MS": str(LEASE_TTL_MS),
+        "DELAYD_CLUSTER_ACK": "sync",
+    }
+
+
+def message_log_bytes(data_dir: Path) -> bytes:
+    """message_log's segments, in order, concatenated (trailing zeros of a preallocated
+    segment are not records)."""
+    directory = Path(layout.message_log_dir(str(data_dir)))
+    return b"".join(p.read_bytes().rstrip(b"\0") for p in sorted(directory.iterdir()))
+
+
+class SyncGroup(Group):
+    def start(self, name: str, etcd_url: str | None = None) -> ServeProcess:
+        process = ServeProcess(
+            self.tmp_path / name,
+            "--etcd",
+            etcd_url or self.etcd_url,
+            "--group",
+            self.name,
+            env=sync_env(),
+        )
+        self.processes.append(process)
+        return process.start()
+
+
+def send_all(address: str, history: History, prefix: str, count: int) -> None:
+    with delayd.Producer(address, timeout_s=10) as producer:
+        for i in range(count):
+            message_id = f"{prefix}-{i}"
+            history.sent(message_id, now_ms() + DELAY_MS)
+            receipt = producer.send("orders", b"x" * 50, message_id=message_id, delay_ms=DELAY_MS)
+            assert receipt.ok, receipt
+            history.acked(message_id, receipt.due_ms)
+
+
+def test_the_follower_copies_takes_over_after_kill_9_and_the_old_leader_follows(
+    tmp_path: Path, etcd_server: EtcdServer
+):
+    group = SyncGroup(tmp_path, etcd_server.url)
+    try:
+        a, b = group.start_pair()
+        both = {member_id(a), member_id(b)}
+        in_set = lambda: state(group.etcd_url, group.name).in_sync == both  # noqa: E731
+        wait_until(in_set, 10, "the follower joins the in-sync set")
+        history = History()
+        send_all(f"{addr(a.address)},{addr(b.address)}", history, "m", COUNT)
+        # Acknowledged under ack = sync: the follower has every byte durable already.
+        copied = message_log_bytes(b.data_dir)
+        assert copied == message_log_bytes(a.data_dir)
+        assert copied.count(b"m-199") == 1
+
+        a.kill()
+        wait_until(lambda: group.leader_id() == member_id(b), 10, "the follower leads")
+        # The old leader comes back (a new process, a new member id: its address) and
+        # follows; acks of the new leader wait for it (min_in_sync = 1).
+        a.start()
+        wait_until(
+            lambda: state(group.etcd_url, group.name).role_of(member_id(a)) == "follower",
+            10,
+            "the old leader follows",
+        )
+        send_all(addr(b.address), history, "n", 20)
+        assert message_log_bytes(a.data_dir) == message_log_bytes(b.data_dir)
+
+        assert b.broker_address is not None
+        received = consume(b.broker_address, COUNT + 20, timeout_s=30)
+        history.seen_all(r.sighting("check", committed=True) for r in received)
+        report = check(history, due_by_ms=now_ms())
+        report.assert_clean()
+        assert {r.message_id for r in received} == {f"m-{i}" for i in range(COUNT)} | {
+            f"n-{i}" for i in range(20)
+        }
+    finally:
+        group.close()
+
+
+def test_acks_wait_for_the_follower_under_sync(tmp_path: Path, etcd_server: EtcdServer):
+    """A lone member under ack = sync has no follower to count: its acks wait, and
+    come once a follower joined and copied the records."""
+    group = SyncGroup(tmp_path, etcd_server.url)
+    try:
+        a = group.start("a")
+        wait_until(lambda: group.leader_id() == member_id(a), 10, "the first member leads")
+        answered: list[object] = []
+
+        def send() -> None:
+            with delayd.Producer(addr(a.address), timeout_s=20) as producer:
+                answered.append(producer.send("orders", b"x", message_id="w-1", delay_ms=60_000))
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        time.sleep(1.0)
+        assert answered == []  # no follower: not acknowledged
+        b = group.start("b")
+        sender.join(15)
+        assert answered and answered[0].ok  # type: ignore[attr-defined]
+        assert message_log_bytes(b.data_dir) == message_log_bytes(a.data_dir)
+    finally:
+        group.close()
