@@ -35,10 +35,11 @@ def sync_env() -> dict[str, str]:
 
 
 def message_log_bytes(data_dir: Path) -> bytes:
-    """message_log's segments, in order, concatenated (trailing zeros of a preallocated
-    segment are not records)."""
+    """message_log's segments (the files named by their base offset), in order,
+    concatenated."""
     directory = Path(layout.message_log_dir(str(data_dir)))
-    return b"".join(p.read_bytes().rstrip(b"\0") for p in sorted(directory.iterdir()))
+    segments = sorted(p for p in directory.iterdir() if p.name.isdigit())
+    return b"".join(p.read_bytes() for p in segments)
 
 
 class SyncGroup(Group):
@@ -127,5 +128,73 @@ def test_acks_wait_for_the_follower_under_sync(tmp_path: Path, etcd_server: Etcd
         sender.join(15)
         assert answered and answered[0].ok  # type: ignore[attr-defined]
         assert message_log_bytes(b.data_dir) == message_log_bytes(a.data_dir)
+    finally:
+        group.close()
+
+
+def test_a_returning_old_leader_cuts_its_unacknowledged_tail(
+    tmp_path: Path, etcd_server: EtcdServer
+):
+    """The old leader acked a tail under ack = leader that its follower never got (the
+    follower was down); the follower comes back under its own id, still in the set, and
+    leads; the old leader returns, is cut back to what the group has, drops what it had
+    derived from the cut records and replays (a start of its own), then follows."""
+    group = SyncGroup(tmp_path, etcd_server.url)
+    try:
+        leader_env = {**sync_env(), "DELAYD_CLUSTER_ACK": "leader"}
+        a = ServeProcess(
+            tmp_path / "a", "--etcd", group.etcd_url, "--group", group.name, env=leader_env
+        )
+        group.processes.append(a)
+        a.start()
+        wait_until(lambda: group.leader_id() == member_id(a), 10, "the first member leads")
+        b = group.start("b")
+        both = {member_id(a), member_id(b)}
+        in_set = lambda: state(group.etcd_url, group.name).in_sync == both  # noqa: E731
+        wait_until(in_set, 10, "the follower joins the in-sync set")
+        history = History()
+        send_all(addr(a.address), history, "m", 20)
+        wait_until(
+            lambda: message_log_bytes(b.data_dir) == message_log_bytes(a.data_dir),
+            10,
+            "the follower has the first sends",
+        )
+
+        b.kill()
+        # Acked by the leader alone; killed before it can drop b from the set.
+        with delayd.Producer(addr(a.address), timeout_s=5) as producer:
+            for i in range(5):
+                assert producer.send("orders", b"t", message_id=f"t-{i}", delay_ms=DELAY_MS).ok
+        a.kill()
+        assert b"t-4" in message_log_bytes(a.data_dir)
+
+        assert b.address is not None
+        b_again = ServeProcess(
+            b.data_dir,
+            "--etcd",
+            group.etcd_url,
+            "--group",
+            group.name,
+            "--listen",
+            addr(b.address),  # the same member id: it is in the set
+            env=sync_env(),
+        )
+        group.processes.append(b_again)
+        b_again.start()
+        wait_until(lambda: group.leader_id() == member_id(b_again), 10, "b leads again")
+
+        a.start()  # cut back: what it derived from the tail is removed, it starts again
+        assert a.proc is not None
+        assert a.proc.wait(15) != 0
+        assert "derived state removed" in a.log_tail()
+        a.start()
+        wait_until(
+            lambda: state(group.etcd_url, group.name).role_of(member_id(a)) == "follower",
+            10,
+            "the old leader follows",
+        )
+        send_all(addr(b_again.address), history, "n", 5)
+        assert message_log_bytes(a.data_dir) == message_log_bytes(b_again.data_dir)
+        assert b"t-0" not in message_log_bytes(a.data_dir)
     finally:
         group.close()
