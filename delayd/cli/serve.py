@@ -48,6 +48,7 @@ from delayd.server.app import DelayServer, open_listeners, serve_metrics_early
 from delayd.server.config import ConfigError, ServeConfig, with_overrides
 from delayd.server.config_env import load_effective_config
 from delayd.server.config_print import config_to_toml
+from delayd.server.replicating import RebuildNeeded
 from delayd.serving.data_dir import serve_data_dir
 from delayd.serving.gc_tuning import tune_gc_for_serving
 from delayd.structured_logs import (
@@ -168,6 +169,20 @@ async def _open(data_dir: str, config: ServeConfig) -> DelayServer:
 
 
 async def _serve(data_dir: str, config: ServeConfig) -> None:
+    while True:
+        try:
+            await _serve_once(data_dir, config)
+            return
+        except* RebuildNeeded as cut:
+            # A member of a group whose message_log the leader cut below what it had
+            # replayed: its derived state is gone, and a start replays message_log.
+            reason: BaseException = cut
+            while isinstance(reason, BaseExceptionGroup):
+                reason = reason.exceptions[0]
+            log.warning("%s; starting again", reason)
+
+
+async def _serve_once(data_dir: str, config: ServeConfig) -> None:
     # Every port first: a clash is reported now, not after a long recovery. Producers'
     # connections wait in the backlog until recovery is done; /healthz answers and
     # /readyz says "recovering" meanwhile.

@@ -26,6 +26,7 @@ import trio
 from delayd.address import parse_address
 from delayd.cluster.config import AckMode, ClusterConfig
 from delayd.cluster.members import Role
+from delayd.errors import DelaydError
 from delayd.logs import layout
 from delayd.replay import Replayer
 from delayd.replication import (
@@ -46,10 +47,11 @@ log = logging.getLogger(__name__)
 FOLLOWER_POLL_S = 0.005  # how often a follower's replayer looks for copied records
 
 
-class RebuildNeeded(Exception):
+class RebuildNeeded(DelaydError):
     """The follower cut message_log below what it had replayed: what it derived from
     the cut records is removed, and the member must start again (``delayd serve``
-    reopens the data directory, replaying message_log from the start)."""
+    does, in the same process: it reopens the data directory, replaying message_log
+    from the start)."""
 
 
 class GroupReplication:
@@ -233,5 +235,5 @@ class GroupReplication:
             shutil.rmtree(directory, ignore_errors=True)
         raise RebuildNeeded(
             f"message_log was cut back to {offset}, below the replayed {self.replayer.position}: "
-            "derived state removed; the member starts again and replays message_log"
+            "derived state removed, message_log is replayed from the start"
         )
