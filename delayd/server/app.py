@@ -491,6 +491,7 @@ class DelayServer:
         in. The id index then holds every id the group acknowledged (DUPLICATE for a
         producer's retry across the failover)."""
         replayer = self.replayer
+        await self.writer.flush()  # copied records the follower had not flushed yet
         while replayer.position < self.message_log.durable_offset:
             await trio.sleep(0.005)
         self.receiver.resume_after(replayer.next_sequence)

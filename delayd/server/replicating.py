@@ -26,7 +26,7 @@ import trio
 from delayd.address import parse_address
 from delayd.cluster.config import AckMode, ClusterConfig
 from delayd.cluster.members import Role
-from delayd.errors import DelaydError
+from delayd.errors import DelaydError, EtcdError
 from delayd.logs import layout
 from delayd.replay import Replayer
 from delayd.replication import (
@@ -45,6 +45,7 @@ from storage.segmented_log import SegmentedLog
 log = logging.getLogger(__name__)
 
 FOLLOWER_POLL_S = 0.005  # how often a follower's replayer looks for copied records
+RESTART_LEADER_S = 0.1  # before a Leader that stopped while the member leads is replaced
 
 
 class RebuildNeeded(DelaydError):
@@ -137,8 +138,6 @@ class GroupReplication:
             self.history.close()
 
     async def _lead(self, epoch: int) -> None:
-        # Everything copied is replayed before this member acts on it: delivery loads
-        # the schedule_log the replayer derived (the server waits on replay_target).
         member = self.membership.member
         assert member is not None and self.membership.in_sync is not None
         me = member.info.member_id
@@ -164,6 +163,7 @@ class GroupReplication:
         assert self._bound is not None, "a member of a group has a replication listener"
         host, port = self._bound
         if self.on_promoted is not None:
+            # What was copied as a follower is replayed before intake takes more.
             await self.on_promoted()
         self.replayer.poll_interval_s = self._leader_poll_s
         group = self.config.group
@@ -179,24 +179,40 @@ class GroupReplication:
             leader.stop()
             nursery.cancel_scope.cancel()
         self.leader = None
+        if self.membership.may_lead():
+            await trio.sleep(RESTART_LEADER_S)  # stopped on its own: not in a tight loop
         if self.on_demoted is not None:
             self.on_demoted()
         if isinstance(leader.stopped, LeaderFenced):
-            # A member saw a newer epoch: this one must not act as leader any more.
-            log.warning("group %s: %s; resigning", self.config.group, leader.stopped)
-            self.membership.resign()
+            # A member saw a newer epoch: this member's lease is going or gone; until
+            # its role says so, acks wait (the Leader of this epoch is refused again).
+            log.warning("group %s: %s", self.config.group, leader.stopped)
 
     async def _run_leader(
         self, leader: Leader, host: str, port: int, *, task_status: trio.TaskStatus[None]
     ) -> None:
         listeners, self._listeners = self._listeners, None
-        await leader.run(host, port, listeners=listeners, task_status=task_status)
+        try:
+            await leader.run(host, port, listeners=listeners, task_status=task_status)
+        except* (EtcdError, LeaderStopped) as failed:
+            # The in-sync set could not be persisted: acks wait (they need a running
+            # Leader) until a new one, started by ``run`` while this member leads,
+            # persists it.
+            log.warning(
+                "group %s: replication leader stopped: %s", self.config.group, failed.exceptions[0]
+            )
+            leader.stop()
 
     async def _follow(self, address: str, epoch: int | None) -> None:
         member = self.membership.member
         assert member is not None
         # Copied records become durable in the follower's own flushes: the replayer
         # looks for them (notify comes from intake, which a follower has none of).
+        # FOLLOWER MODE PLUGS IN HERE: the replayer runs as at a restart, so a
+        # replayed cancel or reschedule writes its own dispatch_log entry (the
+        # canceller) — the only record of it here while dispatch_log is not shipped.
+        # Once it is, the replayer's follower mode derives schedule_log, the id index
+        # and known ids only, and switches back in _lead.
         self.replayer.poll_interval_s = FOLLOWER_POLL_S
         self.replayer.notify(0)  # it may be waiting for intake, with no deadline
         follower = Follower(
