@@ -11,13 +11,15 @@ import time
 from pathlib import Path
 
 import pytest
+import trio
 
 import delayd
 from delayd.logs import layout
+from delayd.protocol import Error, ErrorCode, Message, SendBatch
 from tests.delivery_support import consume, now_ms
-from tests.etcd_support import EtcdServer
+from tests.etcd_support import EtcdProxy, EtcdServer
 from tests.fault_checker import History, check
-from tests.intake_support import ServeProcess
+from tests.intake_support import RawClient, ServeProcess
 from tests.test_cluster_roles import LEASE_TTL_MS, Group, addr, member_id, state, wait_until
 
 pytestmark = pytest.mark.slow
@@ -209,3 +211,30 @@ def test_a_returning_old_leader_cuts_its_unacknowledged_tail(
         assert b"t-0" not in message_log_bytes(a.data_dir)
     finally:
         group.close()
+
+
+async def test_a_leader_that_steps_down_while_an_ack_waits_answers_not_leader(
+    tmp_path: Path, etcd_server: EtcdServer, nursery: trio.Nursery
+):
+    """A lone member under ack = sync holds the answer (no follower has the record);
+    cut from etcd it steps down, and the held answer is NOT_LEADER, never an ack."""
+    proxy = EtcdProxy(etcd_server.url)
+    await nursery.start(proxy.serve)
+    group = SyncGroup(tmp_path, etcd_server.url)
+    try:
+        a = await trio.to_thread.run_sync(group.start, "a", proxy.url)
+        with trio.fail_after(10):
+            while await trio.to_thread.run_sync(group.leader_id) != member_id(a):
+                await trio.sleep(0.02)
+        assert a.address is not None
+        client = await trio.to_thread.run_sync(RawClient, a.address)
+        message = Message("held-1", "orders", body=b"x", delay_ms=60_000)
+        await trio.to_thread.run_sync(client.send, lambda rid: SendBatch([message], request_id=rid))
+        await trio.sleep(0.5)
+        proxy.cut()
+        with trio.fail_after(LEASE_TTL_MS / 1000 + 2):
+            answer = await trio.to_thread.run_sync(client.receive)
+        assert isinstance(answer, Error) and answer.code is ErrorCode.NOT_LEADER, answer
+        client.close()
+    finally:
+        await trio.to_thread.run_sync(group.close)
