@@ -86,6 +86,10 @@ def test_the_follower_copies_takes_over_after_kill_9_and_the_old_leader_follows(
 
         a.kill()
         wait_until(lambda: group.leader_id() == member_id(b), 10, "the follower leads")
+        # A producer's retry across the failover: the copied id is held, not stored again.
+        with delayd.Producer(addr(b.address), timeout_s=10) as producer:
+            retry = producer.send("orders", b"x" * 50, message_id="m-7", delay_ms=DELAY_MS)
+        assert retry.code is delayd.ResultCode.DUPLICATE, retry
         # The old leader comes back (a new process, a new member id: its address) and
         # follows; acks of the new leader wait for it (min_in_sync = 1).
         a.start()

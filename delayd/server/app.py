@@ -21,6 +21,7 @@ flushes and checkpoints itself), close files.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
@@ -214,6 +215,12 @@ class DelayServer:
         self._delivery_collector: DeliveryCollector | None = None
         self._delivery_stop_lock = trio.Lock()
         self.http: HttpListener | None = None  # the HTTP API, once it serves
+        # A member of a group: the id filter misses ids copied from the leader
+        # (_ids_from_leader, _keep_id_filter).
+        self._ids_copying = False  # following, or promoted and not caught up yet
+        self._ids_copies = 0  # times following began
+        self._ids_caught_up = trio.Event()
+        self._rebuild_id_filter: Callable[[], object] | None = None  # while one waits
         # Metrics that read the logs, only when someone can scrape them: the pending
         # count adds a call per replayed record and a start-up count.
         self.pending: PendingTracker | None = None
@@ -474,6 +481,7 @@ class DelayServer:
             fs=self.delivery.fs,
             on_promoted=self._catch_up_intake,
             on_demoted=self._hold_intake,
+            on_following=self._ids_from_leader,
         )
         self.replication = replication
         self.writer.on_durable = replication.grew
@@ -486,6 +494,17 @@ class DelayServer:
         if self.intake.ids_ready.is_set():
             self.intake.ids_ready = trio.Event()
 
+    def _ids_from_leader(self) -> None:
+        """Following: the replayer indexes ids intake never checked, which the id
+        filter does not hold. Cold (every id looked up in the index) until a filter
+        built after them is in place (``_keep_id_filter``, after ``_catch_up_intake``)."""
+        if self.known is not None:
+            self.known.warm = False
+        self._ids_copies += 1
+        if not self._ids_copying:
+            self._ids_copying = True
+            self._ids_caught_up = trio.Event()
+
     async def _catch_up_intake(self) -> None:
         """Promoted: replay what was copied, number new messages after it, let intake
         in. The id index then holds every id the group acknowledged (DUPLICATE for a
@@ -495,6 +514,11 @@ class DelayServer:
         while replayer.position < self.message_log.durable_offset:
             await trio.sleep(0.005)
         self.receiver.resume_after(replayer.next_sequence)
+        if self._ids_copying:
+            self._ids_copying = False
+            self._ids_caught_up.set()
+            if self._rebuild_id_filter is not None:
+                self._rebuild_id_filter()  # a build now holds every id copied
         self.intake.ids_ready.set()
 
     def _member_info(self, bound: BoundAddresses, listeners: ServeListeners) -> MemberInfo:
@@ -658,6 +682,14 @@ class DelayServer:
         known = self.known
         assert known is not None
         while True:
+            if self._ids_copying:
+                # Following: the replayer indexes ids copied from the leader, which no
+                # filter holds. Cold (every id looked up) until the catch-up of a
+                # promotion, then a filter built after them.
+                known.warm = False
+                await self._ids_caught_up.wait()
+                continue
+            copies_before = self._ids_copies
             started = trio.current_time()
             plan = known.begin_rebuild()
             built = await trio.to_thread.run_sync(known.build_filter, plan)
@@ -665,6 +697,9 @@ class DelayServer:
             # the filter in the step that adds the last of them.
             while not known.finish_rebuild(built, REBUILD_CHUNK):
                 await trio.lowlevel.checkpoint()
+            if built is not None and self._ids_copies != copies_before:
+                known.warm = False  # copies began during the build: not all in it
+                continue
             if built is None:
                 log.warning(
                     "id filter: an id index file could not be read; every id sent is "
@@ -679,7 +714,9 @@ class DelayServer:
             )
             full = trio.Event()
             known.on_full = full.set
+            self._rebuild_id_filter = full.set
             await full.wait()
+            self._rebuild_id_filter = None
 
     async def _shutdown(self) -> None:
         if self.membership is not None:

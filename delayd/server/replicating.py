@@ -71,10 +71,12 @@ class GroupReplication:
         fs: FileSystem = REAL_FS,
         on_promoted: Callable[[], Awaitable[object]] | None = None,
         on_demoted: Callable[[], object] | None = None,
+        on_following: Callable[[], object] | None = None,
     ) -> None:
         self.data_dir = data_dir
         self.on_promoted = on_promoted
         self.on_demoted = on_demoted
+        self.on_following = on_following
         self.fs = fs
         self.replayer = replayer
         self._leader_poll_s = replayer.poll_interval_s  # intake notifies it, or the policy's
@@ -213,6 +215,8 @@ class GroupReplication:
         # canceller) — the only record of it here while dispatch_log is not shipped.
         # Once it is, the replayer's follower mode derives schedule_log, the id index
         # and known ids only, and switches back in _lead.
+        if self.on_following is not None:
+            self.on_following()
         self.replayer.poll_interval_s = FOLLOWER_POLL_S
         self.replayer.notify(0)  # it may be waiting for intake, with no deadline
         follower = Follower(
