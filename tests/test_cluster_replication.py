@@ -44,18 +44,19 @@ def message_log_bytes(data_dir: Path) -> bytes:
     return b"".join(p.read_bytes() for p in segments)
 
 
-class SyncGroup(Group):
-    def start(self, name: str, etcd_url: str | None = None) -> ServeProcess:
-        process = ServeProcess(
-            self.tmp_path / name,
-            "--etcd",
-            etcd_url or self.etcd_url,
-            "--group",
-            self.name,
-            env=sync_env(),
-        )
-        self.processes.append(process)
-        return process.start()
+def sync_group(tmp_path: Path, etcd_url: str) -> Group:
+    return Group(tmp_path, etcd_url, env=sync_env())
+
+
+def member(
+    group: Group, data_dir: Path, *extra: str, env: dict[str, str] | None = None
+) -> ServeProcess:
+    """A member of ``group`` on ``data_dir`` (not started), closed with the group."""
+    process = ServeProcess(
+        data_dir, "--etcd", group.etcd_url, "--group", group.name, *extra, env=env or sync_env()
+    )
+    group.processes.append(process)
+    return process
 
 
 def send_all(address: str, history: History, prefix: str, count: int) -> None:
@@ -71,7 +72,7 @@ def send_all(address: str, history: History, prefix: str, count: int) -> None:
 def test_the_follower_copies_takes_over_after_kill_9_and_the_old_leader_follows(
     tmp_path: Path, etcd_server: EtcdServer
 ):
-    group = SyncGroup(tmp_path, etcd_server.url)
+    group = sync_group(tmp_path, etcd_server.url)
     try:
         a, b = group.start_pair()
         both = {member_id(a), member_id(b)}
@@ -116,7 +117,7 @@ def test_the_follower_copies_takes_over_after_kill_9_and_the_old_leader_follows(
 def test_acks_wait_for_the_follower_under_sync(tmp_path: Path, etcd_server: EtcdServer):
     """A lone member under ack = sync has no follower to count: its acks wait, and
     come once a follower joined and copied the records."""
-    group = SyncGroup(tmp_path, etcd_server.url)
+    group = sync_group(tmp_path, etcd_server.url)
     try:
         a = group.start("a")
         wait_until(lambda: group.leader_id() == member_id(a), 10, "the first member leads")
@@ -145,14 +146,10 @@ def test_a_returning_old_leader_cuts_its_unacknowledged_tail(
     follower was down); the follower comes back under its own id, still in the set, and
     leads; the old leader returns, is cut back to what the group has, drops what it had
     derived from the cut records and replays (a start of its own), then follows."""
-    group = SyncGroup(tmp_path, etcd_server.url)
+    group = sync_group(tmp_path, etcd_server.url)
     try:
         leader_env = {**sync_env(), "DELAYD_CLUSTER_ACK": "leader"}
-        a = ServeProcess(
-            tmp_path / "a", "--etcd", group.etcd_url, "--group", group.name, env=leader_env
-        )
-        group.processes.append(a)
-        a.start()
+        a = member(group, tmp_path / "a", env=leader_env).start()
         wait_until(lambda: group.leader_id() == member_id(a), 10, "the first member leads")
         b = group.start("b")
         both = {member_id(a), member_id(b)}
@@ -175,32 +172,13 @@ def test_a_returning_old_leader_cuts_its_unacknowledged_tail(
         assert b"t-4" in message_log_bytes(a.data_dir)
 
         assert b.address is not None
-        b_again = ServeProcess(
-            b.data_dir,
-            "--etcd",
-            group.etcd_url,
-            "--group",
-            group.name,
-            "--listen",
-            addr(b.address),  # the same member id: it is in the set
-            env=sync_env(),
-        )
-        group.processes.append(b_again)
-        b_again.start()
+        # The same address, so the same member id: it is in the set.
+        b_again = member(group, b.data_dir, "--listen", addr(b.address)).start()
         wait_until(lambda: group.leader_id() == member_id(b_again), 10, "b leads again")
 
         assert a.address is not None
-        a = ServeProcess(
-            a.data_dir,
-            "--etcd",
-            group.etcd_url,
-            "--group",
-            group.name,
-            "--listen",
-            addr(a.address),  # its start again binds the same address
-            env=sync_env(),
-        )
-        group.processes.append(a)
+        # The same address: its start again (after the cut) binds it again.
+        a = member(group, a.data_dir, "--listen", addr(a.address))
         a.start()  # cut back: what it derived from the tail is removed, it starts again
         restarted = lambda: "starting again" in a.log_tail()  # noqa: E731
         wait_until(restarted, 10, "the old leader starts again")
@@ -224,7 +202,7 @@ async def test_a_leader_that_steps_down_while_an_ack_waits_answers_not_leader(
     cut from etcd it steps down, and the held answer is NOT_LEADER, never an ack."""
     proxy = EtcdProxy(etcd_server.url)
     await nursery.start(proxy.serve)
-    group = SyncGroup(tmp_path, etcd_server.url)
+    group = sync_group(tmp_path, etcd_server.url)
     try:
         a = await trio.to_thread.run_sync(group.start, "a", proxy.url)
         with trio.fail_after(10):

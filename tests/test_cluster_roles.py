@@ -82,8 +82,16 @@ def wait_until(check: Callable[[], bool], timeout_s: float, what: str) -> float:
 class Group:
     """Two members of a fresh group, the first one leading."""
 
-    def __init__(self, tmp_path: Path, etcd_url: str, *, http: bool = False) -> None:
+    def __init__(
+        self,
+        tmp_path: Path,
+        etcd_url: str,
+        *,
+        http: bool = False,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.name = f"g{uuid.uuid4().hex[:10]}"
+        self.env = member_env() if env is None else env
         self.etcd_url = etcd_url
         self.tmp_path = tmp_path
         self.http = http
@@ -96,7 +104,7 @@ class Group:
             etcd_url or self.etcd_url,
             "--group",
             self.name,
-            env=member_env(),
+            env=self.env,
             http_listen="127.0.0.1:0" if self.http else "off",
         )
         self.processes.append(process)
