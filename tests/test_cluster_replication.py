@@ -15,7 +15,7 @@ import trio
 
 import delayd
 from delayd.logs import layout
-from delayd.protocol import Error, ErrorCode, Message, SendBatch
+from delayd.protocol import Error, ErrorCode, Message, SendBatch, Stats, StatsResult
 from tests.delivery_support import consume, now_ms
 from tests.etcd_support import EtcdProxy, EtcdServer
 from tests.fault_checker import History, check
@@ -46,6 +46,17 @@ def message_log_bytes(data_dir: Path) -> bytes:
 
 def sync_group(tmp_path: Path, etcd_url: str) -> Group:
     return Group(tmp_path, etcd_url, env=sync_env())
+
+
+def stats(process: ServeProcess) -> dict:
+    assert process.address is not None
+    client = RawClient(process.address)
+    try:
+        answer = client.request(lambda rid: Stats(request_id=rid))
+    finally:
+        client.close()
+    assert isinstance(answer, StatsResult), answer
+    return answer.stats
 
 
 def member(
@@ -84,6 +95,10 @@ def test_the_follower_copies_takes_over_after_kill_9_and_the_old_leader_follows(
         copied = message_log_bytes(b.data_dir)
         assert copied == message_log_bytes(a.data_dir)
         assert copied.count(b"m-199") == 1
+        shown = stats(a)
+        assert shown["replication.in_sync_followers"] == 1
+        assert shown["replication.acked_offset_bytes"] == len(copied)
+        assert shown[f"replication.lag_bytes/{member_id(b)}"] == 0
 
         a.kill()
         wait_until(lambda: group.leader_id() == member_id(b), 10, "the follower leads")

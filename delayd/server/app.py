@@ -369,6 +369,8 @@ class DelayServer:
             out["cluster.role"] = view.role.name.lower()
             out["cluster.epoch"] = view.epoch or 0
             out["cluster.leader"] = view.leader.member_id if view.leader else ""
+        if self.replication is not None:
+            out.update(self.replication.stats())
         return out
 
     def request_stop(self) -> None:

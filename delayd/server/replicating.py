@@ -99,6 +99,21 @@ class GroupReplication:
         """message_log grew or became durable (the LogWriter's ``on_durable``)."""
         self.streams.grew()
 
+    def stats(self) -> dict[str, int | str]:
+        """STATS fields: how far the group acknowledged message_log and, on the
+        leader, the in-sync followers and the bytes each connected follower lacks."""
+        out: dict[str, int | str] = {"replication.ack": str(self.config.ack)}
+        leader, follower = self.leader, self.follower
+        if leader is not None:
+            out["replication.acked_offset_bytes"] = leader.tracker.acked.get(MESSAGE_LOG, 0)
+            out["replication.in_sync_followers"] = len(leader.in_sync)
+            for member, lag in sorted(leader.lag().items()):
+                out[f"replication.lag_bytes/{member}"] = lag
+        elif follower is not None:
+            out["replication.acked_offset_bytes"] = follower.acked.get(MESSAGE_LOG, 0)
+            out["replication.leader_epoch"] = follower.leader_epoch or 0
+        return out
+
     # ------------------------------------------------------------------ acks
 
     async def wait_acknowledged(self, offset: int) -> None:
