@@ -6,6 +6,7 @@ follower and copies what the group wrote meanwhile."""
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -235,3 +236,23 @@ async def test_a_leader_that_steps_down_while_an_ack_waits_answers_not_leader(
         client.close()
     finally:
         await trio.to_thread.run_sync(group.close)
+
+
+def test_a_wiped_follower_copies_everything_again(tmp_path: Path, etcd_server: EtcdServer):
+    group = sync_group(tmp_path, etcd_server.url)
+    try:
+        a, b = group.start_pair()
+        history = History()
+        send_all(addr(a.address), history, "m", 30)
+        b.kill()
+        shutil.rmtree(b.data_dir)
+        assert b.address is not None
+        # The same address (the same member id) on an empty disk: no history, so the
+        # leader has it start from nothing, and acks wait until it has it all again.
+        b_again = member(group, b.data_dir, "--listen", addr(b.address)).start()
+        send_all(addr(a.address), history, "n", 5)
+        copied = message_log_bytes(b_again.data_dir)
+        assert copied == message_log_bytes(a.data_dir)
+        assert b"m-0" in copied and b"n-4" in copied
+    finally:
+        group.close()
