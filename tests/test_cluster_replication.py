@@ -1,8 +1,8 @@
 """The data path wired into ``delayd serve`` (docs/replication.md), with real processes
 and a real etcd: a follower holds the leader's message_log byte for byte once sends
-are acknowledged (ack = sync), takes over after a kill -9 of the leader and delivers
-every acknowledged message once and not early; the old leader comes back as a
-follower and copies what the group wrote meanwhile."""
+and cancels are acknowledged (ack = sync), takes over after a kill -9 of the leader and
+delivers every acknowledged message once, not early, and none it answered CANCELLED;
+the old leader comes back as a follower and copies what the group wrote meanwhile."""
 
 from __future__ import annotations
 
@@ -92,10 +92,16 @@ def test_the_follower_copies_takes_over_after_kill_9_and_the_old_leader_follows(
         wait_until(in_set, 10, "the follower joins the in-sync set")
         history = History()
         send_all(f"{addr(a.address)},{addr(b.address)}", history, "m", COUNT)
+        cancelled = {f"m-{i}" for i in range(0, COUNT, 20)}
+        with delayd.Producer(addr(a.address), timeout_s=10) as producer:
+            for message_id in sorted(cancelled):
+                receipt = producer.cancel(message_id)
+                assert receipt.cancelled, receipt
+                history.cancel(message_id, "CANCELLED")
         # Acknowledged under ack = sync: the follower has every byte durable already.
         copied = message_log_bytes(b.data_dir)
         assert copied == message_log_bytes(a.data_dir)
-        assert copied.count(b"m-199") == 1
+        assert copied.count(b"m-199") == 1 and copied.count(b"m-180") == 2  # and its cancel
         shown = stats(a)
         assert shown["replication.in_sync_followers"] == 1
         assert shown["replication.acked_offset_bytes"] == len(copied)
@@ -119,13 +125,12 @@ def test_the_follower_copies_takes_over_after_kill_9_and_the_old_leader_follows(
         assert message_log_bytes(a.data_dir) == message_log_bytes(b.data_dir)
 
         assert b.broker_address is not None
-        received = consume(b.broker_address, COUNT + 20, timeout_s=30)
+        received = consume(b.broker_address, COUNT - len(cancelled) + 20, timeout_s=30)
         history.seen_all(r.sighting("check", committed=True) for r in received)
         report = check(history, due_by_ms=now_ms())
         report.assert_clean()
-        assert {r.message_id for r in received} == {f"m-{i}" for i in range(COUNT)} | {
-            f"n-{i}" for i in range(20)
-        }
+        expected = {f"m-{i}" for i in range(COUNT)} - cancelled | {f"n-{i}" for i in range(20)}
+        assert {r.message_id for r in received} == expected
     finally:
         group.close()
 
