@@ -116,24 +116,26 @@ class GroupReplication:
 
     # ------------------------------------------------------------------ acks
 
-    async def wait_acknowledged(self, offset: int) -> None:
-        """Return once message_log is acknowledged by the group up to ``offset``
-        (``ack``: sync — the in-sync followers have it durable too; leader — at once),
-        or once this member may no longer lead: the caller asks ``may_lead()`` before
-        it answers, and answers NOT_LEADER then (the records may still be cut)."""
+    async def wait_acknowledged(self, offset: int) -> bool:
+        """Whether the group acknowledged message_log up to ``offset`` (``ack``: sync —
+        the in-sync followers have it durable too; leader — at once). False as soon as
+        this member may no longer lead at the epoch it led when called: a member that
+        followed meanwhile may have cut and refilled those offsets."""
         if self.config.ack is AckMode.LEADER:
-            return
-        while self.membership.may_lead():
+            return True
+        epoch = self.membership.view.epoch
+        while self.membership.may_lead() and self.membership.view.epoch == epoch:
             leader = self.leader
-            if leader is None or leader.stopped is not None:
+            if leader is None or leader.epoch != epoch or leader.stopped is not None:
                 with trio.move_on_after(0.05):
                     await self.membership.wait_change()
                 continue
             try:
                 await leader.wait_acknowledged(MESSAGE_LOG, offset)
-                return
+                return True
             except LeaderStopped:
                 await trio.sleep(0.01)  # the role loop starts the next one, or demotes
+        return False
 
     # ------------------------------------------------------------------ roles
 
