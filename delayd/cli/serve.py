@@ -174,12 +174,18 @@ async def _serve(data_dir: str, config: ServeConfig) -> None:
             await _serve_once(data_dir, config)
             return
         except* RebuildNeeded as cut:
-            # A member of a group whose message_log the leader cut below what it had
-            # replayed: its derived state is gone, and a start replays message_log.
-            reason: BaseException = cut
-            while isinstance(reason, BaseExceptionGroup):
-                reason = reason.exceptions[0]
-            log.warning("%s; starting again", reason)
+            # A member of a group whose message_log the leader cut: what it derived
+            # goes, and a start derives it again from message_log.
+            rebuild: BaseException = cut
+            while isinstance(rebuild, BaseExceptionGroup):
+                rebuild = rebuild.exceptions[0]
+            assert isinstance(rebuild, RebuildNeeded)
+            rebuild.remove_derived_state()
+            log.warning(
+                "%s: derived state removed, starting again (message_log is replayed from "
+                "the start)",
+                rebuild,
+            )
 
 
 async def _serve_once(data_dir: str, config: ServeConfig) -> None:

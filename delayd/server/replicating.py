@@ -49,10 +49,26 @@ RESTART_LEADER_S = 0.1  # before a Leader that stopped while the member leads is
 
 
 class RebuildNeeded(DelaydError):
-    """The follower cut message_log below what it had replayed: what it derived from
-    the cut records is removed, and the member must start again (``delayd serve``
-    does, in the same process: it reopens the data directory, replaying message_log
-    from the start)."""
+    """The follower cut message_log: what the member derived may hold cut records.
+    ``delayd serve`` stops the server, ``remove_derived_state()``, and starts again in
+    the same process, replaying message_log from the start (a restart without
+    checkpoint)."""
+
+    def __init__(self, data_dir: str, offset: int) -> None:
+        self.data_dir = data_dir
+        super().__init__(
+            f"message_log was cut back to {offset} (records the group never acknowledged)"
+        )
+
+    def remove_derived_state(self) -> None:
+        """schedule_log, the id index and the checkpoints (replay, wheel cursors): a
+        start then derives them again from message_log. Call with nothing running."""
+        for directory in (
+            layout.schedule_log_dir(self.data_dir),
+            layout.id_index_dir(self.data_dir),
+            layout.checkpoint_dir(self.data_dir),
+        ):
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 class GroupReplication:
@@ -93,7 +109,6 @@ class GroupReplication:
         self._bound: tuple[str, int] | None = None
         if listeners:
             self._bound = listeners[0].socket.getsockname()[:2]
-        self._leading = trio.Event()
 
     def grew(self) -> None:
         """message_log grew or became durable (the LogWriter's ``on_durable``)."""
@@ -257,20 +272,8 @@ class GroupReplication:
             self.follower = None
 
     async def _truncated(self, stream: str, offset: int) -> None:
-        """The leader cut ``stream`` back to ``offset`` (records the group never
-        acknowledged). Derived state past the cut is dropped the simplest correct way:
-        below what was replayed, schedule_log, the id index and the checkpoints go and
-        the member starts again, replaying message_log as a restart without checkpoint
-        does."""
-        if stream != MESSAGE_LOG or offset >= self.replayer.position:
-            return
-        for directory in (
-            layout.schedule_log_dir(self.data_dir),
-            layout.id_index_dir(self.data_dir),
-            layout.checkpoint_dir(self.data_dir),
-        ):
-            shutil.rmtree(directory, ignore_errors=True)
-        raise RebuildNeeded(
-            f"message_log was cut back to {offset}, below the replayed {self.replayer.position}: "
-            "derived state removed, message_log is replayed from the start"
-        )
+        """The leader cut ``stream`` back to ``offset``. A cut of message_log: the
+        replayer may have read the cut records (even in a step not finished yet), so the
+        member starts again without its derived state, the simplest correct rebuild."""
+        if stream == MESSAGE_LOG:
+            raise RebuildNeeded(self.data_dir, offset)
