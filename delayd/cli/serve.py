@@ -48,7 +48,7 @@ from delayd.server.app import DelayServer, open_listeners, serve_metrics_early
 from delayd.server.config import ConfigError, ServeConfig, with_overrides
 from delayd.server.config_env import load_effective_config
 from delayd.server.config_print import config_to_toml
-from delayd.server.replicating import RebuildNeeded
+from delayd.server.rebuild import RebuildNeeded
 from delayd.serving.data_dir import serve_data_dir
 from delayd.serving.gc_tuning import tune_gc_for_serving
 from delayd.structured_logs import (

@@ -18,7 +18,6 @@ delivered again (the broker answers a resend of an id it holds DUPLICATE).
 from __future__ import annotations
 
 import logging
-import shutil
 from collections.abc import Awaitable, Callable
 
 import trio
@@ -26,8 +25,7 @@ import trio
 from delayd.address import parse_address
 from delayd.cluster.config import AckMode, ClusterConfig
 from delayd.cluster.members import Role
-from delayd.errors import DelaydError, EtcdError
-from delayd.logs import layout
+from delayd.errors import EtcdError
 from delayd.replay import Replayer
 from delayd.replication import (
     MESSAGE_LOG,
@@ -38,6 +36,7 @@ from delayd.replication import (
     LeaderFenced,
     LeaderStopped,
 )
+from delayd.server.rebuild import RebuildNeeded
 from delayd.serving.membership import Membership
 from storage.fs import REAL_FS, FileSystem
 from storage.segmented_log import SegmentedLog
@@ -46,29 +45,6 @@ log = logging.getLogger(__name__)
 
 FOLLOWER_POLL_S = 0.005  # how often a follower's replayer looks for copied records
 RESTART_LEADER_S = 0.1  # before a Leader that stopped while the member leads is replaced
-
-
-class RebuildNeeded(DelaydError):
-    """The follower cut message_log: what the member derived may hold cut records.
-    ``delayd serve`` stops the server, ``remove_derived_state()``, and starts again in
-    the same process, replaying message_log from the start (a restart without
-    checkpoint)."""
-
-    def __init__(self, data_dir: str, offset: int) -> None:
-        self.data_dir = data_dir
-        super().__init__(
-            f"message_log was cut back to {offset} (records the group never acknowledged)"
-        )
-
-    def remove_derived_state(self) -> None:
-        """schedule_log, the id index and the checkpoints (replay, wheel cursors): a
-        start then derives them again from message_log. Call with nothing running."""
-        for directory in (
-            layout.schedule_log_dir(self.data_dir),
-            layout.id_index_dir(self.data_dir),
-            layout.checkpoint_dir(self.data_dir),
-        ):
-            shutil.rmtree(directory, ignore_errors=True)
 
 
 class GroupReplication:
