@@ -261,3 +261,46 @@ def test_a_wiped_follower_copies_everything_again(tmp_path: Path, etcd_server: E
         assert b"m-0" in copied and b"n-4" in copied
     finally:
         group.close()
+
+
+async def test_a_leader_cut_from_etcd_follows_the_new_leader_in_process(
+    tmp_path: Path, etcd_server: EtcdServer, nursery: trio.Nursery
+):
+    """Demotion without a restart: the leader, cut from etcd, steps down; the follower
+    leads; once the cut heals the old leader follows it (same process) and copies what
+    it takes, and acks wait for it."""
+    proxy = EtcdProxy(etcd_server.url)
+    await nursery.start(proxy.serve)
+    group = sync_group(tmp_path, etcd_server.url)
+    try:
+        a = await trio.to_thread.run_sync(group.start, "a", proxy.url)
+        with trio.fail_after(10):
+            while await trio.to_thread.run_sync(group.leader_id) != member_id(a):
+                await trio.sleep(0.02)
+        b = await trio.to_thread.run_sync(group.start, "b")
+        both = {member_id(a), member_id(b)}
+        with trio.fail_after(10):
+            while (
+                await trio.to_thread.run_sync(state, group.etcd_url, group.name)
+            ).in_sync != both:
+                await trio.sleep(0.02)
+        history = History()
+        await trio.to_thread.run_sync(send_all, addr(a.address), history, "m", 20)
+
+        proxy.cut()
+        with trio.fail_after(10):
+            while await trio.to_thread.run_sync(group.leader_id) != member_id(b):
+                await trio.sleep(0.05)
+        proxy.heal()
+        with trio.fail_after(10):
+            while (await trio.to_thread.run_sync(state, group.etcd_url, group.name)).role_of(
+                member_id(a)
+            ) != "follower":
+                await trio.sleep(0.05)
+        await trio.to_thread.run_sync(send_all, addr(b.address), history, "n", 10)
+        copied = message_log_bytes(a.data_dir)
+        assert copied == message_log_bytes(b.data_dir)
+        assert b"n-9" in copied
+        assert a.proc is not None and a.proc.poll() is None  # the same process
+    finally:
+        await trio.to_thread.run_sync(group.close)
