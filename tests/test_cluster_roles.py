@@ -51,6 +51,8 @@ def member_env() -> dict[str, str]:
     return {
         "DELAYD_CLUSTER_REPLICATION_LISTEN": "127.0.0.1:0",  # the default port would collide
         "DELAYD_CLUSTER_LEASE_TTL_MS": str(LEASE_TTL_MS),
+        # Roles, not the data path: a lone member under ack = sync waits for a follower.
+        "DELAYD_CLUSTER_ACK": "leader",
     }
 
 
@@ -77,21 +79,19 @@ def wait_until(check: Callable[[], bool], timeout_s: float, what: str) -> float:
     return time.monotonic() - started
 
 
-def set_in_sync(etcd_url: str, group: str, members: list[str]) -> None:
-    """What the leader's data path will write; the test stands in for it."""
-
-    async def put() -> None:
-        async with EtcdClient([etcd_url]) as etcd:
-            await etcd.put(GroupKeys(DEFAULT_PREFIX, group).in_sync, json.dumps(sorted(members)))
-
-    trio.run(put)
-
-
 class Group:
     """Two members of a fresh group, the first one leading."""
 
-    def __init__(self, tmp_path: Path, etcd_url: str, *, http: bool = False) -> None:
+    def __init__(
+        self,
+        tmp_path: Path,
+        etcd_url: str,
+        *,
+        http: bool = False,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.name = f"g{uuid.uuid4().hex[:10]}"
+        self.env = member_env() if env is None else env
         self.etcd_url = etcd_url
         self.tmp_path = tmp_path
         self.http = http
@@ -104,7 +104,7 @@ class Group:
             etcd_url or self.etcd_url,
             "--group",
             self.name,
-            env=member_env(),
+            env=self.env,
             http_listen="127.0.0.1:0" if self.http else "off",
         )
         self.processes.append(process)
@@ -145,7 +145,9 @@ def test_one_leads_and_the_follower_answers_not_leader_naming_it(group: Group):
     seen = state(group.etcd_url, group.name)
     assert seen.role_of(member_id(leader)) == "leader"
     assert seen.role_of(member_id(follower)) == "follower"
-    assert seen.in_sync == {member_id(leader)}  # a new group: its first leader alone
+    # A new group: its first leader alone, then the follower once it holds everything.
+    assert seen.in_sync <= {member_id(leader), member_id(follower)}
+    assert member_id(leader) in seen.in_sync
     message = Message("m-1", "orders", body=b"x", delay_ms=60_000)
 
     intake = RawClient(follower.address)
@@ -211,20 +213,32 @@ def test_clients_given_the_members_or_etcd_reach_the_leader(group: Group):
     assert trio.run(consume) == ["via-etcd"]
 
 
-def test_kill_9_of_the_leader_no_takeover_by_a_follower_not_in_sync(group: Group):
-    leader, follower = group.start_pair()
+def test_kill_9_of_the_leader_no_takeover_by_a_member_not_in_sync(group: Group):
+    leader = group.start("a")
+    wait_until(lambda: group.leader_id() == member_id(leader), 10, "the first member leads")
     leader.kill()
+    # A member that never copied the leader's logs: not in the set, it may not lead.
+    newcomer = group.start("b")
     time.sleep(3 * LEASE_TTL_MS / 1000)  # the lease expired long ago: the key is gone
     assert group.leader_id() is None
-    intake = RawClient(follower.address)
+    intake = RawClient(newcomer.address)
     message = Message("m-2", "orders", body=b"x")
     assert not_leader(intake.request(lambda rid: SendBatch([message], request_id=rid))) is None
     intake.close()
 
 
-def test_kill_9_of_the_leader_a_follower_in_sync_takes_over_and_the_client_follows(group: Group):
+def in_sync_pair(group: Group) -> tuple[ServeProcess, ServeProcess]:
+    """A pair whose follower holds the leader's logs and is in the set (the data path
+    adds it once it caught up)."""
     leader, follower = group.start_pair()
-    set_in_sync(group.etcd_url, group.name, [member_id(leader), member_id(follower)])
+    both = {member_id(leader), member_id(follower)}
+    in_set = lambda: state(group.etcd_url, group.name).in_sync == both  # noqa: E731
+    wait_until(in_set, 10, "the follower joins the in-sync set")
+    return leader, follower
+
+
+def test_kill_9_of_the_leader_a_follower_in_sync_takes_over_and_the_client_follows(group: Group):
+    leader, follower = in_sync_pair(group)
     members = f"{addr(leader.address)},{addr(follower.address)}"
     with delayd.Producer(members, timeout_s=10) as producer:
         assert producer.send("orders", b"before", message_id="before").ok
@@ -237,8 +251,7 @@ def test_kill_9_of_the_leader_a_follower_in_sync_takes_over_and_the_client_follo
 
 
 def test_sigterm_of_the_leader_hands_over_at_once(group: Group):
-    leader, follower = group.start_pair()
-    set_in_sync(group.etcd_url, group.name, [member_id(leader), member_id(follower)])
+    leader, follower = in_sync_pair(group)
     started = time.monotonic()
     leader.proc.send_signal(15)
     took_s = wait_until(lambda: group.leader_id() == member_id(follower), 5, "the follower leads")
@@ -268,25 +281,25 @@ def test_http_api_of_a_follower_names_the_leader(tmp_path: Path, etcd_server: Et
 
 
 def test_cluster_status_shows_the_group(group: Group):
-    leader, follower = group.start_pair()
+    leader, follower = in_sync_pair(group)
     done = subprocess.run(
         [*DELAYD, "cluster", "status", "--etcd", group.etcd_url, "--json"],
         cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=30, check=True,
     )  # fmt: skip
     (shown,) = [g for g in json.loads(done.stdout)["groups"] if g["group"] == group.name]
     assert shown["leader"] == member_id(leader) and shown["epoch"] > 0
-    assert shown["in_sync"] == [member_id(leader)]
+    assert shown["in_sync"] == sorted([member_id(leader), member_id(follower)])
     roles = {m["member_id"]: (m["role"], m["in_sync"], m["intake"]) for m in shown["members"]}
     assert roles == {
         member_id(leader): ("leader", True, addr(leader.address)),
-        member_id(follower): ("follower", False, addr(follower.address)),
+        member_id(follower): ("follower", True, addr(follower.address)),
     }
     text = subprocess.run(
         [*DELAYD, "cluster", "status", "--etcd", group.etcd_url, "--group", group.name],
         cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=30, check=True,
     ).stdout  # fmt: skip
     assert f"group {group.name}: leader {member_id(leader)}" in text
-    assert f"in sync: {member_id(leader)}" in text
+    assert f"in sync: {', '.join(sorted([member_id(leader), member_id(follower)]))}" in text
 
 
 async def test_a_leader_cut_from_etcd_stops_acknowledging(

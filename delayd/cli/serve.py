@@ -50,6 +50,7 @@ from delayd.server.app import DelayServer, open_listeners, serve_metrics_early
 from delayd.server.config import ConfigError, ServeConfig, with_overrides
 from delayd.server.config_env import load_effective_config
 from delayd.server.config_print import config_to_toml
+from delayd.server.rebuild import RebuildNeeded
 from delayd.serving.data_dir import serve_data_dir
 from delayd.serving.gc_tuning import tune_gc_for_serving
 from delayd.serving.tls import ServerTls, reload_on_sighup
@@ -187,6 +188,26 @@ async def _open(data_dir: str, config: ServeConfig, tls: ServerTls | None) -> De
 
 
 async def _serve(data_dir: str, config: ServeConfig, tls: ServerTls | None) -> None:
+    while True:
+        try:
+            await _serve_once(data_dir, config, tls)
+            return
+        except* RebuildNeeded as cut:
+            # A member of a group whose message_log the leader cut: what it derived
+            # goes, and a start derives it again from message_log.
+            rebuild: BaseException = cut
+            while isinstance(rebuild, BaseExceptionGroup):
+                rebuild = rebuild.exceptions[0]
+            assert isinstance(rebuild, RebuildNeeded)
+            rebuild.remove_derived_state()
+            log.warning(
+                "%s: derived state removed, starting again (message_log is replayed from "
+                "the start)",
+                rebuild,
+            )
+
+
+async def _serve_once(data_dir: str, config: ServeConfig, tls: ServerTls | None) -> None:
     # Every port first: a clash is reported now, not after a long recovery. Producers'
     # connections wait in the backlog until recovery is done; /healthz answers and
     # /readyz says "recovering" meanwhile.

@@ -208,15 +208,22 @@ class Leader:
     # ------------------------------------------------------------------ serving
 
     async def run(
-        self, host: str, port: int, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+        self,
+        host: str,
+        port: int,
+        *,
+        listeners: list[trio.SocketListener] | None = None,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Bind, begin the epoch, serve followers; until cancelled, stopped or fenced."""
+        """Bind (or serve ``listeners``, bound already: then closed when it returns),
+        begin the epoch, serve followers; until cancelled, stopped or fenced."""
         if self.history.last_epoch() > self.epoch:
             raise LeaderFenced(self.epoch, self.history.last_epoch())
         if self.history.last_epoch() < self.epoch:
             self.history.begin(self.epoch, self.streams.ends())
         self.tracker.start(self._initial_in_sync, _now_ms())
-        listeners = await open_listeners("replication", host, port)
+        if listeners is None:
+            listeners = await open_listeners("replication", host, port)
         self.addresses = bound_addresses(listeners)
         with trio.CancelScope() as self._cancel:
             async with trio.open_nursery() as nursery:

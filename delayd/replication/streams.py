@@ -150,6 +150,8 @@ class DelayStreams(StreamSet):
 
     ``message_log``: the server's own SegmentedLog when it has one open (then this
     object does not close it); else it is opened here with ``segment_size``.
+    ``with_dispatch_log`` False: message_log is the only stream (the server's
+    DispatchFiles keep the bucket files to themselves).
     One trio thread uses it; flushes run on that thread too (a follower's group
     commit calls ``flush_all`` in a worker thread while nothing appends).
     """
@@ -161,9 +163,11 @@ class DelayStreams(StreamSet):
         fs: FileSystem = REAL_FS,
         message_log: SegmentedLog | None = None,
         segment_size: int = DEFAULT_SEGMENT_SIZE,
+        with_dispatch_log: bool = True,
     ) -> None:
         super().__init__()
         self.data_dir = data_dir
+        self.with_dispatch_log = with_dispatch_log
         self.fs = fs
         self._owns_message_log = message_log is None
         if message_log is None:
@@ -180,7 +184,7 @@ class DelayStreams(StreamSet):
         """Every stream on disk now: message_log first, then the dispatch_log buckets in
         time order."""
         buckets = set(self._buckets)
-        if self.fs.exists(self._dispatch_dir):
+        if self.with_dispatch_log and self.fs.exists(self._dispatch_dir):
             for name in self.fs.listdir(self._dispatch_dir):
                 try:
                     parse_bucket_name(name)

@@ -21,6 +21,7 @@ flushes and checkpoints itself), close files.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
@@ -63,6 +64,8 @@ from storage.fs import REAL_FS, FileSystem
 from storage.segmented_log import SegmentedLog
 
 if TYPE_CHECKING:
+    from delayd.replication import Follower, Leader
+    from delayd.server.replicating import GroupReplication
     from delayd.serving.membership import Membership
 
 log = logging.getLogger(__name__)
@@ -196,6 +199,7 @@ class DelayServer:
             from delayd.serving.membership import Membership
 
             self.membership = Membership(config.cluster)
+        self.replication: GroupReplication | None = None  # built in run (its listener)
         self.listener = IntakeListener(
             self._connection, ConnectionGate("intake", config.connection_limits), tls
         )
@@ -217,6 +221,12 @@ class DelayServer:
         self._delivery_collector: DeliveryCollector | None = None
         self._delivery_stop_lock = trio.Lock()
         self.http: HttpListener | None = None  # the HTTP API, once it serves
+        # A member of a group: the id filter misses ids copied from the leader
+        # (_ids_from_leader, _keep_id_filter).
+        self._ids_copying = False  # following, or promoted and not caught up yet
+        self._ids_copies = 0  # times following began
+        self._ids_caught_up = trio.Event()
+        self._rebuild_id_filter: Callable[[], object] | None = None  # while one waits
         # Metrics that read the logs, only when someone can scrape them: the pending
         # count adds a call per replayed record and a start-up count.
         self.pending: PendingTracker | None = None
@@ -375,6 +385,8 @@ class DelayServer:
             out["cluster.role"] = view.role.name.lower()
             out["cluster.epoch"] = view.epoch or 0
             out["cluster.leader"] = view.leader.member_id if view.leader else ""
+        if self.replication is not None:
+            out.update(self.replication.stats())
         return out
 
     def request_stop(self) -> None:
@@ -424,9 +436,11 @@ class DelayServer:
                     self._delivery_collector = DeliveryCollector(self.delivery)
                     registry.register(self._delivery_collector)
                     if self.membership is not None:
+                        from delayd.replication.metrics import ReplicationCollector
                         from delayd.serving.membership_metrics import MembershipCollector
 
                         registry.register(MembershipCollector(self.membership))
+                        registry.register(ReplicationCollector(self._replication_role))
                     registry.register(PendingCollector(self.pending))
                     self.store_metrics.register(registry)
                     if self.retention is not None:
@@ -455,6 +469,7 @@ class DelayServer:
                 intake_bound = await root.start(serve_intake, host, port)
                 bound = BoundAddresses(intake_bound[0], broker_bound, metrics_bound, http_bound)
                 if self.membership is not None:
+                    await root.start(self._replicate, listeners)
                     await root.start(self.membership.run, self._member_info(bound, listeners))
                 task_status.started(bound)
                 root.start_soon(self._start_delivery, root, self.message_log.durable_offset)
@@ -469,6 +484,74 @@ class DelayServer:
             self.message_log.close()
             if self.known is not None:
                 self.known.close()
+
+    async def _replicate(
+        self, listeners: ServeListeners, *, task_status: trio.TaskStatus[None]
+    ) -> None:
+        """The group's data path (delayd.server.replicating): message_log shipped to the
+        followers; acks wait for the group; intake waits, after each promotion, until
+        what the member copied as a follower is replayed."""
+        from delayd.server.replicating import GroupReplication
+
+        assert self.membership is not None
+        replication = GroupReplication(
+            self.delivery.data_dir,
+            self.message_log,
+            self.replayer,
+            self.membership,
+            self.config.cluster,
+            listeners.replication,
+            fs=self.delivery.fs,
+            on_promoted=self._catch_up_intake,
+            on_demoted=self._hold_intake,
+            on_following=self._ids_from_leader,
+            tls=self.tls,
+        )
+        self.replication = replication
+        self.writer.on_durable = replication.grew
+        self.intake.replication = replication
+        self._hold_intake()
+        await replication.run(task_status=task_status)
+
+    def _replication_role(self) -> Leader | Follower | None:
+        """What /metrics reads the replication figures from: the member's Leader or
+        Follower of the moment (delayd.replication.metrics)."""
+        replication = self.replication
+        if replication is None:
+            return None
+        return replication.leader or replication.follower
+
+    def _hold_intake(self) -> None:
+        """Until the next promotion's catch-up, intake takes nothing (make_room waits)."""
+        if self.intake.ids_ready.is_set():
+            self.intake.ids_ready = trio.Event()
+
+    def _ids_from_leader(self) -> None:
+        """Following: the replayer indexes ids intake never checked, which the id
+        filter does not hold. Cold (every id looked up in the index) until a filter
+        built after them is in place (``_keep_id_filter``, after ``_catch_up_intake``)."""
+        if self.known is not None:
+            self.known.warm = False
+        self._ids_copies += 1
+        if not self._ids_copying:
+            self._ids_copying = True
+            self._ids_caught_up = trio.Event()
+
+    async def _catch_up_intake(self) -> None:
+        """Promoted: replay what was copied, number new messages after it, let intake
+        in. The id index then holds every id the group acknowledged (DUPLICATE for a
+        producer's retry across the failover)."""
+        replayer = self.replayer
+        await self.writer.flush()  # copied records the follower had not flushed yet
+        while replayer.position < self.message_log.durable_offset:
+            await trio.sleep(0.005)
+        self.receiver.resume_after(replayer.next_sequence)
+        if self._ids_copying:
+            self._ids_copying = False
+            self._ids_caught_up.set()
+            if self._rebuild_id_filter is not None:
+                self._rebuild_id_filter()  # a build now holds every id copied
+        self.intake.ids_ready.set()
 
     def _member_info(self, bound: BoundAddresses, listeners: ServeListeners) -> MemberInfo:
         """This server as the group's members and clients reach it: the advertised host
@@ -553,8 +636,10 @@ class DelayServer:
                     now - started,
                 )
         # Every id message_log held at start is in the id index now: intake may decide
-        # duplicates (it waited until here), and the id filter can be filled.
-        self.intake.ids_ready.set()
+        # duplicates (it waited until here), and the id filter can be filled. A member
+        # of a group lets intake in at each promotion instead (_catch_up_intake).
+        if self.membership is None:
+            self.intake.ids_ready.set()
         if self.known is not None:
             root.start_soon(self._keep_id_filter)
         if self.membership is not None:
@@ -630,6 +715,14 @@ class DelayServer:
         known = self.known
         assert known is not None
         while True:
+            if self._ids_copying:
+                # Following: the replayer indexes ids copied from the leader, which no
+                # filter holds. Cold (every id looked up) until the catch-up of a
+                # promotion, then a filter built after them.
+                known.warm = False
+                await self._ids_caught_up.wait()
+                continue
+            copies_before = self._ids_copies
             started = trio.current_time()
             plan = known.begin_rebuild()
             built = await trio.to_thread.run_sync(known.build_filter, plan)
@@ -637,6 +730,9 @@ class DelayServer:
             # the filter in the step that adds the last of them.
             while not known.finish_rebuild(built, REBUILD_CHUNK):
                 await trio.lowlevel.checkpoint()
+            if built is not None and self._ids_copies != copies_before:
+                known.warm = False  # copies began during the build: not all in it
+                continue
             if built is None:
                 log.warning(
                     "id filter: an id index file could not be read; every id sent is "
@@ -651,7 +747,9 @@ class DelayServer:
             )
             full = trio.Event()
             known.on_full = full.set
+            self._rebuild_id_filter = full.set
             await full.wait()
+            self._rebuild_id_filter = None
 
     async def _shutdown(self) -> None:
         if self.membership is not None:

@@ -49,7 +49,7 @@ from delayd.protocol import (
     StatsResult,
 )
 from delayd.server.cancels import Answer
-from delayd.server.intake import IntakePath
+from delayd.server.intake import IntakePath, NotAcknowledged
 from delayd.server.receiver import Intake
 from delayd.serving.connection import ServerConnection
 from delayd.serving.connection_gate import ConnectionGate
@@ -94,10 +94,11 @@ class DelayConnection(ServerConnection[tuple[Intake, int]]):
         self.broker_address = broker_address
         self._tombstone_slots = trio.Semaphore(MAX_TOMBSTONES_IN_FLIGHT)
 
-    def _not_leader(self, request_id: int) -> Error | None:
-        """ERROR NOT_LEADER when this member may not act as leader now, else None."""
+    def _not_leader(self, request_id: int, *, acknowledged: bool = True) -> Error | None:
+        """ERROR NOT_LEADER when this member may not act as leader now (or its group did
+        not acknowledge the request's records), else None."""
         membership = self.membership
-        if membership is None or membership.may_lead():
+        if membership is None or (acknowledged and membership.may_lead()):
             return None
         return Error(ErrorCode.NOT_LEADER, membership.refusal("intake"), request_id=request_id)
 
@@ -192,8 +193,8 @@ class DelayConnection(ServerConnection[tuple[Intake, int]]):
 
     async def _settle_batch(self, answers: list[Answer], request_id: int) -> None:
         try:
-            await self.intake.settle_all(answers)
-            if (refused := self._not_leader(request_id)) is not None:
+            acknowledged = await self._settled(answers)
+            if (refused := self._not_leader(request_id, acknowledged=acknowledged)) is not None:
                 await self._answer(refused)
                 return
             results = tuple((a.outcome, a.dispatched_ms) for a in answers)
@@ -201,10 +202,18 @@ class DelayConnection(ServerConnection[tuple[Intake, int]]):
         finally:
             self._slots.release()  # once answered: see the module docstring
 
+    async def _settled(self, answers: list[Answer]) -> bool:
+        """Settle ``answers``; whether the group acknowledged their tombstones."""
+        try:
+            await self.intake.settle_all(answers)
+        except NotAcknowledged:
+            return False
+        return True
+
     async def _settle(self, answer: Answer, request_id: int) -> None:
         try:
-            await self.intake.settle(answer)
-            if (refused := self._not_leader(request_id)) is not None:
+            acknowledged = await self._settled([answer])
+            if (refused := self._not_leader(request_id, acknowledged=acknowledged)) is not None:
                 await self._answer(refused)
                 return
             if answer.is_cancel:
@@ -224,9 +233,14 @@ class DelayConnection(ServerConnection[tuple[Intake, int]]):
     async def _acknowledge(self, ready: list[tuple[Intake, int]]) -> None:
         held = len(ready)  # slots of these batches, each released once answered
         try:
-            answers = await self.intake.acknowledge_all([intake for intake, _ in ready])
+            intakes = [intake for intake, _ in ready]
+            try:
+                answers = await self.intake.acknowledge_all(intakes)
+                acknowledged = True
+            except NotAcknowledged:
+                answers, acknowledged = [[] for _ in ready], False
             for (_, request_id), results in zip(ready, answers, strict=True):
-                refused = self._not_leader(request_id)
+                refused = self._not_leader(request_id, acknowledged=acknowledged)
                 await self._answer(refused or SendBatchResult(results, request_id=request_id))
                 self._slots.release()
                 held -= 1

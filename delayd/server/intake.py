@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from delayd.errors import DelaydError
 from delayd.logs import tombstone
 from delayd.logs.message_log import TYPE_MESSAGE
 from delayd.protocol import EncodedMessages, Message, ResultCode, SendResult
@@ -43,6 +44,13 @@ from storage.space import FreeSpaceGuard
 
 if TYPE_CHECKING:
     from delayd.server.cancels import Answer, Canceller
+    from delayd.server.replicating import GroupReplication
+
+
+class NotAcknowledged(DelaydError):
+    """The group did not acknowledge the records: this member stopped leading (or
+    leads again at a new epoch) while they waited. Answer NOT_LEADER: they may still be
+    cut, or be kept by the new leader."""
 
 
 def wall_ms() -> int:
@@ -74,6 +82,8 @@ class IntakePath:
             self.ids_ready.set()
         # Set by the server once delivery is built: it resolves cancel and reschedule.
         self.canceller: Canceller | None = None
+        # A member of a group: acks wait until the group has the records (ack = sync).
+        self.replication: GroupReplication | None = None
         self.refusals = WriteRefusals()  # the server shares its own
         reserve = receiver.limits.min_free_bytes
         self.space = FreeSpaceGuard(self.log.fs, self.log.directory, reserve)
@@ -125,7 +135,8 @@ class IntakePath:
 
     async def acknowledge(self, intake: Intake) -> list[SendResult]:
         """The answer for ``intake``, once its records are as durable as the flush
-        policy promises. Raises StorageError when the flush fails."""
+        policy promises (and, in a group, acknowledged by it). Raises StorageError when
+        the flush fails, NotAcknowledged when the group did not acknowledge."""
         return (await self.acknowledge_all([intake]))[0]
 
     async def acknowledge_all(self, intakes: Sequence[Intake]) -> list[list[SendResult]]:
@@ -136,10 +147,21 @@ class IntakePath:
             try:
                 if self.writer.policy.mode is FlushMode.SYNC:
                     await self.writer.flush()
+                await self._replicated()
             finally:
                 self.pending_acks -= count
             self.replayer.notify(max(i.last_sequence for i in intakes if i.payloads))
         return [self.receiver.acknowledge(intake) for intake in intakes]
+
+    async def _replicated(self) -> None:
+        """Wait until the group acknowledged message_log up to what is durable here (a
+        member of a group). Raises NotAcknowledged when it will not be, by this leader."""
+        replication = self.replication
+        if replication is None or await replication.wait_acknowledged(self.log.durable_offset):
+            return
+        raise NotAcknowledged(
+            "this member stopped leading its group before the group acknowledged the records"
+        )
 
     async def send_batch(self, messages: Sequence[Message]) -> list[SendResult]:
         """Both halves at once, for callers that need no pipelining order (the HTTP
@@ -199,6 +221,7 @@ class IntakePath:
         """``settle`` for the answers of one ``append_tombstones``."""
         if self.writer.policy.mode is FlushMode.SYNC:
             await self.writer.flush()
+        await self._replicated()
         self.replayer.notify(0)
         assert self.canceller is not None
         await self.canceller.wait_all(answers)

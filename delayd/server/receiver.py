@@ -155,6 +155,11 @@ class Receiver:
         """The sequence given to the last accepted message (0 before the first)."""
         return self._next_sequence - 1
 
+    def resume_after(self, next_sequence: int) -> None:
+        """Number the next message ``next_sequence`` or later: a promoted member's
+        message_log holds records the old leader numbered."""
+        self._next_sequence = max(self._next_sequence, next_sequence)
+
     def busy_reason(self, *, pending_acks: int, replay_lag_records: int) -> str | None:
         """Why the server should answer BUSY now, or None."""
         limits = self.limits

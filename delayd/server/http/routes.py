@@ -52,6 +52,7 @@ from delayd.server.http.models import (
     ScheduleRequest,
 )
 from delayd.server.http.problems import ProblemError, bad_input, refusal
+from delayd.server.intake import NotAcknowledged
 from storage.errors import DiskFullError, StorageError
 
 if TYPE_CHECKING:  # server.app imports this package: types only, no cycle at run time
@@ -143,13 +144,14 @@ def build_app(backend: Backend) -> FastAPI:
     return app
 
 
-def check_leading(backend: Backend) -> None:
-    """Raise the NOT_LEADER problem unless this server may act as its group's leader now:
-    421 naming the leader's HTTP API (``leader``), or 503 while no leader is known
-    (docs/http.md). Asked before a request and again before its answer, so a leader that
-    stepped down meanwhile does not acknowledge."""
+def check_leading(backend: Backend, *, acknowledged: bool = True) -> None:
+    """Raise the NOT_LEADER problem unless this server may act as its group's leader now
+    (and its group acknowledged the request's records): 421 naming the leader's HTTP
+    API (``leader``), or 503 while no leader is known (docs/http.md). Asked before a
+    request and again before its answer, so a leader that stepped down meanwhile does
+    not acknowledge."""
     membership = backend.membership
-    if membership is None or membership.may_lead():
+    if membership is None or (acknowledged and membership.may_lead()):
         return
     reason = membership.refusal("http")
     leader = membership.leader_address("http")
@@ -178,6 +180,9 @@ async def _send(backend: Backend, messages: list[Message]) -> list[SendResult]:
         results = await backend.intake.send_batch(messages)
     except StorageError as exc:
         raise _storage_failure(backend, exc) from None
+    except NotAcknowledged:
+        check_leading(backend, acknowledged=False)
+        raise
     check_leading(backend)
     return results
 
@@ -290,6 +295,9 @@ async def _tombstone(backend: Backend, message_id: str, due_ms: int | None) -> A
         settled = await intake.settle(answer)
         check_leading(backend)
         return settled
+    except NotAcknowledged:
+        check_leading(backend, acknowledged=False)
+        raise
     except DiskFullError as exc:
         raise ProblemError(
             HTTPStatus.INSUFFICIENT_STORAGE,
