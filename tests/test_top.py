@@ -415,8 +415,15 @@ def top_in_a_terminal(*targets: str) -> Iterator[tuple[subprocess.Popen, int]]:
     env.update(TERM="xterm-256color")
     for name in ("COLUMNS", "LINES"):
         env.pop(name, None)
+    # As a shell starts a foreground job: Ctrl-C at its default. A test run started in
+    # the background inherits SIGINT ignored, and Python then keeps ignoring it.
+    default_sigint = (
+        "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+        "os.execv(sys.executable, sys.argv[1:])"
+    )
+    top = [sys.executable, "-m", "delayd", "top", "--interval", "0.2", *targets]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "delayd", "top", "--interval", "0.2", *targets],
+        [sys.executable, "-c", default_sigint, *top],
         stdin=slave,
         stdout=slave,
         stderr=slave,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import sys
 import termios
 import time
@@ -159,6 +160,16 @@ async def _read_keys(
             await keys.send(key)
 
 
+async def _quit_on_ctrl_c(quit_scope: trio.CancelScope) -> None:
+    """Ctrl-C quits as ``q`` does: by cancelling at the next checkpoint. Left to trio's
+    KeyboardInterrupt, it could land anywhere — mid-write to the terminal, mid-scrape —
+    and leave the screen or the terminal modes half restored."""
+    with trio.open_signal_receiver(signal.SIGINT) as signals:
+        async for _ in signals:
+            quit_scope.cancel()
+            return
+
+
 def _model(views: list[ServerView], selected: int, interval_s: float) -> TopModel:
     return TopModel(views, selected, int(time.time() * 1000), interval_s)
 
@@ -181,6 +192,7 @@ async def _live(watcher: Watcher, interval_s: float, console: Console) -> None:
         trio.CancelScope() as quit_scope,
     ):
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(_quit_on_ctrl_c, quit_scope)
             if keys_fd is not None:
                 nursery.start_soon(_read_keys, keys_fd, send, quit_scope)
             next_refresh = trio.current_time()
