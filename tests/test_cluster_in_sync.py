@@ -13,7 +13,6 @@ import trio
 from delayd.cluster.config import ClusterConfig
 from delayd.cluster.etcd import EtcdClient
 from delayd.cluster.in_sync import (
-    claim_new_group,
     decode_members,
     encode_members,
     write_in_sync,
@@ -102,6 +101,6 @@ async def test_the_leaders_writes_are_fenced_by_its_epoch(etcd_server, etcd_pref
     async with EtcdClient([url]) as etcd:
         # The old leader's epoch no longer holds the key: its write is refused.
         assert not await write_in_sync(etcd, keys, old_epoch, ["a"])
-        # A set that exists is never overwritten by a "new group" claim.
-        assert not await claim_new_group(etcd, keys, b.membership.view.epoch, "b")
+        # A set that exists is never written again by a campaign ("a new group").
+        assert b.membership.in_sync.campaign_puts() == []
     assert await read_in_sync(url, etcd_prefix) == {"a", "b"}

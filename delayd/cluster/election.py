@@ -72,7 +72,9 @@ class GroupMember:
     follows, and asks again when the leader key changes or every ttl/3 while there is
     no leader. ``campaign_compares()`` adds conditions to the campaign txn (the
     eligibility it was judged on still holds: delayd.cluster.in_sync); a campaign that
-    fails on them is tried again as one while nobody leads.
+    fails on them is tried again as one while nobody leads. ``campaign_puts()`` adds
+    writes that take effect only if the campaign wins (a new group's in-sync set, in the
+    same txn as the leader key: no moment where a leader exists and the set does not).
 
     ``elections_won`` counts the campaigns this member won (for a metric).
     """
@@ -88,6 +90,7 @@ class GroupMember:
         step_down_margin_ms: int | None = None,
         eligible: Callable[[], bool] = lambda: True,
         campaign_compares: Callable[[], Sequence[Compare]] = lambda: (),
+        campaign_puts: Callable[[], Sequence[Put]] = lambda: (),
         on_change: Callable[[View, View, str], None] | None = None,
     ) -> None:
         """Raises ValueError for a bad group name, prefix or lease TTL (see
@@ -100,6 +103,7 @@ class GroupMember:
         self.step_down_margin_ms = step_down_margin_ms
         self.eligible = eligible
         self.campaign_compares = campaign_compares
+        self.campaign_puts = campaign_puts
         self.on_change = on_change
         self.view: View = NO_LEADER
         self.elections_won = 0
@@ -288,7 +292,7 @@ class GroupMember:
         own = self.info.to_json()
         result = await self.etcd.txn(
             [Compare.create_revision(key, 0), *self.campaign_compares()],
-            [Put(key, own, lease_id)],
+            [Put(key, own, lease_id), *self.campaign_puts()],
             [Get(key)],
         )
         if result.succeeded:

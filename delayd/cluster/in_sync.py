@@ -4,7 +4,8 @@
 ``<prefix>/groups/G/in_sync`` holds a JSON list of member ids: the members that hold
 everything the group acknowledged. Only they may campaign. A group whose key does not
 exist yet is new: any member may lead it, and the first leader writes the key with
-itself alone, in a txn that cannot overwrite a key written meanwhile. After that only
+itself alone in the txn that makes it leader (``campaign_puts``), which cannot
+overwrite a key written meanwhile. After that only
 the leader changes it (``write_in_sync``), in a txn that holds only while the leader
 key is still the one it created (its create_revision is the leader's epoch): a leader
 that lost its key can no longer change who may succeed it.
@@ -63,16 +64,6 @@ async def write_in_sync(
     return result.succeeded
 
 
-async def claim_new_group(etcd: EtcdClient, keys: GroupKeys, epoch: int, member_id: str) -> bool:
-    """Write the in-sync set of a new group: ``[member_id]``, only if the key does not
-    exist and the leader key is still at ``epoch``. Returns whether it was written."""
-    result = await etcd.txn(
-        [Compare.create_revision(keys.in_sync, 0), Compare.create_revision(keys.leader, epoch)],
-        [Put(keys.in_sync, encode_members([member_id]))],
-    )
-    return result.succeeded
-
-
 class InSyncSet:
     """The in-sync set as last read from etcd, for the election's hooks (see the module
     docstring). Run ``run()`` in a nursery; until its first read nobody is eligible."""
@@ -95,6 +86,15 @@ class InSyncSet:
     def campaign_compares(self) -> list[Compare]:
         """The campaign holds only if the key is still the one ``eligible`` judged."""
         return [Compare.mod_revision(self.keys.in_sync, self.mod_revision)]
+
+    def campaign_puts(self) -> list[Put]:
+        """A new group's first leader writes the set, with itself alone, in the txn that
+        makes it leader: were it written after, a leader that died in between would
+        leave a group whose every member may lead, though it may have acknowledged
+        records (under ``ack = "leader"``) that no other member holds."""
+        if self.members is not None:
+            return []
+        return [Put(self.keys.in_sync, encode_members([self.member_id]))]
 
     def _take(self, kv: KeyValue | None) -> None:
         if kv is None:

@@ -20,9 +20,8 @@ import trio
 from delayd.cluster.config import ClusterConfig
 from delayd.cluster.election import GroupMember
 from delayd.cluster.etcd import EtcdClient
-from delayd.cluster.in_sync import InSyncSet, claim_new_group
+from delayd.cluster.in_sync import InSyncSet
 from delayd.cluster.members import GroupKeys, MemberInfo, Role, View
-from delayd.errors import EtcdError
 from delayd.protocol.redirect import not_leader_reason
 
 log = logging.getLogger(__name__)
@@ -120,6 +119,7 @@ class Membership:
                 lease_ttl_ms=config.lease_ttl_ms,
                 eligible=in_sync.eligible,
                 campaign_compares=in_sync.campaign_compares,
+                campaign_puts=in_sync.campaign_puts,
                 on_change=self._on_change,
             )
             log.info(
@@ -134,28 +134,5 @@ class Membership:
             async with trio.open_nursery() as nursery:
                 await nursery.start(in_sync.run)
                 await nursery.start(self.member.run)
-                nursery.start_soon(self._claim_new_group, etcd, in_sync)
                 task_status.started()
                 self._started = True
-
-    async def _claim_new_group(self, etcd: EtcdClient, in_sync: InSyncSet) -> None:
-        """The first leader of a new group writes the in-sync set with itself alone."""
-        member = self.member
-        assert member is not None
-        while True:
-            epoch = member.epoch
-            if member.role is Role.LEADER and in_sync.loaded and in_sync.members is None:
-                assert epoch is not None
-                try:
-                    if await claim_new_group(etcd, self.keys, epoch, member.info.member_id):
-                        log.info(
-                            "group %s: new group, in-sync set is [%s]",
-                            self.keys.group,
-                            member.info.member_id,
-                        )
-                except EtcdError as exc:
-                    log.warning("group %s: could not write in_sync: %s", self.keys.group, exc)
-                    await trio.sleep(0.1)
-                    continue
-            with trio.move_on_after(member.lease_ttl_ms / 3000):
-                await self.wait_change()
