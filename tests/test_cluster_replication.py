@@ -1,8 +1,9 @@
 """The data path wired into ``delayd serve`` (docs/replication.md), with real processes
-and a real etcd: a follower holds the leader's message_log byte for byte once sends
-and cancels are acknowledged (ack = sync), takes over after a kill -9 of the leader and
-delivers every acknowledged message once, not early, and none it answered CANCELLED;
-the old leader comes back as a follower and copies what the group wrote meanwhile."""
+and a real etcd: a follower holds the leader's message_log byte for byte once sends,
+cancels and reschedules are acknowledged (ack = sync), takes over after a kill -9 of the
+leader and delivers every acknowledged message once, not early (nor before the time a
+reschedule moved it to), and none it answered CANCELLED; the old leader comes back as a
+follower and copies what the group wrote meanwhile."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ pytestmark = pytest.mark.slow
 
 COUNT = 200
 DELAY_MS = 6_000  # due after the kill and the takeover: the new leader delivers them all
+MOVE_MS = 3_000  # rescheduled this much later: delivered early if the move were lost
 
 
 def sync_env() -> dict[str, str]:
@@ -43,6 +45,14 @@ def message_log_bytes(data_dir: Path) -> bytes:
     directory = Path(layout.message_log_dir(str(data_dir)))
     segments = sorted(p for p in directory.iterdir() if p.name.isdigit())
     return b"".join(p.read_bytes() for p in segments)
+
+
+def dispatch_log_bytes(data_dir: Path) -> bytes:
+    """Every dispatch_log bucket file, in order, concatenated."""
+    directory = Path(layout.dispatch_log_dir(str(data_dir)))
+    if not directory.exists():
+        return b""
+    return b"".join(p.read_bytes() for p in sorted(directory.iterdir()))
 
 
 def sync_group(tmp_path: Path, etcd_url: str) -> Group:
@@ -93,15 +103,23 @@ def test_the_follower_copies_takes_over_after_kill_9_and_the_old_leader_follows(
         history = History()
         send_all(f"{addr(a.address)},{addr(b.address)}", history, "m", COUNT)
         cancelled = {f"m-{i}" for i in range(0, COUNT, 20)}
+        moved = {f"m-{i}" for i in range(10, COUNT, 20)}
         with delayd.Producer(addr(a.address), timeout_s=10) as producer:
             for message_id in sorted(cancelled):
                 receipt = producer.cancel(message_id)
                 assert receipt.cancelled, receipt
                 history.cancel(message_id, "CANCELLED")
+            for message_id in sorted(moved):
+                receipt = producer.reschedule(message_id, delay_ms=DELAY_MS + MOVE_MS)
+                assert receipt.rescheduled, receipt
+                history.reschedule(message_id, "RESCHEDULED", receipt.at_ms)
         # Acknowledged under ack = sync: the follower has every byte durable already.
         copied = message_log_bytes(b.data_dir)
         assert copied == message_log_bytes(a.data_dir)
         assert copied.count(b"m-199") == 1 and copied.count(b"m-180") == 2  # and its cancel
+        # Follower mode: the follower derived the tombstones and decided none of them.
+        assert dispatch_log_bytes(a.data_dir) != b""  # the leader's CANCELLED, RESCHEDULED
+        assert dispatch_log_bytes(b.data_dir) == b""
         shown = stats(a)
         assert shown["replication.in_sync_followers"] == 1
         assert shown["replication.acked_offset_bytes"] == len(copied)
@@ -113,6 +131,9 @@ def test_the_follower_copies_takes_over_after_kill_9_and_the_old_leader_follows(
 
         a.kill()
         wait_until(lambda: group.leader_id() == member_id(b), 10, "the follower leads")
+        # The follower derived the tombstones only; promoted, it decided them again.
+        took_over = f"{len(cancelled) + len(moved)} cancels and reschedules decided again"
+        wait_until(lambda: took_over in b.log_path.read_text(), 10, "the new leader takes over")
         # A producer's retry across the failover: the copied id is held, not stored again.
         with delayd.Producer(addr(b.address), timeout_s=10) as producer:
             retry = producer.send("orders", b"x" * 50, message_id="m-7", delay_ms=DELAY_MS)

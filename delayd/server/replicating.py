@@ -223,11 +223,9 @@ class GroupReplication:
         assert member is not None
         # Copied records become durable in the follower's own flushes: the replayer
         # looks for them (notify comes from intake, which a follower has none of).
-        # FOLLOWER MODE PLUGS IN HERE: the replayer runs as at a restart, so a
-        # replayed cancel or reschedule writes its own dispatch_log entry (the
-        # canceller) — the only record of it here while dispatch_log is not shipped.
-        # Once it is, the replayer's follower mode derives schedule_log, the id index
-        # and known ids only, and switches back in _lead.
+        # ``on_following`` puts the replayer in follower mode (it derives schedule_log,
+        # the id index and known ids, and decides no tombstone); ``on_promoted`` has
+        # the canceller decide them again before intake and delivery resume.
         if self.on_following is not None:
             self.on_following()
         self.replayer.poll_interval_s = FOLLOWER_POLL_S
