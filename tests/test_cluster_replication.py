@@ -17,7 +17,11 @@ import trio
 
 import delayd
 from delayd.logs import layout
+from delayd.logs.dispatch_log import EntryKind, decode_records
 from delayd.protocol import Error, ErrorCode, Message, SendBatch, Stats, StatsResult
+from storage.errors import StorageError
+from storage.fs import O_READ, REAL_FS
+from storage.scan import BadFrame, scan_frames
 from tests.delivery_support import consume, now_ms
 from tests.etcd_support import EtcdProxy, EtcdServer
 from tests.fault_checker import History, check
@@ -53,6 +57,24 @@ def dispatch_log_bytes(data_dir: Path) -> bytes:
     if not directory.exists():
         return b""
     return b"".join(p.read_bytes() for p in sorted(directory.iterdir()))
+
+
+def dispatched(data_dir: Path) -> int:
+    """How many DISPATCHED entries the member's dispatch_log holds (0 while a file
+    ends in a record still being written)."""
+    directory = Path(layout.dispatch_log_dir(str(data_dir)))
+    count = 0
+    for path in sorted(directory.iterdir()) if directory.exists() else ():
+        fd = REAL_FS.open(str(path), O_READ)
+        try:
+            records = scan_frames(REAL_FS, fd, str(path), 0, 0, REAL_FS.fsize(fd))
+            entries = decode_records(records, str(path))
+            count += sum(entry.kind is EntryKind.DISPATCHED for entry in entries)
+        except (BadFrame, StorageError):
+            return 0
+        finally:
+            REAL_FS.close(fd)
+    return count
 
 
 def sync_group(tmp_path: Path, etcd_url: str) -> Group:
@@ -117,9 +139,11 @@ def test_the_follower_copies_takes_over_after_kill_9_and_the_old_leader_follows(
         copied = message_log_bytes(b.data_dir)
         assert copied == message_log_bytes(a.data_dir)
         assert copied.count(b"m-199") == 1 and copied.count(b"m-180") == 2  # and its cancel
-        # Follower mode: the follower derived the tombstones and decided none of them.
-        assert dispatch_log_bytes(a.data_dir) != b""  # the leader's CANCELLED, RESCHEDULED
-        assert dispatch_log_bytes(b.data_dir) == b""
+        # A cancel or reschedule is answered once the entry that decided it is the
+        # group's: the follower holds the leader's dispatch_log (it wrote none itself).
+        decided = dispatch_log_bytes(a.data_dir)
+        assert decided != b""  # the leader's CANCELLED and RESCHEDULED entries
+        assert dispatch_log_bytes(b.data_dir) == decided
         shown = stats(a)
         assert shown["replication.in_sync_followers"] == 1
         assert shown["replication.acked_offset_bytes"] == len(copied)
@@ -329,3 +353,53 @@ async def test_a_leader_cut_from_etcd_follows_the_new_leader_in_process(
         assert a.proc is not None and a.proc.poll() is None  # the same process
     finally:
         await trio.to_thread.run_sync(group.close)
+
+
+def test_the_new_leader_does_not_deliver_again_what_the_old_one_delivered(
+    tmp_path: Path, etcd_server: EtcdServer
+):
+    """dispatch_log is shipped: the follower holds the leader's DISPATCHED entries, so
+    after a kill -9 of the leader it delivers only what the old one had not. Its own
+    broker never held the old leader's messages: no broker's dedupe can hide a resend."""
+    group = sync_group(tmp_path, etcd_server.url)
+    try:
+        a, b = group.start_pair()
+        both = {member_id(a), member_id(b)}
+        in_set = lambda: state(group.etcd_url, group.name).in_sync == both  # noqa: E731
+        wait_until(in_set, 10, "the follower joins the in-sync set")
+        history = History()
+        early = 30
+        with delayd.Producer(addr(a.address), timeout_s=10) as producer:
+            for i in range(early):
+                history.sent(f"d-{i}", now_ms() + 300)
+                receipt = producer.send("orders", b"d", message_id=f"d-{i}", delay_ms=300)
+                assert receipt.ok, receipt
+                history.acked(f"d-{i}", receipt.due_ms)
+        assert a.broker_address is not None
+        delivered = consume(a.broker_address, early, timeout_s=10)
+        history.seen_all(r.sighting("check", committed=True) for r in delivered)
+        # The leader's DISPATCHED entries, durable, reach the follower byte for byte.
+        copied = lambda: dispatched(b.data_dir) == early  # noqa: E731
+        wait_until(copied, 10, "the follower has the leader's dispatch_log")
+        assert dispatch_log_bytes(b.data_dir) == dispatch_log_bytes(a.data_dir)
+
+        a.kill()
+        wait_until(lambda: group.leader_id() == member_id(b), 10, "the follower leads")
+        a.start()  # acks of the new leader wait for a follower (min_in_sync = 1)
+        wait_until(
+            lambda: state(group.etcd_url, group.name).role_of(member_id(a)) == "follower",
+            10,
+            "the old leader follows",
+        )
+        later = 10
+        send_all(addr(b.address), history, "e", later)
+        assert b.broker_address is not None
+        received = consume(b.broker_address, later, timeout_s=30)
+        history.seen_all(r.sighting("check", committed=True) for r in received)
+        assert sorted(r.message_id for r in received) == sorted(f"e-{i}" for i in range(later))
+        wait_until(
+            lambda: dispatched(b.data_dir) == early + later, 10, "the new leader records its sends"
+        )
+        check(history, due_by_ms=now_ms()).assert_clean()
+    finally:
+        group.close()

@@ -510,10 +510,12 @@ class DelayServer:
             fs=self.delivery.fs,
             on_promoted=self._catch_up_intake,
             on_demoted=self._hold_intake,
-            on_following=self._ids_from_leader,
+            on_following=self._start_following,
             tls=self.tls,
+            dispatch_files=lambda: self.delivery.dispatch.files,
         )
         self.replication = replication
+        self.delivery.dispatch.on_durable = replication.grew
         self.writer.on_durable = replication.grew
         self.intake.replication = replication
         self._hold_intake()
@@ -533,6 +535,14 @@ class DelayServer:
         if self.intake.ids_ready.is_set():
             self.intake.ids_ready = trio.Event()
         self.delivery.derive_tombstones()
+
+    async def _start_following(self) -> None:
+        """Following: the ids copied from the leader (``_ids_from_leader``); delivery
+        stopped and its dispatch_log files closed, as the follower copies the
+        leader's into them."""
+        self._ids_from_leader()
+        await self._stop_delivery()
+        self.delivery.dispatch.forget_all()
 
     def _ids_from_leader(self) -> None:
         """Following: the replayer indexes ids intake never checked, which the id
@@ -708,6 +718,7 @@ class DelayServer:
         if not await self._promotion_waits("replayed", epoch):
             return False
         delivery = self.delivery
+        delivery.dispatch.forget_all()  # read again: copied from the old leader
         decided = await delivery.canceller.take_over(self.replayer)
         delivery.decide_tombstones()
         log.info("promoted at epoch %s: %d cancels and reschedules decided again", epoch, decided)
@@ -747,6 +758,8 @@ class DelayServer:
         delivery = Delivery(old.data_dir, config, self.replayer, targets, fs=old.fs)
         self.delivery = delivery
         delivery.derive_tombstones()  # until _take_over
+        if self.replication is not None:
+            delivery.dispatch.on_durable = self.replication.grew
         self.intake.canceller = delivery.canceller
         delivery.sender.refusals = self.refusals
         if self.pending is not None:
