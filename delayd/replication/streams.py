@@ -37,7 +37,9 @@ import trio
 from delayd.logs import layout
 from delayd.logs.bucket_files import BucketFiles
 from delayd.logs.buckets import parse_bucket_name
-from storage.fs import REAL_FS, FileSystem
+from storage.framing import HEADER_SIZE
+from storage.fs import O_READ, REAL_FS, FileSystem
+from storage.raw_frames import whole_frames
 from storage.record_file import RecordFile
 from storage.segmented_log import DEFAULT_SEGMENT_SIZE, SegmentedLog
 
@@ -178,11 +180,15 @@ class WrittenBucket:
         writer = self.files.opened(self.start_ms)
         if writer is not None:
             return writer.read_raw(offset, limit)
-        reader = RecordFile.open(self.path, fs=self.files.fs, trusted_end=end)
+        # Read only: opening a RecordFile would check (and could cut) the tail of a file
+        # the writer may be opening again in a worker thread.
+        fs = self.files.fs
+        fd = fs.open(self.path, O_READ)
         try:
-            return reader.read_raw(offset, limit)
+            data = fs.pread(fd, max(limit, HEADER_SIZE), offset)
+            return whole_frames(fs, fd, self.path, offset, end, data)
         finally:
-            reader.close()
+            fs.close(fd)
 
     def append_raw(self, offset: int, data: bytes) -> int:
         raise RuntimeError(f"{self.path} is the server's own: a leader never copies into it")
