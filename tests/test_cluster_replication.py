@@ -81,6 +81,15 @@ def sync_group(tmp_path: Path, etcd_url: str) -> Group:
     return Group(tmp_path, etcd_url, env=sync_env())
 
 
+def in_sync_pair(group: Group) -> tuple[ServeProcess, ServeProcess]:
+    """A leader and a follower of ``group``, the follower in the in-sync set."""
+    a, b = group.start_pair()
+    both = {member_id(a), member_id(b)}
+    in_set = lambda: state(group.etcd_url, group.name).in_sync == both  # noqa: E731
+    wait_until(in_set, 10, "the follower joins the in-sync set")
+    return a, b
+
+
 def stats(process: ServeProcess) -> dict:
     assert process.address is not None
     client = RawClient(process.address)
@@ -118,10 +127,7 @@ def test_the_follower_copies_takes_over_after_kill_9_and_the_old_leader_follows(
 ):
     group = sync_group(tmp_path, etcd_server.url)
     try:
-        a, b = group.start_pair()
-        both = {member_id(a), member_id(b)}
-        in_set = lambda: state(group.etcd_url, group.name).in_sync == both  # noqa: E731
-        wait_until(in_set, 10, "the follower joins the in-sync set")
+        a, b = in_sync_pair(group)
         history = History()
         send_all(f"{addr(a.address)},{addr(b.address)}", history, "m", COUNT)
         cancelled = {f"m-{i}" for i in range(0, COUNT, 20)}
@@ -363,10 +369,7 @@ def test_the_new_leader_does_not_deliver_again_what_the_old_one_delivered(
     broker never held the old leader's messages: no broker's dedupe can hide a resend."""
     group = sync_group(tmp_path, etcd_server.url)
     try:
-        a, b = group.start_pair()
-        both = {member_id(a), member_id(b)}
-        in_set = lambda: state(group.etcd_url, group.name).in_sync == both  # noqa: E731
-        wait_until(in_set, 10, "the follower joins the in-sync set")
+        a, b = in_sync_pair(group)
         history = History()
         early = 30
         with delayd.Producer(addr(a.address), timeout_s=10) as producer:
