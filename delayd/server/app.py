@@ -233,6 +233,10 @@ class DelayServer:
         # replayed (_catch_up_intake), then the canceller took over (_take_over).
         self._promotion_epochs: dict[str, int | None] = {"replayed": None, "taken_over": None}
         self._promotion_moved = trio.Event()
+        # Set while no take-over or delivery runs (_deliver_while_leading): a follower
+        # copies the leader's dispatch_log only then.
+        self._delivery_done = trio.Event()
+        self._delivery_done.set()
         # Metrics that read the logs, only when someone can scrape them: the pending
         # count adds a call per replayed record and a start-up count.
         self.pending: PendingTracker | None = None
@@ -537,11 +541,12 @@ class DelayServer:
         self.delivery.derive_tombstones()
 
     async def _start_following(self) -> None:
-        """Following: the ids copied from the leader (``_ids_from_leader``); delivery
-        stopped and its dispatch_log files closed, as the follower copies the
+        """Following: the ids copied from the leader (``_ids_from_leader``); once
+        delivery and the take-over stopped (the delivery loop stops them when the member
+        no longer leads), their dispatch_log files closed: the follower copies the
         leader's into them."""
         self._ids_from_leader()
-        await self._stop_delivery()
+        await self._delivery_done.wait()  # no task writes dispatch_log any more
         self.delivery.dispatch.forget_all()
 
     def _ids_from_leader(self) -> None:
@@ -689,26 +694,35 @@ class DelayServer:
         while True:
             while not membership.may_lead():
                 await membership.wait_change()
-            if led_before:
-                self._renew_delivery()
-            led_before = True
-            view = membership.view
-            if not await self._take_over(view.epoch):
-                continue
-            log.info("leading group %s at epoch %s: delivering", membership.keys.group, view.epoch)
-            async with trio.open_nursery() as delivering:
-                await delivering.start(self.delivery.run)
-                if self.retention is not None:
-                    await delivering.start(self.retention.run)
-                while membership.may_lead():
-                    await membership.wait_change()
-                log.info(
-                    "no longer leading group %s (%s): stopping delivery",
-                    membership.keys.group,
-                    membership.view.role.name.lower(),
-                )
-                await self._stop_delivery()
-                delivering.cancel_scope.cancel()
+            self._delivery_done = trio.Event()
+            try:
+                if led_before:
+                    self._renew_delivery()
+                led_before = True
+                await self._deliver_at(membership.view.epoch)
+            finally:
+                self._delivery_done.set()
+
+    async def _deliver_at(self, epoch: int | None) -> None:
+        """Take over, then deliver until the member no longer leads (``epoch``)."""
+        membership = self.membership
+        assert membership is not None
+        if not await self._take_over(epoch):
+            return
+        log.info("leading group %s at epoch %s: delivering", membership.keys.group, epoch)
+        async with trio.open_nursery() as delivering:
+            await delivering.start(self.delivery.run)
+            if self.retention is not None:
+                await delivering.start(self.retention.run)
+            while membership.may_lead():
+                await membership.wait_change()
+            log.info(
+                "no longer leading group %s (%s): stopping delivery",
+                membership.keys.group,
+                membership.view.role.name.lower(),
+            )
+            await self._stop_delivery()
+            delivering.cancel_scope.cancel()
 
     async def _take_over(self, epoch: int | None) -> bool:
         """Promoted at ``epoch``: once what was copied is replayed, the canceller
