@@ -1,8 +1,9 @@
 """The data path wired into ``delayd serve`` (docs/replication.md), with real processes
-and a real etcd: a follower holds the leader's message_log byte for byte once sends
-and cancels are acknowledged (ack = sync), takes over after a kill -9 of the leader and
-delivers every acknowledged message once, not early, and none it answered CANCELLED;
-the old leader comes back as a follower and copies what the group wrote meanwhile."""
+and a real etcd: a follower holds the leader's message_log byte for byte once sends,
+cancels and reschedules are acknowledged (ack = sync), takes over after a kill -9 of the
+leader and delivers every acknowledged message once, not early (nor before the time a
+reschedule moved it to), and none it answered CANCELLED; the old leader comes back as a
+follower and copies what the group wrote meanwhile."""
 
 from __future__ import annotations
 
@@ -16,7 +17,11 @@ import trio
 
 import delayd
 from delayd.logs import layout
+from delayd.logs.dispatch_log import EntryKind, decode_records
 from delayd.protocol import Error, ErrorCode, Message, SendBatch, Stats, StatsResult
+from storage.errors import StorageError
+from storage.fs import O_READ, REAL_FS
+from storage.scan import BadFrame, scan_frames
 from tests.delivery_support import consume, now_ms
 from tests.etcd_support import EtcdProxy, EtcdServer
 from tests.fault_checker import History, check
@@ -27,6 +32,7 @@ pytestmark = pytest.mark.slow
 
 COUNT = 200
 DELAY_MS = 6_000  # due after the kill and the takeover: the new leader delivers them all
+MOVE_MS = 3_000  # rescheduled this much later: delivered early if the move were lost
 
 
 def sync_env() -> dict[str, str]:
@@ -45,8 +51,43 @@ def message_log_bytes(data_dir: Path) -> bytes:
     return b"".join(p.read_bytes() for p in segments)
 
 
+def dispatch_log_bytes(data_dir: Path) -> bytes:
+    """Every dispatch_log bucket file, in order, concatenated."""
+    directory = Path(layout.dispatch_log_dir(str(data_dir)))
+    if not directory.exists():
+        return b""
+    return b"".join(p.read_bytes() for p in sorted(directory.iterdir()))
+
+
+def dispatched(data_dir: Path) -> int:
+    """How many DISPATCHED entries the member's dispatch_log holds (0 while a file
+    ends in a record still being written)."""
+    directory = Path(layout.dispatch_log_dir(str(data_dir)))
+    count = 0
+    for path in sorted(directory.iterdir()) if directory.exists() else ():
+        fd = REAL_FS.open(str(path), O_READ)
+        try:
+            records = scan_frames(REAL_FS, fd, str(path), 0, 0, REAL_FS.fsize(fd))
+            entries = decode_records(records, str(path))
+            count += sum(entry.kind is EntryKind.DISPATCHED for entry in entries)
+        except (BadFrame, StorageError):
+            return 0
+        finally:
+            REAL_FS.close(fd)
+    return count
+
+
 def sync_group(tmp_path: Path, etcd_url: str) -> Group:
     return Group(tmp_path, etcd_url, env=sync_env())
+
+
+def in_sync_pair(group: Group) -> tuple[ServeProcess, ServeProcess]:
+    """A leader and a follower of ``group``, the follower in the in-sync set."""
+    a, b = group.start_pair()
+    both = {member_id(a), member_id(b)}
+    in_set = lambda: state(group.etcd_url, group.name).in_sync == both  # noqa: E731
+    wait_until(in_set, 10, "the follower joins the in-sync set")
+    return a, b
 
 
 def stats(process: ServeProcess) -> dict:
@@ -86,22 +127,29 @@ def test_the_follower_copies_takes_over_after_kill_9_and_the_old_leader_follows(
 ):
     group = sync_group(tmp_path, etcd_server.url)
     try:
-        a, b = group.start_pair()
-        both = {member_id(a), member_id(b)}
-        in_set = lambda: state(group.etcd_url, group.name).in_sync == both  # noqa: E731
-        wait_until(in_set, 10, "the follower joins the in-sync set")
+        a, b = in_sync_pair(group)
         history = History()
         send_all(f"{addr(a.address)},{addr(b.address)}", history, "m", COUNT)
         cancelled = {f"m-{i}" for i in range(0, COUNT, 20)}
+        moved = {f"m-{i}" for i in range(10, COUNT, 20)}
         with delayd.Producer(addr(a.address), timeout_s=10) as producer:
             for message_id in sorted(cancelled):
                 receipt = producer.cancel(message_id)
                 assert receipt.cancelled, receipt
                 history.cancel(message_id, "CANCELLED")
+            for message_id in sorted(moved):
+                receipt = producer.reschedule(message_id, delay_ms=DELAY_MS + MOVE_MS)
+                assert receipt.rescheduled, receipt
+                history.reschedule(message_id, "RESCHEDULED", receipt.at_ms)
         # Acknowledged under ack = sync: the follower has every byte durable already.
         copied = message_log_bytes(b.data_dir)
         assert copied == message_log_bytes(a.data_dir)
         assert copied.count(b"m-199") == 1 and copied.count(b"m-180") == 2  # and its cancel
+        # A cancel or reschedule is answered once the entry that decided it is the
+        # group's: the follower holds the leader's dispatch_log (it wrote none itself).
+        decided = dispatch_log_bytes(a.data_dir)
+        assert decided != b""  # the leader's CANCELLED and RESCHEDULED entries
+        assert dispatch_log_bytes(b.data_dir) == decided
         shown = stats(a)
         assert shown["replication.in_sync_followers"] == 1
         assert shown["replication.acked_offset_bytes"] == len(copied)
@@ -113,6 +161,9 @@ def test_the_follower_copies_takes_over_after_kill_9_and_the_old_leader_follows(
 
         a.kill()
         wait_until(lambda: group.leader_id() == member_id(b), 10, "the follower leads")
+        # The follower derived the tombstones only; promoted, it decided them again.
+        took_over = f"{len(cancelled) + len(moved)} cancels and reschedules decided again"
+        wait_until(lambda: took_over in b.log_path.read_text(), 10, "the new leader takes over")
         # A producer's retry across the failover: the copied id is held, not stored again.
         with delayd.Producer(addr(b.address), timeout_s=10) as producer:
             retry = producer.send("orders", b"x" * 50, message_id="m-7", delay_ms=DELAY_MS)
@@ -308,3 +359,50 @@ async def test_a_leader_cut_from_etcd_follows_the_new_leader_in_process(
         assert a.proc is not None and a.proc.poll() is None  # the same process
     finally:
         await trio.to_thread.run_sync(group.close)
+
+
+def test_the_new_leader_does_not_deliver_again_what_the_old_one_delivered(
+    tmp_path: Path, etcd_server: EtcdServer
+):
+    """dispatch_log is shipped: the follower holds the leader's DISPATCHED entries, so
+    after a kill -9 of the leader it delivers only what the old one had not. Its own
+    broker never held the old leader's messages: no broker's dedupe can hide a resend."""
+    group = sync_group(tmp_path, etcd_server.url)
+    try:
+        a, b = in_sync_pair(group)
+        history = History()
+        early = 30
+        with delayd.Producer(addr(a.address), timeout_s=10) as producer:
+            for i in range(early):
+                history.sent(f"d-{i}", now_ms() + 300)
+                receipt = producer.send("orders", b"d", message_id=f"d-{i}", delay_ms=300)
+                assert receipt.ok, receipt
+                history.acked(f"d-{i}", receipt.due_ms)
+        assert a.broker_address is not None
+        delivered = consume(a.broker_address, early, timeout_s=10)
+        history.seen_all(r.sighting("check", committed=True) for r in delivered)
+        # The leader's DISPATCHED entries, durable, reach the follower byte for byte.
+        copied = lambda: dispatched(b.data_dir) == early  # noqa: E731
+        wait_until(copied, 10, "the follower has the leader's dispatch_log")
+        assert dispatch_log_bytes(b.data_dir) == dispatch_log_bytes(a.data_dir)
+
+        a.kill()
+        wait_until(lambda: group.leader_id() == member_id(b), 10, "the follower leads")
+        a.start()  # acks of the new leader wait for a follower (min_in_sync = 1)
+        wait_until(
+            lambda: state(group.etcd_url, group.name).role_of(member_id(a)) == "follower",
+            10,
+            "the old leader follows",
+        )
+        later = 10
+        send_all(addr(b.address), history, "e", later)
+        assert b.broker_address is not None
+        received = consume(b.broker_address, later, timeout_s=30)
+        history.seen_all(r.sighting("check", committed=True) for r in received)
+        assert sorted(r.message_id for r in received) == sorted(f"e-{i}" for i in range(later))
+        wait_until(
+            lambda: dispatched(b.data_dir) == early + later, 10, "the new leader records its sends"
+        )
+        check(history, due_by_ms=now_ms()).assert_clean()
+    finally:
+        group.close()

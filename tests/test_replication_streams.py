@@ -11,6 +11,8 @@ import pytest
 import trio
 
 from delayd.logs import layout, message_log
+from delayd.logs.dispatch_files import DispatchFiles
+from delayd.logs.dispatch_log import EntryKind
 from delayd.logs.message_log import MessageRecord
 from delayd.replay import open_replayer
 from delayd.replication.streams import (
@@ -50,6 +52,35 @@ def test_streams_list_message_log_then_buckets_in_time_order(tmp_path: Path) -> 
         }
     finally:
         reopened.close()
+
+
+def test_a_leader_sends_the_servers_dispatch_log_only_as_far_as_it_is_durable(
+    tmp_path: Path,
+) -> None:
+    """Shared with the server's writer: its open file, bounded by what it flushed (a
+    follower must never hold an entry the leader could lose); a closed file whole."""
+    data_dir = str(tmp_path)
+    dispatch = DispatchFiles(layout.dispatch_log_dir(data_dir), max_open=1)
+    streams = DelayStreams(data_dir)
+    try:
+        streams.share_dispatch(lambda: dispatch.files)
+        name = dispatch_stream("202611221000")  # T's bucket
+        dispatch.record(T, EntryKind.DISPATCHED, [0, 41], T, b"")
+        assert streams.names() == [MESSAGE_LOG, name]
+        bucket = streams.find(name)
+        assert bucket is not None
+        assert bucket.end_offset == 0 and bucket.read_raw(0, 1 << 20) == b""  # not flushed
+        dispatch.flush()
+        written = dispatch.files.get(T).read_raw(0, 1 << 20)
+        assert bucket.end_offset == len(written) > 0
+        assert bucket.read_raw(0, 1 << 20) == written
+        dispatch.record(T + 60_000, EntryKind.CANCELLED, [0], T, b"")  # evicts T's file
+        assert not dispatch.files.is_open(T)
+        assert bucket.read_raw(0, 1 << 20) == written
+        assert streams.find(dispatch_stream("202611221545")) is None  # no such file
+    finally:
+        streams.close()
+        dispatch.close()
 
 
 @pytest.mark.parametrize("name", ["schedule_log/202611221530", "dispatch_log/2026", "../x"])

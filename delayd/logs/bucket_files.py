@@ -114,6 +114,12 @@ class BucketFiles:
         self._open[start_ms] = record_file
         return record_file
 
+    def opened(self, start_ms: int) -> RecordFile | None:
+        """The bucket's RecordFile if it is open now (in the LRU or retired), else None;
+        unlike ``get`` it neither opens a file nor changes the LRU's order."""
+        record_file = self._open.get(start_ms)
+        return record_file if record_file is not None else self._retired.get(start_ms)
+
     def size(self, start_ms: int) -> int:
         """The bucket file's length on disk (0 when it has none)."""
         return self._size(self.path(start_ms))

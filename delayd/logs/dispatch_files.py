@@ -9,7 +9,7 @@ open is also where ``state`` reads what the file says, for recovery.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from delayd.logs.bucket_files import BucketFiles
 from delayd.logs.dispatch_log import (
@@ -52,6 +52,9 @@ class DispatchFiles:
         self.files = BucketFiles(directory, fs=fs, max_open=max_open, max_retired=max_retired)
         self._checked: set[int] = set()  # buckets whose file this process has scanned
         self.entries_written = 0
+        # Called on the event loop after a flush made entries durable (a group's leader
+        # then sends them to its followers: delayd.replication.streams).
+        self.on_durable: Callable[[], object] | None = None
 
     def _file(self, bucket_ms: int):
         if bucket_ms in self._checked:
@@ -93,6 +96,12 @@ class DispatchFiles:
         that it was checked: a file of that name created later is new."""
         self.files.close_bucket(bucket_ms)
         self._checked.discard(bucket_ms)
+
+    def forget_all(self) -> None:
+        """Flush and close every file and forget which were checked: the files may have
+        been written by someone else meanwhile (a follower copying the leader's)."""
+        self.files.close()
+        self._checked.clear()
 
     @property
     def dirty(self) -> bool:

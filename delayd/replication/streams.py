@@ -29,13 +29,17 @@ leader waiting in ``wait_growth`` sends the new records at once, without polling
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Protocol
 
 import trio
 
 from delayd.logs import layout
+from delayd.logs.bucket_files import BucketFiles
 from delayd.logs.buckets import parse_bucket_name
-from storage.fs import REAL_FS, FileSystem
+from storage.framing import HEADER_SIZE
+from storage.fs import O_READ, REAL_FS, FileSystem
+from storage.raw_frames import whole_frames
 from storage.record_file import RecordFile
 from storage.segmented_log import DEFAULT_SEGMENT_SIZE, SegmentedLog
 
@@ -145,13 +149,70 @@ class StreamSet:
         """Close what this object opened itself."""
 
 
+class WrittenBucket:
+    """A dispatch_log bucket file the server itself writes, as its group's leader sends
+    it: through the writer's open RecordFile when it has one, and only as far as the
+    writer made it durable (a follower must never hold an entry the leader could still
+    lose); a file the writer closed was flushed first, so all of it. Read only."""
+
+    def __init__(self, files: BucketFiles, start_ms: int) -> None:
+        self.files = files
+        self.start_ms = start_ms
+        self.path = files.path(start_ms)
+
+    @property
+    def end_offset(self) -> int:
+        writer = self.files.opened(self.start_ms)
+        if writer is not None:
+            return writer.durable_offset
+        return self.files.size(self.start_ms)
+
+    @property
+    def durable_offset(self) -> int:
+        return self.end_offset
+
+    def read_raw(self, offset: int, max_bytes: int) -> bytes:
+        end = self.end_offset
+        if offset >= end:
+            return b""
+        # Whole records below the durable end only: it is a record boundary.
+        limit = min(max_bytes, end - offset)
+        writer = self.files.opened(self.start_ms)
+        if writer is not None:
+            return writer.read_raw(offset, limit)
+        # Read only: opening a RecordFile would check (and could cut) the tail of a file
+        # the writer may be opening again in a worker thread.
+        fs = self.files.fs
+        fd = fs.open(self.path, O_READ)
+        try:
+            data = fs.pread(fd, max(limit, HEADER_SIZE), offset)
+            return whole_frames(fs, fd, self.path, offset, end, data)
+        finally:
+            fs.close(fd)
+
+    def append_raw(self, offset: int, data: bytes) -> int:
+        raise RuntimeError(f"{self.path} is the server's own: a leader never copies into it")
+
+    def flush(self) -> int:
+        return self.durable_offset  # the writer's flushes make it durable
+
+    def truncate(self, offset: int) -> None:
+        raise RuntimeError(f"{self.path} is the server's own: a leader never cuts it")
+
+    def close(self) -> None:
+        """Nothing to close: the writer's files are the writer's."""
+
+
 class DelayStreams(StreamSet):
     """The streams of the data directory ``data_dir``, opened on first use.
 
     ``message_log``: the server's own SegmentedLog when it has one open (then this
     object does not close it); else it is opened here with ``segment_size``.
     ``with_dispatch_log`` False: message_log is the only stream (the server's
-    DispatchFiles keep the bucket files to themselves).
+    DispatchFiles keep the bucket files to themselves). With it, the bucket files are
+    this object's own (a follower copies into them) until ``share_dispatch``: then
+    they are read through the server's writer (``WrittenBucket``), as a leader sends
+    them.
     One trio thread uses it; flushes run on that thread too (a follower's group
     commit calls ``flush_all`` in a worker thread while nothing appends).
     """
@@ -177,6 +238,17 @@ class DelayStreams(StreamSet):
         self.message_log = message_log
         self._buckets: dict[str, RecordFile] = {}
         self._dispatch_dir = layout.dispatch_log_dir(data_dir)
+        self._written: Callable[[], BucketFiles] | None = None  # share_dispatch's
+
+    def share_dispatch(self, files: Callable[[], BucketFiles] | None) -> None:
+        """Read the dispatch_log buckets through the server's writer, ``files()`` (its
+        BucketFiles of the moment), as a leader does; None: copy into files of this
+        object's own, as a follower does. Either way the copies opened before are
+        closed: the writer opens and checks the files again itself."""
+        for bucket in self._buckets.values():
+            bucket.close()
+        self._buckets.clear()
+        self._written = files
 
     # ------------------------------------------------------------------ the set
 
@@ -198,12 +270,24 @@ class DelayStreams(StreamSet):
         receiving a bucket's first records). Raises ValueError for a bad name."""
         if name == MESSAGE_LOG:
             return self.message_log
+        if self._written is not None:
+            check_stream_name(name)
+            return WrittenBucket(self._written(), parse_bucket_name(name[len(DISPATCH_PREFIX) :]))
         bucket = self._buckets.get(name)
         if bucket is None:
             check_stream_name(name)
             path = os.path.join(self._dispatch_dir, name[len(DISPATCH_PREFIX) :])
             bucket = self._buckets[name] = RecordFile.open(path, fs=self.fs)
         return bucket
+
+    def find(self, name: str) -> Stream | None:
+        if self._written is not None and name != MESSAGE_LOG:
+            bucket = self.get(name)
+            assert isinstance(bucket, WrittenBucket)
+            if not bucket.files.exists(bucket.start_ms):
+                return None  # deleted by retention since it was listed
+            return bucket
+        return self.get(name)
 
     def _opened(self) -> list[tuple[str, Stream]]:
         return [(MESSAGE_LOG, self.message_log), *self._buckets.items()]

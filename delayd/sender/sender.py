@@ -571,6 +571,8 @@ class Sender:
                 async with self.dispatch_lock:
                     if self.dispatch.dirty:
                         await trio.to_thread.run_sync(self.dispatch.flush)
+                        if self.dispatch.on_durable is not None:
+                            self.dispatch.on_durable()
                 self._flushes_done = number
             finally:
                 self._flush_running = None

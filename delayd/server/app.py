@@ -199,6 +199,8 @@ class DelayServer:
             from delayd.serving.membership import Membership
 
             self.membership = Membership(config.cluster)
+            # Follower mode until a promotion's take-over: replay decides nothing.
+            delivery.derive_tombstones()
         self.replication: GroupReplication | None = None  # built in run (its listener)
         self.listener = IntakeListener(
             self._connection, ConnectionGate("intake", config.connection_limits), tls
@@ -227,6 +229,14 @@ class DelayServer:
         self._ids_copies = 0  # times following began
         self._ids_caught_up = trio.Event()
         self._rebuild_id_filter: Callable[[], object] | None = None  # while one waits
+        # A promotion's stages, by the epoch they were reached at: what was copied is
+        # replayed (_catch_up_intake), then the canceller took over (_take_over).
+        self._promotion_epochs: dict[str, int | None] = {"replayed": None, "taken_over": None}
+        self._promotion_moved = trio.Event()
+        # Set while no take-over or delivery runs (_deliver_while_leading): a follower
+        # copies the leader's dispatch_log only then.
+        self._delivery_done = trio.Event()
+        self._delivery_done.set()
         # Metrics that read the logs, only when someone can scrape them: the pending
         # count adds a call per replayed record and a start-up count.
         self.pending: PendingTracker | None = None
@@ -504,10 +514,12 @@ class DelayServer:
             fs=self.delivery.fs,
             on_promoted=self._catch_up_intake,
             on_demoted=self._hold_intake,
-            on_following=self._ids_from_leader,
+            on_following=self._start_following,
             tls=self.tls,
+            dispatch_files=lambda: self.delivery.dispatch.files,
         )
         self.replication = replication
+        self.delivery.dispatch.on_durable = replication.grew
         self.writer.on_durable = replication.grew
         self.intake.replication = replication
         self._hold_intake()
@@ -522,14 +534,26 @@ class DelayServer:
         return replication.leader or replication.follower
 
     def _hold_intake(self) -> None:
-        """Until the next promotion's catch-up, intake takes nothing (make_room waits)."""
+        """Until the next promotion's catch-up, intake takes nothing (make_room waits),
+        and replay decides no tombstone (follower mode: the leader decides)."""
         if self.intake.ids_ready.is_set():
             self.intake.ids_ready = trio.Event()
+        self.delivery.derive_tombstones()
+
+    async def _start_following(self) -> None:
+        """Following: the ids copied from the leader (``_ids_from_leader``); once
+        delivery and the take-over stopped (the delivery loop stops them when the member
+        no longer leads), their dispatch_log files closed: the follower copies the
+        leader's into them."""
+        self._ids_from_leader()
+        await self._delivery_done.wait()  # no task writes dispatch_log any more
+        self.delivery.dispatch.forget_all()
 
     def _ids_from_leader(self) -> None:
         """Following: the replayer indexes ids intake never checked, which the id
         filter does not hold. Cold (every id looked up in the index) until a filter
         built after them is in place (``_keep_id_filter``, after ``_catch_up_intake``)."""
+        self.delivery.derive_tombstones()
         if self.known is not None:
             self.known.warm = False
         self._ids_copies += 1
@@ -538,13 +562,18 @@ class DelayServer:
             self._ids_caught_up = trio.Event()
 
     async def _catch_up_intake(self) -> None:
-        """Promoted: replay what was copied, number new messages after it, let intake
-        in. The id index then holds every id the group acknowledged (DUPLICATE for a
-        producer's retry across the failover)."""
+        """Promoted: replay what was copied, wait for the canceller to take over
+        (``_take_over``), number new messages after it, let intake in. The id index
+        then holds every id the group acknowledged (DUPLICATE for a producer's retry
+        across the failover). Intake stays held if the member stops leading first."""
         replayer = self.replayer
+        epoch = self.membership.view.epoch if self.membership is not None else None
         await self.writer.flush()  # copied records the follower had not flushed yet
         while replayer.position < self.message_log.durable_offset:
             await trio.sleep(0.005)
+        self._promotion_reached("replayed", epoch)
+        if not await self._promotion_waits("taken_over", epoch):
+            return
         self.receiver.resume_after(replayer.next_sequence)
         if self._ids_copying:
             self._ids_copying = False
@@ -665,24 +694,67 @@ class DelayServer:
         while True:
             while not membership.may_lead():
                 await membership.wait_change()
-            if led_before:
-                self._renew_delivery()
-            led_before = True
-            view = membership.view
-            log.info("leading group %s at epoch %s: delivering", membership.keys.group, view.epoch)
-            async with trio.open_nursery() as delivering:
-                await delivering.start(self.delivery.run)
-                if self.retention is not None:
-                    await delivering.start(self.retention.run)
-                while membership.may_lead():
-                    await membership.wait_change()
-                log.info(
-                    "no longer leading group %s (%s): stopping delivery",
-                    membership.keys.group,
-                    membership.view.role.name.lower(),
-                )
-                await self._stop_delivery()
-                delivering.cancel_scope.cancel()
+            self._delivery_done = trio.Event()
+            try:
+                if led_before:
+                    self._renew_delivery()
+                led_before = True
+                await self._deliver_at(membership.view.epoch)
+            finally:
+                self._delivery_done.set()
+
+    async def _deliver_at(self, epoch: int | None) -> None:
+        """Take over, then deliver until the member no longer leads (``epoch``)."""
+        membership = self.membership
+        assert membership is not None
+        if not await self._take_over(epoch):
+            return
+        log.info("leading group %s at epoch %s: delivering", membership.keys.group, epoch)
+        async with trio.open_nursery() as delivering:
+            await delivering.start(self.delivery.run)
+            if self.retention is not None:
+                await delivering.start(self.retention.run)
+            while membership.may_lead():
+                await membership.wait_change()
+            log.info(
+                "no longer leading group %s (%s): stopping delivery",
+                membership.keys.group,
+                membership.view.role.name.lower(),
+            )
+            await self._stop_delivery()
+            delivering.cancel_scope.cancel()
+
+    async def _take_over(self, epoch: int | None) -> bool:
+        """Promoted at ``epoch``: once what was copied is replayed, the canceller
+        decides every tombstone again (``Canceller.take_over``: the follower derived
+        them only), then decides those replayed from now on; intake and delivery wait
+        for this. False if the member stopped leading at ``epoch`` first."""
+        if not await self._promotion_waits("replayed", epoch):
+            return False
+        delivery = self.delivery
+        delivery.dispatch.forget_all()  # read again: copied from the old leader
+        decided = await delivery.canceller.take_over(self.replayer)
+        delivery.decide_tombstones()
+        log.info("promoted at epoch %s: %d cancels and reschedules decided again", epoch, decided)
+        self._promotion_reached("taken_over", epoch)
+        return True
+
+    def _promotion_reached(self, stage: str, epoch: int | None) -> None:
+        self._promotion_epochs[stage] = epoch
+        self._promotion_moved.set()
+        self._promotion_moved = trio.Event()
+
+    async def _promotion_waits(self, stage: str, epoch: int | None) -> bool:
+        """Wait until the promotion at ``epoch`` reached ``stage``; False as soon as
+        the member may no longer lead at ``epoch``."""
+        membership = self.membership
+        assert membership is not None
+        while self._promotion_epochs[stage] != epoch:
+            if not membership.may_lead() or membership.view.epoch != epoch:
+                return False
+            with trio.move_on_after(0.05):
+                await self._promotion_moved.wait()
+        return True
 
     async def _stop_delivery(self) -> None:
         """Stop delivery once, however many ask (a demotion during the shutdown)."""
@@ -699,6 +771,9 @@ class DelayServer:
         targets = build_targets(config, self.broker)
         delivery = Delivery(old.data_dir, config, self.replayer, targets, fs=old.fs)
         self.delivery = delivery
+        delivery.derive_tombstones()  # until _take_over
+        if self.replication is not None:
+            delivery.dispatch.on_durable = self.replication.grew
         self.intake.canceller = delivery.canceller
         delivery.sender.refusals = self.refusals
         if self.pending is not None:

@@ -103,9 +103,22 @@ class Delivery:
             clock=self.now_ms,
             earlier_end=replayer.log.end_offset,  # built before intake takes anything
         )
-        replayer.on_tombstones = self.canceller.on_tombstones
-        replayer.before_checkpoint = self.canceller.before_checkpoint
+        self.replayer = replayer
+        self.decide_tombstones()
         self.running = False
+
+    def decide_tombstones(self) -> None:
+        """The replayer hands tombstones to this delivery's canceller (a leader, a
+        server of no group)."""
+        self.replayer.on_tombstones = self.canceller.on_tombstones
+        self.replayer.before_checkpoint = self.canceller.before_checkpoint
+
+    def derive_tombstones(self) -> None:
+        """The replayer derives what tombstones put in schedule_log and the id index
+        and decides nothing (a follower: the leader decides, ``Canceller.take_over``
+        decides again at a promotion)."""
+        self.replayer.on_tombstones = None
+        self.replayer.before_checkpoint = None
 
     def now_ms(self) -> int:
         """The ticker's clock once ``run`` has set its origin; the wall clock before

@@ -225,3 +225,10 @@ class IntakePath:
         self.replayer.notify(0)
         assert self.canceller is not None
         await self.canceller.wait_all(answers)
+        # The dispatch_log entries that decided them are durable: the group's too.
+        replication = self.replication
+        if replication is not None and not await replication.wait_dispatch_acknowledged():
+            raise NotAcknowledged(
+                "this member stopped leading its group before the group acknowledged "
+                "what decided the cancel or reschedule"
+            )

@@ -1,18 +1,17 @@
 """A delay group member's data path (docs/replication.md): as leader it serves its
-message_log to the followers and holds acks until the group has the records; as
-follower it copies the leader's message_log and replays it as a restart would.
+message_log and dispatch_log to the followers and holds acks until the group has the
+records; as follower it copies the leader's and replays message_log in follower mode
+(deriving, deciding no tombstone).
 
 ``GroupReplication.run`` follows the member's role: at each promotion a ``Leader`` at
 the member's epoch on the replication listener, at each demotion (or when the leader
 changes) a ``Follower`` of the leader named in etcd's leader key. The streams are the
 server's own open message_log (one object: the leader reads what intake appends, the
-follower appends where the replayer reads); the LogWriter's fsyncs call ``grew``.
-
-The dispatch_log buckets are not shipped yet: the server's DispatchFiles keep their own
-bucket files open (and close and delete them), so a second reader would not see their
-growth. A promoted follower therefore delivers from the schedule_log it derived, with
-no record of what the old leader delivered: a message due before the failover may be
-delivered again (the broker answers a resend of an id it holds DUPLICATE).
+follower appends where the replayer reads); the LogWriter's fsyncs call ``grew``. The
+dispatch_log buckets a leader sends through the server's writer (``dispatch_files``,
+never past its durable end; its flushes call ``grew``); a follower copies into files of
+its own, closed again at a promotion so that the writer opens the copies: a promoted
+member does not deliver again what the old leader recorded delivered.
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ from delayd.address import parse_address
 from delayd.cluster.config import AckMode, ClusterConfig
 from delayd.cluster.members import Role
 from delayd.errors import EtcdError
+from delayd.logs.bucket_files import BucketFiles
 from delayd.replay import Replayer
 from delayd.replication import (
     MESSAGE_LOG,
@@ -65,8 +65,9 @@ class GroupReplication:
         fs: FileSystem = REAL_FS,
         on_promoted: Callable[[], Awaitable[object]] | None = None,
         on_demoted: Callable[[], object] | None = None,
-        on_following: Callable[[], object] | None = None,
+        on_following: Callable[[], Awaitable[object]] | None = None,
         tls: ServerTls | None = None,
+        dispatch_files: Callable[[], BucketFiles] | None = None,
     ) -> None:
         self.data_dir = data_dir
         self.tls = tls  # the server's listeners' TLS: the replication listener's too
@@ -78,8 +79,13 @@ class GroupReplication:
         self._leader_poll_s = replayer.poll_interval_s  # intake notifies it, or the policy's
         self.membership = membership
         self.config = config
+        # The server's dispatch_log writer of the moment: what a leader sends from.
+        self.dispatch_files = dispatch_files
         self.streams = DelayStreams(
-            data_dir, message_log=message_log, fs=fs, with_dispatch_log=False
+            data_dir,
+            message_log=message_log,
+            fs=fs,
+            with_dispatch_log=dispatch_files is not None,
         )
         self.history = EpochHistory.open_in(data_dir, fs)
         self.leader: Leader | None = None
@@ -111,8 +117,22 @@ class GroupReplication:
 
     # ------------------------------------------------------------------ acks
 
-    async def wait_acknowledged(self, offset: int) -> bool:
-        """Whether the group acknowledged message_log up to ``offset`` (``ack``: sync —
+    async def wait_dispatch_acknowledged(self) -> bool:
+        """Whether the group acknowledged every dispatch_log bucket up to what is
+        durable here now (``wait_acknowledged``'s rules): a cancel's or reschedule's
+        entry, made durable before, is then the group's."""
+        if self.config.ack is AckMode.LEADER or not self.streams.with_dispatch_log:
+            return True
+        targets = {
+            name: end for name, end in self.streams.durable_ends().items() if name != MESSAGE_LOG
+        }
+        for name, end in targets.items():
+            if not await self.wait_acknowledged(end, stream=name):
+                return False
+        return True
+
+    async def wait_acknowledged(self, offset: int, *, stream: str = MESSAGE_LOG) -> bool:
+        """Whether the group acknowledged ``stream`` up to ``offset`` (``ack``: sync —
         the in-sync followers have it durable too; leader — at once). False as soon as
         this member may no longer lead at the epoch it led when called: a member that
         followed meanwhile may have cut and refilled those offsets."""
@@ -126,7 +146,7 @@ class GroupReplication:
                     await self.membership.wait_change()
                 continue
             try:
-                await leader.wait_acknowledged(MESSAGE_LOG, offset)
+                await leader.wait_acknowledged(stream, offset)
                 return True
             except LeaderStopped:
                 await trio.sleep(0.01)  # the role loop starts the next one, or demotes
@@ -156,6 +176,8 @@ class GroupReplication:
         assert member is not None and self.membership.in_sync is not None
         me = member.info.member_id
         persisted = self.membership.in_sync.members or frozenset()
+        # The buckets copied as a follower are closed: the server's writer opens them.
+        self.streams.share_dispatch(self.dispatch_files)
 
         async def on_in_sync_change(followers: frozenset[str]) -> None:
             # Persisted before it counts for acks (a shrink), or before the follower
@@ -223,13 +245,13 @@ class GroupReplication:
         assert member is not None
         # Copied records become durable in the follower's own flushes: the replayer
         # looks for them (notify comes from intake, which a follower has none of).
-        # FOLLOWER MODE PLUGS IN HERE: the replayer runs as at a restart, so a
-        # replayed cancel or reschedule writes its own dispatch_log entry (the
-        # canceller) — the only record of it here while dispatch_log is not shipped.
-        # Once it is, the replayer's follower mode derives schedule_log, the id index
-        # and known ids only, and switches back in _lead.
+        # ``on_following`` puts the replayer in follower mode (it derives schedule_log,
+        # the id index and known ids, and decides no tombstone); ``on_promoted`` has
+        # the canceller decide them again before intake and delivery resume.
         if self.on_following is not None:
-            self.on_following()
+            # Delivery stopped and its dispatch_log files closed before any is copied.
+            await self.on_following()
+        self.streams.share_dispatch(None)
         self.replayer.poll_interval_s = FOLLOWER_POLL_S
         self.replayer.notify(0)  # it may be waiting for intake, with no deadline
         follower = Follower(
