@@ -73,6 +73,10 @@ class Membership:
         leader = self.view.leader
         if leader is None:
             return None
+        if self.member is not None and leader.member_id == self.member.info.member_id:
+            # This member, refusing: it stepped down (its lease is no longer trusted)
+            # before its view caught up. Naming itself would send the client back here.
+            return None
         return getattr(leader, listener if listener in ("broker", "http") else "intake") or None
 
     def refusal(self, listener: str) -> str:
