@@ -8,6 +8,7 @@ partition. After each run the checker (tests/fault_checker.py) must count 0 lost
 from __future__ import annotations
 
 import itertools
+import json
 import random
 import time
 from pathlib import Path
@@ -95,6 +96,14 @@ class Load:
             consumer.stop()
         report = check(self.history(), due_by_ms=last_due_ms)
         print(report.summary())
+        if not report.clean:
+            # The evidence, in the failure's output: the recorded events of each
+            # offending id (the histories under tmp_path do not outlive a CI run).
+            offenders = {*report.lost, *report.early, *report.twice, *report.cancel_violated}
+            for process in [*self.producers, *self.consumers]:
+                for event in process.events():
+                    if event.get("id") in offenders:
+                        print(process.history.stem, json.dumps(event))
         report.assert_clean()
         return report
 
