@@ -13,7 +13,9 @@ message a consumer received and whether its commit landed. ``check`` counts:
   ``dispatched_ms``) or stored by the broker (``stored_ms``) before its due time less
   ``skew_ms``. The due time is the one the
   server answered, moved by every RESCHEDULED answer (a reschedule whose answer never
-  came allows either time, so the earlier one counts); for a send never answered, its
+  came allows either time, so the earlier one counts; so does one answered
+  ALREADY_DELIVERED, which may be the answer to a resend of a request an earlier
+  attempt carried out); for a send never answered, its
   earliest possible due time (the client's clock at sending plus the delay). Hosts in
   network namespaces share one kernel clock, so tests there use ``skew_ms = 0``;
   separate machines need their clock error here.
@@ -118,6 +120,12 @@ class History:
             fate.moves.append(due_ms)
         elif outcome is None:
             fate.in_doubt = True
+            fate.unanswered_moves.append(due_ms)
+        elif outcome == "ALREADY_DELIVERED":
+            # The client sends a request again when its answer was lost (a server
+            # killed after deciding it): an earlier attempt of this very call may have
+            # moved the message, which then went out at ``due_ms`` before the resend
+            # was answered. So ``due_ms`` is a time it may have been due at.
             fate.unanswered_moves.append(due_ms)
 
     # --- what consumers saw ---------------------------------------------------------------
