@@ -17,8 +17,8 @@ import argparse
 import json
 import sys
 
-from delayd.cli.args import add_server_options, client_tls
-from delayd.client import Producer
+from delayd.cli.args import add_server_options
+from delayd.cli.producing import producer_for
 from delayd.errors import DelaydError
 from delayd.timestamps import format_utc
 
@@ -39,13 +39,7 @@ def answer_json(message_id: str, outcome: str, dispatched_ms: int | None) -> str
 
 def run(args: argparse.Namespace) -> int:
     try:
-        with Producer(
-            args.server,
-            token=args.token,
-            tls=client_tls(args),
-            timeout_s=args.timeout,
-            retry_first_connect=False,
-        ) as producer:
+        with producer_for(args) as producer:
             receipt = producer.cancel(args.message_id)
     except (DelaydError, ValueError) as exc:
         print(f"delayd cancel: {exc}", file=sys.stderr)

@@ -18,10 +18,10 @@ import argparse
 import json
 import sys
 
-from delayd.cli.args import add_server_options, client_tls
+from delayd.cli.args import add_server_options
 from delayd.cli.cancel import EXIT_NOT_DONE
+from delayd.cli.producing import producer_for
 from delayd.cli.send import add_when_options
-from delayd.client import Producer
 from delayd.errors import DelaydError
 from delayd.timestamps import format_utc
 
@@ -34,13 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        with Producer(
-            args.server,
-            token=args.token,
-            tls=client_tls(args),
-            timeout_s=args.timeout,
-            retry_first_connect=False,
-        ) as producer:
+        with producer_for(args) as producer:
             receipt = producer.reschedule(args.message_id, at_ms=args.at, delay_ms=args.delay)
     except (DelaydError, ValueError) as exc:
         print(f"delayd reschedule: {exc}", file=sys.stderr)

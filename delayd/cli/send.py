@@ -21,8 +21,9 @@ import json
 import sys
 from typing import Any
 
-from delayd.cli.args import add_server_options, client_tls, duration_ms, utc_time_ms
-from delayd.client import Producer, Receipt
+from delayd.cli.args import add_server_options, duration_ms, utc_time_ms
+from delayd.cli.producing import producer_for
+from delayd.client import Receipt
 from delayd.errors import DelaydError
 from delayd.timestamps import format_utc
 
@@ -80,13 +81,7 @@ def run(args: argparse.Namespace) -> int:
         properties[name] = value
     body = sys.stdin.buffer.read() if args.body == "-" else args.body.encode()
     try:
-        with Producer(
-            args.server,
-            token=args.token,
-            tls=client_tls(args),
-            timeout_s=args.timeout,
-            retry_first_connect=False,
-        ) as producer:
+        with producer_for(args) as producer:
             receipt = producer.send(
                 args.subject,
                 body,
