@@ -6,7 +6,11 @@ The forms (docs/clients.md, "Addresses"):
 - ``HOST:PORT,HOST:PORT,...``: the members of a group; the client talks to the one that
   leads and follows its NOT_LEADER answers;
 - ``etcd://HOST:PORT[,HOST:PORT...]/GROUP``: a group whose members and leader are read
-  from etcd (at those endpoints, over ``http``).
+  from etcd (at those endpoints, over ``http``);
+- ``etcd://HOST:PORT[,...]/CLUSTER/GROUP``: the same, in the cluster named CLUSTER;
+- ``etcd://HOST:PORT[,...]/*`` and ``etcd://HOST:PORT[,...]/CLUSTER/*``: every group of
+  the cluster (the default one, or CLUSTER): a producer spreads its messages over the
+  delay groups, a consumer reads from every broker group (docs/cluster.md).
 
 Parsed here only; imports nothing from delayd but the address rule, so every layer may
 use it.
@@ -20,18 +24,31 @@ from dataclasses import dataclass
 from delayd.address import EXAMPLES, parse_address
 
 ETCD_SCHEME = "etcd://"
-_GROUP = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+EVERY_GROUP = "*"
 FORMS = f'{EXAMPLES}, a member list "h1:20801,h2:20801" or "etcd://127.0.0.1:2379/GROUP"'
+ETCD_FORMS = (
+    "etcd://127.0.0.1:2379/GROUP, etcd://127.0.0.1:2379/CLUSTER/GROUP, "
+    "or * for every group: etcd://127.0.0.1:2379/* (names: letters, digits, '.', '_', '-')"
+)
 
 
 @dataclass(frozen=True, slots=True)
 class GroupAddress:
     """Where to find a server: ``members`` (``host:port`` texts, as written; one for a
-    single server), or ``etcd`` endpoint URLs and the ``group`` to look up there."""
+    single server), or ``etcd`` endpoint URLs and the ``group`` to look up there, in the
+    cluster named ``cluster`` ("" the default one); ``group`` is ``EVERY_GROUP`` for the
+    whole cluster."""
 
     members: tuple[str, ...] = ()
     etcd: tuple[str, ...] = ()
     group: str = ""
+    cluster: str = ""
+
+    @property
+    def whole_cluster(self) -> bool:
+        """Every group of the cluster rather than one (``etcd://HOST:PORT/*``)."""
+        return bool(self.etcd) and self.group == EVERY_GROUP
 
     @property
     def single(self) -> str | None:
@@ -41,7 +58,8 @@ class GroupAddress:
     def __str__(self) -> str:
         if self.etcd:
             hosts = ",".join(url.removeprefix("http://") for url in self.etcd)
-            return f"{ETCD_SCHEME}{hosts}/{self.group}"
+            path = f"{self.cluster}/{self.group}" if self.cluster else self.group
+            return f"{ETCD_SCHEME}{hosts}/{path}"
         return ",".join(self.members)
 
 
@@ -67,12 +85,15 @@ def parse_group_address(text: str) -> GroupAddress:
 
 
 def _etcd(text: str) -> GroupAddress:
-    hosts, slash, group = text.removeprefix(ETCD_SCHEME).partition("/")
-    if not slash or not _GROUP.fullmatch(group):
-        raise ValueError(
-            f"address {text!r}: name the group after the etcd endpoints, as in "
-            "etcd://127.0.0.1:2379/GROUP (letters, digits, '.', '_', '-')"
-        )
+    hosts, slash, path = text.removeprefix(ETCD_SCHEME).partition("/")
+    *clusters, group = path.split("/")
+    if (
+        not slash
+        or len(clusters) > 1
+        or not all(_NAME.fullmatch(name) for name in clusters)
+        or not (group == EVERY_GROUP or _NAME.fullmatch(group))
+    ):
+        raise ValueError(f"address {text!r}: name the group after the etcd endpoints: {ETCD_FORMS}")
     endpoints = []
     for host in hosts.split(","):
         try:
@@ -80,4 +101,4 @@ def _etcd(text: str) -> GroupAddress:
         except ValueError as exc:
             raise ValueError(f"address {text!r}: etcd endpoint: {exc}") from None
         endpoints.append(f"http://{host.strip()}")
-    return GroupAddress(etcd=tuple(endpoints), group=group)
+    return GroupAddress(etcd=tuple(endpoints), group=group, cluster="".join(clusters))

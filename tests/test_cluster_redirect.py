@@ -17,6 +17,7 @@ from delayd.client._backoff import Backoff
 from delayd.client._blocking_session import BlockingSession
 from delayd.client._leader import LeaderFinder
 from delayd.cluster.config import ClusterConfig, cluster_from_environment
+from delayd.cluster.members import cluster_prefix
 from delayd.errors import NotLeaderError, RejectedError, UnreachableError
 from delayd.group_address import GroupAddress, parse_group_address
 from delayd.protocol import (
@@ -70,6 +71,33 @@ def test_address_forms():
     etcd = parse_group_address("etcd://10.0.0.9:2379,10.0.0.8:2379/orders")
     assert etcd.etcd == ("http://10.0.0.9:2379", "http://10.0.0.8:2379")
     assert etcd.group == "orders" and str(etcd) == "etcd://10.0.0.9:2379,10.0.0.8:2379/orders"
+    assert etcd.cluster == "" and not etcd.whole_cluster
+
+
+def test_cluster_address_forms():
+    named = parse_group_address("etcd://10.0.0.9:2379/prod/orders")
+    assert (named.cluster, named.group, named.whole_cluster) == ("prod", "orders", False)
+    assert str(named) == "etcd://10.0.0.9:2379/prod/orders"
+    every = parse_group_address("etcd://10.0.0.9:2379/*")
+    assert (every.cluster, every.group, every.whole_cluster) == ("", "*", True)
+    every_prod = parse_group_address("etcd://10.0.0.9:2379/prod/*")
+    assert every_prod.whole_cluster and every_prod.cluster == "prod"
+    assert str(every_prod) == "etcd://10.0.0.9:2379/prod/*"
+
+
+def test_a_one_group_client_refuses_a_whole_cluster_address():
+    with pytest.raises(ValueError, match="names every group of a cluster"):
+        delayd.Producer("etcd://10.0.0.9:2379/*")
+
+
+def test_cluster_names_map_to_key_prefixes():
+    assert cluster_prefix("") == "/delayd"
+    assert cluster_prefix("prod") == "/delayd/clusters/prod"
+    with pytest.raises(ValueError, match="cluster name 'a/b'"):
+        cluster_prefix("a/b")
+    assert ClusterConfig(name="prod").prefix == "/delayd/clusters/prod"
+    with pytest.raises(ValueError, match=r"cluster\.name"):
+        ClusterConfig(name="*")
 
 
 @pytest.mark.parametrize(
@@ -80,6 +108,9 @@ def test_address_forms():
         ("etcd://10.0.0.9:2379", "name the group"),
         ("etcd://10.0.0.9:2379/", "name the group"),
         ("etcd://10.0.0.9/g", "etcd endpoint"),
+        ("etcd://10.0.0.9:2379/a/b/c", "name the group"),
+        ("etcd://10.0.0.9:2379/*/g", "name the group"),
+        ("etcd://10.0.0.9:2379/prod/", "name the group"),
         ("h1", "has no port"),
     ],
 )

@@ -22,6 +22,7 @@ import delayd
 from delayd.cluster.etcd import EtcdClient
 from delayd.cluster.group_state import GroupState, lookup_group
 from delayd.cluster.members import DEFAULT_PREFIX, GroupKeys, MemberInfo
+from delayd.group_address import GroupAddress
 from delayd.protocol import (
     Cancel,
     CommitOffset,
@@ -66,7 +67,7 @@ def member_id(process: ServeProcess) -> str:
 
 
 def state(etcd_url: str, group: str) -> GroupState:
-    return trio.run(lookup_group, (etcd_url,), group)
+    return trio.run(lookup_group, GroupAddress(etcd=(etcd_url,), group=group))
 
 
 def wait_until(check: Callable[[], bool], timeout_s: float, what: str) -> float:
@@ -300,6 +301,33 @@ def test_cluster_status_shows_the_group(group: Group):
     ).stdout  # fmt: skip
     assert f"group {group.name}: leader {member_id(leader)}" in text
     assert f"in sync: {', '.join(sorted([member_id(leader), member_id(follower)]))}" in text
+
+
+def test_a_group_of_a_named_cluster_is_found_under_that_cluster(
+    tmp_path: Path, etcd_server: EtcdServer
+):
+    name = f"g{uuid.uuid4().hex[:10]}"
+    server = ServeProcess(
+        tmp_path / "a", "--etcd", etcd_server.url, "--group", name, "--cluster", "prod",
+        env=member_env(), http_listen="off",
+    ).start()  # fmt: skip
+    try:
+        endpoint = etcd_server.url.removeprefix("http://")
+        with delayd.Producer(f"etcd://{endpoint}/prod/{name}", timeout_s=20) as producer:
+            assert producer.send("t", b"x", delay_ms=60_000, message_id="m1").message_id == "m1"
+
+        def status(*args: str) -> list[str]:
+            done = subprocess.run(
+                [*DELAYD, "cluster", "status", "--etcd", etcd_server.url, "--json", *args],
+                cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=30,
+                check=True,
+            )  # fmt: skip
+            return [g["group"] for g in json.loads(done.stdout)["groups"]]
+
+        assert name in status("--cluster", "prod")
+        assert name not in status()  # the default cluster's groups
+    finally:
+        server.close()
 
 
 async def test_a_leader_cut_from_etcd_stops_acknowledging(

@@ -60,8 +60,9 @@ def etcd_endpoints(text: str) -> tuple[str, ...]:
 
 
 def add_cluster_options(parser: argparse.ArgumentParser) -> None:
-    """``--etcd``, ``--group`` and ``--advertise`` of a server that may join a group
-    (docs/replication.md); without ``--etcd`` it runs alone."""
+    """``--etcd``, ``--group``, ``--advertise`` and ``--cluster`` of a server that may
+    join a group (docs/replication.md, docs/cluster.md); without ``--etcd`` it runs
+    alone."""
     parser.add_argument(
         "--etcd", type=etcd_endpoints, metavar="URL[,URL]",
         help="etcd's client URLs: join the group --group (default: [cluster] etcd; none: "
@@ -74,6 +75,11 @@ def add_cluster_options(parser: argparse.ArgumentParser) -> None:
         "--advertise", metavar="HOST",
         help="the host other members and clients reach this server at (default: the "
         "listen host, which must then not be a wildcard)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--cluster", metavar="NAME",
+        help="the cluster the group belongs to ([cluster] name; default: the default "
+        "cluster)",
     )  # fmt: skip
 
 

@@ -28,17 +28,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="etcd's client URLs",
     )  # fmt: skip
     status.add_argument("--group", metavar="NAME", help="only this group")
-    status.add_argument("--prefix", default="/delayd", help="the groups' key prefix in etcd")
+    status.add_argument(
+        "--cluster", metavar="NAME", default="",
+        help="the cluster's groups (default: the default cluster)",
+    )  # fmt: skip
+    status.add_argument("--prefix", help="the groups' key prefix in etcd (default: the cluster's)")
     status.add_argument("--json", action="store_true", help="one JSON object on stdout")
 
 
 def run(args: argparse.Namespace) -> int:
     import trio
 
+    from delayd.cluster.members import cluster_prefix
     from delayd.errors import EtcdError
 
     try:
-        groups = trio.run(_read, args.etcd, args.prefix, args.group)
+        prefix = args.prefix or cluster_prefix(args.cluster)
+        groups = trio.run(_read, args.etcd, prefix, args.group)
     except (EtcdError, ValueError) as exc:
         print(f"delayd cluster status: {exc}", file=sys.stderr)
         return 1

@@ -80,7 +80,7 @@ class AsyncSession(SessionBase[AsyncLink]):
 
         target = self.finder.target
         try:
-            self.learned(await lookup_group(target.etcd, target.group))
+            self.learned(await lookup_group(target))
             if self.finder.needs_lookup:
                 raise LookupError(f"etcd lists no member of group {target.group}")
         except (EtcdError, LookupError) as exc:

@@ -77,7 +77,7 @@ class BlockingSession(SessionBase[BlockingLink]):
 
         target = self.finder.target
         try:
-            self.learned(trio.run(lookup_group, target.etcd, target.group))
+            self.learned(trio.run(lookup_group, target))
             if self.finder.needs_lookup:
                 raise LookupError(f"etcd lists no member of group {target.group}")
         except (EtcdError, LookupError) as exc:

@@ -59,7 +59,13 @@ class SessionBase(Generic[LinkT]):
         listener: str = "intake",
         tls: ClientTls | None = None,
     ) -> None:
-        self.finder = LeaderFinder(parse_group_address(addr))
+        target = parse_group_address(addr)
+        if target.whole_cluster:
+            raise ValueError(
+                f"{addr!r} names every group of a cluster; this client talks to one group: "
+                "name it (etcd://HOST:PORT/GROUP)"
+            )
+        self.finder = LeaderFinder(target)
         self.addr = addr
         self._tls = tls
         if tls is not None:

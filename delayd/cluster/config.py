@@ -15,7 +15,7 @@ from typing import Any
 
 from delayd.address import Address, format_address, parse_address
 from delayd.cluster.lease_guard import DEFAULT_LEASE_TTL_MS, check_lease_ttl_ms
-from delayd.cluster.members import DEFAULT_PREFIX, check_name
+from delayd.cluster.members import DEFAULT_PREFIX, check_name, cluster_prefix
 
 DEFAULT_SERVE_REPLICATION_PORT = 20870
 DEFAULT_BROKER_REPLICATION_PORT = 20871
@@ -34,6 +34,8 @@ class ClusterConfig:
     """The ``[cluster]`` table; ``etcd`` empty: no group (the server runs alone).
 
     ``replication_listen`` None: the default port on the listen host (``resolved``).
+    ``name``: the cluster the group belongs to ("" the default one); its groups' keys
+    live under ``prefix`` (``cluster_prefix``; docs/cluster.md).
     """
 
     etcd: tuple[str, ...] = ()
@@ -44,11 +46,17 @@ class ClusterConfig:
     min_in_sync: int = 1
     replication_listen: Address | None = None
     prefix: str = DEFAULT_PREFIX
+    name: str = ""
 
     def __post_init__(self) -> None:
         """Raises ValueError naming the key; only when ``etcd`` is given are the group
         keys required."""
         object.__setattr__(self, "ack", AckMode(self.ack))
+        if self.name:
+            try:
+                object.__setattr__(self, "prefix", cluster_prefix(self.name))
+            except ValueError as exc:
+                raise ValueError(f"cluster.name: {exc}") from None
         for url in self.etcd:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"cluster.etcd: {url!r} is not a URL; write http://{url}")
@@ -152,19 +160,33 @@ def cluster_from_table(
 
 
 CLUSTER_KEYS = frozenset(
-    {"etcd", "group", "advertise", "lease_ttl_ms", "ack", "min_in_sync", "replication_listen"}
+    {
+        "etcd",
+        "group",
+        "advertise",
+        "lease_ttl_ms",
+        "ack",
+        "min_in_sync",
+        "replication_listen",
+        "name",
+    }
 )
-CLUSTER_STRING_KEYS = frozenset({"etcd", "group", "advertise", "ack", "replication_listen"})
+CLUSTER_STRING_KEYS = frozenset({"etcd", "group", "advertise", "ack", "replication_listen", "name"})
 
 
 def cluster_with_flags(config: ClusterConfig, flags: object) -> ClusterConfig:
-    """``config`` with the ``--etcd``, ``--group`` and ``--advertise`` flags given (the
-    attributes ``etcd``, ``group``, ``advertise`` of ``flags`` that are not None).
-    Raises ValueError as ClusterConfig does."""
+    """``config`` with the ``--etcd``, ``--group``, ``--advertise`` and ``--cluster``
+    flags given (the attributes ``etcd``, ``group``, ``advertise``, ``cluster`` of
+    ``flags`` that are not None). Raises ValueError as ClusterConfig does."""
     changes = {
-        name: getattr(flags, name)
-        for name in ("etcd", "group", "advertise")
-        if getattr(flags, name, None) is not None
+        key: getattr(flags, flag)
+        for flag, key in (
+            ("etcd", "etcd"),
+            ("group", "group"),
+            ("advertise", "advertise"),
+            ("cluster", "name"),
+        )
+        if getattr(flags, flag, None) is not None
     }
     return dataclasses.replace(config, **changes) if changes else config
 

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 from delayd.cluster.etcd import EtcdClient, KeyValue
 from delayd.cluster.in_sync import decode_members
-from delayd.cluster.members import DEFAULT_PREFIX, GroupKeys, MemberInfo
+from delayd.cluster.members import DEFAULT_PREFIX, GroupKeys, MemberInfo, cluster_prefix
+from delayd.group_address import GroupAddress
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +25,17 @@ class GroupState:
     leader: MemberInfo | None
     epoch: int | None
     in_sync: frozenset[str] | None
+
+    @property
+    def is_delay_group(self) -> bool:
+        """Its members take messages to schedule (delay servers, with an intake)."""
+        return any(member.intake for member in self.members)
+
+    @property
+    def holds_broker(self) -> bool:
+        """Its members serve a broker: a standalone broker group, or a delay group's
+        embedded brokers."""
+        return any(member.broker for member in self.members)
 
     def role_of(self, member_id: str) -> str:
         """``leader`` or ``follower`` (``candidate`` while nobody leads)."""
@@ -76,8 +88,8 @@ async def read_groups(etcd: EtcdClient, prefix: str = DEFAULT_PREFIX) -> list[Gr
     return [_state(group, GroupKeys(prefix, group), kvs) for group, kvs in sorted(by_group.items())]
 
 
-async def lookup_group(endpoints: tuple[str, ...], group: str) -> GroupState:
-    """``read_group`` over a client of its own at ``endpoints`` (works under trio and
-    asyncio: only the watch needs trio)."""
-    async with EtcdClient(endpoints) as etcd:
-        return await read_group(etcd, group)
+async def lookup_group(address: GroupAddress) -> GroupState:
+    """The group an ``etcd://`` address names, read over a client of its own at its
+    endpoints (works under trio and asyncio: only the watch needs trio)."""
+    async with EtcdClient(address.etcd) as etcd:
+        return await read_group(etcd, address.group, cluster_prefix(address.cluster))

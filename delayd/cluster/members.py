@@ -1,6 +1,7 @@
 """What a group keeps in etcd, and what a member concludes from it (pure, no I/O).
 
-Keys, for group ``G`` under ``prefix`` (``/delayd`` by default)::
+Keys, for group ``G`` under its cluster's ``prefix`` (``cluster_prefix``: ``/delayd`` for
+the default cluster, ``/delayd/clusters/NAME`` for the cluster NAME)::
 
     <prefix>/groups/G/members/<member_id>   MemberInfo JSON, on the member's lease
     <prefix>/groups/G/leader                the leader's MemberInfo JSON, on its lease
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from delayd.cluster.etcd import KeyValue
 
 DEFAULT_PREFIX = "/delayd"
+NAMED_CLUSTERS = f"{DEFAULT_PREFIX}/clusters"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
@@ -38,6 +40,15 @@ def check_name(kind: str, name: str) -> str:
             "starting with a letter or digit"
         )
     return name
+
+
+def cluster_prefix(cluster: str) -> str:
+    """The key prefix of the cluster named ``cluster``: every group of one cluster lives
+    under one prefix (docs/cluster.md). "" is the default cluster, ``/delayd``, where a
+    server without ``[cluster] name`` registers. Raises ValueError for a bad name."""
+    if not cluster:
+        return DEFAULT_PREFIX
+    return f"{NAMED_CLUSTERS}/{check_name('cluster name', cluster)}"
 
 
 class Role(enum.IntEnum):
