@@ -1,4 +1,5 @@
-"""Points in time as text: ISO-8601 with a UTC offset <-> epoch milliseconds.
+"""Points in time: the wall clock in epoch milliseconds, and as text (ISO-8601 with a
+UTC offset <-> epoch milliseconds).
 
 The one reading of a time for the command-line flags (``--at``, ``--as-of``), the
 audit and the HTTP API, and the one way the commands print one. A leaf: it imports
@@ -8,8 +9,15 @@ nothing from delayd.
 from __future__ import annotations
 
 import datetime as _dt
+import time
 
 EPOCH = _dt.datetime(1970, 1, 1, tzinfo=_dt.UTC)
+
+
+def wall_ms() -> int:
+    """The wall clock now, epoch milliseconds (UTC): receipt, due, store and
+    registration times."""
+    return time.time_ns() // 1_000_000
 
 
 def parse_utc_ms(text: str) -> int:

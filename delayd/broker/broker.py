@@ -49,6 +49,7 @@ from delayd.protocol.message_layout import (
     read_heads,
 )
 from delayd.protocol.primitives import MAX_STR_BYTES
+from delayd.timestamps import wall_ms
 from delayd.write_refusals import BROKER_COMMITLOG, CHECKPOINT, WriteRefusals
 from storage.errors import DiskFullError
 from storage.fs import REAL_FS, FileSystem
@@ -61,11 +62,6 @@ REFUSE_DELAYED = "this is the broker; send delayed messages (at_ms/delay_ms) to 
 
 MAX_CACHED_SUBJECTS = 10_000  # subjects known valid, to skip the regex per message
 _DELAY_BITS = MSG_AT_MS | MSG_DELAY_MS  # the broker refuses delayed messages
-
-
-def wall_ms() -> int:
-    """Epoch milliseconds (UTC): store times and the idempotency window."""
-    return time.time_ns() // 1_000_000
 
 
 def _check_name(what: str, value: str) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 
 import trio
 
@@ -26,6 +25,7 @@ from delayd.sender.sender import Sender
 from delayd.sender.targets import EmbeddedTarget, RemoteTarget, SendTarget
 from delayd.server.cancels import Canceller
 from delayd.server.config import ServeConfig
+from delayd.timestamps import wall_ms
 from delayd.wheel.manager import WheelManager
 from delayd.wheel.ticker import Ticker
 from delayd.wheel.timer import TimingWheel
@@ -35,10 +35,6 @@ from storage.fs import REAL_FS, FileSystem
 log = logging.getLogger(__name__)
 
 WHEEL_CHECKPOINT = "wheel"  # <data>/delay/checkpoint/wheel: the cursors, for operators
-
-
-def wall_clock_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 def build_targets(config: ServeConfig, broker: Broker) -> list[tuple[SendTarget, int]]:
@@ -69,7 +65,7 @@ class Delivery:
         self.data_dir = data_dir
         self.fs = fs
         schedule_dir = layout.schedule_log_dir(data_dir)
-        wheel = TimingWheel(wall_clock_ms(), tick_ms=config.wheel_tick_ms, slots=config.wheel_slots)
+        wheel = TimingWheel(wall_ms(), tick_ms=config.wheel_tick_ms, slots=config.wheel_slots)
         self.ticker = Ticker(wheel, precise=True)  # trio's real clock: see precise.py
         self.dispatch = DispatchFiles(layout.dispatch_log_dir(data_dir), fs=fs)
         self.dispatch_lock = trio.Lock()
@@ -123,7 +119,7 @@ class Delivery:
     def now_ms(self) -> int:
         """The ticker's clock once ``run`` has set its origin; the wall clock before
         (the canceller runs during the start-up replay, before delivery)."""
-        return self.ticker.now_ms() if self.ticker.origin_ms else wall_clock_ms()
+        return self.ticker.now_ms() if self.ticker.origin_ms else wall_ms()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run the sender, the ticker and the manager until cancelled."""
@@ -131,7 +127,7 @@ class Delivery:
         # Rounded down (floor of the wall clock, ceil of trio's, read after it), so the
         # ticker never runs ahead of the wall clock: with round() it could be up to
         # 0.5 ms ahead, and a broker stamped messages with a store_ms 1 ms before due.
-        self.ticker.origin_ms = wall_clock_ms() - math.ceil(trio.current_time() * 1000)
+        self.ticker.origin_ms = wall_ms() - math.ceil(trio.current_time() * 1000)
         async with trio.open_nursery() as nursery:
             await nursery.start(self.sender.run)
             await nursery.start(self.ticker.run, self.sender.on_due)

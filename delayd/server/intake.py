@@ -25,7 +25,6 @@ resolution writes too).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -37,6 +36,7 @@ from delayd.logs.message_log import TYPE_MESSAGE
 from delayd.protocol import EncodedMessages, Message, ResultCode, SendResult
 from delayd.replay import Replayer
 from delayd.server.receiver import Intake, Receiver
+from delayd.timestamps import wall_ms
 from delayd.write_refusals import MESSAGE_LOG, WriteRefusals
 from storage.errors import DiskFullError
 from storage.flusher import FlushMode, LogWriter
@@ -51,11 +51,6 @@ class NotAcknowledged(DelaydError):
     """The group did not acknowledge the records: this member stopped leading (or
     leads again at a new epoch) while they waited. Answer NOT_LEADER: they may still be
     cut, or be kept by the new leader."""
-
-
-def wall_ms() -> int:
-    """Epoch milliseconds (UTC): receipt times and due times."""
-    return time.time_ns() // 1_000_000
 
 
 class IntakePath:

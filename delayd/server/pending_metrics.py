@@ -39,6 +39,7 @@ from delayd.logs.dispatch_log import EntryKind, read_last_entry
 from delayd.replay.replayer import OnScheduled
 from delayd.server.pending import PendingCounts
 from delayd.serving.metric_families import labelled
+from delayd.timestamps import wall_ms
 from storage.errors import CorruptionError
 from storage.fs import O_READ, FileSystem
 from storage.scan import BadFrame, count_frames, scan_frames
@@ -48,10 +49,6 @@ log = logging.getLogger(__name__)
 REFRESH_INTERVAL_S = 1.0  # dispatch_log is read this often: the gauge's staleness
 SWEEP_BUCKETS = 64  # later buckets read per pass, in turn (for cancellations)
 PROGRESS_INTERVAL_S = 2.0  # a long start-up count logs a line this often
-
-
-def wall_clock_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 def chained(first: OnScheduled | None, second: OnScheduled) -> OnScheduled:
@@ -91,7 +88,7 @@ class PendingTracker:
         fs: FileSystem,
         *,
         active_ahead_ms: int,
-        clock: Callable[[], int] = wall_clock_ms,
+        clock: Callable[[], int] = wall_ms,
     ) -> None:
         self.fs = fs
         self.schedule_dir = layout.schedule_log_dir(data_dir)

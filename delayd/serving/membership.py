@@ -22,11 +22,15 @@ from delayd.cluster.election import GroupMember
 from delayd.cluster.etcd import EtcdClient
 from delayd.cluster.in_sync import InSyncSet
 from delayd.cluster.members import GroupKeys, MemberInfo, Role, View
+from delayd.cluster.registry import GroupKind, register
+from delayd.errors import EtcdError
 from delayd.protocol.redirect import not_leader_reason
+from delayd.timestamps import wall_ms
 
 log = logging.getLogger(__name__)
 
 LISTENERS = ("intake", "broker", "http")  # what a NOT_LEADER answer is counted by
+REGISTER_RETRY_S = 1.0
 
 
 def member_id_for(address: str) -> str:
@@ -138,5 +142,30 @@ class Membership:
             async with trio.open_nursery() as nursery:
                 await nursery.start(in_sync.run)
                 await nursery.start(self.member.run)
+                nursery.start_soon(self._register, etcd, info)
                 task_status.started()
                 self._started = True
+
+    async def _register(self, etcd: EtcdClient, info: MemberInfo) -> None:
+        """Put the group in its cluster's registry (delayd.cluster.registry), trying
+        again while etcd cannot be reached: the group serves meanwhile, but clients that
+        address the whole cluster do not route to it until it is registered."""
+        config = self.config
+        kind = GroupKind.DELAY if info.intake else GroupKind.BROKER
+        while True:
+            try:
+                entry = await register(etcd, config.prefix, config.group, kind, wall_ms())
+            except EtcdError as exc:
+                log.warning("group %s: not registered in the cluster yet: %s", config.group, exc)
+                await trio.sleep(REGISTER_RETRY_S)
+                continue
+            if entry.kind is not kind:
+                log.error(
+                    "group %s is registered as a %s group; this member is a %s server: "
+                    "give it another group name",
+                    config.group,
+                    entry.kind,
+                    kind,
+                )
+            log.info("group %s is %s in its cluster", config.group, entry.status)
+            return
