@@ -36,6 +36,9 @@ pytestmark = pytest.mark.slow
 OUTAGE_S = 3.0  # longer than the back-off cap (2 s) and than the short time-outs
 SHORT_S = 1.0
 SLACK_S = 0.5  # a failing call may overrun its time-out by this much, no more
+# A call made while the server is down waits for its restart: a whole `delayd serve`
+# start (recovery, replay) on a machine busy with other tests can take well over 15 s.
+PATIENT_S = 60.0
 BACKOFF_CAP_S = 2.0  # Backoff.max_s
 
 
@@ -122,7 +125,7 @@ def test_blocking_consumer_receives_again_after_an_outage(tmp_path: Path) -> Non
 
             broker.kill()
             restart = restart_and_produce(1, delay_s=1.0)
-            first = consumer.receive(timeout_s=15)  # started while the broker is down
+            first = consumer.receive(timeout_s=PATIENT_S)  # started while the broker is down
             restart.join()
             assert first is not None and first.message_id == after[-1]
         # What this consumer processed after the last restart was committed. Commits
@@ -189,7 +192,7 @@ def test_async_consumer_receives_again_after_an_outage(tmp_path: Path, backend: 
                 after.extend(send_all(broker.addr, "rc", [b"a%d" % i for i in range(5)]))
 
             restart = in_thread(restart_and_produce)
-            first = await consumer.receive(timeout_s=15)  # started while still down
+            first = await consumer.receive(timeout_s=PATIENT_S)  # started while still down
             await anyio.to_thread.run_sync(restart.join)
             rest = [await consumer.receive(timeout_s=5) for _ in range(4)]
             assert first is not None and None not in rest
@@ -264,7 +267,7 @@ def test_blocking_producer_sends_again_after_an_outage(target: Target) -> None:
     acked: list[str] = []
     with (
         delayd.Producer(target.addr, timeout_s=SHORT_S) as short,
-        delayd.Producer(target.addr, timeout_s=15) as patient,
+        delayd.Producer(target.addr, timeout_s=PATIENT_S) as patient,
     ):
         acked += check_receipts(target, [short.send("rc", b"before"), patient.send("rc", b"b")])
         target.kill()
@@ -284,7 +287,7 @@ def test_async_producer_sends_again_after_an_outage(target: Target, backend: str
         acked: list[str] = []
         async with (
             delayd.open_producer(target.addr, timeout_s=SHORT_S) as short,
-            delayd.open_producer(target.addr, timeout_s=15) as patient,
+            delayd.open_producer(target.addr, timeout_s=PATIENT_S) as patient,
         ):
             acked += check_receipts(
                 target, [await short.send("rc", b"before"), await patient.send("rc", b"b")]
