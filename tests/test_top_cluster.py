@@ -1,13 +1,15 @@
 """`delayd top --etcd`: the cluster view. The model (a group's figures are its leader's,
 each follower's lag as the leader reports it, shares of the load against an even share
-and the uneven flag), the frame at 80 columns, the watcher re-reading a real etcd at
-each refresh (groups and members that appear and vanish), and `--once` against real
-delay groups registered in a real etcd: both groups, their pending, the uneven flag,
-a member killed with kill -9 shown as unreachable."""
+and the uneven flag), the frame at 80 columns and the docs' example of it, the watcher
+re-reading a real etcd at each refresh (groups and members that appear and vanish), the
+live view in a pseudo terminal, and `--once` against real delay groups registered in a
+real etcd: both groups, their pending, the uneven flag, a member killed with kill -9
+shown as unreachable."""
 
 from __future__ import annotations
 
 import io
+import os
 import re
 import subprocess
 import uuid
@@ -19,7 +21,7 @@ from rich.console import Console
 import delayd
 from delayd.cli.top_cluster import ClusterWatcher, read_cluster
 from delayd.cluster.etcd import EtcdClient
-from delayd.cluster.members import GroupKeys, MemberInfo
+from delayd.cluster.members import GroupKeys, MemberInfo, cluster_prefix
 from delayd.cluster.registry import GroupKind, GroupStatus, register, set_status
 from delayd.top.cluster import (
     UNEVEN_MIN_PENDING,
@@ -34,6 +36,7 @@ from delayd.top.model import ServerView
 from tests.etcd_support import EtcdServer
 from tests.intake_support import ServeProcess
 from tests.process_support import DELAYD, ROOT, child_env
+from tests.test_top import exit_status, screen_until, top_in_a_terminal
 
 T = 1_795_341_600_000  # 2026-11-22T10:00:00Z
 
@@ -104,7 +107,7 @@ def test_without_a_reachable_leader_the_figures_are_unknown():
     assert row.pending is None and row.members[0].error == "timed out"
     nothing = GroupSeen("g", "delay", "active", (MemberSeen("a", "leader", ""),))
     (row,) = cluster_rows([nothing], {})
-    assert row.members[0].error == "no metrics address in etcd"
+    assert not row.members[0].watched and row.members[0].error is None
     (row,) = cluster_rows([GroupSeen("g", "delay", "active")], {})
     assert row.members == [] and row.pending is None
 
@@ -235,9 +238,7 @@ def test_the_frame_names_the_uneven_group_and_cuts_to_the_height():
     )
     model = ClusterModel("default", [rows["cold"], rows["hot"]], now_ms=T)
     lines = frame(model)
-    assert line_with(lines, "uneven load") == (
-        "▲ uneven load: delay group hot holds 90% of pending (even 50%)"
-    )
+    assert line_with(lines, "uneven") == ("▲ uneven: delay group hot has 90% of pending (even 50%)")
     assert group_cells(lines, "hot")[3:6] == ["9,000", "90%▲", "50.0"]
     assert group_cells(lines, "cold")[3:5] == ["1,000", "10%"]
     even = rows_of(
@@ -259,6 +260,57 @@ def test_the_frame_names_the_uneven_group_and_cuts_to_the_height():
     assert max(len(line) for line in wide) > 80 and group_cells(wide, "orders")
 
 
+def docs_example() -> ClusterModel:
+    """The cluster of the example in docs/operations.md ("The cluster view")."""
+
+    def leader(pending: float, in_per_s: float, out_per_s: float, **lag) -> ServerView:
+        return ServerView(
+            "h:1",
+            pending={"1m": pending},
+            in_per_s=in_per_s,
+            out_per_s=out_per_s,
+            lateness_p50_s=0.0012,
+            lateness_p99_s=0.034,
+            **lag,
+        )
+
+    def members(group: str, *roles: str, metrics: bool = True) -> tuple[MemberSeen, ...]:
+        return tuple(
+            MemberSeen(f"{group}-{i}", role, f"10.0.0.{i}:20880" if metrics else "")
+            for i, role in enumerate(roles, 1)
+        )
+
+    groups = [
+        GroupSeen("orders", "delay", "active", members("orders", "leader", *["follower"] * 2)),
+        GroupSeen("billing", "delay", "active", members("billing", "leader", "follower")),
+        GroupSeen("legacy", "delay", "draining", members("legacy", "leader")),
+        GroupSeen("brokers-a", "broker", "active", members("brokers-a", "leader", metrics=False)),
+    ]
+    views = {
+        ("orders", "orders-1"): leader(
+            48_210,
+            2400.0,
+            2310.5,
+            follower_lag_bytes={"orders-2": 0, "orders-3": 1_900_000},
+            follower_lag_s={"orders-2": 0, "orders-3": 2.4},
+        ),
+        ("orders", "orders-2"): leader(0, 0, 0),
+        ("orders", "orders-3"): leader(0, 0, 0),
+        ("billing", "billing-1"): leader(9_870, 610.0, 598.0, follower_lag_bytes={"billing-2": 0}),
+        ("billing", "billing-2"): ServerView("h:2", error="timed out"),
+        ("legacy", "legacy-1"): leader(1_204, 0.0, 12.0),
+    }
+    return ClusterModel("prod", cluster_rows(groups, views), now_ms=T, interval_s=1.0)
+
+
+def test_the_docs_example_is_what_top_draws():
+    text = (ROOT / "docs" / "operations.md").read_text()
+    section = text[text.index("### The cluster view") :]
+    block = section[section.index("```\ndelayd top  cluster") + 4 :]
+    shown = block[: block.index("```")].rstrip("\n").splitlines()
+    assert shown == [line.rstrip() for line in frame(docs_example())]
+
+
 # ---------------------------------------------------------------- etcd, re-read
 
 
@@ -273,7 +325,7 @@ async def test_each_refresh_reads_etcd_again(etcd_server: EtcdServer, etcd_prefi
         watcher = ClusterWatcher(etcd, etcd_prefix, "test", 0.5)
         (row,) = await watcher.refresh()
         assert (row.name, row.kind, row.status) == ("g1", "delay", "active")
-        assert row.members[0].error == "no metrics address in etcd"
+        assert not row.members[0].watched
         # A group appears (with a member whose metrics listener is down); one drains.
         dead = "127.0.0.1:1"
         await put_member(etcd, etcd_prefix, "g2", MemberInfo("m2", broker="h:2", metrics=dead))
@@ -295,6 +347,22 @@ async def test_each_refresh_reads_etcd_again(etcd_server: EtcdServer, etcd_prefi
         assert [g.name for g in watcher.groups] == ["g1"]
         with pytest.raises(ValueError, match="registry entry"):
             await read_cluster(etcd, etcd_prefix)
+
+
+@pytest.mark.slow
+async def test_the_live_view_follows_the_cluster_and_quits_on_q(etcd_server: EtcdServer):
+    """The live view in a terminal: a group registered while it runs appears."""
+    cluster = f"c{uuid.uuid4().hex[:10]}"
+    prefix = cluster_prefix(cluster)
+    async with EtcdClient([etcd_server.url]) as etcd:
+        await register(etcd, prefix, "first", GroupKind.DELAY, 1)
+        with top_in_a_terminal("--etcd", etcd_server.url, "--cluster", cluster) as (proc, fd):
+            screen_until(fd, r"first\s+delay\s+active")
+            await register(etcd, prefix, "second", GroupKind.BROKER, 2)
+            screen_until(fd, r"second\s+broker\s+active")
+            os.write(fd, b"q")
+            assert exit_status(proc, fd) == 0
+        await etcd.delete(prefix + "/", prefix=True)
 
 
 # ---------------------------------------------------------------- real groups
@@ -359,7 +427,7 @@ def test_once_shows_every_group_of_a_real_cluster(tmp_path: Path, etcd_server: E
         assert f"cluster {cluster}" in lines[0] and "2 groups" in lines[0]
         assert group_cells(lines, "busy")[:5] == ["busy", "delay", "active", "300", "94%▲"]
         assert group_cells(lines, "quiet")[:5] == ["quiet", "delay", "active", "20", "6%"]
-        assert "uneven load: delay group busy holds 94% of pending (even 50%)" in "\n".join(lines)
+        assert "uneven: delay group busy has 94% of pending (even 50%)" in "\n".join(lines)
         for group in ("busy", "quiet"):
             member = lines[group_line(lines, group) + 1].split()
             assert member[1:] == ["leader", "up"]
@@ -370,7 +438,7 @@ def test_once_shows_every_group_of_a_real_cluster(tmp_path: Path, etcd_server: E
         assert lines[quiet_at].split()[3] == "—"  # its pending is unknown now
         assert re.search(r"leader\s+unreachable — .*refused", lines[quiet_at + 1])
         assert group_cells(lines, "busy")[3] == "300"
-        assert "uneven load" not in "\n".join(lines)  # one group left to compare: no share
+        assert "uneven" not in "\n".join(lines)  # one group left to compare: no share
     finally:
         for server in servers.values():
             server.close()

@@ -52,11 +52,13 @@ class GroupSeen:
 
 @dataclass(frozen=True, slots=True)
 class MemberRow:
-    """One member: its role, why it could not be scraped, and for a follower how far
-    behind its leader it is. None: unknown."""
+    """One member: its role, whether it is watched (it published a metrics address),
+    why it could not be scraped, and for a follower how far behind its leader it is.
+    None: unknown."""
 
     member_id: str
     role: str
+    watched: bool = True
     error: str | None = None
     lag_bytes: float | None = None
     lag_s: float | None = None
@@ -108,17 +110,14 @@ class ClusterModel:
 def _member_row(
     member: MemberSeen, view: ServerView | None, leader: ServerView | None
 ) -> MemberRow:
-    if not member.metrics:
-        error: str | None = "no metrics address in etcd"
-    elif view is None:
-        error = "not scraped yet"
-    else:
-        error = view.error
+    error = None
+    if member.metrics:
+        error = view.error if view is not None else "not scraped yet"
     lag_bytes = lag_s = None
     if member.role == "follower" and leader is not None:
         lag_bytes = leader.follower_lag_bytes.get(member.member_id)
         lag_s = leader.follower_lag_s.get(member.member_id)
-    return MemberRow(member.member_id, member.role, error, lag_bytes, lag_s)
+    return MemberRow(member.member_id, member.role, bool(member.metrics), error, lag_bytes, lag_s)
 
 
 def group_row(group: GroupSeen, views: Mapping[str, ServerView]) -> GroupRow:

@@ -69,13 +69,16 @@ def _line(name: str, cells: list[str], name_width: int) -> str:
 
 
 def _member_state(member: MemberRow) -> Text:
+    if not member.watched:
+        return Text("not watched — it publishes no metrics address", style="dim")
     if member.error is not None:
         return Text(f"unreachable — {member.error}", style="bold red")
     if member.role != "follower":
         return Text("up", style="green")
+    if member.lag_bytes == 0 and member.lag_s == 0:
+        return Text("up · caught up", style="green")
     lag = f"lag {fmt_bytes(member.lag_bytes)} · {fmt_seconds(member.lag_s)}"
-    behind = bool(member.lag_bytes) or bool(member.lag_s)
-    return Text(f"up · {lag}", style="yellow" if behind else "green")
+    return Text(f"up · {lag}", style="yellow")
 
 
 def _member_line(member: MemberRow, id_width: int) -> Text:
@@ -107,14 +110,14 @@ def _uneven_lines(groups: list[GroupRow]) -> list[Text]:
         return [Text(note, style="green")]
     lines = []
     for group in uneven:
-        parts = [
-            f"{share.of_total * 100:.0f}% of {what} (even {share.even * 100:.0f}%)"
+        shares = [
+            (what, share)
             for what, share in (("pending", group.pending_share), ("in/s", group.in_share))
             if share is not None and share.uneven
         ]
-        text = (
-            f"{UNEVEN_MARK} uneven load: {group.kind} group {group.name} holds {', '.join(parts)}"
-        )
+        held = ", ".join(f"{share.of_total * 100:.0f}% of {what}" for what, share in shares)
+        even = f"(even {shares[0][1].even * 100:.0f}%)"
+        text = f"{UNEVEN_MARK} uneven: {group.kind} group {group.name} has {held} {even}"
         lines.append(Text(text, style="bold yellow"))
     return lines
 
