@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -405,23 +406,47 @@ def wait_for(check, what: str, timeout_s: float = 20.0) -> None:
 
 @pytest.mark.slow
 def test_once_shows_every_group_of_a_real_cluster(tmp_path: Path, etcd_server: EtcdServer):
+    """Two delay groups, busy (a leader and a follower) and quiet (one member), 300
+    and 20 messages pending."""
     cluster = f"c{uuid.uuid4().hex[:10]}"
-    servers: dict[str, ServeProcess] = {}
     endpoint = etcd_server.url.removeprefix("http://")
+
+    def member(group: str, name: str) -> ServeProcess:
+        return ServeProcess(
+            tmp_path / name, "--etcd", etcd_server.url, "--group", group,
+            "--cluster", cluster, env=member_env(),
+        )  # fmt: skip
+
+    def fill(group: str, count: int) -> None:
+        with delayd.Producer(f"etcd://{endpoint}/{cluster}/{group}", timeout_s=20) as producer:
+            batch = [
+                {"subject": "t", "body": b"x", "delay_ms": 3_600_000, "message_id": f"m{i}"}
+                for i in range(count)
+            ]
+            assert all(receipt.ok for receipt in producer.send_batch(batch))
+
+    busy, quiet = member("busy", "busy-1"), member("quiet", "quiet-1")
+    follower = member("busy", "busy-2")
+    servers = [busy, quiet, follower]
     try:
-        for group, count in (("busy", 300), ("quiet", 20)):
-            servers[group] = ServeProcess(
-                tmp_path / group, "--etcd", etcd_server.url, "--group", group,
-                "--cluster", cluster, env=member_env(),
-            ).start()  # fmt: skip
-            with delayd.Producer(f"etcd://{endpoint}/{cluster}/{group}", timeout_s=20) as p:
-                batch = [
-                    {"subject": "t", "body": b"x", "delay_ms": 3_600_000, "message_id": f"m{i}"}
-                    for i in range(count)
-                ]
-                assert all(receipt.ok for receipt in p.send_batch(batch))
-        for group, count in (("busy", 300), ("quiet", 20)):
-            wait_for(lambda s=servers[group], n=count: pending_of(s) == n, f"{group} pending")
+        # In parallel, as far as roles allow (busy's first member leads): starts cost
+        # seconds each on a loaded machine.
+        with ThreadPoolExecutor(3) as pool:
+            for started in [pool.submit(busy.start), pool.submit(quiet.start)]:
+                started.result()
+            leads = "delayd_cluster_role_state"
+            wait_for(lambda: busy.metrics().get(leads) == 2, "busy's first member leads")
+            for done in [
+                pool.submit(follower.start),
+                pool.submit(fill, "busy", 300),
+                pool.submit(fill, "quiet", 20),
+            ]:
+                done.result()
+        wait_for(lambda: pending_of(busy) == 300 and pending_of(quiet) == 20, "pending")
+        # busy's leader reports its follower caught up (lag by member id)
+        follower_id = "{}-{}".format(*follower.address)
+        caught_up = f'delayd_replication_follower_lag_bytes{{member="{follower_id}"}}'
+        wait_for(lambda: busy.metrics().get(caught_up) == 0, "the follower caught up")
 
         lines = top_once(etcd_server.url, cluster)
         assert f"cluster {cluster}" in lines[0] and "2 groups" in lines[0]
@@ -429,10 +454,11 @@ def test_once_shows_every_group_of_a_real_cluster(tmp_path: Path, etcd_server: E
         assert group_cells(lines, "quiet")[:5] == ["quiet", "delay", "active", "20", "6%"]
         assert "uneven: delay group busy has 94% of pending (even 50%)" in "\n".join(lines)
         for group in ("busy", "quiet"):
-            member = lines[group_line(lines, group) + 1].split()
-            assert member[1:] == ["leader", "up"]
+            assert lines[group_line(lines, group) + 1].split()[1:] == ["leader", "up"]
+        second = lines[group_line(lines, "busy") + 2].split()
+        assert second == [follower_id, "follower", "up", "·", "caught", "up"]
 
-        servers["quiet"].kill()
+        quiet.kill()
         lines = top_once(etcd_server.url, cluster)
         quiet_at = group_line(lines, "quiet")
         assert lines[quiet_at].split()[3] == "—"  # its pending is unknown now
@@ -440,7 +466,7 @@ def test_once_shows_every_group_of_a_real_cluster(tmp_path: Path, etcd_server: E
         assert group_cells(lines, "busy")[3] == "300"
         assert "uneven" not in "\n".join(lines)  # one group left to compare: no share
     finally:
-        for server in servers.values():
+        for server in servers:
             server.close()
 
 
