@@ -38,6 +38,7 @@ from tests.etcd_support import EtcdServer
 from tests.intake_support import ServeProcess
 from tests.process_support import DELAYD, ROOT, child_env
 from tests.test_top import exit_status, screen_until, top_in_a_terminal
+from tests.tls_support import make_pki
 
 T = 1_795_341_600_000  # 2026-11-22T10:00:00Z
 
@@ -378,9 +379,12 @@ def member_env() -> dict[str, str]:
     }
 
 
-def top_once(etcd_url: str, cluster: str) -> list[str]:
+def top_once(etcd_url: str, cluster: str, *extra: str) -> list[str]:
     done = subprocess.run(
-        [*DELAYD, "top", "--etcd", etcd_url, "--cluster", cluster, "--once", "--interval", "0.3"],
+        [
+            *DELAYD, "top", "--etcd", etcd_url, "--cluster", cluster, "--once",
+            "--interval", "0.3", *extra,
+        ],
         cwd=ROOT, env={**child_env(), "COLUMNS": "80", "LINES": "24"},
         capture_output=True, text=True, timeout=30,
     )  # fmt: skip
@@ -470,6 +474,26 @@ def test_once_shows_every_group_of_a_real_cluster(tmp_path: Path, etcd_server: E
             server.close()
 
 
+@pytest.mark.slow
+def test_members_serving_tls_are_scraped_with_tls_ca(tmp_path: Path, etcd_server: EtcdServer):
+    pki = make_pki(tmp_path / "pki")
+    cluster = f"c{uuid.uuid4().hex[:10]}"
+    server = ServeProcess(
+        tmp_path / "secure", "--etcd", etcd_server.url, "--group", "secure",
+        "--cluster", cluster, "--tls-cert", pki.server_cert, "--tls-key", pki.server_key,
+        env=member_env(),
+    )  # fmt: skip
+    try:
+        server.start()
+        assert "metrics on https://" in server.stdout
+        lines = top_once(etcd_server.url, cluster, "--tls-ca", pki.ca_file)
+        assert lines[group_line(lines, "secure") + 1].split()[1:] == ["leader", "up"]
+        lines = top_once(etcd_server.url, cluster)  # plain http to a TLS listener
+        assert "unreachable — " in lines[group_line(lines, "secure") + 1]
+    finally:
+        server.close()
+
+
 def test_bad_arguments_say_what_to_do(capsys):
     from delayd.cli.main import main
 
@@ -482,3 +506,5 @@ def test_bad_arguments_say_what_to_do(capsys):
     assert "cluster name 'no/slash' must be" in capsys.readouterr().err
     assert main(["top", "--etcd", "127.0.0.1:2379"]) == 2
     assert "write http://127.0.0.1:2379" in capsys.readouterr().err
+    assert main(["top", "--tls-ca", "/nonexistent/ca.pem", "--once"]) == 2
+    assert "CA file /nonexistent/ca.pem: cannot be read" in capsys.readouterr().err

@@ -31,12 +31,13 @@ import trio
 from rich.console import Console
 from rich.live import Live
 
-from delayd.cli.args import etcd_endpoints, seconds
+from delayd.cli.args import add_client_tls_options, client_tls, etcd_endpoints, seconds
 from delayd.cli.top_cluster import ClusterWatcher
 from delayd.cli.top_watch import Screen, Watcher
 from delayd.cluster.etcd import EtcdClient
 from delayd.cluster.members import check_name, cluster_prefix
-from delayd.top.scrape import Target, parse_target
+from delayd.tls import TlsError
+from delayd.top.scrape import parse_target
 
 DEFAULT_INTERVAL_S = 1.0
 MAX_DEFAULT_TIMEOUT_S = 2.0
@@ -55,11 +56,13 @@ def _seconds_under_an_hour(text: str) -> float:
     return value
 
 
-def _target(text: str) -> Target:
+def _target(text: str) -> str:
+    """``text`` if it names a server to watch (parsed again once --tls-* are known)."""
     try:
-        return parse_target(text)
+        parse_target(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def _cluster_name(text: str) -> str:
@@ -87,6 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--cluster", type=_cluster_name, metavar="NAME",
         help="with --etcd: the cluster (default: the default cluster)",
     )  # fmt: skip
+    add_client_tls_options(parser)  # scrape over https, trusting --tls-ca
     parser.add_argument(
         "--interval",
         type=_seconds_under_an_hour,
@@ -215,6 +219,11 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.cluster and not args.etcd:
         return _usage_error("--cluster needs --etcd (where the cluster is)")
+    try:
+        tls = client_tls(args)
+        context = tls.ssl_context if tls is not None else None
+    except TlsError as exc:
+        return _usage_error(str(exc))
     timeout_s = args.timeout or min(args.interval, MAX_DEFAULT_TIMEOUT_S)
     console = Console()
     show: Show = _once if args.once else _live
@@ -225,10 +234,13 @@ def run(args: argparse.Namespace) -> int:
             except ValueError as exc:
                 return _usage_error(f"--etcd: {exc}")
             cluster = args.cluster or ""
-            screen = ClusterWatcher(etcd, cluster_prefix(cluster), cluster or "default", timeout_s)
+            prefix = cluster_prefix(cluster)
+            screen = ClusterWatcher(etcd, prefix, cluster or "default", timeout_s, context)
             trio.run(_watch_cluster, etcd, screen, show, args.interval, console)
         else:
-            watcher = Watcher(args.targets or [parse_target(DEFAULT_TARGET)], timeout_s)
+            https = context is not None
+            targets = [parse_target(t, https=https) for t in args.targets or [DEFAULT_TARGET]]
+            watcher = Watcher(targets, timeout_s, context)
             trio.run(show, watcher, args.interval, console)
     except* KeyboardInterrupt:
         pass  # Ctrl-C is one of the two ways out (trio may wrap it in a group)

@@ -9,6 +9,8 @@ and the frame says why.
 
 from __future__ import annotations
 
+import ssl
+
 from rich.console import RenderableType
 
 from delayd.cli.top_watch import Watcher
@@ -56,14 +58,22 @@ class ClusterWatcher:
     prints_all_once = True  # a script reading --once wants every group
     choices = 1
 
-    def __init__(self, etcd: EtcdClient, prefix: str, cluster: str, timeout_s: float) -> None:
+    def __init__(
+        self,
+        etcd: EtcdClient,
+        prefix: str,
+        cluster: str,
+        timeout_s: float,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
+        """``tls``: scrape the members over https, verified with this context."""
         self.etcd = etcd
         self.prefix = prefix
         self.cluster = cluster
         self.groups: list[GroupSeen] = []
         self.rows: list[GroupRow] = []
         self.etcd_error: str | None = None
-        self._servers = Watcher([], timeout_s)
+        self._servers = Watcher([], timeout_s, tls)
 
     async def refresh(self) -> list[GroupRow]:
         try:
@@ -78,7 +88,8 @@ class ClusterWatcher:
             for member in (m for m in group.members if m.metrics):
                 key = (group.name, member.member_id)
                 try:
-                    targets.append(parse_target(member.metrics))
+                    https = self._servers.tls is not None
+                    targets.append(parse_target(member.metrics, https=https))
                 except ValueError as exc:
                     views[key] = ServerView(member.metrics, error=f"metrics address: {exc}")
                 else:

@@ -4,6 +4,7 @@ servers named on the command line; the cluster's is delayd/cli/top_cluster.py.""
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -44,9 +45,13 @@ class Watcher:
 
     prints_all_once = False  # --once draws to the terminal's height
 
-    def __init__(self, targets: Sequence[Target], timeout_s: float) -> None:
+    def __init__(
+        self, targets: Sequence[Target], timeout_s: float, tls: ssl.SSLContext | None = None
+    ) -> None:
+        """``tls``: what an https target is verified with (None: the system's CAs)."""
         self.targets = list(targets)
         self.timeout_s = timeout_s
+        self.tls = tls
         self.views: list[ServerView] = []
         self._last: dict[Target, Scrape] = {}
 
@@ -57,7 +62,7 @@ class Watcher:
     async def _scrape(self, target: Target, results: dict[Target, Scrape]) -> None:
         try:
             text = await trio.to_thread.run_sync(
-                fetch, target.url, self.timeout_s, abandon_on_cancel=True
+                fetch, target.url, self.timeout_s, self.tls, abandon_on_cancel=True
             )
             results[target] = Scrape(trio.current_time(), Snapshot.parse(text))
         except (OSError, ValueError) as exc:
