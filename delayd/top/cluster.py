@@ -173,14 +173,12 @@ def cluster_rows(
         group_row(g, {member: v for (name, member), v in views.items() if name == g.name})
         for g in sorted(groups, key=lambda g: g.name)
     ]
-    for kind in sorted({row.kind for row in rows}):
+    pending: dict[str, Share] = {}
+    intake: dict[str, Share] = {}
+    for kind in {row.kind for row in rows}:
         working = [r for r in rows if r.kind == kind and r.status in TAKES_WORK]
-        pending = _shares(working, lambda r: r.pending, UNEVEN_MIN_PENDING)
-        intake = _shares(working, lambda r: r.in_per_s, UNEVEN_MIN_PER_S)
-        rows = [
-            replace(r, pending_share=pending.get(r.name), in_share=intake.get(r.name))
-            if r.kind == kind
-            else r
-            for r in rows
-        ]
-    return rows
+        pending.update(_shares(working, lambda r: r.pending, UNEVEN_MIN_PENDING))
+        intake.update(_shares(working, lambda r: r.in_per_s, UNEVEN_MIN_PER_S))
+    return [
+        replace(r, pending_share=pending.get(r.name), in_share=intake.get(r.name)) for r in rows
+    ]
