@@ -254,6 +254,8 @@ def test_the_frame_names_the_uneven_group_and_cuts_to_the_height():
     assert len(lines) == 24
     assert "etcd: etcd range: no answer — showing the groups last read" in lines[1]
     assert re.match(r"… \d+ more lines", lines[-1])
+    assert len(frame(ClusterModel("c", many, now_ms=T, etcd_error="down"), 80, 2)) == 2
+    assert "  1 group  " in frame(ClusterModel("c", many[:1], now_ms=T))[0]
     reason = "no endpoint reachable: " + "http://10.0.0.9:2379 (timed out), " * 4
     lines = frame(ClusterModel("c", [], now_ms=T, etcd_error=reason))  # --once: all of it
     assert reason.strip() in " ".join(line.strip() for line in lines[1:4])

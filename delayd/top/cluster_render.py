@@ -127,7 +127,7 @@ def _title(model: ClusterModel) -> Text:
     return Text.assemble(
         ("delayd top", "bold"),
         f"  cluster {model.cluster}  {moment:%Y-%m-%d %H:%M:%S}Z  {model.interval_s:g} s  ",
-        f"{len(model.groups)} groups  ",
+        f"{len(model.groups)} group{'' if len(model.groups) == 1 else 's'}  ",
         ("q quit", "dim"),
     )
 
@@ -154,6 +154,8 @@ def render_cluster(model: ClusterModel, width: int = 80, height: int | None = 24
         more = f"… {hidden} more lines (a taller terminal shows them; --once prints all)"
         body = [*body[:room], Text(more, style="dim")]
     lines = head + body
+    if height is not None:
+        lines = lines[:height]  # a terminal too short even for the head
     for line in lines:
         if line is etcd_error and height is None:
             continue  # all of the reason, over several lines if need be
