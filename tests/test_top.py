@@ -246,6 +246,8 @@ def test_targets():
     assert parse_target("[::1]:9").url == "http://[::1]:9/metrics"
     assert parse_target("http://h:1/custom").url == "http://h:1/custom"
     assert parse_target("http://h:1").url == "http://h:1/metrics"
+    assert parse_target("10.0.0.1:20880", https=True).url == "https://10.0.0.1:20880/metrics"
+    assert parse_target("http://h:1", https=True).url == "http://h:1/metrics"  # as written
     for bad in ("h", "h:x", ":1", "h:70000"):
         with pytest.raises(ValueError):
             parse_target(bad)

@@ -27,7 +27,10 @@ COMMANDS = {
         "print messages of a subject, as a member of a consumer group",
     ),
     "cluster": ("delayd.cli.cluster", "show replicated groups: members, roles, epochs (etcd)"),
-    "top": ("delayd.cli.top", "live terminal view of delay servers, from their /metrics"),
+    "top": (
+        "delayd.cli.top",
+        "live terminal view of delay servers or a whole cluster, from their /metrics",
+    ),
     "inspect": (
         "delayd.cli.inspect",
         "read a data directory offline: logs, buckets, dispatch state, checkpoints",

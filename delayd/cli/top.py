@@ -1,6 +1,9 @@
 """A live view of one or more delay servers, read from their Prometheus /metrics
 (delayd serve --metrics-listen): throughput, lateness, the wheel and pending messages
-by horizon, replay lag, broker groups and their circuits.
+by horizon, replay lag, broker groups and their circuits. With --etcd, the view of a
+whole cluster instead: every group etcd lists, each with its members and their roles,
+pending, lateness, rates, replication lag and where the load is uneven
+(delayd/cli/top_cluster.py).
 
 Every --interval seconds each server is scraped (concurrently, each within
 --timeout) and the view is drawn again in the terminal's alternate screen. A server
@@ -8,7 +11,8 @@ that does not answer shows as unreachable and is asked again next time. Keys: q 
 1-9 select a server, Tab or n the next one, p the previous one. Ctrl-C quits too.
 
 --once scrapes twice, --interval apart (so that rates exist), prints one frame to
-stdout and exits: for scripts, and for a terminal that cannot hold a live view.
+stdout and exits: for scripts, and for a terminal that cannot hold a live view (the
+cluster view prints every line, whatever the terminal's height).
 """
 
 from __future__ import annotations
@@ -19,19 +23,21 @@ import os
 import signal
 import sys
 import termios
-import time
 import tty
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator
 from typing import TextIO
 
 import trio
 from rich.console import Console
 from rich.live import Live
 
-from delayd.cli.args import seconds
-from delayd.top.model import Scrape, ServerView, TopModel, server_view
-from delayd.top.render import render
-from delayd.top.scrape import Snapshot, Target, fetch, parse_target
+from delayd.cli.args import add_client_tls_options, client_tls, etcd_endpoints, seconds
+from delayd.cli.top_cluster import ClusterWatcher
+from delayd.cli.top_watch import Screen, Watcher
+from delayd.cluster.etcd import EtcdClient
+from delayd.cluster.members import check_name, cluster_prefix
+from delayd.tls import TlsError
+from delayd.top.scrape import parse_target
 
 DEFAULT_INTERVAL_S = 1.0
 MAX_DEFAULT_TIMEOUT_S = 2.0
@@ -50,9 +56,18 @@ def _seconds_under_an_hour(text: str) -> float:
     return value
 
 
-def _target(text: str) -> Target:
+def _target(text: str) -> str:
+    """``text`` if it names a server to watch (parsed again once --tls-* are known)."""
     try:
-        return parse_target(text)
+        parse_target(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _cluster_name(text: str) -> str:
+    try:
+        return check_name("cluster name", text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -66,6 +81,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a server's metrics listener (or an http:// URL of its metrics page); "
         f"default {DEFAULT_TARGET}, where delayd serve listens by default",
     )
+    parser.add_argument(
+        "--etcd", type=etcd_endpoints, metavar="URL[,URL]",
+        help="show the whole cluster these etcd client URLs hold: every group, its "
+        "members (found in etcd, no HOST:PORT given) and where the load is uneven",
+    )  # fmt: skip
+    parser.add_argument(
+        "--cluster", type=_cluster_name, metavar="NAME",
+        help="with --etcd: the cluster (default: the default cluster)",
+    )  # fmt: skip
+    add_client_tls_options(parser)  # scrape over https, trusting --tls-ca
     parser.add_argument(
         "--interval",
         type=_seconds_under_an_hour,
@@ -84,38 +109,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="scrape twice, --interval apart, print one frame to stdout and exit",
     )
-
-
-class Watcher:
-    """The servers watched and the last scrape of each; ``refresh`` scrapes them all."""
-
-    def __init__(self, targets: Sequence[Target], timeout_s: float) -> None:
-        self.targets = list(targets)
-        self.timeout_s = timeout_s
-        self._last: dict[int, Scrape] = {}
-
-    async def _scrape(self, index: int, results: dict[int, Scrape]) -> None:
-        target = self.targets[index]
-        try:
-            text = await trio.to_thread.run_sync(
-                fetch, target.url, self.timeout_s, abandon_on_cancel=True
-            )
-            results[index] = Scrape(trio.current_time(), Snapshot.parse(text))
-        except (OSError, ValueError) as exc:
-            results[index] = Scrape(trio.current_time(), error=str(exc) or type(exc).__name__)
-
-    async def refresh(self) -> list[ServerView]:
-        """Scrape every server concurrently; their views against the previous scrapes."""
-        results: dict[int, Scrape] = {}
-        async with trio.open_nursery() as nursery:
-            for index in range(len(self.targets)):
-                nursery.start_soon(self._scrape, index, results)
-        views = [
-            server_view(target.label, results[i], self._last.get(i))
-            for i, target in enumerate(self.targets)
-        ]
-        self._last = results
-        return views
 
 
 def _select(key: str, selected: int, count: int) -> int:
@@ -170,22 +163,17 @@ async def _quit_on_ctrl_c(quit_scope: trio.CancelScope) -> None:
             return
 
 
-def _model(views: list[ServerView], selected: int, interval_s: float) -> TopModel:
-    return TopModel(views, selected, int(time.time() * 1000), interval_s)
-
-
-async def _once(watcher: Watcher, interval_s: float, console: Console) -> None:
-    await watcher.refresh()
+async def _once(screen: Screen, interval_s: float, console: Console) -> None:
+    await screen.refresh()
     await trio.sleep(interval_s)
-    views = await watcher.refresh()
+    await screen.refresh()
     width, height = console.size
-    console.print(render(_model(views, 0, interval_s), width, height))
+    console.print(screen.frame(0, interval_s, width, None if screen.prints_all_once else height))
 
 
-async def _live(watcher: Watcher, interval_s: float, console: Console) -> None:
+async def _live(screen: Screen, interval_s: float, console: Console) -> None:
     send, receive = trio.open_memory_channel[str](64)
     selected = 0
-    views: list[ServerView] = []
     with (
         _cbreak(sys.stdin) as keys_fd,
         Live(console=console, screen=True, auto_refresh=False) as live,
@@ -198,23 +186,62 @@ async def _live(watcher: Watcher, interval_s: float, console: Console) -> None:
             next_refresh = trio.current_time()
             while True:
                 if trio.current_time() >= next_refresh:
-                    views = await watcher.refresh()
+                    await screen.refresh()
                     next_refresh = max(next_refresh + interval_s, trio.current_time())
                 width, height = console.size
-                live.update(render(_model(views, selected, interval_s), width, height))
+                live.update(screen.frame(selected, interval_s, width, height))
                 live.refresh()
                 with trio.move_on_at(next_refresh):
                     key = await receive.receive()
-                    selected = _select(key, selected, len(views))
+                    selected = _select(key, selected, max(1, screen.choices))
+
+
+Show = Callable[[Screen, float, Console], Awaitable[None]]
+
+
+async def _watch_cluster(
+    etcd: EtcdClient, screen: ClusterWatcher, show: Show, interval_s: float, console: Console
+) -> None:
+    async with etcd:
+        await show(screen, interval_s, console)
+
+
+def _usage_error(text: str) -> int:
+    print(f"delayd top: {text}", file=sys.stderr)
+    return 2
 
 
 def run(args: argparse.Namespace) -> int:
-    timeout_s = args.timeout or min(args.interval, MAX_DEFAULT_TIMEOUT_S)
-    watcher = Watcher(args.targets or [parse_target(DEFAULT_TARGET)], timeout_s)
-    console = Console()
-    main = _once if args.once else _live
+    if args.etcd and args.targets:
+        return _usage_error(
+            "give either HOST:PORT (servers) or --etcd (a cluster's members, found in "
+            "etcd), not both"
+        )
+    if args.cluster and not args.etcd:
+        return _usage_error("--cluster needs --etcd (where the cluster is)")
     try:
-        trio.run(main, watcher, args.interval, console)
+        tls = client_tls(args)
+        context = tls.ssl_context if tls is not None else None
+    except TlsError as exc:
+        return _usage_error(str(exc))
+    timeout_s = args.timeout or min(args.interval, MAX_DEFAULT_TIMEOUT_S)
+    console = Console()
+    show: Show = _once if args.once else _live
+    try:
+        if args.etcd:
+            try:
+                etcd = EtcdClient(args.etcd, timeout_s=timeout_s)
+            except ValueError as exc:
+                return _usage_error(f"--etcd: {exc}")
+            cluster = args.cluster or ""
+            prefix = cluster_prefix(cluster)
+            screen = ClusterWatcher(etcd, prefix, cluster or "default", timeout_s, context)
+            trio.run(_watch_cluster, etcd, screen, show, args.interval, console)
+        else:
+            https = context is not None
+            targets = [parse_target(t, https=https) for t in args.targets or [DEFAULT_TARGET]]
+            watcher = Watcher(targets, timeout_s, context)
+            trio.run(show, watcher, args.interval, console)
     except* KeyboardInterrupt:
         pass  # Ctrl-C is one of the two ways out (trio may wrap it in a group)
     return 0

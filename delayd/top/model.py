@@ -32,6 +32,9 @@ FAILED = "delayd_delivery_failed_messages_total"
 RETRIED = "delayd_delivery_retried_messages_total"
 DEAD_LETTERED = "delayd_delivery_dead_lettered_messages_total"
 CIRCUIT = "delayd_delivery_circuit_state"
+STORED = "delayd_broker_stored_messages_total"
+FOLLOWER_LAG_BYTES = "delayd_replication_follower_lag_bytes"
+FOLLOWER_LAG_SECONDS = "delayd_replication_follower_lag_seconds"
 
 HORIZONS = ("1m", "10m", "1h", "1d", "later")  # label values of PENDING, nearest first
 CIRCUIT_STATES = {0: "closed", 1: "half-open", 2: "OPEN"}
@@ -82,6 +85,16 @@ class ServerView:
     loaded_offset_bytes: float | None = None
     pending: dict[str, float] = field(default_factory=dict)  # by horizon, HORIZONS order
     groups: list[GroupView] = field(default_factory=list)  # OPEN first, then by name
+    stored_per_s: float | None = None  # messages its broker stored
+    # A replication leader's view of its followers, by member id.
+    follower_lag_bytes: dict[str, float] = field(default_factory=dict)
+    follower_lag_s: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def pending_total(self) -> float | None:
+        """Every message not yet delivered (the horizons add up to it); None when the
+        server does not export pending."""
+        return sum(self.pending.values()) if self.pending else None
 
     @property
     def open_circuits(self) -> int:
@@ -223,4 +236,7 @@ def server_view(label: str, current: Scrape, previous: Scrape | None = None) -> 
         loaded_offset_bytes=now.total(WHEEL_LOADED_OFFSET),
         pending={h: pending[h] for h in HORIZONS if h in pending},
         groups=groups,
+        stored_per_s=_rate(STORED, now, before, dt_s),
+        follower_lag_bytes=now.by_label(FOLLOWER_LAG_BYTES, "member"),
+        follower_lag_s=now.by_label(FOLLOWER_LAG_SECONDS, "member"),
     )

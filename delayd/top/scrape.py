@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import http.client
 import math
+import ssl
 import urllib.error
 import urllib.request
 from collections.abc import Mapping
@@ -30,9 +31,9 @@ class Target:
     url: str
 
 
-def parse_target(text: str) -> Target:
-    """``HOST:PORT`` (``[v6]:PORT``, delayd.address) or an ``http://`` URL (path defaults
-    to /metrics).
+def parse_target(text: str, *, https: bool = False) -> Target:
+    """``HOST:PORT`` (``[v6]:PORT``, delayd.address; scraped over ``https`` when asked)
+    or an ``http://`` or ``https://`` URL (path defaults to /metrics).
 
     Raises ValueError for anything else.
     """
@@ -46,14 +47,16 @@ def parse_target(text: str) -> Target:
         address = parse_address(text)
     except ValueError as exc:
         raise ValueError(f"{exc} (or give an http:// URL)") from None
-    return Target(text, f"http://{address}/metrics")
+    return Target(text, f"{'https' if https else 'http'}://{address}/metrics")
 
 
-def fetch(url: str, timeout_s: float) -> str:
-    """The body of ``url`` (blocking). Raises OSError with a short reason when there is
-    none: refused, timed out, an HTTP status other than 200, not HTTP at all."""
+def fetch(url: str, timeout_s: float, tls: ssl.SSLContext | None = None) -> str:
+    """The body of ``url`` (blocking; an https one verified with ``tls``, or with the
+    system's trust store). Raises OSError with a short reason when there is none:
+    refused, timed out, an HTTP status other than 200, not HTTP at all, a certificate
+    not trusted."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        with urllib.request.urlopen(url, timeout=timeout_s, context=tls) as response:
             body = response.read(MAX_BODY_BYTES + 1)
     except urllib.error.HTTPError as exc:
         raise OSError(f"HTTP {exc.code} {exc.reason}") from None
