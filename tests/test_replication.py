@@ -189,6 +189,11 @@ async def test_a_returning_old_leader_cuts_its_unacknowledged_tail(tmp_path: Pat
         a.append_dispatch(BUCKETS[2], 3)
         diverged_at = acknowledged
         truncated: list[tuple[str, int]] = []
+        ends_before_cut: dict[str, int] = {}
+
+        async def on_truncating(stream: str, offset: int) -> None:
+            # Before the cut: the server removes what it derived first.
+            ends_before_cut[stream] = a.streams.get(stream).end_offset
 
         async def on_truncated(stream: str, offset: int) -> None:
             truncated.append((stream, offset))
@@ -197,7 +202,10 @@ async def test_a_returning_old_leader_cuts_its_unacknowledged_tail(tmp_path: Pat
         async with trio.open_nursery() as nursery:
             await nursery.start(new.run, "127.0.0.1", 0)
             b.append_messages(9, b"new")  # other records at the same offsets
-            nursery.start_soon(follower_of(a, "a", new, on_truncated=on_truncated).run)
+            following = follower_of(
+                a, "a", new, on_truncating=on_truncating, on_truncated=on_truncated
+            )
+            nursery.start_soon(following.run)
             await caught_up(a, b)
             end = b.append_messages(3, b"new")
             with trio.fail_after(5):
@@ -207,6 +215,8 @@ async def test_a_returning_old_leader_cuts_its_unacknowledged_tail(tmp_path: Pat
             (dispatch_stream(BUCKETS[2]), 0),
             (MESSAGE_LOG, diverged_at),
         ]
+        assert ends_before_cut[MESSAGE_LOG] > diverged_at
+        assert ends_before_cut[dispatch_stream(BUCKETS[2])] > 0
         assert [entry.epoch for entry in a.history.entries] == [5, 8]
         assert b.history.end_of(5) == {MESSAGE_LOG: diverged_at}
     copy = log_files(str(tmp_path / "a"))

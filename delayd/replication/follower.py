@@ -6,9 +6,11 @@ leader answers TRUNCATE_TO; the follower
 
 1. refuses a leader whose epoch is older than the last one in its history (it answers
    FENCED with the newer epoch and reconnects later: the role finds the new leader);
-2. cuts each stream back to the offset given, durably, and awaits
-   ``on_truncated(stream, offset)`` for each stream it cut, so the server can rebuild
-   what it derived from the cut records (simplest: drop derived state and replay);
+2. cuts each stream back to the offset given, durably: it awaits
+   ``on_truncating(stream, offset)`` before each cut (the server may remove what it
+   derived from the records that go first, or raise to make the cut itself with
+   nothing running) and ``on_truncated(stream, offset)`` after it, so the server can
+   rebuild what it derived from the cut records;
 3. begins the leader's epoch in its history with its ends after the cut, when newer;
 
 then appends every RECORDS frame raw at the offset it names (the storage checks every
@@ -82,6 +84,7 @@ class Follower:
         member: str,
         leader: tuple[str, int],
         on_truncated: OnTruncated | None = None,
+        on_truncating: OnTruncated | None = None,
         on_durable: OnDurable | None = None,
         min_backoff_ms: int = MIN_BACKOFF_MS,
         max_backoff_ms: int = MAX_BACKOFF_MS,
@@ -93,6 +96,7 @@ class Follower:
         self.member = member
         self.leader = leader
         self.on_truncated = on_truncated
+        self.on_truncating = on_truncating
         self.on_durable = on_durable
         self.min_backoff_ms = min_backoff_ms
         self.max_backoff_ms = max_backoff_ms
@@ -245,6 +249,8 @@ class Follower:
                     stream.end_offset,
                     offset,
                 )
+                if self.on_truncating is not None:
+                    await self.on_truncating(name, offset)
                 stream.truncate(offset)
                 if self.on_truncated is not None:
                     await self.on_truncated(name, offset)

@@ -260,7 +260,7 @@ class GroupReplication:
             group=self.config.group,
             member=member.info.member_id,
             leader=parse_address(address),
-            on_truncated=self._truncated,
+            on_truncating=self._truncating,
             # A member follows with its own certificate, trusting the CA that signed
             # every member's (mutual TLS between members: docs/replication.md).
             tls=None if self.tls is None else member_client_tls(self.tls.config),
@@ -277,9 +277,10 @@ class GroupReplication:
         finally:
             self.follower = None
 
-    async def _truncated(self, stream: str, offset: int) -> None:
-        """The leader cut ``stream`` back to ``offset``. A cut of message_log: the
-        replayer may have read the cut records (even in a step not finished yet), so the
-        member starts again without its derived state, the simplest correct rebuild."""
+    async def _truncating(self, stream: str, offset: int) -> None:
+        """The leader is cutting ``stream`` back to ``offset``. A cut of message_log: the
+        replayer may have read the records that go (even in a step not finished yet), so
+        the member stops before the cut and starts again without its derived state, the
+        simplest correct rebuild (``RebuildNeeded``: the derived state goes first)."""
         if stream == MESSAGE_LOG:
             raise RebuildNeeded(self.data_dir, offset)
