@@ -65,6 +65,7 @@ async def test_leader_and_follower_metrics_move_with_the_copy(tmp_path: Path) ->
             assert on_leader[("delayd_replication_connected_members", "")] == 1
             assert on_leader[("delayd_replication_follower_lag_bytes", "b")] == 0
             assert on_leader[("delayd_replication_follower_lag_seconds", "b")] == 0
+            assert on_leader[("delayd_replication_follower_lag_records", "b")] == 0
             acked = "delayd_replication_acknowledged_offset_bytes"
             assert on_leader[(acked, "message_log")] == message_end
             assert on_leader[(acked, "dispatch_log")] == dispatch_end  # one series, two buckets
@@ -91,8 +92,11 @@ async def test_leader_and_follower_metrics_move_with_the_copy(tmp_path: Path) ->
                     await trio.sleep(0.005)
             grown = a.append_messages(5) - message_end
             await trio.sleep(0.1)
+            a.append_messages(2)
             behind = scrape(lambda: leader)
-            assert behind[("delayd_replication_follower_lag_bytes", "b")] == grown
+            assert behind[("delayd_replication_follower_lag_bytes", "b")] > grown
+            assert behind[("delayd_replication_follower_lag_records", "b")] == 7
+            # The age of the oldest record b lacks, not of the newest.
             assert behind[("delayd_replication_follower_lag_seconds", "b")] >= 0.1
             assert behind[("delayd_replication_connected_members", "")] == 0
 
@@ -104,6 +108,7 @@ async def test_leader_and_follower_metrics_move_with_the_copy(tmp_path: Path) ->
                     await trio.sleep(0.005)
             again = scrape(lambda: leader)
             assert again[("delayd_replication_follower_lag_seconds", "b")] == 0
+            assert again[("delayd_replication_follower_lag_records", "b")] == 0
             assert (
                 scrape(lambda: follower)[("delayd_replication_leader_connections_total", "")] == 2
             )

@@ -39,6 +39,7 @@ from delayd.replication import wire
 from delayd.replication.connection import receive_event
 from delayd.replication.epochs import EpochHistory
 from delayd.replication.in_sync import InSyncTracker
+from delayd.replication.lag import GrowthClock, RecordCounter
 from delayd.replication.streams import StreamSet
 from delayd.serving.listeners import bound_addresses, open_listeners
 from delayd.serving.tls import ServerTls
@@ -117,9 +118,10 @@ class Leader:
         self.in_sync_changes = 0
         self.refused_handshakes = 0
         self.sent_bytes = 0
-        # When each follower last had durable every byte the leader had: its lag in
-        # time is the age of that moment while it lacks bytes.
-        self._caught_up_ms: dict[str, int] = {}
+        # When the leader's streams reached each end, and the records between two
+        # offsets: each follower's lag in time and in records (delayd.replication.lag).
+        self.growth = GrowthClock()
+        self.record_counter = RecordCounter()
         self._known_ends = streams.ends()
         self._progress = trio.Event()
         self._stopped: LeaderStopped | None = None
@@ -157,14 +159,40 @@ class Leader:
         return {member: self.tracker.lag_bytes(member, ends) for member in self.tracker.durable}
 
     def lag_ms(self) -> dict[str, int]:
-        """How long each known follower has lacked bytes of the leader's streams: the
-        time since it last had all of them durable (0 when it has them now)."""
+        """How long ago the leader had what each known follower has durable: the age of
+        the oldest record it lacks, over every stream (0 when it lacks none)."""
         now = _now_ms()
-        lags = self.lag()
+        names = self.streams.names()
         return {
-            member: 0 if lacking == 0 else now - self._caught_up_ms.get(member, now)
-            for member, lacking in lags.items()
+            member: max(
+                (self.growth.lag_ms(name, durable.get(name, 0), now) for name in names),
+                default=0,
+            )
+            for member, durable in self.tracker.durable.items()
         }
+
+    def lag_records(self) -> dict[str, int | None]:
+        """How many records of the leader's streams each known follower lacks durable
+        (END_OF_SEGMENT markers not counted); None for a follower that lacks records
+        the leader no longer holds (retention deleted them: it must resync)."""
+        out: dict[str, int | None] = {}
+        asked: dict[str, set[int]] = {}
+        ends = self.streams.ends()
+        for member, durable in self.tracker.durable.items():
+            total: int | None = 0
+            for name, end in ends.items():
+                start = min(durable.get(name, 0), end)
+                stream = self.streams.find(name)
+                if stream is None or total is None:
+                    continue
+                asked.setdefault(name, set()).update((start, end))
+                try:
+                    total += self.record_counter.between(name, stream, start, end)
+                except ValueError:
+                    total = None
+            out[member] = total
+        self.record_counter.keep_only(asked)
+        return out
 
     def acknowledged_offsets(self) -> dict[str, int]:
         """Every stream's acknowledged offset now: the leader's durable end with
@@ -172,10 +200,6 @@ class Leader:
         if self.ack == ACK_LEADER:
             return self.streams.durable_ends()
         return {name: self.acknowledged(name) for name in self.streams.names()}
-
-    def _note_caught_up(self, member: str, ends: dict[str, int], now_ms: int) -> None:
-        if self.tracker.lag_bytes(member, ends) == 0:
-            self._caught_up_ms[member] = now_ms
 
     def stop(self) -> None:
         """Stop acknowledging and serving (waiters get LeaderStopped)."""
@@ -241,13 +265,13 @@ class Leader:
             seen = self.streams.version
             ends = self.streams.ends()
             now = _now_ms()
-            for member in self.tracker.durable:  # caught up until this growth
-                self._note_caught_up(member, self._known_ends, now)
             for name, end in ends.items():
+                self.growth.grew(name, end, now)
                 if end != self._known_ends.get(name, 0):
                     self.tracker.leader_grew(name, end, now)
             for name in self._known_ends.keys() - ends.keys():
                 self.tracker.leader_removed(name)  # compacted away: nobody needs it
+                self.growth.removed(name)
             self._known_ends = ends
             self._wake()
             await self.streams.wait_growth(seen)
@@ -320,7 +344,6 @@ class Leader:
         positions = {name: targets.get(name, 0) for name in self.streams.names()}
         positions.update(targets)
         self.tracker.follower_reset(follow.member, positions)
-        self._note_caught_up(follow.member, self.streams.ends(), _now_ms())
         self._wake()
         with trio.CancelScope() as scope:
             self._connections[follow.member] = scope
@@ -381,7 +404,6 @@ class Leader:
                 raise trio.BrokenResourceError(f"follower {member} closed the connection")
             if isinstance(event, wire.Durable):
                 self.tracker.follower_durable(member, event.offsets)
-                self._note_caught_up(member, self.streams.ends(), _now_ms())
                 self._wake()
             elif isinstance(event, wire.Fenced):
                 self._fenced_by(event.epoch)

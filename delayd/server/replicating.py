@@ -102,7 +102,8 @@ class GroupReplication:
 
     def stats(self) -> dict[str, int | str]:
         """STATS fields: how far the group acknowledged message_log and, on the
-        leader, the in-sync followers and the bytes each connected follower lacks."""
+        leader, the in-sync followers and how far each known follower is behind: bytes,
+        records (-1: it lacks records retention deleted) and ms."""
         out: dict[str, int | str] = {"replication.ack": str(self.config.ack)}
         leader, follower = self.leader, self.follower
         if leader is not None:
@@ -110,6 +111,10 @@ class GroupReplication:
             out["replication.in_sync_followers"] = len(leader.in_sync)
             for member, lag in sorted(leader.lag().items()):
                 out[f"replication.lag_bytes/{member}"] = lag
+            for member, records in sorted(leader.lag_records().items()):
+                out[f"replication.lag_records/{member}"] = -1 if records is None else records
+            for member, ms in sorted(leader.lag_ms().items()):
+                out[f"replication.lag_ms/{member}"] = ms
         elif follower is not None:
             out["replication.acked_offset_bytes"] = follower.acked.get(MESSAGE_LOG, 0)
             out["replication.leader_epoch"] = follower.leader_epoch or 0
