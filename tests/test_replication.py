@@ -417,3 +417,75 @@ async def test_stopping_the_leader_releases_every_waiter(tmp_path: Path) -> None
 async def _stop_soon(leader: Leader) -> None:
     await trio.sleep(0.05)
     leader.stop()
+
+
+async def test_retention_in_a_group_waits_for_the_in_sync_set_and_tells_the_followers(
+    tmp_path: Path,
+) -> None:
+    """Leader a may delete message_log only below what its in-sync follower b has
+    durable; it tells b where its copy now begins (RETAINED), and b's server deletes the
+    same. c, a new member, lacks what a deleted: it is refused with the reason, a says
+    so too, and a goes on serving b."""
+    with members(tmp_path, "a", "b", "c") as (a, b, c):
+        a.append_messages(60)
+        told: list[int] = []
+
+        async def on_retained(starts: dict[str, int]) -> None:
+            told.append(starts[MESSAGE_LOG])
+
+        leader = Leader(a.streams, a.history, 5, group=GROUP, replica_lag_ms=100_000)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(leader.run, "127.0.0.1", 0)
+            following = trio.CancelScope()
+
+            async def follow_b() -> None:
+                with following:
+                    await follower_of(b, "b", leader, on_retained=on_retained).run()
+
+            nursery.start_soon(follow_b)
+            await caught_up(b, a)
+            with trio.fail_after(5):
+                while leader.in_sync != {"b"}:
+                    await trio.sleep(0.005)
+            copied = b.streams.message_log.durable_offset
+            following.cancel()  # b stops; a appends more: b has not copied it
+            a.append_messages(60)
+            assert leader.copied_by_in_sync(MESSAGE_LOG) == copied  # b's, not a's end
+            log = a.streams.message_log
+            assert log.delete_before(leader.copied_by_in_sync(MESSAGE_LOG)) >= 2
+            start = log.min_offset
+            assert 0 < start <= copied
+
+            nursery.start_soon(follower_of(b, "b", leader, on_retained=on_retained).run)
+            await caught_up(b, a)
+            with trio.fail_after(5):
+                while not told:
+                    await trio.sleep(0.005)
+            assert told[-1] == start  # where a's copy begins: b's server trims to it
+
+            refused = follower_of(c, "c", leader)
+            nursery.start_soon(refused.run)
+            with trio.fail_after(5):
+                while refused.last_error is None:
+                    await trio.sleep(0.005)
+            assert isinstance(refused.last_error, FollowRefused)
+            assert f"message_log ends at 0 here, the leader's begins at {start}" in str(
+                refused.last_error
+            )
+            assert "cannot catch up by copying" in str(refused.last_error)
+            assert leader.lacking["c"] == {MESSAGE_LOG: 0}
+            assert "c" not in leader.in_sync
+            assert c.streams.message_log.end_offset == 0  # nothing copied
+
+            end = a.append_messages(60)  # b is still served
+            with trio.fail_after(5):
+                await leader.wait_acknowledged(MESSAGE_LOG, end)
+            await caught_up(b, a)
+            # A deletion during b's session: the next growth tells it.
+            assert log.delete_before(leader.copied_by_in_sync(MESSAGE_LOG)) >= 2
+            a.append_messages(1)
+            with trio.fail_after(5):
+                while told[-1] != log.min_offset:
+                    await trio.sleep(0.005)
+            assert log.min_offset > start
+            nursery.cancel_scope.cancel()

@@ -57,6 +57,7 @@ FAILURE_REASONS = ("tls", "refused", "network", "protocol")
 
 OnTruncated = Callable[[str, int], Awaitable[object]]
 OnDurable = Callable[[dict[str, int]], Awaitable[object]]
+OnRetained = Callable[[dict[str, int]], Awaitable[object]]
 
 
 def member_client_tls(config: ServerTlsConfig) -> ClientTls:
@@ -86,6 +87,7 @@ class Follower:
         on_truncated: OnTruncated | None = None,
         on_truncating: OnTruncated | None = None,
         on_durable: OnDurable | None = None,
+        on_retained: OnRetained | None = None,
         min_backoff_ms: int = MIN_BACKOFF_MS,
         max_backoff_ms: int = MAX_BACKOFF_MS,
         tls: ClientTls | None = None,
@@ -98,6 +100,8 @@ class Follower:
         self.on_truncated = on_truncated
         self.on_truncating = on_truncating
         self.on_durable = on_durable
+        self.on_retained = on_retained
+        self.leader_starts: dict[str, int] = {}  # where the leader's streams begin
         self.min_backoff_ms = min_backoff_ms
         self.max_backoff_ms = max_backoff_ms
         self.tls = tls
@@ -262,6 +266,9 @@ class Follower:
                 return
             if isinstance(event, wire.Fenced):
                 raise FollowRefused(f"the leader says epoch {event.epoch} exists: it is fenced")
+            if isinstance(event, wire.Retained):
+                await self._retained(event.starts)
+                continue
             if not isinstance(event, wire.Records):
                 raise FollowRefused(f"the leader sent {type(event).__name__} after TRUNCATE_TO")
             if event.epoch != epoch:
@@ -280,6 +287,27 @@ class Follower:
             self.acked.update(event.acked)
             self._dirty[event.stream] = target
             self._appended.set()
+
+    async def _retained(self, starts: dict[str, int]) -> None:
+        """The leader's streams now begin at ``starts``: refuse to go on when this
+        member lacks records below one (retention deleted them on the leader: copying
+        cannot bring them back), else let the server delete what the leader did."""
+        self.leader_starts = dict(starts)
+        lacking = []
+        for name, start in sorted(starts.items()):
+            held = self.streams.find(name)
+            end = 0 if held is None else held.end_offset
+            if end < start:
+                lacking.append(f"{name} ends at {end} here, the leader's begins at {start}")
+        if lacking:
+            host, port = self.leader
+            raise FollowRefused(
+                f"member {self.member} lacks records the leader at {host}:{port} deleted "
+                f"({'; '.join(lacking)}): retention deleted them, so it cannot catch up "
+                'by copying (docs/replication.md, "Retention in a group")'
+            )
+        if self.on_retained is not None:
+            await self.on_retained(starts)
 
     async def _commit(self, stream: trio.abc.Stream) -> None:
         """Group commit: flush every stream that grew since the last flush, in a worker

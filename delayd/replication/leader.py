@@ -51,6 +51,7 @@ ACK_LEADER = "leader"
 DEFAULT_REPLICA_LAG_MS = 1000
 DEFAULT_MIN_IN_SYNC = 1
 CHUNK_BYTES = 1 << 20  # raw bytes per RECORDS frame (one record may exceed it)
+LACKING_LOG_INTERVAL_MS = 60_000  # a follower that lacks deleted records is said this often
 FOLLOW_TIMEOUT_S = 10.0  # a connection must end its TLS handshake, then say FOLLOW, within this
 
 OnInSyncChange = Callable[[frozenset[str]], Awaitable[object]]
@@ -118,6 +119,9 @@ class Leader:
         self.in_sync_changes = 0
         self.refused_handshakes = 0
         self.sent_bytes = 0
+        # Followers that lack records retention deleted here: stream -> their end.
+        self.lacking: dict[str, dict[str, int]] = {}
+        self._lacking_logged_ms: dict[str, int] = {}
         # When the leader's streams reached each end, and the records between two
         # offsets: each follower's lag in time and in records (delayd.replication.lag).
         self.growth = GrowthClock()
@@ -193,6 +197,15 @@ class Leader:
             out[member] = total
         self.record_counter.keep_only(asked)
         return out
+
+    def copied_by_in_sync(self, stream: str) -> int:
+        """How far the leader and every follower of the in-sync set have ``stream``
+        durable (no ``min_in_sync`` rule): what retention may delete below, so that no
+        member that may take over lacks a record the leader deleted."""
+        offset = self.streams.get(stream).durable_offset
+        for member in self.tracker.members:
+            offset = min(offset, self.tracker.durable.get(member, {}).get(stream, 0))
+        return offset
 
     def acknowledged_offsets(self) -> dict[str, int]:
         """Every stream's acknowledged offset now: the leader's durable end with
@@ -343,6 +356,11 @@ class Leader:
         await stream.send_all(wire.encode(wire.TruncateTo(self.epoch, targets)))
         positions = {name: targets.get(name, 0) for name in self.streams.names()}
         positions.update(targets)
+        starts = self.streams.starts()
+        await stream.send_all(wire.encode(wire.Retained(starts)))
+        if self._lacks_deleted(follow.member, positions, starts):
+            return  # the follower refuses to go on when it reads RETAINED
+        self.lacking.pop(follow.member, None)
         self.tracker.follower_reset(follow.member, positions)
         self._wake()
         with trio.CancelScope() as scope:
@@ -351,11 +369,40 @@ class Leader:
             try:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._receive_reports, stream, decoder, follow.member)
-                    await self._send_records(stream, positions)
+                    await self._send_records(stream, positions, follow.member)
             finally:
                 if self._connections.get(follow.member) is scope:
                     del self._connections[follow.member]
                     self.connected.discard(follow.member)
+
+    def _lacks_deleted(
+        self, member: str, positions: dict[str, int], starts: dict[str, int]
+    ) -> bool:
+        """Whether ``member``, whose streams end at ``positions``, lacks records the
+        leader no longer holds (retention deleted them): it cannot catch up by copying.
+        Said once per member and minute, and kept in ``lacking``."""
+        lacking = {name: positions.get(name, 0) for name, start in starts.items()}
+        lacking = {name: end for name, end in lacking.items() if end < starts[name]}
+        if not lacking:
+            return False
+        self.lacking[member] = lacking
+        now = _now_ms()
+        if now - self._lacking_logged_ms.get(member, -LACKING_LOG_INTERVAL_MS) >= (
+            LACKING_LOG_INTERVAL_MS
+        ):
+            self._lacking_logged_ms[member] = now
+            log.warning(
+                "group %s: member %s cannot follow: %s; retention deleted the records "
+                "between here, so it cannot catch up by copying (docs/replication.md, "
+                '"Retention in a group")',
+                self.group,
+                member,
+                ", ".join(
+                    f"its {name} ends at {end}, this leader's begins at {starts[name]}"
+                    for name, end in sorted(lacking.items())
+                ),
+            )
+        return True
 
     def _truncation(self, follow: wire.Follow) -> dict[str, int]:
         """Where each of the follower's streams must be cut back to (module docstring)."""
@@ -367,17 +414,34 @@ class Leader:
             ends = self.streams.ends()
         return {name: min(end, ends.get(name, 0)) for name, end in follow.ends.items()}
 
-    async def _send_records(self, stream: trio.abc.Stream, positions: dict[str, int]) -> None:
+    async def _send_records(
+        self, stream: trio.abc.Stream, positions: dict[str, int], member: str
+    ) -> None:
         sent_acked: dict[str, int] = {}
+        sent_starts = self.streams.starts()  # sent after TRUNCATE_TO
         while self._stopped is None:
             seen = self.streams.version
+            starts = self.streams.starts()
+            if starts != sent_starts:
+                await stream.send_all(wire.encode(wire.Retained(starts)))
+                sent_starts = starts
+                if self._lacks_deleted(member, positions, starts):
+                    return  # deleted under a follower out of the in-sync set
             sent = False
             for name in self.streams.names():
                 source = self.streams.find(name)  # gone since listed: nothing to send
                 position = positions.get(name, 0)
                 if source is None or position >= source.end_offset:
                     continue
-                data = source.read_raw(position, self.chunk_bytes)
+                try:
+                    data = source.read_raw(position, self.chunk_bytes)
+                except ValueError:
+                    # Deleted meanwhile (retention runs in a worker thread).
+                    starts = self.streams.starts()
+                    if not self._lacks_deleted(member, positions, starts):
+                        raise
+                    await stream.send_all(wire.encode(wire.Retained(starts)))
+                    return
                 acked = self._acked_changes(sent_acked)
                 await stream.send_all(
                     wire.encode(wire.Records(self.epoch, name, position, data, acked))

@@ -68,12 +68,16 @@ class GroupReplication:
         on_following: Callable[[], Awaitable[object]] | None = None,
         tls: ServerTls | None = None,
         dispatch_files: Callable[[], BucketFiles] | None = None,
+        on_leader_retained: Callable[[int], Awaitable[object]] | None = None,
     ) -> None:
         self.data_dir = data_dir
         self.tls = tls  # the server's listeners' TLS: the replication listener's too
         self.on_promoted = on_promoted
         self.on_demoted = on_demoted
         self.on_following = on_following
+        # Following: the leader's message_log now begins here (its retention deleted
+        # what lay below); the server deletes the same (Retention.trim_below_leader).
+        self.on_leader_retained = on_leader_retained
         self.fs = fs
         self.replayer = replayer
         self._leader_poll_s = replayer.poll_interval_s  # intake notifies it, or the policy's
@@ -119,6 +123,12 @@ class GroupReplication:
             out["replication.acked_offset_bytes"] = follower.acked.get(MESSAGE_LOG, 0)
             out["replication.leader_epoch"] = follower.leader_epoch or 0
         return out
+
+    def message_log_copied(self) -> int:
+        """Leading: how far every in-sync member has message_log durable, what the
+        leader's retention may delete below; 0 while no Leader runs."""
+        leader = self.leader
+        return 0 if leader is None else leader.copied_by_in_sync(MESSAGE_LOG)
 
     # ------------------------------------------------------------------ acks
 
@@ -266,6 +276,7 @@ class GroupReplication:
             member=member.info.member_id,
             leader=parse_address(address),
             on_truncating=self._truncating,
+            on_retained=self._retained,
             # A member follows with its own certificate, trusting the CA that signed
             # every member's (mutual TLS between members: docs/replication.md).
             tls=None if self.tls is None else member_client_tls(self.tls.config),
@@ -281,6 +292,10 @@ class GroupReplication:
                 nursery.cancel_scope.cancel()
         finally:
             self.follower = None
+
+    async def _retained(self, starts: dict[str, int]) -> None:
+        if self.on_leader_retained is not None and MESSAGE_LOG in starts:
+            await self.on_leader_retained(starts[MESSAGE_LOG])
 
     async def _truncating(self, stream: str, offset: int) -> None:
         """The leader is cutting ``stream`` back to ``offset``. A cut of message_log: the
