@@ -12,6 +12,7 @@ the directory holds exactly the records below the cut, replayed exactly once.
 from __future__ import annotations
 
 import random
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -43,12 +44,9 @@ def open_data(fs: FileSystem, root: str = DATA):
 
 def replay_all(fs: FileSystem, root: str = DATA) -> None:
     log, replayer = open_data(fs, root)
-    try:
+    with log, closing(replayer):
         replayer.replay_available()
         replayer.checkpoint()
-    finally:
-        replayer.close()
-        log.close()
 
 
 def fill(fs: FileSystem) -> int:

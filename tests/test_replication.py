@@ -90,6 +90,13 @@ async def caught_up(follower: Member, leader: Member) -> None:
             await trio.sleep(0.005)
 
 
+async def in_sync(leader: Leader, followers: set[str]) -> None:
+    """Wait (real time, bounded) until the leader's in-sync set is ``followers``."""
+    with trio.fail_after(5):
+        while leader.in_sync != followers:
+            await trio.sleep(0.005)
+
+
 @contextmanager
 def members(tmp_path: Path, *names: str) -> Iterator[list[Member]]:
     opened = [Member(tmp_path / name) for name in names]
@@ -444,9 +451,7 @@ async def test_retention_in_a_group_waits_for_the_in_sync_set_and_tells_the_foll
 
             nursery.start_soon(follow_b)
             await caught_up(b, a)
-            with trio.fail_after(5):
-                while leader.in_sync != {"b"}:
-                    await trio.sleep(0.005)
+            await in_sync(leader, {"b"})
             copied = b.streams.message_log.durable_offset
             following.cancel()  # b stops; a appends more: b has not copied it
             a.append_messages(60)

@@ -14,7 +14,7 @@ from delayd.replication import MESSAGE_LOG, Follower, Leader, dispatch_stream
 from delayd.replication.metrics import FENCED, SERVING, STOPPED, ReplicationCollector
 from tests.exported_metrics import parse_exposition
 from tests.test_metric_names import naming_problems
-from tests.test_replication import BUCKETS, GROUP, caught_up, follower_of, members
+from tests.test_replication import BUCKETS, GROUP, caught_up, follower_of, in_sync, members
 
 
 def scrape(current: Callable[[], Leader | Follower | None]) -> dict[tuple[str, str], float]:
@@ -54,9 +54,7 @@ async def test_leader_and_follower_metrics_move_with_the_copy(tmp_path: Path) ->
 
             nursery.start_soon(follow)
             await caught_up(b, a)
-            with trio.fail_after(5):
-                while leader.in_sync != {"b"}:
-                    await trio.sleep(0.005)
+            await in_sync(leader, {"b"})
             message_end = a.streams.message_log.end_offset
             dispatch_end = sum(a.streams.get(dispatch_stream(n)).end_offset for n in BUCKETS[:2])
             await leader.wait_acknowledged(MESSAGE_LOG, message_end)
