@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 
 import trio
@@ -71,6 +71,9 @@ class Answer:
     waiter: Waiter | None = None
     outcome: CancelOutcome | RescheduleOutcome | None = None
     dispatched_ms: int | None = None
+    # The buckets whose dispatch_log entries decide it: the record it acted on, and the
+    # copy a reschedule appended. In a group the answer waits until the group has them.
+    buckets: set[int] = field(default_factory=set)
 
     @property
     def decided(self) -> bool:
@@ -232,6 +235,7 @@ class Canceller:
             copy = moves.moved_copy(locations, stone.due_ms)
         fate = None
         if current is not None:
+            answer.buckets.add(current.bucket_ms)
             fate = self._withdraw(current, answer, is_cancel=stone.is_cancel)
         moved = fate is EntryKind.RESCHEDULED
         if moved and copy is None:  # type 4: the copy is appended only when it moves
@@ -239,6 +243,7 @@ class Canceller:
             copy = moves.moved_copy([current], stone.due_ms)
         if copy is not None:
             bucket_ms, copy_offset = replayer.append_copy(offset, copy)
+            answer.buckets.add(bucket_ms)
             if not moved:
                 self._void(bucket_ms, copy_offset, message_log.due_ms_of(copy))
         if current is None:

@@ -17,7 +17,7 @@ member does not deliver again what the old leader recorded delivered.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 
 import trio
 
@@ -26,6 +26,7 @@ from delayd.cluster.config import AckMode, ClusterConfig
 from delayd.cluster.members import Role
 from delayd.errors import EtcdError
 from delayd.logs.bucket_files import BucketFiles
+from delayd.logs.buckets import bucket_name
 from delayd.replay import Replayer
 from delayd.replication import (
     MESSAGE_LOG,
@@ -35,6 +36,7 @@ from delayd.replication import (
     Leader,
     LeaderFenced,
     LeaderStopped,
+    dispatch_stream,
 )
 from delayd.replication.follower import member_client_tls
 from delayd.server.rebuild import RebuildNeeded
@@ -132,15 +134,17 @@ class GroupReplication:
 
     # ------------------------------------------------------------------ acks
 
-    async def wait_dispatch_acknowledged(self) -> bool:
-        """Whether the group acknowledged every dispatch_log bucket up to what is
-        durable here now (``wait_acknowledged``'s rules): a cancel's or reschedule's
-        entry, made durable before, is then the group's."""
+    async def wait_dispatch_acknowledged(self, buckets: Iterable[int]) -> bool:
+        """Whether the group acknowledged the dispatch_log ``buckets`` (start ms) up to
+        what is durable here now (``wait_acknowledged``'s rules): the entries that
+        decided a cancel or reschedule, made durable before, are then the group's.
+        Only those buckets are looked at: no listing of the directory per request."""
         if self.config.ack is AckMode.LEADER or not self.streams.with_dispatch_log:
             return True
-        targets = {
-            name: end for name, end in self.streams.durable_ends().items() if name != MESSAGE_LOG
-        }
+        targets = {}
+        for bucket_ms in sorted(buckets):
+            name = dispatch_stream(bucket_name(bucket_ms))
+            targets[name] = self.streams.get(name).durable_offset
         for name, end in targets.items():
             if not await self.wait_acknowledged(end, stream=name):
                 return False
