@@ -26,6 +26,7 @@ from delayd.replication import (
     LeaderStopped,
     dispatch_stream,
 )
+from delayd.replication.metrics import ReplicationCollector
 from storage.crashfs import CrashSimFileSystem, SimulatedCrash
 from storage.fs import FileSystem
 
@@ -479,6 +480,12 @@ async def test_retention_in_a_group_waits_for_the_in_sync_set_and_tells_the_foll
             )
             assert "cannot catch up by copying" in str(refused.last_error)
             assert leader.lacking["c"] == {MESSAGE_LOG: 0}
+            lacks = "delayd_replication_follower_deleted_lag_bytes"
+            assert (lacks, {"member": "c"}, start) in [
+                (sample.name, sample.labels, sample.value)
+                for family in ReplicationCollector(lambda: leader).collect()
+                for sample in family.samples
+            ]
             assert "c" not in leader.in_sync
             assert c.streams.message_log.end_offset == 0  # nothing copied
 

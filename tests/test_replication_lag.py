@@ -97,6 +97,8 @@ delayd_replication_follower_lag_bytes{member="b-1"} 300.0
 delayd_replication_follower_lag_bytes{member="c-1"} 9000.0
 # TYPE delayd_replication_follower_lag_records gauge
 delayd_replication_follower_lag_records{member="b-1"} 2.0
+# TYPE delayd_replication_follower_deleted_lag_bytes gauge
+delayd_replication_follower_deleted_lag_bytes{member="e-1"} 8192.0
 # TYPE delayd_replication_follower_lag_seconds gauge
 delayd_replication_follower_lag_seconds{member="b-1"} 0.25
 delayd_replication_follower_lag_seconds{member="c-1"} 40.0
@@ -109,7 +111,8 @@ def test_cluster_status_shows_what_the_leader_measured(monkeypatch):
     monkeypatch.setattr(cluster_lag, "fetch", lambda url, timeout_s: LEADER_PAGE)
     lags = lags_in(Snapshot.parse(LEADER_PAGE))
     assert lags["b-1"].records == 2 and lags["b-1"].ms == 250 and lags["b-1"].bytes == 300
-    assert lags["c-1"].records is None  # lacks records retention deleted
+    assert lags["c-1"].records is None  # not counted (yet)
+    assert lags["e-1"].lacks_deleted and lags["e-1"].ms is None
     member = {"in_sync": True, "intake": "", "broker": "", "replication": "", "metrics": ""}
     group = {
         "group": "g1",
@@ -121,6 +124,7 @@ def test_cluster_status_shows_what_the_leader_measured(monkeypatch):
             {**member, "member_id": "b-1", "role": "follower"},
             {**member, "member_id": "c-1", "role": "follower", "in_sync": False},
             {**member, "member_id": "d-1", "role": "follower", "in_sync": False},
+            {**member, "member_id": "e-1", "role": "follower", "in_sync": False},
         ],
     }
     add_lag(group)
@@ -131,11 +135,13 @@ def test_cluster_status_shows_what_the_leader_measured(monkeypatch):
         "b-1": (2, 250),
         "c-1": (None, 40_000),
         "d-1": (None, None),
+        "e-1": (None, None),
     }
     lines = render([group]).splitlines()
     assert lines[2].split()[:5] == ["member", "role", "in_sync", "lag_records", "lag_ms"]
     assert lines[4].split()[:5] == ["b-1", "follower", "yes", "2", "250"]
     assert lines[5].split()[:5] == ["c-1", "follower", "no", "?", "40000"]
+    assert lines[7].split()[:5] == ["e-1", "follower", "no", "deleted", "?"]
 
 
 def test_cluster_status_says_why_it_has_no_lag():

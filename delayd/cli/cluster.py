@@ -93,7 +93,8 @@ def _as_dict(state: Any) -> dict[str, Any]:
 def add_lag(group: dict[str, Any]) -> None:
     """Each member's ``lag_records``, ``lag_ms`` and ``lag_bytes`` (None for the leader
     and for a follower the leader does not know; ``lag_records`` None too for one that
-    lacks records the leader no longer holds), and the group's ``lag_error``."""
+    lacks records the leader no longer holds, ``lacks_deleted`` true for it), and the
+    group's ``lag_error``."""
     from delayd.cli.cluster_lag import GroupLag, leader_lag
 
     leader = next((m for m in group["members"] if m["member_id"] == group["leader"]), None)
@@ -109,11 +110,14 @@ def add_lag(group: dict[str, Any]) -> None:
         member["lag_records"] = None if known is None else known.records
         member["lag_ms"] = None if known is None else known.ms
         member["lag_bytes"] = None if known is None else known.bytes
+        member["lacks_deleted"] = known is not None and known.lacks_deleted
 
 
 def _lag_cell(member: dict[str, Any], key: str) -> str:
     if member["role"] == "leader":
         return "-"
+    if key == "lag_records" and member.get("lacks_deleted"):
+        return "deleted"  # it lacks records the leader's retention deleted
     value = member.get(key)
     return "?" if value is None else str(value)
 

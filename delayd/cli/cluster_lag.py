@@ -3,8 +3,8 @@
 etcd says who leads; only the leader knows how far each follower is behind (its durable
 end of every stream, reported after each group commit). The leader exports that on its
 /metrics (``delayd_replication_follower_lag_records``, ``…_lag_seconds``,
-``…_lag_bytes``, by member: docs/operations.md), so this reads the page at the leader's
-advertised metrics address.
+``…_lag_bytes``, ``…_deleted_lag_bytes``, by member: docs/operations.md), so this
+reads the page at the leader's advertised metrics address.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ LAG_TIMEOUT_S = 3.0
 @dataclass(frozen=True, slots=True)
 class FollowerLag:
     records: int | None  # None: it lacks records the leader no longer holds
-    ms: int
-    bytes: int
+    ms: int | None
+    bytes: int | None
+    lacks_deleted: bool = False  # it cannot catch up by copying
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,11 +51,13 @@ def lags_in(snapshot: Snapshot) -> dict[str, FollowerLag]:
     lag_bytes = snapshot.by_label("delayd_replication_follower_lag_bytes", "member")
     seconds = snapshot.by_label("delayd_replication_follower_lag_seconds", "member")
     records = snapshot.by_label("delayd_replication_follower_lag_records", "member")
+    lacking = snapshot.by_label("delayd_replication_follower_deleted_lag_bytes", "member")
     return {
         member: FollowerLag(
             None if member not in records else int(records[member]),
-            round(seconds.get(member, 0.0) * 1000),
-            int(size),
+            None if member not in seconds else round(seconds[member] * 1000),
+            None if member not in lag_bytes else int(lag_bytes[member]),
+            bool(lacking.get(member)),
         )
-        for member, size in lag_bytes.items()
+        for member in lag_bytes.keys() | lacking.keys()
     }

@@ -198,6 +198,15 @@ class Leader:
         self.record_counter.keep_only(asked)
         return out
 
+    def deleted_lag(self) -> dict[str, int]:
+        """Bytes each follower of ``lacking`` lacks below where the leader's streams
+        now begin: what retention deleted before it copied them."""
+        starts = self.streams.starts()
+        return {
+            member: sum(max(0, starts.get(name, 0) - end) for name, end in ends.items())
+            for member, ends in self.lacking.items()
+        }
+
     def copied_by_in_sync(self, stream: str) -> int:
         """How far the leader and every follower of the in-sync set have ``stream``
         durable (no ``min_in_sync`` rule): what retention may delete below, so that no

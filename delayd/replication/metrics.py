@@ -100,6 +100,14 @@ def leader_metrics(leader: Leader) -> Iterator[Metric]:
     )
     yield labelled(
         GaugeMetricFamily,
+        "delayd_replication_follower_deleted_lag_bytes",
+        "Bytes a follower lacks that retention deleted on the leader: it cannot catch up "
+        "by copying (docs/replication.md, Retention in a group); no sample for the others.",
+        "member",
+        sorted(leader.deleted_lag().items()),
+    )
+    yield labelled(
+        GaugeMetricFamily,
         "delayd_replication_follower_lag_seconds",
         "How long ago the leader had what each follower has durable: the age of the "
         "oldest record it lacks; 0 while it lacks none.",
