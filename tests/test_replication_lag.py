@@ -31,40 +31,58 @@ def append(log: SegmentedLog, count: int) -> list[int]:
 def test_records_are_counted_across_segments_without_their_markers(log: SegmentedLog):
     offsets = append(log, 50)
     assert len(log.read_raw(0, 1 << 20)) < log.end_offset  # several segments
-    assert count_records(log, 0, log.end_offset) == 50
-    assert count_records(log, offsets[10], offsets[37]) == 27
-    assert count_records(log, offsets[37], offsets[37]) == 0
+    assert count_records(log, 0, log.end_offset) == (50, log.end_offset)
+    assert count_records(log, offsets[10], offsets[37])[0] == 27
+    assert count_records(log, offsets[37], offsets[37]) == (0, 0)
 
 
-def test_the_counter_counts_from_what_it_remembers(log: SegmentedLog, monkeypatch):
-    offsets = append(log, 40)
-    counter = RecordCounter()
-    walked: list[tuple[int, int]] = []
+def walked_bytes(log: SegmentedLog, monkeypatch) -> list[int]:
+    """The bytes each read_raw of ``log`` returns from now on."""
+    walked: list[int] = []
     real = log.read_raw
 
     def read_raw(offset: int, max_bytes: int) -> bytes:
         data = real(offset, max_bytes)
-        walked.append((offset, len(data)))
+        walked.append(len(data))
         return data
 
     monkeypatch.setattr(log, "read_raw", read_raw)
-    assert counter.between("log", log, offsets[5], log.end_offset) == 35
-    counter.keep_only({"log": {offsets[5], log.end_offset}})
-    first_walk = sum(n for _, n in walked)
-    walked.clear()
+    return walked
+
+
+def test_the_counter_walks_the_cheaper_of_the_gap_and_what_moved(log, monkeypatch):
+    offsets = append(log, 40)
+    counter = RecordCounter()
+    key = ("b", "message_log")
+    assert counter.between(key, log, offsets[5], log.end_offset) == 35
+    walked = walked_bytes(log, monkeypatch)
+    old_end = log.end_offset
     more = append(log, 10)
-    # The follower moved to record 20, the leader grew by 10: only what is new is walked.
-    assert counter.between("log", log, offsets[20], log.end_offset) == 30
-    assert sum(n for _, n in walked) < first_walk
-    assert counter.between("log", log, offsets[2], more[0]) == 38  # below every mark
-    assert counter.between("log", log, offsets[2], offsets[2]) == 0
+    # The follower moved by one record, the leader grew by ten: only those are walked.
+    assert counter.between(key, log, offsets[6], log.end_offset) == 44
+    assert sum(walked) == (offsets[6] - offsets[5]) + (log.end_offset - old_end)
+    walked.clear()
+    # Caught up but for one record: the gap is cheaper than what moved.
+    assert counter.between(key, log, more[-1], log.end_offset) == 1
+    assert sum(walked) == log.end_offset - more[-1]
+    assert not counter.estimated
+    assert counter.between(key, log, offsets[2], offsets[2]) == 0
+
+
+def test_past_its_budget_the_counter_estimates(log: SegmentedLog):
+    append(log, 200)  # records of the same size: the estimate is exact but for rounding
+    counter = RecordCounter(budget_bytes=2048)
+    estimate = counter.between(("b", "message_log"), log, 0, log.end_offset)
+    assert counter.estimated
+    assert abs(estimate - 200) <= 4  # END_OF_SEGMENT markers are in the bytes, not counted
+    assert RecordCounter().between(("b", "message_log"), log, 0, log.end_offset) == 200
 
 
 def test_a_start_the_log_no_longer_holds_is_refused(log: SegmentedLog):
     append(log, 40)
     assert log.delete_before(log.end_offset) > 0
     with pytest.raises(ValueError, match="outside the log"):
-        RecordCounter().between("log", log, 0, log.end_offset)
+        RecordCounter().between(("b", "log"), log, 0, log.end_offset)
 
 
 def test_lag_in_time_is_the_age_of_the_oldest_record_lacked():

@@ -177,21 +177,23 @@ class Leader:
 
     def lag_records(self) -> dict[str, int | None]:
         """How many records of the leader's streams each known follower lacks durable
-        (END_OF_SEGMENT markers not counted); None for a follower that lacks records
-        the leader no longer holds (retention deleted them: it must resync)."""
+        (END_OF_SEGMENT markers not counted; estimated from the average record size
+        where the bytes to walk exceed ``record_counter.budget_bytes``); None for a
+        follower that lacks records the leader no longer holds (retention deleted
+        them)."""
         out: dict[str, int | None] = {}
-        asked: dict[str, set[int]] = {}
+        asked: set[tuple[str, str]] = set()
         ends = self.streams.ends()
         for member, durable in self.tracker.durable.items():
             total: int | None = 0
             for name, end in ends.items():
-                start = min(durable.get(name, 0), end)
                 stream = self.streams.find(name)
                 if stream is None or total is None:
                     continue
-                asked.setdefault(name, set()).update((start, end))
+                start = min(durable.get(name, 0), end)
+                asked.add((member, name))
                 try:
-                    total += self.record_counter.between(name, stream, start, end)
+                    total += self.record_counter.between((member, name), stream, start, end)
                 except ValueError:
                     total = None
             out[member] = total
