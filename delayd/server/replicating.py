@@ -78,7 +78,7 @@ class GroupReplication:
         self.on_demoted = on_demoted
         self.on_following = on_following
         # Following: the leader's message_log now begins here (its retention deleted
-        # what lay below); the server deletes the same (Retention.trim_below_leader).
+        # what lay below); the server deletes the same (retention.trim_below_leader).
         self.on_leader_retained = on_leader_retained
         self.fs = fs
         self.replayer = replayer
