@@ -504,3 +504,27 @@ async def test_a_cancel_answered_before_a_restart_stays_cancelled_once_due(tmp_p
         assert answer.outcome is CancelOutcome.CANCELLED
         assert again.delivery.canceller.cancels[CancelOutcome.CANCELLED] == 2  # replayed, new
         assert second.received == [] and target.received == []
+
+
+async def test_an_answer_names_the_buckets_whose_entries_decide_it(tmp_path, clock):
+    """What a group member's answer waits for the group to have (docs/replication.md,
+    "Wiring"): the dispatch_log buckets of the record acted on and of the copy a
+    reschedule appended — not every bucket, and none for an unknown id."""
+    with Pipeline(str(tmp_path), [RecordingTarget("a")]) as pipeline:
+        doomed, moved, refused = pipeline.schedule(
+            [T0 + 10 * MINUTE + 5, T0 + 11 * MINUTE + 5, T0 + 1000]
+        )
+        async with pipeline.running():
+            await trio.sleep(2)  # ``refused`` is delivered
+            cancelled = await cancel(pipeline, doomed)
+            assert cancelled.outcome is CancelOutcome.CANCELLED
+            assert cancelled.buckets == {T0 + 10 * MINUTE}
+            rescheduled = await reschedule(pipeline, moved, T0 + 20 * MINUTE)
+            assert rescheduled.outcome is RescheduleOutcome.RESCHEDULED
+            assert rescheduled.buckets == {T0 + 11 * MINUTE, T0 + 20 * MINUTE}
+            late = await reschedule(pipeline, refused, T0 + 30 * MINUTE)
+            assert late.outcome is RescheduleOutcome.ALREADY_DELIVERED
+            assert late.buckets == {T0, T0 + 30 * MINUTE}  # its entry, the void copy's
+            unknown = await cancel(pipeline, "nobody")
+            assert unknown.outcome is CancelOutcome.UNKNOWN and unknown.buckets == set()
+            await pipeline.stop()

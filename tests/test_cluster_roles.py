@@ -302,6 +302,22 @@ def test_cluster_status_shows_the_group(group: Group):
     assert f"group {group.name}: leader {member_id(leader)}" in text
     assert f"in sync: {', '.join(sorted([member_id(leader), member_id(follower)]))}" in text
 
+    def follower_lag() -> tuple[int | None, int | None]:
+        done = subprocess.run(
+            [*DELAYD, "cluster", "status", "--etcd", group.etcd_url, "--group", group.name,
+             "--json"],
+            cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=30, check=True,
+        )  # fmt: skip
+        (shown,) = json.loads(done.stdout)["groups"]
+        assert shown["lag_error"] is None
+        lags = {m["member_id"]: (m["lag_records"], m["lag_ms"]) for m in shown["members"]}
+        assert lags[member_id(leader)] == (None, None)
+        return lags[member_id(follower)]
+
+    # The leader measures the follower: nothing is being sent, so it lacks nothing.
+    wait_until(lambda: follower_lag() == (0, 0), 10, "the follower's lag is 0 records, 0 ms")
+    assert "lag_records" in text and "lag_ms" in text
+
 
 def test_a_group_of_a_named_cluster_is_found_under_that_cluster(
     tmp_path: Path, etcd_server: EtcdServer

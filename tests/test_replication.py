@@ -26,6 +26,7 @@ from delayd.replication import (
     LeaderStopped,
     dispatch_stream,
 )
+from delayd.replication.metrics import ReplicationCollector
 from storage.crashfs import CrashSimFileSystem, SimulatedCrash
 from storage.fs import FileSystem
 
@@ -87,6 +88,13 @@ async def caught_up(follower: Member, leader: Member) -> None:
             ends = leader.streams.ends()
             if all(follower.streams.get(n).durable_offset == e for n, e in ends.items()):
                 return
+            await trio.sleep(0.005)
+
+
+async def in_sync(leader: Leader, followers: set[str]) -> None:
+    """Wait (real time, bounded) until the leader's in-sync set is ``followers``."""
+    with trio.fail_after(5):
+        while leader.in_sync != followers:
             await trio.sleep(0.005)
 
 
@@ -189,6 +197,11 @@ async def test_a_returning_old_leader_cuts_its_unacknowledged_tail(tmp_path: Pat
         a.append_dispatch(BUCKETS[2], 3)
         diverged_at = acknowledged
         truncated: list[tuple[str, int]] = []
+        ends_before_cut: dict[str, int] = {}
+
+        async def on_truncating(stream: str, offset: int) -> None:
+            # Before the cut: the server removes what it derived first.
+            ends_before_cut[stream] = a.streams.get(stream).end_offset
 
         async def on_truncated(stream: str, offset: int) -> None:
             truncated.append((stream, offset))
@@ -197,7 +210,10 @@ async def test_a_returning_old_leader_cuts_its_unacknowledged_tail(tmp_path: Pat
         async with trio.open_nursery() as nursery:
             await nursery.start(new.run, "127.0.0.1", 0)
             b.append_messages(9, b"new")  # other records at the same offsets
-            nursery.start_soon(follower_of(a, "a", new, on_truncated=on_truncated).run)
+            following = follower_of(
+                a, "a", new, on_truncating=on_truncating, on_truncated=on_truncated
+            )
+            nursery.start_soon(following.run)
             await caught_up(a, b)
             end = b.append_messages(3, b"new")
             with trio.fail_after(5):
@@ -207,6 +223,8 @@ async def test_a_returning_old_leader_cuts_its_unacknowledged_tail(tmp_path: Pat
             (dispatch_stream(BUCKETS[2]), 0),
             (MESSAGE_LOG, diverged_at),
         ]
+        assert ends_before_cut[MESSAGE_LOG] > diverged_at
+        assert ends_before_cut[dispatch_stream(BUCKETS[2])] > 0
         assert [entry.epoch for entry in a.history.entries] == [5, 8]
         assert b.history.end_of(5) == {MESSAGE_LOG: diverged_at}
     copy = log_files(str(tmp_path / "a"))
@@ -407,3 +425,79 @@ async def test_stopping_the_leader_releases_every_waiter(tmp_path: Path) -> None
 async def _stop_soon(leader: Leader) -> None:
     await trio.sleep(0.05)
     leader.stop()
+
+
+async def test_retention_in_a_group_waits_for_the_in_sync_set_and_tells_the_followers(
+    tmp_path: Path,
+) -> None:
+    """Leader a may delete message_log only below what its in-sync follower b has
+    durable; it tells b where its copy now begins (RETAINED), and b's server deletes the
+    same. c, a new member, lacks what a deleted: it is refused with the reason, a says
+    so too, and a goes on serving b."""
+    with members(tmp_path, "a", "b", "c") as (a, b, c):
+        a.append_messages(60)
+        told: list[int] = []
+
+        async def on_retained(starts: dict[str, int]) -> None:
+            told.append(starts[MESSAGE_LOG])
+
+        leader = Leader(a.streams, a.history, 5, group=GROUP, replica_lag_ms=100_000)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(leader.run, "127.0.0.1", 0)
+            following = trio.CancelScope()
+
+            async def follow_b() -> None:
+                with following:
+                    await follower_of(b, "b", leader, on_retained=on_retained).run()
+
+            nursery.start_soon(follow_b)
+            await caught_up(b, a)
+            await in_sync(leader, {"b"})
+            copied = b.streams.message_log.durable_offset
+            following.cancel()  # b stops; a appends more: b has not copied it
+            a.append_messages(60)
+            assert leader.copied_by_in_sync(MESSAGE_LOG) == copied  # b's, not a's end
+            log = a.streams.message_log
+            assert log.delete_before(leader.copied_by_in_sync(MESSAGE_LOG)) >= 2
+            start = log.min_offset
+            assert 0 < start <= copied
+
+            nursery.start_soon(follower_of(b, "b", leader, on_retained=on_retained).run)
+            await caught_up(b, a)
+            with trio.fail_after(5):
+                while not told:
+                    await trio.sleep(0.005)
+            assert told[-1] == start  # where a's copy begins: b's server trims to it
+
+            refused = follower_of(c, "c", leader)
+            nursery.start_soon(refused.run)
+            with trio.fail_after(5):
+                while refused.last_error is None:
+                    await trio.sleep(0.005)
+            assert isinstance(refused.last_error, FollowRefused)
+            assert f"message_log ends at 0 here, the leader's begins at {start}" in str(
+                refused.last_error
+            )
+            assert "cannot catch up by copying" in str(refused.last_error)
+            assert leader.lacking["c"] == {MESSAGE_LOG: 0}
+            lacks = "delayd_replication_follower_deleted_lag_bytes"
+            assert (lacks, {"member": "c"}, start) in [
+                (sample.name, sample.labels, sample.value)
+                for family in ReplicationCollector(lambda: leader).collect()
+                for sample in family.samples
+            ]
+            assert "c" not in leader.in_sync
+            assert c.streams.message_log.end_offset == 0  # nothing copied
+
+            end = a.append_messages(60)  # b is still served
+            with trio.fail_after(5):
+                await leader.wait_acknowledged(MESSAGE_LOG, end)
+            await caught_up(b, a)
+            # A deletion during b's session: the next growth tells it.
+            assert log.delete_before(leader.copied_by_in_sync(MESSAGE_LOG)) >= 2
+            a.append_messages(1)
+            with trio.fail_after(5):
+                while told[-1] != log.min_offset:
+                    await trio.sleep(0.005)
+            assert log.min_offset > start
+            nursery.cancel_scope.cancel()

@@ -14,7 +14,7 @@ from delayd.replication import MESSAGE_LOG, Follower, Leader, dispatch_stream
 from delayd.replication.metrics import FENCED, SERVING, STOPPED, ReplicationCollector
 from tests.exported_metrics import parse_exposition
 from tests.test_metric_names import naming_problems
-from tests.test_replication import BUCKETS, GROUP, caught_up, follower_of, members
+from tests.test_replication import BUCKETS, GROUP, caught_up, follower_of, in_sync, members
 
 
 def scrape(current: Callable[[], Leader | Follower | None]) -> dict[tuple[str, str], float]:
@@ -54,9 +54,7 @@ async def test_leader_and_follower_metrics_move_with_the_copy(tmp_path: Path) ->
 
             nursery.start_soon(follow)
             await caught_up(b, a)
-            with trio.fail_after(5):
-                while leader.in_sync != {"b"}:
-                    await trio.sleep(0.005)
+            await in_sync(leader, {"b"})
             message_end = a.streams.message_log.end_offset
             dispatch_end = sum(a.streams.get(dispatch_stream(n)).end_offset for n in BUCKETS[:2])
             await leader.wait_acknowledged(MESSAGE_LOG, message_end)
@@ -65,6 +63,7 @@ async def test_leader_and_follower_metrics_move_with_the_copy(tmp_path: Path) ->
             assert on_leader[("delayd_replication_connected_members", "")] == 1
             assert on_leader[("delayd_replication_follower_lag_bytes", "b")] == 0
             assert on_leader[("delayd_replication_follower_lag_seconds", "b")] == 0
+            assert on_leader[("delayd_replication_follower_lag_records", "b")] == 0
             acked = "delayd_replication_acknowledged_offset_bytes"
             assert on_leader[(acked, "message_log")] == message_end
             assert on_leader[(acked, "dispatch_log")] == dispatch_end  # one series, two buckets
@@ -91,8 +90,11 @@ async def test_leader_and_follower_metrics_move_with_the_copy(tmp_path: Path) ->
                     await trio.sleep(0.005)
             grown = a.append_messages(5) - message_end
             await trio.sleep(0.1)
+            a.append_messages(2)
             behind = scrape(lambda: leader)
-            assert behind[("delayd_replication_follower_lag_bytes", "b")] == grown
+            assert behind[("delayd_replication_follower_lag_bytes", "b")] > grown
+            assert behind[("delayd_replication_follower_lag_records", "b")] == 7
+            # The age of the oldest record b lacks, not of the newest.
             assert behind[("delayd_replication_follower_lag_seconds", "b")] >= 0.1
             assert behind[("delayd_replication_connected_members", "")] == 0
 
@@ -104,6 +106,7 @@ async def test_leader_and_follower_metrics_move_with_the_copy(tmp_path: Path) ->
                     await trio.sleep(0.005)
             again = scrape(lambda: leader)
             assert again[("delayd_replication_follower_lag_seconds", "b")] == 0
+            assert again[("delayd_replication_follower_lag_records", "b")] == 0
             assert (
                 scrape(lambda: follower)[("delayd_replication_leader_connections_total", "")] == 2
             )

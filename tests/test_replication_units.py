@@ -16,6 +16,7 @@ from delayd.replication.wire import (
     Fenced,
     Follow,
     Records,
+    Retained,
     TruncateTo,
     WireDecoder,
     WireError,
@@ -31,6 +32,7 @@ EVENTS = [
     Records(9, "dispatch_log/202611221530", 0, b"", {}),
     Durable({"message_log": 400, "dispatch_log/202611221530": 82}),
     Fenced(11),
+    Retained({"message_log": 4096}),
 ]
 
 

@@ -24,7 +24,7 @@ from delayd.sender.sender import SenderConfig
 from delayd.server.config import ConfigError, RetentionConfig, ServeConfig
 from delayd.server.config_env import load_effective_config
 from delayd.server.receiver import IntakeLimits
-from delayd.server.retention import Retention, remove_orphans
+from delayd.server.retention import Retention, remove_orphans, trim_below_leader
 from storage.checkpoint import write_checkpoint
 from storage.fs import REAL_FS
 from storage.segmented_log import RECOVERY_CHECKPOINT, SegmentedLog, is_segment_name
@@ -226,6 +226,47 @@ async def test_the_active_segment_and_segments_above_the_checkpoint_are_kept(tmp
         pipeline.replayer.checkpoint()
         await retention.run_pass()
         assert segments(data) == before[-1:]  # the segment being written, never
+
+
+async def test_a_leader_keeps_the_segments_its_in_sync_followers_have_not_copied(tmp_path, clock):
+    """In a group the leader deletes a segment only once every in-sync member has
+    copied past it (``replicated_floor``), whatever its own checkpoint allows."""
+    data = str(tmp_path)
+    pipeline, retention = pipeline_with_retention(data, [RecordingTarget("a")], message_log_ms=0)
+    with pipeline:
+        pipeline.schedule([T0 + 86_400_000 + i for i in range(300)])
+        pipeline.replayer.replay_available()
+        pipeline.replayer.checkpoint()
+        before = segments(data)
+        assert len(before) >= 5
+        copied = before[2] + 10  # the slowest in-sync follower is in the third segment
+        retention.replicated_floor = lambda: copied
+        await retention.run_pass()
+        assert segments(data) == before[2:]
+        retention.replicated_floor = lambda: 0  # no Leader running: nothing goes
+        await retention.run_pass()
+        assert segments(data) == before[2:]
+        retention.replicated_floor = lambda: pipeline.log.end_offset
+        await retention.run_pass()
+        assert segments(data) == before[-1:]
+
+
+async def test_a_follower_deletes_below_its_leaders_start_once_replayed(tmp_path, clock):
+    """A follower's message_log goes at the leader's word (where the leader's copy now
+    begins), never past its own replay checkpoint."""
+    data = str(tmp_path)
+    pipeline = small_segments(data, [RecordingTarget("a")])
+    with pipeline:
+        pipeline.schedule([T0 + 86_400_000 + i for i in range(300)])
+        pipeline.replayer.replay_available()
+        before = segments(data)
+        assert len(before) >= 5
+        pipeline.replayer._checkpointed = before[3] + 10  # replayed to the fourth segment
+        assert await trim_below_leader(pipeline.log, pipeline.replayer, before[2]) == 2
+        assert segments(data) == before[2:]
+        assert await trim_below_leader(pipeline.log, pipeline.replayer, before[-1]) == 1
+        assert segments(data) == before[3:]  # the checkpoint holds the rest
+        assert await trim_below_leader(pipeline.log, pipeline.replayer, before[1]) == 0
 
 
 async def test_a_record_filed_into_a_deleted_bucket_is_delivered(tmp_path, clock):

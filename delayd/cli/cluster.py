@@ -4,8 +4,9 @@
 
 For each group under the key prefix: its leader and epoch (the revision that created
 the leader key), its in-sync set (the members that may lead), and every registered
-member with its role and addresses. Replication lag is not shown yet: the data path
-that measures it is still to be wired (docs/replication.md).
+member with its role and addresses, and each follower's lag as the leader measures it
+(records, ms, bytes: read from the leader's /metrics, delayd.cli.cluster_lag; "?" when
+the leader does not know the follower or cannot be read, and why).
 
 Exit status: 0; 1 when etcd cannot be read (the reason on stderr); 2 for bad arguments.
 """
@@ -22,7 +23,9 @@ from delayd.cli.args import etcd_endpoints
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
-    status = actions.add_parser("status", help="groups, members, roles, epochs, in-sync sets")
+    status = actions.add_parser(
+        "status", help="groups, members, roles, epochs, in-sync sets, followers' lag"
+    )
     status.add_argument(
         "--etcd", type=etcd_endpoints, required=True, metavar="URL[,URL]",
         help="etcd's client URLs",
@@ -48,6 +51,8 @@ def run(args: argparse.Namespace) -> int:
     except (EtcdError, ValueError) as exc:
         print(f"delayd cluster status: {exc}", file=sys.stderr)
         return 1
+    for group in groups:
+        add_lag(group)
     if args.json:
         print(json.dumps({"groups": groups}, indent=2))
     else:
@@ -91,6 +96,38 @@ def _as_dict(state: Any) -> dict[str, Any]:
     }
 
 
+def add_lag(group: dict[str, Any]) -> None:
+    """Each member's ``lag_records``, ``lag_ms`` and ``lag_bytes`` (None for the leader
+    and for a follower the leader does not know; ``lag_records`` None too for one that
+    lacks records the leader no longer holds, ``lacks_deleted`` true for it), and the
+    group's ``lag_error``."""
+    from delayd.cli.cluster_lag import GroupLag, leader_lag
+
+    leader = next((m for m in group["members"] if m["member_id"] == group["leader"]), None)
+    if leader is None:
+        lag = GroupLag(
+            {}, "no leader to ask" if group["leader"] is None else "leader not registered"
+        )
+    else:
+        lag = leader_lag(leader["metrics"])
+    group["lag_error"] = lag.error
+    for member in group["members"]:
+        known = lag.by_member.get(member["member_id"])
+        member["lag_records"] = None if known is None else known.records
+        member["lag_ms"] = None if known is None else known.ms
+        member["lag_bytes"] = None if known is None else known.bytes
+        member["lacks_deleted"] = known is not None and known.lacks_deleted
+
+
+def _lag_cell(member: dict[str, Any], key: str) -> str:
+    if member["role"] == "leader":
+        return "-"
+    if key == "lag_records" and member.get("lacks_deleted"):
+        return "deleted"  # it lacks records the leader's retention deleted
+    value = member.get(key)
+    return "?" if value is None else str(value)
+
+
 def render(groups: list[dict[str, Any]]) -> str:
     """The text form: a block per group, a line per member."""
     if not groups:
@@ -103,12 +140,19 @@ def render(groups: list[dict[str, Any]]) -> str:
         in_sync_text = ", ".join(in_sync) if in_sync is not None else "not written yet (new group)"
         lines.append(f"group {group['group']}: leader {leader}, epoch {epoch}")
         lines.append(f"  in sync: {in_sync_text}")
-        header = ("member", "role", "in_sync", "intake", "broker", "replication", "metrics")
+        if group.get("lag_error"):
+            lines.append(f"  lag unknown: {group['lag_error']}")
+        header = (
+            "member", "role", "in_sync", "lag_records", "lag_ms",
+            "intake", "broker", "replication", "metrics",
+        )  # fmt: skip
         rows = [header] + [
             (
                 m["member_id"],
                 m["role"],
                 "yes" if m["in_sync"] else "no",
+                _lag_cell(m, "lag_records"),
+                _lag_cell(m, "lag_ms"),
                 m["intake"] or "-",
                 m["broker"] or "-",
                 m["replication"] or "-",

@@ -199,10 +199,10 @@ async def _serve(data_dir: str, config: ServeConfig, tls: ServerTls | None) -> N
             while isinstance(rebuild, BaseExceptionGroup):
                 rebuild = rebuild.exceptions[0]
             assert isinstance(rebuild, RebuildNeeded)
-            rebuild.remove_derived_state()
+            rebuild.rebuild(segment_size=config.message_log_segment_bytes)
             log.warning(
-                "%s: derived state removed, starting again (message_log is replayed from "
-                "the start)",
+                "%s: derived state removed, message_log cut, starting again (message_log "
+                "is replayed from the start)",
                 rebuild,
             )
 

@@ -46,14 +46,15 @@ from delayd.logs.buckets import bucket_name, bucket_of, bucket_width_ms
 from delayd.logs.dispatch_log import EntryKind, find_entry
 from delayd.logs.id_index import IdIndex, Location, scheduled_id
 from delayd.logs.known_ids import KnownIds
+from delayd.logs.log_files import MESSAGE_LOG, list_files
 from delayd.nowait_acquire import holding
 from delayd.replay.recovery import RecoveryReport
 from delayd.replay.state import ReplayCheckpoint, write_replay_checkpoint
 from delayd.write_refusals import CHECKPOINT, SCHEDULE_LOG, WriteRefusals
 from storage.errors import DiskFullError, StorageError
 from storage.framing import HEADER_SIZE
-from storage.fs import FileSystem
-from storage.scan import Record
+from storage.fs import O_READ, FileSystem
+from storage.scan import Record, scan_frames
 from storage.segmented_log import SegmentedLog
 
 OnScheduled = Callable[[int, list[int], list[int]], object]
@@ -61,6 +62,34 @@ OnScheduled = Callable[[int, list[int], list[int]], object]
 to the bucket, in order, with their due times; once per bucket per append."""
 
 TombstoneRecord = tuple[int, int, bytes]  # (message_log offset, record type, payload)
+
+
+def read_tombstones(fs: FileSystem, data_dir: str, start: int, end: int) -> list[TombstoneRecord]:
+    """The tombstones of message_log in [start, end) (record boundaries, both within
+    the records written), read from its segment files with descriptors opened here:
+    nothing of a SegmentedLog is touched, so a worker thread may read while the event
+    loop appends to the log. Every CRC is checked (BadFrame for a damaged record)."""
+    found: list[TombstoneRecord] = []
+    message_type = message_log.TYPE_MESSAGE
+    for segment in list_files(data_dir, MESSAGE_LOG, fs):
+        if segment.base >= end:
+            break
+        if segment.base + segment.size <= start:
+            continue
+        fd = fs.open(segment.path, O_READ)
+        try:
+            first = max(start - segment.base, 0)
+            limit = min(end - segment.base, segment.size)
+            for offset, rtype, payload, _ in scan_frames(
+                fs, fd, segment.path, segment.base, first, limit
+            ):
+                if rtype != message_type:
+                    found.append((offset, rtype, payload))
+        finally:
+            fs.close(fd)
+    return found
+
+
 OnTombstones = Callable[["Replayer", list[TombstoneRecord]], Awaitable[object]]
 """``await on_tombstones(replayer, records)``: consecutive tombstones, in log order,
 under the append lock; reschedules write their copies with ``replayer.append_copy``."""
@@ -460,14 +489,13 @@ class Replayer:
                 # as a whole. Stop; a restart cuts them and replays from the checkpoint.
                 raise StorageError(f"replaying reschedule tombstones failed: {exc}") from exc
 
-    def replayed_tombstones(self) -> Iterator[TombstoneRecord]:
-        """The tombstones message_log still holds below ``position``, in order (read
-        back from disk): what a member that followed a leader decides again when it
-        takes over. Segments retention deleted were replayed and decided long before."""
-        message_type = message_log.TYPE_MESSAGE
-        for offset, rtype, payload, _ in self.log.iter_from(self.log.min_offset, self._position):
-            if rtype != message_type:
-                yield offset, rtype, payload
+    def tombstones_between(self, start: int, end: int) -> list[TombstoneRecord]:
+        """The tombstones message_log holds in [start, end) (``end`` at most
+        ``position``), in order, read back from disk with descriptors of their own
+        (``read_tombstones``): a worker thread may call it while the event loop appends
+        and reads. What a member that followed a leader decides again when it takes
+        over; segments retention deleted were replayed and decided long before."""
+        return read_tombstones(self.fs, self.data_dir, max(start, self.log.min_offset), end)
 
     def _moved_by_leader(self, locations: list[Location]) -> bool:
         """Whether a type-4 reschedule moved the id whose records are ``locations``:

@@ -6,9 +6,11 @@ leader answers TRUNCATE_TO; the follower
 
 1. refuses a leader whose epoch is older than the last one in its history (it answers
    FENCED with the newer epoch and reconnects later: the role finds the new leader);
-2. cuts each stream back to the offset given, durably, and awaits
-   ``on_truncated(stream, offset)`` for each stream it cut, so the server can rebuild
-   what it derived from the cut records (simplest: drop derived state and replay);
+2. cuts each stream back to the offset given, durably: it awaits
+   ``on_truncating(stream, offset)`` before each cut (the server may remove what it
+   derived from the records that go first, or raise to make the cut itself with
+   nothing running) and ``on_truncated(stream, offset)`` after it, so the server can
+   rebuild what it derived from the cut records;
 3. begins the leader's epoch in its history with its ends after the cut, when newer;
 
 then appends every RECORDS frame raw at the offset it names (the storage checks every
@@ -55,6 +57,7 @@ FAILURE_REASONS = ("tls", "refused", "network", "protocol")
 
 OnTruncated = Callable[[str, int], Awaitable[object]]
 OnDurable = Callable[[dict[str, int]], Awaitable[object]]
+OnRetained = Callable[[dict[str, int]], Awaitable[object]]
 
 
 def member_client_tls(config: ServerTlsConfig) -> ClientTls:
@@ -82,7 +85,9 @@ class Follower:
         member: str,
         leader: tuple[str, int],
         on_truncated: OnTruncated | None = None,
+        on_truncating: OnTruncated | None = None,
         on_durable: OnDurable | None = None,
+        on_retained: OnRetained | None = None,
         min_backoff_ms: int = MIN_BACKOFF_MS,
         max_backoff_ms: int = MAX_BACKOFF_MS,
         tls: ClientTls | None = None,
@@ -93,7 +98,10 @@ class Follower:
         self.member = member
         self.leader = leader
         self.on_truncated = on_truncated
+        self.on_truncating = on_truncating
         self.on_durable = on_durable
+        self.on_retained = on_retained
+        self.leader_starts: dict[str, int] = {}  # where the leader's streams begin
         self.min_backoff_ms = min_backoff_ms
         self.max_backoff_ms = max_backoff_ms
         self.tls = tls
@@ -245,6 +253,8 @@ class Follower:
                     stream.end_offset,
                     offset,
                 )
+                if self.on_truncating is not None:
+                    await self.on_truncating(name, offset)
                 stream.truncate(offset)
                 if self.on_truncated is not None:
                     await self.on_truncated(name, offset)
@@ -256,6 +266,9 @@ class Follower:
                 return
             if isinstance(event, wire.Fenced):
                 raise FollowRefused(f"the leader says epoch {event.epoch} exists: it is fenced")
+            if isinstance(event, wire.Retained):
+                await self._retained(event.starts)
+                continue
             if not isinstance(event, wire.Records):
                 raise FollowRefused(f"the leader sent {type(event).__name__} after TRUNCATE_TO")
             if event.epoch != epoch:
@@ -274,6 +287,27 @@ class Follower:
             self.acked.update(event.acked)
             self._dirty[event.stream] = target
             self._appended.set()
+
+    async def _retained(self, starts: dict[str, int]) -> None:
+        """The leader's streams now begin at ``starts``: refuse to go on when this
+        member lacks records below one (retention deleted them on the leader: copying
+        cannot bring them back), else let the server delete what the leader did."""
+        self.leader_starts = dict(starts)
+        lacking = []
+        for name, start in sorted(starts.items()):
+            held = self.streams.find(name)
+            end = 0 if held is None else held.end_offset
+            if end < start:
+                lacking.append(f"{name} ends at {end} here, the leader's begins at {start}")
+        if lacking:
+            host, port = self.leader
+            raise FollowRefused(
+                f"member {self.member} lacks records the leader at {host}:{port} deleted "
+                f"({'; '.join(lacking)}): retention deleted them, so it cannot catch up "
+                'by copying (docs/replication.md, "Retention in a group")'
+            )
+        if self.on_retained is not None:
+            await self.on_retained(starts)
 
     async def _commit(self, stream: trio.abc.Stream) -> None:
         """Group commit: flush every stream that grew since the last flush, in a worker

@@ -39,6 +39,7 @@ from delayd.replication import wire
 from delayd.replication.connection import receive_event
 from delayd.replication.epochs import EpochHistory
 from delayd.replication.in_sync import InSyncTracker
+from delayd.replication.lag import GrowthClock, RecordCounter
 from delayd.replication.streams import StreamSet
 from delayd.serving.listeners import bound_addresses, open_listeners
 from delayd.serving.tls import ServerTls
@@ -50,6 +51,7 @@ ACK_LEADER = "leader"
 DEFAULT_REPLICA_LAG_MS = 1000
 DEFAULT_MIN_IN_SYNC = 1
 CHUNK_BYTES = 1 << 20  # raw bytes per RECORDS frame (one record may exceed it)
+LACKING_LOG_INTERVAL_MS = 60_000  # a follower that lacks deleted records is said this often
 FOLLOW_TIMEOUT_S = 10.0  # a connection must end its TLS handshake, then say FOLLOW, within this
 
 OnInSyncChange = Callable[[frozenset[str]], Awaitable[object]]
@@ -117,9 +119,13 @@ class Leader:
         self.in_sync_changes = 0
         self.refused_handshakes = 0
         self.sent_bytes = 0
-        # When each follower last had durable every byte the leader had: its lag in
-        # time is the age of that moment while it lacks bytes.
-        self._caught_up_ms: dict[str, int] = {}
+        # Followers that lack records retention deleted here: stream -> their end.
+        self.lacking: dict[str, dict[str, int]] = {}
+        self._lacking_logged_ms: dict[str, int] = {}
+        # When the leader's streams reached each end, and the records between two
+        # offsets: each follower's lag in time and in records (delayd.replication.lag).
+        self.growth = GrowthClock()
+        self.record_counter = RecordCounter()
         self._known_ends = streams.ends()
         self._progress = trio.Event()
         self._stopped: LeaderStopped | None = None
@@ -157,14 +163,60 @@ class Leader:
         return {member: self.tracker.lag_bytes(member, ends) for member in self.tracker.durable}
 
     def lag_ms(self) -> dict[str, int]:
-        """How long each known follower has lacked bytes of the leader's streams: the
-        time since it last had all of them durable (0 when it has them now)."""
+        """How long ago the leader had what each known follower has durable: the age of
+        the oldest record it lacks, over every stream (0 when it lacks none)."""
         now = _now_ms()
-        lags = self.lag()
+        names = self.streams.names()
         return {
-            member: 0 if lacking == 0 else now - self._caught_up_ms.get(member, now)
-            for member, lacking in lags.items()
+            member: max(
+                (self.growth.lag_ms(name, durable.get(name, 0), now) for name in names),
+                default=0,
+            )
+            for member, durable in self.tracker.durable.items()
         }
+
+    def lag_records(self) -> dict[str, int | None]:
+        """How many records of the leader's streams each known follower lacks durable
+        (END_OF_SEGMENT markers not counted; estimated from the average record size
+        where the bytes to walk exceed ``record_counter.budget_bytes``); None for a
+        follower that lacks records the leader no longer holds (retention deleted
+        them)."""
+        out: dict[str, int | None] = {}
+        asked: set[tuple[str, str]] = set()
+        ends = self.streams.ends()
+        for member, durable in self.tracker.durable.items():
+            total: int | None = 0
+            for name, end in ends.items():
+                stream = self.streams.find(name)
+                if stream is None or total is None:
+                    continue
+                start = min(durable.get(name, 0), end)
+                asked.add((member, name))
+                try:
+                    total += self.record_counter.between((member, name), stream, start, end)
+                except ValueError:
+                    total = None
+            out[member] = total
+        self.record_counter.keep_only(asked)
+        return out
+
+    def deleted_lag(self) -> dict[str, int]:
+        """Bytes each follower of ``lacking`` lacks below where the leader's streams
+        now begin: what retention deleted before it copied them."""
+        starts = self.streams.starts()
+        return {
+            member: sum(max(0, starts.get(name, 0) - end) for name, end in ends.items())
+            for member, ends in self.lacking.items()
+        }
+
+    def copied_by_in_sync(self, stream: str) -> int:
+        """How far the leader and every follower of the in-sync set have ``stream``
+        durable (no ``min_in_sync`` rule): what retention may delete below, so that no
+        member that may take over lacks a record the leader deleted."""
+        offset = self.streams.get(stream).durable_offset
+        for member in self.tracker.members:
+            offset = min(offset, self.tracker.durable.get(member, {}).get(stream, 0))
+        return offset
 
     def acknowledged_offsets(self) -> dict[str, int]:
         """Every stream's acknowledged offset now: the leader's durable end with
@@ -172,10 +224,6 @@ class Leader:
         if self.ack == ACK_LEADER:
             return self.streams.durable_ends()
         return {name: self.acknowledged(name) for name in self.streams.names()}
-
-    def _note_caught_up(self, member: str, ends: dict[str, int], now_ms: int) -> None:
-        if self.tracker.lag_bytes(member, ends) == 0:
-            self._caught_up_ms[member] = now_ms
 
     def stop(self) -> None:
         """Stop acknowledging and serving (waiters get LeaderStopped)."""
@@ -241,13 +289,13 @@ class Leader:
             seen = self.streams.version
             ends = self.streams.ends()
             now = _now_ms()
-            for member in self.tracker.durable:  # caught up until this growth
-                self._note_caught_up(member, self._known_ends, now)
             for name, end in ends.items():
+                self.growth.grew(name, end, now)
                 if end != self._known_ends.get(name, 0):
                     self.tracker.leader_grew(name, end, now)
             for name in self._known_ends.keys() - ends.keys():
                 self.tracker.leader_removed(name)  # compacted away: nobody needs it
+                self.growth.removed(name)
             self._known_ends = ends
             self._wake()
             await self.streams.wait_growth(seen)
@@ -319,8 +367,12 @@ class Leader:
         await stream.send_all(wire.encode(wire.TruncateTo(self.epoch, targets)))
         positions = {name: targets.get(name, 0) for name in self.streams.names()}
         positions.update(targets)
+        starts = self.streams.starts()
+        await stream.send_all(wire.encode(wire.Retained(starts)))
+        if self._lacks_deleted(follow.member, positions, starts):
+            return  # the follower refuses to go on when it reads RETAINED
+        self.lacking.pop(follow.member, None)
         self.tracker.follower_reset(follow.member, positions)
-        self._note_caught_up(follow.member, self.streams.ends(), _now_ms())
         self._wake()
         with trio.CancelScope() as scope:
             self._connections[follow.member] = scope
@@ -328,11 +380,40 @@ class Leader:
             try:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._receive_reports, stream, decoder, follow.member)
-                    await self._send_records(stream, positions)
+                    await self._send_records(stream, positions, follow.member)
             finally:
                 if self._connections.get(follow.member) is scope:
                     del self._connections[follow.member]
                     self.connected.discard(follow.member)
+
+    def _lacks_deleted(
+        self, member: str, positions: dict[str, int], starts: dict[str, int]
+    ) -> bool:
+        """Whether ``member``, whose streams end at ``positions``, lacks records the
+        leader no longer holds (retention deleted them): it cannot catch up by copying.
+        Said once per member and minute, and kept in ``lacking``."""
+        lacking = {name: positions.get(name, 0) for name, start in starts.items()}
+        lacking = {name: end for name, end in lacking.items() if end < starts[name]}
+        if not lacking:
+            return False
+        self.lacking[member] = lacking
+        now = _now_ms()
+        if now - self._lacking_logged_ms.get(member, -LACKING_LOG_INTERVAL_MS) >= (
+            LACKING_LOG_INTERVAL_MS
+        ):
+            self._lacking_logged_ms[member] = now
+            log.warning(
+                "group %s: member %s cannot follow: %s; retention deleted the records "
+                "between here, so it cannot catch up by copying (docs/replication.md, "
+                '"Retention in a group")',
+                self.group,
+                member,
+                ", ".join(
+                    f"its {name} ends at {end}, this leader's begins at {starts[name]}"
+                    for name, end in sorted(lacking.items())
+                ),
+            )
+        return True
 
     def _truncation(self, follow: wire.Follow) -> dict[str, int]:
         """Where each of the follower's streams must be cut back to (module docstring)."""
@@ -344,17 +425,34 @@ class Leader:
             ends = self.streams.ends()
         return {name: min(end, ends.get(name, 0)) for name, end in follow.ends.items()}
 
-    async def _send_records(self, stream: trio.abc.Stream, positions: dict[str, int]) -> None:
+    async def _send_records(
+        self, stream: trio.abc.Stream, positions: dict[str, int], member: str
+    ) -> None:
         sent_acked: dict[str, int] = {}
+        sent_starts = self.streams.starts()  # sent after TRUNCATE_TO
         while self._stopped is None:
             seen = self.streams.version
+            starts = self.streams.starts()
+            if starts != sent_starts:
+                await stream.send_all(wire.encode(wire.Retained(starts)))
+                sent_starts = starts
+                if self._lacks_deleted(member, positions, starts):
+                    return  # deleted under a follower out of the in-sync set
             sent = False
             for name in self.streams.names():
                 source = self.streams.find(name)  # gone since listed: nothing to send
                 position = positions.get(name, 0)
                 if source is None or position >= source.end_offset:
                     continue
-                data = source.read_raw(position, self.chunk_bytes)
+                try:
+                    data = source.read_raw(position, self.chunk_bytes)
+                except ValueError:
+                    # Deleted meanwhile (retention runs in a worker thread).
+                    starts = self.streams.starts()
+                    if not self._lacks_deleted(member, positions, starts):
+                        raise
+                    await stream.send_all(wire.encode(wire.Retained(starts)))
+                    return
                 acked = self._acked_changes(sent_acked)
                 await stream.send_all(
                     wire.encode(wire.Records(self.epoch, name, position, data, acked))
@@ -381,7 +479,6 @@ class Leader:
                 raise trio.BrokenResourceError(f"follower {member} closed the connection")
             if isinstance(event, wire.Durable):
                 self.tracker.follower_durable(member, event.offsets)
-                self._note_caught_up(member, self.streams.ends(), _now_ms())
                 self._wake()
             elif isinstance(event, wire.Fenced):
                 self._fenced_by(event.epoch)

@@ -92,9 +92,25 @@ def leader_metrics(leader: Leader) -> Iterator[Metric]:
     )
     yield labelled(
         GaugeMetricFamily,
+        "delayd_replication_follower_lag_records",
+        "Records of the leader's streams each follower lacks durable (no sample for a "
+        "follower that lacks records retention deleted: it must resync).",
+        "member",
+        sorted((m, n) for m, n in leader.lag_records().items() if n is not None),
+    )
+    yield labelled(
+        GaugeMetricFamily,
+        "delayd_replication_follower_deleted_lag_bytes",
+        "Bytes a follower lacks that retention deleted on the leader: it cannot catch up "
+        "by copying (docs/replication.md, Retention in a group); no sample for the others.",
+        "member",
+        sorted(leader.deleted_lag().items()),
+    )
+    yield labelled(
+        GaugeMetricFamily,
         "delayd_replication_follower_lag_seconds",
-        "How long each follower has lacked bytes of the leader's streams (since it last "
-        "had them all durable); 0 while it has them.",
+        "How long ago the leader had what each follower has durable: the age of the "
+        "oldest record it lacks; 0 while it lacks none.",
         "member",
         ((member, ms / 1000) for member, ms in sorted(leader.lag_ms().items())),
     )

@@ -115,6 +115,11 @@ class StreamSet:
         """The streams open now (what ``flush_all`` flushes)."""
         return [(name, self.get(name)) for name in self.names()]
 
+    def starts(self) -> dict[str, int]:
+        """Where each stream that retention thins begins (its first record's offset):
+        what a follower lacking the records below can no longer copy."""
+        return {}
+
     def ends(self) -> dict[str, int]:
         """Where each stream ends (its next record's offset)."""
         return {name: self.get(name).end_offset for name in self.names()}
@@ -291,6 +296,9 @@ class DelayStreams(StreamSet):
 
     def _opened(self) -> list[tuple[str, Stream]]:
         return [(MESSAGE_LOG, self.message_log), *self._buckets.items()]
+
+    def starts(self) -> dict[str, int]:
+        return {MESSAGE_LOG: self.message_log.min_offset}
 
     def close(self) -> None:
         for bucket in self._buckets.values():

@@ -17,6 +17,9 @@ the frame type saying which event it is::
                     each stream listed is durable on the follower now
     FENCED       6  either way: epoch:u64 — the sender has seen this newer epoch; the
                     receiver must stop (a leader) or stop following this leader
+    RETAINED     7  leader -> follower: count:u16 (stream:str16 offset:u64)* — where
+                    each listed stream now begins on the leader (retention deleted what
+                    lay below); sent after TRUNCATE_TO and whenever it moves
     str16 := length:u16 utf8:byte[length]
 
 All integers little-endian. A decoder that meets a bad frame raises WireError and is
@@ -34,7 +37,7 @@ from delayd.protocol.receive_buffer import ReceiveBuffer
 from storage.framing import HEADER, HEADER_SIZE, encode_record, record_crc
 
 MAGIC = "delayd-replication"
-VERSION = 1
+VERSION = 2  # 2: RETAINED
 DEFAULT_MAX_FRAME_SIZE = 64 << 20  # a chunk of records, or one record of up to a segment
 
 FOLLOW = 2
@@ -42,6 +45,7 @@ TRUNCATE_TO = 3
 RECORDS = 4
 DURABLE = 5
 FENCED = 6
+RETAINED = 7
 
 U16 = struct.Struct("<H")
 U64 = struct.Struct("<Q")
@@ -85,7 +89,12 @@ class Fenced:
     epoch: int
 
 
-Event = Follow | TruncateTo | Records | Durable | Fenced
+@dataclass(frozen=True, slots=True)
+class Retained:
+    starts: dict[str, int]
+
+
+Event = Follow | TruncateTo | Records | Durable | Fenced | Retained
 
 
 def encode(event: Event) -> bytes:
@@ -97,6 +106,8 @@ def encode(event: Event) -> bytes:
         return encode_record(_offsets(event.offsets), DURABLE)
     if isinstance(event, Fenced):
         return encode_record(U64.pack(event.epoch), FENCED)
+    if isinstance(event, Retained):
+        return encode_record(_offsets(event.starts), RETAINED)
     if isinstance(event, Follow):
         body = {
             "magic": MAGIC,
@@ -170,6 +181,11 @@ def decode_body(kind: int, body: bytes) -> Event:
         offsets = reader.offsets()
         _no_trailing(reader)
         return Durable(offsets)
+    if kind == RETAINED:
+        reader = _Reader(body, "RETAINED")
+        starts = reader.offsets()
+        _no_trailing(reader)
+        return Retained(starts)
     if kind == FENCED:
         reader = _Reader(body, "FENCED")
         epoch = reader.u64()

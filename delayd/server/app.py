@@ -48,7 +48,7 @@ from delayd.server.listener import IntakeListener
 from delayd.server.metrics import IntakeCollector
 from delayd.server.pending_metrics import PendingCollector, PendingTracker, chained
 from delayd.server.receiver import Receiver
-from delayd.server.retention import Retention, remove_orphans
+from delayd.server.retention import Retention, remove_orphans, trim_below_leader
 from delayd.server.retention_metrics import RetentionCollector
 from delayd.serving.connection_gate import ConnectionGate
 from delayd.serving.connection_metrics import register_connection_metrics
@@ -517,8 +517,11 @@ class DelayServer:
             on_following=self._start_following,
             tls=self.tls,
             dispatch_files=lambda: self.delivery.dispatch.files,
+            on_leader_retained=partial(trim_below_leader, self.message_log, self.replayer),
         )
         self.replication = replication
+        if self.retention is not None:
+            self.retention.replicated_floor = replication.message_log_copied
         self.delivery.dispatch.on_durable = replication.grew
         self.writer.on_durable = replication.grew
         self.intake.replication = replication

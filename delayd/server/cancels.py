@@ -24,7 +24,8 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import chain
 
 import trio
 
@@ -42,6 +43,7 @@ from delayd.wheel.timer import pack_ref
 log = logging.getLogger(__name__)
 
 DELIVERED = (EntryKind.DISPATCHED, EntryKind.DEAD_LETTERED)
+TAKE_OVER_STEP = 1000  # tombstones decided again between two yields to other tasks
 
 
 class Waiter:
@@ -69,6 +71,9 @@ class Answer:
     waiter: Waiter | None = None
     outcome: CancelOutcome | RescheduleOutcome | None = None
     dispatched_ms: int | None = None
+    # The buckets whose dispatch_log entries decide it: the record it acted on, and the
+    # copy a reschedule appended. In a group the answer waits until the group has them.
+    buckets: set[int] = field(default_factory=set)
 
     @property
     def decided(self) -> bool:
@@ -174,16 +179,28 @@ class Canceller:
         end, so a due one without an entry is in doubt (docs/cancel.md, case 0). A copy
         is never appended here (replay did that): one that does not hold the message
         is voided (NOT_MOVED) where it lies. Type 4 reschedules were decided by the
-        servers that wrote them; they are left as replay copied them."""
+        servers that wrote them; they are left as replay copied them.
+
+        message_log is read back in a worker thread, most of it before the locks are
+        taken (the replayer goes on meanwhile), the rest — what replay passed since —
+        under them; the decisions yield to other tasks every TAKE_OVER_STEP tombstones.
+        A long log makes a promotion take longer, never stall the event loop."""
         self.earlier_end = replayer.log.end_offset
+        start, read_up_to = replayer.log.min_offset, replayer.position
+        earlier = await trio.to_thread.run_sync(replayer.tombstones_between, start, read_up_to)
         decided = 0
         async with holding(replayer.append_lock), holding(self.dispatch_lock):
             try:
-                for offset, rtype, payload in replayer.replayed_tombstones():
+                later = await trio.to_thread.run_sync(
+                    replayer.tombstones_between, read_up_to, replayer.position
+                )
+                for offset, rtype, payload in chain(earlier, later):
                     stone = tombstone.decode(rtype, payload)
                     if stone.is_cancel or stone.always_copies:
                         self._decide_again(replayer, offset, stone)
                         decided += 1
+                        if decided % TAKE_OVER_STEP == 0:
+                            await trio.sleep(0)
             finally:
                 with trio.CancelScope(shield=True):
                     await self._write_entries_off_loop()
@@ -218,6 +235,7 @@ class Canceller:
             copy = moves.moved_copy(locations, stone.due_ms)
         fate = None
         if current is not None:
+            answer.buckets.add(current.bucket_ms)
             fate = self._withdraw(current, answer, is_cancel=stone.is_cancel)
         moved = fate is EntryKind.RESCHEDULED
         if moved and copy is None:  # type 4: the copy is appended only when it moves
@@ -225,6 +243,7 @@ class Canceller:
             copy = moves.moved_copy([current], stone.due_ms)
         if copy is not None:
             bucket_ms, copy_offset = replayer.append_copy(offset, copy)
+            answer.buckets.add(bucket_ms)
             if not moved:
                 self._void(bucket_ms, copy_offset, message_log.due_ms_of(copy))
         if current is None:

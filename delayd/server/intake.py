@@ -222,7 +222,8 @@ class IntakePath:
         await self.canceller.wait_all(answers)
         # The dispatch_log entries that decided them are durable: the group's too.
         replication = self.replication
-        if replication is not None and not await replication.wait_dispatch_acknowledged():
+        buckets = set().union(*(answer.buckets for answer in answers))
+        if replication is not None and not await replication.wait_dispatch_acknowledged(buckets):
             raise NotAcknowledged(
                 "this member stopped leading its group before the group acknowledged "
                 "what decided the cancel or reschedule"

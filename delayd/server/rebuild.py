@@ -1,33 +1,90 @@
-"""RebuildNeeded: a member of a delay group whose message_log its leader cut must
+"""RebuildNeeded: a member of a delay group whose message_log its leader cuts must
 derive everything again (docs/replication.md, "Wiring the data path"). Its own module:
-``delayd serve`` catches it without importing the group's etcd and HTTP stack."""
+``delayd serve`` catches it without importing the group's etcd and HTTP stack.
+
+The derived state goes durably *before* the cut (``cut_message_log``): the replay
+checkpoint first, so that from the first step on a start replays message_log from its
+beginning, then schedule_log, the id index and the other checkpoints, then the cut. A
+power loss at any step leaves a data directory that opens and replays (a replay
+checkpoint past the log's end, which the other order could leave, stops a start); the
+member then follows again, is told to cut again, and finishes the work.
+"""
 
 from __future__ import annotations
 
-import shutil
+import os
 
 from delayd.errors import DelaydError
 from delayd.logs import layout
+from storage.fs import REAL_FS, FileSystem
+from storage.segmented_log import DEFAULT_SEGMENT_SIZE, SegmentedLog
 
 
 class RebuildNeeded(DelaydError):
-    """The follower cut message_log: what the member derived may hold cut records.
-    ``delayd serve`` stops the server, ``remove_derived_state()``, and starts again in
-    the same process, replaying message_log from the start (a restart without
-    checkpoint)."""
+    """The leader told this follower to cut message_log back to ``offset``: what the
+    member derived may hold records that go. Raised before anything is cut; ``delayd
+    serve`` stops the server, runs ``cut_message_log`` with nothing running, and starts
+    again in the same process, replaying message_log from the start."""
 
     def __init__(self, data_dir: str, offset: int) -> None:
         self.data_dir = data_dir
+        self.offset = offset
         super().__init__(
-            f"message_log was cut back to {offset} (records the group never acknowledged)"
+            f"message_log is to be cut back to {offset} (records the group never acknowledged)"
         )
 
-    def remove_derived_state(self) -> None:
-        """schedule_log, the id index and the checkpoints (replay, wheel cursors): a
-        start then derives them again from message_log. Call with nothing running."""
-        for directory in (
-            layout.schedule_log_dir(self.data_dir),
-            layout.id_index_dir(self.data_dir),
-            layout.checkpoint_dir(self.data_dir),
-        ):
-            shutil.rmtree(directory, ignore_errors=True)
+    def rebuild(
+        self, *, fs: FileSystem = REAL_FS, segment_size: int = DEFAULT_SEGMENT_SIZE
+    ) -> None:
+        """``cut_message_log`` at this offset. Call with nothing running."""
+        cut_message_log(self.data_dir, self.offset, fs=fs, segment_size=segment_size)
+
+
+def cut_message_log(
+    data_dir: str,
+    offset: int,
+    *,
+    fs: FileSystem = REAL_FS,
+    segment_size: int = DEFAULT_SEGMENT_SIZE,
+) -> None:
+    """Remove the derived state durably, then cut message_log back to ``offset`` (see
+    the module docstring). An offset at or past the log's end (a torn tail lost since
+    the leader said it) cuts nothing. Raises ValueError when ``offset`` is not a record
+    boundary of the log."""
+    remove_derived_state(data_dir, fs=fs)
+    log = SegmentedLog.open(layout.message_log_dir(data_dir), fs=fs, segment_size=segment_size)
+    try:
+        if offset < log.end_offset:
+            log.truncate(offset)
+    finally:
+        log.close()
+
+
+def remove_derived_state(data_dir: str, *, fs: FileSystem = REAL_FS) -> None:
+    """Remove, durably, what a start derives again from message_log: the replay
+    checkpoint first (a start then replays from the beginning, whatever else is left),
+    then schedule_log, the id index and the other checkpoints (wheel cursors,
+    segment_scale). The directories stay, empty."""
+    _remove_file(fs, layout.replay_checkpoint_path(data_dir))
+    for directory in (
+        layout.schedule_log_dir(data_dir),
+        layout.id_index_dir(data_dir),
+        layout.checkpoint_dir(data_dir),
+    ):
+        _empty_directory(fs, directory)
+
+
+def _remove_file(fs: FileSystem, path: str) -> None:
+    if fs.exists(path):
+        fs.unlink(path)
+        fs.fsync_dir(os.path.dirname(path))
+
+
+def _empty_directory(fs: FileSystem, directory: str) -> None:
+    if not fs.exists(directory):
+        return
+    names = fs.listdir(directory)
+    for name in names:
+        fs.unlink(os.path.join(directory, name))
+    if names:
+        fs.fsync_dir(directory)

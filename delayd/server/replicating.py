@@ -17,7 +17,7 @@ member does not deliver again what the old leader recorded delivered.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 
 import trio
 
@@ -26,6 +26,7 @@ from delayd.cluster.config import AckMode, ClusterConfig
 from delayd.cluster.members import Role
 from delayd.errors import EtcdError
 from delayd.logs.bucket_files import BucketFiles
+from delayd.logs.buckets import bucket_name
 from delayd.replay import Replayer
 from delayd.replication import (
     MESSAGE_LOG,
@@ -35,6 +36,7 @@ from delayd.replication import (
     Leader,
     LeaderFenced,
     LeaderStopped,
+    dispatch_stream,
 )
 from delayd.replication.follower import member_client_tls
 from delayd.server.rebuild import RebuildNeeded
@@ -68,12 +70,16 @@ class GroupReplication:
         on_following: Callable[[], Awaitable[object]] | None = None,
         tls: ServerTls | None = None,
         dispatch_files: Callable[[], BucketFiles] | None = None,
+        on_leader_retained: Callable[[int], Awaitable[object]] | None = None,
     ) -> None:
         self.data_dir = data_dir
         self.tls = tls  # the server's listeners' TLS: the replication listener's too
         self.on_promoted = on_promoted
         self.on_demoted = on_demoted
         self.on_following = on_following
+        # Following: the leader's message_log now begins here (its retention deleted
+        # what lay below); the server deletes the same (retention.trim_below_leader).
+        self.on_leader_retained = on_leader_retained
         self.fs = fs
         self.replayer = replayer
         self._leader_poll_s = replayer.poll_interval_s  # intake notifies it, or the policy's
@@ -102,7 +108,8 @@ class GroupReplication:
 
     def stats(self) -> dict[str, int | str]:
         """STATS fields: how far the group acknowledged message_log and, on the
-        leader, the in-sync followers and the bytes each connected follower lacks."""
+        leader, the in-sync followers and how far each known follower is behind: bytes,
+        records (-1: it lacks records retention deleted) and ms."""
         out: dict[str, int | str] = {"replication.ack": str(self.config.ack)}
         leader, follower = self.leader, self.follower
         if leader is not None:
@@ -110,22 +117,34 @@ class GroupReplication:
             out["replication.in_sync_followers"] = len(leader.in_sync)
             for member, lag in sorted(leader.lag().items()):
                 out[f"replication.lag_bytes/{member}"] = lag
+            for member, records in sorted(leader.lag_records().items()):
+                out[f"replication.lag_records/{member}"] = -1 if records is None else records
+            for member, ms in sorted(leader.lag_ms().items()):
+                out[f"replication.lag_ms/{member}"] = ms
         elif follower is not None:
             out["replication.acked_offset_bytes"] = follower.acked.get(MESSAGE_LOG, 0)
             out["replication.leader_epoch"] = follower.leader_epoch or 0
         return out
 
+    def message_log_copied(self) -> int:
+        """Leading: how far every in-sync member has message_log durable, what the
+        leader's retention may delete below; 0 while no Leader runs."""
+        leader = self.leader
+        return 0 if leader is None else leader.copied_by_in_sync(MESSAGE_LOG)
+
     # ------------------------------------------------------------------ acks
 
-    async def wait_dispatch_acknowledged(self) -> bool:
-        """Whether the group acknowledged every dispatch_log bucket up to what is
-        durable here now (``wait_acknowledged``'s rules): a cancel's or reschedule's
-        entry, made durable before, is then the group's."""
+    async def wait_dispatch_acknowledged(self, buckets: Iterable[int]) -> bool:
+        """Whether the group acknowledged the dispatch_log ``buckets`` (start ms) up to
+        what is durable here now (``wait_acknowledged``'s rules): the entries that
+        decided a cancel or reschedule, made durable before, are then the group's.
+        Only those buckets are looked at: no listing of the directory per request."""
         if self.config.ack is AckMode.LEADER or not self.streams.with_dispatch_log:
             return True
-        targets = {
-            name: end for name, end in self.streams.durable_ends().items() if name != MESSAGE_LOG
-        }
+        targets = {}
+        for bucket_ms in sorted(buckets):
+            name = dispatch_stream(bucket_name(bucket_ms))
+            targets[name] = self.streams.get(name).durable_offset
         for name, end in targets.items():
             if not await self.wait_acknowledged(end, stream=name):
                 return False
@@ -260,7 +279,8 @@ class GroupReplication:
             group=self.config.group,
             member=member.info.member_id,
             leader=parse_address(address),
-            on_truncated=self._truncated,
+            on_truncating=self._truncating,
+            on_retained=self._retained,
             # A member follows with its own certificate, trusting the CA that signed
             # every member's (mutual TLS between members: docs/replication.md).
             tls=None if self.tls is None else member_client_tls(self.tls.config),
@@ -277,9 +297,14 @@ class GroupReplication:
         finally:
             self.follower = None
 
-    async def _truncated(self, stream: str, offset: int) -> None:
-        """The leader cut ``stream`` back to ``offset``. A cut of message_log: the
-        replayer may have read the cut records (even in a step not finished yet), so the
-        member starts again without its derived state, the simplest correct rebuild."""
+    async def _retained(self, starts: dict[str, int]) -> None:
+        if self.on_leader_retained is not None and MESSAGE_LOG in starts:
+            await self.on_leader_retained(starts[MESSAGE_LOG])
+
+    async def _truncating(self, stream: str, offset: int) -> None:
+        """The leader is cutting ``stream`` back to ``offset``. A cut of message_log: the
+        replayer may have read the records that go (even in a step not finished yet), so
+        the member stops before the cut and starts again without its derived state, the
+        simplest correct rebuild (``RebuildNeeded``: the derived state goes first)."""
         if stream == MESSAGE_LOG:
             raise RebuildNeeded(self.data_dir, offset)

@@ -16,6 +16,14 @@ A trio task of ``delayd serve`` (started once delivery runs) makes a pass every
 * **id index files** whose entries all point into buckets older than the oldest bucket
   left (lookups there would find no record anyway).
 
+In a replicated group (docs/replication.md, "Retention in a group") the leader deletes a
+message_log segment only once every member of the in-sync set has copied past it too
+(``replicated_floor``): a follower that may take over never lacks a record the leader
+deleted. A follower deletes no segment by its own rule: it deletes those the leader
+no longer holds, once its own replay checkpoint has passed them
+(``trim_below_leader``), so message_log goes on every member at the leader's word, not
+by each member's clock.
+
 Why a bucket deletion races nothing (docs/operations.md, "Retention"):
 
 * The COMPLETE check and the unlinks run under the replayer's append lock and the
@@ -125,6 +133,27 @@ def remove_orphans(data_dir: str, fs: FileSystem) -> list[str]:
     return [bucket_name(b) for b in orphans]
 
 
+async def trim_below_leader(log_: SegmentedLog, replayer: Replayer, leader_start: int) -> int:
+    """Delete the segments of a follower's message_log wholly below ``leader_start``,
+    where its leader's copy begins, and below the replay checkpoint (what is below it is
+    durably in schedule_log); returns how many. The segment being written stays."""
+    cut = min(leader_start, replayer.checkpointed_position)
+    if cut <= log_.min_offset:
+        return 0
+    before = log_.min_offset
+    deleted = await replayer.without_log_reads(partial(log_.delete_before, cut))
+    if deleted:
+        log.info(
+            "retention: deleted %d message_log segment(s) below offset %d (%d bytes): the "
+            "leader's message_log begins at %d",
+            deleted,
+            log_.min_offset,
+            log_.min_offset - before,
+            leader_start,
+        )
+    return deleted
+
+
 class Retention:
     """The retention task of one delay server; see the module docstring. Build it
     after the server opened, run ``run`` once delivery runs; ``run_pass`` is one pass
@@ -157,6 +186,9 @@ class Retention:
         self.skipped_passes = 0  # the replayer was behind
         self.last_pass_ms: int | None = None
         self._sealed_ms: dict[int, int] = {}  # segment base -> when it was sealed
+        # In a group: how far every in-sync member has message_log durable (the
+        # leader's own end included); segments at or above it stay. None: no group.
+        self.replicated_floor: Callable[[], int] | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """A pass every ``interval_ms`` until cancelled. Raises what a deletion raises
@@ -182,6 +214,8 @@ class Retention:
     async def _trim_message_log(self, now_ms: int) -> None:
         log_ = self.message_log
         limit = self.replayer.checkpointed_position
+        if self.replicated_floor is not None:
+            limit = min(limit, self.replicated_floor())
         names = await trio.to_thread.run_sync(self.fs.listdir, log_.directory)
         bases = sorted(int(n) for n in names if is_segment_name(n))
         cut = None
