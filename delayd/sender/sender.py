@@ -124,6 +124,9 @@ class _Group:
         self.answered = trio.Event()  # set whenever a batch's outcome is recorded
         self.slots = trio.Semaphore(config.batches_in_flight)
         self.stats = GroupStatistics(self.name, CircuitState.CLOSED, 0)
+        # False for a group being drained (docs/cluster.md): no new batch is routed to
+        # it, what it was already sent finishes.
+        self.accepting = True
 
 
 class Sender:
@@ -142,14 +145,11 @@ class Sender:
         seed: int | None = None,
     ) -> None:
         self.config = config = config or SenderConfig()
-        if not groups:
-            raise ValueError("the sender needs at least one broker group")
         self._groups = {target.name: _Group(target, weight, config) for target, weight in groups}
         if len(self._groups) != len(groups):
             raise ValueError("broker group names must be unique")
-        self._router = Router(
-            [GroupWeight(g.name, g.weight) for g in self._groups.values()], seed=seed
-        )
+        self._seed = seed
+        self._router = self._new_router()
         self.manager = manager
         self.reader = reader
         self.dispatch = dispatch
@@ -169,6 +169,47 @@ class Sender:
         self.lateness_s = Histogram(LATENESS_BOUNDS_S)
         self.batch_sizes = Histogram(BATCH_BOUNDS)
         self.refusals = WriteRefusals()  # the server shares its own
+
+    def _new_router(self) -> Router:
+        weights = [GroupWeight(g.name, g.weight) for g in self._groups.values()]
+        return Router(weights, seed=self._seed)
+
+    # ------------------------------------------------------------------ groups
+
+    @property
+    def group_names(self) -> list[str]:
+        return list(self._groups)
+
+    def add_group(self, target: SendTarget, weight: int = 1) -> None:
+        """Deliver to ``target`` too, from now on (a broker group found while running;
+        delayd.sender.discovery). Its share of the keys moves to it, as rendezvous
+        hashing moves them: only those. Raises ValueError for a name already used."""
+        if target.name in self._groups:
+            raise ValueError(f"broker group {target.name!r} is already a target")
+        group = self._groups[target.name] = _Group(target, weight, self.config)
+        self._router = self._new_router()
+        if self._nursery is not None:
+            self._nursery.start_soon(self._group_loop, group)
+        if self.ledger.parked:
+            self._retry_wake.set()  # what waited for a usable group may go there now
+
+    def set_accepting(self, name: str, accepting: bool) -> None:
+        """Route new batches to group ``name`` (True) or no longer (False: it is being
+        drained or was removed). Batches it was already sent finish, and their outcome
+        counts as usual; what is queued for it and not yet sent is routed elsewhere."""
+        group = self._groups[name]
+        if group.accepting == accepting:
+            return
+        group.accepting = accepting
+        log.info("broker group %s: %s", name, "takes deliveries" if accepting else "drained")
+        if accepting:
+            if self.ledger.parked:
+                self._retry_wake.set()
+            return
+        if group.queue:
+            moved = list(group.queue)
+            group.queue.clear()
+            self._route(moved, None)
 
     # ------------------------------------------------------------------ input
 
@@ -255,6 +296,8 @@ class Sender:
         limit = self.config.group_queue_limit
         queues = {}
         for name, group in self._groups.items():
+            if not group.accepting:
+                continue
             breaker = group.breaker
             state = breaker.state(now_ms)
             if not (

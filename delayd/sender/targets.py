@@ -205,6 +205,20 @@ class RemoteTarget:
                 f"broker group {self.name}: no answer from {where} within {self.timeout_s} s"
             ) from None
 
+    def update_members(self, addresses: Sequence[str]) -> None:
+        """The group's members as etcd now lists them, the leader first
+        (delayd.sender.discovery): the next connection tries them in that order; an
+        open connection is kept (a member that no longer leads answers NOT_LEADER,
+        which is followed). Raises ValueError for a malformed address, keeping the
+        members it had."""
+        if isinstance(addresses, str) or not addresses or tuple(addresses) == self.addresses:
+            return
+        try:
+            endpoints = [parse_address(address) for address in addresses]
+        except ValueError as exc:
+            raise ValueError(f"broker group {self.name!r}: {exc}") from None
+        self.addresses, self._endpoints, self._current = tuple(addresses), endpoints, 0
+
     def _follow(self, leader: str | None) -> bool:
         """Make ``leader`` the address tried next; False when it names none (the
         circuit breaker and retry policy take it from there)."""
@@ -241,11 +255,13 @@ class RemoteTarget:
             if link is not None and link.failure is None:
                 return link
             problems: list[str] = []
-            count = len(self.addresses)
+            # A snapshot: update_members may replace the lists while this connects.
+            addresses, endpoints = self.addresses, list(self._endpoints)
+            count = len(addresses)
             for step in range(count):
                 index = (self._current + step) % count
-                address = self.addresses[index]
-                endpoint = self._endpoints[index]
+                address = addresses[index]
+                endpoint = endpoints[index]
                 with trio.move_on_after(self.connect_timeout_s):
                     try:
                         link = await _Link.open(
@@ -257,7 +273,9 @@ class RemoteTarget:
                     if self._closed:  # aclose() ran while this connected
                         link.fail("was closed by the sender")
                         raise trio.ClosedResourceError(f"target {self.name} is closed")
-                    self._link, self._current = link, index
+                    self._link = link
+                    if address in self.addresses:
+                        self._current = self.addresses.index(address)
                     self.connects += 1
                     return link
                 problems.append(f"{address}: no HELLO_OK within {self.connect_timeout_s} s")

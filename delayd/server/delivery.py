@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+from functools import partial
 
 import trio
 
@@ -21,6 +22,7 @@ from delayd.logs import layout
 from delayd.logs.dispatch_files import DispatchFiles
 from delayd.logs.schedule_reader import ScheduleReader
 from delayd.replay import Replayer
+from delayd.sender.discovery import BrokerDiscovery
 from delayd.sender.sender import Sender
 from delayd.sender.targets import EmbeddedTarget, RemoteTarget, SendTarget
 from delayd.server.cancels import Canceller
@@ -38,8 +40,12 @@ WHEEL_CHECKPOINT = "wheel"  # <data>/delay/checkpoint/wheel: the cursors, for op
 
 
 def build_targets(config: ServeConfig, broker: Broker) -> list[tuple[SendTarget, int]]:
-    """The configured broker groups as send targets, with their weights."""
+    """The configured broker groups as send targets, with their weights; none when they
+    are found in etcd (``broker_groups_from = "etcd"``: Delivery's BrokerDiscovery adds
+    them as it finds them)."""
     targets: list[tuple[SendTarget, int]] = []
+    if config.discovers_broker_groups:
+        return targets
     for group in config.broker_groups:
         target: SendTarget
         if group.embedded:
@@ -99,6 +105,15 @@ class Delivery:
             clock=self.now_ms,
             earlier_end=replayer.log.end_offset,  # built before intake takes anything
         )
+        self.discovery: BrokerDiscovery | None = None
+        if config.discovers_broker_groups:
+            self.discovery = BrokerDiscovery(
+                self.sender,
+                config.cluster.etcd,
+                config.cluster.prefix,
+                partial(RemoteTarget, token=config.token),
+                refresh_s=config.broker_groups_refresh_ms / 1000,
+            )
         self.replayer = replayer
         self.decide_tombstones()
         self.running = False
@@ -129,6 +144,9 @@ class Delivery:
         # 0.5 ms ahead, and a broker stamped messages with a store_ms 1 ms before due.
         self.ticker.origin_ms = wall_ms() - math.ceil(trio.current_time() * 1000)
         async with trio.open_nursery() as nursery:
+            if self.discovery is not None:
+                # Before the sender: it routes over every group of the registry at once.
+                await nursery.start(self.discovery.run)
             await nursery.start(self.sender.run)
             await nursery.start(self.ticker.run, self.sender.on_due)
             await nursery.start(self.manager.run)
