@@ -6,7 +6,9 @@
                                               └─fail─▶ retry heap (back-off, another group)
 
 As QMQ's SenderProcessor and SenderGroup, a batch goes to one broker group; unlike QMQ,
-failures are retried on another group with exponential back-off, after
+failures are retried on another group with exponential back-off (a batch that went
+unanswered, which that group's broker may have stored, waits for the same group up
+to ``doubt_hold_ms``: dedupe is per group), after
 ``max_attempts`` a message is sent to its dead-letter subject (never dropped), each
 group has a circuit breaker, and a slow group cannot hold up the others: its queue is
 its own, and when it is full new messages are routed elsewhere.
@@ -91,6 +93,9 @@ class SenderConfig:
     max_open_ms: int = 30_000
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     dispatch_flush_interval_s: float = 0.2
+    # How long a message whose send went unanswered waits for that group (whose
+    # broker may have it) before it may go to another (and perhaps be stored twice).
+    doubt_hold_ms: int = 30_000
 
 
 @dataclass(slots=True)
@@ -317,6 +322,7 @@ class Sender:
         usable); items with none wait in the parked list, looked at again by the retry
         loop every ledger.PARKED_RETRY_S (``wake``: tell it there are some)."""
         choose, usable = self._router.choose, self._usable_now()
+        now_ms = self.clock()
         exclude = () if failed_group is None else (failed_group,)
         touched = set()
         for item in items:
@@ -326,6 +332,18 @@ class Sender:
             # it is sent again after a restart (sent, but not yet in dispatch_log) it goes
             # to the same group, whose broker drops it as a duplicate: dedupe is per
             # broker, and another group would store it a second time.
+            held = self._held_by(item, now_ms)
+            if held is not None:
+                # A broker of that group may have stored it, and dedupe is per group:
+                # sent elsewhere, it could be stored (and consumed) twice. It waits for
+                # the group instead (a new leader, its circuit closing), up to
+                # doubt_hold_ms; a group drained or removed lets it go at once.
+                if usable(held.name):
+                    held.queue.append(item)
+                    touched.add(held)
+                else:
+                    self.ledger.park(item)
+                continue
             route_key = item.message_id if item.key is None else item.key
             name = choose(route_key, usable, exclude)
             if name is None and exclude:
@@ -342,6 +360,20 @@ class Sender:
                 group.ready.set()
         if self.ledger.parked and wake:
             self._retry_wake.set()
+
+    def _held_by(self, item: Item, now_ms: int) -> _Group | None:
+        """The group an unanswered send of ``item`` went to, while it holds the item:
+        it takes deliveries and doubt_hold_ms has not passed since."""
+        if item.doubt_group is None:
+            return None
+        group = self._groups.get(item.doubt_group)
+        if (
+            group is None
+            or not group.accepting
+            or now_ms - item.doubt_since_ms >= self.config.doubt_hold_ms
+        ):
+            return None
+        return group
 
     async def _group_loop(self, group: _Group) -> None:
         nursery = self._nursery
@@ -416,7 +448,7 @@ class Sender:
         except TargetUnavailable as exc:
             failure = str(exc)
             group.stats.failed += len(batch)
-            self.ledger.unanswered(batch)
+            self.ledger.unanswered(batch, group.name, now_ms)
             self._retry(batch, group, failure)
             return
         finally:

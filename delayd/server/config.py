@@ -356,6 +356,7 @@ _SCHEMA: dict[str, dict[str, tuple[Callable[[Any, str], Any], str]]] = {
         "failure_threshold": (_int, "sender.failure_threshold"),
         "open_ms": (_int, "sender.open_ms"),
         "max_open_ms": (_int, "sender.max_open_ms"),
+        "doubt_hold_ms": (_non_negative, "sender.doubt_hold_ms"),
         "dispatch_flush_interval_ms": (_int, "sender.dispatch_flush_interval_ms"),
         "max_attempts": (_int, "retry.max_attempts"),
         "retry_base_ms": (_int, "retry.base_ms"),
