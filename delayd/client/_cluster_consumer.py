@@ -128,12 +128,22 @@ class ClusterConsumer:
             raise error
         with anyio.move_on_after(float("inf") if timeout_s is None else timeout_s):
             group, message = await self._receive.receive()
+            while not self._still_assigned(group, message):
+                group, message = await self._receive.receive()
             self._current = (group, message)
             self._origins[id(message)] = (message, group)
             if len(self._origins) > ORIGINS_KEPT:
                 self._origins.popitem(last=False)
             return message
         return None
+
+    def _still_assigned(self, group: str, message: Message) -> bool:
+        """Whether ``message``'s queue is still this consumer's in its group. A message
+        waits in its pump until the user asks for one; if the group moved its queue to
+        another member meanwhile, that member reads it from the committed offset, so
+        it is dropped here as a consumer drops the prefetched messages of a lost queue."""
+        consumer = self.consumers.get(group)
+        return consumer is not None and (message.queue is None or message.queue in consumer.queues)
 
     async def _advance(self) -> None:
         """The user asked for the next message: with auto-commit, the current is done."""

@@ -449,7 +449,10 @@ class Sender:
             failure = str(exc)
             group.stats.failed += len(batch)
             self.ledger.unanswered(batch, group.name, now_ms)
-            self._retry(batch, group, failure)
+            # While the group holds them (doubt_hold_ms) they wait for it: its being
+            # away is not the messages' fault, and must not dead-letter them.
+            held = group.accepting and self.config.doubt_hold_ms > 0
+            self._retry(batch, group, failure, count_attempt=not held)
             return
         finally:
             self._record_outcome(group, ok, failure)

@@ -195,11 +195,6 @@ class ServeConfig:
                 f"delivery.broker_groups_from must be one of {', '.join(BROKER_GROUPS_FROM)}, "
                 f"got {self.broker_groups_from!r}"
             )
-        if self.discovers_broker_groups and not self.cluster.enabled:
-            raise ConfigError(
-                'delivery.broker_groups_from = "etcd" finds the broker groups in the '
-                "cluster's etcd: give [cluster] etcd and group (--etcd, --group)"
-            )
         if not self.broker_groups:
             raise ConfigError("broker_groups: list at least one group")
         names = [g.name for g in self.broker_groups]
@@ -241,6 +236,15 @@ class ServeConfig:
     def discovers_broker_groups(self) -> bool:
         """Whether the broker groups are found in etcd (not ``broker_groups``)."""
         return self.broker_groups_from == BROKER_GROUPS_FROM_ETCD
+
+    def check_complete(self) -> None:
+        """What only the whole configuration (file, variables and flags merged) can
+        say. Raises ConfigError."""
+        if self.discovers_broker_groups and not self.cluster.enabled:
+            raise ConfigError(
+                'delivery.broker_groups_from = "etcd" finds the broker groups in the '
+                "cluster's etcd: give [cluster] etcd and group (--etcd, --group)"
+            )
 
     @property
     def connection_limits(self) -> ConnectionLimits:
