@@ -7,12 +7,15 @@ The process test is tests/test_broker_discovery.py."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 
+import pytest
 import trio
 
 from delayd.cluster.broker_groups import BrokerGroup, read_broker_groups
+from delayd.cluster.config import ClusterConfig
 from delayd.cluster.etcd import EtcdClient
 from delayd.cluster.members import GroupKeys, MemberInfo
 from delayd.cluster.registry import GroupKind, GroupStatus, register, set_status
@@ -20,6 +23,8 @@ from delayd.sender.discovery import BrokerDiscovery
 from delayd.sender.retry import RetryPolicy
 from delayd.sender.sender import SenderConfig
 from delayd.sender.targets import RemoteTarget
+from delayd.server.config import ConfigError, config_from_mapping
+from delayd.server.delivery import build_targets
 from tests.delivery_pipeline import T0, Pipeline, RecordingTarget, received_ids
 from tests.etcd_support import EtcdServer
 
@@ -181,3 +186,30 @@ async def test_the_broker_groups_of_a_cluster_in_etcd(etcd_server: EtcdServer, e
         group("d1", GroupKind.DELAY, GroupStatus.ACTIVE, "10.0.0.3:2"),
     ]
     assert [g.takes_deliveries for g in found] == [True, True, False]
+
+
+@pytest.mark.parametrize(
+    ("document", "error"),
+    [
+        ({"delivery": {"broker_groups_from": "zookeeper"}}, "must be one of config, etcd"),
+        (
+            {
+                "delivery": {"broker_groups_from": "etcd"},
+                "broker_groups": [{"name": "east", "addresses": ["10.0.0.5:20811"]}],
+            },
+            "remove the [[broker_groups]] list",
+        ),
+    ],
+)
+def test_the_switch_refuses_what_cannot_be_meant(document, error):
+    with pytest.raises(ConfigError, match=re.escape(error)):
+        config_from_mapping(document)
+
+
+def test_broker_groups_from_etcd_needs_the_cluster():
+    config = config_from_mapping({"delivery": {"broker_groups_from": "etcd"}})
+    with pytest.raises(ConfigError, match=r"give \[cluster\] etcd and group"):
+        config.check_complete()
+    cluster = ClusterConfig(etcd=("http://127.0.0.1:2379",), group="d1")
+    dataclasses.replace(config, cluster=cluster).check_complete()
+    assert build_targets(dataclasses.replace(config, cluster=cluster), None) == []  # type: ignore[arg-type]

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import anyio
 import anyio.abc
 
+from delayd.client._receiving import ReceivingIterator
 from delayd.client._task_group import background_task_group
 from delayd.errors import (
     ConnectionClosedError,
@@ -62,7 +63,7 @@ def group_address(cluster: GroupAddress, group: str) -> str:
     return f"{ETCD_SCHEME}{hosts}/{path}"
 
 
-class ClusterConsumer:
+class ClusterConsumer(ReceivingIterator):
     """See the module docstring; made by ``open_consumer`` for an address naming every
     group. ``open_group(addr)`` opens the one-group consumer of a group (auto-commit
     off). Iterate it or call ``receive``, as an AsyncConsumer."""
@@ -105,14 +106,6 @@ class ClusterConsumer:
         return {group: consumer.queues for group, consumer in sorted(self.consumers.items())}
 
     # --- iteration --------------------------------------------------------------------
-
-    def __aiter__(self) -> ClusterConsumer:
-        return self
-
-    async def __anext__(self) -> Message:
-        message = await self.receive()
-        assert message is not None
-        return message
 
     async def receive(self, timeout_s: float | None = None) -> Message | None:
         """The next message from any group, or None when none came within

@@ -34,6 +34,7 @@ from delayd.client._backoff import Backoff
 from delayd.client._cluster_consumer import ClusterConsumer, open_cluster_consumer
 from delayd.client._consumer_id import new_consumer_id
 from delayd.client._consumer_state import COMMIT_MODES, ConsumerState, Subscription
+from delayd.client._receiving import ReceivingIterator
 from delayd.client._task_group import background_task_group
 from delayd.client.async_producer import CLIENT_NAME
 from delayd.errors import (
@@ -56,7 +57,7 @@ from delayd.protocol import (
 from delayd.tls import ClientTls
 
 
-class AsyncConsumer:
+class AsyncConsumer(ReceivingIterator):
     """Pulls messages of ``subject`` as a member of ``group``; made by ``open_consumer``.
 
     Iterate it (``async for``) or call ``receive``. With ``auto_commit`` a message is
@@ -106,14 +107,6 @@ class AsyncConsumer:
         return self._state.queues
 
     # --- iteration --------------------------------------------------------------------
-
-    def __aiter__(self) -> AsyncConsumer:
-        return self
-
-    async def __anext__(self) -> Message:
-        message = await self.receive()
-        assert message is not None
-        return message
 
     async def receive(self, timeout_s: float | None = None) -> Message | None:
         """The next message, or None when none came within ``timeout_s`` (None: wait).
