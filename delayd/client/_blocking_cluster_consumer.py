@@ -16,6 +16,7 @@ from typing import Any, Self
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from delayd.client._cluster_consumer import ClusterConsumer
+from delayd.client._consumer_state import COMMIT_MODES
 from delayd.errors import ConnectionClosedError
 from delayd.protocol import Message
 
@@ -28,6 +29,9 @@ class BlockingClusterConsumer:
     def __init__(self, addr: str, **options: Any) -> None:
         from delayd.client.async_consumer import open_consumer
 
+        commit = options.get("commit", "periodic")
+        if commit not in COMMIT_MODES:
+            raise ValueError(f"commit must be one of {', '.join(COMMIT_MODES)}, not {commit!r}")
         self.addr = addr
         self.timeout_s = options.get("timeout_s", 10.0)
         self._opening = lambda: open_consumer(addr, **options)
