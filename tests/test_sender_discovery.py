@@ -142,9 +142,11 @@ async def test_discovery_brings_the_sender_in_step_with_the_registry(tmp_path):
                 group("b2", broker, draining, "127.0.0.1:7002"),
                 group("b3", broker, active),  # no member up: nothing to connect to yet
                 group("d1", delay, active, "127.0.0.1:7003"),  # an embedded broker
+                group("a-name-longer-than-16", broker, active, "127.0.0.1:7004"),
             ]
         )
-        assert sender.group_names == ["b1"]
+        assert sender.group_names == ["b1"]  # dispatch_log records 16 bytes of a name
+        assert discovery.refused == {"a-name-longer-than-16"}
         discovery.apply(
             [
                 group("b1", broker, draining, "127.0.0.1:7011", "127.0.0.1:7001"),

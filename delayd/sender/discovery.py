@@ -33,6 +33,7 @@ from delayd.cluster.broker_groups import BrokerGroup, read_broker_groups
 from delayd.cluster.etcd import EtcdClient
 from delayd.cluster.registry import GroupKind
 from delayd.errors import EtcdError
+from delayd.logs.dispatch_log import check_group_name
 from delayd.sender.sender import Sender
 from delayd.sender.targets import RemoteTarget
 
@@ -63,6 +64,7 @@ class BrokerDiscovery:
         self.make_target = make_target
         self.refresh_s = refresh_s
         self.targets: dict[str, RemoteTarget] = {}
+        self.refused: set[str] = set()  # groups whose name dispatch_log cannot record
         self.refreshes = 0  # registry reads that succeeded (statistics, tests)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -102,13 +104,24 @@ class BrokerDiscovery:
             if target is None:
                 if not (group.takes_deliveries and group.addresses):
                     continue  # nothing to connect to yet, or no new work for it
-                target = self.targets[group.name] = self.make_target(group.name, group.addresses)
+                try:
+                    check_group_name(group.name)  # dispatch_log records it
+                    target = self.make_target(group.name, group.addresses)
+                except ValueError as exc:
+                    if group.name not in self.refused:
+                        self.refused.add(group.name)
+                        log.error("broker group %s cannot take deliveries: %s", group.name, exc)
+                    continue
+                self.targets[group.name] = target
                 self.sender.add_group(target)
                 log.info(
                     "broker group %s found in etcd: %s", group.name, ", ".join(group.addresses)
                 )
             elif group.addresses:
-                target.update_members(group.addresses)
+                try:
+                    target.update_members(group.addresses)
+                except ValueError as exc:
+                    log.warning("broker group %s: %s; keeping its members", group.name, exc)
             self.sender.set_accepting(group.name, group.takes_deliveries)
         for name in self.targets.keys() - seen:
             self.sender.set_accepting(name, False)  # retired or unregistered
