@@ -18,7 +18,7 @@ from delayd.cluster.etcd import EtcdClient
 from delayd.cluster.group_state import lookup_group
 from delayd.cluster.members import cluster_prefix
 from delayd.cluster.registry import GroupStatus, set_status
-from delayd.errors import UnreachableError
+from delayd.errors import RejectedError, UnreachableError
 from delayd.group_address import GroupAddress
 from tests.broker_support import BrokerProcess, messages
 from tests.delivery_support import poll
@@ -146,3 +146,14 @@ def test_an_address_of_every_group_is_checked_at_once() -> None:
     )
     with pytest.raises(UnreachableError, match="cannot read the groups"):
         unreachable.connect()
+
+
+def test_a_refused_subscription_is_raised_by_receive(brokers: Brokers) -> None:
+    brokers.start("b1")
+
+    async def scenario() -> None:
+        async with delayd.open_consumer(brokers.every_group, subject="no spaces", group="g") as c:
+            with pytest.raises(RejectedError, match="subject"):
+                await c.receive(timeout_s=10)
+
+    anyio.run(scenario, backend="trio")

@@ -87,12 +87,14 @@ class ClusterConsumer(ReceivingIterator):
         self.sync_commits = sync_commits
         self.timeout_s = timeout_s
         self.refresh_s = refresh_s
-        self._send, self._receive = anyio.create_memory_object_stream[tuple[str, Message]](0)
+        # A pump hands over a message, or the error that ended it (raised by receive).
+        self._send, self._receive = anyio.create_memory_object_stream[
+            tuple[str, Message | DelaydError]
+        ](0)
         self._pumps: dict[str, _Pump] = {}
         self.consumers: dict[str, AsyncConsumer] = {}  # by group, once joined
         self._current: tuple[str, Message] | None = None  # handed out, being processed
         self._origins: OrderedDict[int, tuple[Message, str]] = OrderedDict()
-        self._error: DelaydError | None = None
         self._closed = False
 
     @property
@@ -116,13 +118,13 @@ class ClusterConsumer(ReceivingIterator):
         if self._closed:
             raise ConnectionClosedError("the consumer is closed")
         await self._advance()
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
         with anyio.move_on_after(float("inf") if timeout_s is None else timeout_s):
-            group, message = await self._receive.receive()
-            while not self._still_assigned(group, message):
+            while True:
                 group, message = await self._receive.receive()
+                if isinstance(message, DelaydError):
+                    raise message
+                if self._still_assigned(group, message):
+                    break
             self._current = (group, message)
             self._origins[id(message)] = (message, group)
             if len(self._origins) > ORIGINS_KEPT:
@@ -199,7 +201,7 @@ class ClusterConsumer(ReceivingIterator):
 
     async def _pump(self, group: str, pump: _Pump) -> None:
         """Hand the messages of ``group`` to the channel until stopped; never raises
-        (an error not retried goes to receive())."""
+        (an error not retried goes through the channel, for receive() to raise)."""
         address = group_address(self.cluster, group)
         try:
             while not pump.stopped:
@@ -219,8 +221,8 @@ class ClusterConsumer(ReceivingIterator):
                             self.consumers.pop(group, None)
                 except DelaydTimeout as exc:  # could not join yet: its members are down
                     log.info("broker group %s: %s; trying again", group, exc)
-                except DelaydError as exc:
-                    self._error = exc
+                except DelaydError as exc:  # not retried (a refused subscription)
+                    await self._send.send((group, exc))
                     return
                 if not pump.stopped:
                     await anyio.sleep(REJOIN_S)
