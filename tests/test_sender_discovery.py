@@ -22,7 +22,7 @@ from delayd.cluster.registry import GroupKind, GroupStatus, register, set_status
 from delayd.sender.discovery import BrokerDiscovery
 from delayd.sender.retry import RetryPolicy
 from delayd.sender.sender import SenderConfig
-from delayd.sender.targets import RemoteTarget
+from delayd.sender.targets import RemoteTarget, TargetUnavailable
 from delayd.server.config import ConfigError, config_from_mapping
 from delayd.server.delivery import build_targets
 from tests.delivery_pipeline import T0, Pipeline, RecordingTarget, received_ids
@@ -114,6 +114,24 @@ async def test_an_unanswered_message_waits_for_its_group(tmp_path, clock):
         assert tried <= set(received_ids([down]))
         dead = sum(g.dead_lettered for g in pipeline.delivery.sender.group_statistics())
         assert dead == 0  # waiting for the group is not the message's failure
+
+
+@dataclass
+class RefusingTarget(TriedTarget):
+    """A group that cannot be reached: nothing it is sent is stored."""
+
+    async def send_batch(self, messages):
+        self.tried += [m.message_id for m in messages]
+        raise TargetUnavailable(f"{self.name}: connection refused (test)", nothing_stored=True)
+
+
+async def test_a_batch_that_was_certainly_not_stored_goes_elsewhere_at_once(tmp_path, clock):
+    down, up = RefusingTarget("a"), RecordingTarget("b")
+    with Pipeline(str(tmp_path), [down, up], sender=FAST) as pipeline:
+        ids = pipeline.schedule([T0 + 1000 + i for i in range(100)])
+        await pipeline.run_until(T0 + 3000)
+        assert down.tried
+        assert sorted(received_ids([up])) == sorted(ids)
 
 
 async def test_past_doubt_hold_an_unanswered_message_goes_elsewhere(tmp_path, clock):

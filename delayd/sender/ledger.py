@@ -314,13 +314,14 @@ class Ledger:
         return out
 
     @staticmethod
-    def unanswered(batch: Sequence[Item], group: str, now_ms: int) -> None:
-        """A batch sent to ``group`` failed without an answer: a broker of that group
-        may have stored any of it."""
+    def unanswered(batch: Sequence[Item], group: str | None, now_ms: int) -> None:
+        """A batch failed without an answer: a broker may have stored any of it — one
+        of ``group``'s, which it then waits for (None: the target knows it stored
+        nothing, so the batch may go anywhere)."""
         for item in batch:
             item.sending = False
             item.maybe_sent = True
-            if item.doubt_group != group:
+            if group is not None and item.doubt_group != group:
                 item.doubt_group, item.doubt_since_ms = group, now_ms
 
     # ------------------------------------------------------------------ retries

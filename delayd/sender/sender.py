@@ -448,10 +448,11 @@ class Sender:
         except TargetUnavailable as exc:
             failure = str(exc)
             group.stats.failed += len(batch)
-            self.ledger.unanswered(batch, group.name, now_ms)
+            # A broker of the group may have stored them, unless the target knows not.
+            self.ledger.unanswered(batch, None if exc.nothing_stored else group.name, now_ms)
             # While the group holds them (doubt_hold_ms) they wait for it: its being
             # away is not the messages' fault, and must not dead-letter them.
-            held = group.accepting and self.config.doubt_hold_ms > 0
+            held = not exc.nothing_stored and group.accepting and self.config.doubt_hold_ms > 0
             self._retry(batch, group, failure, count_attempt=not held)
             return
         finally:

@@ -60,7 +60,13 @@ class TargetUnavailable(DelaydError):
     shutting down, failing). The message names the group, the address and the cause.
 
     The batch may or may not have been stored: send it again, here or elsewhere.
+    ``nothing_stored``: it was certainly not (no connection, refused as a whole, not
+    the leader), so sending it elsewhere cannot store it twice.
     """
+
+    def __init__(self, message: str, *, nothing_stored: bool = False) -> None:
+        super().__init__(message)
+        self.nothing_stored = nothing_stored
 
 
 class NotLeaderTarget(TargetUnavailable):
@@ -68,7 +74,7 @@ class NotLeaderTarget(TargetUnavailable):
     nothing was stored; ``leader`` is the leader's address, or None when unknown."""
 
     def __init__(self, message: str, leader: str | None) -> None:
-        super().__init__(message)
+        super().__init__(message, nothing_stored=True)
         self.leader = leader
 
 
@@ -197,7 +203,8 @@ class RemoteTarget:
                         if not self._follow(exc.leader):
                             raise
                 raise TargetUnavailable(
-                    f"broker group {self.name}: no member of {', '.join(self.addresses)} leads"
+                    f"broker group {self.name}: no member of {', '.join(self.addresses)} leads",
+                    nothing_stored=True,
                 )
         except trio.TooSlowError:
             where = link.address if link is not None else " or ".join(self.addresses)
@@ -279,7 +286,9 @@ class RemoteTarget:
                     self.connects += 1
                     return link
                 problems.append(f"{address}: no HELLO_OK within {self.connect_timeout_s} s")
-            raise TargetUnavailable(f"broker group {self.name}: " + "; ".join(problems))
+            raise TargetUnavailable(
+                f"broker group {self.name}: " + "; ".join(problems), nothing_stored=True
+            )
 
     async def aclose(self) -> None:
         """Close the connection (idempotent); later calls raise ClosedResourceError."""
@@ -440,7 +449,8 @@ class _Link:
         if isinstance(response, Error):
             raise TargetUnavailable(
                 f"broker group {self.group}: {self.address} refused the batch: "
-                f"{response.reason} ({response.code.name})"
+                f"{response.reason} ({response.code.name})",
+                nothing_stored=True,
             )
         if len(response.results) != len(messages):
             self.fail(f"was ended: {len(response.results)} results for {len(messages)} messages")
