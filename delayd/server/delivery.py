@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 from functools import partial
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -22,7 +23,6 @@ from delayd.logs import layout
 from delayd.logs.dispatch_files import DispatchFiles
 from delayd.logs.schedule_reader import ScheduleReader
 from delayd.replay import Replayer
-from delayd.sender.discovery import BrokerDiscovery
 from delayd.sender.sender import Sender
 from delayd.sender.targets import EmbeddedTarget, RemoteTarget, SendTarget
 from delayd.server.cancels import Canceller
@@ -33,6 +33,9 @@ from delayd.wheel.ticker import Ticker
 from delayd.wheel.timer import TimingWheel
 from storage.checkpoint import write_checkpoint
 from storage.fs import REAL_FS, FileSystem
+
+if TYPE_CHECKING:
+    from delayd.sender.discovery import BrokerDiscovery
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +110,10 @@ class Delivery:
         )
         self.discovery: BrokerDiscovery | None = None
         if config.discovers_broker_groups:
+            # Here, not at the top: etcd's client brings httpx, which a server without
+            # etcd (and `delayd serve --help`) does without.
+            from delayd.sender.discovery import BrokerDiscovery
+
             self.discovery = BrokerDiscovery(
                 self.sender,
                 config.cluster.etcd,
