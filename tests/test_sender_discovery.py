@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import tomllib
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -27,6 +28,7 @@ from delayd.server.config import ConfigError, config_from_mapping
 from delayd.server.delivery import build_targets
 from tests.delivery_pipeline import T0, Pipeline, RecordingTarget, received_ids
 from tests.etcd_support import EtcdServer
+from tests.process_support import ROOT
 
 FAST = SenderConfig(
     failure_threshold=2, open_ms=200, max_open_ms=400, retry=RetryPolicy(base_ms=10)
@@ -233,3 +235,19 @@ def test_broker_groups_from_etcd_needs_the_cluster():
     cluster = ClusterConfig(etcd=("http://127.0.0.1:2379",), group="d1")
     dataclasses.replace(config, cluster=cluster).check_complete()
     assert build_targets(dataclasses.replace(config, cluster=cluster), None) == []  # type: ignore[arg-type]
+
+
+def test_the_examples_of_the_docs_configure_what_they_say():
+    """The ``toml`` blocks that set ``broker_groups_from`` in docs/cluster.md and
+    docs/configuration.md."""
+    found = 0
+    for page in ("cluster.md", "configuration.md"):
+        text = (ROOT / "docs" / page).read_text()
+        for block in re.findall(r"```toml\n(.*?)```", text, re.S):
+            if "broker_groups_from" not in block:
+                continue
+            config = config_from_mapping(tomllib.loads(block), source=page)
+            config.check_complete()
+            assert config.discovers_broker_groups and config.cluster.name == "prod"
+            found += 1
+    assert found == 2
