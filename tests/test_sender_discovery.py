@@ -27,7 +27,7 @@ from delayd.sender.targets import RemoteTarget, TargetUnavailable
 from delayd.server.config import ConfigError, config_from_mapping
 from delayd.server.delivery import build_targets
 from tests.delivery_pipeline import T0, Pipeline, RecordingTarget, received_ids
-from tests.etcd_support import EtcdServer
+from tests.etcd_support import EtcdServer, dead_url
 from tests.process_support import ROOT
 
 FAST = SenderConfig(
@@ -251,3 +251,22 @@ def test_the_examples_of_the_docs_configure_what_they_say():
             assert config.discovers_broker_groups and config.cluster.name == "prod"
             found += 1
     assert found == 2
+
+
+async def test_a_read_that_fails_changes_nothing(tmp_path, etcd_server: EtcdServer, etcd_prefix):
+    with Pipeline(str(tmp_path), []) as pipeline:
+        sender = pipeline.delivery.sender
+        discovery = BrokerDiscovery(sender, [etcd_server.url], etcd_prefix, RemoteTarget)
+        async with EtcdClient([etcd_server.url]) as etcd:
+            await register(etcd, etcd_prefix, "b1", GroupKind.BROKER, 0)
+            member = MemberInfo("m1", broker="127.0.0.1:7001")
+            await etcd.put(GroupKeys(etcd_prefix, "b1").member("m1"), member.to_json())
+            await discovery.refresh(etcd)
+            assert sender.group_names == ["b1"] and not discovery.failing
+            await etcd.put(f"{etcd_prefix}/registry/broken", b"{not json")
+            await discovery.refresh(etcd)  # logged, not raised: the sender keeps b1
+            assert discovery.failing and sender.group_names == ["b1"]
+        async with EtcdClient([dead_url()]) as gone:
+            await discovery.refresh(gone)
+        assert discovery.failing and sender.group_names == ["b1"]
+        await discovery.aclose()

@@ -196,7 +196,7 @@ class ClusterConsumer(ReceivingIterator):
             await anyio.sleep(self.refresh_s)
             try:
                 await self.refresh()
-            except EtcdError as exc:  # the groups known are read on
+            except (EtcdError, ValueError) as exc:  # the groups known are read on
                 log.warning("%s: cannot read the cluster's groups: %s", self.addr, exc)
 
     async def _pump(self, group: str, pump: _Pump) -> None:

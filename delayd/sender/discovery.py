@@ -66,6 +66,7 @@ class BrokerDiscovery:
         self.targets: dict[str, RemoteTarget] = {}
         self.refused: set[str] = set()  # groups whose name dispatch_log cannot record
         self.refreshes = 0  # registry reads that succeeded (statistics, tests)
+        self.failing = False  # the last read failed
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Refresh until cancelled; started once the first read was tried, so that a
@@ -87,9 +88,14 @@ class BrokerDiscovery:
         """Read the cluster once and apply it (see the module docstring)."""
         try:
             groups = await read_broker_groups(etcd, self.prefix)
-        except EtcdError as exc:
-            log.warning("broker groups: cannot read the cluster at %s: %s", self.prefix, exc)
+        except (EtcdError, ValueError) as exc:  # etcd away, or an entry malformed
+            if not self.failing:  # once per outage, not every refresh_s
+                log.warning("broker groups: cannot read the cluster at %s: %s", self.prefix, exc)
+            self.failing = True
             return
+        if self.failing:
+            log.info("broker groups: the cluster at %s is read again", self.prefix)
+        self.failing = False
         self.refreshes += 1
         self.apply(groups)
 
