@@ -157,3 +157,21 @@ def test_a_refused_subscription_is_raised_by_receive(brokers: Brokers) -> None:
                 await c.receive(timeout_s=10)
 
     anyio.run(scenario, backend="trio")
+
+
+def test_a_message_whose_handler_raised_comes_again(brokers: Brokers) -> None:
+    brokers.start("b1")
+    sent = brokers.send("b1", "one", 5)
+    options = {"subject": "orders", "group": "g", "pull_wait_ms": 200}
+    failing = pytest.raises(ValueError, match="handler")
+    with failing, delayd.Consumer(brokers.every_group, **options) as consumer:
+        first = consumer.receive(timeout_s=10)
+        assert first is not None
+        raise ValueError("the handler failed")
+    with delayd.Consumer(brokers.every_group, **options) as again:
+        got = set()
+        while len(got) < 5:
+            message = again.receive(timeout_s=10)
+            assert message is not None
+            got.add(message.message_id)
+    assert got == sent and first.message_id in got
