@@ -115,27 +115,27 @@ def test_a_consumer_of_every_group_reads_them_as_one(brokers: Brokers, backend: 
     anyio.run(scenario, backend=backend)
 
 
+def received(consumer, count: int) -> set[str]:
+    """The ids of the next ``count`` messages of a blocking consumer."""
+    got = set()
+    while len(got) < count:
+        message = consumer.receive(timeout_s=10)
+        assert message is not None
+        got.add(message.message_id)
+    return got
+
+
 def test_the_blocking_consumer_of_every_group(brokers: Brokers) -> None:
     brokers.start("b1")
     brokers.start("b2")
     sent = brokers.send("b1", "one", 20) | brokers.send("b2", "two", 20)
     options = {"subject": "orders", "group": "g", "pull_wait_ms": 200, "commit": "sync"}
     with delayd.Consumer(brokers.every_group, **options) as consumer:
-        got = set()
-        while len(got) < 40:
-            message = consumer.receive(timeout_s=5)
-            assert message is not None
-            got.add(message.message_id)
-        assert got == sent
+        assert received(consumer, 40) == sent
         assert consumer.groups == ["b1", "b2"]
     more = brokers.send("b1", "three", 5) | brokers.send("b2", "four", 5)
     with delayd.Consumer(brokers.every_group, **options) as again:
-        got = set()
-        while len(got) < 10:
-            message = again.receive(timeout_s=5)
-            assert message is not None
-            got.add(message.message_id)
-        assert got == more
+        assert received(again, 10) == more
 
 
 def test_an_address_of_every_group_is_checked_at_once() -> None:
@@ -169,9 +169,5 @@ def test_a_message_whose_handler_raised_comes_again(brokers: Brokers) -> None:
         assert first is not None
         raise ValueError("the handler failed")
     with delayd.Consumer(brokers.every_group, **options) as again:
-        got = set()
-        while len(got) < 5:
-            message = again.receive(timeout_s=10)
-            assert message is not None
-            got.add(message.message_id)
+        got = received(again, 5)
     assert got == sent and first.message_id in got
