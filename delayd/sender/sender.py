@@ -13,6 +13,10 @@ to ``doubt_hold_ms``: dedupe is per group), after
 group has a circuit breaker, and a slow group cannot hold up the others: its queue is
 its own, and when it is full new messages are routed elsewhere.
 
+The groups may change while it runs (``add_group``, ``set_accepting``: a group found in
+etcd, one being drained; delayd.sender.discovery); with none yet, messages wait in the
+parked list.
+
 Memory is bounded: at most ``max_in_flight`` messages are between the wheel and
 dispatch_log; beyond it the dispatch loop stops taking entries, the due channel fills,
 and the ticker waits in ``on_due`` — due entries stay in the wheel (compact) instead of
