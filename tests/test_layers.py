@@ -109,8 +109,9 @@ ROWS: list[tuple[str, Iterable[str]]] = [
     ),
     (
         "delayd.sender",
-        [*DELIVERY, "delayd.tls", "delayd.broker"],
-    ),  # the embedded broker is a target
+        # the embedded broker is a target; broker groups may be found in etcd
+        [*DELIVERY, "delayd.tls", "delayd.broker", "delayd.cluster", "delayd.group_address"],
+    ),
     ("delayd.server", SERVER),  # with its HTTP API (delayd.server.http)
     ("delayd.inspect", ["storage", "delayd.logs", "delayd.wheel", "delayd.replay"]),
     ("delayd.top", ["delayd.logs"]),

@@ -89,7 +89,7 @@ def test_a_held_message_is_withdrawn_unless_a_broker_may_have_it():
     idle, sending, unanswered = item(10), item(20), item(30)
     taken(book, idle, sending, unanswered)
     sending.sending = True
-    book.unanswered([unanswered])
+    book.unanswered([unanswered], "a", 0)
     assert book.withdraw(idle.ref) is Withdrawal.WITHDRAWN
     assert idle.withdrawn and book.in_flight == 2
     assert book.withdraw(sending.ref) is Withdrawal.IN_DOUBT

@@ -123,7 +123,6 @@ def test_usable_is_not_asked_about_excluded_groups():
 @pytest.mark.parametrize(
     "groups",
     [
-        [],
         [GroupWeight("a", 1), GroupWeight("a", 2)],
         [GroupWeight("a", 0)],
         [GroupWeight("a", 1), GroupWeight("b", -3)],
@@ -133,3 +132,10 @@ def test_usable_is_not_asked_about_excluded_groups():
 def test_bad_groups(groups):
     with pytest.raises(ValueError):
         Router(groups)
+
+
+def test_no_group_yet_chooses_none():
+    """Broker groups found in etcd may not be known yet: every message waits."""
+    router = Router([])
+    assert router.choose("k", lambda _: True) is None
+    assert router.choose(None, lambda _: True) is None

@@ -119,10 +119,24 @@ def rss_mb(pid: int) -> float:
 class Server:
     """One ``delayd serve`` process over ``data`` (started by ``start``)."""
 
-    def __init__(self, data: str) -> None:
+    def __init__(
+        self,
+        data: str,
+        *,
+        config: str = CONFIG,
+        extra: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+        cpu: str | None = SERVER_CPU,
+    ) -> None:
+        """``config``: the TOML file's text; ``extra``: more flags; ``env``: the
+        environment (None: this process's); ``cpu``: the CPU it is pinned to (None:
+        not pinned)."""
         self.data = data
         self.config = Path(data) / "bench.toml"
-        self.config.write_text(CONFIG)
+        self.config.write_text(config)
+        self.extra = extra
+        self.env = env
+        self.cpu = cpu
         self.proc: subprocess.Popen | None = None
         self.intake = ""
         self.broker = ""
@@ -134,10 +148,10 @@ class Server:
                 "--config", str(self.config), "--listen", "127.0.0.1:0",
                 "--broker-listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
                 "--http-listen", "off",
-                "--log-level", "warning"]  # fmt: skip
-        if shutil.which("taskset"):
-            args = ["taskset", "-c", SERVER_CPU, *args]
-        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE)
+                "--log-level", "warning", *self.extra]  # fmt: skip
+        if self.cpu is not None and shutil.which("taskset"):
+            args = ["taskset", "-c", self.cpu, *args]
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, env=self.env)
         out = ""
         deadline = time.monotonic() + 60
         while (match := INTAKE_READY.search(out)) is None:

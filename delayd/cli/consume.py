@@ -2,6 +2,9 @@
 
     delayd consume --broker 127.0.0.1:20811 --subject orders.timeout --group billing
 
+--broker etcd://HOST:PORT/[CLUSTER/]* reads every broker group of a cluster
+(docs/cluster.md); a member list or etcd://HOST:PORT/GROUP one group.
+
 One line per message, committed once printed (auto-commit), so a second run of the
 same group continues where the first stopped; with --commit sync each commit is
 durable before the next line is printed. The broker and the token may come from

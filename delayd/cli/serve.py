@@ -139,6 +139,7 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str] | None = N
             config = dataclasses.replace(config, cluster=cluster)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    config.check_complete()
     return config
 
 

@@ -31,8 +31,10 @@ import anyio.abc
 from delayd.client._async_link import AsyncLink
 from delayd.client._async_session import AsyncSession
 from delayd.client._backoff import Backoff
+from delayd.client._cluster_consumer import ClusterConsumer, open_cluster_consumer
 from delayd.client._consumer_id import new_consumer_id
-from delayd.client._consumer_state import ConsumerState, Subscription
+from delayd.client._consumer_state import COMMIT_MODES, ConsumerState, Subscription
+from delayd.client._receiving import ReceivingIterator
 from delayd.client._task_group import background_task_group
 from delayd.client.async_producer import CLIENT_NAME
 from delayd.errors import (
@@ -43,6 +45,7 @@ from delayd.errors import (
     NotLeaderError,
     RejectedError,
 )
+from delayd.group_address import parse_group_address
 from delayd.protocol import (
     CommitOffset,
     ErrorCode,
@@ -54,7 +57,7 @@ from delayd.protocol import (
 from delayd.tls import ClientTls
 
 
-class AsyncConsumer:
+class AsyncConsumer(ReceivingIterator):
     """Pulls messages of ``subject`` as a member of ``group``; made by ``open_consumer``.
 
     Iterate it (``async for``) or call ``receive``. With ``auto_commit`` a message is
@@ -104,14 +107,6 @@ class AsyncConsumer:
         return self._state.queues
 
     # --- iteration --------------------------------------------------------------------
-
-    def __aiter__(self) -> AsyncConsumer:
-        return self
-
-    async def __anext__(self) -> Message:
-        message = await self.receive()
-        assert message is not None
-        return message
 
     async def receive(self, timeout_s: float | None = None) -> Message | None:
         """The next message, or None when none came within ``timeout_s`` (None: wait).
@@ -192,6 +187,12 @@ class AsyncConsumer:
                 f"commit to {self.addr} took over {self.timeout_s} s "
                 f"({self._session.describe_problem()})"
             )
+
+    def processed(self, message: Message) -> None:
+        """Count ``message`` (and everything before it in its queue) as processed
+        without waiting: its commit goes out with the next PULL, as an auto-commit's
+        does (a consumer of every group marks the messages of its groups so)."""
+        self._state.mark_processed(message)
 
     async def _commit_in_background(self) -> None:
         """_flush_commits as a task of its own, next to a PULL (one at a time)."""
@@ -375,8 +376,13 @@ async def open_consumer(
     heartbeat_interval_s: float = 3.0,
     client_name: str = CLIENT_NAME,
     retry_first_connect: bool = True,
-) -> AsyncIterator[AsyncConsumer]:
-    """An async consumer of ``subject`` in ``group`` at ``addr`` (``"host:port"``).
+) -> AsyncIterator[AsyncConsumer | ClusterConsumer]:
+    """An async consumer of ``subject`` in ``group`` at ``addr`` (``"host:port"``, a
+    member list, ``etcd://H:P/GROUP``; docs/clients.md).
+
+    With ``etcd://H:P/[CLUSTER/]*`` it reads from every broker group of the cluster,
+    picking up groups that appear (a ClusterConsumer: delayd.client._cluster_consumer,
+    docs/cluster.md); it joins each group as it finds it, not before the body runs.
 
     Joins the group before the body runs (within ``timeout_s``: DelaydTimeout, or
     RejectedError for a wrong token or a refused subscription; over TLS with ``tls``,
@@ -388,6 +394,35 @@ async def open_consumer(
     anything else). ``retry_first_connect=False``: UnreachableError at once when the
     first connection cannot be made (as open_producer's).
     """
+    target = parse_group_address(addr)
+    if target.whole_cluster:
+        if commit not in COMMIT_MODES:
+            raise ValueError(f"commit must be one of {', '.join(COMMIT_MODES)}, not {commit!r}")
+        open_group = partial(
+            open_consumer,
+            subject=subject,
+            group=group,
+            token=token,
+            tls=tls,
+            auto_commit=False,  # the cluster consumer says what was processed
+            commit=commit,
+            consumer_id=consumer_id or new_consumer_id(),  # one member id in every group
+            timeout_s=timeout_s,
+            max_messages=max_messages,
+            pull_wait_ms=pull_wait_ms,
+            heartbeat_interval_s=heartbeat_interval_s,
+            client_name=client_name,
+        )
+        async with open_cluster_consumer(
+            target,
+            open_group,
+            auto_commit=auto_commit,
+            sync_commits=commit == "sync",
+            timeout_s=timeout_s,
+            retry_first_connect=retry_first_connect,
+        ) as consumer:
+            yield consumer
+        return
     async with background_task_group() as tg:
         session = AsyncSession(
             addr, token=token, client_name=client_name, task_group=tg, listener="broker", tls=tls

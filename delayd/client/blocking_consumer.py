@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 from delayd.client._blocking_client import BlockingClient
 from delayd.client._blocking_link import BlockingLink
@@ -38,6 +39,7 @@ from delayd.errors import (
     NotLeaderError,
     RejectedError,
 )
+from delayd.group_address import parse_group_address
 from delayd.protocol import (
     CommitOffset,
     CommitOffsetOk,
@@ -57,7 +59,9 @@ CLIENT_NAME = f"delayd-python-blocking/{__version__}"
 
 class Consumer(BlockingClient):
     """Pulls messages of ``subject`` as a member of ``group`` at ``addr`` (``"host:port"``,
-    or a broker group: ``"h1:p1,h2:p2"``, ``"etcd://host:port/GROUP"``; docs/clients.md).
+    or a broker group: ``"h1:p1,h2:p2"``, ``"etcd://host:port/GROUP"``; docs/clients.md),
+    or from every broker group of a cluster: ``"etcd://host:port/[CLUSTER/]*"`` (then
+    the object is a BlockingClusterConsumer, with the same methods; docs/cluster.md).
 
     Connects and joins on ``with`` (or on the first receive). Iterate it, or call
     ``receive(timeout_s=...)``. With ``auto_commit`` a message is committed once the
@@ -73,6 +77,16 @@ class Consumer(BlockingClient):
     """
 
     listener = "broker"  # etcd:// resolves to the members' broker addresses
+
+    def __new__(cls, addr: str, **options: Any) -> Any:
+        """A BlockingClusterConsumer for an address naming every group of a cluster
+        (``etcd://H:P/[CLUSTER/]*``: every broker group, docs/cluster.md), with the
+        same methods; a Consumer for any other."""
+        if cls is Consumer and _names_every_group(addr):
+            from delayd.client._blocking_cluster_consumer import BlockingClusterConsumer
+
+            return BlockingClusterConsumer(addr, **options)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -365,6 +379,13 @@ class Consumer(BlockingClient):
                     continue
                 assert isinstance(result, HeartbeatResult)
                 self._state.set_assignment(result.queues)
+
+
+def _names_every_group(addr: str) -> bool:
+    try:
+        return parse_group_address(addr).whole_cluster
+    except ValueError:
+        return False  # Consumer.__init__ says what is wrong with it
 
 
 def _sleep_until(deadline: float, delay_s: float) -> None:

@@ -5,7 +5,8 @@ Building blocks, each one idea: ``circuit`` (a circuit breaker per group), ``rou
 subjects), ``targets`` (the embedded broker or a broker process, behind one interface),
 ``wire`` (due messages in the wire layout, copied from schedule_log), ``ledger`` (every
 message between the wheel and dispatch_log: held, in doubt, withdrawn, retried; pure,
-``now_ms`` passed in) and ``sender`` (the trio wiring that drives them).
+``now_ms`` passed in), ``sender`` (the trio wiring that drives them) and ``discovery``
+(the broker groups of a cluster, found in etcd and followed while the sender runs).
 """
 
 from delayd.sender.circuit import CircuitBreaker, CircuitState

@@ -64,6 +64,8 @@ class Item:
         "bucket_id",
         "bucket_ms",
         "dead",
+        "doubt_group",
+        "doubt_since_ms",
         "due_ms",
         "key",
         "maybe_sent",
@@ -99,6 +101,8 @@ class Item:
         self.reason = ""
         self.sending = False  # in a send batch whose outcome is not recorded yet
         self.maybe_sent = False  # a batch holding it failed unanswered: a broker may have it
+        self.doubt_group: str | None = None  # the group of that broker (Sender._route)
+        self.doubt_since_ms = 0  # when that batch failed first
         self.withdrawn = False  # cancelled or moved: skipped wherever it still sits
         self.watchers: list[tuple[bool, Watcher]] | None = None  # (withdraw on refusal, cb)
 
@@ -310,11 +314,15 @@ class Ledger:
         return out
 
     @staticmethod
-    def unanswered(batch: Sequence[Item]) -> None:
-        """A batch failed without an answer: a broker may have stored any of it."""
+    def unanswered(batch: Sequence[Item], group: str | None, now_ms: int) -> None:
+        """A batch failed without an answer: a broker may have stored any of it — one
+        of ``group``'s, which it then waits for (None: the target knows it stored
+        nothing, so the batch may go anywhere)."""
         for item in batch:
             item.sending = False
             item.maybe_sent = True
+            if group is not None and item.doubt_group != group:
+                item.doubt_group, item.doubt_since_ms = group, now_ms
 
     # ------------------------------------------------------------------ retries
 

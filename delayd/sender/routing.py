@@ -43,13 +43,12 @@ class Router:
 
     ``seed`` fixes the random choices of messages without a key (tests, benchmarks);
     keyed choices do not depend on it, nor on the process: every delay server with the
-    same configuration sends a key to the same group. Raises ValueError when
-    ``groups`` is empty, names a group twice, or has a weight below 1.
+    same configuration sends a key to the same group. With no group every choice is
+    None (groups found in etcd may not be known yet). Raises ValueError when
+    ``groups`` names a group twice or has a weight below 1.
     """
 
     def __init__(self, groups: Sequence[GroupWeight], *, seed: int | None = None) -> None:
-        if not groups:
-            raise ValueError("at least one broker group is needed")
         names = [g.name for g in groups]
         if len(set(names)) != len(names):
             twice = sorted({n for n in names if names.count(n) > 1})

@@ -6,10 +6,16 @@
                                               └─fail─▶ retry heap (back-off, another group)
 
 As QMQ's SenderProcessor and SenderGroup, a batch goes to one broker group; unlike QMQ,
-failures are retried on another group with exponential back-off, after
+failures are retried on another group with exponential back-off (a batch that went
+unanswered, which that group's broker may have stored, waits for the same group up
+to ``doubt_hold_ms``: dedupe is per group), after
 ``max_attempts`` a message is sent to its dead-letter subject (never dropped), each
 group has a circuit breaker, and a slow group cannot hold up the others: its queue is
 its own, and when it is full new messages are routed elsewhere.
+
+The groups may change while it runs (``add_group``, ``set_accepting``: a group found in
+etcd, one being drained; delayd.sender.discovery); with none yet, messages wait in the
+parked list.
 
 Memory is bounded: at most ``max_in_flight`` messages are between the wheel and
 dispatch_log; beyond it the dispatch loop stops taking entries, the due channel fills,
@@ -91,6 +97,9 @@ class SenderConfig:
     max_open_ms: int = 30_000
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     dispatch_flush_interval_s: float = 0.2
+    # How long a message whose send went unanswered waits for that group (whose
+    # broker may have it) before it may go to another (and perhaps be stored twice).
+    doubt_hold_ms: int = 30_000
 
 
 @dataclass(slots=True)
@@ -124,6 +133,9 @@ class _Group:
         self.answered = trio.Event()  # set whenever a batch's outcome is recorded
         self.slots = trio.Semaphore(config.batches_in_flight)
         self.stats = GroupStatistics(self.name, CircuitState.CLOSED, 0)
+        # False for a group being drained (docs/cluster.md): no new batch is routed to
+        # it, what it was already sent finishes.
+        self.accepting = True
 
 
 class Sender:
@@ -142,14 +154,11 @@ class Sender:
         seed: int | None = None,
     ) -> None:
         self.config = config = config or SenderConfig()
-        if not groups:
-            raise ValueError("the sender needs at least one broker group")
         self._groups = {target.name: _Group(target, weight, config) for target, weight in groups}
         if len(self._groups) != len(groups):
             raise ValueError("broker group names must be unique")
-        self._router = Router(
-            [GroupWeight(g.name, g.weight) for g in self._groups.values()], seed=seed
-        )
+        self._seed = seed
+        self._router = self._new_router()
         self.manager = manager
         self.reader = reader
         self.dispatch = dispatch
@@ -169,6 +178,47 @@ class Sender:
         self.lateness_s = Histogram(LATENESS_BOUNDS_S)
         self.batch_sizes = Histogram(BATCH_BOUNDS)
         self.refusals = WriteRefusals()  # the server shares its own
+
+    def _new_router(self) -> Router:
+        weights = [GroupWeight(g.name, g.weight) for g in self._groups.values()]
+        return Router(weights, seed=self._seed)
+
+    # ------------------------------------------------------------------ groups
+
+    @property
+    def group_names(self) -> list[str]:
+        return list(self._groups)
+
+    def add_group(self, target: SendTarget, weight: int = 1) -> None:
+        """Deliver to ``target`` too, from now on (a broker group found while running;
+        delayd.sender.discovery). Its share of the keys moves to it, as rendezvous
+        hashing moves them: only those. Raises ValueError for a name already used."""
+        if target.name in self._groups:
+            raise ValueError(f"broker group {target.name!r} is already a target")
+        group = self._groups[target.name] = _Group(target, weight, self.config)
+        self._router = self._new_router()
+        if self._nursery is not None:
+            self._nursery.start_soon(self._group_loop, group)
+        if self.ledger.parked:
+            self._retry_wake.set()  # what waited for a usable group may go there now
+
+    def set_accepting(self, name: str, accepting: bool) -> None:
+        """Route new batches to group ``name`` (True) or no longer (False: it is being
+        drained or was removed). Batches it was already sent finish, and their outcome
+        counts as usual; what is queued for it and not yet sent is routed elsewhere."""
+        group = self._groups[name]
+        if group.accepting == accepting:
+            return
+        group.accepting = accepting
+        log.info("broker group %s: %s", name, "takes deliveries" if accepting else "drained")
+        if accepting:
+            if self.ledger.parked:
+                self._retry_wake.set()
+            return
+        if group.queue:
+            moved = list(group.queue)
+            group.queue.clear()
+            self._route(moved, None)
 
     # ------------------------------------------------------------------ input
 
@@ -255,6 +305,8 @@ class Sender:
         limit = self.config.group_queue_limit
         queues = {}
         for name, group in self._groups.items():
+            if not group.accepting:
+                continue
             breaker = group.breaker
             state = breaker.state(now_ms)
             if not (
@@ -274,6 +326,7 @@ class Sender:
         usable); items with none wait in the parked list, looked at again by the retry
         loop every ledger.PARKED_RETRY_S (``wake``: tell it there are some)."""
         choose, usable = self._router.choose, self._usable_now()
+        now_ms = self.clock()
         exclude = () if failed_group is None else (failed_group,)
         touched = set()
         for item in items:
@@ -283,6 +336,18 @@ class Sender:
             # it is sent again after a restart (sent, but not yet in dispatch_log) it goes
             # to the same group, whose broker drops it as a duplicate: dedupe is per
             # broker, and another group would store it a second time.
+            held = self._held_by(item, now_ms)
+            if held is not None:
+                # A broker of that group may have stored it, and dedupe is per group:
+                # sent elsewhere, it could be stored (and consumed) twice. It waits for
+                # the group instead (a new leader, its circuit closing), up to
+                # doubt_hold_ms; a group drained or removed lets it go at once.
+                if usable(held.name):
+                    held.queue.append(item)
+                    touched.add(held)
+                else:
+                    self.ledger.park(item)
+                continue
             route_key = item.message_id if item.key is None else item.key
             name = choose(route_key, usable, exclude)
             if name is None and exclude:
@@ -299,6 +364,20 @@ class Sender:
                 group.ready.set()
         if self.ledger.parked and wake:
             self._retry_wake.set()
+
+    def _held_by(self, item: Item, now_ms: int) -> _Group | None:
+        """The group an unanswered send of ``item`` went to, while it holds the item:
+        it takes deliveries and doubt_hold_ms has not passed since."""
+        if item.doubt_group is None:
+            return None
+        group = self._groups.get(item.doubt_group)
+        if (
+            group is None
+            or not group.accepting
+            or now_ms - item.doubt_since_ms >= self.config.doubt_hold_ms
+        ):
+            return None
+        return group
 
     async def _group_loop(self, group: _Group) -> None:
         nursery = self._nursery
@@ -373,8 +452,12 @@ class Sender:
         except TargetUnavailable as exc:
             failure = str(exc)
             group.stats.failed += len(batch)
-            self.ledger.unanswered(batch)
-            self._retry(batch, group, failure)
+            # A broker of the group may have stored them, unless the target knows not.
+            self.ledger.unanswered(batch, None if exc.nothing_stored else group.name, now_ms)
+            # While the group holds them (doubt_hold_ms) they wait for it: its being
+            # away is not the messages' fault, and must not dead-letter them.
+            held = not exc.nothing_stored and group.accepting and self.config.doubt_hold_ms > 0
+            self._retry(batch, group, failure, count_attempt=not held)
             return
         finally:
             self._record_outcome(group, ok, failure)

@@ -60,7 +60,13 @@ class TargetUnavailable(DelaydError):
     shutting down, failing). The message names the group, the address and the cause.
 
     The batch may or may not have been stored: send it again, here or elsewhere.
+    ``nothing_stored``: it was certainly not (no connection, refused as a whole, not
+    the leader), so sending it elsewhere cannot store it twice.
     """
+
+    def __init__(self, message: str, *, nothing_stored: bool = False) -> None:
+        super().__init__(message)
+        self.nothing_stored = nothing_stored
 
 
 class NotLeaderTarget(TargetUnavailable):
@@ -68,7 +74,7 @@ class NotLeaderTarget(TargetUnavailable):
     nothing was stored; ``leader`` is the leader's address, or None when unknown."""
 
     def __init__(self, message: str, leader: str | None) -> None:
-        super().__init__(message)
+        super().__init__(message, nothing_stored=True)
         self.leader = leader
 
 
@@ -197,13 +203,28 @@ class RemoteTarget:
                         if not self._follow(exc.leader):
                             raise
                 raise TargetUnavailable(
-                    f"broker group {self.name}: no member of {', '.join(self.addresses)} leads"
+                    f"broker group {self.name}: no member of {', '.join(self.addresses)} leads",
+                    nothing_stored=True,
                 )
         except trio.TooSlowError:
             where = link.address if link is not None else " or ".join(self.addresses)
             raise TargetUnavailable(
                 f"broker group {self.name}: no answer from {where} within {self.timeout_s} s"
             ) from None
+
+    def update_members(self, addresses: Sequence[str]) -> None:
+        """The group's members as etcd now lists them, the leader first
+        (delayd.sender.discovery): the next connection tries them in that order; an
+        open connection is kept (a member that no longer leads answers NOT_LEADER,
+        which is followed). Raises ValueError for a malformed address, keeping the
+        members it had."""
+        if isinstance(addresses, str) or not addresses or tuple(addresses) == self.addresses:
+            return
+        try:
+            endpoints = [parse_address(address) for address in addresses]
+        except ValueError as exc:
+            raise ValueError(f"broker group {self.name!r}: {exc}") from None
+        self.addresses, self._endpoints, self._current = tuple(addresses), endpoints, 0
 
     def _follow(self, leader: str | None) -> bool:
         """Make ``leader`` the address tried next; False when it names none (the
@@ -241,11 +262,13 @@ class RemoteTarget:
             if link is not None and link.failure is None:
                 return link
             problems: list[str] = []
-            count = len(self.addresses)
+            # A snapshot: update_members may replace the lists while this connects.
+            addresses, endpoints = self.addresses, list(self._endpoints)
+            count = len(addresses)
             for step in range(count):
                 index = (self._current + step) % count
-                address = self.addresses[index]
-                endpoint = self._endpoints[index]
+                address = addresses[index]
+                endpoint = endpoints[index]
                 with trio.move_on_after(self.connect_timeout_s):
                     try:
                         link = await _Link.open(
@@ -257,11 +280,15 @@ class RemoteTarget:
                     if self._closed:  # aclose() ran while this connected
                         link.fail("was closed by the sender")
                         raise trio.ClosedResourceError(f"target {self.name} is closed")
-                    self._link, self._current = link, index
+                    self._link = link
+                    if address in self.addresses:
+                        self._current = self.addresses.index(address)
                     self.connects += 1
                     return link
                 problems.append(f"{address}: no HELLO_OK within {self.connect_timeout_s} s")
-            raise TargetUnavailable(f"broker group {self.name}: " + "; ".join(problems))
+            raise TargetUnavailable(
+                f"broker group {self.name}: " + "; ".join(problems), nothing_stored=True
+            )
 
     async def aclose(self) -> None:
         """Close the connection (idempotent); later calls raise ClosedResourceError."""
@@ -422,7 +449,8 @@ class _Link:
         if isinstance(response, Error):
             raise TargetUnavailable(
                 f"broker group {self.group}: {self.address} refused the batch: "
-                f"{response.reason} ({response.code.name})"
+                f"{response.reason} ({response.code.name})",
+                nothing_stored=True,
             )
         if len(response.results) != len(messages):
             self.fail(f"was ended: {len(response.results)} results for {len(messages)} messages")

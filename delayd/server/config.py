@@ -61,6 +61,10 @@ class ConfigError(ValueError):
 
 
 EMBEDDED_GROUP = "local"  # the broker group of the embedded broker when none is listed
+# [delivery] broker_groups_from: where the broker groups a delay server delivers to come from.
+BROKER_GROUPS_FROM_CONFIG = "config"  # [[broker_groups]], or the embedded broker
+BROKER_GROUPS_FROM_ETCD = "etcd"  # the cluster's registry (docs/cluster.md)
+BROKER_GROUPS_FROM = (BROKER_GROUPS_FROM_CONFIG, BROKER_GROUPS_FROM_ETCD)
 
 DAY_MS = 86_400_000
 
@@ -180,8 +184,17 @@ class ServeConfig:
     log_format: str = DEFAULT_LOG_FORMAT
     log_level: str = DEFAULT_LOG_LEVEL
     cluster: ClusterConfig = field(default_factory=ClusterConfig)  # no etcd: runs alone
+    # "etcd": deliver to the cluster's broker groups found in etcd instead of
+    # broker_groups (delayd.sender.discovery), re-read every broker_groups_refresh_ms.
+    broker_groups_from: str = BROKER_GROUPS_FROM_CONFIG
+    broker_groups_refresh_ms: int = 1000
 
     def __post_init__(self) -> None:
+        if self.broker_groups_from not in BROKER_GROUPS_FROM:
+            raise ConfigError(
+                f"delivery.broker_groups_from must be one of {', '.join(BROKER_GROUPS_FROM)}, "
+                f"got {self.broker_groups_from!r}"
+            )
         if not self.broker_groups:
             raise ConfigError("broker_groups: list at least one group")
         names = [g.name for g in self.broker_groups]
@@ -207,7 +220,7 @@ class ServeConfig:
         smallest = message_log.HEAD_SIZE + 2
         if self.limits.max_record_bytes < smallest:
             raise ConfigError(f"intake.max_record_bytes must be at least {smallest}")
-        if any(group.embedded for group in self.broker_groups):
+        if not self.discovers_broker_groups and any(g.embedded for g in self.broker_groups):
             self._check_embedded_broker_takes_what_intake_accepts()
         if self.cluster.enabled:
             try:
@@ -218,6 +231,20 @@ class ServeConfig:
             self.connection_limits  # noqa: B018  # validates the [server] connection keys
         except ValueError as exc:
             raise ConfigError(f"server.{exc}") from None
+
+    @property
+    def discovers_broker_groups(self) -> bool:
+        """Whether the broker groups are found in etcd (not ``broker_groups``)."""
+        return self.broker_groups_from == BROKER_GROUPS_FROM_ETCD
+
+    def check_complete(self) -> None:
+        """What only the whole configuration (file, variables and flags merged) can
+        say. Raises ConfigError."""
+        if self.discovers_broker_groups and not self.cluster.enabled:
+            raise ConfigError(
+                'delivery.broker_groups_from = "etcd" finds the broker groups in the '
+                "cluster's etcd: give [cluster] etcd and group (--etcd, --group)"
+            )
 
     @property
     def connection_limits(self) -> ConnectionLimits:
@@ -333,10 +360,13 @@ _SCHEMA: dict[str, dict[str, tuple[Callable[[Any, str], Any], str]]] = {
         "failure_threshold": (_int, "sender.failure_threshold"),
         "open_ms": (_int, "sender.open_ms"),
         "max_open_ms": (_int, "sender.max_open_ms"),
+        "doubt_hold_ms": (_non_negative, "sender.doubt_hold_ms"),
         "dispatch_flush_interval_ms": (_int, "sender.dispatch_flush_interval_ms"),
         "max_attempts": (_int, "retry.max_attempts"),
         "retry_base_ms": (_int, "retry.base_ms"),
         "retry_max_ms": (_int, "retry.max_ms"),
+        "broker_groups_from": (_choice(*BROKER_GROUPS_FROM), "broker_groups_from"),
+        "broker_groups_refresh_ms": (_int, "broker_groups_refresh_ms"),
     },
     "retention": {
         "enabled": (_bool, "retention.enabled"),
@@ -387,6 +417,7 @@ def string_keys() -> frozenset[str]:
         "log.format",
         "log.level",
         "broker.flush",
+        "delivery.broker_groups_from",
     }
     enums = {
         f"broker.{f.name}"
@@ -483,6 +514,11 @@ def config_from_mapping(
             values["broker"] = BrokerConfig(**broker)
         except ValueError as exc:
             raise ConfigError(f"{source}: broker.{exc}") from None
+    if values.get("broker_groups_from") == BROKER_GROUPS_FROM_ETCD and "broker_groups" in values:
+        raise ConfigError(
+            f'{source}: delivery.broker_groups_from = "etcd" finds the broker groups in etcd; '
+            "remove the [[broker_groups]] list, or the key to deliver to the list"
+        )
     try:
         return ServeConfig(**values)
     except ConfigError as exc:

@@ -86,7 +86,9 @@ def config_to_toml(config: ServeConfig) -> str:
             lines.append(f"{key} = {_toml(_value(config, target))}")
     lines += ["", "[broker]"]
     lines += [f"{k} = {_toml(_broker_value(config, k))}" for k in sorted(table_keys()["broker"])]
-    for group in config.broker_groups:
+    # With broker_groups_from = "etcd" the list is not used, and may not be given.
+    listed = () if config.discovers_broker_groups else config.broker_groups
+    for group in listed:
         lines += ["", "[[broker_groups]]", f"name = {_toml(group.name)}"]
         if group.embedded:
             lines.append("embedded = true")

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 import math
+from functools import partial
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -32,14 +34,21 @@ from delayd.wheel.timer import TimingWheel
 from storage.checkpoint import write_checkpoint
 from storage.fs import REAL_FS, FileSystem
 
+if TYPE_CHECKING:
+    from delayd.sender.discovery import BrokerDiscovery
+
 log = logging.getLogger(__name__)
 
 WHEEL_CHECKPOINT = "wheel"  # <data>/delay/checkpoint/wheel: the cursors, for operators
 
 
 def build_targets(config: ServeConfig, broker: Broker) -> list[tuple[SendTarget, int]]:
-    """The configured broker groups as send targets, with their weights."""
+    """The configured broker groups as send targets, with their weights; none when they
+    are found in etcd (``broker_groups_from = "etcd"``: Delivery's BrokerDiscovery adds
+    them as it finds them)."""
     targets: list[tuple[SendTarget, int]] = []
+    if config.discovers_broker_groups:
+        return targets
     for group in config.broker_groups:
         target: SendTarget
         if group.embedded:
@@ -99,6 +108,19 @@ class Delivery:
             clock=self.now_ms,
             earlier_end=replayer.log.end_offset,  # built before intake takes anything
         )
+        self.discovery: BrokerDiscovery | None = None
+        if config.discovers_broker_groups:
+            # Here, not at the top: etcd's client brings httpx, which a server without
+            # etcd (and `delayd serve --help`) does without.
+            from delayd.sender.discovery import BrokerDiscovery
+
+            self.discovery = BrokerDiscovery(
+                self.sender,
+                config.cluster.etcd,
+                config.cluster.prefix,
+                partial(RemoteTarget, token=config.token),
+                refresh_s=config.broker_groups_refresh_ms / 1000,
+            )
         self.replayer = replayer
         self.decide_tombstones()
         self.running = False
@@ -129,6 +151,9 @@ class Delivery:
         # 0.5 ms ahead, and a broker stamped messages with a store_ms 1 ms before due.
         self.ticker.origin_ms = wall_ms() - math.ceil(trio.current_time() * 1000)
         async with trio.open_nursery() as nursery:
+            if self.discovery is not None:
+                # Before the sender: it routes over every group of the registry at once.
+                await nursery.start(self.discovery.run)
             await nursery.start(self.sender.run)
             await nursery.start(self.ticker.run, self.sender.on_due)
             await nursery.start(self.manager.run)
