@@ -34,12 +34,15 @@ from delayd.audit.config import (
     Server,
 )
 from delayd.audit.kinds import HEAD, VERIFY_MODES
-from delayd.cli.args import duration_ms, utc_time_ms
+from delayd.cli.args import duration_ms, etcd_endpoints, utc_time_ms
+from delayd.cluster.members import DEFAULT_PREFIX
 
 # Neither pyspark nor pyarrow is imported until the audit runs: `delayd` works for the
 # server without the audit extra.
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
+
+    from delayd.audit.groups import Copy
 
 
 def server_data(text: str) -> Server:
@@ -65,11 +68,25 @@ def add_audit_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--data",
         action="append",
-        required=True,
+        default=[],
         type=server_data,
         metavar="[NAME=]DIR",
         help="a delay server's data directory (repeat to audit several servers as one); "
-        "rows carry NAME, by default DIR",
+        "rows carry NAME, by default DIR; directories with the same NAME are copies of one "
+        "group's logs, of which the one that holds most is read",
+    )
+    parser.add_argument(
+        "--etcd",
+        type=etcd_endpoints,
+        metavar="URL[,URL]",
+        help="audit every delay group etcd lists, each from a member's data directory "
+        "(the leader's when readable here); --data NAME=DIR overrides group NAME",
+    )
+    parser.add_argument(
+        "--cluster-prefix",
+        default=DEFAULT_PREFIX,
+        metavar="PREFIX",
+        help=f"the groups' key prefix in etcd ([cluster] prefix; default {DEFAULT_PREFIX})",
     )
     parser.add_argument("--out", required=True, help="directory for the Parquet tables and report")
     parser.add_argument(
@@ -138,20 +155,66 @@ class _PrintJobPath(argparse.Action):
 
 
 def config_from_args(args: argparse.Namespace) -> AuditConfig:
-    """The AuditConfig of parsed arguments. Raises ValueError when two directories
-    would carry the same server name."""
-    names = [server.name for server in args.data]
-    if len(set(names)) != len(names):
-        raise ValueError(f"two --data directories have the same name: {sorted(names)}")
+    """The AuditConfig of parsed arguments: the servers of ``--data`` and the delay
+    groups ``--etcd`` lists, one copy of each group (delayd.audit.groups). Raises
+    ValueError when there is nothing to audit or etcd cannot be read,
+    groups.CopyMissingError when no copy of a group is readable here."""
+    from delayd.audit import groups
+
+    if not args.data and not args.etcd:
+        raise ValueError("say what to audit: --data [NAME=]DIR (repeatable) or --etcd URL")
+    given = {server.name for server in args.data}
+    copies = [groups.Copy(server.name, server.data_dir) for server in args.data]
+    if args.etcd:
+        listed = etcd_copies(args.etcd, args.cluster_prefix)
+        copies += [copy for copy in listed if copy.group not in given]
+        if not copies:
+            raise ValueError(f"etcd lists no delay group under {args.cluster_prefix}/groups/")
     as_of = args.as_of if args.as_of is not None else int(time.time() * 1000)
     return AuditConfig(
-        servers=tuple(args.data),
+        servers=groups.servers(copies),
         out=args.out,
         as_of_ms=as_of,
         grace_ms=args.grace,
         late_ms=args.late_after,
         verify=args.verify,
     )
+
+
+def etcd_copies(endpoints: tuple[str, ...], prefix: str) -> list[Copy]:
+    """Every member of every delay group (a group whose members serve intake: standalone
+    broker groups hold no delay logs) under ``prefix`` in etcd, as copies of its group's
+    logs. Raises ValueError when etcd cannot be read."""
+    import trio
+
+    from delayd.audit.groups import Copy
+    from delayd.cluster.etcd import EtcdClient
+    from delayd.cluster.group_state import read_groups
+    from delayd.errors import EtcdError
+
+    async def read() -> list:
+        async with EtcdClient(endpoints) as etcd:
+            return await read_groups(etcd, prefix)
+
+    try:
+        states = trio.run(read)
+    except EtcdError as exc:
+        raise ValueError(
+            f"cannot read the groups from etcd at {','.join(endpoints)}: {exc}"
+        ) from None
+    leader_of = {state.group: state.leader.member_id for state in states if state.leader}
+    return [
+        Copy(
+            state.group,
+            m.data_dir,
+            m.member_id,
+            m.hostname,
+            m.member_id == leader_of.get(state.group),
+        )
+        for state in states
+        if any(m.intake for m in state.members)
+        for m in state.members
+    ]
 
 
 def spark_conf(pairs: list[str]) -> dict[str, str]:
