@@ -22,6 +22,7 @@ from delayd.audit.schemas import DISPATCH_LOG, SCHEDULE_LOG
 from delayd.audit.spark import job
 from delayd.audit.spark.sources import spark_schema
 from delayd.cli.main import main
+from delayd.cluster.members import MemberInfo
 from delayd.logs import layout, log_files
 from delayd.logs.dispatch_log import FRAMED_SIZE, EntryKind, encode_entry
 from delayd.protocol.codes import CancelOutcome, RescheduleOutcome
@@ -33,12 +34,14 @@ from tests.audit_support import (
     Scheduled,
     cancels_and_moves_done_right,
     dispatch_path,
+    group_copy,
     read_table,
     schedule_path,
     sends_and_cancels,
 )
 from tests.damage_support import append_bytes, flip_byte
 from tests.intake_support import ServeProcess
+from tests.test_audit_groups import register
 
 AS_OF = T0 + 60 * MINUTE  # 11:00; grace 60 s, so due before 10:59 is judged
 AS_OF_TEXT = "2026-11-22T11:00:00Z"
@@ -489,3 +492,35 @@ def test_sends_cancels_and_moves_done_right_audit_clean(spark, tmp_path, capsys)
     assert (overall["duplicate_send"], overall["cancelled_id_delivered"]) == (0, 0)
     assert (overall["cancelled"], overall["rescheduled"]) == (2, 2)
     assert (overall["message_log_records"], overall["message_log_cancels"]) == (4, 3)
+
+
+def test_groups_from_etcd_are_audited_once_each(spark, tmp_path, capsys, etcd_server, etcd_prefix):
+    """Two delay groups of two members each, listed in etcd: each group's logs are read
+    from one copy — g1 the leader's (its follower lags), g2, with no leader, the copy
+    that holds most — so no message counts twice; g2's planted missing dispatch is
+    found, once, and deliveries to either broker group count."""
+    copies = {name: str(tmp_path / name) for name in ("g1-a", "g1-b", "g2-a", "g2-b")}
+    g1 = group_copy(copies["g1-a"], "g1", 8)
+    group_copy(copies["g1-b"], "g1", 5)  # a lagging follower: a prefix of the leader's
+    group_copy(copies["g2-a"], "g2", 3, undelivered=frozenset({1}))
+    group_copy(copies["g2-b"], "g2", 6, undelivered=frozenset({1}))
+    members = {
+        name: MemberInfo(name, intake=f"h:{i}", data_dir=path, hostname="h")
+        for i, (name, path) in enumerate(copies.items())
+    }
+    register(etcd_server.url, etcd_prefix, "g1", members["g1-a"], members["g1-b"], leader="g1-a")
+    register(etcd_server.url, etcd_prefix, "g2", members["g2-a"], members["g2-b"])
+    out = str(tmp_path / "out")
+    cluster = ["--etcd", etcd_server.url, "--cluster-prefix", etcd_prefix]
+
+    status = main(["audit", *cluster, "--out", out, "--as-of", AS_OF_TEXT])
+
+    printed = capsys.readouterr().out
+    assert status == 1, printed
+    assert findings(out) == {("overdue", ERROR, "g2", "g2-1")}
+    per_group = {r["server"]: r for r in read_table(out, "summary") if r["bucket"] is None}
+    assert (per_group["g1"]["scheduled"], per_group["g1"]["dispatched"]) == (len(g1), len(g1))
+    assert (per_group["g2"]["scheduled"], per_group["g2"]["dispatched"]) == (6, 5)
+    assert totals(out)["scheduled"] == 14  # not 22: no copy read twice
+    assert f"g1: read member g1-a on h (leader): {copies['g1-a']} (the leader's copy" in printed
+    assert f"g2: read member g2-b on h: {copies['g2-b']} (the copy that holds most" in printed

@@ -34,7 +34,8 @@ from delayd.audit.config import (
     Server,
 )
 from delayd.audit.kinds import HEAD, VERIFY_MODES
-from delayd.cli.args import duration_ms, etcd_endpoints, utc_time_ms
+from delayd.audit.read.partitions import DEFAULT_PARTITION_BYTES
+from delayd.cli.args import duration_ms, etcd_endpoints, non_negative_count, utc_time_ms
 from delayd.cluster.members import DEFAULT_PREFIX
 
 # Neither pyspark nor pyarrow is imported until the audit runs: `delayd` works for the
@@ -112,6 +113,14 @@ def add_audit_arguments(parser: argparse.ArgumentParser) -> None:
         help="a dispatch more than this after its due time is late (default 5s)",
     )
     parser.add_argument(
+        "--partition-bytes",
+        type=non_negative_count,
+        default=DEFAULT_PARTITION_BYTES,
+        metavar="BYTES",
+        help="pack the bucket files into Spark tasks of about this many bytes, fewer when "
+        "that would leave cores idle (default 67_108_864: 64 MiB); 0: a task per file",
+    )
+    parser.add_argument(
         "--verify",
         choices=VERIFY_MODES,
         default=HEAD,
@@ -178,6 +187,7 @@ def config_from_args(args: argparse.Namespace) -> AuditConfig:
         grace_ms=args.grace,
         late_ms=args.late_after,
         verify=args.verify,
+        partition_bytes=args.partition_bytes,
     )
 
 

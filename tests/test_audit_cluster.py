@@ -1,0 +1,85 @@
+"""The cluster audit on a real Spark standalone cluster: a master and two workers
+started from pyspark's own scripts (tests/spark_standalone.py), and the job handed to
+``spark-submit --master spark://…`` over two delay groups' data directories — one
+group's two copies read once, its planted fault found on the executors; a clean
+group clean. Every process of the cluster is killed at the end."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.audit_support import SPARK_TEST_CONF, group_copy, read_table
+from tests.spark_standalone import StandaloneCluster, event_log_conf, task_ends
+
+pytestmark = pytest.mark.slow
+
+AS_OF = "2026-11-22T11:00:00Z"
+JOB = str(Path(__file__).resolve().parent.parent / "delayd/cli/spark_submit/audit_job.py")
+# Small for a test machine: one executor of 512 MiB per worker, and the tiny-input
+# settings of the local session's tests (no code generation, C1 only) on the executors too.
+CONF = {
+    **SPARK_TEST_CONF,
+    "spark.ui.enabled": "false",
+    "spark.executor.memory": "512m",
+    "spark.driver.memory": "1g",
+    "spark.executor.extraJavaOptions": "-XX:TieredStopAtLevel=1",
+}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory):
+    with StandaloneCluster(tmp_path_factory.mktemp("spark-standalone")) as started:
+        yield started
+    assert not started.processes(), "a process of the cluster outlived it"
+
+
+def submit(cluster: StandaloneCluster, tmp_path: Path, *data: str) -> tuple[int, str, Path]:
+    """The audit of ``data`` (``--data`` values) on the cluster: exit status, stdout and
+    the directory of its event log."""
+    events = tmp_path / "events"
+    args = [arg for value in data for arg in ("--data", value)]
+    # A task per bucket file, so that both executors read some.
+    args += ["--out", str(tmp_path / "out"), "--as-of", AS_OF, "--partition-bytes", "0"]
+    done: subprocess.CompletedProcess[str] = cluster.submit(
+        JOB, *args, conf={**CONF, **event_log_conf(events)}, timeout_s=240
+    )
+    return done.returncode, done.stdout + done.stderr, events
+
+
+def test_spark_submit_on_the_cluster_finds_the_planted_fault_once(cluster, tmp_path):
+    g1 = [str(tmp_path / "g1-a"), str(tmp_path / "g1-b")]
+    group_copy(g1[0], "g1", 40)
+    group_copy(g1[1], "g1", 30)  # a follower that lags
+    g2 = str(tmp_path / "g2")
+    group_copy(g2, "g2", 50, undelivered=frozenset({7}))
+
+    status, output, events = submit(cluster, tmp_path, f"g1={g1[0]}", f"g1={g1[1]}", f"g2={g2}")
+
+    assert status == 1, output
+    out = str(tmp_path / "out")
+    found = {(r["kind"], r["server"], r["message_id"]) for r in read_table(out, "discrepancies")}
+    assert found == {("overdue", "g2", "g2-7")}
+    per_group = {r["server"]: r for r in read_table(out, "summary") if r["bucket"] is None}
+    assert {g: (r["scheduled"], r["dispatched"]) for g, r in per_group.items()} == {
+        "g1": (40, 40),
+        "g2": (50, 49),
+        None: (90, 89),  # not 120: g1's lagging copy is not read
+    }
+    assert f"g1: read {g1[0]} (the copy that holds most; 1 other copy not read)" in output
+    # The logs were read on both workers' executors, not on the driver.
+    executors = {end["Task Info"]["Executor ID"] for end in task_ends(events)}
+    assert len(executors) == 2 and "driver" not in executors, executors
+
+
+def test_a_clean_group_audits_clean_on_the_cluster(cluster, tmp_path):
+    clean = str(tmp_path / "clean")
+    group_copy(clean, "g1", 20)
+
+    status, output, _ = submit(cluster, tmp_path, f"g1={clean}")
+
+    assert status == 0, output
+    assert "RESULT: clean" in output
+    assert read_table(str(tmp_path / "out"), "discrepancies") == []
