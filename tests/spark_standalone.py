@@ -23,8 +23,9 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Self
+from typing import Any, Self
 
 import pyspark
 
@@ -52,8 +53,7 @@ def spark_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 class StandaloneCluster:
     """A master and ``workers`` workers of ``cores`` cores and ``memory`` each, their
-    logs and work directories under ``root``. A context manager: started, then every
-    process of it killed."""
+    logs and work directories under ``root`` (standalone_cluster runs one)."""
 
     def __init__(self, root: Path, *, workers: int = 2, cores: int = 1, memory: str = "1g") -> None:
         self.root = root
@@ -68,16 +68,6 @@ class StandaloneCluster:
     @property
     def url(self) -> str:
         return f"spark://127.0.0.1:{self.port}"
-
-    def __enter__(self) -> Self:
-        try:
-            return self.start()
-        except BaseException:
-            self.close()
-            raise
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def start(self) -> Self:
         """The master, then the workers; returns once every worker has registered.
@@ -170,6 +160,17 @@ class StandaloneCluster:
                 time.sleep(0.1)
         for daemon in self.daemons:
             daemon.wait()
+
+
+@contextlib.contextmanager
+def standalone_cluster(root: Path, **sizes: Any) -> Iterator[StandaloneCluster]:
+    """A StandaloneCluster (``sizes``: its keyword arguments), started; every process
+    of it killed at the end, also when it fails to start."""
+    cluster = StandaloneCluster(root, **sizes)
+    try:
+        yield cluster.start()
+    finally:
+        cluster.close()
 
 
 class CpuSampler:

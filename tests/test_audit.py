@@ -19,7 +19,7 @@ from delayd.audit.config import AuditConfig, Server
 from delayd.audit.read.dispatch import dispatch_batches
 from delayd.audit.report.result import ERROR, NOTICE
 from delayd.audit.schemas import DISPATCH_LOG, SCHEDULE_LOG
-from delayd.audit.spark import job
+from delayd.audit.spark import job, queries
 from delayd.audit.spark.sources import ReconciledSource, spark_schema
 from delayd.cli.main import main
 from delayd.cluster.members import MemberInfo
@@ -625,3 +625,25 @@ def test_no_row_per_record_reaches_the_driver(spark, tmp_path, monkeypatch):
         counts.append(list(brought))
     small, big = counts
     assert small == big and sum(small) > 0, counts
+
+
+def test_many_candidates_are_read_again_through_a_join(spark, tmp_path, monkeypatch):
+    """Past IN_LIST_ROWS candidate hashes the records are picked by a semi join rather
+    than written into the query: found the same. Two servers given the same ids (as two
+    groups of a cluster never are) have every id delivered twice."""
+    monkeypatch.setattr(queries, "IN_LIST_ROWS", 2)
+    roots = [str(tmp_path / name) for name in ("s1", "s2")]
+    for root in roots:
+        group_copy(root, "same", 6)
+    config = AuditConfig(
+        servers=tuple(Server(f"s{i + 1}", root) for i, root in enumerate(roots)),
+        out=str(tmp_path / "out"),
+        as_of_ms=AS_OF,
+    )
+
+    result = job.run(spark, config)
+
+    assert result.counts == {("duplicate_id", ERROR): 12}
+    assert findings(config.out) == {
+        ("duplicate_id", ERROR, server, f"same-{i}") for server in ("s1", "s2") for i in range(6)
+    }

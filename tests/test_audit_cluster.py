@@ -1,23 +1,33 @@
 """The cluster audit on a real Spark standalone cluster: a master and two workers
 started from pyspark's own scripts (tests/spark_standalone.py), and the job handed to
 ``spark-submit --master spark://…`` over two delay groups' data directories — one
-group's two copies read once, its planted fault found on the executors; a clean
-group clean. Every process of the cluster is killed at the end."""
+group's two copies read once, another's planted fault found, the logs read on both
+workers' executors; and the command docs/audit.md gives finds clean groups clean. Every
+process of the cluster is killed at the end."""
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from tests.audit_support import SPARK_TEST_CONF, group_copy, read_table
-from tests.spark_standalone import StandaloneCluster, event_log_conf, task_ends
+from tests.process_support import ROOT
+from tests.spark_standalone import (
+    StandaloneCluster,
+    event_log_conf,
+    standalone_cluster,
+    task_ends,
+)
 
 pytestmark = pytest.mark.slow
 
 AS_OF = "2026-11-22T11:00:00Z"
-JOB = str(Path(__file__).resolve().parent.parent / "delayd/cli/spark_submit/audit_job.py")
+JOB = str(ROOT / "delayd" / "cli" / "spark_submit" / "audit_job.py")
 # Small for a test machine: one executor of 512 MiB per worker, and the tiny-input
 # settings of the local session's tests (no code generation, C1 only) on the executors too.
 CONF = {
@@ -31,7 +41,7 @@ CONF = {
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
-    with StandaloneCluster(tmp_path_factory.mktemp("spark-standalone")) as started:
+    with standalone_cluster(tmp_path_factory.mktemp("spark-standalone")) as started:
         yield started
     assert not started.processes(), "a process of the cluster outlived it"
 
@@ -74,12 +84,35 @@ def test_spark_submit_on_the_cluster_finds_the_planted_fault_once(cluster, tmp_p
     assert len(executors) == 2 and "driver" not in executors, executors
 
 
-def test_a_clean_group_audits_clean_on_the_cluster(cluster, tmp_path):
-    clean = str(tmp_path / "clean")
-    group_copy(clean, "g1", 20)
+def docs_submit() -> str:
+    """The spark-submit command docs/audit.md gives under "On a standalone Spark
+    cluster"."""
+    text = (ROOT / "docs" / "audit.md").read_text(encoding="utf-8")
+    section = text[text.index("### On a standalone Spark cluster") :]
+    blocks = re.findall(r"```sh\n(.*?)```", section, re.S)
+    (line,) = [line for line in blocks[1].splitlines() if "spark-submit" in line]
+    return line
 
-    status, output, _ = submit(cluster, tmp_path, f"g1={clean}")
 
-    assert status == 0, output
-    assert "RESULT: clean" in output
-    assert read_table(str(tmp_path / "out"), "discrepancies") == []
+def test_the_documented_spark_submit_audits_clean_groups_clean(cluster, tmp_path):
+    dirs = {group: str(tmp_path / group) for group in ("g1", "g2")}
+    for group, path in dirs.items():
+        group_copy(path, group, 20)
+    out = str(tmp_path / "out")
+    command = docs_submit().replace("spark://127.0.0.1:7077", cluster.url)
+    for group, path in dirs.items():
+        command = command.replace(f"/var/lib/delayd/{group}", path)
+    command = command.replace("/tmp/audit", out)
+    env = {**cluster.env, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}
+
+    done = subprocess.run(
+        ["bash", "-c", command], env=env, capture_output=True, text=True, timeout=240, check=False
+    )
+
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "RESULT: clean" in done.stdout
+    assert read_table(out, "discrepancies") == []
+    per_group = {
+        r["server"]: r["dispatched"] for r in read_table(out, "summary") if r["bucket"] is None
+    }
+    assert per_group == {"g1": 20, "g2": 20, None: 40}

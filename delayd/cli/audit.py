@@ -3,6 +3,11 @@ on time: the logs of one or more servers are reconciled.
 
     delayd audit --data /var/lib/delayd --out /tmp/audit [--master local[*]]
                  [--as-of 2026-11-22T10:00:00Z] [--grace 60s] [--late-after 5s]
+    delayd audit --etcd http://10.0.0.5:2379 [--cluster-prefix /delayd] --out /tmp/audit
+
+Several delay groups are reconciled as one, each from one copy of its logs
+(delayd/audit/groups.py): directories given the same ``--data`` name, or the members'
+data directories etcd lists.
 
 Runs the audit in a local Spark session (or on --master), writes the Parquet tables
 and report.html and report.txt under --out, and prints the report. Needs the audit
