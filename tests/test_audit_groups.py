@@ -5,6 +5,7 @@ audits themselves are in tests/test_audit.py."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import socket
 import uuid
@@ -15,7 +16,7 @@ import trio
 
 from delayd.audit import groups
 from delayd.audit.groups import Copy, CopyMissingError
-from delayd.cli.audit import etcd_copies
+from delayd.cli.audit import add_arguments, config_from_args, etcd_copies
 from delayd.cli.main import main
 from delayd.cluster.etcd import EtcdClient
 from delayd.cluster.members import GroupKeys, MemberInfo
@@ -154,3 +155,22 @@ def test_a_serving_member_registers_its_data_dir(tmp_path: Path, etcd_server: Et
         assert copies == [Copy(name, info.data_dir, member_id(process), info.hostname, True)]
     finally:
         process.close()
+
+
+def test_data_replaces_what_etcd_says_of_a_group(etcd_server, etcd_prefix, tmp_path):
+    mounted = str(tmp_path / "g1")
+    group_copy(mounted, "g1", 2)
+    elsewhere = MemberInfo("a", intake="h1:1", data_dir="/mnt/on-h1/delayd", hostname="h1")
+    here = str(tmp_path / "g2")
+    group_copy(here, "g2", 3)
+    member = MemberInfo("b", intake="h2:1", data_dir=here, hostname="h2")
+    register(etcd_server.url, etcd_prefix, "g1", elsewhere, leader="a")
+    register(etcd_server.url, etcd_prefix, "g2", member)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    argv = ["--etcd", etcd_server.url, "--cluster-prefix", etcd_prefix, "--out", "/x"]
+
+    config = config_from_args(parser.parse_args([*argv, "--data", f"g1={mounted}"]))
+
+    assert [(s.name, s.data_dir) for s in config.servers] == [("g1", mounted), ("g2", here)]
+    assert config.servers[1].copy == f"member b on h2: {here} (the only copy)"
