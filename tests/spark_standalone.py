@@ -64,6 +64,7 @@ class StandaloneCluster:
         self.port = free_port()
         self.ui_port = free_port()
         self.daemons: list[subprocess.Popen[bytes]] = []
+        self.commands: list[list[str]] = []  # each daemon's, as run
 
     @property
     def url(self) -> str:
@@ -97,6 +98,7 @@ class StandaloneCluster:
 
     def _spawn(self, name: str, main_class: str, *args: str) -> None:
         spark_class = os.path.join(SPARK_HOME, "bin", "spark-class")
+        self.commands.append([spark_class, main_class, *args])
         with open(self.root / f"{name}.log", "wb") as log:
             self.daemons.append(
                 subprocess.Popen(

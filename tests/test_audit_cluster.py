@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ import pytest
 from tests.audit_support import SPARK_TEST_CONF, group_copy, read_table
 from tests.process_support import ROOT
 from tests.spark_standalone import (
+    SPARK_HOME,
     StandaloneCluster,
     event_log_conf,
     standalone_cluster,
@@ -84,14 +86,43 @@ def test_spark_submit_on_the_cluster_finds_the_planted_fault_once(cluster, tmp_p
     assert len(executors) == 2 and "driver" not in executors, executors
 
 
-def docs_submit() -> str:
-    """The spark-submit command docs/audit.md gives under "On a standalone Spark
-    cluster"."""
+def docs_blocks() -> list[str]:
+    """The sh blocks docs/audit.md gives under "On a standalone Spark cluster"."""
     text = (ROOT / "docs" / "audit.md").read_text(encoding="utf-8")
     section = text[text.index("### On a standalone Spark cluster") :]
-    blocks = re.findall(r"```sh\n(.*?)```", section, re.S)
-    (line,) = [line for line in blocks[1].splitlines() if "spark-submit" in line]
+    return re.findall(r"```sh\n(.*?)```", section, re.S)[:2]
+
+
+def docs_submit() -> str:
+    """The spark-submit command of docs/audit.md."""
+    (line,) = [line for line in docs_blocks()[1].splitlines() if "spark-submit" in line]
     return line
+
+
+def test_the_cluster_is_started_as_the_docs_say(cluster):
+    """The daemons run pyspark's spark-class with the classes and options docs/audit.md
+    gives (on free ports, with a web UI port and a work directory of their own)."""
+    documented = [
+        shlex.split(line.rstrip(" &"))[1:]
+        for line in docs_blocks()[0].splitlines()
+        if "spark-class" in line
+    ]
+    run = [command[1:] for command in cluster.commands]
+    assert (
+        [d[0] for d in documented]
+        == [r[0] for r in run]
+        == [
+            "org.apache.spark.deploy.master.Master",
+            "org.apache.spark.deploy.worker.Worker",
+            "org.apache.spark.deploy.worker.Worker",
+        ]
+    )
+    for doc, ran in zip(documented, run, strict=True):
+        assert {a for a in doc if a.startswith("--")} <= {a for a in ran if a.startswith("--")}
+        assert [a.startswith("spark://") for a in doc[1:2]] == [
+            a.startswith("spark://") for a in ran[1:2]
+        ]
+    assert all(c[0] == os.path.join(SPARK_HOME, "bin", "spark-class") for c in cluster.commands)
 
 
 def test_the_documented_spark_submit_audits_clean_groups_clean(cluster, tmp_path):
