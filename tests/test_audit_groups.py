@@ -174,3 +174,23 @@ def test_data_replaces_what_etcd_says_of_a_group(etcd_server, etcd_prefix, tmp_p
 
     assert [(s.name, s.data_dir) for s in config.servers] == [("g1", mounted), ("g2", here)]
     assert config.servers[1].copy == f"member b on h2: {here} (the only copy)"
+
+
+def test_one_path_on_every_host_is_taken_only_for_this_hosts_member(tmp_path):
+    """Members on hosts of their own all register /var/lib/delayd: here it is the
+    directory of the member on this host only, never another group's logs."""
+    path = str(tmp_path / "delayd")
+    group_copy(path, "g1", 2)  # this host's member's directory
+    g1 = [Copy("g1", path, "a", "other-host", leader=True), Copy("g1", path, "b", "this-host")]
+    servers = groups.servers(g1, "this-host")
+    assert [(s.name, s.data_dir) for s in servers] == [("g1", path)]
+    assert servers[0].copy.startswith("member b on this-host: ")  # not the leader's path
+    with pytest.raises(CopyMissingError, match="other members register the same path"):
+        groups.servers([*g1, Copy("g2", path, "c", "third-host")], "this-host")
+
+
+def test_two_groups_are_never_read_from_one_directory(tmp_path):
+    path = str(tmp_path / "delayd")
+    group_copy(path, "g1", 2)
+    with pytest.raises(ValueError, match="groups g1 and g2 would both be read from"):
+        groups.servers([Copy("g1", path), Copy("g2", path + "/")])

@@ -12,11 +12,14 @@ missing tail would read as messages never dispatched.
 A directory is readable when it is a delayd data directory at that path on this
 machine: the path a member registers is the path as *it* sees it (MemberInfo's
 ``data_dir``, on its ``hostname``), so the audit must run where the directories are
-mounted at those paths.
+mounted at those paths. Members on hosts of their own often register one path
+(``/var/lib/delayd`` everywhere): such a path is taken here only for the member on
+this host, and two groups are never read from one directory.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -58,16 +61,24 @@ def held_bytes(data_dir: str) -> int:
     return sum(file.size for log in _JUDGED_LOGS for file in log_files.list_files(data_dir, log))
 
 
-def choose(copies: list[Copy]) -> Server:
+def choose(copies: list[Copy], here: str = "", shared: frozenset[str] = frozenset()) -> Server:
     """The copy of one group to read, as a Server named after the group, whose ``copy``
-    says which and why. Raises CopyMissingError when none is readable here, naming
-    each copy and why it is not."""
+    says which and why. ``here`` is this host's name; ``shared`` the paths more than one
+    member registers (each on its own host: only the one on ``here`` is taken for such a
+    path). Raises CopyMissingError when none is readable here, naming each copy and why
+    it is not."""
     group = copies[0].group
     held: dict[Copy, int] = {}
     unreadable: list[str] = []
     for copy in copies:
         if not copy.data_dir:
             unreadable.append(f"{copy.describe()} (an older delayd: it registers no data_dir)")
+            continue
+        if copy.member and copy.data_dir in shared and copy.hostname != here:
+            unreadable.append(
+                f"{copy.describe()} (other members register the same path, each on its own "
+                f"host: here, on {here}, it is not this member's)"
+            )
             continue
         try:
             held[copy] = held_bytes(copy.data_dir)
@@ -90,14 +101,32 @@ def choose(copies: list[Copy]) -> Server:
     return Server(group, chosen.data_dir, copy=f"{chosen.describe()} ({why})")
 
 
-def servers(copies: Iterable[Copy]) -> tuple[Server, ...]:
-    """One Server per group of ``copies`` (choose), in the order the groups first
-    appear; a group of one ``--data`` directory is read as given, with nothing to say
-    of copies."""
+def servers(copies: Iterable[Copy], here: str = "") -> tuple[Server, ...]:
+    """One Server per group of ``copies`` (choose; ``here`` this host's name), in the
+    order the groups first appear; a group of one ``--data`` directory is read as given,
+    with nothing to say of copies. Raises CopyMissingError as choose does, and
+    ValueError when two groups would be read from one directory."""
     by_group: dict[str, list[Copy]] = {}
+    registered: dict[str, int] = {}
     for copy in copies:
         by_group.setdefault(copy.group, []).append(copy)
-    return tuple(
-        Server(group, mine[0].data_dir) if len(mine) == 1 and not mine[0].member else choose(mine)
+        if copy.member and copy.data_dir:
+            registered[copy.data_dir] = registered.get(copy.data_dir, 0) + 1
+    shared = frozenset(path for path, members in registered.items() if members > 1)
+    chosen = tuple(
+        Server(group, mine[0].data_dir)
+        if len(mine) == 1 and not mine[0].member
+        else choose(mine, here, shared)
         for group, mine in by_group.items()
     )
+    read_by: dict[str, str] = {}
+    for server in chosen:
+        real = os.path.realpath(server.data_dir)
+        if real in read_by:
+            raise ValueError(
+                f"groups {read_by[real]} and {server.name} would both be read from {real}: "
+                "one directory holds one group's logs; give each group its own with "
+                "--data NAME=DIR"
+            )
+        read_by[real] = server.name
+    return chosen

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import socket
 import sys
 import time
 import traceback
@@ -171,8 +172,9 @@ class _PrintJobPath(argparse.Action):
 def config_from_args(args: argparse.Namespace) -> AuditConfig:
     """The AuditConfig of parsed arguments: the servers of ``--data`` and the delay
     groups ``--etcd`` lists, one copy of each group (delayd.audit.groups). Raises
-    ValueError when there is nothing to audit or etcd cannot be read,
-    groups.CopyMissingError when no copy of a group is readable here."""
+    ValueError when there is nothing to audit, etcd cannot be read or two groups would
+    be read from one directory, groups.CopyMissingError when no copy of a group is
+    readable here."""
     from delayd.audit import groups
 
     if not args.data and not args.etcd:
@@ -186,7 +188,7 @@ def config_from_args(args: argparse.Namespace) -> AuditConfig:
             raise ValueError(f"etcd lists no delay group under {args.cluster_prefix}/groups/")
     as_of = args.as_of if args.as_of is not None else int(time.time() * 1000)
     return AuditConfig(
-        servers=groups.servers(copies),
+        servers=groups.servers(copies, socket.gethostname()),
         out=args.out,
         as_of_ms=as_of,
         grace_ms=args.grace,
