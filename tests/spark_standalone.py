@@ -35,6 +35,15 @@ SPARK_HOME = os.path.dirname(pyspark.__file__)
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 10.0
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
+# Warnings and errors only, on stderr (Spark's own default logs every task at INFO).
+QUIET_LOG4J = """rootLogger.level = warn
+rootLogger.appenderRef.stderr.ref = console
+appender.console.type = Console
+appender.console.name = console
+appender.console.target = SYSTEM_ERR
+appender.console.layout.type = PatternLayout
+appender.console.layout.pattern = %d{yy/MM/dd HH:mm:ss} %p %c{1}: %m%n
+"""
 
 
 def spark_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -53,14 +62,27 @@ def spark_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 class StandaloneCluster:
     """A master and ``workers`` workers of ``cores`` cores and ``memory`` each, their
-    logs and work directories under ``root`` (standalone_cluster runs one)."""
+    logs, work directories and Spark configuration (``defaults`` for spark-submit)
+    under ``root`` (standalone_cluster runs one)."""
 
-    def __init__(self, root: Path, *, workers: int = 2, cores: int = 1, memory: str = "1g") -> None:
+    def __init__(
+        self,
+        root: Path,
+        *,
+        workers: int = 2,
+        cores: int = 1,
+        memory: str = "1g",
+        defaults: dict[str, str] | None = None,
+    ) -> None:
         self.root = root
         self.workers = workers
         self.cores = cores
         self.memory = memory
-        self.env = spark_env()
+        self.defaults = defaults or {}
+        # Spark's configuration directory: spark-submit takes ``defaults`` from its
+        # spark-defaults.conf, so a command run as an operator types it gets them too.
+        self.conf_dir = root / "conf"
+        self.env = spark_env({"SPARK_CONF_DIR": str(self.conf_dir)})
         self.port = free_port()
         self.ui_port = free_port()
         self.daemons: list[subprocess.Popen[bytes]] = []
@@ -73,7 +95,10 @@ class StandaloneCluster:
     def start(self) -> Self:
         """The master, then the workers; returns once every worker has registered.
         Raises RuntimeError with the daemons' logs if that takes over a minute."""
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.conf_dir.mkdir(parents=True, exist_ok=True)
+        lines = [f"{key} {value}\n" for key, value in self.defaults.items()]
+        (self.conf_dir / "spark-defaults.conf").write_text("".join(lines))
+        (self.conf_dir / "log4j2.properties").write_text(QUIET_LOG4J)
         master = [
             "--host",
             "127.0.0.1",

@@ -30,9 +30,10 @@ pytestmark = pytest.mark.slow
 
 AS_OF = "2026-11-22T11:00:00Z"
 JOB = str(ROOT / "delayd" / "cli" / "spark_submit" / "audit_job.py")
-# Small for a test machine: one executor of 512 MiB per worker, and the tiny-input
-# settings of the local session's tests (no code generation, C1 only) on the executors too.
-CONF = {
+# spark-submit's defaults on the test cluster (its spark-defaults.conf, which the
+# documented command reads too): one executor of 512 MiB per worker, and the tiny-input
+# settings of the local session's tests (no code generation, C1 only), executors included.
+DEFAULTS = {
     **SPARK_TEST_CONF,
     "spark.ui.enabled": "false",
     "spark.executor.memory": "512m",
@@ -43,7 +44,8 @@ CONF = {
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
-    with standalone_cluster(tmp_path_factory.mktemp("spark-standalone")) as started:
+    root = tmp_path_factory.mktemp("spark-standalone")
+    with standalone_cluster(root, defaults=DEFAULTS) as started:
         yield started
     assert not started.processes(), "a process of the cluster outlived it"
 
@@ -56,7 +58,7 @@ def submit(cluster: StandaloneCluster, tmp_path: Path, *data: str) -> tuple[int,
     # A task per bucket file, so that both executors read some.
     args += ["--out", str(tmp_path / "out"), "--as-of", AS_OF, "--partition-bytes", "0"]
     done: subprocess.CompletedProcess[str] = cluster.submit(
-        JOB, *args, conf={**CONF, **event_log_conf(events)}, timeout_s=240
+        JOB, *args, conf=event_log_conf(events), timeout_s=240
     )
     return done.returncode, done.stdout + done.stderr, events
 
