@@ -23,6 +23,7 @@ from delayd.cluster.members import GroupKeys, MemberInfo
 from tests.audit_support import group_copy
 from tests.etcd_support import EtcdServer
 from tests.intake_support import ServeProcess
+from tests.process_support import ROOT
 from tests.test_cluster_roles import member_env, member_id, state, wait_until
 
 
@@ -194,3 +195,21 @@ def test_two_groups_are_never_read_from_one_directory(tmp_path):
     group_copy(path, "g1", 2)
     with pytest.raises(ValueError, match="groups g1 and g2 would both be read from"):
         groups.servers([Copy("g1", path), Copy("g2", path + "/")])
+
+
+def test_the_documented_error_for_a_group_not_mounted_here(etcd_server, etcd_prefix, capsys):
+    """docs/audit.md ("From etcd") shows what the audit says of group g2, whose members
+    registered directories not mounted here: this is it."""
+    text = (ROOT / "docs" / "audit.md").read_text(encoding="utf-8")
+    shown = next(
+        line for line in text.splitlines() if line.startswith("delayd audit: group g2: no copy")
+    )
+    b = MemberInfo("10.0.0.12-20801", intake="10.0.0.12:20801", data_dir="/mnt/delayd/g2-b",
+                   hostname="delay-b")  # fmt: skip
+    c = MemberInfo("10.0.0.13-20801", intake="10.0.0.13:20801", data_dir="/mnt/delayd/g2-c",
+                   hostname="delay-c")  # fmt: skip
+    register(etcd_server.url, etcd_prefix, "g2", b, c, leader=b.member_id)
+    argv = ["audit", "--etcd", etcd_server.url, "--cluster-prefix", etcd_prefix, "--out", "/x"]
+
+    assert main(argv) == 2
+    assert capsys.readouterr().err == shown + "\n"
