@@ -199,6 +199,26 @@ def cancels_and_moves_done_right(data: DelayData) -> None:
     data.tombstone("sent-then-cancel", T0 + 20_000)
 
 
+BROKER_GROUPS = ("bg-1", "bg-2")
+
+
+def group_copy(
+    root: str, group: str, count: int, *, undelivered: frozenset[int] = frozenset()
+) -> list[Scheduled]:
+    """One member's copy of delay group ``group``'s logs: ``count`` messages (ids
+    ``group-0``, ``group-1``, …), one every 10 s from T0 + 1 s (six to a one-minute
+    bucket), each dispatched 3 ms after its due time to one of two broker groups
+    (by turns) — but the ones whose index is in ``undelivered``. The writers are
+    deterministic, so a copy with fewer messages is a byte-for-byte prefix of one with
+    more, as a follower that lags holds."""
+    with DelayData(root) as data:
+        records = [data.accept(f"{group}-{i}", T0 + 1000 + i * 10_000) for i in range(count)]
+        for i, record in enumerate(records):
+            if i not in undelivered:
+                data.entry(record, record.due_ms + 3, group=BROKER_GROUPS[i % 2])
+    return records
+
+
 def schedule_path(root: str, bucket_ms: int) -> str:
     return os.path.join(layout.schedule_log_dir(root), bucket_name(bucket_ms))
 

@@ -19,9 +19,10 @@ from delayd.audit.config import AuditConfig, Server
 from delayd.audit.read.dispatch import dispatch_batches
 from delayd.audit.report.result import ERROR, NOTICE
 from delayd.audit.schemas import DISPATCH_LOG, SCHEDULE_LOG
-from delayd.audit.spark import job
-from delayd.audit.spark.sources import spark_schema
+from delayd.audit.spark import job, queries
+from delayd.audit.spark.sources import ReconciledSource, spark_schema
 from delayd.cli.main import main
+from delayd.cluster.members import MemberInfo
 from delayd.logs import layout, log_files
 from delayd.logs.dispatch_log import FRAMED_SIZE, EntryKind, encode_entry
 from delayd.protocol.codes import CancelOutcome, RescheduleOutcome
@@ -33,12 +34,14 @@ from tests.audit_support import (
     Scheduled,
     cancels_and_moves_done_right,
     dispatch_path,
+    group_copy,
     read_table,
     schedule_path,
     sends_and_cancels,
 )
 from tests.damage_support import append_bytes, flip_byte
 from tests.intake_support import ServeProcess
+from tests.test_audit_groups import register
 
 AS_OF = T0 + 60 * MINUTE  # 11:00; grace 60 s, so due before 10:59 is judged
 AS_OF_TEXT = "2026-11-22T11:00:00Z"
@@ -489,3 +492,158 @@ def test_sends_cancels_and_moves_done_right_audit_clean(spark, tmp_path, capsys)
     assert (overall["duplicate_send"], overall["cancelled_id_delivered"]) == (0, 0)
     assert (overall["cancelled"], overall["rescheduled"]) == (2, 2)
     assert (overall["message_log_records"], overall["message_log_cancels"]) == (4, 3)
+
+
+def test_groups_from_etcd_are_audited_once_each(spark, tmp_path, capsys, etcd_server, etcd_prefix):
+    """Two delay groups of two members each, listed in etcd: each group's logs are read
+    from one copy — g1 the leader's (its follower lags), g2, with no leader, the copy
+    that holds most — so no message counts twice; g2's planted missing dispatch is
+    found, once, and deliveries to either broker group count."""
+    copies = {name: str(tmp_path / name) for name in ("g1-a", "g1-b", "g2-a", "g2-b")}
+    g1 = group_copy(copies["g1-a"], "g1", 8)
+    group_copy(copies["g1-b"], "g1", 5)  # a lagging follower: a prefix of the leader's
+    group_copy(copies["g2-a"], "g2", 3, undelivered=frozenset({1}))
+    group_copy(copies["g2-b"], "g2", 6, undelivered=frozenset({1}))
+    members = {
+        name: MemberInfo(name, intake=f"h:{i}", data_dir=path, hostname="h")
+        for i, (name, path) in enumerate(copies.items())
+    }
+    register(etcd_server.url, etcd_prefix, "g1", members["g1-a"], members["g1-b"], leader="g1-a")
+    register(etcd_server.url, etcd_prefix, "g2", members["g2-a"], members["g2-b"])
+    out = str(tmp_path / "out")
+    cluster = ["--etcd", etcd_server.url, "--cluster-prefix", etcd_prefix]
+
+    status = main(["audit", *cluster, "--out", out, "--as-of", AS_OF_TEXT])
+
+    printed = capsys.readouterr().out
+    assert status == 1, printed
+    assert findings(out) == {("overdue", ERROR, "g2", "g2-1")}
+    per_group = {r["server"]: r for r in read_table(out, "summary") if r["bucket"] is None}
+    assert (per_group["g1"]["scheduled"], per_group["g1"]["dispatched"]) == (len(g1), len(g1))
+    assert (per_group["g2"]["scheduled"], per_group["g2"]["dispatched"]) == (6, 5)
+    assert totals(out)["scheduled"] == 14  # not 22: no copy read twice
+    assert f"g1: read member g1-a on h (leader): {copies['g1-a']} (the leader's copy" in printed
+    assert f"g2: read member g2-b on h: {copies['g2-b']} (the copy that holds most" in printed
+
+
+def reconciled(spark, root: str, **options: str):
+    """delayd.reconciled of ``root`` with ``options`` (the audit's own reader)."""
+    reader = spark.read.format("delayd.reconciled").option("cutoffMs", "0").option("lateMs", "0")
+    for key, value in options.items():
+        reader = reader.option(key, value)
+    return reader.load(root)
+
+
+def planned_buckets(root: str, **options: str) -> list[list[str]]:
+    """The bucket names of each input partition delayd.reconciled plans for ``root``."""
+    source = ReconciledSource({"path": root, "cutoffMs": "0", "lateMs": "0", **options})
+    reader = source.reader(source.schema())
+    return [[bucket.name for bucket in part.files] for part in reader.partitions()]
+
+
+def test_the_job_partitions_follow_the_bucket_files(spark, tmp_path):
+    """What the audit reads is planned as the files lie: a task per bucket — its
+    schedule_log and dispatch_log files — with partitionBytes=0; consecutive whole
+    buckets packed up to partitionBytes; never a file split or shared by two tasks."""
+    root = str(tmp_path / "data")
+    records = group_copy(root, "g1", 60)  # ten one-minute buckets
+    buckets = sorted({record.bucket for record in records})
+    biggest = max(
+        os.path.getsize(schedule_path(root, r.bucket_ms))
+        + os.path.getsize(dispatch_path(root, r.bucket_ms))
+        for r in records
+    )
+
+    assert reconciled(spark, root, partitionBytes="0").rdd.getNumPartitions() == 10
+    assert planned_buckets(root, partitionBytes="0") == [[bucket] for bucket in buckets]
+    packed = planned_buckets(root, partitionBytes=str(3 * biggest))
+    assert packed == [buckets[0:3], buckets[3:6], buckets[6:9], buckets[9:]]
+    frame = reconciled(spark, root, partitionBytes=str(3 * biggest))
+    assert frame.rdd.getNumPartitions() == 4
+    # Ten small buckets and two cores: below 4 MiB a task costs more than its files.
+    assert planned_buckets(root, minPartitions="2") == [buckets]
+
+
+def rows_to_driver(spark, monkeypatch) -> list[int]:
+    """A list that gets the number of rows of every result pyspark brings to the driver
+    from here on (collect, take, toArrow, toPandas of a DataFrame or an RDD)."""
+    from pyspark import RDD
+
+    DataFrame = type(spark.range(0))  # pyspark 4: the classic DataFrame overrides its base
+    brought: list[int] = []
+
+    def counted(method, rows):
+        def wrapper(self, *args, **kwargs):
+            result = method(self, *args, **kwargs)
+            brought.append(rows(result))
+            return result
+
+        return wrapper
+
+    monkeypatch.setattr(DataFrame, "toArrow", counted(DataFrame.toArrow, lambda t: t.num_rows))
+    for cls, name in [(DataFrame, n) for n in ("collect", "take", "tail", "toPandas")] + [
+        (RDD, n) for n in ("collect", "take")
+    ]:
+        monkeypatch.setattr(cls, name, counted(getattr(cls, name), len))
+    return brought
+
+
+def busy_server(root: str, per_minute: int) -> None:
+    """Four minutes of ``per_minute`` messages each: every fifth moved a minute later and
+    delivered there, every seventh else cancelled, the rest delivered 0..2 ms late."""
+    with DelayData(root) as data:
+        for minute in range(4):
+            for i in range(per_minute):
+                due_ms = T0 + minute * MINUTE + i * (50_000 // per_minute)
+                record = data.accept(f"m-{minute}-{i}", due_ms)
+                if i % 5 == 0:
+                    record = data.reschedule(record, due_ms + MINUTE, at_ms=T0 - 1_000)
+                elif i % 7 == 0:
+                    data.cancel(record, at_ms=T0 - 1_000)
+                    continue
+                data.entry(record, record.due_ms + i % 3)
+
+
+def test_no_row_per_record_reaches_the_driver(spark, tmp_path, monkeypatch):
+    """The driver gets rows per bucket, per task and per finding, never per record: a
+    clean audit of four times the records — moved and cancelled ones among them —
+    brings it exactly as many rows."""
+    brought = rows_to_driver(spark, monkeypatch)
+    counts = []
+    for per_minute in (25, 100):
+        root = str(tmp_path / f"data-{per_minute}")
+        busy_server(root, per_minute)
+        config = AuditConfig(
+            servers=(Server("s1", root),), out=str(tmp_path / f"out-{per_minute}"), as_of_ms=AS_OF
+        )
+        brought.clear()
+        result = job.run(spark, config)
+        assert result.clean, result.counts
+        total = result.total_row()
+        assert total["scheduled"] == 4 * per_minute * 6 // 5  # a moved message: two records
+        assert total["rescheduled"] == 4 * per_minute // 5
+        counts.append(list(brought))
+    small, big = counts
+    assert small == big and sum(small) > 0, counts
+
+
+def test_many_candidates_are_read_again_through_a_join(spark, tmp_path, monkeypatch):
+    """Past IN_LIST_ROWS candidate hashes the records are picked by a semi join rather
+    than written into the query: found the same. Two servers given the same ids (as two
+    groups of a cluster never are) have every id delivered twice."""
+    monkeypatch.setattr(queries, "IN_LIST_ROWS", 2)
+    roots = [str(tmp_path / name) for name in ("s1", "s2")]
+    for root in roots:
+        group_copy(root, "same", 6)
+    config = AuditConfig(
+        servers=tuple(Server(f"s{i + 1}", root) for i, root in enumerate(roots)),
+        out=str(tmp_path / "out"),
+        as_of_ms=AS_OF,
+    )
+
+    result = job.run(spark, config)
+
+    assert result.counts == {("duplicate_id", ERROR): 12}
+    assert findings(config.out) == {
+        ("duplicate_id", ERROR, server, f"same-{i}") for server in ("s1", "s2") for i in range(6)
+    }

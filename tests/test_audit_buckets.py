@@ -239,17 +239,18 @@ def test_nearest_rank_at_every_bucket_size():
     ),
     st.integers(1, 4),
 )
-def test_hash_ranges_find_every_repeated_id_and_the_latest_offset(records, tasks):
+def test_hash_ranges_find_every_repeated_id_and_every_lost_copy(records, tasks):
     """However the records are spread over tasks, the ranges find exactly the ids
     dispatched more than once (with the buckets that hold them), the ids of one server
     sent more than once or cancelled and delivered (with the buckets of their records
-    there), and the highest message_log offset of each moved id."""
+    there), and the moved records with no record of their id behind them (with their
+    buckets)."""
     id_hash = id_ranges.id_hashes(pa.array([f"id-{r[1]}" for r in records], pa.string()))
     rows = [
         (*record, h, offset)
         for offset, (record, h) in enumerate(zip(records, id_hash.to_pylist(), strict=True))
     ]  # server, id, dispatches, bucket, send, fate, hash, message_log offset
-    moved = frozenset((r[0], r[6]) for r in rows if r[1] % 3 == 0 and r[0] == "a")
+    moved = [r[0] == "a" and r[5] == EntryKind.RESCHEDULED.value for r in rows]
     blobs: list[tuple[int, str, bytes]] = []
     for task in range(tasks):
         for server in ("a", "b"):
@@ -261,13 +262,14 @@ def test_hash_ranges_find_every_repeated_id_and_the_latest_offset(records, tasks
                 pa.array([r[7] for r in mine], pa.int64()),
                 pa.array([1000 * r[1] + r[4] for r in mine], pa.int64()),
                 pa.array([r[5] for r in mine], pa.int8()),
+                pa.array([moved[r[7]] for r in mine], pa.bool_()),
             )
             blobs += [(range_, server, blob) for range_, blob in id_ranges.blobs([part])]
 
     found = set()
     for range_ in {range_ for range_, _, _ in blobs}:
         mine = [(server, blob) for r, server, blob in blobs if r == range_]
-        found |= set(id_ranges.merge(mine, moved))
+        found |= set(id_ranges.merge(mine))
 
     dispatches: dict[int, int] = {}
     for r in rows:
@@ -282,9 +284,10 @@ def test_hash_ranges_find_every_repeated_id_and_the_latest_offset(records, tasks
         cancelled = any(r[5] == EntryKind.CANCELLED.value for r in same)
         if sent_twice or (cancelled and any(r[5] in delivered for r in same)):
             expected |= {(id_ranges.SAME_ID, server, h, r[3]) for r in same}
-    for server, h in moved:
-        offsets = [r[7] for r in rows if (r[0], r[6]) == (server, h)]
-        expected.add((id_ranges.LATEST, server, h, max(offsets)))
+    for r in rows:
+        behind = [o[7] for o in rows if (o[0], o[6]) == (r[0], r[6]) and o[7] > r[7]]
+        if moved[r[7]] and not behind:
+            expected.add((id_ranges.LOST, r[0], r[6], r[3]))
     assert found == expected
 
 

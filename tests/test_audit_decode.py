@@ -8,6 +8,7 @@ import random
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 
 import pyarrow as pa
 import pytest
@@ -391,6 +392,24 @@ def test_listing_takes_only_log_files_and_packs_small_ones(tmp_path):
     assert [len(group) for group in partitions.pack(listed, 1)] == [1] * 5
     with pytest.raises(FileNotFoundError, match="not a delayd data directory"):
         log_files.list_files(str(tmp_path / "nothing"), log_files.SCHEDULE_LOG)
+
+
+@dataclass(frozen=True)
+class Sized:
+    size: int
+
+
+def test_partitions_shrink_so_that_every_core_has_files_to_read():
+    mib = 1 << 20
+    files = [Sized(3 * mib)] * 10  # 30 MiB: one 64 MiB partition would leave a core idle
+    target = partitions.split_bytes(files, partitions.DEFAULT_PARTITION_BYTES, 4)
+    assert target == 30 * mib // 4  # 7.5 MiB: Spark's maxSplitBytes
+    assert [len(group) for group in partitions.pack(files, target)] == [2, 2, 2, 2, 2]
+    # Never below 4 MiB a task, never above the target; 0 stays a partition per file.
+    assert partitions.split_bytes([Sized(mib)] * 8, 64 * mib, 8) == partitions.MIN_SPLIT_BYTES
+    assert partitions.split_bytes(files, 5 * mib, 2) == 5 * mib
+    assert partitions.split_bytes(files, 0, 4) == 0
+    assert partitions.split_bytes(files, 64 * mib, 1) == 64 * mib
 
 
 def test_the_delayd_command_loads_without_pyspark_and_pyarrow(tmp_path):

@@ -18,6 +18,7 @@ audit is clean. message_log is left out, as after retention.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -25,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 
 from delayd.logs import layout
 from delayd.logs.bucket_files import BucketFiles
@@ -48,9 +50,25 @@ def emit(metric: str, value: float, unit: str, **extra: object) -> None:
     )
 
 
-def generate(data_dir: str, records: int, buckets: int) -> int:
+@contextlib.contextmanager
+def scratch(prefix: str, keep: bool) -> Iterator[str]:
+    """A temporary directory for one run, removed at the end unless ``keep`` (then its
+    path is printed on stderr)."""
+    root = tempfile.mkdtemp(prefix=prefix)
+    try:
+        yield root
+    finally:
+        if keep:
+            print(f"kept {root}", file=sys.stderr)
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def generate(data_dir: str, records: int, buckets: int, id_prefix: bytes = b"") -> int:
     """``records`` SCHEDULED records over ``buckets`` one-minute buckets and one
-    DISPATCHED entry each; returns the bytes written."""
+    DISPATCHED entry each, their ids ``id_prefix`` and a 20-digit sequence (give each
+    group of a cluster its own prefix: one id in two groups is two messages); returns
+    the bytes written."""
     per_bucket = records // buckets
     sequence = 0
     schedule = BucketFiles(layout.schedule_log_dir(data_dir), max_open=2)
@@ -64,7 +82,14 @@ def generate(data_dir: str, records: int, buckets: int) -> int:
             for due in dues:
                 sequence += 1
                 message = encode_message(
-                    due, sequence, due - MINUTE, b"%020d" % sequence, SUBJECT, None, b"", BODY
+                    due,
+                    sequence,
+                    due - MINUTE,
+                    id_prefix + b"%020d" % sequence,
+                    SUBJECT,
+                    None,
+                    b"",
+                    BODY,
                 )
                 payloads.append(encode_scheduled(sequence * 160, message))
             offsets = schedule.append_batch(start, payloads)
@@ -158,9 +183,8 @@ def main() -> None:
     args = parser.parse_args()
     records = args.records or (100_000 if args.quick else 10_000_000)
     buckets = min(args.buckets or (120 if args.quick else 1440), records)
-    root = tempfile.mkdtemp(prefix="bench-audit-")
-    data_dir, out = os.path.join(root, "data"), os.path.join(root, "out")
-    try:
+    with scratch("bench-audit-", args.keep) as root:
+        data_dir, out = os.path.join(root, "data"), os.path.join(root, "out")
         started = time.monotonic()
         size = generate(data_dir, records, buckets)
         emit("generate_s", time.monotonic() - started, "s", records=records, buckets=buckets)
@@ -169,11 +193,6 @@ def main() -> None:
         end_to_end(data_dir, out, args.master, as_of_ms)
         source_throughput(data_dir, records, args.master, not args.quick, as_of_ms)
         decode_throughput(data_dir, records)
-    finally:
-        if args.keep:
-            print(f"kept {root}", file=sys.stderr)
-        else:
-            shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -21,10 +21,14 @@ EXIT_FAILED = 2  # the audit could not run (bad arguments, missing directory, Sp
 
 @dataclass(frozen=True, slots=True)
 class Server:
-    """One delay server's data directory and the name its rows carry (``server``)."""
+    """One delay server's data directory — of a group, the one copy the audit reads
+    (groups.py) — and the name its rows carry (``server``: the group's name). ``copy``
+    says which copy of the group's logs this is and why it was chosen ("" for a lone
+    ``--data`` directory)."""
 
     name: str
     data_dir: str
+    copy: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -112,9 +112,8 @@ PAIRED = pa.schema(
 #
 # * a bucket's counts (``summary``), a lateness value and how many dispatched records of
 #   the run have it (``lateness``), a finding (``finding``), a problem a reader met
-#   (``problem``), a record moved before the cutoff (``moved``: its copy is looked for),
-#   or the run's records of one id hash range (``ids``: judge/id_ranges.py) — one struct set,
-#   every other column null;
+#   (``problem``), or the run's records of one id hash range (``ids``: judge/id_ranges.py)
+#   — one struct set, every other column null;
 # * when asked (option ``records``): a schedule_log record (``record``) — the records of
 #   a few buckets read again — or only its message_log offset (``scheduled_offset``),
 #   for the message_log check.
@@ -189,7 +188,6 @@ SIDE_TABLES = {
     "lateness": LATENESS,
     "finding": FINDING,
     "problem": PROBLEM,
-    "moved": RECORD,
     "ids": ID_RANGE,
 }
 RECONCILED = pa.schema(

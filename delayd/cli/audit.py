@@ -3,6 +3,11 @@ on time: the logs of one or more servers are reconciled.
 
     delayd audit --data /var/lib/delayd --out /tmp/audit [--master local[*]]
                  [--as-of 2026-11-22T10:00:00Z] [--grace 60s] [--late-after 5s]
+    delayd audit --etcd http://10.0.0.5:2379 [--cluster-prefix /delayd] --out /tmp/audit
+
+Several delay groups are reconciled as one, each from one copy of its logs
+(delayd/audit/groups.py): directories given the same ``--data`` name, or the members'
+data directories etcd lists.
 
 Runs the audit in a local Spark session (or on --master), writes the Parquet tables
 and report.html and report.txt under --out, and prints the report. Needs the audit
@@ -19,6 +24,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import socket
 import sys
 import time
 import traceback
@@ -34,12 +40,16 @@ from delayd.audit.config import (
     Server,
 )
 from delayd.audit.kinds import HEAD, VERIFY_MODES
-from delayd.cli.args import duration_ms, utc_time_ms
+from delayd.audit.read.partitions import DEFAULT_PARTITION_BYTES
+from delayd.cli.args import duration_ms, etcd_endpoints, non_negative_count, utc_time_ms
+from delayd.cluster.members import DEFAULT_PREFIX
 
 # Neither pyspark nor pyarrow is imported until the audit runs: `delayd` works for the
 # server without the audit extra.
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
+
+    from delayd.audit.groups import Copy
 
 
 def server_data(text: str) -> Server:
@@ -65,11 +75,25 @@ def add_audit_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--data",
         action="append",
-        required=True,
+        default=[],
         type=server_data,
         metavar="[NAME=]DIR",
         help="a delay server's data directory (repeat to audit several servers as one); "
-        "rows carry NAME, by default DIR",
+        "rows carry NAME, by default DIR; directories with the same NAME are copies of one "
+        "group's logs, of which the one that holds most is read",
+    )
+    parser.add_argument(
+        "--etcd",
+        type=etcd_endpoints,
+        metavar="URL[,URL]",
+        help="audit every delay group etcd lists, each from a member's data directory "
+        "(the leader's when readable here); --data NAME=DIR overrides group NAME",
+    )
+    parser.add_argument(
+        "--cluster-prefix",
+        default=DEFAULT_PREFIX,
+        metavar="PREFIX",
+        help=f"the groups' key prefix in etcd ([cluster] prefix; default {DEFAULT_PREFIX})",
     )
     parser.add_argument("--out", required=True, help="directory for the Parquet tables and report")
     parser.add_argument(
@@ -93,6 +117,14 @@ def add_audit_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_LATE_MS,
         metavar="DURATION",
         help="a dispatch more than this after its due time is late (default 5s)",
+    )
+    parser.add_argument(
+        "--partition-bytes",
+        type=non_negative_count,
+        default=DEFAULT_PARTITION_BYTES,
+        metavar="BYTES",
+        help="pack the bucket files into Spark tasks of about this many bytes, fewer when "
+        "that would leave cores idle (default 67_108_864: 64 MiB); 0: a task per file",
     )
     parser.add_argument(
         "--verify",
@@ -138,20 +170,68 @@ class _PrintJobPath(argparse.Action):
 
 
 def config_from_args(args: argparse.Namespace) -> AuditConfig:
-    """The AuditConfig of parsed arguments. Raises ValueError when two directories
-    would carry the same server name."""
-    names = [server.name for server in args.data]
-    if len(set(names)) != len(names):
-        raise ValueError(f"two --data directories have the same name: {sorted(names)}")
+    """The AuditConfig of parsed arguments: the servers of ``--data`` and the delay
+    groups ``--etcd`` lists, one copy of each group (delayd.audit.groups). Raises
+    ValueError when there is nothing to audit, etcd cannot be read or two groups would
+    be read from one directory, groups.CopyMissingError when no copy of a group is
+    readable here."""
+    from delayd.audit import groups
+
+    if not args.data and not args.etcd:
+        raise ValueError("say what to audit: --data [NAME=]DIR (repeatable) or --etcd URL")
+    given = {server.name for server in args.data}
+    copies = [groups.Copy(server.name, server.data_dir) for server in args.data]
+    if args.etcd:
+        listed = etcd_copies(args.etcd, args.cluster_prefix)
+        copies += [copy for copy in listed if copy.group not in given]
+        if not copies:
+            raise ValueError(f"etcd lists no delay group under {args.cluster_prefix}/groups/")
     as_of = args.as_of if args.as_of is not None else int(time.time() * 1000)
     return AuditConfig(
-        servers=tuple(args.data),
+        servers=groups.servers(copies, socket.gethostname()),
         out=args.out,
         as_of_ms=as_of,
         grace_ms=args.grace,
         late_ms=args.late_after,
         verify=args.verify,
+        partition_bytes=args.partition_bytes,
     )
+
+
+def etcd_copies(endpoints: tuple[str, ...], prefix: str) -> list[Copy]:
+    """Every member of every delay group (a group whose members serve intake: standalone
+    broker groups hold no delay logs) under ``prefix`` in etcd, as copies of its group's
+    logs. Raises ValueError when etcd cannot be read."""
+    import trio
+
+    from delayd.audit.groups import Copy
+    from delayd.cluster.etcd import EtcdClient
+    from delayd.cluster.group_state import read_groups
+    from delayd.errors import EtcdError
+
+    async def read() -> list:
+        async with EtcdClient(endpoints) as etcd:
+            return await read_groups(etcd, prefix)
+
+    try:
+        states = trio.run(read)
+    except EtcdError as exc:
+        raise ValueError(
+            f"cannot read the groups from etcd at {','.join(endpoints)}: {exc}"
+        ) from None
+    leader_of = {state.group: state.leader.member_id for state in states if state.leader}
+    return [
+        Copy(
+            state.group,
+            m.data_dir,
+            m.member_id,
+            m.hostname,
+            m.member_id == leader_of.get(state.group),
+        )
+        for state in states
+        if any(m.intake for m in state.members)
+        for m in state.members
+    ]
 
 
 def spark_conf(pairs: list[str]) -> dict[str, str]:

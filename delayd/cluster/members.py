@@ -63,7 +63,11 @@ class Role(enum.IntEnum):
 class MemberInfo:
     """Who a member is and where to reach it (``host:port`` strings; "" when it does not
     serve that). Decoding ignores fields it does not know, so later versions can add
-    some (how much data a member holds, for instance) without breaking older readers."""
+    some (how much data a member holds, for instance) without breaking older readers.
+
+    ``data_dir`` is the member's data directory as an absolute path *as that member
+    sees it*, on ``hostname`` ("" when it does not say: an older member): what
+    ``delayd audit --etcd`` reads, where the directory is mounted."""
 
     member_id: str
     intake: str = ""
@@ -71,6 +75,8 @@ class MemberInfo:
     replication: str = ""
     metrics: str = ""
     http: str = ""  # the HTTP/JSON API of a delay server
+    data_dir: str = ""
+    hostname: str = ""
 
     def __post_init__(self) -> None:
         check_name("member id", self.member_id)

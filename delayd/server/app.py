@@ -588,7 +588,7 @@ class DelayServer:
     def _member_info(self, bound: BoundAddresses, listeners: ServeListeners) -> MemberInfo:
         """This server as the group's members and clients reach it: the advertised host
         and the bound ports."""
-        from delayd.serving.membership import member_id_for
+        from delayd.serving.membership import data_location, member_id_for
 
         cluster = self.config.cluster
         host = self.config.listen.host
@@ -605,6 +605,7 @@ class DelayServer:
             replication=address(replication),
             metrics=address(bound.metrics),
             http=address(bound.http),
+            **data_location(self.delivery.data_dir),
         )
 
     async def _serve_http(

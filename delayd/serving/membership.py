@@ -12,7 +12,9 @@ answers ERROR NOT_LEADER with ``refusal(listener)`` otherwise.
 from __future__ import annotations
 
 import logging
+import os
 import re
+import socket
 from collections import Counter
 
 import trio
@@ -37,6 +39,12 @@ def member_id_for(address: str) -> str:
     """A member id from the address clients reach the member at (``10.0.0.1:20801`` ->
     ``10.0.0.1-20801``): the same on every restart, which the in-sync set relies on."""
     return re.sub(r"[^A-Za-z0-9._-]+", "-", address).strip("-._")[:128]
+
+
+def data_location(data_dir: str) -> dict[str, str]:
+    """MemberInfo's ``data_dir`` and ``hostname`` for a member whose data directory is
+    ``data_dir``: the absolute path and this host's name, for ``delayd audit --etcd``."""
+    return {"data_dir": os.path.abspath(data_dir), "hostname": socket.gethostname()}
 
 
 class Membership:

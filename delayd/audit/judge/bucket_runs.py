@@ -6,9 +6,9 @@ task (pairing.py), so the verdict on each record (verdicts.py), each bucket's co
 percentiles (counting.py), the findings with their message ids and the problems the readers
 met (findings.py) are all made here, in Arrow. What crosses buckets and servers — one
 id at several records, a moved record's copy — leaves as a few rows of Arrow IPC bytes
-per task (id_ranges.py); the moved records themselves (few) as rows. So the job gets small
-tables, not a row per record: a row per bucket, a lateness histogram per run, a row per
-finding, per problem, per moved record.
+per task (id_ranges.py), the moved records among them. So the job gets small tables, not a
+row per record: a row per bucket, a lateness histogram per run, a row per finding and per
+problem.
 
 Option ``records`` asks for rows per record as well: ``offsets``, the message_log offset
 of each (the message_log check needs them all); ``all``, every record with what a
@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from delayd.audit.judge import counting, findings, id_ranges
 from delayd.audit.judge.pairing import BucketFiles, paired_runs
@@ -69,12 +70,12 @@ def reconciled_batches(
             "lateness": counting.histogram(judged),
             "finding": findings.record_findings(judged),
             "problem": findings.problems(judged, run.dispatch_problems),
-            "moved": scheduled.filter(scheduled["moved"]).select(RECORD.names),
         }
         for name, table in side.items():
             yield from _rows(name, table, batch_rows)
         columns = ("id_hash", "dispatches", "bucket", "message_log_offset", "sequence", "fate")
-        parts.append(id_ranges.part(*(scheduled[name] for name in columns)))
+        moved = pc.fill_null(scheduled["moved"], False)
+        parts.append(id_ranges.part(*(scheduled[name] for name in columns), moved))
     if records != ALL:
         blobs = list(id_ranges.blobs(parts))
         table = pa.table(

@@ -13,14 +13,15 @@ xxhash64 of the id's UTF-8 bytes).
 Ten million records as Spark rows cost more than reading them (moving each row from
 Python into the JVM, caching it, shuffling it: ~9 us a record on a core, measured).
 So the task that reads a run of buckets keeps, of each record, only what these checks
-need — id hash, DISPATCHED entries, bucket, message_log offset, sequence, fate — in an
+need — id hash, DISPATCHED entries, bucket, message_log offset, sequence, fate, moved —
+in an
 Arrow table, and hands Spark one row per hash range (``RANGES``, by the hash's top
 bits) holding that range's part as Arrow IPC bytes (``blobs``). Spark moves a few
 hundred such rows to the task of their range (a shuffle of bytes), where ``merge`` adds
 up all of a range at once, in Arrow: the hashes dispatched more than once, and those of
 one server with several sequences or with a cancelled and a delivered record, with the
-buckets that hold them; and the highest message_log offset of each id that has a moved
-record.
+buckets that hold them; and the moved records with no record of their id behind them
+(a higher message_log offset), with the buckets that hold them.
 
 What a hash finds is decided by the ids themselves (spark/across_buckets.py): a hash collision is
 never reported.
@@ -48,16 +49,17 @@ PART = pa.schema(
         pa.field("message_log_offset", pa.int64()),
         pa.field("sequence", pa.int64()),
         pa.field("fate", pa.int8()),  # the first entry's EntryKind value, null for none
+        pa.field("moved", pa.bool_()),  # moved before the cutoff: its copy is looked for
     ]
 )
 _COMPRESSED = pa.ipc.IpcWriteOptions(compression="zstd")
 # What merge yields: a hash dispatched more than once and a bucket of one of its
 # dispatched records (``candidate``), a hash of one server sent twice or cancelled and
-# delivered and a bucket of one of its records there (``same_id``), or the highest
-# message_log offset of the records of an id with a moved record (``latest``).
+# delivered and a bucket of one of its records there (``same_id``), or a hash of one
+# server whose moved record has no record behind it, and that record's bucket (``lost``).
 CANDIDATE = "candidate"
 SAME_ID = "same_id"
-LATEST = "latest"
+LOST = "lost"
 _CANCELLED = pa.scalar(EntryKind.CANCELLED.value, pa.int8())
 _DELIVERED = pa.array([EntryKind.DISPATCHED.value, EntryKind.DEAD_LETTERED.value], pa.int8())
 
@@ -75,11 +77,13 @@ def part(
     offset: pa.Array,
     sequence: pa.Array,
     fate: pa.Array,
+    moved: pa.Array,
 ) -> pa.Table:
     """A run's records as PART rows (``bucket`` the UTC start timestamps)."""
     minutes = pc.divide(bucket.cast(pa.int64()), 1000 * MS_PER_MINUTE).cast(pa.int32())
     return pa.Table.from_arrays(
-        [id_hash, dispatches.cast(pa.int32()), minutes, offset, sequence, fate], schema=PART
+        [id_hash, dispatches.cast(pa.int32()), minutes, offset, sequence, fate, moved],
+        schema=PART,
     )
 
 
@@ -100,13 +104,10 @@ def blobs(parts: list[pa.Table]) -> Iterator[tuple[int, bytes]]:
         start = end
 
 
-def merge(
-    rows: Iterable[tuple[str, bytes]], moved: frozenset[tuple[str, int]]
-) -> Iterator[tuple[str, str, int, int]]:
+def merge(rows: Iterable[tuple[str, bytes]]) -> Iterator[tuple[str, str, int, int]]:
     """Of the blobs (server, blob) of whole ranges — every blob of each range they
-    have, of every server — the CANDIDATE and LATEST results as (kind, server, id_hash,
-    value): a bucket's start in ms, or a message_log offset. ``moved`` holds the
-    (server, id_hash) of every moved record."""
+    have, of every server — the CANDIDATE, SAME_ID and LOST results as (kind, server,
+    id_hash, a bucket's start in ms)."""
     tables = []
     for server, blob in rows:
         table = pa.ipc.open_stream(blob).read_all()
@@ -132,15 +133,24 @@ def merge(
         for row in found.aggregate([]).to_pylist():
             yield CANDIDATE, row["server"], row["id_hash"], row["bucket_minute"] * MS_PER_MINUTE
     yield from _same_id(records)
-    moved_hashes = pa.array(sorted({id_hash for _, id_hash in moved}), pa.int64())
-    if len(moved_hashes):
-        same_id = records.filter(pc.is_in(records["id_hash"], moved_hashes))
-        latest = same_id.group_by(["server", "id_hash"], use_threads=False).aggregate(
-            [("message_log_offset", "max")]
-        )
-        for row in latest.to_pylist():
-            if (row["server"], row["id_hash"]) in moved:
-                yield LATEST, row["server"], row["id_hash"], row["message_log_offset_max"]
+    yield from _lost(records)
+
+
+def _lost(records: pa.Table) -> Iterator[tuple[str, str, int, int]]:
+    """LOST results of ``records`` (PART rows with ``server``): each moved record with
+    no record of the same (server, hash) at a higher message_log offset — where the
+    reschedule's copy should be (across_buckets.py) — as its bucket. A moved record
+    that has its copy is not the highest of its id, so only the highest can be lost."""
+    moved = records.filter(records["moved"])
+    if not moved.num_rows:
+        return
+    keys = ["server", "id_hash"]
+    mine = records.filter(pc.is_in(records["id_hash"], moved["id_hash"]))
+    latest = mine.group_by(keys, use_threads=False).aggregate([("message_log_offset", "max")])
+    lost = moved.join(latest, keys, use_threads=False)
+    lost = lost.filter(pc.equal(lost["message_log_offset"], lost["message_log_offset_max"]))
+    for row in lost.select(["server", "id_hash", "bucket_minute"]).to_pylist():
+        yield LOST, row["server"], row["id_hash"], row["bucket_minute"] * MS_PER_MINUTE
 
 
 def _same_id(records: pa.Table) -> Iterator[tuple[str, str, int, int]]:

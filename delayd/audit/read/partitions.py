@@ -8,6 +8,9 @@ from __future__ import annotations
 from typing import Protocol, TypeVar
 
 DEFAULT_PARTITION_BYTES = 64 << 20  # see pack()
+# The least split_bytes() makes a partition, as Spark's spark.sql.files.openCostInBytes:
+# below it a task costs more to start than to read its files.
+MIN_SPLIT_BYTES = 4 << 20
 
 
 class _Sized(Protocol):
@@ -42,3 +45,14 @@ def pack(log_files: list[Part], target_bytes: int) -> list[list[Part]]:
     if current:
         groups.append(current)
     return groups
+
+
+def split_bytes(files: list[Part], target_bytes: int, min_partitions: int) -> int:
+    """The partition size to pack ``files`` at: ``target_bytes``, or less when that
+    would leave fewer than ``min_partitions`` partitions (the cores there are to read
+    them), but not below MIN_SPLIT_BYTES — Spark's own rule for its file sources
+    (``FilePartition.maxSplitBytes``). 0 stays 0: a partition per file."""
+    if target_bytes <= 0 or min_partitions <= 1:
+        return target_bytes
+    per_core = -(-sum(file.size for file in files) // min_partitions)
+    return min(target_bytes, max(MIN_SPLIT_BYTES, per_core))

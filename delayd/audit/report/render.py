@@ -97,6 +97,12 @@ def headline(result: AuditResult) -> str:
     )
 
 
+def copies_read(result: AuditResult) -> list[str]:
+    """Which copy of each group's logs was read, and why (groups.py), for the groups
+    that had a choice or came from etcd."""
+    return [f"{s.name}: read {s.copy}" for s in result.config.servers if s.copy]
+
+
 def verdict(result: AuditResult) -> str:
     total = result.total_row() or {}
     if result.clean and not total.get("scheduled"):
@@ -152,7 +158,7 @@ def console(result: AuditResult) -> str:
         left = f"{str(row[0])[: widths[0]]:<{widths[0]}}  {row[1]:<{widths[1]}}"
         return left + "".join(f" {row[i]:>{widths[i]}}" for i in range(2, len(row)))
 
-    lines = [headline(result), "", line(header)]
+    lines = [headline(result), *copies_read(result), "", line(header)]
     lines += [line(row) for row in table]
     if hidden:
         lines.append(f"({hidden} more buckets without findings: summary/ and report.html)")
@@ -251,7 +257,7 @@ def html(result: AuditResult) -> str:
         [p["problem"], p["severity"], p["server"], p["log"], p["file"], p["position"], p["detail"]]
         for p in result.problems
     ]
-    servers = ", ".join(f"{s.name} = {s.data_dir}" for s in result.config.servers)
+    servers = ", ".join(f"{s.name} = {s.copy or s.data_dir}" for s in result.config.servers)
     parts = [
         "<!DOCTYPE html><html><head><meta charset='utf-8'><title>delayd audit</title>",
         f"<style>{STYLE}</style></head><body>",

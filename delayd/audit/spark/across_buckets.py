@@ -13,7 +13,8 @@ its 64-bit hash, a hash range at a time (id_ranges.py):
   themselves decide: a hash collision is never reported.
 * copy_missing: a record withdrawn by RESCHEDULED before the cutoff (``moved``) with no
   record of the same message id (by hash) and a higher message_log offset on its
-  server: the copy a reschedule appends in the same step is not there. Where a
+  server: the copy a reschedule appends in the same step is not there. The ranges find
+  them (id_ranges.LOST); their buckets are read again for what the finding shows. Where a
   schedule_log file of the server could not be read whole, the copy may be in the part
   that was not read: ``unverified`` instead. A reschedule appends its copy behind the
   RESCHEDULE tombstone's message_log offset, higher than the moved record's; the
@@ -27,14 +28,14 @@ its 64-bit hash, a hash range at a time (id_ranges.py):
 
 The buckets of every kind of candidate are read again together, in one Spark job.
 
-What they find is held on the driver (Arrow tables): candidates and moved records are
-few, unless the logs are badly wrong.
+Only candidates reach the driver — what merge yields and the records of their buckets,
+as Arrow tables — which are few unless the logs are badly wrong; a clean audit brings
+none. A moved record is a candidate only when its copy was not found.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from functools import partial
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -45,56 +46,39 @@ from delayd.audit.judge import id_checks, id_ranges
 from delayd.audit.schemas import BUCKET_TYPE, RECORD
 from delayd.audit.spark import inputs
 from delayd.audit.spark.queries import fetch, where_in
+from delayd.logs.dispatch_log import EntryKind
 
 SHOWN = ["server", *RECORD.names]  # what a finding shows of a record, and its id hash
 SHOWN_SCHEMA = pa.schema([pa.field("server", pa.string()), *RECORD])
 US_PER_MS = 1000
-_LATEST = pa.schema([("server", pa.string()), ("id_hash", pa.int64()), ("latest", pa.int64())])
 
 
 def cross_buckets(
-    spark: SparkSession,
-    config: AuditConfig,
-    rows: DataFrame,
-    moved: pa.Table,
-    unread: set[str],
+    spark: SparkSession, config: AuditConfig, rows: DataFrame, unread: set[str]
 ) -> tuple[pa.Table, pa.Table, pa.Table]:
     """duplicates' and missing_copies' rows, and id_checks' findings (DISCREPANCIES),
     from the id ranges of delayd.reconciled's ``rows`` (with their ``server``) of every
     server: one Spark job, and one more to read again the buckets that hold candidates,
-    if there are any. ``moved`` are the moved records (SHOWN columns), ``unread`` the
-    servers with a schedule_log problem row."""
-    keys = frozenset(zip(moved["server"].to_pylist(), moved["id_hash"].to_pylist(), strict=True))
+    if there are any. ``unread`` are the servers with a schedule_log problem row."""
     ranges = rows.where("ids IS NOT NULL").selectExpr("server", "ids.range", "ids.blob")
     # A range's blobs go to one task, which adds them all up (id_ranges.merge). Ranges are
     # spread over the tasks by a hash: several tasks per core even out what lands where.
     tasks = min(id_ranges.RANGES, 8 * spark.sparkContext.defaultParallelism)
-    merge = partial(_merge, moved=keys)
-    found = ranges.repartition(tasks, "range").rdd.mapPartitions(merge).collect()
-    # Candidates of either kind: (server, hash, bucket); their buckets are read again.
-    candidates = [
-        (server, h, value) for kind, server, h, value in found if kind != id_ranges.LATEST
-    ]
-    buckets = sorted({(server, value) for server, _, value in candidates})
-    records = reread(spark, config, buckets, {h for _, h, _ in candidates})
+    found = ranges.repartition(tasks, "range").rdd.mapPartitions(_merge).collect()
+    # Candidates of every kind: (server, hash, bucket); their buckets are read again.
+    buckets = sorted({(server, bucket_ms) for _, server, _, bucket_ms in found})
+    records = reread(spark, config, buckets, {h for _, _, h, _ in found})
     hashes = pa.array(
         sorted({h for kind, _, h, _ in found if kind == id_ranges.CANDIDATE}), pa.int64()
     )
     same_id = {(server, h) for kind, server, h, _ in found if kind == id_ranges.SAME_ID}
-    latest = pa.Table.from_pylist(
-        [
-            {"server": server, "id_hash": id_hash, "latest": value}
-            for kind, server, id_hash, value in found
-            if kind == id_ranges.LATEST
-        ],
-        schema=_LATEST,
-    )
+    lost = {(server, h, ms) for kind, server, h, ms in found if kind == id_ranges.LOST}
     checked = id_checks.findings(_of_ids(records, same_id))
-    return duplicates(records, hashes), missing_copies(moved, latest, unread), checked
+    return duplicates(records, hashes), missing_copies(records, lost, unread), checked
 
 
-def _merge(rows: Iterable[Row], moved: frozenset[tuple[str, int]]) -> Iterator[tuple]:
-    return id_ranges.merge(((row["server"], row["blob"]) for row in rows), moved)
+def _merge(rows: Iterable[Row]) -> Iterator[tuple]:
+    return id_ranges.merge((row["server"], row["blob"]) for row in rows)
 
 
 def reread(
@@ -149,15 +133,30 @@ def _per_id(candidates: pa.Table) -> pa.Table:
     return candidates.join(per_id, "message_id", join_type="inner", use_threads=False)
 
 
-def missing_copies(moved: pa.Table, latest: pa.Table, unread: set[str]) -> pa.Table:
-    """Of ``moved`` (the moved records: SHOWN columns), those with no record of the same
-    id hash and a higher message_log offset on their server (``latest``: the highest
-    of each moved record's id, id_ranges.merge), with ``copy_missing`` and
-    ``copy_unverified``: the latter on the servers in ``unread`` (the copy may be the
-    record that could not be read)."""
-    moved = moved.join(latest, ["server", "id_hash"], use_threads=False)
-    lost = moved.filter(pc.less_equal(moved["latest"], moved["message_log_offset"]))
-    lost = lost.select(SHOWN)
-    maybe = pc.is_in(lost["server"], pa.array(sorted(unread), pa.string()))
-    lost = lost.append_column("copy_missing", pc.invert(maybe))
-    return lost.append_column("copy_unverified", maybe)
+def missing_copies(
+    records: pa.Table, lost: set[tuple[str, int, int]], unread: set[str]
+) -> pa.Table:
+    """The moved records whose copy was not found (SHOWN columns), with
+    ``copy_missing`` and ``copy_unverified``: the latter on the servers in ``unread``
+    (the copy may be the record that could not be read). ``lost`` are the (server,
+    id_hash, bucket start in ms) the ranges found (id_ranges.LOST: no record of the id
+    behind a moved one); ``records`` the records read again of those buckets, among
+    which each is the one moved, at its id's highest message_log offset."""
+    wanted = pa.table(
+        {
+            "server": pa.array([server for server, _, _ in lost], pa.string()),
+            "id_hash": pa.array([h for _, h, _ in lost], pa.int64()),
+            "bucket": pa.array([ms * US_PER_MS for _, _, ms in lost], BUCKET_TYPE),
+        }
+    )
+    keys = ["server", "id_hash"]
+    mine = records.join(wanted, [*keys, "bucket"], join_type="inner", use_threads=False)
+    moved = mine.filter(pc.equal(mine["fate"], pa.scalar(EntryKind.RESCHEDULED.value, pa.int8())))
+    latest = records.join(wanted.select(keys), keys, join_type="inner", use_threads=False)
+    latest = latest.group_by(keys, use_threads=False).aggregate([("message_log_offset", "max")])
+    moved = moved.join(latest, keys, use_threads=False)
+    at_end = pc.equal(moved["message_log_offset"], moved["message_log_offset_max"])
+    lost_rows = moved.filter(at_end).select(SHOWN).sort_by([(c, "ascending") for c in SHOWN[:3]])
+    maybe = pc.is_in(lost_rows["server"], pa.array(sorted(unread), pa.string()))
+    lost_rows = lost_rows.append_column("copy_missing", pc.invert(maybe))
+    return lost_rows.append_column("copy_unverified", maybe)

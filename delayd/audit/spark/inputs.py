@@ -44,6 +44,7 @@ def read_log(
         .schema(spark_schema(select(source.arrow_schema, [*columns, "problem"])))
         .option("verify", config.verify)
         .option("partitionBytes", str(config.partition_bytes))
+        .option("minPartitions", str(spark.sparkContext.defaultParallelism))
     )
     if only is not None:
         reader = reader.option("files", ",".join(only))
@@ -67,6 +68,7 @@ def read_reconciled(
         .option("records", records)
         .option("verify", config.verify)
         .option("partitionBytes", str(config.partition_bytes))
+        .option("minPartitions", str(spark.sparkContext.defaultParallelism))
     )
     if only is not None:
         reader = reader.option("files", ",".join(only))

@@ -37,7 +37,7 @@ from delayd.logs import log_files
 from delayd.logs.buckets import parse_bucket_name
 
 LEVEL = StorageLevel.MEMORY_AND_DISK
-_SIDE = ["summary", "lateness", "problem", "moved"]  # fetched to the driver at once
+_SIDE = ["summary", "lateness", "problem"]  # fetched to the driver at once
 _MAP_SIDE_FINDINGS = [
     "server" if f.name == "server" else f"finding.{f.name}" for f in DISCREPANCIES
 ]
@@ -67,9 +67,7 @@ def run(spark: SparkSession, config: AuditConfig) -> AuditResult:
     side = _side_tables(rows)  # this computes (and caches) every server's rows
     problems = side["problem"]
     unread = set(_of_log(problems, log_files.SCHEDULE_LOG)["server"].to_pylist())
-    duplicates, copies, same_id = across_buckets.cross_buckets(
-        spark, config, rows, side["moved"], unread
-    )
+    duplicates, copies, same_id = across_buckets.cross_buckets(spark, config, rows, unread)
 
     found = [rows.where("finding IS NOT NULL").selectExpr(*_MAP_SIDE_FINDINGS)]
     messages = checked = None

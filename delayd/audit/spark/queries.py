@@ -33,7 +33,8 @@ def where_in(spark: SparkSession, frame: DataFrame, column: str, values: pa.Arra
         listed = ", ".join(str(int(v)) for v in values.to_pylist()) or "NULL"
         return frame.where(f"{column} IN ({listed})")
     wanted = spark.createDataFrame(pa.table({column: values}))
-    return frame.join(F.broadcast(wanted), column, "left_semi")
+    # A join on a column name puts that column first: keep the frame's order.
+    return frame.join(F.broadcast(wanted), column, "left_semi").select(*frame.columns)
 
 
 def fetch(frame: DataFrame) -> pa.Table:

@@ -21,8 +21,11 @@ decoding them.
 Options: ``server`` (default: the path as given) fills the ``server`` column, so that
 several data directories can be read into one table; ``verify`` is ``head`` (default)
 or ``full`` (decode every record with the codec, properties included; slower);
-``partitionBytes`` as above; ``files``, comma-separated file names, reads only those
-files of the log.
+``partitionBytes`` as above; ``minPartitions`` (default 1): pack smaller partitions, down
+to 4 MiB, when ``partitionBytes`` would leave fewer than that many — the job passes
+Spark's default parallelism, so that every core has files to read
+(partitions.split_bytes); ``files``, comma-separated file names, reads only those files
+of the log.
 
 ``delayd.reconciled`` is what the audit job reads (judge/bucket_runs.py): each bucket's
 schedule_log and dispatch_log files read by one task and reconciled there: the buckets'
@@ -82,6 +85,7 @@ class _Options:
     server: str
     verify: str
     partition_bytes: int
+    min_partitions: int
     columns: list[str]
     only: frozenset[str] | None  # the ``files`` option: these file names, or all
 
@@ -98,15 +102,26 @@ class _Options:
             partition_bytes = int(options.get("partitionBytes", partitions.DEFAULT_PARTITION_BYTES))
         except ValueError:
             raise ValueError(f"{name}: partitionBytes must be a number of bytes") from None
+        try:
+            min_partitions = int(options.get("minPartitions", 1))
+        except ValueError:
+            raise ValueError(f"{name}: minPartitions must be a number") from None
         only = options.get("files")
         return cls(
             data_dir=path,
             server=options.get("server") or path,
             verify=verify,
             partition_bytes=partition_bytes,
+            min_partitions=min_partitions,
             columns=columns,
             only=None if only is None else frozenset(n for n in only.split(",") if n),
         )
+
+    def pack(self, files: list[partitions.Part]) -> list[list[partitions.Part]]:
+        """``files`` as input partitions: packed up to ``partitionBytes``, less when
+        that leaves fewer than ``minPartitions`` (partitions.split_bytes)."""
+        target = partitions.split_bytes(files, self.partition_bytes, self.min_partitions)
+        return partitions.pack(files, target)
 
 
 def list_log(data_dir: str, log: str) -> list[LogFile]:
@@ -131,8 +146,7 @@ class _LogReader(DataSourceReader):
         listed = list_log(self.options.data_dir, self.log)
         if self.options.only is not None:
             listed = [f for f in listed if f.name in self.options.only]
-        groups = partitions.pack(listed, self.options.partition_bytes)
-        return [FilesPartition(group) for group in groups]
+        return [FilesPartition(group) for group in self.options.pack(listed)]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         options = self.options
@@ -218,10 +232,7 @@ class _ReconciledReader(DataSourceReader):
         )
         if self.options.only is not None:
             buckets = [b for b in buckets if b.name in self.options.only]
-        return [
-            FilesPartition(group)
-            for group in partitions.pack(buckets, self.options.partition_bytes)
-        ]
+        return [FilesPartition(group) for group in self.options.pack(buckets)]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         # Spark runs one empty partition when there are no files.

@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     try:
         config = config_from_args(args)
         conf = spark_conf(args.conf)
-    except ValueError as exc:
+    except (ValueError, FileNotFoundError) as exc:
         print(f"{parser.prog}: {exc}", file=sys.stderr)
         return EXIT_FAILED
 
