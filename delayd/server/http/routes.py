@@ -28,7 +28,7 @@ from fastapi import APIRouter, Depends, FastAPI, Path, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from delayd.broker import Broker
-from delayd.errors import RejectedError
+from delayd.errors import NotLeaderError, RejectedError
 from delayd.logs.message_status import MessageState, MessageStatus
 from delayd.protocol import CancelOutcome, Message, RescheduleOutcome, ResultCode, SendResult
 from delayd.server.http import problems
@@ -392,7 +392,11 @@ def _consuming_routes(router: APIRouter, backend: Backend) -> None:
             raise bad_input(exc.reason, "rejected") from None
         if request.durable:
             try:
-                await broker.make_offsets_durable()
+                # A member of a group: on disk on the group's in-sync members too.
+                await broker.wait_commits_acknowledged()
+            except NotLeaderError:
+                check_leading(backend, acknowledged=False)
+                raise
             except OSError as exc:
                 raise ProblemError(
                     HTTPStatus.SERVICE_UNAVAILABLE,
