@@ -21,12 +21,12 @@ from delayd.cluster.members import MemberInfo
 from delayd.protocol import Message, SendBatch, SendBatchResult
 from tests.broker_support import BrokerProcess
 from tests.broker_support import RawClient as BrokerClient
-from tests.delivery_support import broker_stats, now_ms, stored_count
+from tests.delivery_support import broker_stats, consume, exactly_once, now_ms, stored_count
 from tests.etcd_support import EtcdServer
 from tests.fault_checker import History, Sighting, check
 from tests.intake_support import ServeProcess, write_config
-from tests.test_cluster_replication import in_sync_pair, sync_env, sync_group
-from tests.test_cluster_roles import addr, member_id, state, wait_until
+from tests.test_cluster_replication import dispatched, in_sync_pair, sync_env, sync_group
+from tests.test_cluster_roles import Group, addr, member_id, state, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -271,3 +271,35 @@ def test_a_consumer_never_sees_what_a_slow_follower_lacks(
     finally:
         for broker in (a, b):
             broker.close()
+
+
+def test_a_resend_of_what_the_old_leader_delivered_is_a_duplicate(
+    tmp_path: Path, etcd_server: EtcdServer
+) -> None:
+    """The old leader delivered into its embedded broker and was killed before its
+    DISPATCHED entries were flushed (a long dispatch_flush_interval_ms): the new leader
+    sends the messages again, and its broker, a copy of the old one's, answers
+    DUPLICATE: each message is stored once and a consumer group reads it once."""
+    env = {**sync_env(), "DELAYD_DELIVERY_DISPATCH_FLUSH_INTERVAL_MS": "10000"}
+    group = Group(tmp_path, etcd_server.url, env=env)
+    try:
+        a, b = in_sync_pair(group)
+        count = 20
+        history = History()
+        produce(addr(a.address), history, "r", count, 200)
+        first = consume(a.broker_address, count, group="first", timeout_s=10)
+        assert sorted(r.message_id for r in first) == sorted(f"r-{i}" for i in range(count))
+        a.kill()
+        copied = dispatched(b.data_dir)
+        assert copied < count  # the entries never reached the follower
+        wait_until(lambda: group.leader_id() == member_id(b), 10, "the follower leads")
+        a.start()  # the new leader's acks wait for a follower (min_in_sync = 1)
+        wait_until(lambda: dispatched(b.data_dir) >= count, 20, "the new leader delivers again")
+        stats = broker_stats(b.broker_address)
+        assert stats["broker.duplicates_total"] >= count - copied
+        assert stored_count(stats) == count
+        second = consume(b.broker_address, count, group="second", timeout_s=10)
+        exactly_once(second)
+        assert sorted(r.message_id for r in second) == sorted(f"r-{i}" for i in range(count))
+    finally:
+        group.close()
