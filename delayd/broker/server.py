@@ -16,7 +16,9 @@ in one request gets ERROR INTERNAL, and the broker keeps serving the others; CAN
 CANCEL_BATCH and RESCHEDULE get ERROR UNSUPPORTED, naming the delay server. A member of
 a group that does not lead it (``membership``) answers every request but STATS with
 ERROR NOT_LEADER naming the leader's broker address, and a leader that steps down
-answers the SEND_BATCHes in flight so too (docs/replication.md). A graceful
+answers the SEND_BATCHes in flight so too (docs/replication.md); a member's broker
+(``Broker.gate``) answers a SEND_BATCH, and every COMMIT_OFFSET, once its group has the
+records. A graceful
 stop (``broker_listener(...).stop``) answers every SEND_BATCH appended and drops held
 PULLs (they commit nothing), then closes with FIN: a batch is stored and answered, or
 not stored.
