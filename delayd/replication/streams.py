@@ -302,6 +302,9 @@ class DelayStreams(StreamSet):
 
 COMMITLOG = "commitlog"
 OFFSETS_PREFIX = "offsets/"
+# A delay group member's set holds its embedded broker's streams under this prefix
+# (JoinedStreams): ``broker/commitlog``, ``broker/offsets/<generation>``.
+EMBEDDED_BROKER_PREFIX = "broker/"
 
 
 class OffsetFiles(Protocol):

@@ -29,8 +29,6 @@ from delayd.replication.streams import BrokerStreams, offsets_stream
 from delayd.serving.membership import Membership
 from delayd.serving.tls import ServerTls
 
-BROKER_PREFIX = "broker/"  # the embedded broker's streams in a delay group's set
-
 
 class ReplicatedBroker:
     """See the module docstring; implements delayd.broker.gate.ReplicationGate."""
@@ -59,7 +57,13 @@ class ReplicatedBroker:
 
     async def wait_commitlog(self, offset: int) -> bool:
         assert self._member is not None
-        return await self._member.wait_acknowledged(offset, stream=self._prefix + COMMITLOG)
+        stream = self._prefix + COMMITLOG
+        if not await self._member.wait_acknowledged(offset, stream=stream):
+            return False
+        # Acknowledged means visible: the broker's reput goes this far at once, not when
+        # follow_high_watermark next runs.
+        self.high_watermark = max(self.high_watermark, offset)
+        return True
 
     async def wait_offsets(self, generation: int, offset: int) -> bool:
         assert self._member is not None

@@ -27,8 +27,8 @@ from delayd.logs.bucket_files import BucketFiles
 from delayd.replay import Replayer
 from delayd.replication import MESSAGE_LOG, DelayStreams, EpochHistory, Leader
 from delayd.replication.member import MemberReplication
-from delayd.replication.streams import JoinedStreams, StreamSet
-from delayd.server.broker_member import BROKER_PREFIX, ReplicatedBroker
+from delayd.replication.streams import EMBEDDED_BROKER_PREFIX, JoinedStreams, StreamSet
+from delayd.server.broker_member import ReplicatedBroker
 from delayd.server.rebuild import RebuildNeeded
 from delayd.serving.membership import Membership
 from delayd.serving.tls import ServerTls
@@ -81,7 +81,9 @@ class GroupReplication(MemberReplication):
         self.broker = broker
         streams: StreamSet = self.delay_streams
         if broker is not None:
-            streams = JoinedStreams({"": self.delay_streams, BROKER_PREFIX: broker.streams})
+            streams = JoinedStreams(
+                {"": self.delay_streams, EMBEDDED_BROKER_PREFIX: broker.streams}
+            )
         super().__init__(
             streams,
             EpochHistory.open_in(data_dir, fs),
@@ -91,7 +93,7 @@ class GroupReplication(MemberReplication):
             tls=tls,
         )
         if broker is not None:
-            broker.join(self, BROKER_PREFIX)
+            broker.join(self, EMBEDDED_BROKER_PREFIX)
 
     def stats(self) -> dict[str, int | str]:
         """STATS fields: how far the group acknowledged message_log and, on the
