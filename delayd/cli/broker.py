@@ -17,7 +17,7 @@ for a bad configuration.
 With --etcd URL --group NAME (or DELAYD_CLUSTER_* variables) the broker is a member of
 a replicated broker group (docs/replication.md): only its leader serves; the other
 members answer NOT_LEADER naming the leader's address and copy the leader's commitlog
-and committed offsets (delayd.server.broker_member); under ``ack = "sync"`` stores and
+and committed offsets (delayd.server.broker_member); under ack = "sync" stores and
 commits are answered once the group has them, and consumers see only those records.
 """
 
