@@ -104,16 +104,19 @@ async def test_a_member_that_stops_leading_answers_not_leader_never_ok(tmp_path:
         gate = FakeGate(broker)
         broker.attach_gate(gate)
         target = EmbeddedTarget("embedded", broker)
+        refused: list[NotLeaderTarget] = []
+
+        async def send() -> None:
+            with pytest.raises(NotLeaderTarget, match="no longer leads") as caught:
+                await target.send_batch(messages("b", 2))
+            refused.append(caught.value)
+
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(trio.sleep, 0.05)
-
-            async def send() -> None:
-                with pytest.raises(NotLeaderTarget, match="no longer leads"):
-                    await target.send_batch(messages("b", 2))
-
             nursery.start_soon(send)
             await trio.sleep(0.02)
+            assert refused == []  # stored, waiting for the group
             gate.step_down()
+        assert len(refused) == 1  # the sender writes no dispatch_log entry for it
         with pytest.raises(NotLeaderError):
             await broker.send_batch(messages("c", 1))
 
