@@ -14,6 +14,7 @@ import time
 import uuid
 from pathlib import Path
 
+import httpx
 import pytest
 
 import delayd
@@ -266,6 +267,11 @@ def test_a_consumer_never_sees_what_a_slow_follower_lacks(
             assert sorted(m.message_id for m in later) == sorted(
                 [f"before-{i}" for i in range(5)] + [f"after-{i}" for i in range(5)]
             )
+            # The data path's metrics, as a delay member exports them.
+            assert a.metrics_address is not None
+            metrics = httpx.get("http://{}:{}/metrics".format(*a.metrics_address)).text
+            acked = 'delayd_replication_acknowledged_offset_bytes{log="commitlog"}'
+            assert acked in metrics
         finally:
             os.kill(b.proc.pid, signal.SIGCONT)
     finally:
