@@ -6,6 +6,8 @@ real gate, over replication, is tested with processes in tests/test_cluster_brok
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
@@ -71,6 +73,15 @@ class FakeGate:
         return self.leading
 
 
+@asynccontextmanager
+async def gated_broker(tmp_path: Path) -> AsyncIterator[tuple[Broker, FakeGate]]:
+    """A running broker with a fake gate attached."""
+    async with open_broker(str(tmp_path), CONFIG) as broker:
+        gate = FakeGate(broker)
+        broker.attach_gate(gate)
+        yield broker, gate
+
+
 def messages(prefix: str, count: int) -> list[Message]:
     return [Message(f"{prefix}-{i}", "orders", body=b"x" * 10) for i in range(count)]
 
@@ -78,9 +89,7 @@ def messages(prefix: str, count: int) -> list[Message]:
 async def test_a_store_ack_waits_until_the_group_acknowledged_the_batch(
     tmp_path: Path,
 ) -> None:
-    async with open_broker(str(tmp_path), CONFIG) as broker:
-        gate = FakeGate(broker)
-        broker.attach_gate(gate)
+    async with gated_broker(tmp_path) as (broker, gate):
         answered: list[list] = []
 
         async def send() -> None:
@@ -100,9 +109,7 @@ async def test_a_store_ack_waits_until_the_group_acknowledged_the_batch(
 
 
 async def test_a_member_that_stops_leading_answers_not_leader_never_ok(tmp_path: Path) -> None:
-    async with open_broker(str(tmp_path), CONFIG) as broker:
-        gate = FakeGate(broker)
-        broker.attach_gate(gate)
+    async with gated_broker(tmp_path) as (broker, gate):
         target = EmbeddedTarget("embedded", broker)
         refused: list[NotLeaderTarget] = []
 
@@ -122,9 +129,7 @@ async def test_a_member_that_stops_leading_answers_not_leader_never_ok(tmp_path:
 
 
 async def test_pull_serves_only_records_the_group_acknowledged(tmp_path: Path) -> None:
-    async with open_broker(str(tmp_path), CONFIG) as broker:
-        gate = FakeGate(broker)
-        broker.attach_gate(gate)
+    async with gated_broker(tmp_path) as (broker, gate):
         broker.join("g", "orders", "c1", None, broker.monotonic_ms())
         async with trio.open_nursery() as nursery:
             nursery.start_soon(broker.send_batch, messages("first", 2))
@@ -156,53 +161,50 @@ async def test_pull_serves_only_records_the_group_acknowledged(tmp_path: Path) -
 async def test_the_tcp_server_answers_sends_and_commits_once_the_group_has_them(
     tmp_path: Path,
 ) -> None:
-    async with open_broker(str(tmp_path), CONFIG) as broker:
-        gate = FakeGate(broker)
-        broker.attach_gate(gate)
-        async with trio.open_nursery() as nursery:
-            addresses = await nursery.start(serve_broker, broker, "127.0.0.1", 0)
-            client = await trio.to_thread.run_sync(RawClient, addresses[0])
-            answers: dict[int, object] = {}
+    async with gated_broker(tmp_path) as (broker, gate), trio.open_nursery() as nursery:
+        addresses = await nursery.start(serve_broker, broker, "127.0.0.1", 0)
+        client = await trio.to_thread.run_sync(RawClient, addresses[0])
+        answers: dict[int, object] = {}
 
-            async def read_answers() -> None:
-                while True:
-                    event = await trio.to_thread.run_sync(client.next_event, abandon_on_cancel=True)
-                    answers[event.request_id] = event
+        async def read_answers() -> None:
+            while True:
+                event = await trio.to_thread.run_sync(client.next_event, abandon_on_cancel=True)
+                answers[event.request_id] = event
 
-            nursery.start_soon(read_answers)
+        nursery.start_soon(read_answers)
 
-            async def ask(request: object) -> int:
-                rid = await trio.to_thread.run_sync(client.send, request)
-                await trio.sleep(0.05)
-                return rid
+        async def ask(request: object) -> int:
+            rid = await trio.to_thread.run_sync(client.send, request)
+            await trio.sleep(0.05)
+            return rid
 
-            async def answer(rid: int) -> object:
-                with trio.fail_after(5):
-                    while rid not in answers:
-                        await trio.sleep(0.005)
-                return answers[rid]
+        async def answer(rid: int) -> object:
+            with trio.fail_after(5):
+                while rid not in answers:
+                    await trio.sleep(0.005)
+            return answers[rid]
 
-            rid = await ask(SendBatch(messages("m", 2)))
-            assert rid not in answers  # durable here, not the group's yet
-            gate.move(commitlog=broker.store.commitlog.end_offset)
-            sent = await answer(rid)
-            assert isinstance(sent, SendBatchResult)
-            assert [r.code for r in sent.results] == [ResultCode.OK] * 2
+        rid = await ask(SendBatch(messages("m", 2)))
+        assert rid not in answers  # durable here, not the group's yet
+        gate.move(commitlog=broker.store.commitlog.end_offset)
+        sent = await answer(rid)
+        assert isinstance(sent, SendBatchResult)
+        assert [r.code for r in sent.results] == [ResultCode.OK] * 2
 
-            # Not flagged durable, yet a member's commit waits for the group, on disk.
-            rid = await ask(CommitOffset("g", "orders", 0, 1, durable=False))
-            assert rid not in answers
-            generation, end = broker.offsets.position()
-            assert gate.waits[-1] == (f"offsets/{generation}", end)
-            assert broker.offsets.saved_version == broker.offsets.version
-            gate.move(offsets={generation: end})
-            assert isinstance(await answer(rid), CommitOffsetOk)
+        # Not flagged durable, yet a member's commit waits for the group, on disk.
+        rid = await ask(CommitOffset("g", "orders", 0, 1, durable=False))
+        assert rid not in answers
+        generation, end = broker.offsets.position()
+        assert gate.waits[-1] == (f"offsets/{generation}", end)
+        assert broker.offsets.saved_version == broker.offsets.version
+        gate.move(offsets={generation: end})
+        assert isinstance(await answer(rid), CommitOffsetOk)
 
-            rid = await ask(CommitOffset("g", "orders", 0, 2, durable=False))
-            sent_rid = await ask(SendBatch(messages("n", 1)))
-            gate.step_down()
-            for waiting in (rid, sent_rid):
-                refused = await answer(waiting)
-                assert isinstance(refused, Error) and refused.code is ErrorCode.NOT_LEADER
-            client.close()
-            nursery.cancel_scope.cancel()
+        rid = await ask(CommitOffset("g", "orders", 0, 2, durable=False))
+        sent_rid = await ask(SendBatch(messages("n", 1)))
+        gate.step_down()
+        for waiting in (rid, sent_rid):
+            refused = await answer(waiting)
+            assert isinstance(refused, Error) and refused.code is ErrorCode.NOT_LEADER
+        client.close()
+        nursery.cancel_scope.cancel()
