@@ -141,6 +141,10 @@ class RawClient:
             self._answers[event.request_id] = event
         return self._answers.pop(request_id)
 
+    def next_event(self) -> Event:
+        """The next answer to arrive, whatever its request (one reader at a time)."""
+        return self._next()
+
     def request(self, request: Request) -> Event:
         return self.wait(self.send(request))
 

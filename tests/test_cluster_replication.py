@@ -365,8 +365,8 @@ def test_the_new_leader_does_not_deliver_again_what_the_old_one_delivered(
     tmp_path: Path, etcd_server: EtcdServer
 ):
     """dispatch_log is shipped: the follower holds the leader's DISPATCHED entries, so
-    after a kill -9 of the leader it delivers only what the old one had not. Its own
-    broker never held the old leader's messages: no broker's dedupe can hide a resend."""
+    after a kill -9 of the leader it delivers only what the old one had not; its
+    embedded broker, replicated with it, holds the old leader's messages once each."""
     group = sync_group(tmp_path, etcd_server.url)
     try:
         a, b = in_sync_pair(group)
@@ -397,9 +397,12 @@ def test_the_new_leader_does_not_deliver_again_what_the_old_one_delivered(
         later = 10
         send_all(addr(b.address), history, "e", later)
         assert b.broker_address is not None
-        received = consume(b.broker_address, later, timeout_s=30)
-        history.seen_all(r.sighting("check", committed=True) for r in received)
-        assert sorted(r.message_id for r in received) == sorted(f"e-{i}" for i in range(later))
+        # A new consumer group reads the new leader's broker from its start: the old
+        # leader's 30 (copied with its commitlog) and the 10 sent after, each once.
+        received = consume(b.broker_address, early + later, group="after", timeout_s=30)
+        history.seen_all(r.sighting("after", committed=True) for r in received)
+        expected = [f"d-{i}" for i in range(early)] + [f"e-{i}" for i in range(later)]
+        assert sorted(r.message_id for r in received) == sorted(expected)
         wait_until(
             lambda: dispatched(b.data_dir) == early + later, 10, "the new leader records its sends"
         )

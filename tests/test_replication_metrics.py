@@ -11,7 +11,7 @@ import trio
 from prometheus_client import CollectorRegistry, generate_latest
 
 from delayd.replication import MESSAGE_LOG, Follower, Leader, dispatch_stream
-from delayd.replication.metrics import FENCED, SERVING, STOPPED, ReplicationCollector
+from delayd.replication.metrics import FENCED, SERVING, STOPPED, ReplicationCollector, stream_kind
 from tests.exported_metrics import parse_exposition
 from tests.test_metric_names import naming_problems
 from tests.test_replication import BUCKETS, GROUP, caught_up, follower_of, in_sync, members
@@ -134,3 +134,13 @@ async def test_a_fenced_leader_says_so_and_no_role_exports_nothing(tmp_path: Pat
             assert scrape(lambda: leader)[("delayd_replication_leader_state", "")] == FENCED
             nursery.cancel_scope.cancel()
     assert scrape(lambda: None) == {}
+
+
+def test_an_embedded_brokers_streams_count_as_commitlog_and_offsets() -> None:
+    """A delay member's set holds its broker's streams under ``broker/``: their kinds
+    are the broker's own, not one ``broker`` series summing the log and the offsets."""
+    assert stream_kind("broker/commitlog") == "commitlog"
+    assert stream_kind("broker/offsets/" + "0" * 20) == "offsets"
+    assert stream_kind("offsets/" + "0" * 20) == "offsets"
+    assert stream_kind("dispatch_log/202611221530") == "dispatch_log"
+    assert stream_kind("message_log") == "message_log"

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import trio
 
+from delayd.broker.broker import Broker
+from delayd.broker.replica import BrokerReplica
 from delayd.logs import layout, message_log
 from delayd.logs.dispatch_files import DispatchFiles
 from delayd.logs.dispatch_log import EntryKind
@@ -17,7 +19,9 @@ from delayd.logs.message_log import MessageRecord
 from delayd.replay import open_replayer
 from delayd.replication.streams import (
     MESSAGE_LOG,
+    BrokerStreams,
     DelayStreams,
+    JoinedStreams,
     check_stream_name,
     dispatch_stream,
 )
@@ -52,6 +56,38 @@ def test_streams_list_message_log_then_buckets_in_time_order(tmp_path: Path) -> 
         }
     finally:
         reopened.close()
+
+
+def test_joined_streams_name_the_brokers_under_its_prefix(tmp_path: Path) -> None:
+    """A delay member's set with its embedded broker's: one list, each name routed to
+    its part by prefix, flushed together; a name of neither is refused."""
+    broker = Broker.open(str(tmp_path))
+    delay = DelayStreams(str(tmp_path))
+    joined = JoinedStreams(
+        {"": delay, "broker/": BrokerStreams(BrokerReplica(broker).commitlog, broker.offsets)}
+    )
+    try:
+        broker.offsets.set("g", "orders", 0, 3)
+        bucket = dispatch_stream("202611221530")
+        joined.get(bucket).append(b"x" * 32)
+        assert joined.names() == [
+            MESSAGE_LOG,
+            bucket,
+            "broker/commitlog",
+            "broker/offsets/" + "0" * 20,
+        ]
+        assert joined.get("broker/commitlog").end_offset == broker.store.commitlog.end_offset
+        assert joined.find("broker/offsets/" + "0" * 19 + "7") is None
+        assert set(joined.flush_all()) == {bucket, "broker/offsets/" + "0" * 20}
+        with pytest.raises(ValueError, match="not a stream of a broker data directory"):
+            joined.get("broker/schedule_log")
+        with pytest.raises(ValueError, match="not a stream of a delay data directory"):
+            joined.get("commitlog")
+        with pytest.raises(ValueError, match="prefixes end with"):
+            JoinedStreams({"broker": delay})
+    finally:
+        joined.close()
+        broker.close()
 
 
 def test_a_leader_sends_the_servers_dispatch_log_only_as_far_as_it_is_durable(

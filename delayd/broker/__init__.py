@@ -4,7 +4,9 @@ Modules, bottom up: ``config`` (BrokerConfig), ``record`` (the commitlog record:
 protocol's message layout), ``routing`` (queue selection), ``dedupe`` (the idempotency
 window), ``groups`` (membership and queue assignment), ``offsets`` (committed offsets),
 ``arrivals`` (long-poll wake-ups), ``store`` (commitlog, consume queues, index, reput),
-``broker`` (the embeddable Broker), ``server`` (TCP), ``metrics`` (Prometheus);
+``gate`` (what a replicated group's broker waits for), ``broker`` (the embeddable
+Broker), ``replica`` (the broker as a group member), ``server`` (TCP), ``metrics``
+(Prometheus);
 ``delayd broker`` is delayd/cli/broker.py. docs/broker.md describes the design and
 the formats.
 """

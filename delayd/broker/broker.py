@@ -33,12 +33,13 @@ import trio
 from delayd.broker.arrivals import ArrivalHub
 from delayd.broker.config import BrokerConfig, StartFrom
 from delayd.broker.dedupe import IdWindow
+from delayd.broker.gate import ReplicationGate
 from delayd.broker.groups import GroupKey, GroupRegistry
 from delayd.broker.offsets import OffsetStore
 from delayd.broker.record import encode_record, stamp_records
 from delayd.broker.routing import QueueSelector, key_hash
 from delayd.broker.store import BrokerStore, QueueKey, id_index_key, key_index_key
-from delayd.errors import RejectedError
+from delayd.errors import NotLeaderError, RejectedError
 from delayd.protocol.bodies import new_send_result
 from delayd.protocol.codes import ErrorCode, ResultCode
 from delayd.protocol.events import EncodedMessages, Message, SendResult, validate_subject
@@ -120,6 +121,9 @@ class Broker:
         # A follower's broker (follow / promote): replication writes its commitlog and
         # offsets, it derives the rest; it stores nothing and commits nothing itself.
         self.following = False
+        # A member of a replicated group: acks wait for the group, PULL sees only what
+        # it acknowledged (attach_gate; delayd.broker.gate).
+        self.gate: ReplicationGate | None = None
         store.on_arrival = self.hub.notify
 
     # ------------------------------------------------------------------ lifecycle
@@ -284,6 +288,7 @@ class Broker:
         commits are refused."""
         self.following = True
         self.offsets.following = True
+        self.store.drop_pending()
 
     def promote(self) -> None:
         """Become the group's broker again (the leader's): everything replicated is
@@ -293,6 +298,7 @@ class Broker:
         next append is in its queue (else new queue offsets would repeat its)."""
         self.store.commitlog.flush()
         self.offsets.flush()
+        self.store.drop_pending()  # a leader again: what the reput held is put now
         self.apply_replicated()
         self.following = False
         self.offsets.following = False
@@ -322,6 +328,54 @@ class Broker:
         start = self.store.commitlog.min_offset if oldest is None else min(oldest, offset)
         self._fill_window(start)
 
+    # ------------------------------------------------------------------ the group's acks
+
+    def attach_gate(self, gate: ReplicationGate) -> None:
+        """Acknowledge only what the group has (``gate``): a store once it acknowledged
+        the commitlog up to the batch's end, a commit once it acknowledged the offsets
+        log; and let PULL and QUERY see only records it acknowledged (the reput stops
+        at ``gate.commitlog_acked()``: call :meth:`high_watermark_moved` when it moves)."""
+        self.gate = gate
+        self.store.reput_limit = gate.commitlog_acked
+
+    def high_watermark_moved(self) -> None:
+        """The group acknowledged more of the commitlog: the records now within it go
+        into their queues, which wakes the PULLs held on them."""
+        if not self.following:
+            self.store.reput_durable()
+
+    async def wait_stored(self, end: int) -> None:
+        """Return once records appended up to commitlog offset ``end`` may be
+        acknowledged: durable under the flush policy and, with a gate, acknowledged by
+        the group (and visible to PULL). Raises NotLeaderError when the member stopped
+        leading first: they may still be cut."""
+        await self.store.wait_durable()
+        if self.gate is None:
+            return
+        if not await self.gate.wait_commitlog(end):
+            raise self._not_leader("the group did not acknowledge the stored messages")
+        self.store.reput_durable()
+
+    async def wait_commits_acknowledged(self) -> None:
+        """Return once every commit made before the call may be acknowledged as
+        durable: in the offsets log on disk and, with a gate, acknowledged by the group.
+        Raises NotLeaderError when the member stopped leading first, OSError as
+        :meth:`make_offsets_durable`."""
+        await self.make_offsets_durable()
+        if self.gate is None:
+            return
+        generation, end = self.offsets.position()
+        if not await self.gate.wait_offsets(generation, end):
+            raise self._not_leader("the group did not acknowledge the commit")
+
+    @staticmethod
+    def _not_leader(what: str) -> NotLeaderError:
+        return NotLeaderError(
+            ErrorCode.NOT_LEADER,
+            f"{what}: this member no longer leads its group; send it to the leader",
+            None,
+        )
+
     def _refuse_if_following(self) -> None:
         if self.following:
             raise RejectedError(
@@ -343,11 +397,12 @@ class Broker:
         OK: stored now. DUPLICATE: its id is already stored (within the idempotency
         window, or earlier in this batch) and it was not stored again. Other codes: not
         stored, ``reason`` says why. Raises StorageError when the commitlog fails (the
-        broker is then unusable).
+        broker is then unusable), NotLeaderError when a member of a group stopped
+        leading before its group acknowledged the batch (:meth:`wait_stored`).
         """
         await self.store.make_room()
         results = self.append_batch(messages, self.clock())
-        await self.store.wait_durable()
+        await self.wait_stored(self.store.commitlog.end_offset)
         return results
 
     async def send_encoded(self, encoded: EncodedMessages) -> list[SendResult]:
@@ -357,7 +412,7 @@ class Broker:
         (EncodedMessages promises it). Raises as send_batch."""
         await self.store.make_room()
         results = self.append_batch(None, self.clock(), encoded)
-        await self.store.wait_durable()
+        await self.wait_stored(self.store.commitlog.end_offset)
         return results
 
     def append_batch(

@@ -4,7 +4,8 @@ A broker group ships its commitlog and its committed consumer offsets (the
 ``BrokerStreams`` of delayd.replication); each member derives its consume queues, index
 and idempotency window from the commitlog, and its offsets table from the offsets log,
 with the code a restart uses (docs/replication.md, "Broker streams"). The process that
-runs a member (it sits above both the broker and replication) wires them::
+runs a member (it sits above both the broker and replication:
+delayd/server/broker_member.py) wires them::
 
     replica = BrokerReplica(broker)
     streams = BrokerStreams(replica.commitlog, broker.offsets)

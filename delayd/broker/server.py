@@ -16,7 +16,9 @@ in one request gets ERROR INTERNAL, and the broker keeps serving the others; CAN
 CANCEL_BATCH and RESCHEDULE get ERROR UNSUPPORTED, naming the delay server. A member of
 a group that does not lead it (``membership``) answers every request but STATS with
 ERROR NOT_LEADER naming the leader's broker address, and a leader that steps down
-answers the SEND_BATCHes in flight so too (docs/replication.md). A graceful
+answers the SEND_BATCHes in flight so too (docs/replication.md); a member's broker
+(``Broker.gate``) answers a SEND_BATCH, and every COMMIT_OFFSET, once its group has the
+records. A graceful
 stop (``broker_listener(...).stop``) answers every SEND_BATCH appended and drops held
 PULLs (they commit nothing), then closes with FIN: a batch is stored and answered, or
 not stored.
@@ -31,7 +33,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from delayd.broker.broker import Broker
-from delayd.errors import RejectedError
+from delayd.errors import NotLeaderError, RejectedError
 from delayd.nowait_acquire import acquire
 from delayd.protocol import (
     Cancel,
@@ -122,9 +124,10 @@ def broker_listener(
     return StoppableListener("the broker", connection, gate, tls)
 
 
-class BrokerConnection(ServerConnection[SendBatchResult]):
+class BrokerConnection(ServerConnection[tuple[SendBatchResult, int]]):
     """One client connection; see the module docstring. ``_unacked`` holds the answers
-    of the appended SEND_BATCHes."""
+    of the appended SEND_BATCHes, each with the commitlog's end after its append (what
+    a replicated group must acknowledge before it is answered)."""
 
     server_name = SERVER_NAME
     # A held PULL commits nothing: a graceful stop drops it rather than wait for it.
@@ -170,7 +173,8 @@ class BrokerConnection(ServerConnection[SendBatchResult]):
             except BaseException:
                 self._slots.release()
                 raise
-            self._unacked.append(SendBatchResult(results, request_id=rid))
+            end = broker.store.commitlog.end_offset
+            self._unacked.append((SendBatchResult(results, request_id=rid), end))
         elif isinstance(event, Pull):
             # Messages waiting: answered here, a scheduling step sooner than a task.
             encoded = broker.pull_ready(
@@ -182,7 +186,7 @@ class BrokerConnection(ServerConnection[SendBatchResult]):
                 await self._spawn(requests, self._pull, event)
         elif isinstance(event, CommitOffset):
             broker.commit(event.group, event.subject, event.queue, event.offset)
-            if event.durable:
+            if event.durable or broker.gate is not None:  # a group: acked once it has it
                 await self._spawn(requests, self._commit_durable, event)
             else:
                 await self._answer(CommitOffsetOk(request_id=rid))
@@ -226,18 +230,25 @@ class BrokerConnection(ServerConnection[SendBatchResult]):
 
         requests.start_soon(task)
 
-    async def _acknowledge(self, ready: list[SendBatchResult]) -> None:
-        # wait_durable covers every batch appended before it: one wait for all of ready.
+    async def _acknowledge(self, ready: list[tuple[SendBatchResult, int]]) -> None:
+        # One wait for all of ready: wait_stored covers every batch appended before the
+        # last one's end (durable, and acknowledged by the group of a member).
         try:
-            await self.broker.store.wait_durable()
-        except StorageError as exc:
-            log.error("commitlog failure, batches from %s not acknowledged: %s", self.peer, exc)
-            for result in ready:
-                reason = f"storage failure: {exc}"[: Error.MAX_REASON_LENGTH]
-                await self._answer(Error(ErrorCode.INTERNAL, reason, request_id=result.request_id))
+            await self.broker.wait_stored(ready[-1][1])
+        except (StorageError, NotLeaderError) as exc:
+            if isinstance(exc, StorageError):
+                log.error("commitlog failure, batches from %s not acknowledged: %s", self.peer, exc)
+            for result, _ in ready:
+                rid = result.request_id
+                if isinstance(exc, NotLeaderError):
+                    refused = self._not_leader(rid) or self._error_for(exc, result)
+                else:
+                    reason = f"storage failure: {exc}"[: Error.MAX_REASON_LENGTH]
+                    refused = Error(ErrorCode.INTERNAL, reason, request_id=rid)
+                await self._answer(refused)
                 self._slots.release()
             return
-        for result in ready:
+        for result, _ in ready:
             await self._answer(self._not_leader(result.request_id) or result)
             self._slots.release()
 
@@ -257,14 +268,15 @@ class BrokerConnection(ServerConnection[SendBatchResult]):
         await self._answer(self._not_leader(event.request_id) or answer)
 
     async def _commit_durable(self, event: CommitOffset) -> None:
-        """Answer a durable COMMIT_OFFSET once the offsets log holds it (a task, so the
-        requests behind it are not held up by the write)."""
+        """Answer a durable COMMIT_OFFSET (every COMMIT_OFFSET of a group member) once
+        the offsets log holds it, and the group too (a task, so the requests behind it
+        are not held up by the write)."""
         try:
-            await self.broker.make_offsets_durable()
+            await self.broker.wait_commits_acknowledged()
             answer: Event = CommitOffsetOk(request_id=event.request_id)
         except Exception as exc:
             answer = self._error_for(exc, event)
-        await self._answer(answer)
+        await self._answer(self._not_leader(event.request_id) or answer)
 
     def _error_for(self, exc: Exception, event: Event) -> Error:
         rid = event.request_id

@@ -82,6 +82,10 @@ CACHED_RECORD_OVERHEAD = 128
 MIN_SCAN_DENSITY = 1 / 8
 
 
+def _no_limit() -> int:
+    return 1 << 63
+
+
 def id_index_key(message_id: str | bytes) -> bytes:
     raw = message_id.encode() if isinstance(message_id, str) else message_id
     return b"i\x00" + raw
@@ -266,6 +270,9 @@ class BrokerStore:
         # Called after every append and every fsync of the commitlog: replication's
         # growth signal (BrokerStreams.grew).
         self.on_grew: Callable[[], None] = lambda: None
+        # How far the reput may go: a replicated group's high watermark (what the group
+        # acknowledged, delayd.broker.gate), else no bound beyond durability.
+        self.reput_limit: Callable[[], int] = _no_limit
         self.messages_stored = 0
         # Appended batches not yet reput, each an _Appended.
         self._pending: deque[_Appended] = deque()
@@ -509,8 +516,9 @@ class BrokerStore:
         """One reput pass over the appended batches that are durable now (synchronous):
         moves them into their consume queues and the index, then calls ``on_arrival``
         with the queues that grew (which wakes held PULLs: RocketMQ's
-        messageArrivingListener). Never ahead of ``durable_offset``."""
-        durable = self.commitlog.durable_offset
+        messageArrivingListener). Never ahead of ``durable_offset``, nor of
+        ``reput_limit()`` (a batch past it waits for a later pass)."""
+        durable = min(self.commitlog.durable_offset, self.reput_limit())
         pending = self._pending
         # Per queue: its first queue offset in this pass, offsets, payloads.
         grown: dict[QueueKey, tuple[int, list[int], list[bytes]]] = {}
@@ -565,6 +573,12 @@ class BrokerStore:
         return set(grown)
 
     # ------------------------------------------------------------------ following
+
+    def drop_pending(self) -> None:
+        """Forget the appended batches not reput yet (a leader becoming a follower):
+        from now on ``reput_replicated`` puts records, reading them from the commitlog
+        from ``reput_offset``, so none is put twice."""
+        self._pending.clear()
 
     def reput_replicated(self) -> set[QueueKey]:
         """A follower's reput: put the records replication appended, up to the durable

@@ -16,7 +16,9 @@ for a bad configuration.
 
 With --etcd URL --group NAME (or DELAYD_CLUSTER_* variables) the broker is a member of
 a replicated broker group (docs/replication.md): only its leader serves; the other
-members answer NOT_LEADER naming the leader's address.
+members answer NOT_LEADER naming the leader's address and copy the leader's commitlog
+and committed offsets (delayd.server.broker_member); under ack = "sync" stores and
+commits are answered once the group has them, and consumers see only those records.
 """
 
 from __future__ import annotations
@@ -228,12 +230,32 @@ async def _serve(
                     serve = partial(server.serve, host, port, listeners=listeners)
                     bound = await front.start(serve)
                     if membership is not None:
+                        # The data path first (acks wait for it), then the membership
+                        # that gives it its role.
+                        from delayd.server.broker_member import (
+                            BrokerGroupReplication,
+                            ReplicatedBroker,
+                        )
+
+                        runner = BrokerGroupReplication(
+                            ReplicatedBroker(broker),
+                            args.data,
+                            membership,
+                            cluster,
+                            replication,
+                            tls=tls,
+                        )
+                        await root.start(runner.run)
                         info = _member_info(cluster, args.listen.host, bound[0][1], replication)
                         await root.start(membership.run, info)
                         if args.metrics_listen is not None:
+                            from delayd.replication.metrics import ReplicationCollector
                             from delayd.serving.membership_metrics import MembershipCollector
 
                             registry.register(MembershipCollector(membership))
+                            registry.register(
+                                ReplicationCollector(lambda: runner.leader or runner.follower)
+                            )
                     if args.metrics_listen is not None:
                         gate = server.gate  # connection metrics of the broker's listener
                         collect = partial(

@@ -146,6 +146,21 @@ class Leader:
                 return
             await progress.wait()
 
+    async def wait_acknowledged_past(self, stream: str, offset: int) -> int:
+        """Return ``stream``'s acknowledged offset once it is past ``offset`` (the
+        leader's durable end with ``ack = "leader"``): what a broker's high watermark
+        follows. Raises LeaderStopped (LeaderFenced) when the leader stops first."""
+        while True:
+            self._check_running()
+            progress = self._progress
+            if self.ack == ACK_LEADER:
+                acked = self.streams.get(stream).durable_offset
+            else:
+                acked = self.acknowledged(stream)
+            if acked > offset:
+                return acked
+            await progress.wait()
+
     def acknowledged(self, stream: str) -> int:
         """The acknowledged offset of ``stream`` now (sync rule)."""
         durable = self.streams.get(stream).durable_offset

@@ -16,6 +16,7 @@ from prometheus_client.registry import Collector
 
 from delayd.replication.follower import FAILURE_REASONS, Follower
 from delayd.replication.leader import Leader, LeaderFenced
+from delayd.replication.streams import EMBEDDED_BROKER_PREFIX
 from delayd.serving.metric_families import labelled
 
 # delayd_replication_leader_state: what each value means.
@@ -23,8 +24,9 @@ SERVING, STOPPED, FENCED = 0, 1, 2
 
 
 def stream_kind(stream: str) -> str:
-    """``dispatch_log/202611221530`` -> ``dispatch_log``; ``message_log`` as it is."""
-    return stream.split("/", 1)[0]
+    """``dispatch_log/202611221530`` -> ``dispatch_log``; ``message_log`` as it is; an
+    embedded broker's ``broker/offsets/<generation>`` -> ``offsets``."""
+    return stream.removeprefix(EMBEDDED_BROKER_PREFIX).split("/", 1)[0]
 
 
 def by_kind(offsets: dict[str, int]) -> dict[str, int]:

@@ -310,6 +310,9 @@ class DelayStreams(StreamSet):
 
 COMMITLOG = "commitlog"
 OFFSETS_PREFIX = "offsets/"
+# A delay group member's set holds its embedded broker's streams under this prefix
+# (JoinedStreams): ``broker/commitlog``, ``broker/offsets/<generation>``.
+EMBEDDED_BROKER_PREFIX = "broker/"
 
 
 class OffsetFiles(Protocol):
@@ -362,3 +365,57 @@ class BrokerStreams(StreamSet):
         if name != COMMITLOG and offsets_generation(name) not in self.offsets.generations():
             return None  # compacted away
         return self.get(name)
+
+
+class JoinedStreams(StreamSet):
+    """Several stream sets replicated as one (one Leader or Follower, one connection,
+    one epoch): each part's streams under its prefix, ``""`` for at most one part. A
+    delay group joins its embedded broker's streams to its own this way
+    (``{"": DelayStreams, "broker/": BrokerStreams}``: ``broker/commitlog``,
+    ``broker/offsets/<generation>``). Appenders call this set's ``grew``.
+    """
+
+    def __init__(self, parts: dict[str, StreamSet]) -> None:
+        super().__init__()
+        if list(parts).count("") > 1 or any(p and not p.endswith("/") for p in parts):
+            raise ValueError(f"prefixes end with '/', and one at most is empty: {list(parts)}")
+        # Longest prefix first: a name is its part's whatever the parts' own names.
+        self.parts = dict(sorted(parts.items(), key=lambda item: -len(item[0])))
+
+    def _part(self, name: str) -> tuple[StreamSet, str]:
+        for prefix, part in self.parts.items():
+            if name.startswith(prefix):
+                return part, name[len(prefix) :]
+        raise ValueError(
+            f"{name!r} is not a stream of this group: its prefixes are {list(self.parts)}"
+        )
+
+    def names(self) -> list[str]:
+        ordered = sorted(self.parts.items(), key=lambda item: len(item[0]))  # "" first
+        return [prefix + name for prefix, part in ordered for name in part.names()]
+
+    def get(self, name: str) -> Stream:
+        part, own = self._part(name)
+        return part.get(own)
+
+    def find(self, name: str) -> Stream | None:
+        part, own = self._part(name)
+        return part.find(own)
+
+    def _opened(self) -> list[tuple[str, Stream]]:
+        return [
+            (prefix + name, stream)
+            for prefix, part in self.parts.items()
+            for name, stream in part._opened()
+        ]
+
+    def starts(self) -> dict[str, int]:
+        return {
+            prefix + name: start
+            for prefix, part in self.parts.items()
+            for name, start in part.starts().items()
+        }
+
+    def close(self) -> None:
+        for part in self.parts.values():
+            part.close()

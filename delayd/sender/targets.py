@@ -16,15 +16,16 @@ library brings anyio, which the servers do without.
 
 from __future__ import annotations
 
+import contextlib
 import ssl
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Protocol
 
 import trio
 
 from delayd.address import Address, parse_address
-from delayd.errors import DelaydError, LocalProtocolError, ProtocolError
+from delayd.errors import DelaydError, LocalProtocolError, NotLeaderError, ProtocolError
 from delayd.protocol import (
     CLIENT,
     Connection,
@@ -113,14 +114,25 @@ class EmbeddedTarget:
     async def send_batch(self, messages: Sequence[Message]) -> list[SendResult]:
         if not messages:
             return []
-        return await self.broker.send_batch(messages)
+        with self._not_leader_as_unavailable():
+            return await self.broker.send_batch(messages)
+
+    @contextlib.contextmanager
+    def _not_leader_as_unavailable(self) -> Iterator[None]:
+        """A member that stopped leading before its group had the batch: not stored as
+        far as the sender knows (no dispatch_log entry); the new leader delivers it."""
+        try:
+            yield
+        except NotLeaderError as exc:
+            raise NotLeaderTarget(f"broker group {self.name}: {exc.reason}", None) from None
 
     async def send_encoded(self, encoded: EncodedMessages) -> list[SendResult]:
         """send_batch of messages in their wire encoding (the sender's fast path: no
         Message is built on either side; Broker.send_encoded)."""
         if not len(encoded):
             return []
-        return await self.broker.send_encoded(encoded)
+        with self._not_leader_as_unavailable():
+            return await self.broker.send_encoded(encoded)
 
     async def aclose(self) -> None:
         await trio.lowlevel.checkpoint()

@@ -498,9 +498,11 @@ class DelayServer:
     async def _replicate(
         self, listeners: ServeListeners, *, task_status: trio.TaskStatus[None]
     ) -> None:
-        """The group's data path (delayd.server.replicating): message_log shipped to the
-        followers; acks wait for the group; intake waits, after each promotion, until
-        what the member copied as a follower is replayed."""
+        """The group's data path (delayd.server.replicating): message_log, dispatch_log
+        and the embedded broker's streams shipped to the followers; acks wait for the
+        group; intake waits, after each promotion, until what the member copied as a
+        follower is replayed."""
+        from delayd.server.broker_member import ReplicatedBroker
         from delayd.server.replicating import GroupReplication
 
         assert self.membership is not None
@@ -518,6 +520,9 @@ class DelayServer:
             tls=self.tls,
             dispatch_files=lambda: self.delivery.dispatch.files,
             on_leader_retained=partial(trim_below_leader, self.message_log, self.replayer),
+            # The embedded broker moves with its delay server: its store acks wait for
+            # the group before the sender records a delivery.
+            broker=ReplicatedBroker(self.broker),
         )
         self.replication = replication
         if self.retention is not None:

@@ -1,17 +1,18 @@
 """A delay group member's data path (docs/replication.md): as leader it serves its
 message_log and dispatch_log to the followers and holds acks until the group has the
 records; as follower it copies the leader's and replays message_log in follower mode
-(deriving, deciding no tombstone).
+(deriving, deciding no tombstone). The embedded broker's streams join the set
+(``broker``: delayd.server.broker_member), so that the broker moves with its delay
+server: one Leader or Follower, one connection, one epoch for every log.
 
-``GroupReplication.run`` follows the member's role: at each promotion a ``Leader`` at
-the member's epoch on the replication listener, at each demotion (or when the leader
-changes) a ``Follower`` of the leader named in etcd's leader key. The streams are the
-server's own open message_log (one object: the leader reads what intake appends, the
-follower appends where the replayer reads); the LogWriter's fsyncs call ``grew``. The
-dispatch_log buckets a leader sends through the server's writer (``dispatch_files``,
-never past its durable end; its flushes call ``grew``); a follower copies into files of
-its own, closed again at a promotion so that the writer opens the copies: a promoted
-member does not deliver again what the old leader recorded delivered.
+``GroupReplication`` is the member runner (delayd.replication.member) with the delay
+server's hooks. The streams are the server's own open message_log (one object: the
+leader reads what intake appends, the follower appends where the replayer reads); the
+LogWriter's fsyncs call ``grew``. The dispatch_log buckets a leader sends through the
+server's writer (``dispatch_files``, never past its durable end; its flushes call
+``grew``); a follower copies into files of its own, closed again at a promotion so that
+the writer opens the copies: a promoted member does not deliver again what the old
+leader recorded delivered.
 """
 
 from __future__ import annotations
@@ -21,24 +22,14 @@ from collections.abc import Awaitable, Callable, Iterable
 
 import trio
 
-from delayd.address import parse_address
 from delayd.cluster.config import AckMode, ClusterConfig
-from delayd.cluster.members import Role
-from delayd.errors import EtcdError
 from delayd.logs.bucket_files import BucketFiles
 from delayd.logs.buckets import bucket_name
 from delayd.replay import Replayer
-from delayd.replication import (
-    MESSAGE_LOG,
-    DelayStreams,
-    EpochHistory,
-    Follower,
-    Leader,
-    LeaderFenced,
-    LeaderStopped,
-    dispatch_stream,
-)
-from delayd.replication.follower import member_client_tls
+from delayd.replication import MESSAGE_LOG, DelayStreams, EpochHistory, Leader, dispatch_stream
+from delayd.replication.member import MemberReplication
+from delayd.replication.streams import EMBEDDED_BROKER_PREFIX, JoinedStreams, StreamSet
+from delayd.server.broker_member import ReplicatedBroker
 from delayd.server.rebuild import RebuildNeeded
 from delayd.serving.membership import Membership
 from delayd.serving.tls import ServerTls
@@ -48,12 +39,13 @@ from storage.segmented_log import SegmentedLog
 log = logging.getLogger(__name__)
 
 FOLLOWER_POLL_S = 0.005  # how often a follower's replayer looks for copied records
-RESTART_LEADER_S = 0.1  # before a Leader that stopped while the member leads is replaced
 
 
-class GroupReplication:
+class GroupReplication(MemberReplication):
     """See the module docstring. ``listeners``: the replication listener bound at
-    start (served by the first Leader; later ones bind its port again)."""
+    start. ``broker``: the embedded broker as a member (its streams replicated with
+    the delay server's, promoted before ``on_promoted``, following before the
+    Follower starts); None: not replicated."""
 
     def __init__(
         self,
@@ -71,9 +63,9 @@ class GroupReplication:
         tls: ServerTls | None = None,
         dispatch_files: Callable[[], BucketFiles] | None = None,
         on_leader_retained: Callable[[int], Awaitable[object]] | None = None,
+        broker: ReplicatedBroker | None = None,
     ) -> None:
         self.data_dir = data_dir
-        self.tls = tls  # the server's listeners' TLS: the replication listener's too
         self.on_promoted = on_promoted
         self.on_demoted = on_demoted
         self.on_following = on_following
@@ -83,28 +75,30 @@ class GroupReplication:
         self.fs = fs
         self.replayer = replayer
         self._leader_poll_s = replayer.poll_interval_s  # intake notifies it, or the policy's
-        self.membership = membership
-        self.config = config
         # The server's dispatch_log writer of the moment: what a leader sends from.
         self.dispatch_files = dispatch_files
-        self.streams = DelayStreams(
+        self.delay_streams = DelayStreams(
             data_dir,
             message_log=message_log,
             fs=fs,
             with_dispatch_log=dispatch_files is not None,
         )
-        self.history = EpochHistory.open_in(data_dir, fs)
-        self.leader: Leader | None = None
-        self.follower: Follower | None = None
-        self._listeners = listeners
-        # Where the replication listener is bound: a leader after the first binds again.
-        self._bound: tuple[str, int] | None = None
-        if listeners:
-            self._bound = listeners[0].socket.getsockname()[:2]
-
-    def grew(self) -> None:
-        """message_log grew or became durable (the LogWriter's ``on_durable``)."""
-        self.streams.grew()
+        self.broker = broker
+        streams: StreamSet = self.delay_streams
+        if broker is not None:
+            streams = JoinedStreams(
+                {"": self.delay_streams, EMBEDDED_BROKER_PREFIX: broker.streams}
+            )
+        super().__init__(
+            streams,
+            EpochHistory.open_in(data_dir, fs),
+            membership,
+            config,
+            listeners,
+            tls=tls,
+        )
+        if broker is not None:
+            broker.join(self, EMBEDDED_BROKER_PREFIX)
 
     def stats(self) -> dict[str, int | str]:
         """STATS fields: how far the group acknowledged message_log and, on the
@@ -139,163 +133,58 @@ class GroupReplication:
         what is durable here now (``wait_acknowledged``'s rules): the entries that
         decided a cancel or reschedule, made durable before, are then the group's.
         Only those buckets are looked at: no listing of the directory per request."""
-        if self.config.ack is AckMode.LEADER or not self.streams.with_dispatch_log:
+        if self.config.ack is AckMode.LEADER or not self.delay_streams.with_dispatch_log:
             return True
         targets = {}
         for bucket_ms in sorted(buckets):
             name = dispatch_stream(bucket_name(bucket_ms))
-            targets[name] = self.streams.get(name).durable_offset
+            targets[name] = self.delay_streams.get(name).durable_offset
         for name, end in targets.items():
             if not await self.wait_acknowledged(end, stream=name):
                 return False
         return True
 
     async def wait_acknowledged(self, offset: int, *, stream: str = MESSAGE_LOG) -> bool:
-        """Whether the group acknowledged ``stream`` up to ``offset`` (``ack``: sync —
-        the in-sync followers have it durable too; leader — at once). False as soon as
-        this member may no longer lead at the epoch it led when called: a member that
-        followed meanwhile may have cut and refilled those offsets."""
-        if self.config.ack is AckMode.LEADER:
-            return True
-        epoch = self.membership.view.epoch
-        while self.membership.may_lead() and self.membership.view.epoch == epoch:
-            leader = self.leader
-            if leader is None or leader.epoch != epoch or leader.stopped is not None:
-                with trio.move_on_after(0.05):
-                    await self.membership.wait_change()
-                continue
-            try:
-                await leader.wait_acknowledged(stream, offset)
-                return True
-            except LeaderStopped:
-                await trio.sleep(0.01)  # the role loop starts the next one, or demotes
-        return False
+        return await super().wait_acknowledged(offset, stream=stream)
 
     # ------------------------------------------------------------------ roles
 
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Lead or follow as the member's role says, until cancelled."""
-        task_status.started()
-        try:
-            while True:
-                membership = self.membership
-                view = membership.view
-                if membership.may_lead() and view.epoch is not None:
-                    await self._lead(view.epoch)
-                elif view.role is Role.FOLLOWER and view.leader and view.leader.replication:
-                    await self._follow(view.leader.replication, view.epoch)
-                else:
-                    await membership.wait_change()
-        finally:
-            self.streams.close()
-            self.history.close()
-
-    async def _lead(self, epoch: int) -> None:
-        member = self.membership.member
-        assert member is not None and self.membership.in_sync is not None
-        me = member.info.member_id
-        persisted = self.membership.in_sync.members or frozenset()
+    def _before_leading(self) -> None:
         # The buckets copied as a follower are closed: the server's writer opens them.
-        self.streams.share_dispatch(self.dispatch_files)
+        self.delay_streams.share_dispatch(self.dispatch_files)
 
-        async def on_in_sync_change(followers: frozenset[str]) -> None:
-            # Persisted before it counts for acks (a shrink), or before the follower
-            # may campaign (a growth): the Leader awaits this first.
-            if not await member.set_in_sync(followers | {me}):
-                raise LeaderStopped(f"member {me} no longer leads: the in-sync set stays")
-            log.info("group %s: in-sync set is now %s", self.config.group, sorted(followers | {me}))
-
-        leader = Leader(
-            self.streams,
-            self.history,
-            epoch,
-            group=self.config.group,
-            ack=str(self.config.ack),
-            min_in_sync=self.config.min_in_sync,
-            in_sync=persisted - {me},
-            on_in_sync_change=on_in_sync_change,
-            tls=self.tls,
-        )
-        assert self._bound is not None, "a member of a group has a replication listener"
-        host, port = self._bound
+    async def _promoted(self) -> None:
+        # The embedded broker leads before delivery starts (on_promoted lets it).
+        if self.broker is not None:
+            self.broker.promoted()
         if self.on_promoted is not None:
             # What was copied as a follower is replayed before intake takes more.
             await self.on_promoted()
         self.replayer.poll_interval_s = self._leader_poll_s
-        group = self.config.group
-        log.info("group %s: replication leader at epoch %d on port %d", group, epoch, port)
-        async with trio.open_nursery() as nursery:
-            await nursery.start(self._run_leader, leader, host, port)
-            self.leader = leader
-            while self.membership.may_lead() and self.membership.view.epoch == epoch:
-                if leader.stopped is not None:
-                    break
-                with trio.move_on_after(0.05):
-                    await self.membership.wait_change()
-            leader.stop()
-            nursery.cancel_scope.cancel()
-        self.leader = None
-        if self.membership.may_lead():
-            await trio.sleep(RESTART_LEADER_S)  # stopped on its own: not in a tight loop
+
+    async def _while_leading(self, leader: Leader) -> None:
+        if self.broker is not None:
+            await self.broker.follow_high_watermark(leader)
+
+    def _demoted(self) -> None:
         if self.on_demoted is not None:
             self.on_demoted()
-        if isinstance(leader.stopped, LeaderFenced):
-            # A member saw a newer epoch: this member's lease is going or gone; until
-            # its role says so, acks wait (the Leader of this epoch is refused again).
-            log.warning("group %s: %s", self.config.group, leader.stopped)
 
-    async def _run_leader(
-        self, leader: Leader, host: str, port: int, *, task_status: trio.TaskStatus[None]
-    ) -> None:
-        listeners, self._listeners = self._listeners, None
-        try:
-            await leader.run(host, port, listeners=listeners, task_status=task_status)
-        except* (EtcdError, LeaderStopped) as failed:
-            # The in-sync set could not be persisted: acks wait (they need a running
-            # Leader) until a new one, started by ``run`` while this member leads,
-            # persists it.
-            log.warning(
-                "group %s: replication leader stopped: %s", self.config.group, failed.exceptions[0]
-            )
-            leader.stop()
-
-    async def _follow(self, address: str, epoch: int | None) -> None:
-        member = self.membership.member
-        assert member is not None
+    async def _following(self) -> None:
         # Copied records become durable in the follower's own flushes: the replayer
         # looks for them (notify comes from intake, which a follower has none of).
         # ``on_following`` puts the replayer in follower mode (it derives schedule_log,
         # the id index and known ids, and decides no tombstone); ``on_promoted`` has
         # the canceller decide them again before intake and delivery resume.
         if self.on_following is not None:
-            # Delivery stopped and its dispatch_log files closed before any is copied.
+            # Delivery stopped and its dispatch_log files closed before any is copied;
+            # the embedded broker takes no more sends after that.
             await self.on_following()
-        self.streams.share_dispatch(None)
+        if self.broker is not None:
+            self.broker.following()
+        self.delay_streams.share_dispatch(None)
         self.replayer.poll_interval_s = FOLLOWER_POLL_S
         self.replayer.notify(0)  # it may be waiting for intake, with no deadline
-        follower = Follower(
-            self.streams,
-            self.history,
-            group=self.config.group,
-            member=member.info.member_id,
-            leader=parse_address(address),
-            on_truncating=self._truncating,
-            on_retained=self._retained,
-            # A member follows with its own certificate, trusting the CA that signed
-            # every member's (mutual TLS between members: docs/replication.md).
-            tls=None if self.tls is None else member_client_tls(self.tls.config),
-        )
-        self.follower = follower
-        log.info("group %s: following %s at epoch %s", self.config.group, address, epoch)
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(follower.run)
-                view = self.membership.view
-                while self.membership.view == view:
-                    await self.membership.wait_change()
-                nursery.cancel_scope.cancel()
-        finally:
-            self.follower = None
 
     async def _retained(self, starts: dict[str, int]) -> None:
         if self.on_leader_retained is not None and MESSAGE_LOG in starts:
@@ -308,3 +197,13 @@ class GroupReplication:
         simplest correct rebuild (``RebuildNeeded``: the derived state goes first)."""
         if stream == MESSAGE_LOG:
             raise RebuildNeeded(self.data_dir, offset)
+
+    async def _truncated(self, stream: str, offset: int) -> None:
+        """The embedded broker's stream was cut (its commitlog cut its derived state
+        first, CommitlogStream): the broker catches up with it."""
+        if self.broker is not None and stream.startswith(EMBEDDED_BROKER_PREFIX):
+            await self.broker.truncated(stream, offset)
+
+    async def _durable(self, flushed: dict[str, int]) -> None:
+        if self.broker is not None:
+            await self.broker.durable(flushed)

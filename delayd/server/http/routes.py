@@ -28,7 +28,7 @@ from fastapi import APIRouter, Depends, FastAPI, Path, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from delayd.broker import Broker
-from delayd.errors import RejectedError
+from delayd.errors import NotLeaderError, RejectedError
 from delayd.logs.message_status import MessageState, MessageStatus
 from delayd.protocol import CancelOutcome, Message, RescheduleOutcome, ResultCode, SendResult
 from delayd.server.http import problems
@@ -384,15 +384,19 @@ def _consuming_routes(router: APIRouter, backend: Backend) -> None:
     async def commit(subject: Subject, group: Group, request: CommitRequest) -> Committed:
         """Commit offsets: the group consumed every message below ``offset`` of each
         queue. Post a pull's ``commit`` list once its messages are processed. With
-        ``durable`` the answer waits until the broker has the commit on disk."""
+        ``durable`` the answer waits until the broker has the commit on disk; on a
+        member of a replicated group it always waits, for its in-sync followers too."""
         try:
             for offset in request.offsets:
                 broker.commit(group, subject, offset.queue, offset.offset)
         except RejectedError as exc:
             raise bad_input(exc.reason, "rejected") from None
-        if request.durable:
+        if request.durable or broker.gate is not None:  # a group: answered once it has it
             try:
-                await broker.make_offsets_durable()
+                await broker.wait_commits_acknowledged()
+            except NotLeaderError:
+                check_leading(backend, acknowledged=False)
+                raise
             except OSError as exc:
                 raise ProblemError(
                     HTTPStatus.SERVICE_UNAVAILABLE,

@@ -1,0 +1,145 @@
+"""A broker as a member of a replicated group: its streams, its ReplicationGate, its
+role hooks (docs/replication.md, "Broker groups").
+
+``ReplicatedBroker`` joins an open Broker to a member runner (delayd.replication.member):
+its commitlog and committed-offsets generations become streams of the runner's set
+(under a prefix: ``broker/`` beside a delay server's streams, none in a standalone
+broker group), its appenders signal the runner's growth, and it is the broker's gate —
+store acks and commits wait for ``wait_acknowledged``, and the high watermark follows
+the Leader's acknowledged commitlog offset. ``BrokerGroupReplication`` is the runner of
+a standalone ``delayd broker`` group.
+
+The high watermark of a newly promoted member starts at the commitlog it holds: every
+other member is cut back to the new leader's copy when it follows (the epoch history),
+so what the new leader holds at its promotion is the group's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import trio
+
+from delayd.broker.broker import Broker
+from delayd.broker.replica import BrokerReplica, broker_epoch_history_path
+from delayd.cluster.config import ClusterConfig
+from delayd.replication import COMMITLOG, EpochHistory, Leader, LeaderStopped
+from delayd.replication.member import MemberReplication
+from delayd.replication.streams import BrokerStreams, offsets_stream
+from delayd.serving.membership import Membership
+from delayd.serving.tls import ServerTls
+
+
+class ReplicatedBroker:
+    """See the module docstring; implements delayd.broker.gate.ReplicationGate."""
+
+    def __init__(self, broker: Broker) -> None:
+        self.broker = broker
+        self.replica = BrokerReplica(broker)
+        self.streams = BrokerStreams(self.replica.commitlog, broker.offsets)
+        # What consumers may see: the commitlog offset the group acknowledged.
+        self.high_watermark = 0
+        self._member: MemberReplication | None = None
+        self._prefix = ""
+
+    def join(self, member: MemberReplication, prefix: str) -> None:
+        """Replicate with ``member``, this broker's streams named ``prefix`` + their
+        own names in its set; from now on the broker's acks wait for its group."""
+        self._member = member
+        self._prefix = prefix
+        self.replica.signal_growth(member.grew)
+        self.broker.attach_gate(self)
+
+    # ------------------------------------------------------------------ the gate
+
+    def commitlog_acked(self) -> int:
+        return self.high_watermark
+
+    async def wait_commitlog(self, offset: int) -> bool:
+        assert self._member is not None
+        stream = self._prefix + COMMITLOG
+        if not await self._member.wait_acknowledged(offset, stream=stream):
+            return False
+        # Acknowledged means visible: the broker's reput goes this far at once, not when
+        # follow_high_watermark next runs.
+        self.high_watermark = max(self.high_watermark, offset)
+        return True
+
+    async def wait_offsets(self, generation: int, offset: int) -> bool:
+        assert self._member is not None
+        while True:
+            stream = self._prefix + offsets_stream(generation)
+            try:
+                return await self._member.wait_acknowledged(offset, stream=stream)
+            except ValueError:
+                # Compacted away meanwhile: the newer generation's snapshot holds it.
+                generation, offset = self.broker.offsets.position()
+
+    # ------------------------------------------------------------------ roles
+
+    def promoted(self) -> None:
+        """The member leads: derive what was copied, take sends and commits."""
+        self.replica.promote()
+        self.high_watermark = max(self.high_watermark, self.broker.store.commitlog.durable_offset)
+        self.broker.high_watermark_moved()
+
+    async def follow_high_watermark(self, leader: Leader) -> None:
+        """While ``leader`` serves: move the high watermark as the group acknowledges
+        the commitlog (which wakes the PULLs held on the records it uncovers)."""
+        stream = self._prefix + COMMITLOG
+        with contextlib.suppress(LeaderStopped):
+            while True:
+                acked = await leader.wait_acknowledged_past(stream, self.high_watermark)
+                self.high_watermark = acked
+                self.broker.high_watermark_moved()
+
+    def following(self) -> None:
+        """Sends and commits refused; replication writes the streams."""
+        self.replica.follow()
+
+    async def truncated(self, stream: str, offset: int) -> None:
+        if stream == self._prefix + COMMITLOG:
+            # CommitlogStream cut the derived state with it.
+            self.high_watermark = min(self.high_watermark, offset)
+        else:
+            await self.replica.on_truncated(stream, offset)
+
+    async def durable(self, flushed: dict[str, int]) -> None:
+        if any(name.startswith(self._prefix) for name in flushed):
+            await self.replica.on_durable(flushed)
+
+
+class BrokerGroupReplication(MemberReplication):
+    """A standalone broker group's member (``delayd broker --etcd --group``): the
+    member runner over the broker's own streams and epoch history
+    (``<data>/broker/replication/epochs``)."""
+
+    def __init__(
+        self,
+        broker: ReplicatedBroker,
+        data_dir: str,
+        membership: Membership,
+        config: ClusterConfig,
+        listeners: list[trio.SocketListener] | None,
+        *,
+        tls: ServerTls | None = None,
+    ) -> None:
+        history = EpochHistory.open(broker_epoch_history_path(data_dir))
+        super().__init__(broker.streams, history, membership, config, listeners, tls=tls)
+        self.broker = broker
+        broker.join(self, "")
+
+    async def _promoted(self) -> None:
+        self.broker.promoted()
+
+    async def _while_leading(self, leader: Leader) -> None:
+        await self.broker.follow_high_watermark(leader)
+
+    async def _following(self) -> None:
+        self.broker.following()
+
+    async def _truncated(self, stream: str, offset: int) -> None:
+        await self.broker.truncated(stream, offset)
+
+    async def _durable(self, flushed: dict[str, int]) -> None:
+        await self.broker.durable(flushed)
