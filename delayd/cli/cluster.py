@@ -1,13 +1,20 @@
-"""Show replicated groups as etcd holds them.
+"""Show the groups of a cluster as etcd holds them, and set their registry status.
 
     delayd cluster status --etcd http://127.0.0.1:2379 [--group NAME] [--json]
+    delayd cluster drain|activate GROUP --etcd URL [--cluster NAME]
+    delayd cluster retire GROUP --etcd URL [--cluster NAME] [--force]
 
-For each group under the key prefix: its leader and epoch (the revision that created
+``status``: for each group under the key prefix, its kind and registry status
+(docs/cluster.md, "The registry"), its leader and epoch (the revision that created
 the leader key), its in-sync set (the members that may lead), and every registered
 member with its role and addresses. Replication lag is not shown yet: the data path
 that measures it is still to be wired (docs/replication.md).
 
-Exit status: 0; 1 when etcd cannot be read (the reason on stderr); 2 for bad arguments.
+``drain`` / ``activate`` / ``retire`` set a group's registry status
+(delayd/cli/cluster_registry.py says what each checks first).
+
+Exit status: 0; 1 when etcd cannot be read, or a status change is refused (the reason
+on stderr); 2 for bad arguments.
 """
 
 from __future__ import annotations
@@ -34,9 +41,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     status.add_argument("--prefix", help="the groups' key prefix in etcd (default: the cluster's)")
     status.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    status.set_defaults(run=_status)
+    from delayd.cli import cluster_registry
+
+    cluster_registry.add_actions(actions)
 
 
 def run(args: argparse.Namespace) -> int:
+    return int(args.run(args))
+
+
+def _status(args: argparse.Namespace) -> int:
     import trio
 
     from delayd.cluster.members import cluster_prefix
@@ -56,8 +71,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _read(etcd: tuple[str, ...], prefix: str, group: str | None) -> list[dict[str, Any]]:
+    from delayd.cli.cluster_registry import empty_state, registration_fields
     from delayd.cluster.etcd import EtcdClient
     from delayd.cluster.group_state import read_group, read_groups
+    from delayd.cluster.registry import read_registry
 
     async with EtcdClient(etcd) as client:
         states = (
@@ -65,7 +82,13 @@ async def _read(etcd: tuple[str, ...], prefix: str, group: str | None) -> list[d
             if group
             else await read_groups(client, prefix)
         )
-    return [_as_dict(state) for state in states]
+        registry = await read_registry(client, prefix)
+    if not group:  # registered groups with no member up are the cluster's too
+        states += [empty_state(name) for name in registry if name not in {s.group for s in states}]
+    return [
+        {**_as_dict(state), **registration_fields(registry.get(state.group))}
+        for state in sorted(states, key=lambda state: state.group)
+    ]
 
 
 def _as_dict(state: Any) -> dict[str, Any]:
@@ -102,6 +125,7 @@ def render(groups: list[dict[str, Any]]) -> str:
         in_sync = group["in_sync"]
         in_sync_text = ", ".join(in_sync) if in_sync is not None else "not written yet (new group)"
         lines.append(f"group {group['group']}: leader {leader}, epoch {epoch}")
+        lines.append(f"  {group['kind']} group, {group['status']}")
         lines.append(f"  in sync: {in_sync_text}")
         header = ("member", "role", "in_sync", "intake", "broker", "replication", "metrics")
         rows = [header] + [

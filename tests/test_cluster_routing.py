@@ -1,0 +1,236 @@
+"""Producers over every delay group of a cluster (``etcd://H:P/CLUSTER/*``), with real
+``delayd serve`` processes (one single-member group each) on a real etcd: ids spread
+over the groups, a retry lands where the first try went, cancels and reschedules find
+their message wherever it is; a group added while producing takes new ids and old ids'
+cancels are still honoured; a drained group takes no new id, still answers and
+delivers, and is retired only once empty; a group that is down keeps its ids (its
+sends fail) and nothing goes elsewhere. The checker runs over what was produced and
+consumed from every group's broker: 0 lost, 0 early, 0 twice, every cancel honoured."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import trio
+
+import delayd
+from delayd.client._cluster_view import read_delay_groups
+from delayd.client._routing import DelayGroups
+from delayd.errors import DelaydTimeout
+from delayd.group_address import parse_group_address
+from delayd.protocol import CancelOutcome, RescheduleOutcome, ResultCode
+from tests.delivery_support import consume, now_ms, serve_stats
+from tests.etcd_support import EtcdServer
+from tests.fault_checker import History, check
+from tests.intake_support import ServeProcess
+from tests.process_support import DELAYD, ROOT, child_env, free_port
+from tests.test_cluster_roles import member_env, wait_until
+
+pytestmark = pytest.mark.slow
+
+DELAY_MS = 5_000
+
+
+class Cluster:
+    """Single-member delay groups of a fresh cluster on the session's etcd."""
+
+    def __init__(self, tmp_path: Path, etcd: EtcdServer) -> None:
+        self.name = f"c{uuid.uuid4().hex[:10]}"
+        self.etcd_url = etcd.url
+        self.address = f"etcd://{etcd.url.removeprefix('http://')}/{self.name}/*"
+        self.tmp_path = tmp_path
+        self.members: dict[str, ServeProcess] = {}
+
+    def start(self, group: str) -> ServeProcess:
+        member = self.members.get(group) or ServeProcess(
+            self.tmp_path / group,
+            "--etcd", self.etcd_url, "--group", group, "--cluster", self.name,
+            # A fixed port: a member restarted is the same member (its id is its address),
+            # still in its group's in-sync set.
+            "--listen", f"127.0.0.1:{free_port()}",
+            env=member_env(),
+        )  # fmt: skip
+        self.members[group] = member
+        member.start()
+        wait_until(lambda: group in self.groups().active, 10, f"{group} registers")
+        return member
+
+    def groups(self) -> DelayGroups:
+        return trio.run(read_delay_groups, parse_group_address(self.address))
+
+    def accepted(self, group: str) -> int:
+        address = self.members[group].address
+        assert address is not None
+        return int(serve_stats(address)["intake.accepted_total"])
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*DELAYD, "cluster", *args, "--etcd", self.etcd_url, "--cluster", self.name],
+            cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+
+    def close(self) -> None:
+        for member in self.members.values():
+            member.close()
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, etcd_server: EtcdServer) -> Iterator[Cluster]:
+    made = Cluster(tmp_path, etcd_server)
+    yield made
+    made.close()
+
+
+def messages(ids: list[str], delay_ms: int = DELAY_MS) -> list[dict]:
+    return [{"subject": "orders", "body": b"x", "message_id": i, "delay_ms": delay_ms} for i in ids]
+
+
+def send(producer: delayd.Producer, history: History, ids: list[str]) -> None:
+    due_ms = now_ms() + DELAY_MS
+    for message_id in ids:
+        history.sent(message_id, due_ms)
+    receipts = producer.send_batch(messages(ids))
+    assert [r.message_id for r in receipts] == ids  # the caller's order
+    for receipt in receipts:
+        assert receipt.ok, receipt
+        duplicate = receipt.code is ResultCode.DUPLICATE
+        history.acked(receipt.message_id, receipt.due_ms or due_ms, duplicate=duplicate)
+
+
+def cancel(producer: delayd.Producer, history: History, ids: list[str]) -> list[CancelOutcome]:
+    receipts = producer.cancel_many(ids)
+    for receipt in receipts:
+        history.cancel(receipt.message_id, receipt.outcome.name)
+    return [r.outcome for r in receipts]
+
+
+def consume_all(cluster: Cluster, history: History) -> None:
+    """Everything every group's broker holds, once the last due time has passed."""
+    for group, member in cluster.members.items():
+        assert member.broker_address is not None
+        for received in consume(member.broker_address, 0, group=f"check-{group}"):
+            history.seen(received.sighting(group, committed=True))
+
+
+def test_ids_spread_over_the_groups_and_every_lookup_finds_its_message(cluster: Cluster):
+    cluster.start("d1")
+    cluster.start("d2")
+    history = History()
+    ids = [f"a-{i}" for i in range(300)]
+    with delayd.Producer(cluster.address, timeout_s=20) as producer:
+        assert isinstance(producer, delayd.Producer)
+        send(producer, history, ids)
+        counts = {g: cluster.accepted(g) for g in ("d1", "d2")}
+        assert sum(counts.values()) == 300 and min(counts.values()) > 100, counts
+        # A retry lands where the first try went: every id answered DUPLICATE there.
+        again = producer.send_batch(messages(ids, 60_000))
+        assert {r.code for r in again} == {ResultCode.DUPLICATE}
+        assert {g: cluster.accepted(g) for g in ("d1", "d2")} == counts
+        assert set(cancel(producer, history, ids[:50])) == {CancelOutcome.CANCELLED}
+        assert cancel(producer, history, ["never-sent"]) == [CancelOutcome.UNKNOWN]
+        moved = producer.reschedule(ids[60], delay_ms=DELAY_MS + 1000)
+        assert moved.outcome is RescheduleOutcome.RESCHEDULED
+        history.reschedule(ids[60], moved.outcome.name, moved.at_ms)
+        assert producer.reschedule("never-sent", delay_ms=1).outcome is RescheduleOutcome.UNKNOWN
+    time.sleep((DELAY_MS + 2500) / 1000)
+    consume_all(cluster, history)
+    check(history, due_by_ms=now_ms() - 1000).assert_clean()
+
+
+async def test_the_async_producer_routes_and_finds_the_same_way(cluster: Cluster):
+    for group in ("d1", "d2"):
+        await trio.to_thread.run_sync(cluster.start, group)  # it reads etcd in a trio run
+    ids = [f"b-{i}" for i in range(100)]
+    async with delayd.open_producer(cluster.address, timeout_s=20) as producer:
+        receipts = await producer.send_batch(messages(ids, 60_000))
+        assert [r.message_id for r in receipts] == ids and all(r.ok for r in receipts)
+        cancelled = await producer.cancel_many([*ids[:10], "never-sent"])
+        assert [r.outcome for r in cancelled] == [CancelOutcome.CANCELLED] * 10 + [
+            CancelOutcome.UNKNOWN
+        ]
+        moved = await producer.reschedule(ids[20], delay_ms=90_000)
+        assert moved.outcome is RescheduleOutcome.RESCHEDULED
+    assert min(cluster.accepted("d1"), cluster.accepted("d2")) > 25
+
+
+def test_a_group_added_and_one_drained_while_producing_lose_nothing(cluster: Cluster):
+    cluster.start("d1")
+    cluster.start("d2")
+    history = History()
+    old = [f"old-{i}" for i in range(200)]
+    with delayd.Producer(cluster.address, timeout_s=20) as producer:
+        send(producer, history, old)
+        cluster.start("d3")
+        producer.view.stale()  # rather than wait out the refresh interval
+        before = cluster.accepted("d3")
+        send(producer, history, [f"new-{i}" for i in range(200)])
+        assert cluster.accepted("d3") - before > 40  # new ids reach the new group
+        # Old ids the new group now owns are still found where they were stored.
+        now_owned_by_d3 = [i for i in old if producer.view.groups.owner(i) == "d3"]
+        assert now_owned_by_d3
+        assert set(cancel(producer, history, now_owned_by_d3)) == {CancelOutcome.CANCELLED}
+
+        drained = cluster.cli("drain", "d1")
+        assert drained.returncode == 0 and "draining" in drained.stdout, drained.stderr
+        producer.view.stale()
+        held_by_d1 = cluster.accepted("d1")
+        send(producer, history, [f"late-{i}" for i in range(200)])
+        assert cluster.accepted("d1") == held_by_d1  # a draining group takes no new id
+        d1_ids = [i for i in old if DelayGroups(("d1", "d2"), ()).owner(i) == "d1"]
+        outcomes = cancel(producer, history, d1_ids[-20:])  # still answered by d1
+        assert set(outcomes) <= {CancelOutcome.CANCELLED, CancelOutcome.ALREADY_DELIVERED}
+
+        refused = cluster.cli("retire", "d1")
+        assert refused.returncode == 1 and "pending message(s)" in refused.stderr
+        time.sleep((DELAY_MS + 2500) / 1000)  # d1 delivers what it holds
+        wait_until(lambda: cluster.cli("retire", "d1").returncode == 0, 15, "d1 retires")
+        producer.view.stale()
+        assert producer.view.groups is not None
+        assert "d1" not in producer.delay_groups().lookup
+    consume_all(cluster, history)
+    check(history, due_by_ms=now_ms() - 1000).assert_clean()
+
+
+def test_a_group_that_is_down_keeps_its_ids(cluster: Cluster):
+    cluster.start("d1")
+    d2 = cluster.start("d2")
+    d2.kill()
+    owners = DelayGroups(("d1", "d2"), ("d1", "d2"))
+    ids = [f"k-{i}" for i in range(40)]
+    on_d2 = [i for i in ids if owners.owner(i) == "d2"]
+    with delayd.Producer(cluster.address, timeout_s=2) as producer:
+        with pytest.raises(DelaydTimeout, match=f"{cluster.name}/d2"):
+            producer.send_batch(messages(ids, 60_000))
+        assert cluster.accepted("d1") == len(ids) - len(on_d2)  # d2's ids went nowhere else
+        with pytest.raises(DelaydTimeout, match=f"{cluster.name}/d2"):
+            producer.cancel(on_d2[0])  # never a false UNKNOWN: d2 could not be asked
+    cluster.start("d2")
+    with delayd.Producer(cluster.address, timeout_s=20) as producer:
+        receipts = producer.send_batch(messages(ids, 60_000))
+        assert all(r.ok for r in receipts)
+        assert cluster.accepted("d2") == len(on_d2)
+
+
+def test_cluster_status_shows_every_group_with_its_kind_and_status(cluster: Cluster):
+    cluster.start("d1")
+    cluster.start("d2")
+    assert cluster.cli("drain", "d2").returncode == 0
+    refused = cluster.cli("drain", "d1")
+    assert refused.returncode == 1 and "last active delay group" in refused.stderr
+    cluster.members["d2"].kill()
+    shown = {
+        g["group"]: (g["kind"], g["status"])
+        for g in json.loads(cluster.cli("status", "--json").stdout)["groups"]
+    }
+    assert shown == {"d1": ("delay", "active"), "d2": ("delay", "draining")}
+    text = cluster.cli("status").stdout
+    assert "delay group, draining" in text and "delay group, active" in text
+    counts = Counter(line.split()[1] for line in text.splitlines() if line.startswith("group "))
+    assert counts == {"d1:": 1, "d2:": 1}
