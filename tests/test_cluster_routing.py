@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import subprocess
 import time
+import urllib.error
+import urllib.request
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -55,7 +57,7 @@ class Cluster:
             # A fixed port: a member restarted is the same member (its id is its address),
             # still in its group's in-sync set.
             "--listen", f"127.0.0.1:{free_port()}",
-            env=member_env(),
+            env=member_env(), http_listen="127.0.0.1:0",
         )  # fmt: skip
         self.members[group] = member
         member.start()
@@ -139,9 +141,25 @@ def test_ids_spread_over_the_groups_and_every_lookup_finds_its_message(cluster: 
         assert moved.outcome is RescheduleOutcome.RESCHEDULED
         history.reschedule(ids[60], moved.outcome.name, moved.at_ms)
         assert producer.reschedule("never-sent", delay_ms=1).outcome is RescheduleOutcome.UNKNOWN
+    # Over HTTP: `delayd cluster route` names the owner, whose leader knows the id.
+    (route,) = json.loads(cluster.cli("route", ids[100], "--json").stdout)["routes"]
+    assert sorted(a["group"] for a in route["ask"]) == ["d1", "d2"]
+    owner, other = route["ask"]
+    assert owner["group"] == route["owner"] == DelayGroups(("d1", "d2"), ()).owner(ids[100])
+    assert http_status(owner["http"], ids[100]) == "pending"
+    assert http_status(other["http"], ids[100]) == 404
     time.sleep((DELAY_MS + 2500) / 1000)
     consume_all(cluster, history)
     check(history, due_by_ms=now_ms() - 1000).assert_clean()
+
+
+def http_status(http: str, message_id: str) -> str | int:
+    """The status the HTTP API at ``http`` gives ``message_id``, or its HTTP error."""
+    try:
+        with urllib.request.urlopen(f"http://{http}/v1/messages/{message_id}", timeout=10) as got:
+            return json.loads(got.read())["status"]
+    except urllib.error.HTTPError as exc:
+        return exc.code
 
 
 async def test_the_async_producer_routes_and_finds_the_same_way(cluster: Cluster):

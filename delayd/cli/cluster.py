@@ -3,6 +3,7 @@
     delayd cluster status --etcd http://127.0.0.1:2379 [--group NAME] [--json]
     delayd cluster drain|activate GROUP --etcd URL [--cluster NAME]
     delayd cluster retire GROUP --etcd URL [--cluster NAME] [--force]
+    delayd cluster route ID... --etcd URL [--cluster NAME] [--json]
 
 ``status``: for each group under the key prefix, its kind and registry status
 (docs/cluster.md, "The registry"), its leader and epoch (the revision that created
@@ -11,7 +12,8 @@ member with its role and addresses. Replication lag is not shown yet: the data p
 that measures it is still to be wired (docs/replication.md).
 
 ``drain`` / ``activate`` / ``retire`` set a group's registry status
-(delayd/cli/cluster_registry.py says what each checks first).
+(delayd/cli/cluster_registry.py says what each checks first). ``route`` names the
+groups that own and may hold message ids (delayd/cli/cluster_route.py).
 
 Exit status: 0; 1 when etcd cannot be read, or a status change is refused (the reason
 on stderr); 2 for bad arguments.
@@ -42,9 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     status.add_argument("--prefix", help="the groups' key prefix in etcd (default: the cluster's)")
     status.add_argument("--json", action="store_true", help="one JSON object on stdout")
     status.set_defaults(run=_status)
-    from delayd.cli import cluster_registry
+    from delayd.cli import cluster_registry, cluster_route
 
     cluster_registry.add_actions(actions)
+    cluster_route.add_action(actions)
 
 
 def run(args: argparse.Namespace) -> int:
