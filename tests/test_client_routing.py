@@ -65,9 +65,9 @@ def test_split_keeps_the_callers_order_per_group():
 
 def test_no_active_group_is_an_error_that_says_what_to_do():
     groups = DelayGroups.from_registry(registry(d1=DRAINING))
-    with pytest.raises(LookupError, match=r"no active delay group.*activate"):
+    with pytest.raises(UnreachableError, match=r"no active delay group.*activate"):
         groups.owner("x")
-    with pytest.raises(LookupError, match="no delay group"):
+    with pytest.raises(UnreachableError, match="no delay group"):
         Lookup(["x"], DelayGroups((), ()))
 
 

@@ -78,6 +78,13 @@ class Cluster:
             cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=30,
         )  # fmt: skip
 
+    def command(self, *args: str) -> str:
+        """``delayd COMMAND --server <the cluster> ARGS``; its stdout (it must succeed)."""
+        return subprocess.run(
+            [*DELAYD, args[0], "--server", self.address, *args[1:]],
+            cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=30, check=True,
+        ).stdout  # fmt: skip
+
     def close(self) -> None:
         for member in self.members.values():
             member.close()
@@ -242,6 +249,10 @@ def test_cluster_status_shows_every_group_with_its_kind_and_status(cluster: Clus
     assert cluster.cli("drain", "d2").returncode == 0
     refused = cluster.cli("drain", "d1")
     assert refused.returncode == 1 and "last active delay group" in refused.stderr
+    # the commands take the cluster's address too: d1 is the only active group now
+    sent = cluster.command("send", "--subject", "orders", "--delay", "60s", "--id", "cli-1", "x")
+    assert json.loads(sent)["code"] == "OK" and cluster.accepted("d1") == 1
+    assert json.loads(cluster.command("cancel", "cli-1"))["outcome"] == "CANCELLED"
     cluster.members["d2"].kill()
     shown = {
         g["group"]: (g["kind"], g["status"])

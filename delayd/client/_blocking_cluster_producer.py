@@ -121,7 +121,7 @@ class ClusterProducer(Producer):
     def send_batch(
         self, messages: Iterable[Message | Mapping[str, Any] | tuple[str, bytes]]
     ) -> list[Receipt]:
-        """As Producer.send_batch; LookupError when the cluster has no active delay
+        """As Producer.send_batch; UnreachableError when the cluster has no active delay
         group."""
         batch = coerce_batch(messages)
         if not batch:

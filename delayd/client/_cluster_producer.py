@@ -93,8 +93,8 @@ class AsyncClusterProducer(AsyncProducer):
     async def send_batch(
         self, messages: Iterable[Message | Mapping[str, Any] | tuple[str, bytes]]
     ) -> list[Receipt]:
-        """As AsyncProducer.send_batch; LookupError when the cluster has no active delay
-        group."""
+        """As AsyncProducer.send_batch; UnreachableError when the cluster has no active
+        delay group."""
         batch = coerce_batch(messages)
         self._check_open()
         if not batch:

@@ -22,6 +22,7 @@ import xxhash
 
 from delayd.client.cancel_receipt import CancelReceipt, RescheduleReceipt
 from delayd.cluster.registry import GroupKind, GroupStatus, Registration
+from delayd.errors import UnreachableError
 from delayd.protocol import CancelOutcome, RescheduleOutcome
 
 R = TypeVar("R", CancelReceipt, RescheduleReceipt)
@@ -60,10 +61,10 @@ class DelayGroups:
         )
 
     def owner(self, message_id: str) -> str:
-        """The active group ``message_id`` is sent to. Raises LookupError when the
+        """The active group ``message_id`` is sent to. Raises UnreachableError when the
         cluster has no active delay group."""
         if not self.active:
-            raise LookupError(
+            raise UnreachableError(
                 "the cluster has no active delay group (delayd cluster status; "
                 "delayd cluster activate GROUP)"
             )
@@ -76,7 +77,7 @@ class DelayGroups:
         return [*first, *(g for g in self.lookup if g not in first)]
 
     def split(self, message_ids: Sequence[str]) -> dict[str, list[int]]:
-        """The indexes of ``message_ids`` by owner, in their order (LookupError as
+        """The indexes of ``message_ids`` by owner, in their order (UnreachableError as
         ``owner``)."""
         by_group: dict[str, list[int]] = {}
         for index, message_id in enumerate(message_ids):
@@ -94,7 +95,7 @@ class Lookup(Generic[R]):
 
     def __init__(self, message_ids: Sequence[str], groups: DelayGroups) -> None:
         if not groups.lookup:
-            raise LookupError("the cluster has no delay group (delayd cluster status)")
+            raise UnreachableError("the cluster has no delay group (delayd cluster status)")
         self.message_ids = list(message_ids)
         self._order = [groups.ask_order(message_id) for message_id in self.message_ids]
         self._answers: list[R | None] = [None] * len(self.message_ids)
