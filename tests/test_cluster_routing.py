@@ -10,7 +10,9 @@ consumed from every group's broker: 0 lost, 0 early, 0 twice, every cancel honou
 from __future__ import annotations
 
 import json
+import re
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -37,7 +39,7 @@ from tests.test_cluster_roles import member_env, wait_until
 
 pytestmark = pytest.mark.slow
 
-DELAY_MS = 5_000
+DELAY_MS = 3_000
 
 
 class Cluster:
@@ -149,6 +151,9 @@ def test_ids_spread_over_the_groups_and_every_lookup_finds_its_message(cluster: 
         history.reschedule(ids[60], moved.outcome.name, moved.at_ms)
         assert producer.reschedule("never-sent", delay_ms=1).outcome is RescheduleOutcome.UNKNOWN
     # Over HTTP: `delayd cluster route` names the owner, whose leader knows the id.
+    shown = cluster.cli("route", ids[100]).stdout.splitlines()
+    assert re.fullmatch(rf"{ids[100]}  d\d http 127.0.0.1:\d+ intake 127.0.0.1:\d+", shown[0])
+    assert re.fullmatch(r" +d\d http 127.0.0.1:\d+ intake 127.0.0.1:\d+", shown[1])
     (route,) = json.loads(cluster.cli("route", ids[100], "--json").stdout)["routes"]
     assert sorted(a["group"] for a in route["ask"]) == ["d1", "d2"]
     owner, other = route["ask"]
@@ -158,6 +163,21 @@ def test_ids_spread_over_the_groups_and_every_lookup_finds_its_message(cluster: 
     time.sleep((DELAY_MS + 2500) / 1000)
     consume_all(cluster, history)
     check(history, due_by_ms=now_ms() - 1000).assert_clean()
+
+
+def test_the_docs_example_runs_against_a_cluster(cluster: Cluster):
+    cluster.start("d1")
+    cluster.start("d2")
+    text = (ROOT / "docs" / "cluster.md").read_text()
+    marker = text.index("<!-- tests/test_cluster_routing.py runs this example")
+    (block,) = re.findall(r"```python\n(.*?)```", text[marker:], re.S)[:1]
+    assert '"etcd://10.0.0.9:2379/prod/*"' in block
+    done = subprocess.run(
+        [sys.executable, "-c", block.replace("etcd://10.0.0.9:2379/prod/*", cluster.address)],
+        cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["CANCELLED"]
 
 
 def http_status(http: str, message_id: str) -> str | int:
