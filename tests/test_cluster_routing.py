@@ -274,11 +274,14 @@ def test_cluster_status_shows_every_group_with_its_kind_and_status(cluster: Clus
     assert json.loads(sent)["code"] == "OK" and cluster.accepted("d1") == 1
     assert json.loads(cluster.command("cancel", "cli-1"))["outcome"] == "CANCELLED"
     cluster.members["d2"].kill()
-    shown = {
-        g["group"]: (g["kind"], g["status"])
-        for g in json.loads(cluster.cli("status", "--json").stdout)["groups"]
-    }
-    assert shown == {"d1": ("delay", "active"), "d2": ("delay", "draining")}
+
+    def shown() -> dict[str, tuple[str, str, int]]:
+        groups = json.loads(cluster.cli("status", "--json").stdout)["groups"]
+        return {g["group"]: (g["kind"], g["status"], len(g["members"])) for g in groups}
+
+    # a group whose members are all gone (their keys expired with their leases) is shown
+    wait_until(lambda: shown()["d2"][2] == 0, 10, "d2's member key expires")
+    assert shown() == {"d1": ("delay", "active", 1), "d2": ("delay", "draining", 0)}
     text = cluster.cli("status").stdout
     assert "delay group, draining" in text and "delay group, active" in text
     counts = Counter(line.split()[1] for line in text.splitlines() if line.startswith("group "))

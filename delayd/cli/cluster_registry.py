@@ -1,10 +1,10 @@
 """``delayd cluster drain|activate|retire GROUP``: set a group's registry status
 (docs/cluster.md, "Adding and removing a delay group").
 
-- ``drain``: the group takes no new work (producers send it no new ids; delay groups
-  stop routing deliveries to a broker group) but keeps delivering what it holds and
-  answering about it. Refused for the cluster's last active delay group (producers
-  would have nowhere to send) unless ``--force``.
+- ``drain``: the group takes no new work (producers over the cluster send a delay
+  group no new ids; what a draining broker group does is in the broker-group sections
+  of docs/cluster.md) but keeps delivering what it holds and answering about it.
+  Refused for the cluster's last active group of its kind unless ``--force``.
 - ``activate``: the group takes new work again.
 - ``retire``: the group holds nothing the cluster still needs, and lookups by id no
   longer ask it. Refused unless the group is draining, and, for a delay group, unless
