@@ -50,6 +50,11 @@ class AsyncClusterProducer(AsyncProducer):
     ) -> None:
         """``session_options``: AsyncSession's (token, client_name, tls), for every
         group."""
+        # AsyncProducer.__init__ is not called: it takes one session, and this holds one
+        # per group, made with ``session_options``.
+        tls = session_options.get("tls")
+        if tls is not None:
+            tls.ssl_context  # noqa: B018  # its files read now: a TlsError names them
         self.view = ClusterView(target)
         self.addr = str(target)
         self.timeout_s = timeout_s
