@@ -283,6 +283,14 @@ def test_cluster_status_shows_every_group_with_its_kind_and_status(cluster: Clus
     wait_until(lambda: shown()["d2"][2] == 0, 10, "d2's member key expires")
     assert shown() == {"d1": ("delay", "active", 1), "d2": ("delay", "draining", 0)}
     text = cluster.cli("status").stdout
+    not_drained = cluster.cli("retire", "d1")
+    assert not_drained.returncode == 1 and "d1 is active, not draining" in not_drained.stderr
+    cannot_tell = cluster.cli("retire", "d2")
+    assert cannot_tell.returncode == 1
+    assert "cannot tell whether d2 is empty: group d2 has no leader now" in cannot_tell.stderr
+    forced = cluster.cli("retire", "d2", "--force")
+    assert forced.returncode == 0 and "WARNING: cannot tell whether d2 is empty" in forced.stderr
     assert "delay group, draining" in text and "delay group, active" in text
+    assert shown()["d2"][1] == "retired"
     counts = Counter(line.split()[1] for line in text.splitlines() if line.startswith("group "))
     assert counts == {"d1:": 1, "d2:": 1}

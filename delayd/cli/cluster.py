@@ -5,14 +5,14 @@
     delayd cluster retire GROUP --etcd URL [--cluster NAME] [--force]
     delayd cluster route ID... --etcd URL [--cluster NAME] [--json]
 
-``status``: for each group under the key prefix, its kind and registry status
+status: for each group under the key prefix, its kind and registry status
 (docs/cluster.md, "The registry"), its leader and epoch (the revision that created
 the leader key), its in-sync set (the members that may lead), and every registered
 member with its role and addresses. Replication lag is not shown yet: the data path
 that measures it is still to be wired (docs/replication.md).
 
-``drain`` / ``activate`` / ``retire`` set a group's registry status
-(delayd/cli/cluster_registry.py says what each checks first). ``route`` names the
+drain / activate / retire set a group's registry status
+(delayd/cli/cluster_registry.py says what each checks first). route names the
 groups that own and may hold message ids (delayd/cli/cluster_route.py).
 
 Exit status: 0; 1 when etcd cannot be read, or a status change is refused (the reason
