@@ -203,6 +203,19 @@ async def test_the_async_producer_routes_and_finds_the_same_way(cluster: Cluster
         moved = await producer.reschedule(ids[20], delay_ms=90_000)
         assert moved.outcome is RescheduleOutcome.RESCHEDULED
     assert min(cluster.accepted("d1"), cluster.accepted("d2")) > 25
+    cluster.members["d2"].kill()
+    owners = DelayGroups(("d1", "d2"), ())
+    on_d1 = [i for i in ids[50:] if owners.owner(i) == "d1"]
+    on_d2 = [i for i in ids[50:] if owners.owner(i) == "d2"]
+    async with delayd.open_producer(cluster.address, timeout_s=2) as producer:
+        # d2's part fails naming d2, d1's part is stored all the same
+        with pytest.raises(DelaydTimeout, match=f"{cluster.name}/d2"):
+            await producer.cancel_many([*on_d1, *on_d2])
+        with pytest.raises(DelaydTimeout, match=f"{cluster.name}/d2"):
+            await producer.cancel(f"{on_d2[0]}")
+    async with delayd.open_producer(cluster.address, timeout_s=20) as producer:
+        cancelled = await producer.cancel_many(on_d1)  # d1 answered the first time
+        assert {r.outcome for r in cancelled} == {CancelOutcome.CANCELLED}
 
 
 def test_a_group_added_and_one_drained_while_producing_lose_nothing(cluster: Cluster):

@@ -42,14 +42,13 @@ import trio
 
 ROOT = bench_common.ROOT
 
-from bench_intake import cpu_seconds, pinned  # noqa: E402
+from bench_intake import IntakeClient, cpu_seconds, pinned  # noqa: E402
 
 from delayd.address import parse_address  # noqa: E402
-from delayd.bench.raw_client import RawClient  # noqa: E402
 from delayd.client._cluster_view import read_delay_groups  # noqa: E402
 from delayd.cluster.group_state import lookup_group  # noqa: E402
 from delayd.group_address import parse_group_address  # noqa: E402
-from delayd.protocol import Message, ResultCode, SendBatch, SendBatchResult, encode_event  # noqa: E402
+from delayd.protocol import Message, SendBatch, encode_event  # noqa: E402
 from tests.etcd_support import EtcdServer  # noqa: E402
 from tests.intake_support import ServeProcess  # noqa: E402
 from tests.process_support import free_port  # noqa: E402
@@ -72,7 +71,7 @@ def client_main(args: argparse.Namespace) -> None:
     """One group's client: its ids from stdin (one a line), sent from ``--start-at``
     (epoch s) on; prints acked, start and end (epoch s) and its own CPU seconds."""
     ids = sys.stdin.read().split()
-    client = RawClient(*parse_address(args.addr), "bench-routing")
+    client = IntakeClient(*parse_address(args.addr), "bench-routing")
     rng = random.Random(args.seed)
     frames = []
     for first in range(0, len(ids), BATCH):
@@ -85,17 +84,8 @@ def client_main(args: argparse.Namespace) -> None:
     time.sleep(max(0.0, args.start_at - time.time()))
     cpu_before = time.process_time()
     started = time.time()
-    acked = sent = pending = 0
-    while sent < len(frames) or pending:
-        while pending < IN_FLIGHT and sent < len(frames):
-            client.sock.sendall(frames[sent])
-            sent += 1
-            pending += 1
-        answer = client.receive()
-        assert isinstance(answer, SendBatchResult), answer
-        pending -= 1
-        acked += sum(1 for r in answer.results if r.code is ResultCode.OK)
-    ended = time.time()
+    acked, seconds = client.send_all(frames, IN_FLIGHT)
+    ended = started + seconds
     print(json.dumps({"acked": acked, "started": started, "ended": ended,
                       "cpu_s": time.process_time() - cpu_before}))  # fmt: skip
 

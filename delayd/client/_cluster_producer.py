@@ -10,6 +10,7 @@ group's producer, only at that group, even if the registry changes meanwhile.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from datetime import datetime, timedelta
@@ -23,6 +24,7 @@ from delayd.client._cluster_view import ClusterView, read_delay_groups
 from delayd.client._due import reschedule_due_ms
 from delayd.client._messages import coerce_batch
 from delayd.client._routing import DelayGroups, Lookup, R
+from delayd.client._task_group import run_all
 from delayd.client.async_producer import AsyncProducer
 from delayd.client.cancel_receipt import CancelReceipt, RescheduleReceipt, check_message_ids
 from delayd.client.receipt import Receipt
@@ -169,24 +171,12 @@ class AsyncClusterProducer(AsyncProducer):
         """``part`` for every group of ``parts`` at once; every part runs to its end
         (one group's failure does not stop another's), then the first error is raised
         as itself, and the registry is read again before the next call."""
-        errors: list[Exception] = []
-
-        async def one(group: str, indexes: list[int]) -> None:
-            try:
-                await part(group, indexes)
-            except Exception as exc:
-                errors.append(exc)
-
-        if len(parts) == 1:
-            ((group, indexes),) = parts.items()
-            await one(group, indexes)
-        else:
-            async with anyio.create_task_group() as tasks:
-                for group, indexes in parts.items():
-                    tasks.start_soon(one, group, indexes)
-        if errors:
+        jobs = [functools.partial(part, group, indexes) for group, indexes in parts.items()]
+        try:
+            await run_all(jobs, stop_on_error=False)
+        except Exception:
             self.view.stale()
-            raise errors[0]
+            raise
 
     def _check_open(self) -> None:
         if self._closed:

@@ -12,6 +12,7 @@ acknowledge several with one fsync.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import asynccontextmanager
@@ -26,7 +27,7 @@ from delayd.client._async_session import AsyncSession
 from delayd.client._backoff import Backoff
 from delayd.client._due import reschedule_due_ms
 from delayd.client._messages import SendOptions, build_message, coerce_batch, split_frames
-from delayd.client._task_group import background_task_group
+from delayd.client._task_group import background_task_group, run_all
 from delayd.client.cancel_receipt import CancelReceipt, RescheduleReceipt
 from delayd.client.receipt import Receipt, still_busy, stored_or_raise
 from delayd.errors import (
@@ -105,25 +106,13 @@ class AsyncProducer:
             return []
         with anyio.move_on_after(self.timeout_s):
             frames = split_frames(batch)
-            if len(frames) == 1:
-                return await self._send_frame(frames[0])
             results: list[list[Receipt]] = [[] for _ in frames]
-            errors: list[Exception] = []
 
             async def one(index: int) -> None:
-                # Errors are kept rather than raised, so the caller gets the exception
-                # itself and not an ExceptionGroup from this task group.
-                try:
-                    results[index] = await self._send_frame(frames[index])
-                except Exception as exc:
-                    errors.append(exc)
-                    tg.cancel_scope.cancel()
+                results[index] = await self._send_frame(frames[index])
 
-            async with anyio.create_task_group() as tg:
-                for index in range(len(frames)):
-                    tg.start_soon(one, index)
-            if errors:
-                raise errors[0]
+            jobs = [functools.partial(one, index) for index in range(len(frames))]
+            await run_all(jobs, stop_on_error=True)
             return [receipt for part in results for receipt in part]
         self._session.abort()
         raise self._session.took_too_long(f"sending {len(batch)} message(s)", self.timeout_s)
@@ -194,9 +183,8 @@ class AsyncProducer:
         async def one(index: int) -> None:
             answers[index] = await self._call(batches[index])
 
-        async with anyio.create_task_group() as tasks:
-            for index in range(len(batches)):
-                tasks.start_soon(one, index)
+        jobs = [functools.partial(one, index) for index in range(len(batches))]
+        await run_all(jobs, stop_on_error=True)
         return [receipt for frame_receipts in answers for receipt in frame_receipts]
 
     async def reschedule(
