@@ -9,13 +9,15 @@ from collections import Counter
 
 import pytest
 
+import delayd
 from delayd.client._cluster_view import ClusterView
 from delayd.client._routing import DelayGroups, Lookup, owner
 from delayd.client.cancel_receipt import CancelReceipt
 from delayd.cluster.registry import GroupKind, GroupStatus, Registration
-from delayd.errors import UnreachableError
+from delayd.errors import DelaydTimeout, UnreachableError
 from delayd.group_address import parse_group_address
 from delayd.protocol import CancelOutcome
+from tests.etcd_support import dead_url
 
 IDS = [f"order-{i}" for i in range(6000)]
 
@@ -106,3 +108,25 @@ def test_a_view_keeps_the_last_registry_when_etcd_cannot_be_read():
     assert view.read_failed(OSError("refused")) is groups
     view.stale()
     assert view.due(11.0)
+
+
+def dead_cluster() -> str:
+    return f"etcd://{dead_url().removeprefix('http://')}/prod/*"
+
+
+def test_a_producer_over_a_cluster_whose_etcd_is_down_says_so():
+    address = dead_cluster()
+    producer = delayd.Producer(address, timeout_s=1.5, retry_first_connect=False)
+    with pytest.raises(UnreachableError, match=r"cannot read the groups of .*prod/\*"):
+        producer.connect()
+    with pytest.raises(DelaydTimeout, match=r"prod/\*.*for 1.5 s"):
+        delayd.Producer(address, timeout_s=1.5).connect()
+
+
+async def test_the_async_producer_over_a_cluster_whose_etcd_is_down_says_so():
+    with pytest.raises(UnreachableError, match=r"cannot read the groups of .*prod/\*"):
+        async with delayd.open_producer(dead_cluster(), retry_first_connect=False):
+            pass
+    with pytest.raises(DelaydTimeout, match=r"could not read the groups of .*prod/\* within"):
+        async with delayd.open_producer(dead_cluster(), timeout_s=1.5):
+            pass

@@ -305,5 +305,9 @@ def test_cluster_status_shows_every_group_with_its_kind_and_status(cluster: Clus
     assert forced.returncode == 0 and "WARNING: cannot tell whether d2 is empty" in forced.stderr
     assert "delay group, draining" in text and "delay group, active" in text
     assert shown()["d2"][1] == "retired"
+    assert cluster.cli("activate", "d2").stdout == "group d2 (delay): active\n"
+    assert shown()["d2"][1] == "active"
+    unknown = cluster.cli("drain", "nope")
+    assert unknown.returncode == 1 and "the cluster has no group 'nope'" in unknown.stderr
     counts = Counter(line.split()[1] for line in text.splitlines() if line.startswith("group "))
     assert counts == {"d1:": 1, "d2:": 1}
