@@ -46,6 +46,7 @@ from bench_intake import IntakeClient, cpu_seconds, pinned  # noqa: E402
 
 from delayd.address import parse_address  # noqa: E402
 from delayd.client._cluster_view import read_delay_groups  # noqa: E402
+from delayd.client._routing import DelayGroups  # noqa: E402
 from delayd.cluster.group_state import lookup_group  # noqa: E402
 from delayd.group_address import parse_group_address  # noqa: E402
 from delayd.protocol import Message, SendBatch, encode_event  # noqa: E402
@@ -183,6 +184,16 @@ def run_round(cluster: Cluster, ids: list[str], client_cpus: dict[str, str | Non
     }
 
 
+def emit_routing_cost(count: int) -> None:
+    """What routing costs a producer: splitting ``count`` ids over two groups."""
+    groups = DelayGroups(("d1", "d2"), ("d1", "d2"))
+    ids = [f"order-{i}" for i in range(count)]
+    started = time.process_time()
+    groups.split(ids)
+    seconds = time.process_time() - started
+    emit("client_routing_cpu_per_id", seconds / count * 1e6, "us", groups=2, ids=count)
+
+
 def main() -> None:
     parser = bench_common.bench_parser(__doc__, "smaller runs (< 1 minute)")
     parser.add_argument("mode", nargs="?", default="bench", choices=["bench", "client"])
@@ -201,6 +212,7 @@ def main() -> None:
         return
     bench_common.emit_host_speed(emit)
     messages, rounds = (200_000, 1) if args.quick else (1_000_000, 3)
+    emit_routing_cost(messages)
     rounds = args.rounds or rounds
     with tempfile.TemporaryDirectory(prefix="bench-routing-", dir=args.data_in) as work_dir:
         work = Path(work_dir)
