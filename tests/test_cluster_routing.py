@@ -13,6 +13,7 @@ import json
 import re
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -63,7 +64,7 @@ class Cluster:
         )  # fmt: skip
         self.members[group] = member
         member.start()
-        wait_until(lambda: group in self.groups().active, 10, f"{group} registers")
+        wait_until(lambda: group in self.groups().lookup, 10, f"{group} registers")
         return member
 
     def groups(self) -> DelayGroups:
@@ -269,11 +270,23 @@ def test_a_group_that_is_down_keeps_its_ids(cluster: Cluster):
         assert cluster.accepted("d1") == len(ids) - len(on_d2)  # d2's ids went nowhere else
         with pytest.raises(DelaydTimeout, match=f"{cluster.name}/d2"):
             producer.cancel(on_d2[0])  # never a false UNKNOWN: d2 could not be asked
-    cluster.start("d2")
-    with delayd.Producer(cluster.address, timeout_s=20) as producer:
-        receipts = producer.send_batch(messages(ids, 60_000))
+    # The same batch again while d2 is down, and the registry changes under the call
+    # (d2 drained): the call's route stays pinned, its d2 part waits for d2.
+    with delayd.Producer(cluster.address, timeout_s=30) as producer:
+        producer.delay_groups()  # read before the change
+        result: list = []
+        call = threading.Thread(target=lambda: result.append(producer.send_batch(messages(ids))))
+        call.start()
+        assert cluster.cli("drain", "d2").returncode == 0
+        producer.view.stale()  # as if the refresh interval ran out during the call
+        time.sleep(0.5)
+        cluster.start("d2")
+        call.join(30)
+        (receipts,) = result
         assert all(r.ok for r in receipts)
-        assert cluster.accepted("d2") == len(on_d2)
+        assert cluster.accepted("d2") == len(on_d2)  # its ids reached it, late
+        assert cluster.accepted("d1") == len(ids) - len(on_d2)  # and only it
+        assert producer.delay_groups().active == ("d1",)  # the next call sees the drain
 
 
 def test_cluster_status_shows_every_group_with_its_kind_and_status(cluster: Cluster):
