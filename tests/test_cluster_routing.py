@@ -317,6 +317,7 @@ def test_cluster_status_shows_every_group_with_its_kind_and_status(cluster: Clus
     forced = cluster.cli("retire", "d2", "--force")
     assert forced.returncode == 0 and "WARNING: cannot tell whether d2 is empty" in forced.stderr
     assert "delay group, draining" in text and "delay group, active" in text
+    assert "group d2: leader none (no member up)" in text
     assert shown()["d2"][1] == "retired"
     assert cluster.cli("activate", "d2").stdout == "group d2 (delay): active\n"
     assert shown()["d2"][1] == "active"

@@ -74,7 +74,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 async def _read(etcd: tuple[str, ...], prefix: str, group: str | None) -> list[dict[str, Any]]:
-    from delayd.cli.cluster_registry import empty_state, registration_fields
+    from delayd.cli.cluster_registry import registration_fields
     from delayd.cluster.etcd import EtcdClient
     from delayd.cluster.group_state import read_group, read_groups
     from delayd.cluster.registry import read_registry
@@ -86,8 +86,9 @@ async def _read(etcd: tuple[str, ...], prefix: str, group: str | None) -> list[d
             else await read_groups(client, prefix)
         )
         registry = await read_registry(client, prefix)
-    if not group:  # registered groups with no member up are the cluster's too
-        states += [empty_state(name) for name in registry if name not in {s.group for s in states}]
+        if not group:  # registered groups with no member up are the cluster's too
+            absent = [name for name in registry if name not in {s.group for s in states}]
+            states += [await read_group(client, name, prefix) for name in absent]
     return [
         {**_as_dict(state), **registration_fields(registry.get(state.group))}
         for state in sorted(states, key=lambda state: state.group)
@@ -123,7 +124,9 @@ def render(groups: list[dict[str, Any]]) -> str:
         return "no groups\n"
     lines = []
     for group in groups:
-        leader = group["leader"] or "none (election under way)"
+        leader = group["leader"] or (
+            "none (election under way)" if group["members"] else "none (no member up)"
+        )
         epoch = group["epoch"] if group["epoch"] is not None else "-"
         in_sync = group["in_sync"]
         in_sync_text = ", ".join(in_sync) if in_sync is not None else "not written yet (new group)"

@@ -171,10 +171,3 @@ def registration_fields(entry: Registration | None) -> dict[str, Any]:
     if entry is None:  # members of an older version, which do not register
         return {"kind": "unregistered", "status": "-"}
     return {"kind": str(entry.kind), "status": str(entry.status)}
-
-
-def empty_state(group: str) -> GroupState:
-    """A registered group none of whose members is up."""
-    from delayd.cluster.group_state import GroupState
-
-    return GroupState(group, (), None, None, None)
