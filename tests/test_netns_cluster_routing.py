@@ -95,6 +95,7 @@ def test_groups_added_drained_retired_and_killed_under_load(
 
     assert "draining" in load.cli(p, "drain", "d1")
     drained_ms = now_ms()
+    time.sleep(SETTLED_S)  # the producer routes over d2 and d3 only from here on
     producer.wait_for("acked", len(producer.events("acked")) + 300, timeout_s=30)
 
     d2 = load.members["d2"]
