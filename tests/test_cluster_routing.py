@@ -298,6 +298,9 @@ def test_cluster_status_shows_every_group_with_its_kind_and_status(cluster: Clus
     # the commands take the cluster's address too: d1 is the only active group now
     sent = cluster.command("send", "--subject", "orders", "--delay", "60s", "--id", "cli-1", "x")
     assert json.loads(sent)["code"] == "OK" and cluster.accepted("d1") == 1
+    sent = cluster.command("send", "--subject", "orders", "--delay", "60s", "--id", "cli-2", "x")
+    moved = json.loads(cluster.command("reschedule", "--delay", "90s", "cli-2"))
+    assert moved["outcome"] == "RESCHEDULED"
     assert json.loads(cluster.command("cancel", "cli-1"))["outcome"] == "CANCELLED"
     cluster.members["d2"].kill()
 
