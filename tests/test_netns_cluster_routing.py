@@ -29,6 +29,8 @@ pytestmark = [pytest.mark.netns, pytest.mark.slow]
 PORT, BROKER_PORT, REPLICATION_PORT, METRICS_PORT = 7000, 7001, 7002, 7003
 MAX_DELAY_MS = 1500  # fault_load's default: a drained group is empty this long after
 SETTLED_S = REFRESH_S + 1.0  # a registry change reaches the producer within this
+TIMEOUT_S = 2.0  # the producer's: a call to the killed group fails after this
+DOWN_S = TIMEOUT_S + 1.5  # so at least one call fails while it is down
 
 
 class ClusterLoad(Load):
@@ -86,7 +88,7 @@ def test_groups_added_drained_retired_and_killed_under_load(
     load = ClusterLoad(tmp_path, netns_etcd)
     load.group("d1", g1, c)
     load.group("d2", g2, c)
-    producer = load.producer(p, "producer", "--seed", "7", "--timeout-s", "2")
+    producer = load.producer(p, "producer", "--seed", "7", "--timeout-s", str(TIMEOUT_S))
     producer.wait_for("acked", 300, timeout_s=30)
 
     load.group("d3", g3, c)  # added mid-run: registers when its member joins
@@ -101,7 +103,7 @@ def test_groups_added_drained_retired_and_killed_under_load(
     d2 = load.members["d2"]
     d2.kill()
     killed_ms = now_ms()
-    time.sleep(2.0)
+    time.sleep(DOWN_S)
     restarted_ms = now_ms()
     d2.start()
     producer.wait_for("acked", len(producer.events("acked")) + 300, timeout_s=30)
