@@ -14,6 +14,7 @@ import trio
 import delayd
 from delayd.client._async_link import AsyncLink
 from delayd.client._backoff import Backoff
+from delayd.client._blocking_cluster_producer import ClusterProducer
 from delayd.client._blocking_session import BlockingSession
 from delayd.client._leader import LeaderFinder
 from delayd.cluster.config import ClusterConfig, cluster_from_environment
@@ -85,9 +86,11 @@ def test_cluster_address_forms():
     assert str(every_prod) == "etcd://10.0.0.9:2379/prod/*"
 
 
-def test_a_one_group_client_refuses_a_whole_cluster_address():
+def test_a_one_group_session_refuses_a_whole_cluster_address():
     with pytest.raises(ValueError, match="names every group of a cluster"):
-        delayd.Producer("etcd://10.0.0.9:2379/*")
+        BlockingSession("etcd://10.0.0.9:2379/*", token=None, client_name="t")
+    # a producer given one spreads its messages over the groups instead (docs/cluster.md)
+    assert isinstance(delayd.Producer("etcd://10.0.0.9:2379/*"), ClusterProducer)
 
 
 def test_cluster_names_map_to_key_prefixes():

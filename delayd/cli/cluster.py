@@ -1,14 +1,23 @@
-"""Show replicated groups as etcd holds them.
+"""Show the groups of a cluster as etcd holds them, and set their registry status.
 
     delayd cluster status --etcd http://127.0.0.1:2379 [--group NAME] [--json]
+    delayd cluster drain|activate GROUP --etcd URL [--cluster NAME]
+    delayd cluster retire GROUP --etcd URL [--cluster NAME] [--force]
+    delayd cluster route ID... --etcd URL [--cluster NAME] [--json]
 
-For each group under the key prefix: its leader and epoch (the revision that created
+status: for each group under the key prefix, its kind and registry status
+(docs/cluster.md, "The registry"), its leader and epoch (the revision that created
 the leader key), its in-sync set (the members that may lead), and every registered
 member with its role and addresses, and each follower's lag as the leader measures it
 (records, ms, bytes: read from the leader's /metrics, delayd.cli.cluster_lag; "?" when
 the leader does not know the follower or cannot be read, and why).
 
-Exit status: 0; 1 when etcd cannot be read (the reason on stderr); 2 for bad arguments.
+drain / activate / retire set a group's registry status
+(delayd/cli/cluster_registry.py says what each checks first). route names the
+groups that own and may hold message ids (delayd/cli/cluster_route.py).
+
+Exit status: 0; 1 when etcd cannot be read, or a status change is refused (the reason
+on stderr); 2 for bad arguments.
 """
 
 from __future__ import annotations
@@ -37,9 +46,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     status.add_argument("--prefix", help="the groups' key prefix in etcd (default: the cluster's)")
     status.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    status.set_defaults(run=_status)
+    from delayd.cli import cluster_registry, cluster_route
+
+    cluster_registry.add_actions(actions)
+    cluster_route.add_action(actions)
 
 
 def run(args: argparse.Namespace) -> int:
+    return int(args.run(args))
+
+
+def _status(args: argparse.Namespace) -> int:
     import trio
 
     from delayd.cluster.members import cluster_prefix
@@ -61,8 +79,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _read(etcd: tuple[str, ...], prefix: str, group: str | None) -> list[dict[str, Any]]:
+    from delayd.cli.cluster_registry import registration_fields
     from delayd.cluster.etcd import EtcdClient
     from delayd.cluster.group_state import read_group, read_groups
+    from delayd.cluster.registry import read_registry
 
     async with EtcdClient(etcd) as client:
         states = (
@@ -70,7 +90,14 @@ async def _read(etcd: tuple[str, ...], prefix: str, group: str | None) -> list[d
             if group
             else await read_groups(client, prefix)
         )
-    return [_as_dict(state) for state in states]
+        registry = await read_registry(client, prefix)
+        if not group:  # registered groups with no member up are the cluster's too
+            absent = [name for name in registry if name not in {s.group for s in states}]
+            states += [await read_group(client, name, prefix) for name in absent]
+    return [
+        {**_as_dict(state), **registration_fields(registry.get(state.group))}
+        for state in sorted(states, key=lambda state: state.group)
+    ]
 
 
 def _as_dict(state: Any) -> dict[str, Any]:
@@ -134,11 +161,14 @@ def render(groups: list[dict[str, Any]]) -> str:
         return "no groups\n"
     lines = []
     for group in groups:
-        leader = group["leader"] or "none (election under way)"
+        leader = group["leader"] or (
+            "none (election under way)" if group["members"] else "none (no member up)"
+        )
         epoch = group["epoch"] if group["epoch"] is not None else "-"
         in_sync = group["in_sync"]
         in_sync_text = ", ".join(in_sync) if in_sync is not None else "not written yet (new group)"
         lines.append(f"group {group['group']}: leader {leader}, epoch {epoch}")
+        lines.append(f"  {group['kind']} group, {group['status']}")
         lines.append(f"  in sync: {in_sync_text}")
         if group.get("lag_error"):
             lines.append(f"  lag unknown: {group['lag_error']}")

@@ -12,6 +12,7 @@ acknowledge several with one fsync.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import asynccontextmanager
@@ -26,10 +27,17 @@ from delayd.client._async_session import AsyncSession
 from delayd.client._backoff import Backoff
 from delayd.client._due import reschedule_due_ms
 from delayd.client._messages import SendOptions, build_message, coerce_batch, split_frames
-from delayd.client._task_group import background_task_group
+from delayd.client._task_group import background_task_group, run_all
 from delayd.client.cancel_receipt import CancelReceipt, RescheduleReceipt
 from delayd.client.receipt import Receipt, still_busy, stored_or_raise
-from delayd.errors import BusyError, ConnectionClosedError, DelaydTimeout, NotLeaderError
+from delayd.errors import (
+    BusyError,
+    ConnectionClosedError,
+    DelaydTimeout,
+    NotLeaderError,
+    UnreachableError,
+)
+from delayd.group_address import GroupAddress, parse_group_address
 from delayd.protocol import Message, SendBatchResult
 from delayd.tls import ClientTls
 from delayd.version import __version__
@@ -98,25 +106,13 @@ class AsyncProducer:
             return []
         with anyio.move_on_after(self.timeout_s):
             frames = split_frames(batch)
-            if len(frames) == 1:
-                return await self._send_frame(frames[0])
             results: list[list[Receipt]] = [[] for _ in frames]
-            errors: list[Exception] = []
 
             async def one(index: int) -> None:
-                # Errors are kept rather than raised, so the caller gets the exception
-                # itself and not an ExceptionGroup from this task group.
-                try:
-                    results[index] = await self._send_frame(frames[index])
-                except Exception as exc:
-                    errors.append(exc)
-                    tg.cancel_scope.cancel()
+                results[index] = await self._send_frame(frames[index])
 
-            async with anyio.create_task_group() as tg:
-                for index in range(len(frames)):
-                    tg.start_soon(one, index)
-            if errors:
-                raise errors[0]
+            jobs = [functools.partial(one, index) for index in range(len(frames))]
+            await run_all(jobs, stop_on_error=True)
             return [receipt for part in results for receipt in part]
         self._session.abort()
         raise self._session.took_too_long(f"sending {len(batch)} message(s)", self.timeout_s)
@@ -187,9 +183,8 @@ class AsyncProducer:
         async def one(index: int) -> None:
             answers[index] = await self._call(batches[index])
 
-        async with anyio.create_task_group() as tasks:
-            for index in range(len(batches)):
-                tasks.start_soon(one, index)
+        jobs = [functools.partial(one, index) for index in range(len(batches))]
+        await run_all(jobs, stop_on_error=True)
         return [receipt for frame_receipts in answers for receipt in frame_receipts]
 
     async def reschedule(
@@ -254,7 +249,11 @@ async def open_producer(
 ) -> AsyncIterator[AsyncProducer]:
     """An async producer connected to ``addr``, closed on exit: ``"host:port"``, a
     group's members ``"h1:p1,h2:p2"`` or ``"etcd://host:port/GROUP"`` (the group's leader
-    is found, and followed across a failover: docs/clients.md, "Addresses").
+    is found, and followed across a failover: docs/clients.md, "Addresses"), or every
+    delay group of a cluster, ``"etcd://host:port/[CLUSTER/]*"``: messages are spread
+    over them by id (an AsyncClusterProducer: docs/cluster.md, "Routing by message id";
+    it reads the cluster's registry before the body runs, and connects to each group
+    when it first sends there).
 
     Connects (HELLO, with ``token`` when given; over TLS with ``tls``) before the body
     runs, retrying with back-off for up to ``timeout_s`` — or, with
@@ -264,6 +263,14 @@ async def open_producer(
     side) or a TLS file that cannot be used, DelaydTimeout when the server cannot be
     reached.
     """
+    target = parse_group_address(addr)
+    if target.whole_cluster:
+        async with _open_cluster_producer(
+            target, token=token, tls=tls, timeout_s=timeout_s, busy_retries=busy_retries,
+            client_name=client_name, retry_first_connect=retry_first_connect,
+        ) as producer:  # fmt: skip
+            yield producer
+        return
     async with background_task_group() as tg:
         session = AsyncSession(addr, token=token, client_name=client_name, task_group=tg, tls=tls)
         session.retry_first_connect = retry_first_connect
@@ -276,6 +283,36 @@ async def open_producer(
                     f"could not connect to {addr} within {timeout_s} s "
                     f"({session.describe_problem()})"
                 )
+            yield producer
+        finally:
+            await producer.aclose()
+
+
+@asynccontextmanager
+async def _open_cluster_producer(
+    target: GroupAddress, *, timeout_s: float, retry_first_connect: bool, **options: Any
+) -> AsyncIterator[AsyncProducer]:
+    """open_producer of a whole cluster: the registry read before the body runs
+    (retried for ``timeout_s`` unless ``retry_first_connect`` is False)."""
+    from delayd.client._cluster_producer import AsyncClusterProducer
+
+    async with background_task_group() as tg:
+        producer = AsyncClusterProducer(
+            target, task_group=tg, timeout_s=timeout_s,
+            retry_first_connect=retry_first_connect, **options,
+        )  # fmt: skip
+        try:
+            with anyio.move_on_after(timeout_s) as scope:
+                while True:
+                    try:
+                        await producer.delay_groups()
+                        break
+                    except UnreachableError:
+                        if not retry_first_connect:
+                            raise
+                        await anyio.sleep(0.2)
+            if scope.cancelled_caught:
+                raise DelaydTimeout(f"could not read the groups of {target} within {timeout_s} s")
             yield producer
         finally:
             await producer.aclose()

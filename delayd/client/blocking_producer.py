@@ -37,6 +37,7 @@ from delayd.errors import (
     DelaydTimeout,
     NotLeaderError,
 )
+from delayd.group_address import parse_group_address
 from delayd.protocol import Message, Response, SendBatch, SendBatchResult
 from delayd.tls import ClientTls
 from delayd.version import __version__
@@ -57,7 +58,18 @@ class Producer(BlockingClient):
     reconnections are retried either way). Raises ValueError for a malformed ``addr``,
     TlsError for a TLS file that cannot be used, and on a call for a certificate the
     client refused.
+
+    ``addr`` may also name every delay group of a cluster, ``"etcd://host:port/[CLUSTER/]*"``:
+    the Producer made is then a ClusterProducer, which spreads messages over the groups
+    by id (docs/cluster.md, "Routing by message id").
     """
+
+    def __new__(cls, addr: str, *args: Any, **kwargs: Any) -> Producer:
+        if cls is Producer and _names_a_cluster(addr):
+            from delayd.client._blocking_cluster_producer import ClusterProducer
+
+            return super().__new__(ClusterProducer)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -234,6 +246,13 @@ class Producer(BlockingClient):
                     )
                 time.sleep(delay)
         return [r for r in receipts if r is not None]
+
+
+def _names_a_cluster(addr: object) -> bool:
+    try:
+        return parse_group_address(addr).whole_cluster  # type: ignore[arg-type]
+    except ValueError:
+        return False  # __init__ says what is wrong with it
 
 
 class _Round:
