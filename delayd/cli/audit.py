@@ -6,7 +6,7 @@ on time: the logs of one or more servers are reconciled.
     delayd audit --etcd http://10.0.0.5:2379 [--cluster-prefix /delayd] --out /tmp/audit
 
 Several delay groups are reconciled as one, each from one copy of its logs
-(delayd/audit/groups.py): directories given the same ``--data`` name, or the members'
+(delayd/audit/groups.py): directories given the same --data name, or the members'
 data directories etcd lists.
 
 Runs the audit in a local Spark session (or on --master), writes the Parquet tables
