@@ -51,12 +51,13 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import bench_common
 import bench_intake
 import trio
-from replicated_group import Member, ReplicatedGroup, lone_server, wait_until
+from replicated_group import Member, ReplicatedGroup, lone_server, wait_until, work_dir
 
 from delayd.address import parse_address
 from delayd.bench import delivery
@@ -215,15 +216,20 @@ def start_pair(work: Path, ack: str) -> ReplicatedGroup:
     return group
 
 
-def bench_intake_ab(group: ReplicatedGroup, single: Member, messages: int, rounds: int) -> float:
-    """The intake case (module docstring); returns the group's median msg/s."""
+def bench_intake_ab(
+    group: ReplicatedGroup, single: Member, messages: int, rounds: int, client_cpu: str
+) -> float:
+    """The intake case (module docstring), the client on ``client_cpu``; returns the
+    group's median msg/s."""
     leader, follower = group.members
     rates: dict[str, list[float]] = {"single": [], "group": []}
     cpu_us: dict[str, list[float]] = {"single": [], "leader": [], "follower": []}
     for _ in range(rounds):
         for kind, servers in (("single", [single]), ("group", [leader, follower])):
             before = cpu_used(servers)
-            result = bench_intake.run_client("client", servers[0].intake, messages, 16)
+            result = bench_intake.run_client(
+                "client", servers[0].intake, messages, 16, cpu=client_cpu
+            )
             used = [after - b for after, b in zip(cpu_used(servers), before, strict=True)]
             rates[kind].append(result["acked"] / result["seconds"])
             for name, seconds in zip(["single"] if kind == "single" else ["leader", "follower"],
@@ -231,7 +237,8 @@ def bench_intake_ab(group: ReplicatedGroup, single: Member, messages: int, round
                 cpu_us[name].append(seconds / result["acked"] * 1e6)
     single_rate = statistics.median(rates["single"])
     group_rate = statistics.median(rates["group"])
-    extra = {"messages": messages, "rounds": rounds, "in_flight_batches": 16}
+    extra = {"messages": messages, "rounds": rounds, "in_flight_batches": 16,
+             "client_cpu": client_cpu}  # fmt: skip
     emit("intake_single_node", single_rate, "msg/s",
          each=[round(r) for r in rates["single"]], **extra)  # fmt: skip
     emit("intake_group_sync", group_rate, "msg/s", target=">= 50000",
@@ -370,33 +377,51 @@ def bench_lateness(work: Path, count: int, window_ms: int) -> None:
     delivery.report_lateness(emit_single, got, count, window_ms, cpu, preempted, **late)
 
 
-def bench_groups(cases: set[str], quick: bool) -> None:
+@dataclass(frozen=True)
+class Size:
+    """How big each case runs."""
+
+    datapath_records: int
+    intake_messages: int  # per round, per side
+    intake_rounds: int
+    lag_s: float
+    lateness: tuple[int, int]  # messages, over ms
+
+
+SIZES = {
+    "full": Size(2_000_000, 500_000, 3, 20.0, (20_000, 10_000)),
+    "quick": Size(200_000, 50_000, 1, 5.0, (2_000, 2_000)),
+    "smoke": Size(20_000, 5_000, 1, 1.0, (200, 500)),
+}
+
+
+def bench_groups(cases: set[str], size: Size, client_cpu: str) -> None:
     """The cases that run ``delayd serve`` processes (intake, lag, lateness)."""
-    messages, rounds, lag_s = (50_000, 1, 5.0) if quick else (500_000, 3, 20.0)
-    with tempfile.TemporaryDirectory(prefix="bench-replication-") as tmp:
-        work = Path(tmp)
+    with work_dir("bench-replication-") as work:
         if cases & {"intake", "lag"}:
             (work / "ab").mkdir()
             group = start_pair(work / "ab", "sync")
             single = lone_server(work / "ab", LEADER_CPU)
             try:
-                rate = bench_intake_ab(group, single, messages, rounds)
+                rate = bench_intake_ab(
+                    group, single, size.intake_messages, size.intake_rounds, client_cpu
+                )
                 single.close()
                 if "lag" in cases:
-                    bench_lag(group, "sync", rate / 2, lag_s)
+                    bench_lag(group, "sync", rate / 2, size.lag_s)
             finally:
                 single.close()
                 group.close()
-            if "lag" in cases and not quick:
+            if "lag" in cases:
                 (work / "lag").mkdir()
                 group = start_pair(work / "lag", "leader")
                 try:
-                    bench_lag(group, "leader", rate / 2, lag_s)
+                    bench_lag(group, "leader", rate / 2, size.lag_s)
                 finally:
                     group.close()
         if "lateness" in cases:
             (work / "late").mkdir()
-            bench_lateness(work / "late", *((2_000, 2_000) if quick else (20_000, 10_000)))
+            bench_lateness(work / "late", *size.lateness)
 
 
 def parse_cases(text: str) -> set[str]:
@@ -413,6 +438,15 @@ def main() -> None:
     parser = bench_common.bench_parser(__doc__, "smaller runs (< 1 minute)")
     parser.add_argument("mode", nargs="?", default="bench",
                         choices=["bench", "leader", "follower", "paced-client"])  # fmt: skip
+    parser.add_argument(
+        "--client-cpu",
+        choices=[LEADER_CPU, FOLLOWER_CPU],
+        default=FOLLOWER_CPU,
+        help="the intake case's client: beside the follower (1, the default) or the leader (0)",
+    )
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny runs that only show the tool works (tests)"
+    )
     parser.add_argument(
         "--only",
         type=parse_cases,
@@ -438,12 +472,13 @@ def main() -> None:
     if args.mode == "paced-client":
         paced_client_main(args)
         return
+    size = SIZES["smoke" if args.smoke else "quick" if args.quick else "full"]
     bench_common.emit_host_speed(emit)
     if "datapath" in args.only:
-        bench_datapath(200_000 if args.quick else 2_000_000, args.producers)
+        bench_datapath(size.datapath_records, args.producers)
     if hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > 1:
         os.sched_setaffinity(0, {int(FOLLOWER_CPU)})  # the clients' CPU, off the leader's
-    bench_groups(args.only, args.quick)
+    bench_groups(args.only, size, args.client_cpu)
 
 
 if __name__ == "__main__":

@@ -10,10 +10,13 @@ intake address) and its place in the in-sync set, as a supervised process does.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
+import sys
+import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import bench_common  # noqa: F401  (puts the checkout first on sys.path)
@@ -49,6 +52,14 @@ def wait_until(check: Callable[[], bool], timeout_s: float, what: str) -> float:
     return time.monotonic() - started
 
 
+class MemberExited(RuntimeError):
+    """A member's process ended while the group was waited on."""
+
+    def __init__(self, member: Member) -> None:
+        super().__init__(f"member {member.member_id} exited; its log ends:\n{member.log_tail(15)}")
+        self.member = member
+
+
 class Member(ServeProcess):
     """One member: its ports fixed at creation, so every start has the same addresses."""
 
@@ -69,6 +80,24 @@ class Member(ServeProcess):
             command_prefix=pinned(cpu),
         )  # fmt: skip
         self.member_id = self.intake.replace(":", "-")
+
+
+@contextlib.contextmanager
+def work_dir(prefix: str) -> Iterator[Path]:
+    """A new temporary directory, removed afterwards unless the body raised: then it
+    is kept (the members' logs say what went wrong) and its path printed to stderr."""
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield work
+    except BaseException:
+        print(f"kept {work} (the members' logs are *-serve.log)", file=sys.stderr)
+        raise
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def log(text: str) -> None:
+    """Progress, on stderr (stdout carries only the figures)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
 
 
 def write_config(work: Path) -> Path:
@@ -132,10 +161,14 @@ class ReplicatedGroup:
         return by_id.get(leader.member_id) if leader is not None else None
 
     def wait_in_sync(self, timeout_s: float = 60) -> Member:
-        """Wait until a member leads and every member is in the in-sync set; the leader."""
+        """Wait until a member leads and every member is in the in-sync set; the leader.
+        Raises MemberExited when a member's process ends meanwhile."""
         everyone = {member.member_id for member in self.members}
 
         def settled() -> bool:
+            for member in self.members:
+                if not member.alive:
+                    raise MemberExited(member)
             state = self.state()
             return state.leader is not None and state.in_sync == everyone
 
