@@ -190,18 +190,33 @@ def settle(group: ReplicatedGroup) -> tuple[Member, int]:
             exc.member.start()
 
 
+def restart(member: Member) -> threading.Thread:
+    """The supervisor: a thread that starts ``member`` again (same ports and data, so
+    the same member id) once its process has ended. At once, not after the failover:
+    in a group of two the new leader's acks wait for it (min_in_sync = 1)."""
+
+    def run() -> None:
+        assert member.proc is not None
+        member.proc.wait(GIVE_UP_S)
+        member.start()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
 def one_round(
     group: ReplicatedGroup, producer: SteadyProducer, how: str, index: int
 ) -> dict[str, float]:
-    """Stop the leader ``how`` (kill or term), start it again; the seconds from the
+    """Stop the leader ``how`` (kill or term) and start it again; the seconds from the
     stop to the new leader key, its first ack and the producer's first ack, and how
     many members exited before the round could start."""
     leader, exited = settle(group)
     survivors = [m for m in group.members if m is not leader]
     probe = Probe(survivors, f"{how}{index}")
     changed: list[float] = []
+    assert leader.proc is not None
     try:
-        assert leader.proc is not None
         if how == "kill":
             leader.proc.kill()
             leader.proc.wait()
@@ -209,16 +224,14 @@ def one_round(
         else:
             stopped = time.monotonic()
             leader.proc.send_signal(signal.SIGTERM)
+        supervisor = restart(leader)
         watcher = watch_leader_change(group, leader, changed)
         acked, new_leader = probe.first_ok(stopped + GIVE_UP_S)
         producer_acked = producer.first_ack_after(stopped, stopped + GIVE_UP_S)
         watcher.join(GIVE_UP_S)
+        supervisor.join(GIVE_UP_S)
     finally:
         probe.close()
-    if how == "term":
-        assert leader.proc is not None
-        leader.proc.wait(GIVE_UP_S)
-    leader.start()  # the supervisor's restart: same ports and data, so the same member id
     log(f"{how} {index}: {leader.member_id} stopped; {new_leader.member_id} acknowledged "
         f"after {acked - stopped:.3f} s")  # fmt: skip
     return {
