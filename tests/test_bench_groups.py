@@ -34,7 +34,10 @@ def run_tool(*args: str) -> dict[str, dict]:
 
 
 def test_failover_kills_and_stops_the_leader_and_times_the_new_leaders_first_ack():
-    figures = run_tool("bench_failover.py", "--kills", "1", "--terms", "1", "--members", "2",
+    # Three members, as the benchmark runs: a returning old leader may exit (the epoch
+    # bug in docs/benchmarks.md, 2026-11-26 "replicated groups"), and the third member
+    # keeps the new leader acknowledging meanwhile.
+    figures = run_tool("bench_failover.py", "--kills", "1", "--terms", "1",
                        "--lease-ttl-ms", "1000")  # fmt: skip
     assert {row["bench"] for row in figures.values()} == {"failover"}
     assert "host_reference_loop" in figures
@@ -43,17 +46,19 @@ def test_failover_kills_and_stops_the_leader_and_times_the_new_leaders_first_ack
             for which in ("p50", "max"):
                 row = figures[f"{how}_to_{figure}_{which}"]
                 assert 0 < row["value"] < 30 and row["unit"] == "s", row
-                assert row["rounds"] == 1 and row["members"] == 2, row
-        # etcd names the new leader before it can acknowledge anything.
+                assert row["rounds"] == 1 and row["members"] == 3, row
+        # etcd names the new leader before it can acknowledge anything: one round, so
+        # the stop to its first ack is the two parts.
         new_key = figures[f"{how}_to_new_leader_key_max"]["value"]
-        assert figures[f"{how}_to_first_ack_max"]["value"] >= new_key
+        promotion = figures[f"{how}_new_leader_key_to_first_ack_max"]["value"]
+        assert 0 <= promotion < 30
+        assert figures[f"{how}_to_first_ack_max"]["value"] == pytest.approx(
+            new_key + promotion, abs=0.002
+        )
         assert figures[f"{how}_distinct_new_leaders"]["value"] == 1
-    # A kill -9 waits for the lease (1 s here, less the time since its last renewal);
-    # SIGTERM resigns at once.
-    assert (
-        figures["kill_to_new_leader_key_max"]["value"]
-        > figures["term_to_new_leader_key_max"]["value"]
-    )
+    # After a kill -9 etcd lets the lease go no sooner than ttl after the last renewal,
+    # which is at most ttl/3 old: 2/3 of the 1 s lease at least.
+    assert figures["kill_to_new_leader_key_max"]["value"] >= 0.66
     assert figures["producer_failed_sends"]["value"] == 0
 
 
