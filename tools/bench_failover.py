@@ -16,15 +16,20 @@ member list) sends one message at a time throughout, so every kill lands while i
 produces.
 
 Each round waits until every member is in the in-sync set, then kills the leader (or
-sends it SIGTERM) and starts it again at once on the same ports and data, as a
-supervisor would. Two clocks start at the kill (after ``waitpid``: the process is
-gone) or at the SIGTERM:
+sends it SIGTERM) and starts it again on the same ports and data, as a supervisor
+would, once etcd names another leader (``--restart-at-once``: as soon as it exited).
+Two clocks start at the kill (after ``waitpid``: the process is gone) or at the
+SIGTERM:
 
 - ``first_ack``: a probe sends a one-message SEND_BATCH to each surviving member in
   turn, every 2 ms, over raw connections; the first answered OK is the new leader's
   first acknowledgement (nothing else could have answered it).
 - ``producer_ack``: the producer's first acknowledged send that began after the kill:
-  what an application sees, its reconnection back-off included.
+  what an application sees, its reconnection back-off included. After a SIGTERM the
+  old leader may still answer it before it resigns.
+
+A member that exits before a round can start (a returning old leader that could not
+cut its tail) is wiped and started again, and counted (``*_members_exited``, target 0).
 
 ``new_leader_key`` is when etcd first names another leader (polled every 5 ms): the
 part of ``first_ack`` that is the lease and the election; the rest,
@@ -156,9 +161,11 @@ class SteadyProducer:
         raise RuntimeError(f"the producer had no ack within {GIVE_UP_S} s")
 
 
-def watch_leader_change(group: ReplicatedGroup, old: Member, out: list[float]) -> threading.Thread:
+def watch_leader_change(
+    group: ReplicatedGroup, old: Member, out: list[float], moved_on: threading.Event
+) -> threading.Thread:
     """A thread that appends to ``out`` the monotonic time etcd first names a leader
-    other than ``old``."""
+    other than ``old``, and sets ``moved_on``."""
 
     def watch() -> None:
         deadline = time.monotonic() + GIVE_UP_S
@@ -166,6 +173,7 @@ def watch_leader_change(group: ReplicatedGroup, old: Member, out: list[float]) -
             leader = group.state().leader
             if leader is not None and leader.member_id != old.member_id:
                 out.append(time.monotonic())
+                moved_on.set()
                 return
             time.sleep(0.005)
 
@@ -191,14 +199,19 @@ def settle(group: ReplicatedGroup) -> tuple[Member, int]:
             exc.member.start()
 
 
-def restart(member: Member) -> threading.Thread:
+def restart(member: Member, moved_on: threading.Event | None) -> threading.Thread:
     """The supervisor: a thread that starts ``member`` again (same ports and data, so
-    the same member id) once its process has ended. At once, not after the failover:
-    in a group of two the new leader's acks wait for it (min_in_sync = 1)."""
+    the same member id) once its process has ended and, unless ``moved_on`` is None,
+    once that event is set (etcd names another leader). Restarted sooner, while its
+    previous life's lease still holds the leader key, a member follows itself
+    (docs/benchmarks.md, 2026-11-26 "replicated groups"); ``--restart-at-once`` does
+    that."""
 
     def run() -> None:
         assert member.proc is not None
         member.proc.wait(GIVE_UP_S)
+        if moved_on is not None:
+            moved_on.wait(GIVE_UP_S)
         member.start()
 
     thread = threading.Thread(target=run, daemon=True)
@@ -207,7 +220,7 @@ def restart(member: Member) -> threading.Thread:
 
 
 def one_round(
-    group: ReplicatedGroup, producer: SteadyProducer, how: str, index: int
+    group: ReplicatedGroup, producer: SteadyProducer, how: str, index: int, at_once: bool
 ) -> dict[str, float]:
     """Stop the leader ``how`` (kill or term) and start it again; the seconds from the
     stop to the new leader key, its first ack and the producer's first ack, and how
@@ -225,8 +238,9 @@ def one_round(
         else:
             stopped = time.monotonic()
             leader.proc.send_signal(signal.SIGTERM)
-        supervisor = restart(leader)
-        watcher = watch_leader_change(group, leader, changed)
+        moved_on = threading.Event()
+        watcher = watch_leader_change(group, leader, changed, moved_on)
+        supervisor = restart(leader, None if at_once else moved_on)
         acked, new_leader = probe.first_ok(stopped + GIVE_UP_S)
         producer_acked = producer.first_ack_after(stopped, stopped + GIVE_UP_S)
         watcher.join(GIVE_UP_S)
@@ -247,10 +261,12 @@ def one_round(
 
 
 def run_case(
-    group: ReplicatedGroup, producer: SteadyProducer, how: str, rounds: int, lease_ttl_ms: int
+    group: ReplicatedGroup, producer: SteadyProducer, how: str, rounds: int, options: dict
 ) -> None:
-    results = [one_round(group, producer, how, i) for i in range(rounds)]
-    extra = {"rounds": rounds, "members": len(group.members), "lease_ttl_ms": lease_ttl_ms}
+    """``rounds`` rounds of stopping the leader ``how``; their figures."""
+    at_once = options["restart_at_once"]
+    results = [one_round(group, producer, how, i, at_once) for i in range(rounds)]
+    extra = {"rounds": rounds, "members": len(group.members), **options}
     # The issue's targets are for the new leader's first ack (first_ack).
     targets = {"kill": ("<= 3", "<= 5"), "term": ("<= 0.5", "<= 0.5")}[how]
     for figure in ("new_leader_key", "promotion", "first_ack", "producer_ack"):
@@ -268,7 +284,7 @@ def run_case(
     emit(f"{how}_members_exited", sum(r["exited"] for r in results), "members", target="0", **extra)
 
 
-def bench(members: int, kills: int, terms: int, lease_ttl_ms: int) -> None:
+def bench(members: int, kills: int, terms: int, lease_ttl_ms: int, at_once: bool) -> None:
     with work_dir("bench-failover-") as work:
         group = ReplicatedGroup(work, lease_ttl_ms=lease_ttl_ms)
         try:
@@ -278,10 +294,11 @@ def bench(members: int, kills: int, terms: int, lease_ttl_ms: int) -> None:
                 group.add("1" if i % 2 else "0")
             group.wait_in_sync()
             with SteadyProducer(group.member_list) as producer:
+                options = {"lease_ttl_ms": lease_ttl_ms, "restart_at_once": at_once}
                 if kills:
-                    run_case(group, producer, "kill", kills, lease_ttl_ms)
+                    run_case(group, producer, "kill", kills, options)
                 if terms:
-                    run_case(group, producer, "term", terms, lease_ttl_ms)
+                    run_case(group, producer, "term", terms, options)
             _, exited = settle(group)
             emit("members_exited_at_end", exited, "members", target="0")
             emit("producer_failed_sends", producer.failures, "sends", target="0",
@@ -296,6 +313,11 @@ def main() -> None:
     parser.add_argument("--kills", type=int, help="kill -9 rounds (default 20, --quick 3)")
     parser.add_argument("--terms", type=int, help="SIGTERM rounds (default 10, --quick 3)")
     parser.add_argument("--lease-ttl-ms", type=int, default=2000, help="the members' lease")
+    parser.add_argument(
+        "--restart-at-once",
+        action="store_true",
+        help="restart a stopped leader as soon as it exited, not once etcd names another",
+    )
     args = parser.parse_args()
     if args.members < 2:
         parser.error("--members must be at least 2: a failover needs a follower")
@@ -305,7 +327,7 @@ def main() -> None:
     kills, terms = (3, 3) if args.quick else (20, 10)
     kills = kills if args.kills is None else args.kills
     terms = terms if args.terms is None else args.terms
-    bench(args.members, kills, terms, args.lease_ttl_ms)
+    bench(args.members, kills, terms, args.lease_ttl_ms, args.restart_at_once)
 
 
 if __name__ == "__main__":

@@ -22,9 +22,10 @@ Cases (full / --quick):
 - intake: acknowledged intake of a group (leader on CPU 0, one follower on CPU 1,
   ``ack = "sync"``) and of a single node (CPU 0), the same flags and config, with the
   intake benchmark's client (tools/bench_intake.py: 100-byte bodies, batches of 100,
-  16 SEND_BATCHes in flight, on CPU 1), in interleaved rounds (single, group, single,
-  ...: 3 of 500,000 / 1 of 50,000 messages each); the median round of each, their
-  ratio, and server CPU per message.
+  16 SEND_BATCHes in flight, on CPU 1 beside the follower, or ``--client-cpu 0``
+  beside the leader), in interleaved rounds (single, group, single, ...: 3 of 500,000 /
+  1 of 50,000 messages each); the median round of each, their ratio, and each
+  server's CPU per message.
 - lag: a steady load of 50 % of the group's intake figure (the paced client below, on
   CPU 1) for 20 / 5 s, under ``ack = "sync"`` (the intake case's group) and under
   ``ack = "leader"`` (a new group): the leader's ``delayd_replication_follower_lag_bytes``
@@ -32,10 +33,15 @@ Cases (full / --quick):
   through the mean size of a message_log record; the ack latency the client saw.
 - lateness: the delivery benchmark's lateness case (delayd/bench/delivery.py: 20,000 /
   2,000 messages due evenly over 10 / 2 s, consumed from the embedded broker) through
-  a group: sent by the member list, consumed from the leader's broker.
+  a group (sent by the member list, consumed from the leader's broker), then on a
+  single node (figures prefixed ``single_node_``); the producer and the consumer
+  (this process) on CPU 1.
 
-etcd (tests/etcd_support.py's, pinned to CPU 1) runs with a 10 ms heartbeat and a
-100 ms election timeout. The group's processes come from tools/replicated_group.py.
+``--smoke`` runs every case tiny (the test suite's: it shows the tool works, its
+figures mean nothing). etcd (tests/etcd_support.py's, pinned to CPU 1) runs with a
+10 ms heartbeat and a 100 ms election timeout; the group's processes come from
+tools/replicated_group.py. A run that fails keeps its directory, the members' logs in
+it, and says where on stderr.
 """
 
 from __future__ import annotations
