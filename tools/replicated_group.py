@@ -4,14 +4,17 @@ members, each pinned to a CPU with ``taskset``, on loopback ports.
 The processes are the test suite's (tests/etcd_support.py's ``EtcdServer``, with its
 10 ms heartbeat and 100 ms election timeout; tests/intake_support.py's ``ServeProcess``),
 so a benchmark measures exactly what the tests start. Each member listens on ports
-chosen once, so a member started again after a kill -9 keeps its member id (its
+chosen once (below the ephemeral range), so a member started again after a kill -9
+keeps its member id (its
 intake address) and its place in the in-sync set, as a supervised process does.
 """
 
 from __future__ import annotations
 
 import contextlib
+import random
 import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -25,7 +28,6 @@ import trio
 from delayd.cluster.group_state import GroupState, lookup_group
 from tests.etcd_support import EtcdServer
 from tests.intake_support import ServeProcess
-from tests.process_support import free_port
 
 # What a benchmark's members accept at once: the intake client keeps thousands of
 # messages in flight, and a failover's catch-up may lag by more than the defaults allow.
@@ -34,6 +36,25 @@ CONFIG = """\
 max_pending_acks = 1000000
 max_replay_lag_records = 10000000
 """
+
+
+# Below Linux's ephemeral range (32768-60999 by default): a member's ports must still
+# be free when it restarts, and a port from that range may meanwhile be taken by any
+# outgoing connection on the machine (a kernel-chosen port, such as tests/'s
+# free_port() hands out).
+STABLE_PORTS = range(21_000, 32_000)
+
+
+def stable_port() -> int:
+    """A loopback port below the ephemeral range that is free now."""
+    while True:
+        port = random.choice(STABLE_PORTS)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 def pinned(cpu: str | None) -> tuple[str, ...]:
@@ -66,9 +87,9 @@ class Member(ServeProcess):
     def __init__(
         self, data_dir: Path, config: Path, cluster: tuple[str, ...], env: dict, cpu: str | None
     ) -> None:
-        self.intake = f"127.0.0.1:{free_port()}"
-        self.broker = f"127.0.0.1:{free_port()}"
-        replication = f"127.0.0.1:{free_port()}"
+        self.intake = f"127.0.0.1:{stable_port()}"
+        self.broker = f"127.0.0.1:{stable_port()}"
+        replication = f"127.0.0.1:{stable_port()}"
         super().__init__(
             data_dir,
             *cluster,
