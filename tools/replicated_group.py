@@ -5,8 +5,8 @@ The processes are the test suite's (tests/etcd_support.py's ``EtcdServer``, with
 10 ms heartbeat and 100 ms election timeout; tests/intake_support.py's ``ServeProcess``),
 so a benchmark measures exactly what the tests start. Each member listens on ports
 chosen once (below the ephemeral range), so a member started again after a kill -9
-keeps its member id (its
-intake address) and its place in the in-sync set, as a supervised process does.
+keeps its member id (its intake address) and its place in the in-sync set, as a
+supervised process does.
 """
 
 from __future__ import annotations
