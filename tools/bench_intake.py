@@ -20,6 +20,7 @@ always`` it fsyncs once per event-loop pass, as delayd's group commit does.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -109,9 +110,11 @@ class IntakeClient(RawClient):
 
 def client_main(args: argparse.Namespace) -> None:
     client = IntakeClient(*parse_address(args.addr), "bench-intake", tls_ca=args.tls_ca)
-    warmup = client.frames(20, seed=1)
+    # Ids carry the seed: each run against one server sends new ones (the server answers
+    # a repeated id DUPLICATE, which the figure does not count).
+    warmup = client.frames(20, seed=-args.seed)
     client.send_all(warmup, args.in_flight)
-    frames = client.frames(args.messages // BATCH, seed=2)
+    frames = client.frames(args.messages // BATCH, seed=args.seed)
     acked, seconds = client.send_all(frames, args.in_flight)
     last_ack = time.perf_counter()
     lag_at_end = client.stats()["replay.lag_records"]
@@ -143,16 +146,24 @@ def redis_client_main(args: argparse.Namespace) -> None:
     print(json.dumps({"acked": len(rounds) * BATCH, "seconds": seconds}))
 
 
+_seeds = itertools.count(2)  # one per client run by this process
+
+
 def run_client(
-    mode: str, addr: str, messages: int, in_flight: int = 1, tls_ca: str | None = None
+    mode: str,
+    addr: str,
+    messages: int,
+    in_flight: int = 1,
+    tls_ca: str | None = None,
+    cpu: str = CLIENT_CPU,
 ) -> dict:
+    """Run the client ``mode`` in a process of its own pinned to ``cpu``; its result.
+    Each call sends new message ids (a server answers a repeated one DUPLICATE)."""
     args = [sys.executable, __file__, mode, "--addr", addr, "--messages", str(messages),
-            "--in-flight", str(in_flight)]  # fmt: skip
+            "--in-flight", str(in_flight), "--seed", str(next(_seeds))]  # fmt: skip
     if tls_ca is not None:
         args += ["--tls-ca", tls_ca]
-    done = subprocess.run(
-        pinned(CLIENT_CPU, args), capture_output=True, text=True, check=True, cwd=ROOT
-    )
+    done = subprocess.run(pinned(cpu, args), capture_output=True, text=True, check=True, cwd=ROOT)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -267,6 +278,7 @@ def main() -> None:
     parser.add_argument("--addr", help=argparse.SUPPRESS)
     parser.add_argument("--messages", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--in-flight", type=int, default=16, help=argparse.SUPPRESS)
+    parser.add_argument("--seed", type=int, default=2, help=argparse.SUPPRESS)
     parser.add_argument("--tls-ca", help=argparse.SUPPRESS)
     parser.add_argument(
         "--repo",
