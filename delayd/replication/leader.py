@@ -270,6 +270,17 @@ class Leader:
 
     # ------------------------------------------------------------------ serving
 
+    def begin_epoch(self) -> None:
+        """Record in the epoch history where this leader's epoch begins: the streams'
+        ends now (once; later calls do nothing). Call it before the member takes any
+        write as leader: an old leader that returns is cut back to these offsets, so a
+        record of this epoch below them would be cut in the middle, or kept on one disk
+        only. Raises LeaderFenced when the history holds a newer epoch."""
+        if self.history.last_epoch() > self.epoch:
+            raise LeaderFenced(self.epoch, self.history.last_epoch())
+        if self.history.last_epoch() < self.epoch:
+            self.history.begin(self.epoch, self.streams.ends())
+
     async def run(
         self,
         host: str,
@@ -279,11 +290,9 @@ class Leader:
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Bind (or serve ``listeners``, bound already: then closed when it returns),
-        begin the epoch, serve followers; until cancelled, stopped or fenced."""
-        if self.history.last_epoch() > self.epoch:
-            raise LeaderFenced(self.epoch, self.history.last_epoch())
-        if self.history.last_epoch() < self.epoch:
-            self.history.begin(self.epoch, self.streams.ends())
+        begin the epoch (``begin_epoch``), serve followers; until cancelled, stopped or
+        fenced."""
+        self.begin_epoch()
         self.tracker.start(self._initial_in_sync, _now_ms())
         if listeners is None:
             listeners = await open_listeners("replication", host, port)

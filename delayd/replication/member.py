@@ -167,6 +167,13 @@ class MemberReplication:
         )
         assert self._bound is not None, "a member of a group has a replication listener"
         host, port = self._bound
+        try:
+            # Before the member takes a write as leader (``_promoted`` lets intake in).
+            leader.begin_epoch()
+        except LeaderFenced as fenced:
+            log.warning("group %s: %s", self.config.group, fenced)
+            await trio.sleep(RESTART_LEADER_S)
+            return
         await self._promoted()
         group = self.config.group
         log.info("group %s: replication leader at epoch %d on port %d", group, epoch, port)

@@ -1,0 +1,62 @@
+"""The member runner (delayd.replication.member) against a real etcd, in this process:
+a promoted member records where its epoch begins before it takes any write as leader —
+an old leader that returns is cut back to those offsets, so a write of the new epoch
+below them would be cut in the middle, or kept on one disk only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import trio
+
+from delayd.cluster.config import ClusterConfig
+from delayd.cluster.members import MemberInfo
+from delayd.replication import MESSAGE_LOG
+from delayd.replication.member import MemberReplication
+from delayd.serving.listeners import open_listeners
+from delayd.serving.membership import Membership
+from tests.test_replication import Member
+
+
+class WritesOnPromotion(MemberReplication):
+    """Takes writes as soon as it is promoted, as intake does once let in."""
+
+    def __init__(self, member: Member, *args, **kwargs) -> None:
+        super().__init__(member.streams, member.history, *args, **kwargs)
+        self.member = member
+        self.promoted = trio.Event()
+        self.end_before_writes = -1
+
+    async def _promoted(self) -> None:
+        self.end_before_writes = self.member.streams.message_log.end_offset
+        self.member.append_messages(5, b"new-epoch")
+        self.promoted.set()
+
+
+async def test_the_epoch_begins_before_the_promoted_member_takes_a_write(
+    tmp_path: Path, etcd_server, etcd_prefix, nursery
+) -> None:
+    member = Member(tmp_path / "a")
+    try:
+        member.append_messages(3, b"before")  # copied as a follower, say
+        config = ClusterConfig(
+            etcd=(etcd_server.url,),
+            group="g1",
+            lease_ttl_ms=1000,
+            min_in_sync=0,
+            prefix=etcd_prefix,
+        )
+        membership = Membership(config)
+        listeners = await open_listeners("replication", "127.0.0.1", 0)
+        runner = WritesOnPromotion(member, membership, config, listeners)
+        await nursery.start(runner.run)
+        await nursery.start(membership.run, MemberInfo("a", intake="127.0.0.1:1"))
+        with trio.fail_after(10):
+            await runner.promoted.wait()
+        (entry,) = member.history.entries
+        assert entry.epoch == membership.view.epoch
+        assert entry.starts[MESSAGE_LOG] == runner.end_before_writes > 0
+        assert member.streams.message_log.end_offset > entry.starts[MESSAGE_LOG]
+        membership.resign()
+    finally:
+        member.close()
