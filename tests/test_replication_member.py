@@ -10,7 +10,9 @@ from pathlib import Path
 import trio
 
 from delayd.cluster.config import ClusterConfig
-from delayd.cluster.members import MemberInfo
+from delayd.cluster.etcd import EtcdClient
+from delayd.cluster.in_sync import decode_members, encode_members
+from delayd.cluster.members import GroupKeys, MemberInfo
 from delayd.replication import MESSAGE_LOG
 from delayd.replication.member import MemberReplication
 from delayd.serving.listeners import open_listeners
@@ -57,6 +59,46 @@ async def test_the_epoch_begins_before_the_promoted_member_takes_a_write(
         assert entry.epoch == membership.view.epoch
         assert entry.starts[MESSAGE_LOG] == runner.end_before_writes > 0
         assert member.streams.message_log.end_offset > entry.starts[MESSAGE_LOG]
+        membership.resign()
+    finally:
+        member.close()
+
+
+class Promoted(MemberReplication):
+    def __init__(self, member: Member, *args, **kwargs) -> None:
+        super().__init__(member.streams, member.history, *args, **kwargs)
+        self.promoted = trio.Event()
+
+    async def _promoted(self) -> None:
+        self.promoted.set()
+
+
+async def test_a_member_no_longer_registered_leaves_the_in_sync_set_at_promotion(
+    tmp_path: Path, etcd_server, etcd_prefix, nursery
+) -> None:
+    """The old leader, killed: its lease expired with its member key. Acks of the new
+    leader must not wait replica_lag_ms for it (they did: 1 s at every failover)."""
+    member = Member(tmp_path / "a")
+    try:
+        config = ClusterConfig(
+            etcd=(etcd_server.url,), group="g1", lease_ttl_ms=1000, prefix=etcd_prefix
+        )
+        async with EtcdClient([etcd_server.url]) as etcd:
+            keys = GroupKeys(etcd_prefix, "g1")
+            await etcd.put(keys.in_sync, encode_members(["a", "ghost"]))
+        membership = Membership(config)
+        listeners = await open_listeners("replication", "127.0.0.1", 0)
+        runner = Promoted(member, membership, config, listeners)
+        await nursery.start(runner.run)
+        await nursery.start(membership.run, MemberInfo("a", intake="127.0.0.1:1"))
+        with trio.fail_after(10):
+            await runner.promoted.wait()
+            while runner.leader is None:
+                await trio.sleep(0.01)
+        assert runner.leader.in_sync == frozenset()  # ghost is not waited for
+        async with EtcdClient([etcd_server.url]) as etcd:
+            found = await etcd.get(keys.in_sync)
+        assert found is not None and decode_members(found.value) == {"a"}
         membership.resign()
     finally:
         member.close()

@@ -20,6 +20,7 @@ import trio
 
 from delayd.address import parse_address
 from delayd.cluster.config import AckMode, ClusterConfig
+from delayd.cluster.group_state import read_group
 from delayd.cluster.members import Role
 from delayd.errors import EtcdError
 from delayd.replication.epochs import EpochHistory
@@ -98,6 +99,13 @@ class MemberReplication:
     async def _durable(self, flushed: dict[str, int]) -> None:
         """Copied records became durable (the Follower's on_durable)."""
 
+    async def _registered_members(self) -> frozenset[str]:
+        """The ids of the group's members registered in etcd now (each on its lease)."""
+        member = self.membership.member
+        assert member is not None
+        state = await read_group(member.etcd, self.config.group, self.config.prefix)
+        return frozenset(info.member_id for info in state.members)
+
     # ------------------------------------------------------------------ acks
 
     async def wait_acknowledged(self, offset: int, *, stream: str) -> bool:
@@ -145,6 +153,23 @@ class MemberReplication:
         assert member is not None and self.membership.in_sync is not None
         me = member.info.member_id
         persisted = self.membership.in_sync.members or frozenset()
+        try:
+            alive = await self._registered_members()
+        except EtcdError as exc:
+            log.warning("group %s: members not read at promotion: %s", self.config.group, exc)
+            alive = persisted
+        if not persisted <= alive | {me}:
+            # A member with no key in etcd (its lease expired: the old leader, killed)
+            # follows nobody: waiting replica_lag_ms for it would hold every ack of the
+            # promotion. Out of the set, persisted before it counts, as any shrink.
+            if not await member.set_in_sync((persisted & alive) | {me}):
+                return
+            log.info(
+                "group %s: in-sync set is now %s (members no longer registered left it)",
+                self.config.group,
+                sorted((persisted & alive) | {me}),
+            )
+            persisted = (persisted & alive) | {me}
         self._before_leading()
 
         async def on_in_sync_change(followers: frozenset[str]) -> None:
