@@ -64,6 +64,11 @@ def test_a_member_leads_when_the_key_is_on_its_own_lease():
     # Same member id, another lease: the key an earlier life of this member left.
     assert view_of(leader_kv(lease=6), own_lease=7) == View(Role.FOLLOWER, 41, MemberInfo("a"))
     assert view_of(None, own_lease=7) == NO_LEADER
+    # A key left by this member's previous life (same id, another lease): no leader
+    # known until it expires — following it would be following itself.
+    assert view_of(leader_kv(lease=6), own_lease=7, own_id="a") == NO_LEADER
+    assert view_of(leader_kv(lease=7), own_lease=7, own_id="a").role is Role.LEADER
+    assert view_of(leader_kv(lease=6), own_lease=7, own_id="b").role is Role.FOLLOWER
     assert view_of(leader_kv(lease=6, value=b"junk"), own_lease=7) == View(Role.FOLLOWER, 41)
 
 

@@ -266,7 +266,7 @@ class GroupMember:
         while True:
             try:
                 kv, revision = await self._campaign(lease_id)
-                view = view_of(kv, lease_id)
+                view = view_of(kv, lease_id, self.info.member_id)
                 if view.role is Role.LEADER and self.view.role is not Role.LEADER:
                     self.elections_won += 1
                 self._set_view(view, _why(view))
@@ -318,7 +318,7 @@ class GroupMember:
                         if event.kind is EventKind.DELETE:
                             self._set_view(NO_LEADER, "the leader key was deleted")
                             return
-                        view = view_of(event.kv, lease_id)
+                        view = view_of(event.kv, lease_id, self.info.member_id)
                         self._set_view(view, _why(view))
             except EtcdError as exc:
                 if exc.code != GRPC_OUT_OF_RANGE:

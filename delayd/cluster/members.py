@@ -144,12 +144,14 @@ class View:
 NO_LEADER = View(Role.CANDIDATE)
 
 
-def view_of(leader_kv: KeyValue | None, own_lease: int) -> View:
-    """The view a member holding lease ``own_lease`` takes of the leader key.
+def view_of(leader_kv: KeyValue | None, own_lease: int, own_id: str = "") -> View:
+    """The view a member ``own_id`` holding lease ``own_lease`` takes of the leader key.
 
     The member leads when the key is on *its lease*, not when the key names its member
     id: a member restarted under the same id, with a new lease, must not take the key
     its previous life left behind for its own (that life's lease still has to expire).
+    Nor may it follow that key: it would follow itself (and count itself in sync). It
+    knows no leader until the key expires, then campaigns.
     """
     if leader_kv is None:
         return NO_LEADER
@@ -157,5 +159,8 @@ def view_of(leader_kv: KeyValue | None, own_lease: int) -> View:
         leader: MemberInfo | None = MemberInfo.from_json(leader_kv.value)
     except ValueError:
         leader = None
+    on_own_lease = own_lease and leader_kv.lease == own_lease
+    if not on_own_lease and own_id and leader is not None and leader.member_id == own_id:
+        return NO_LEADER
     role = Role.LEADER if own_lease and leader_kv.lease == own_lease else Role.FOLLOWER
     return View(role, leader_kv.create_revision, leader)
