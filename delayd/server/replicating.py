@@ -199,6 +199,12 @@ class GroupReplication:
         )
         assert self._bound is not None, "a member of a group has a replication listener"
         host, port = self._bound
+        if self.history.last_epoch() < epoch:
+            # The epoch begins where the copies end, before the promotion appends
+            # anything (the take-over's dispatch_log entries, delivery, intake): an old
+            # leader returning is cut back to these starts, so a start past this
+            # member's own first writes would leave that old leader's tail in place.
+            self.history.begin(epoch, self.streams.ends())
         if self.on_promoted is not None:
             # What was copied as a follower is replayed before intake takes more.
             await self.on_promoted()
