@@ -71,6 +71,7 @@ class DelayGroup:
     ) -> None:
         self.etcd = etcd
         self.name = f"g{uuid.uuid4().hex[:10]}"
+        self.epoch_seen: int | None = None  # with the leader ``wait_leader`` saw
         self.hosts = {name: network.host(name) for name in names}
         self.members = {
             name: self._member(host, tmp_path, broker) for name, host in self.hosts.items()
@@ -140,16 +141,21 @@ class DelayGroup:
         wait_until(lambda: self.state().in_sync == wanted, timeout_s, f"in sync: {names}")
 
     def wait_leader(self, *, other_than: str | None = None, timeout_s: float = 15.0) -> str:
-        """Until a member other than ``other_than`` leads; its name."""
+        """Until a member other than ``other_than`` leads; its name (as seen then: on
+        a starved machine a leader may step down again a moment later)."""
+        seen: list[str] = []
 
         def led() -> bool:
-            leader = self.leader()
-            return leader is not None and leader != other_than
+            state = self.state()
+            leader = self.name_of(state.leader.member_id) if state.leader else None
+            if leader is None or leader == other_than:
+                return False
+            seen.append(leader)
+            self.epoch_seen = state.epoch
+            return True
 
         wait_until(led, timeout_s, f"a leader other than {other_than}")
-        leader = self.leader()
-        assert leader is not None
-        return leader
+        return seen[-1]
 
     def wipe(self, name: str) -> None:
         """Remove the member's data directory (its disk replaced): it has to copy
@@ -160,8 +166,7 @@ class DelayGroup:
         """Until every member holds the leader's message_log and dispatch_log byte for
         byte (each file the leader has; its retention may have deleted what followers
         keep). Call once the load stopped; fails naming the first file that differs."""
-        leader = self.leader()
-        assert leader is not None
+        leader = self.wait_leader()
         differing: list[str] = []
 
         def identical() -> bool:

@@ -12,10 +12,12 @@ follower's resync, and the election after both members died: 50.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from statistics import median
 
 import pytest
 
@@ -87,14 +89,15 @@ def other(name: str) -> str:
     return "b" if name == "a" else "a"
 
 
-def kill_and_restart(setup: Setup, leader: str) -> None:
+def kill_and_restart(setup: Setup, leader: str) -> float:
     """kill -9 of ``leader``, restarted at once while the other member waits out its
     lease: held away from etcd (its connections refused) until the other leads, so that
-    it cannot win the election itself."""
+    it cannot win the election itself. The seconds from the kill to the new leader."""
     group = setup.group
     host, etcd = group.hosts[leader], setup.etcd.host
     refuse = f"OUTPUT -d {etcd.address} -p tcp -j REJECT --reject-with tcp-reset\n"
     group.members[leader].kill()
+    killed_at = time.monotonic()
     host.iptables(f"-A {refuse}")
     failed: list[BaseException] = []
 
@@ -108,11 +111,13 @@ def kill_and_restart(setup: Setup, leader: str) -> None:
         restart = threading.Thread(target=start)
         restart.start()
         assert group.wait_leader(other_than=leader) == other(leader)
+        failover_s = time.monotonic() - killed_at
         restart.join()
     finally:
         host.iptables(f"-D {refuse}")
     if failed:
         raise failed[0]
+    return failover_s
 
 
 def test_failovers_in_a_loop_under_load(setup: Setup) -> None:
@@ -123,11 +128,11 @@ def test_failovers_in_a_loop_under_load(setup: Setup) -> None:
     min_in_sync = 1)."""
     group, load = setup.group, setup.load
     setup.start_load()
-    epochs = [group.epoch()]
-    handover_s = []
+    epochs = []
+    handover_s, failover_s = [], []
     for n in range(LOOP):
-        leader = group.leader()
-        assert leader is not None
+        leader = group.wait_leader()
+        epochs.append(group.epoch_seen)
         if n % 3 == 2:
             stopping = group.members[leader].proc
             assert stopping is not None
@@ -138,18 +143,21 @@ def test_failovers_in_a_loop_under_load(setup: Setup) -> None:
             assert stopping.wait(30) == 0  # then it shuts down cleanly
             group.start(leader)
         else:
-            kill_and_restart(setup, leader)
-        epochs.append(group.epoch())
+            failover_s.append(kill_and_restart(setup, leader))
         load.wait_acked(ACKS)
         group.wait_in_sync("a", "b")
+    epochs.append(group.epoch_seen)
     report = setup.finish()
 
-    assert len(set(epochs)) == LOOP + 1 and epochs == sorted(epochs)
+    # Each failover at a greater epoch (a leader starved past its lease on a busy
+    # machine may step down and win again in between: more epochs, never fewer).
+    assert all(earlier < later for earlier, later in itertools.pairwise(epochs)), epochs
     assert report.acked >= ACKS * LOOP
     assert "CANCELLED" in setup.outcomes("cancel")
     assert "RESCHEDULED" in setup.outcomes("reschedule")
-    # A resignation needs no lease to expire (1 s): the median hand-over is its own.
-    assert sorted(handover_s)[len(handover_s) // 2] < 1.0
+    # A resignation needs no lease to expire: hand-overs are faster than failovers
+    # after a kill, which wait out the lease (1 s) — both timed on the same machine.
+    assert median(handover_s) < median(failover_s), (handover_s, failover_s)
 
 
 TAIL_DELAY_MS = 3000  # the tail is due after the old leader stepped down: it never sent it
@@ -169,8 +177,7 @@ def test_the_old_leader_returns_with_an_unacknowledged_tail(setup: Setup) -> Non
     (the other member killed): the cut messages are nowhere, and never delivered."""
     group, load, network = setup.group, setup.load, setup.network
     setup.start_load(producers=3)
-    old = group.leader()
-    assert old is not None
+    old = group.wait_leader()
     new = other(old)
     network.partition(group.hosts[old], group.hosts[new])
     network.partition(group.hosts[old], setup.etcd.host)
@@ -216,8 +223,7 @@ def test_a_partition_from_the_follower_holds_acks_one_from_etcd_fails_over(
     down and the follower, still copying, leads; the old leader follows after the heal."""
     group, load, network = setup.group, setup.load, setup.network
     setup.start_load()
-    leader = group.leader()
-    assert leader is not None
+    leader = group.wait_leader()
     follower = other(leader)
     network.partition(group.hosts[leader], group.hosts[follower])
     partitioned_ms = now_ms()
@@ -227,7 +233,7 @@ def test_a_partition_from_the_follower_holds_acks_one_from_etcd_fails_over(
     network.heal()
     group.wait_in_sync("a", "b")
     load.wait_acked(ACKS)
-    assert group.leader() == leader
+    assert group.wait_leader() == leader
     # Answers in flight when the partition began had a moment; then none came.
     assert setup.acked_between(partitioned_ms + 1000, healing_ms) == 0
 
@@ -270,8 +276,7 @@ def test_a_wiped_follower_resyncs_then_the_leader_is_killed(setup: Setup) -> Non
     those acknowledged before its disk was wiped included."""
     group, load = setup.group, setup.load
     setup.start_load()
-    leader = group.leader()
-    assert leader is not None
+    leader = group.wait_leader()
     follower = other(leader)
     group.members[follower].kill()
     group.wipe(follower)
@@ -297,8 +302,7 @@ def test_a_wiped_member_does_not_lead_while_the_others_are_down(setup: Setup) ->
     member copies everything from it."""
     group, load = setup.group, setup.load
     setup.start_load()
-    leader = group.leader()
-    assert leader is not None
+    leader = group.wait_leader()
     wiped = other(leader)
     group.members[wiped].kill()
     group.members[leader].kill()  # before it could drop the follower from the set
