@@ -1,8 +1,9 @@
-"""A replicated delay group on network-namespace hosts (tests/netns_support.py), for the
-fault tests: each member ``delayd serve --etcd ... --group ...`` on a host of its own,
-etcd on its own (the session's ``netns_etcd``), and a standalone ``delayd broker`` on
-another, which the group delivers into (a ``[[broker_groups]]`` target that is never
-killed), so that what consumers see does not depend on any member's embedded broker.
+"""Servers on network-namespace hosts (tests/netns_support.py) for the fault tests:
+``serve_on`` (one ``delayd serve``), and a replicated delay group (``DelayGroup``): each
+member ``delayd serve --etcd ... --group ...`` on a host of its own, etcd on its own
+(the session's ``netns_etcd``), and a standalone ``delayd broker`` on another, which
+the group delivers into (a ``[[broker_groups]]`` target that is never killed), so that
+what consumers see does not depend on any member's embedded broker.
 
 Every host has all its ports, so a member listens on fixed ones (intake 7000, its
 embedded broker 7001, replication 7002) and a restarted member comes back at the same
@@ -27,6 +28,29 @@ from tests.test_cluster_roles import state, wait_until
 PORT, BROKER_PORT, REPLICATION_PORT = 7000, 7001, 7002
 LEASE_TTL_MS = 1000  # the shortest etcd grants: a killed leader is replaced in ~1-1.5 s
 BROKER_START_S = 20.0
+
+
+def serve_on(host: Host, data_dir: Path, config: str = "") -> ServeProcess:
+    """``delayd serve`` on ``host`` (not started) at its fixed ports, with timings for
+    fault tests (frequent checkpoints and dispatch_log flushes, a short wheel
+    look-ahead) and ``config`` added; its config file beside ``data_dir``."""
+    path = write_config(
+        data_dir.parent / f"{data_dir.name}.toml",
+        "[replay]\ncheckpoint_interval_ms = 100\n"
+        "[wheel]\nload_ahead_ms = 300\n"
+        "[delivery]\nmax_batch = 32\ndispatch_flush_interval_ms = 100\n" + config,
+    )
+    return ServeProcess(
+        data_dir,
+        "--config",
+        path,
+        "--listen",
+        f"{host.address}:{PORT}",
+        "--broker-listen",
+        f"{host.address}:{BROKER_PORT}",
+        metrics_listen="off",
+        command_prefix=tuple(host.command_prefix),
+    )
 
 
 class StandaloneBroker:
@@ -78,27 +102,13 @@ class DelayGroup:
         }
 
     def _member(self, host: Host, tmp_path: Path, broker: StandaloneBroker) -> ServeProcess:
-        name = host.name
-        config = write_config(
-            tmp_path / f"{name}.toml",
-            "[replay]\ncheckpoint_interval_ms = 100\n"
-            "[wheel]\nload_ahead_ms = 300\n"
-            "[delivery]\nmax_batch = 32\ndispatch_flush_interval_ms = 100\n"
+        return serve_on(
+            host,
+            tmp_path / host.name,
             f'[[broker_groups]]\nname = "ext"\naddresses = ["{broker.address}"]\n'
             f'[cluster]\netcd = "{self.etcd.url}"\ngroup = "{self.name}"\n'
             f'lease_ttl_ms = {LEASE_TTL_MS}\nack = "sync"\n'
             f'replication_listen = "{host.address}:{REPLICATION_PORT}"\n',
-        )
-        return ServeProcess(
-            tmp_path / name,
-            "--config",
-            config,
-            "--listen",
-            f"{host.address}:{PORT}",
-            "--broker-listen",
-            f"{host.address}:{BROKER_PORT}",
-            metrics_listen="off",
-            command_prefix=tuple(host.command_prefix),
         )
 
     @property

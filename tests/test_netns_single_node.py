@@ -16,38 +16,15 @@ import pytest
 
 from tests.delivery_support import now_ms
 from tests.fault_load import Load, LoadProcess
-from tests.intake_support import ServeProcess, write_config
+from tests.netns_group import BROKER_PORT, PORT, serve_on
 from tests.netns_support import (
-    Host,
     Network,
 )
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 
-PORT, BROKER_PORT = 7000, 7001  # every host has all its ports: no free-port races
 KILLS = 2
 FAULT_S = 2.0  # how long a cut or a partition lasts: twice the clients' time-out
-
-
-def serve_on(host: Host, tmp_path: Path) -> ServeProcess:
-    config = write_config(
-        tmp_path / "serve.toml",
-        "[replay]\ncheckpoint_interval_ms = 100\n"
-        "[wheel]\nload_ahead_ms = 300\n"
-        "[delivery]\nmax_batch = 32\ndispatch_flush_interval_ms = 100\n",
-    )
-    process = ServeProcess(
-        tmp_path / "data",
-        "--config",
-        config,
-        "--listen",
-        f"{host.address}:{PORT}",
-        "--broker-listen",
-        f"{host.address}:{BROKER_PORT}",
-        metrics_listen="off",
-        command_prefix=tuple(host.command_prefix),
-    )
-    return process.start()
 
 
 def outcomes(process: LoadProcess, kind: str) -> list[str | None]:
@@ -56,7 +33,7 @@ def outcomes(process: LoadProcess, kind: str) -> list[str | None]:
 
 def test_kill_9_of_the_server_under_load(network: Network, tmp_path: Path) -> None:
     a, b = network.host("a"), network.host("b")
-    server = serve_on(a, tmp_path)
+    server = serve_on(a, tmp_path / "data").start()
     load = Load(f"{a.address}:{PORT}", f"{a.address}:{BROKER_PORT}", tmp_path)
     consumer = load.consumer(b, "consumer")
     producer = load.producer(b, "producer", "--seed", "1")
@@ -86,7 +63,7 @@ def test_kill_9_of_the_server_under_load(network: Network, tmp_path: Path) -> No
 
 def test_a_host_cut_from_the_network_under_load(network: Network, tmp_path) -> None:
     a, b = network.host("a"), network.host("b")
-    server = serve_on(a, tmp_path)
+    server = serve_on(a, tmp_path / "data").start()
     load = Load(f"{a.address}:{PORT}", f"{a.address}:{BROKER_PORT}", tmp_path)
     consumer = load.consumer(b, "consumer")
     producer = load.producer(b, "producer", "--seed", "2", "--timeout-s", "1")
@@ -108,7 +85,7 @@ def test_a_host_cut_from_the_network_under_load(network: Network, tmp_path) -> N
 
 def test_a_partition_between_two_hosts_leaves_the_third(network, tmp_path) -> None:
     a, b, c = network.host("a"), network.host("b"), network.host("c")
-    server = serve_on(a, tmp_path)
+    server = serve_on(a, tmp_path / "data").start()
     load = Load(f"{a.address}:{PORT}", f"{a.address}:{BROKER_PORT}", tmp_path)
     load.consumer(c, "consumer")
     cut_off = load.producer(b, "cut-off", "--seed", "3", "--timeout-s", "1")
