@@ -120,7 +120,7 @@ def kill_and_restart(setup: Setup, leader: str) -> float:
     return failover_s
 
 
-# 45 restarts of a server: 3.5 minutes measured on a 2-core machine at a load of 15,
+# 45 restarts of a server: up to 3.5 minutes measured on a 2-core machine at a load of 15,
 # near the 5-minute limit of one test (pyproject.toml) when CI is busier still.
 @pytest.mark.timeout(900)
 def test_failovers_in_a_loop_under_load(setup: Setup) -> None:
