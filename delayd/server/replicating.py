@@ -176,6 +176,14 @@ class GroupReplication:
         assert member is not None and self.membership.in_sync is not None
         me = member.info.member_id
         persisted = self.membership.in_sync.members or frozenset()
+        if self.history.last_epoch() < epoch:
+            # The epoch begins where the copies end, durable, before the promotion
+            # appends anything (the take-over's dispatch_log entries, delivery,
+            # intake): an old leader returning is cut back to these starts, so a start
+            # past this member's own first writes would leave that old leader's tail
+            # in place.
+            await trio.to_thread.run_sync(self.streams.flush_all)
+            self.history.begin(epoch, self.streams.ends())
         # The buckets copied as a follower are closed: the server's writer opens them.
         self.streams.share_dispatch(self.dispatch_files)
 
@@ -199,12 +207,6 @@ class GroupReplication:
         )
         assert self._bound is not None, "a member of a group has a replication listener"
         host, port = self._bound
-        if self.history.last_epoch() < epoch:
-            # The epoch begins where the copies end, before the promotion appends
-            # anything (the take-over's dispatch_log entries, delivery, intake): an old
-            # leader returning is cut back to these starts, so a start past this
-            # member's own first writes would leave that old leader's tail in place.
-            self.history.begin(epoch, self.streams.ends())
         if self.on_promoted is not None:
             # What was copied as a follower is replayed before intake takes more.
             await self.on_promoted()
