@@ -140,7 +140,7 @@ class DelayGroup:
         """The first member leads, then the others follow and join the in-sync set."""
         first, *others = self.members
         self.start(first)
-        wait_until(lambda: self.leader() == first, 15, f"{first} leads")
+        wait_until(lambda: self.leader() == first, 30, f"{first} leads")
         for name in others:
             self.start(name)
         self.wait_in_sync(*self.members)
@@ -150,7 +150,7 @@ class DelayGroup:
         wanted = {self.member_id(n) for n in names}
         wait_until(lambda: self.state().in_sync == wanted, timeout_s, f"in sync: {names}")
 
-    def wait_leader(self, *, other_than: str | None = None, timeout_s: float = 15.0) -> str:
+    def wait_leader(self, *, other_than: str | None = None, timeout_s: float = 30.0) -> str:
         """Until a member other than ``other_than`` leads; its name (as seen then: on
         a starved machine a leader may step down again a moment later)."""
         seen: list[str] = []
