@@ -16,7 +16,10 @@ message a consumer received and whether its commit landed. ``check`` counts:
   came allows either time, so the earlier one counts; so does one answered
   ALREADY_DELIVERED, which may be the answer to a resend of a request an earlier
   attempt carried out); for a send never answered, its
-  earliest possible due time (the client's clock at sending plus the delay). Hosts in
+  earliest possible due time (the client's clock at sending plus the delay). A copy
+  that carries a due time between that earliest one and the answered one is an
+  earlier attempt's (the client resent the send after a failover; the first attempt
+  reached the old leader, which delivered it and was then cut): it is held to its own. Hosts in
   network namespaces share one kernel clock, so tests there use ``skew_ms = 0``;
   separate machines need their clock error here.
 - **twice**: an id a consumer group received again *after* a commit covering an
@@ -244,8 +247,8 @@ def check(history: History, *, due_by_ms: int, skew_ms: int = 0) -> Report:
     ]
     early = []
     for i, sightings in by_id.items():
-        due = _earliest_due(fates.get(i), sightings[0])
         for s in sightings:
+            due = _earliest_due(fates.get(i), s)
             if due is not None and min(s.times) + skew_ms < due:
                 early.append(i)
                 break
@@ -278,7 +281,19 @@ def _earliest_due(fate: _Fate | None, sighting: Sighting) -> int | None:
         return sighting.due_ms
     answered = fate.acked_due_ms if fate.acked_due_ms is not None else fate.earliest_due_ms
     current = fate.moves[-1] if fate.moves else answered
-    return min([current, *fate.unanswered_moves])
+    return min([current, *fate.unanswered_moves, *_first_attempt(fate, sighting)])
+
+
+def _first_attempt(fate: _Fate, sighting: Sighting) -> list[int]:
+    """The due time of the copy seen, when it is an earlier attempt's than the one
+    answered: the client resends a send after a failover, and the first attempt, which
+    reached the old leader and was cut from the group, may have gone out at its own due
+    time, before the answered one. No attempt is due before the send's earliest."""
+    if fate.moves or None in (sighting.due_ms, fate.earliest_due_ms, fate.acked_due_ms):
+        return []
+    if fate.earliest_due_ms <= sighting.due_ms < fate.acked_due_ms:
+        return [sighting.due_ms]
+    return []
 
 
 def _repeat(

@@ -34,9 +34,11 @@ import delayd
 from delayd.errors import DelaydError
 from delayd.protocol import Message
 from tests.delivery_support import SUBJECT, now_ms, poll
+from tests.fault_checker import History, Report, check
 from tests.process_support import ROOT, child_env
 
 SOON_MS = 500  # a cancel or reschedule picks a message due at least this far out
+SETTLE_S = 10.0  # after the last due time, for the consumers to see everything
 
 
 def command(role: str, server: str, history: Path, *args: str) -> list[str]:
@@ -220,6 +222,73 @@ class LoadProcess:
         self.process.terminate()
         code = self.process.wait(timeout_s)
         assert code == 0, f"{self.history.stem} exited {code}:\n{self.log_tail()}"
+
+
+class Load:
+    """Producers and consumers of one test, and the checker over their histories.
+    ``delay_server``: the producers' address (one, or a group's member list);
+    ``broker``: the consumers'."""
+
+    def __init__(self, delay_server: str, broker: str, tmp_path: Path) -> None:
+        self.delay_server = delay_server
+        self.broker = broker
+        self.tmp_path = tmp_path
+        self.producers: list[LoadProcess] = []
+        self.consumers: list[LoadProcess] = []
+
+    def producer(self, host, name: str, *args: str) -> LoadProcess:
+        path = self.tmp_path / f"{name}.jsonl"
+        process = LoadProcess(host, "produce", self.delay_server, path, "--prefix", name, *args)
+        self.producers.append(process)
+        return process
+
+    def consumer(self, host, name: str) -> LoadProcess:
+        path = self.tmp_path / f"{name}.jsonl"
+        process = LoadProcess(host, "consume", self.broker, path, "--prefix", name)
+        self.consumers.append(process)
+        return process
+
+    def history(self) -> History:
+        processes = [*self.producers, *self.consumers]
+        return History.from_events(e for p in processes for e in p.events())
+
+    def acked(self) -> int:
+        """Messages acknowledged so far, over every producer."""
+        return sum(len(p.events("acked")) for p in self.producers)
+
+    def wait_acked(self, more: int, timeout_s: float = 30.0) -> None:
+        """Until the producers together got ``more`` acks than now."""
+        target = self.acked() + more
+        poll(lambda: self.acked() >= target, timeout_s, f"{target} acks")
+
+    def finish(self, settle_s: float = SETTLE_S) -> Report:
+        """Stop the producers, wait until every acknowledged message fell due and was
+        seen (at most ``settle_s`` after the last due time), stop the consumers, and
+        check."""
+        for producer in self.producers:
+            producer.stop()
+        dues = [e["due_ms"] for p in self.producers for e in p.events("acked")]
+        dues += [e["due_ms"] for p in self.producers for e in p.events("reschedule")]
+        last_due_ms = max(dues)
+        time.sleep(max(0.0, (last_due_ms - now_ms()) / 1000))
+        deadline = time.monotonic() + settle_s
+        while check(self.history(), due_by_ms=last_due_ms).lost and time.monotonic() < deadline:
+            time.sleep(0.1)  # the consumers are still catching up (if not, the check says who)
+        time.sleep(0.3)  # a copy coming twice would come now
+        for consumer in self.consumers:
+            consumer.stop()
+        report = check(self.history(), due_by_ms=last_due_ms)
+        print(report.summary())
+        if not report.clean:
+            # The evidence, in the failure's output: the recorded events of each
+            # offending id (the histories under tmp_path do not outlive a CI run).
+            offenders = {*report.lost, *report.early, *report.twice, *report.cancel_violated}
+            for process in [*self.producers, *self.consumers]:
+                for event in process.events():
+                    if event.get("id") in offenders:
+                        print(process.history.stem, json.dumps(event))
+        report.assert_clean()
+        return report
 
 
 if __name__ == "__main__":

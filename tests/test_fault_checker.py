@@ -103,6 +103,25 @@ def test_the_due_time_follows_reschedules():
     assert check(history, due_by_ms=DUE + 1000).early == ["later", "too_soon"]
 
 
+def test_a_copy_of_an_earlier_attempt_is_held_to_its_own_due_time():
+    """A send resent after a failover is answered with the new leader's due time; the
+    old leader's copy of the first attempt (cut from the group later) may have gone out
+    at its own, between the send's earliest due time and the answered one."""
+    history = History()
+    for message_id in ("first", "too_soon", "moved"):
+        history.sent(message_id, DUE)
+        history.acked(message_id, DUE + 2000)
+    history.reschedule("moved", "RESCHEDULED", DUE + 3000)
+    history.seen_all(
+        [
+            seen("first", DUE + 1, due_ms=DUE),  # the first attempt's copy, on time
+            seen("too_soon", DUE - 1, due_ms=DUE - 1),  # no attempt was due before DUE
+            seen("moved", DUE + 1, due_ms=DUE),  # a reschedule answered since: too soon
+        ]
+    )
+    assert check(history, due_by_ms=DUE).early == ["moved", "too_soon"]
+
+
 def test_unanswered_sends_are_held_to_their_earliest_due_time():
     history = History()
     history.sent("m1", DUE)

@@ -8,7 +8,6 @@ partition. After each run the checker (tests/fault_checker.py) must count 0 lost
 from __future__ import annotations
 
 import itertools
-import json
 import random
 import time
 from pathlib import Path
@@ -16,96 +15,16 @@ from pathlib import Path
 import pytest
 
 from tests.delivery_support import now_ms
-from tests.fault_checker import History, Report, check
-from tests.fault_load import LoadProcess
-from tests.intake_support import ServeProcess, write_config
+from tests.fault_load import Load, LoadProcess
+from tests.netns_group import BROKER_PORT, PORT, serve_on
 from tests.netns_support import (
-    Host,
     Network,
 )
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 
-PORT, BROKER_PORT = 7000, 7001  # every host has all its ports: no free-port races
 KILLS = 2
 FAULT_S = 2.0  # how long a cut or a partition lasts: twice the clients' time-out
-SETTLE_S = 10.0  # after the last due time, for the consumers to see everything
-
-
-def serve_on(host: Host, tmp_path: Path) -> ServeProcess:
-    config = write_config(
-        tmp_path / "serve.toml",
-        "[replay]\ncheckpoint_interval_ms = 100\n"
-        "[wheel]\nload_ahead_ms = 300\n"
-        "[delivery]\nmax_batch = 32\ndispatch_flush_interval_ms = 100\n",
-    )
-    process = ServeProcess(
-        tmp_path / "data",
-        "--config",
-        config,
-        "--listen",
-        f"{host.address}:{PORT}",
-        "--broker-listen",
-        f"{host.address}:{BROKER_PORT}",
-        metrics_listen="off",
-        command_prefix=tuple(host.command_prefix),
-    )
-    return process.start()
-
-
-class Load:
-    """Producers and consumers of one test, and the checker over their histories."""
-
-    def __init__(self, server: Host, tmp_path: Path) -> None:
-        self.delay_server = f"{server.address}:{PORT}"
-        self.broker = f"{server.address}:{BROKER_PORT}"
-        self.tmp_path = tmp_path
-        self.producers: list[LoadProcess] = []
-        self.consumers: list[LoadProcess] = []
-
-    def producer(self, host: Host, name: str, *args: str) -> LoadProcess:
-        path = self.tmp_path / f"{name}.jsonl"
-        process = LoadProcess(host, "produce", self.delay_server, path, "--prefix", name, *args)
-        self.producers.append(process)
-        return process
-
-    def consumer(self, host: Host, name: str) -> LoadProcess:
-        path = self.tmp_path / f"{name}.jsonl"
-        process = LoadProcess(host, "consume", self.broker, path, "--prefix", name)
-        self.consumers.append(process)
-        return process
-
-    def history(self) -> History:
-        processes = [*self.producers, *self.consumers]
-        return History.from_events(e for p in processes for e in p.events())
-
-    def finish(self) -> Report:
-        """Stop the producers, wait until every acknowledged message fell due and was
-        seen, stop the consumers, and check."""
-        for producer in self.producers:
-            producer.stop()
-        dues = [e["due_ms"] for p in self.producers for e in p.events("acked")]
-        dues += [e["due_ms"] for p in self.producers for e in p.events("reschedule")]
-        last_due_ms = max(dues)
-        time.sleep(max(0.0, (last_due_ms - now_ms()) / 1000))
-        deadline = time.monotonic() + SETTLE_S
-        while check(self.history(), due_by_ms=last_due_ms).lost and time.monotonic() < deadline:
-            time.sleep(0.1)  # the consumers are still catching up (if not, the check says who)
-        time.sleep(0.3)  # a copy coming twice would come now
-        for consumer in self.consumers:
-            consumer.stop()
-        report = check(self.history(), due_by_ms=last_due_ms)
-        print(report.summary())
-        if not report.clean:
-            # The evidence, in the failure's output: the recorded events of each
-            # offending id (the histories under tmp_path do not outlive a CI run).
-            offenders = {*report.lost, *report.early, *report.twice, *report.cancel_violated}
-            for process in [*self.producers, *self.consumers]:
-                for event in process.events():
-                    if event.get("id") in offenders:
-                        print(process.history.stem, json.dumps(event))
-        report.assert_clean()
-        return report
 
 
 def outcomes(process: LoadProcess, kind: str) -> list[str | None]:
@@ -114,8 +33,8 @@ def outcomes(process: LoadProcess, kind: str) -> list[str | None]:
 
 def test_kill_9_of_the_server_under_load(network: Network, tmp_path: Path) -> None:
     a, b = network.host("a"), network.host("b")
-    server = serve_on(a, tmp_path)
-    load = Load(a, tmp_path)
+    server = serve_on(a, tmp_path / "data").start()
+    load = Load(f"{a.address}:{PORT}", f"{a.address}:{BROKER_PORT}", tmp_path)
     consumer = load.consumer(b, "consumer")
     producer = load.producer(b, "producer", "--seed", "1")
     consumer.wait_for("seen", 20)
@@ -144,8 +63,8 @@ def test_kill_9_of_the_server_under_load(network: Network, tmp_path: Path) -> No
 
 def test_a_host_cut_from_the_network_under_load(network: Network, tmp_path) -> None:
     a, b = network.host("a"), network.host("b")
-    server = serve_on(a, tmp_path)
-    load = Load(a, tmp_path)
+    server = serve_on(a, tmp_path / "data").start()
+    load = Load(f"{a.address}:{PORT}", f"{a.address}:{BROKER_PORT}", tmp_path)
     consumer = load.consumer(b, "consumer")
     producer = load.producer(b, "producer", "--seed", "2", "--timeout-s", "1")
     producer.wait_for("acked", 100)
@@ -166,8 +85,8 @@ def test_a_host_cut_from_the_network_under_load(network: Network, tmp_path) -> N
 
 def test_a_partition_between_two_hosts_leaves_the_third(network, tmp_path) -> None:
     a, b, c = network.host("a"), network.host("b"), network.host("c")
-    server = serve_on(a, tmp_path)
-    load = Load(a, tmp_path)
+    server = serve_on(a, tmp_path / "data").start()
+    load = Load(f"{a.address}:{PORT}", f"{a.address}:{BROKER_PORT}", tmp_path)
     load.consumer(c, "consumer")
     cut_off = load.producer(b, "cut-off", "--seed", "3", "--timeout-s", "1")
     reaching = load.producer(c, "reaching", "--seed", "4", "--timeout-s", "1")

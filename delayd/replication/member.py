@@ -193,7 +193,11 @@ class MemberReplication:
         assert self._bound is not None, "a member of a group has a replication listener"
         host, port = self._bound
         try:
-            # Before the member takes a write as leader (``_promoted`` lets intake in).
+            # Before the member takes a write as leader (``_promoted`` lets intake in),
+            # at the ends of its copies made durable: an old leader returning is cut
+            # back to these starts.
+            if self.history.last_epoch() < epoch:
+                await trio.to_thread.run_sync(self.streams.flush_all)
             leader.begin_epoch()
         except LeaderFenced as fenced:
             log.warning("group %s: %s", self.config.group, fenced)

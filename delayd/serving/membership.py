@@ -16,6 +16,7 @@ import os
 import re
 import socket
 from collections import Counter
+from collections.abc import Callable
 
 import trio
 
@@ -52,8 +53,13 @@ class Membership:
     producers), ``broker`` (the broker's clients), ``http`` (the HTTP API, whose
     redirect names the intake address's host and the HTTP port it learns elsewhere)."""
 
-    def __init__(self, config: ClusterConfig) -> None:
+    def __init__(
+        self, config: ClusterConfig, *, holds_group_data: Callable[[], bool] = lambda: True
+    ) -> None:
+        """``holds_group_data``: whether this member has ever led or followed an epoch
+        of the group (its epoch history is not empty); see ``_eligible``."""
         self.config = config
+        self.holds_group_data = holds_group_data
         self.keys = GroupKeys(config.prefix, config.group)
         self.member: GroupMember | None = None
         self.in_sync: InSyncSet | None = None
@@ -122,6 +128,16 @@ class Membership:
         if not self._started:  # resigned before it joined: nothing to wait for
             task_status.started()
 
+    def _eligible(self) -> bool:
+        """In the in-sync set (or the group is new), and, once the group has a set,
+        holding the group's data at all: a member whose disk was replaced keeps its id,
+        so the set still names it, yet it holds nothing the group acknowledged. Leading,
+        it would cut every other member back to its empty logs."""
+        in_sync = self.in_sync
+        if in_sync is None or not in_sync.eligible():
+            return False
+        return in_sync.members is None or self.holds_group_data()
+
     async def _run(self, info: MemberInfo, task_status: trio.TaskStatus[None]) -> None:
         config = self.config
         async with EtcdClient(config.etcd) as etcd:
@@ -133,7 +149,7 @@ class Membership:
                 info,
                 prefix=config.prefix,
                 lease_ttl_ms=config.lease_ttl_ms,
-                eligible=in_sync.eligible,
+                eligible=self._eligible,
                 campaign_compares=in_sync.campaign_compares,
                 campaign_puts=in_sync.campaign_puts,
                 on_change=self._on_change,
