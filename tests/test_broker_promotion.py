@@ -14,7 +14,8 @@ import trio
 from delayd.broker.broker import Broker, open_broker
 from delayd.broker.config import BrokerConfig
 from delayd.protocol import Message
-from delayd.replication import COMMITLOG
+from delayd.replication import COMMITLOG, EpochHistory
+from delayd.replication.streams import EMBEDDED_BROKER_PREFIX, MESSAGE_LOG
 from delayd.server.broker_member import ReplicatedBroker
 
 CONFIG = BrokerConfig(queues_per_subject=1, checkpoint_interval_ms=60_000)
@@ -135,3 +136,41 @@ async def test_a_member_never_told_shows_the_commitlog_it_holds(tmp_path: Path) 
         replicated.promoted()
         assert replicated.high_watermark == end
         assert await pulled_ids(new, "c-1") == ["a-0", "a-1", "a-2"]
+
+
+async def test_a_member_whose_history_predates_the_broker_streams_follows_with_none(
+    tmp_path: Path,
+) -> None:
+    """A delay member upgraded from before its embedded broker was replicated: what its
+    broker holds was delivered into it while it led alone, no copy of any leader's.
+    Kept, the leader's records would be copied after its own (mixed, or refused
+    forever at an offset that is no record boundary): it follows with nothing."""
+    async with open_broker(str(tmp_path / "member"), CONFIG) as broker:
+        replicated = ReplicatedBroker(broker)
+        replicated.join(FakeMember(), EMBEDDED_BROKER_PREFIX)  # type: ignore[arg-type]
+        await store(broker, "own")
+        broker.join("c", SUBJECT, "c-1", "c-1", broker.monotonic_ms())
+        broker.commit("c", SUBJECT, 0, 2)
+        await broker.make_offsets_durable()
+        history = EpochHistory.open(str(tmp_path / "epochs"))
+        try:
+            # No history: the leader cuts every stream to nothing (last epoch 0).
+            assert not replicated.predates_replication(history)
+            history.begin(7, {MESSAGE_LOG: 100})  # written before the broker joined
+            assert replicated.predates_replication(history)
+            replicated.following()
+            await replicated.forget_own_records()
+            assert broker.store.commitlog.end_offset == 0
+            assert replicated.streams.ends() == dict.fromkeys(replicated.streams.names(), 0)
+            assert broker.query(SUBJECT, message_id="own-0") == []
+            assert broker.offsets.get("c", SUBJECT, 0) is None
+            history.begin(
+                8,
+                {
+                    MESSAGE_LOG: 100,
+                    **{EMBEDDED_BROKER_PREFIX + name: 0 for name in replicated.streams.names()},
+                },
+            )
+            assert not replicated.predates_replication(history)  # from then on it copies
+        finally:
+            history.close()

@@ -89,8 +89,8 @@ class ReplicatedBroker:
         durable = store.commitlog.durable_offset
         told = self._member.told_acked.get(self._prefix + COMMITLOG)
         if told is None:
-            # Never told (it leads without having followed since it started): the
-            # commitlog it holds, as before groups acknowledged anything.
+            # Never told (no record copied since this process started): the commitlog
+            # it holds (docs/replication.md, "Still to do").
             self.high_watermark = max(self.high_watermark, durable)
         else:
             self.high_watermark = min(max(self.high_watermark, told), durable)
@@ -110,6 +110,27 @@ class ReplicatedBroker:
     def following(self) -> None:
         """Sends and commits refused; replication writes the streams."""
         self.replica.follow()
+
+    def predates_replication(self, history: EpochHistory) -> bool:
+        """Whether ``history`` was written before this broker's streams were replicated
+        with it (its last entry, written when the member last began an epoch, does not
+        name the commitlog): what the broker holds then is its own — delivered into it
+        while the member led on its own — not a copy of any leader's."""
+        if not history.entries:
+            return False
+        return self._prefix + COMMITLOG not in history.entries[-1].starts
+
+    async def forget_own_records(self) -> None:
+        """Cut every stream of this broker to nothing, durably, with what it derived:
+        a member whose history predates the broker's replication follows with nothing
+        of its own (no offset of it is the leader's: copying after it would mix two
+        brokers' records). A member that leads instead keeps its records: from its
+        first epoch they are the group's."""
+        for name in self.streams.names():
+            stream = self.streams.get(name)
+            if stream.end_offset > 0:
+                stream.truncate(0)
+                await self.truncated(self._prefix + name, 0)
 
     async def truncated(self, stream: str, offset: int) -> None:
         if stream == self._prefix + COMMITLOG:
