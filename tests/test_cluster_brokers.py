@@ -182,6 +182,26 @@ def start_in_sync(etcd_url: str, name: str, first: BrokerProcess, second: Broker
     wait_until(lambda: state(etcd_url, name).in_sync == both, 10, "the follower is in sync")
 
 
+def test_a_broker_member_publishes_its_metrics_address(
+    tmp_path: Path, etcd_server: EtcdServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``delayd top --etcd`` and ``delayd cluster retire`` read a member's /metrics at
+    the address it published in etcd: a ``delayd broker`` member publishes its own."""
+    name, a, _ = broker_group(tmp_path, etcd_server.url, monkeypatch)
+    try:
+        a.start()
+        wait_until(lambda: state(etcd_server.url, name).members, 10, "the broker registers")
+        (info,) = state(etcd_server.url, name).members
+        assert info.broker == addr(a.address)
+        assert info.metrics == addr(a.metrics_address)
+        assert (
+            "delayd_broker_stored_messages_total"
+            in httpx.get(f"http://{info.metrics}/metrics").text
+        )
+    finally:
+        a.close()
+
+
 def test_a_standalone_broker_group_fails_over_under_the_sender(
     tmp_path: Path, etcd_server: EtcdServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:

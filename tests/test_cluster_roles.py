@@ -80,6 +80,14 @@ def wait_until(check: Callable[[], bool], timeout_s: float, what: str) -> float:
     return time.monotonic() - started
 
 
+def follows_a_leader(process: ServeProcess | BrokerProcess) -> bool:
+    """Whether ``process`` knows its group's leader and follows it, as its own
+    /metrics say: its view, which catches up with etcd only after it registered
+    (until then it answers NOT_LEADER with the leader unknown)."""
+    page = urllib.request.urlopen(f"http://{addr(process.metrics_address)}/metrics").read()
+    return "delayd_cluster_role_state 1.0" in page.decode()
+
+
 class Group:
     """Two members of a fresh group, the first one leading."""
 
@@ -121,6 +129,7 @@ class Group:
         second = self.start("b")
         registered = lambda: len(state(self.etcd_url, self.name).members) == 2  # noqa: E731
         wait_until(registered, 10, "both members registered")
+        wait_until(lambda: follows_a_leader(second), 10, "the second member follows")
         return first, second
 
     def close(self) -> None:
@@ -394,7 +403,7 @@ def test_a_broker_group_follower_names_its_leader_and_a_consumer_follows(
         leads = lambda: (state(etcd_server.url, name).leader or MemberInfo("x")).member_id  # noqa: E731
         wait_until(lambda: leads() == leader_id, 10, "the first broker leads")
         follower = brokers[1].start()
-        wait_until(lambda: len(state(etcd_server.url, name).members) == 2, 10, "both registered")
+        wait_until(lambda: follows_a_leader(follower), 10, "the second broker follows")
         with follower.client() as raw:
             answer = raw.request(JoinGroup("c", "orders", "c-1"))
         assert not_leader(answer) == addr(leader.address)

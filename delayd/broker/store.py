@@ -40,7 +40,7 @@ import os
 import threading
 from array import array
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -146,6 +146,15 @@ class _Appended(NamedTuple):
     queue_offsets: list[int]
     index_keys: list[bytes]  # in put order
     key_records: list[int] | None  # record of each index key; None: one key per record
+
+
+class _Held(NamedTuple):
+    """A record hidden from PULL and QUERY (BrokerStore.hold_unacknowledged)."""
+
+    offset: int  # in the commitlog
+    end: int  # the commitlog offset after it: shown once the group acknowledged this far
+    key: QueueKey
+    queue_offset: int
 
 
 class _Run:
@@ -276,6 +285,11 @@ class BrokerStore:
         self.messages_stored = 0
         # Appended batches not yet reput, each an _Appended.
         self._pending: deque[_Appended] = deque()
+        # Records a promoted member holds in its queues that its group may not have
+        # acknowledged (hold_unacknowledged), in commitlog order. PULL and QUERY see
+        # none of them until ``reput_limit()`` passes their end (release_held).
+        self._held: deque[_Held] = deque()
+        self._held_from: dict[QueueKey, int] = {}  # each queue's first held offset
         # Why the last reput pass could not run (a full disk), None when it did.
         self.reput_blocked: DiskFullError | None = None
         # A checkpoint written in a worker thread and a follower's truncation of the
@@ -517,7 +531,9 @@ class BrokerStore:
         moves them into their consume queues and the index, then calls ``on_arrival``
         with the queues that grew (which wakes held PULLs: RocketMQ's
         messageArrivingListener). Never ahead of ``durable_offset``, nor of
-        ``reput_limit()`` (a batch past it waits for a later pass)."""
+        ``reput_limit()`` (a batch past it waits for a later pass). Records held at a
+        promotion that ``reput_limit()`` now covers are shown first (release_held)."""
+        self.release_held()
         durable = min(self.commitlog.durable_offset, self.reput_limit())
         pending = self._pending
         # Per queue: its first queue offset in this pass, offsets, payloads.
@@ -579,6 +595,42 @@ class BrokerStore:
         from now on ``reput_replicated`` puts records, reading them from the commitlog
         from ``reput_offset``, so none is put twice."""
         self._pending.clear()
+        self._hold([])
+
+    def hold_unacknowledged(self, acknowledged: int) -> None:
+        """A member promoted with its queues holding every record it copied: hide the
+        ones from commitlog offset ``acknowledged`` (a record boundary: what its old
+        leader last told it the group acknowledged) from PULL and QUERY until
+        ``reput_limit()`` passes each (:meth:`release_held`). A follower copies ahead of
+        the group's acknowledgement, so a record only this member holds may still be
+        cut by a later leader: no consumer may have seen it."""
+        held = []
+        start = max(acknowledged, self.commitlog.min_offset)
+        for record in self.commitlog.iter_from(start, until=self.reput_offset):
+            message = decode_record(record.payload, record.offset)
+            end = record.offset + HEADER_SIZE + len(record.payload)
+            key = (message.subject, message.queue)
+            held.append(_Held(record.offset, end, key, message.queue_offset))
+        self._hold(held)
+
+    def release_held(self) -> None:
+        """Show the held records ``reput_limit()`` now covers, waking the PULLs held on
+        their queues."""
+        limit = self.reput_limit()
+        held = self._held
+        if not held or held[0].end > limit:
+            return
+        released = set()
+        while held and held[0].end <= limit:
+            released.add(held.popleft().key)
+        self._hold(held)
+        self.on_arrival(released)
+
+    def _hold(self, held: Iterable[_Held]) -> None:
+        self._held = deque(held)
+        self._held_from = {}
+        for record in self._held:
+            self._held_from.setdefault(record.key, record.queue_offset)
 
     def reput_replicated(self) -> set[QueueKey]:
         """A follower's reput: put the records replication appended, up to the durable
@@ -625,7 +677,7 @@ class BrokerStore:
         self.next_queue_offset = {key: queue.end_index for key, queue in self.queues.items()}
         self.recent = RecentRecords(self.config.recent_cache_bytes)
         self._read_ahead = {}
-        self._pending.clear()
+        self.drop_pending()
         self.on_grew()
 
     # ------------------------------------------------------------------ reading
@@ -654,7 +706,9 @@ class BrokerStore:
         if q is None or max_messages <= 0:
             return start, []
         start = max(start, q.min_index)
-        stop = min(q.end_index, start + max_messages)
+        stop = min(self._held_from.get(key, q.end_index), start + max_messages)
+        if stop <= start:
+            return start, []
         cached_from = self.recent.cached_from(key)
         if cached_from is None:
             cached_from = stop
@@ -774,8 +828,13 @@ class BrokerStore:
             return None
 
     def lookup(self, index_key: bytes, matches: Callable[[int], bool], limit: int) -> list[int]:
-        """Commitlog offsets whose record ``matches`` for ``index_key``, newest first."""
-        return self.index.lookup(index_key, lambda offset, _key: matches(offset), limit)
+        """Commitlog offsets whose record ``matches`` for ``index_key``, newest first
+        (none that is held: hold_unacknowledged)."""
+        found = self.index.lookup(index_key, lambda offset, _key: matches(offset), limit)
+        if self._held:
+            first_held = self._held[0].offset
+            return [offset for offset in found if offset < first_held]
+        return found
 
     # ------------------------------------------------------------------ checkpoint, close
 

@@ -246,7 +246,10 @@ async def _serve(
                             tls=tls,
                         )
                         await root.start(runner.run)
-                        info = _member_info(cluster, args.listen.host, bound[0][1], replication)
+                        metrics_port = None if args.metrics_listen is None else m_bound[0][1]
+                        info = _member_info(
+                            cluster, args.listen.host, bound[0][1], replication, metrics_port
+                        )
                         await root.start(membership.run, info)
                         if args.metrics_listen is not None:
                             from delayd.replication.metrics import ReplicationCollector
@@ -286,12 +289,17 @@ def _member_info(
     listen_host: str,
     port: int,
     replication: list[trio.SocketListener] | None,
+    metrics_port: int | None,
 ) -> MemberInfo:
-    """This broker as the group's members and clients reach it."""
+    """This broker as the group's members and clients reach it, and its /metrics as
+    ``delayd top --etcd`` and ``delayd cluster retire`` read it (None: not served)."""
     from delayd.serving.membership import member_id_for
 
     broker = cluster.address_of(listen_host, port)
     replication_address = ""
     if replication:
         replication_address = cluster.address_of(listen_host, bound_addresses(replication)[0][1])
-    return MemberInfo(member_id_for(broker), broker=broker, replication=replication_address)
+    metrics = "" if metrics_port is None else cluster.address_of(listen_host, metrics_port)
+    return MemberInfo(
+        member_id_for(broker), broker=broker, replication=replication_address, metrics=metrics
+    )

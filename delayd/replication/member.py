@@ -58,6 +58,9 @@ class MemberReplication:
         self.tls = tls
         self.leader: Leader | None = None
         self.follower: Follower | None = None
+        # The group's acknowledged offsets as the leaders this member followed told it
+        # (never lowered: what the group acknowledged is never cut).
+        self.told_acked: dict[str, int] = {}
         self._listeners = listeners
         # Where the replication listener is bound: a leader after the first binds again.
         self._bound: tuple[str, int] | None = None
@@ -270,3 +273,5 @@ class MemberReplication:
                 nursery.cancel_scope.cancel()
         finally:
             self.follower = None
+            for stream, offset in follower.acked.items():
+                self.told_acked[stream] = max(offset, self.told_acked.get(stream, 0))

@@ -9,9 +9,11 @@ store acks and commits wait for ``wait_acknowledged``, and the high watermark fo
 the Leader's acknowledged commitlog offset. ``BrokerGroupReplication`` is the runner of
 a standalone ``delayd broker`` group.
 
-The high watermark of a newly promoted member starts at the commitlog it holds: every
-other member is cut back to the new leader's copy when it follows (the epoch history),
-so what the new leader holds at its promotion is the group's.
+The high watermark of a newly promoted member starts where its old leader last told
+it the group acknowledged the commitlog (``told_acked``), not at the commitlog it
+holds: a record copied to this member only may still be cut (a later leader that lacks
+it), so the records past it stay hidden from consumers (``hold_unacknowledged``) until
+the new Leader's in-sync followers have them too (Kafka's rule).
 """
 
 from __future__ import annotations
@@ -78,9 +80,21 @@ class ReplicatedBroker:
     # ------------------------------------------------------------------ roles
 
     def promoted(self) -> None:
-        """The member leads: derive what was copied, take sends and commits."""
+        """The member leads: derive what was copied, take sends and commits; consumers
+        see what the group acknowledged as far as this member was told (module
+        docstring), the rest once ``follow_high_watermark`` moves past it."""
+        assert self._member is not None
         self.replica.promote()
-        self.high_watermark = max(self.high_watermark, self.broker.store.commitlog.durable_offset)
+        store = self.broker.store
+        durable = store.commitlog.durable_offset
+        told = self._member.told_acked.get(self._prefix + COMMITLOG)
+        if told is None:
+            # Never told (no record copied since this process started): the commitlog
+            # it holds (docs/replication.md, "Still to do").
+            self.high_watermark = max(self.high_watermark, durable)
+        else:
+            self.high_watermark = min(max(self.high_watermark, told), durable)
+            store.hold_unacknowledged(self.high_watermark)
         self.broker.high_watermark_moved()
 
     async def follow_high_watermark(self, leader: Leader) -> None:
@@ -96,6 +110,27 @@ class ReplicatedBroker:
     def following(self) -> None:
         """Sends and commits refused; replication writes the streams."""
         self.replica.follow()
+
+    def predates_replication(self, history: EpochHistory) -> bool:
+        """Whether ``history`` was written before this broker's streams were replicated
+        with it (its last entry, written when the member last began an epoch, does not
+        name the commitlog): what the broker holds then is its own — delivered into it
+        while the member led on its own — not a copy of any leader's."""
+        if not history.entries:
+            return False
+        return self._prefix + COMMITLOG not in history.entries[-1].starts
+
+    async def forget_own_records(self) -> None:
+        """Cut every stream of this broker to nothing, durably, with what it derived:
+        a member whose history predates the broker's replication follows with nothing
+        of its own (no offset of it is the leader's: copying after it would mix two
+        brokers' records). A member that leads instead keeps its records: from its
+        first epoch they are the group's."""
+        for name in self.streams.names():
+            stream = self.streams.get(name)
+            if stream.end_offset > 0:
+                stream.truncate(0)
+                await self.truncated(self._prefix + name, 0)
 
     async def truncated(self, stream: str, offset: int) -> None:
         if stream == self._prefix + COMMITLOG:

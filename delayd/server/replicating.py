@@ -182,6 +182,13 @@ class GroupReplication(MemberReplication):
             await self.on_following()
         if self.broker is not None:
             self.broker.following()
+            if self.broker.predates_replication(self.history):
+                log.warning(
+                    "group %s: the epoch history predates the replication of the embedded "
+                    "broker: its records are this member's own, cut before it follows",
+                    self.config.group,
+                )
+                await self.broker.forget_own_records()
         self.delay_streams.share_dispatch(None)
         self.replayer.poll_interval_s = FOLLOWER_POLL_S
         self.replayer.notify(0)  # it may be waiting for intake, with no deadline

@@ -168,6 +168,20 @@ def check_leading(backend: Backend, *, acknowledged: bool = True) -> None:
     )
 
 
+def stopped_leading(backend: Backend, failure: Exception) -> bool:
+    """Whether ``failure`` came from the member ceasing to lead while the request was
+    under way (the group did not acknowledge it, its broker follows already, or the
+    follower's cut replaced what the request was writing), however far its membership
+    has caught up: the answer is then NOT_LEADER (``check_leading``), never the
+    failure itself."""
+    membership = backend.membership
+    if membership is None:
+        return False
+    return (
+        isinstance(failure, NotLeaderError) or backend.broker.following or not membership.may_lead()
+    )
+
+
 def _storage_failure(backend: Backend, exc: StorageError) -> ProblemError:
     """Stop the server (``on_storage_failure``); the problem for the request."""
     backend.on_storage_failure(exc)
@@ -389,21 +403,21 @@ def _consuming_routes(router: APIRouter, backend: Backend) -> None:
         try:
             for offset in request.offsets:
                 broker.commit(group, subject, offset.queue, offset.offset)
-        except RejectedError as exc:
-            raise bad_input(exc.reason, "rejected") from None
-        if request.durable or broker.gate is not None:  # a group: answered once it has it
-            try:
+            if request.durable or broker.gate is not None:  # a group: answered once it has it
                 await broker.wait_commits_acknowledged()
-            except NotLeaderError:
+        except Exception as exc:
+            if stopped_leading(backend, exc):
                 check_leading(backend, acknowledged=False)
-                raise
-            except OSError as exc:
+            if isinstance(exc, RejectedError):
+                raise bad_input(exc.reason, "rejected") from None
+            if isinstance(exc, OSError):
                 raise ProblemError(
                     HTTPStatus.SERVICE_UNAVAILABLE,
                     "offsets-not-durable",
                     f"the commit is in memory, not on disk yet: {exc}; retry",
                     retryable=True,
                 ) from None
+            raise
         return Committed(committed=request.offsets, durable=request.durable)
 
     @router.delete(
