@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -15,12 +16,43 @@ from tests.netns_support import EtcdHost, Network, remove_stale, require_netns
 
 
 @pytest.fixture
-def clock() -> trio.testing.MockClock:
+def clock(monkeypatch: pytest.MonkeyPatch) -> trio.testing.MockClock:
     """Virtual time that jumps only after 50 ms of real idleness (pytest-trio runs a
-    test on any Clock it is given). The store hops to worker threads — fsync, bucket
-    loads, dispatch_log flushes — and a clock that jumped during such a hop, when every
-    task looks blocked, would make the wheel look late when it is not."""
+    test on any Clock it is given), and never while a worker thread runs. The store
+    hops to worker threads — fsync, bucket loads, dispatch_log flushes, a cancel's
+    reads — and a clock that jumped during such a hop, when every task looks blocked,
+    would deliver a message due minutes later before the cancel waiting on that hop is
+    decided (a loaded machine makes a hop outlast any threshold)."""
+    monkeypatch.setattr(trio.to_thread, "run_sync", _holding_virtual_time(trio.to_thread.run_sync))
     return trio.testing.MockClock(autojump_threshold=0.05)
+
+
+# How long a worker thread holds virtual time at most: longer than a disk operation on a
+# loaded machine; a thread that waits for the test itself (a gate) lets it go on after.
+HOLD_VIRTUAL_TIME_S = 2.0
+
+
+def _holding_virtual_time(run_sync):
+    """``trio.to_thread.run_sync`` that keeps a task runnable (yielding, never blocked)
+    while any worker thread runs, for up to HOLD_VIRTUAL_TIME_S: the autojump waits for
+    every task to block."""
+    running = [0]
+
+    async def keep_runnable() -> None:
+        ends = time.monotonic() + HOLD_VIRTUAL_TIME_S
+        while running[0] and time.monotonic() < ends:
+            await trio.sleep(0)
+
+    async def run_sync_holding(fn, *args, **options):
+        running[0] += 1
+        if running[0] == 1:
+            trio.lowlevel.spawn_system_task(keep_runnable)
+        try:
+            return await run_sync(fn, *args, **options)
+        finally:
+            running[0] -= 1
+
+    return run_sync_holding
 
 
 @pytest.fixture
