@@ -125,6 +125,8 @@ class ClusterConsumer(ReceivingIterator):
                     raise message
                 if self._still_assigned(group, message):
                     break
+                if group in self.consumers:
+                    self.consumers[group].dropped(message)  # no longer held: it may go
             self._current = (group, message)
             self._origins[id(message)] = (message, group)
             if len(self._origins) > ORIGINS_KEPT:
