@@ -142,6 +142,15 @@ def test_a_chain_of_joins_hands_each_queue_over_from_whoever_holds_it():
     assert groups.in_handover("g", "s") == {}
 
 
+def test_a_member_that_cannot_confirm_lets_go_at_once():
+    # An HTTP consumer keeps no prefetch and has no way to say what it holds.
+    groups = GroupRegistry(timeout_ms=1000)
+    groups.join("g", "s", "web", 4, "conn-w", now_ms=0, confirms=False)
+    groups.join("g", "s", "bin", 4, "conn-b", now_ms=10)
+    assert _serving(groups, "bin", "web") == {"bin": (0, 1), "web": (2, 3)}
+    assert groups.in_handover("g", "s") == {}
+
+
 @given(
     st.lists(
         st.tuples(st.sampled_from(["join", "leave", "confirm", "expire"]), st.sampled_from("abcd")),

@@ -684,11 +684,20 @@ class Broker:
         return count
 
     def join(
-        self, group: str, subject: str, consumer_id: str, connection: Hashable, now_ms: int
+        self,
+        group: str,
+        subject: str,
+        consumer_id: str,
+        connection: Hashable,
+        now_ms: int,
+        *,
+        confirms: bool = True,
     ) -> tuple[int, ...]:
         """JOIN_GROUP: the member's queues. A group seen for the first time gets its
         start offsets (earliest or latest, per config) committed now, so a restart does
-        not move them. Raises RejectedError for bad names."""
+        not move them. ``confirms=False`` for a member that never says which queues it
+        holds (the HTTP API's): its lost queues move at once. Raises RejectedError for
+        bad names."""
         self._refuse_if_following()
         _check_name("group", group)
         _check_subject(subject)
@@ -697,7 +706,9 @@ class Broker:
         for queue in range(count):
             if self.offsets.get(group, subject, queue) is None:
                 self.offsets.set(group, subject, queue, self._start_offset(subject, queue))
-        queues, changed = self.groups.join(group, subject, consumer_id, count, connection, now_ms)
+        queues, changed = self.groups.join(
+            group, subject, consumer_id, count, connection, now_ms, confirms=confirms
+        )
         self._membership_changed.set()
         if changed:
             self._rebalanced({(group, subject)})

@@ -51,6 +51,7 @@ def allocate_averagely(queues: Sequence[int], members: Sequence[str], member: st
 class _Member:
     last_seen_ms: int
     connection: Hashable
+    confirms: bool = True  # False: it cannot say what it holds, so it lets go at once
 
 
 @dataclass(slots=True)
@@ -91,8 +92,11 @@ class _Group:
         for queue in range(self.queue_count):
             target = self.owner.get(queue)
             holder = self.holder.get(queue)
-            if holder is not None and holder not in self.members:
-                holder = None  # it left or crashed: redelivery from the committed offset
+            member = None if holder is None else self.members.get(holder)
+            if member is None or (holder != target and not member.confirms):
+                # It left or crashed, or never confirms: redelivery from the committed
+                # offset.
+                holder = None
             if holder is None:
                 if target is None:
                     self.holder.pop(queue, None)
@@ -137,9 +141,12 @@ class GroupRegistry:
         queue_count: int,
         connection: Hashable,
         now_ms: int,
+        *,
+        confirms: bool = True,
     ) -> tuple[tuple[int, ...], bool]:
         """Add (or refresh) a member; returns (its target queues, whether the assignment
-        changed).
+        changed). ``confirms=False``: a member that cannot say which queues it holds
+        (it keeps no prefetch, as an HTTP consumer): its lost queues move at once.
 
         A member that joins again from another connection (a reconnect) is bound to the
         new one and keeps the queues it holds.
@@ -150,7 +157,7 @@ class GroupRegistry:
             state = self._groups[key] = _Group(queue_count)
         member = state.members.get(consumer_id)
         changed = member is None or state.queue_count != queue_count
-        state.members[consumer_id] = _Member(now_ms, connection)
+        state.members[consumer_id] = _Member(now_ms, connection, confirms)
         state.queue_count = queue_count
         if changed:
             self._handed_over(state.rebalance(now_ms))
