@@ -14,7 +14,7 @@ Invariants:
 - Offsets only move forward: a commit for queue ``q`` is due when the offset after the
   last processed message of ``q`` is beyond what the broker last confirmed.
 - A lost queue is let go only once nothing of it is held: its prefetched messages are
-  dropped at once, and ``held()`` keeps naming it while a message of it was handed to
+  dropped at once, and ``heartbeat_held()`` keeps naming it while a message of it was handed to
   the user and not committed; the broker gives it to its new owner when a HEARTBEAT
   no longer names it (delayd.broker.groups), so nobody sees that message again.
 - With auto-commit a message counts as processed when the user asks for the next one
@@ -94,6 +94,11 @@ class ConsumerState:
         self._fetched: dict[int, int] = {}  # queue -> offset after the last accepted message
         self._handed: dict[int, int] = {}  # queue -> offset after the last handed to the user
         self._revoked: set[int] = set()  # queues the broker took away: not yet given back
+        # Messages of a lost queue that a PULL brought: read before the queue was taken
+        # away (dropped when it is let go), or after it was given back and before this
+        # consumer read the answer that says so (the async consumer reads the answers
+        # to its PULL and its HEARTBEAT in tasks of their own, in either order).
+        self._limbo: dict[int, list[Message]] = {}
         self._processed: dict[int, int] = {}  # queue -> commit offset of processed messages
         self._committed: dict[int, int] = {}  # queue -> offset the broker confirmed
         self._current: Message | None = None  # handed to the user, being processed
@@ -105,11 +110,12 @@ class ConsumerState:
         """The broker assigned ``queues``; forget prefetched messages of the others.
 
         Messages of a lost queue go to its new owner, which starts from the committed
-        offset once this consumer let go (:meth:`held`); handing them out here too
+        offset once this consumer let go (:meth:`heartbeat_held`); handing them out here too
         would deliver them twice.
         """
         lost = set(self.queues).difference(queues)
         self.queues = tuple(sorted(queues))
+        given_back = self._revoked.intersection(self.queues)
         self._revoked = (self._revoked | lost).difference(self.queues)
         if any(m.queue in self._revoked for m in self._buffer):
             self._buffer = deque(m for m in self._buffer if m.queue not in self._revoked)
@@ -120,13 +126,23 @@ class ConsumerState:
                 self._fetched[queue] = self._handed[queue]
             else:
                 self._fetched.pop(queue, None)
+        for queue in given_back:
+            self.add_pulled(self._limbo.pop(queue, ()))
 
-    def held(self) -> tuple[int, ...]:
-        """The queues this consumer still holds: its assignment, and every lost queue
-        of which a message was handed to the user and is not committed yet."""
+    def lost(self, queue: int | None) -> bool:
+        """Whether the broker took ``queue`` away (and has not given it back)."""
+        return queue in self._revoked
+
+    def heartbeat_held(self) -> tuple[int, ...]:
+        """The queues to name in the next HEARTBEAT: the assignment, and every lost
+        queue of which a message was handed to the user and is not committed yet. The
+        lost queues it leaves out are let go with that HEARTBEAT: what a PULL brought
+        of them before they were taken away is dropped now."""
         unfinished = {
             q for q in self._revoked if self._handed.get(q, 0) > self._committed.get(q, 0)
         }
+        for queue in self._revoked - unfinished:
+            self._limbo.pop(queue, None)
         return tuple(sorted(unfinished.union(self.queues)))
 
     def letting_go(self) -> bool:
@@ -139,8 +155,12 @@ class ConsumerState:
         """``message`` was handed out but thrown away unseen (its queue was lost while it
         waited): it and the messages after it are no longer held."""
         queue, offset = message.queue, message.queue_offset
-        if queue is not None and offset is not None and offset < self._handed.get(queue, 0):
+        if queue is None or offset is None:
+            return
+        if offset < self._handed.get(queue, 0):
             self._handed[queue] = offset
+        if queue in self._revoked and offset < self._fetched.get(queue, offset + 1):
+            self._fetched[queue] = offset  # unseen: it may come again if given back
 
     # --- messages ---------------------------------------------------------------------
 
@@ -150,7 +170,8 @@ class ConsumerState:
         for m in messages:
             queue, offset = m.queue, m.queue_offset
             if queue in self._revoked:
-                continue  # read before the queue was taken away: its new owner reads it
+                self._limbo.setdefault(queue, []).append(m)
+                continue
             if queue is not None and offset is not None:
                 if offset < self._fetched.get(queue, 0):
                     continue  # already accepted once: a replay from an older cursor

@@ -200,6 +200,10 @@ class AsyncConsumer(ReceivingIterator):
         does (a consumer of every group marks the messages of its groups so)."""
         self._state.mark_processed(message)
 
+    def lost(self, queue: int | None) -> bool:
+        """Whether the broker took ``queue`` away from this consumer (not given back)."""
+        return self._state.lost(queue)
+
     def dropped(self, message: Message) -> None:
         """``message`` was handed out but thrown away unseen, because its queue went to
         another member while it waited (the cluster consumer's pumps): this consumer
@@ -335,7 +339,9 @@ class AsyncConsumer(ReceivingIterator):
             try:
                 if self._state.letting_go():
                     await self._flush_commits()  # committed, the lost queue can go
-                held = self._state.held() if link.protocol_version >= HELD_QUEUES_VERSION else None
+                held: tuple[int, ...] | None = self._state.heartbeat_held()
+                if link.protocol_version < HELD_QUEUES_VERSION:
+                    held = None  # a version-1 broker: it lets go of them with any HEARTBEAT
                 with anyio.move_on_after(self.timeout_s) as scope:
                     result = await link.request(partial(self.subscription.heartbeat, held))
                     assert isinstance(result, HeartbeatResult)

@@ -374,9 +374,9 @@ class Consumer(BlockingClient):
                 try:
                     if self._state.letting_go():
                         self._flush_commits(deadline, retry=False)
-                    held = None
-                    if link.protocol_version >= HELD_QUEUES_VERSION:
-                        held = self._state.held()
+                    held: tuple[int, ...] | None = self._state.heartbeat_held()
+                    if link.protocol_version < HELD_QUEUES_VERSION:
+                        held = None  # a version-1 broker: it lets go with any HEARTBEAT
                     result = link.request(partial(self.subscription.heartbeat, held), deadline)
                 except RejectedError as exc:
                     if exc.code == ErrorCode.INVALID_REQUEST:
