@@ -1,5 +1,5 @@
 """Consumer groups as pure logic: RocketMQ's averaging allocation, membership with
-heartbeats and connections, time passed in as now_ms."""
+heartbeats and connections, the two-step hand-over of a queue, time passed in as now_ms."""
 
 from __future__ import annotations
 
@@ -43,6 +43,8 @@ def test_membership_join_timeout_and_connection_close():
     assert groups.join("g", "s", "c2", 4, "conn-2", now_ms=100) == ((2, 3), True)
     assert groups.join("g", "s", "c2", 4, "conn-2", now_ms=150) == ((2, 3), False)
     assert groups.assignment("g", "s", "c1") == (0, 1)
+    assert groups.owner("g", "s", 3) == "c1"  # until c1 lets go of it
+    assert groups.confirm("g", "s", "c1", held=(0, 1), now_ms=120)
     assert groups.owner("g", "s", 3) == "c2"
     assert groups.next_expiry_ms() == 1000
     # heartbeats keep c1 alive; c2 stays silent
@@ -55,15 +57,126 @@ def test_membership_join_timeout_and_connection_close():
     # a member bound to a closed connection leaves at once
     groups.join("g", "s", "c3", 4, "conn-3", now_ms=1300)
     groups.join("other", "s", "c3", 4, "conn-3", now_ms=1300)
-    assert groups.leave_connection("conn-3") == {("g", "s"), ("other", "s")}
+    assert groups.leave_connection("conn-3", now_ms=1350) == {("g", "s"), ("other", "s")}
     assert groups.assignment("g", "s", "c1") == (0, 1, 2, 3)
     assert groups.assignment("other", "s", "c3") is None
     # a rejoin from a new connection rebinds the member
     groups.join("g", "s", "c1", 4, "conn-9", now_ms=1400)
-    assert groups.leave_connection("conn-1") == set()
+    assert groups.leave_connection("conn-1", now_ms=1450) == set()
     assert groups.members("g", "s") == ["c1"]
 
 
 def test_registry_rejects_a_non_positive_timeout():
     with pytest.raises(ValueError, match="timeout_ms"):
         GroupRegistry(0)
+
+
+def _serving(groups: GroupRegistry, *members: str) -> dict[str, tuple[int, ...]]:
+    return {m: groups.serving("g", "s", m) for m in members}
+
+
+def test_a_joining_member_gets_a_queue_only_once_its_old_owner_let_go():
+    groups = GroupRegistry(timeout_ms=1000)
+    groups.join("g", "s", "a", 4, "conn-a", now_ms=0)
+    assert groups.join("g", "s", "b", 4, "conn-b", now_ms=10) == ((2, 3), True)
+    # b's target is (2, 3) but a still holds them: nobody reads them meanwhile
+    assert _serving(groups, "a", "b") == {"a": (0, 1), "b": ()}
+    assert groups.in_handover("g", "s") == {2: 10, 3: 10}
+    # a PULL is no confirmation, and a heartbeat that still holds a queue keeps it
+    assert groups.touch("g", "s", "a", "conn-a", now_ms=20) == (0, 1)
+    assert not groups.confirm("g", "s", "a", held=(0, 1, 2, 3), now_ms=30)
+    assert groups.confirm("g", "s", "a", held=(0, 1, 3), now_ms=40)
+    assert _serving(groups, "a", "b") == {"a": (0, 1), "b": (2,)}
+    assert groups.confirm("g", "s", "a", held=(0, 1), now_ms=250)
+    assert _serving(groups, "a", "b") == {"a": (0, 1), "b": (2, 3)}
+    assert groups.in_handover("g", "s") == {}
+    assert (groups.handovers, groups.handover_wait_ms_total) == (2, 30 + 240)
+
+
+def test_a_member_that_leaves_or_crashes_lets_go_at_once():
+    groups = GroupRegistry(timeout_ms=1000)
+    groups.join("g", "s", "a", 4, "conn-a", now_ms=0)
+    groups.join("g", "s", "b", 4, "conn-b", now_ms=0)
+    groups.confirm("g", "s", "a", held=(0, 1), now_ms=0)
+    assert groups.leave_connection("conn-b", now_ms=50) == {("g", "s")}
+    assert _serving(groups, "a") == {"a": (0, 1, 2, 3)}
+    # a crash: b's queues come back to a after b's silence, not before
+    groups.join("g", "s", "b", 4, "conn-b2", now_ms=100)
+    groups.confirm("g", "s", "a", held=(0, 1), now_ms=100)
+    groups.touch("g", "s", "a", "conn-a", now_ms=1050)
+    assert groups.expire(now_ms=1099) == set()
+    assert _serving(groups, "a", "b") == {"a": (0, 1), "b": (2, 3)}
+    assert groups.expire(now_ms=1100) == {("g", "s")}
+    assert _serving(groups, "a") == {"a": (0, 1, 2, 3)}
+
+
+def test_an_old_owner_that_never_confirms_is_overruled_after_the_timeout():
+    groups = GroupRegistry(timeout_ms=1000)
+    groups.join("g", "s", "a", 2, "conn-a", now_ms=0)
+    groups.join("g", "s", "b", 2, "conn-b", now_ms=500)
+    assert groups.next_expiry_ms() == 1000  # a's silence first
+    groups.touch("g", "s", "a", "conn-a", now_ms=900)
+    groups.touch("g", "s", "b", "conn-b", now_ms=900)
+    assert groups.next_expiry_ms() == 1500  # then the hand-over that began at 500
+    assert groups.expire(now_ms=1499) == set()
+    assert _serving(groups, "a", "b") == {"a": (0,), "b": ()}
+    assert groups.expire(now_ms=1500) == {("g", "s")}
+    assert _serving(groups, "a", "b") == {"a": (0,), "b": (1,)}
+    assert groups.members("g", "s") == ["a", "b"]  # alive: only the queue moved
+    assert (groups.handovers, groups.handover_wait_ms_total) == (1, 1000)
+
+
+def test_a_chain_of_joins_hands_each_queue_over_from_whoever_holds_it():
+    groups = GroupRegistry(timeout_ms=1000)
+    groups.join("g", "s", "a", 6, "conn-a", now_ms=0)
+    groups.join("g", "s", "b", 6, "conn-b", now_ms=1)  # a: 0-2, b: 3-5 (held by a)
+    groups.join("g", "s", "c", 6, "conn-c", now_ms=2)  # a: 0-1, b: 2-3, c: 4-5
+    assert _serving(groups, "a", "b", "c") == {"a": (0, 1), "b": (), "c": ()}
+    groups.confirm("g", "s", "a", held=(0, 1), now_ms=3)
+    assert _serving(groups, "a", "b", "c") == {"a": (0, 1), "b": (2, 3), "c": (4, 5)}
+    # d joins and leaves again before b let go: b keeps its queues, nothing is lost
+    groups.join("g", "s", "d", 6, "conn-d", now_ms=4)  # a: 0-1, b: 2-3, c: 4, d: 5
+    assert _serving(groups, "c", "d") == {"c": (4,), "d": ()}
+    groups.leave_connection("conn-d", now_ms=5)
+    assert _serving(groups, "a", "b", "c") == {"a": (0, 1), "b": (2, 3), "c": (4, 5)}
+    assert groups.in_handover("g", "s") == {}
+
+
+def test_a_member_that_cannot_confirm_lets_go_at_once():
+    # An HTTP consumer keeps no prefetch and has no way to say what it holds.
+    groups = GroupRegistry(timeout_ms=1000)
+    groups.join("g", "s", "web", 4, "conn-w", now_ms=0, confirms=False)
+    groups.join("g", "s", "bin", 4, "conn-b", now_ms=10)
+    assert _serving(groups, "bin", "web") == {"bin": (0, 1), "web": (2, 3)}
+    assert groups.in_handover("g", "s") == {}
+
+
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["join", "leave", "confirm", "expire"]), st.sampled_from("abcd")),
+        max_size=30,
+    )
+)
+def test_no_queue_is_ever_read_by_two_members(steps):
+    groups = GroupRegistry(timeout_ms=100)
+    now_ms = 0
+    for action, member in steps:
+        now_ms += 30
+        if action == "join":
+            groups.join("g", "s", member, 5, f"conn-{member}", now_ms)
+        elif action == "leave":
+            groups.leave_connection(f"conn-{member}", now_ms)
+        elif action == "confirm":
+            mine = groups.assignment("g", "s", member)
+            if mine is not None:
+                groups.touch("g", "s", member, f"conn-{member}", now_ms)
+                groups.confirm("g", "s", member, mine, now_ms)
+        else:
+            groups.expire(now_ms)
+        served = [q for m in "abcd" for q in groups.serving("g", "s", m)]
+        assert len(served) == len(set(served))
+        for m in "abcd":
+            assert set(groups.serving("g", "s", m)) <= set(groups.assignment("g", "s", m) or ())
+        for queue in range(5):
+            holder = groups.owner("g", "s", queue)
+            assert holder is None or holder in groups.members("g", "s")

@@ -9,6 +9,7 @@ from delayd.errors import LocalProtocolError, RemoteProtocolError
 from delayd.protocol import (
     CLIENT,
     NEED_DATA,
+    PROTOCOL_VERSION,
     SERVER,
     CancelBatch,
     CancelBatchResult,
@@ -26,7 +27,7 @@ def connected() -> tuple[Connection, Connection]:
     client, server = Connection(CLIENT), Connection(SERVER)
     server.receive_data(client.send(Hello(request_id=1)))
     server.next_event()
-    client.receive_data(server.send(HelloOk(1, "test", request_id=1)))
+    client.receive_data(server.send(HelloOk(PROTOCOL_VERSION, "test", request_id=1)))
     client.next_event()
     return client, server
 

@@ -251,6 +251,48 @@ def test_async_heartbeats_keep_a_busy_member_and_follow_reassignment(
         anyio.run(scenario, broker, backend=backend)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_joining_consumer_gets_a_queue_only_after_the_old_one_committed(
+    broker: BrokerProcess, backend: str
+) -> None:
+    """a holds an uncommitted message of every queue when b joins: b reads none of the
+    queues it is given until a committed them, so no message reaches both."""
+    subject = unique("handover")
+
+    async def scenario() -> None:
+        async with delayd.open_producer(broker.addr) as producer:
+            await producer.send_batch([{"subject": subject, "body": b"x"} for _ in range(200)])
+        opts = {"subject": subject, "group": "g", "heartbeat_interval_s": 0.2}
+        got_a: list[Message] = []
+        got_b: list[Message] = []
+        # Small PULLs: a PULL reads one queue after another, so a holds messages of
+        # every queue long before it read them all.
+        a_opts = {"auto_commit": False, "max_messages": 4}
+        async with delayd.open_consumer(broker.addr, **a_opts, **opts) as a:
+            while {m.queue for m in got_a} != {0, 1, 2, 3}:
+                message = await a.receive(timeout_s=5)
+                assert message is not None
+                got_a.append(message)
+            async with delayd.open_consumer(broker.addr, **opts) as b:
+                assert len(b.queues) == 2
+                while (message := await b.receive(timeout_s=1.0)) is not None:
+                    got_b.append(message)
+                assert got_b == [], "b read a queue a still held"
+                for message in got_a:
+                    await a.commit(message)
+                for consumer, got in ((a, got_a), (b, got_b)):
+                    while (message := await consumer.receive(timeout_s=1.5)) is not None:
+                        got.append(message)
+                        if consumer is a:
+                            await a.commit(message)
+        ids_a = {m.message_id for m in got_a}
+        ids_b = {m.message_id for m in got_b}
+        assert not ids_a & ids_b
+        assert len(ids_a | ids_b) == 200 and len(got_b) > 50
+
+    anyio.run(scenario, backend=backend)
+
+
 def test_blocking_heartbeat_thread_keeps_a_busy_member(tmp_path: Path) -> None:
     with BrokerProcess(tmp_path, heartbeat_timeout_ms=2000) as broker:
         opts = {"subject": "hb", "group": "g", "heartbeat_interval_s": 0.2}

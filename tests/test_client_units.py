@@ -270,6 +270,66 @@ def test_losing_a_queue_drops_its_prefetched_messages() -> None:
     assert state.add_pulled([msg(0, 0)]) == 1
 
 
+def test_a_lost_queue_is_held_until_the_message_in_hand_is_committed() -> None:
+    state = ConsumerState()
+    state.set_assignment([0, 1])
+    state.add_pulled([msg(0, 0), msg(1, 0), msg(0, 1), msg(0, 2)])
+    state.advance()
+    assert state.pop() == msg(0, 0)  # the user handles it
+    state.set_assignment([1])  # the broker took queue 0 away
+    assert state.heartbeat_held() == (0, 1) and not state.letting_go()
+    assert state.add_pulled([msg(0, 3)]) == 0  # read before the revoke: not handed out
+    state.advance()  # msg(0, 0) done
+    assert state.letting_go() and state.commits_due() == [(0, 1)]
+    state.committed(0, 1)
+    assert state.heartbeat_held() == (1,) and not state.letting_go()
+    assert [state.pop(), state.pop()] == [msg(1, 0), None]  # 0-1, 0-2 were dropped
+    # Given back: what was handed out is not handed out again, what was only
+    # prefetched comes from the committed offset.
+    state.set_assignment([0, 1])
+    assert state.add_pulled([msg(0, 0), msg(0, 1), msg(0, 2)]) == 2
+
+
+def test_a_lost_queue_of_which_nothing_was_handed_out_is_let_go_at_once() -> None:
+    state = ConsumerState()
+    state.set_assignment([0, 1])
+    state.add_pulled([msg(0, 0), msg(0, 1)])
+    state.set_assignment([1])
+    assert state.heartbeat_held() == (1,)
+
+
+def test_a_pull_read_before_the_answer_that_gives_a_queue_back_is_kept() -> None:
+    # The async consumer reads a PULL's and a HEARTBEAT's answers in tasks of their own:
+    # messages of a queue given back may be read before the answer that gives it back.
+    state = ConsumerState()
+    state.set_assignment([0, 1])
+    state.set_assignment([1])  # queue 0 lost, nothing of it handed out
+    assert state.add_pulled([msg(0, 0)]) == 0  # read before the revoke
+    assert state.heartbeat_held() == (1,)  # let go: that PULL's messages are dropped
+    assert state.add_pulled([msg(0, 0), msg(0, 1)]) == 0  # given back, not yet known
+    assert state.buffered == 0
+    state.set_assignment([0, 1])
+    assert [state.pop(), state.pop(), state.pop()] == [msg(0, 0), msg(0, 1), None]
+
+
+def test_a_handed_out_message_dropped_unseen_no_longer_holds_its_queue() -> None:
+    state = ConsumerState(auto_commit=False)
+    state.set_assignment([0])
+    state.add_pulled([msg(0, 0), msg(0, 1)])
+    state.advance()
+    state.pop()
+    state.mark_processed(msg(0, 0))
+    state.committed(0, 1)
+    state.advance()
+    state.pop()  # waits in a cluster consumer's pump while the queue is lost
+    state.set_assignment([])
+    assert state.heartbeat_held() == (0,)
+    state.dropped(msg(0, 1))
+    assert state.heartbeat_held() == ()
+    state.set_assignment([0])  # given back: the dropped message comes again
+    assert state.add_pulled([msg(0, 1)]) == 1
+
+
 def test_flush_due_after_the_commit_interval() -> None:
     state = ConsumerState(commit_interval_s=1.0)
     state.add_pulled([msg(0, 0), msg(0, 1)])

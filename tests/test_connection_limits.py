@@ -14,6 +14,7 @@ from delayd.errors import RemoteProtocolError
 from delayd.protocol import (
     CLIENT,
     NEED_DATA,
+    PROTOCOL_VERSION,
     SERVER,
     Cancel,
     Connection,
@@ -61,7 +62,9 @@ class Served:
         async def dispatch(event) -> None:
             self.events.append(event)
             if isinstance(event, Hello):
-                answer = HelloOk(1, "test", self.conn.max_frame_size, request_id=event.request_id)
+                answer = HelloOk(
+                    PROTOCOL_VERSION, "test", self.conn.max_frame_size, request_id=event.request_id
+                )
             else:
                 answer = StatsResult({}, request_id=event.request_id)
             await stream.send_all(self.conn.send(answer))

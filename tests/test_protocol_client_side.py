@@ -9,6 +9,7 @@ import pytest
 from delayd.errors import BusyError, ConnectionClosedError, RejectedError, RemoteProtocolError
 from delayd.protocol import (
     CLIENT,
+    PROTOCOL_VERSION,
     SERVER,
     Connection,
     Error,
@@ -39,7 +40,7 @@ class InMemoryServer:
             self.outbox.append(self.conn.send(Error.for_exception(exc)))
             return
         assert isinstance(hello, Hello)
-        self.outbox.append(self.conn.send(HelloOk(1, request_id=hello.request_id)))
+        self.outbox.append(self.conn.send(HelloOk(PROTOCOL_VERSION, request_id=hello.request_id)))
 
     def next_bytes(self) -> bytes:
         return self.outbox.pop(0) if self.outbox else b""
@@ -97,7 +98,7 @@ def connected() -> tuple[Connection, Connection]:
     client, server = Connection(CLIENT), Connection(SERVER)
     server.receive_data(client.send(Hello(client_name="t", request_id=client.next_request_id())))
     hello = server.next_event()
-    client.receive_data(server.send(HelloOk(1, request_id=hello.request_id)))
+    client.receive_data(server.send(HelloOk(PROTOCOL_VERSION, request_id=hello.request_id)))
     client.next_event()
     return client, server
 

@@ -25,6 +25,7 @@ from delayd.client import ClientTls, Consumer, Producer, open_producer
 from delayd.errors import DelaydTimeout
 from delayd.protocol import (
     NEED_DATA,
+    PROTOCOL_VERSION,
     SERVER,
     Connection,
     ConnectionClosed,
@@ -227,7 +228,7 @@ async def not_leader_member(
                     if isinstance(event, ConnectionClosed):
                         return
                     if isinstance(event, Hello):
-                        answer = HelloOk(1, "follower", request_id=event.request_id)
+                        answer = HelloOk(PROTOCOL_VERSION, "follower", request_id=event.request_id)
                     else:
                         answer = Error(ErrorCode.NOT_LEADER, reason, request_id=event.request_id)
                     await secure.send_all(conn.send(answer))

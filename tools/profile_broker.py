@@ -141,7 +141,7 @@ async def inproc(args: argparse.Namespace) -> None:
 
             exchange(
                 wire.Hello(client_name="profile", request_id=1),
-                lambda e: wire.HelloOk(1, request_id=e.request_id),
+                lambda e: wire.HelloOk(wire.PROTOCOL_VERSION, request_id=e.request_id),
             )
 
             # Produce: frames encoded up front, as a producer would have sent them.

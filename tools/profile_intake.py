@@ -152,9 +152,9 @@ def run_once(
 
 
 def server_hello_ok():
-    from delayd.protocol import HelloOk
+    from delayd.protocol import PROTOCOL_VERSION, HelloOk
 
-    return HelloOk(1, "profile", 16 * 1024 * 1024, request_id=1)
+    return HelloOk(PROTOCOL_VERSION, "profile", 16 * 1024 * 1024, request_id=1)
 
 
 def main() -> None:

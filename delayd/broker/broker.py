@@ -11,12 +11,14 @@ clock (wall clock for store times and the idempotency window, trio's monotonic c
 heartbeats and PULL deadlines) and wait.
 
 PULL and commit semantics (what the clients rely on)
-    A member's PULL returns messages from its assigned queues. For each (group, subject,
-    queue) the broker keeps, in memory only, a *delivered cursor*: it starts at the
-    committed offset whenever the queue is (re)assigned or the broker starts, and
-    advances as messages are handed out. Consumers commit ``queue_offset + 1`` after
-    processing; anything handed out but not committed is delivered again after a
-    reassignment or restart (at-least-once). A commit beyond the cursor moves it.
+    A member's PULL returns messages from its assigned queues that no other member
+    still holds (a queue in hand-over is served to nobody: delayd.broker.groups). For
+    each (group, subject, queue) the broker keeps, in memory only, a *delivered
+    cursor*: it starts at the committed offset whenever the queue is (re)assigned or
+    the broker starts, and advances as messages are handed out. Consumers commit
+    ``queue_offset + 1`` after processing; anything handed out but not committed is
+    delivered again after a crash, an overdue hand-over or a restart (at-least-once).
+    A commit beyond the cursor moves it.
 """
 
 from __future__ import annotations
@@ -682,11 +684,20 @@ class Broker:
         return count
 
     def join(
-        self, group: str, subject: str, consumer_id: str, connection: Hashable, now_ms: int
+        self,
+        group: str,
+        subject: str,
+        consumer_id: str,
+        connection: Hashable,
+        now_ms: int,
+        *,
+        confirms: bool = True,
     ) -> tuple[int, ...]:
         """JOIN_GROUP: the member's queues. A group seen for the first time gets its
         start offsets (earliest or latest, per config) committed now, so a restart does
-        not move them. Raises RejectedError for bad names."""
+        not move them. ``confirms=False`` for a member that never says which queues it
+        holds (the HTTP API's): its lost queues move at once. Raises RejectedError for
+        bad names."""
         self._refuse_if_following()
         _check_name("group", group)
         _check_subject(subject)
@@ -695,35 +706,51 @@ class Broker:
         for queue in range(count):
             if self.offsets.get(group, subject, queue) is None:
                 self.offsets.set(group, subject, queue, self._start_offset(subject, queue))
-        queues, changed = self.groups.join(group, subject, consumer_id, count, connection, now_ms)
+        queues, changed = self.groups.join(
+            group, subject, consumer_id, count, connection, now_ms, confirms=confirms
+        )
         self._membership_changed.set()
         if changed:
             self._rebalanced({(group, subject)})
         return queues
 
     def heartbeat(
-        self, group: str, subject: str, consumer_id: str, connection: Hashable, now_ms: int
+        self,
+        group: str,
+        subject: str,
+        consumer_id: str,
+        connection: Hashable,
+        now_ms: int,
+        held: Sequence[int] | None = None,
     ) -> tuple[int, ...]:
-        """HEARTBEAT: the member's current queues. Raises RejectedError when it is not a
-        member (never joined, timed out or its connection closed): join again."""
+        """HEARTBEAT: the member's current queues. ``held`` are the queues it still
+        holds (it lets go of the others it was told it lost); None from a client of
+        protocol version 1, which lets go of them when it reads the answer, as it always
+        did. Raises RejectedError when it is not a member (never joined, timed out or
+        its connection closed): join again."""
         queues = self.groups.touch(group, subject, consumer_id, connection, now_ms)
         if queues is None:
             raise RejectedError(ErrorCode.INVALID_REQUEST, "join the group first")
+        still_held = queues if held is None else held
+        if self.groups.confirm(group, subject, consumer_id, still_held, now_ms):
+            self._rebalanced({(group, subject)})
         self._membership_changed.set()
         return queues
 
     def connection_closed(self, connection: Hashable) -> None:
         """Drop the members bound to a closed connection and reassign their queues."""
-        self._rebalanced(self.groups.leave_connection(connection))
+        self._rebalanced(self.groups.leave_connection(connection, self.monotonic_ms()))
 
     def _rebalanced(self, keys: Iterable[GroupKey]) -> None:
         for group, subject in keys:
             cursors = self._cursors.get((group, subject))
             if cursors:
                 for queue in list(cursors):
-                    if self.groups.owner(group, subject, queue) != cursors[queue][0]:
-                        # The new owner starts from the committed offset: whatever the old
-                        # owner received but did not commit is delivered again.
+                    reader = cursors[queue][0]
+                    if queue not in self.groups.serving(group, subject, reader):
+                        # Whoever reads it next starts from the committed offset: the old
+                        # owner dropped what it had prefetched, and a crashed one's
+                        # uncommitted messages are delivered again.
                         del cursors[queue]
             self.hub.notify([("group", group, subject)])
             log.info(
@@ -844,7 +871,8 @@ class Broker:
         queues = self.groups.touch(group, subject, consumer_id, connection, self.monotonic_ms())
         if queues is None:
             raise RejectedError(ErrorCode.INVALID_REQUEST, "join the group first")
-        parts = self._take(group, subject, consumer_id, queues, max_messages)
+        serving = self.groups.serving(group, subject, consumer_id)
+        parts = self._take(group, subject, consumer_id, serving, max_messages)
         return (EncodedMessages.join(parts) if parts else None), queues
 
     def _take(
@@ -933,6 +961,9 @@ class Broker:
             "broker.held_pulls": self.hub.held,
             "broker.checkpoints_total": self.checkpoints,
             "broker.offsets_unsaved": int(self.offsets.dirty),
+            "broker.rebalance_handovers_total": self.groups.handovers,
+            "broker.rebalance_handover_ms_total": self.groups.handover_wait_ms_total,
+            "broker.rebalance_handover_queues": self.groups.queues_in_handover(),
         }
         for subject, queue in sorted(store.queues):
             out[f"queue_end_offset/{subject}/{queue}"] = store.queue_end(subject, queue)

@@ -13,7 +13,7 @@ import logging
 
 import trio
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
 from delayd.broker.broker import Broker
@@ -110,6 +110,14 @@ class BrokerCollector(Collector):
         for (group, subject), behind in sorted(subject_lags(broker).items()):
             by_subject.add_metric([group, subject], behind)
         yield by_subject
+        groups = broker.groups
+        yield SummaryMetricFamily(
+            "delayd_broker_rebalance_handover_seconds",
+            "How long queues that moved between consumers waited for their old owner to "
+            "let go (confirm, leave, crash or time out).",
+            count_value=groups.handovers,
+            sum_value=groups.handover_wait_ms_total / 1000,
+        )
 
 
 async def collect_broker_metrics(

@@ -196,7 +196,8 @@ class BrokerConnection(ServerConnection[tuple[SendBatchResult, int]]):
             await self._answer(JoinGroupResult(queues, request_id=rid))
         elif isinstance(event, Heartbeat):
             now = broker.monotonic_ms()
-            queues = broker.heartbeat(event.group, event.subject, event.consumer_id, self, now)
+            member = (event.group, event.subject, event.consumer_id)
+            queues = broker.heartbeat(*member, self, now, event.held)
             await self._answer(HeartbeatResult(queues, request_id=rid))
         elif isinstance(event, Query):
             found = broker.query(event.subject, message_id=event.message_id, key=event.key)

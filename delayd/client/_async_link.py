@@ -85,6 +85,11 @@ class AsyncLink:
     def closed(self) -> bool:
         return self.failure is not None
 
+    @property
+    def protocol_version(self) -> int:
+        """The version HELLO negotiated."""
+        return self._conn.protocol_version or 0
+
     @classmethod
     async def open(
         cls,

@@ -57,6 +57,11 @@ class BlockingLink:
         self._ended: DelaydError | None = None  # why no answer follows those
         self.closed = False
 
+    @property
+    def protocol_version(self) -> int:
+        """The version HELLO negotiated."""
+        return self._conn.protocol_version or 0
+
     @classmethod
     def open(
         cls,

@@ -125,6 +125,8 @@ class ClusterConsumer(ReceivingIterator):
                     raise message
                 if self._still_assigned(group, message):
                     break
+                if group in self.consumers:
+                    self.consumers[group].dropped(message)  # no longer held: it may go
             self._current = (group, message)
             self._origins[id(message)] = (message, group)
             if len(self._origins) > ORIGINS_KEPT:
@@ -134,11 +136,12 @@ class ClusterConsumer(ReceivingIterator):
 
     def _still_assigned(self, group: str, message: Message) -> bool:
         """Whether ``message``'s queue is still this consumer's in its group. A message
-        waits in its pump until the user asks for one; if the group moved its queue to
-        another member meanwhile, that member reads it from the committed offset, so
-        it is dropped here as a consumer drops the prefetched messages of a lost queue."""
+        waits in its pump until the user asks for one; if the group took its queue away
+        meanwhile, its new owner reads it from the committed offset once this consumer
+        let go, so it is dropped here as a consumer drops the prefetched messages of a
+        lost queue (a queue given before this consumer heard of it is not lost)."""
         consumer = self.consumers.get(group)
-        return consumer is not None and (message.queue is None or message.queue in consumer.queues)
+        return consumer is not None and not consumer.lost(message.queue)
 
     async def _advance(self) -> None:
         """The user asked for the next message: with auto-commit, the current is done."""

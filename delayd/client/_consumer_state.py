@@ -13,6 +13,10 @@ Invariants:
   offset when it is reassigned, or after a reconnect) are dropped.
 - Offsets only move forward: a commit for queue ``q`` is due when the offset after the
   last processed message of ``q`` is beyond what the broker last confirmed.
+- A lost queue is let go only once nothing of it is held: its prefetched messages are
+  dropped at once, and ``heartbeat_held()`` keeps naming it while a message of it was handed to
+  the user and not committed; the broker gives it to its new owner when a HEARTBEAT
+  no longer names it (delayd.broker.groups), so nobody sees that message again.
 - With auto-commit a message counts as processed when the user asks for the next one
   (the loop body for it ran), or when the consumer is closed without an error; a
   message whose processing raised is not committed and comes again after a restart.
@@ -32,6 +36,10 @@ from delayd.protocol import CommitOffset, Heartbeat, JoinGroup, Message, Pull
 # handed out, so a crash of consumer or broker hands at most that one message out again.
 COMMIT_MODES = ("periodic", "sync")
 
+# Heartbeats while a lost queue is still held: the confirmation that lets its new owner
+# read it goes out this soon after the last message of it is committed (seconds).
+HANDOVER_HEARTBEAT_S = 0.1
+
 
 @dataclass(frozen=True, slots=True)
 class Subscription:
@@ -45,8 +53,10 @@ class Subscription:
     def join(self, request_id: int) -> JoinGroup:
         return JoinGroup(self.group, self.subject, self.consumer_id, request_id=request_id)
 
-    def heartbeat(self, request_id: int) -> Heartbeat:
-        return Heartbeat(self.group, self.subject, self.consumer_id, request_id=request_id)
+    def heartbeat(self, held: tuple[int, ...] | None, request_id: int) -> Heartbeat:
+        """HEARTBEAT; ``held``: the queues still held (None to a version-1 broker)."""
+        identity = (self.group, self.subject, self.consumer_id)
+        return Heartbeat(*identity, held, request_id=request_id)
 
     def pull(self, max_messages: int, wait_ms: int, request_id: int) -> Pull:
         """PULL of up to ``max_messages``, held by the broker up to ``wait_ms``."""
@@ -82,6 +92,13 @@ class ConsumerState:
         self.queues: tuple[int, ...] = ()
         self._buffer: deque[Message] = deque()
         self._fetched: dict[int, int] = {}  # queue -> offset after the last accepted message
+        self._handed: dict[int, int] = {}  # queue -> offset after the last handed to the user
+        self._revoked: set[int] = set()  # queues the broker took away: not yet given back
+        # Messages of a lost queue that a PULL brought: read before the queue was taken
+        # away (dropped when it is let go), or after it was given back and before this
+        # consumer read the answer that says so (the async consumer reads the answers
+        # to its PULL and its HEARTBEAT in tasks of their own, in either order).
+        self._limbo: dict[int, list[Message]] = {}
         self._processed: dict[int, int] = {}  # queue -> commit offset of processed messages
         self._committed: dict[int, int] = {}  # queue -> offset the broker confirmed
         self._current: Message | None = None  # handed to the user, being processed
@@ -92,17 +109,58 @@ class ConsumerState:
     def set_assignment(self, queues: Iterable[int]) -> None:
         """The broker assigned ``queues``; forget prefetched messages of the others.
 
-        Messages of a lost queue now belong to another member, which starts from the
-        committed offset; keeping them would deliver them twice for no gain.
+        Messages of a lost queue go to its new owner, which starts from the committed
+        offset once this consumer let go (:meth:`heartbeat_held`); handing them out here too
+        would deliver them twice.
         """
+        lost = set(self.queues).difference(queues)
         self.queues = tuple(sorted(queues))
-        kept = set(self.queues)
-        if any(m.queue not in kept for m in self._buffer):
-            self._buffer = deque(m for m in self._buffer if m.queue in kept)
-        for queue in [q for q in self._fetched if q not in kept]:
-            # If the queue comes back, its cursor restarts at the committed offset and
-            # messages after it may legitimately come again (at-least-once).
-            del self._fetched[queue]
+        given_back = self._revoked.intersection(self.queues)
+        self._revoked = (self._revoked | lost).difference(self.queues)
+        if any(m.queue in self._revoked for m in self._buffer):
+            self._buffer = deque(m for m in self._buffer if m.queue not in self._revoked)
+        for queue in lost:
+            # If the queue comes back its cursor restarts at the committed offset: what
+            # was handed out is not handed out again, what was only prefetched is.
+            if queue in self._handed:
+                self._fetched[queue] = self._handed[queue]
+            else:
+                self._fetched.pop(queue, None)
+        for queue in given_back:
+            self.add_pulled(self._limbo.pop(queue, ()))
+
+    def lost(self, queue: int | None) -> bool:
+        """Whether the broker took ``queue`` away (and has not given it back)."""
+        return queue in self._revoked
+
+    def heartbeat_held(self) -> tuple[int, ...]:
+        """The queues to name in the next HEARTBEAT: the assignment, and every lost
+        queue of which a message was handed to the user and is not committed yet. The
+        lost queues it leaves out are let go with that HEARTBEAT: what a PULL brought
+        of them before they were taken away is dropped now."""
+        unfinished = {
+            q for q in self._revoked if self._handed.get(q, 0) > self._committed.get(q, 0)
+        }
+        for queue in self._revoked - unfinished:
+            self._limbo.pop(queue, None)
+        return tuple(sorted(unfinished.union(self.queues)))
+
+    def letting_go(self) -> bool:
+        """Whether a lost queue waits for commits that are due (flush them, then tell
+        the broker what is held)."""
+        due = {q for q, _ in self.commits_due()}
+        return any(q in due for q in self._revoked)
+
+    def dropped(self, message: Message) -> None:
+        """``message`` was handed out but thrown away unseen (its queue was lost while it
+        waited): it and the messages after it are no longer held."""
+        queue, offset = message.queue, message.queue_offset
+        if queue is None or offset is None:
+            return
+        if offset < self._handed.get(queue, 0):
+            self._handed[queue] = offset
+        if queue in self._revoked and offset < self._fetched.get(queue, offset + 1):
+            self._fetched[queue] = offset  # unseen: it may come again if given back
 
     # --- messages ---------------------------------------------------------------------
 
@@ -111,6 +169,9 @@ class ConsumerState:
         added = 0
         for m in messages:
             queue, offset = m.queue, m.queue_offset
+            if queue in self._revoked:
+                self._limbo.setdefault(queue, []).append(m)
+                continue
             if queue is not None and offset is not None:
                 if offset < self._fetched.get(queue, 0):
                     continue  # already accepted once: a replay from an older cursor
@@ -133,8 +194,10 @@ class ConsumerState:
         """The next prefetched message for the user, or None when none is left."""
         if not self._buffer:
             return None
-        self._current = self._buffer.popleft()
-        return self._current
+        self._current = message = self._buffer.popleft()
+        if message.queue is not None and message.queue_offset is not None:
+            self._handed[message.queue] = message.queue_offset + 1
+        return message
 
     def close(self, *, clean: bool) -> None:
         """The consumer is closing; ``clean`` means no exception is propagating."""

@@ -33,7 +33,12 @@ from delayd.client._async_session import AsyncSession
 from delayd.client._backoff import Backoff
 from delayd.client._cluster_consumer import ClusterConsumer, open_cluster_consumer
 from delayd.client._consumer_id import new_consumer_id
-from delayd.client._consumer_state import COMMIT_MODES, ConsumerState, Subscription
+from delayd.client._consumer_state import (
+    COMMIT_MODES,
+    HANDOVER_HEARTBEAT_S,
+    ConsumerState,
+    Subscription,
+)
 from delayd.client._receiving import ReceivingIterator
 from delayd.client._task_group import background_task_group
 from delayd.client.async_producer import CLIENT_NAME
@@ -47,6 +52,7 @@ from delayd.errors import (
 )
 from delayd.group_address import parse_group_address
 from delayd.protocol import (
+    HELD_QUEUES_VERSION,
     CommitOffset,
     ErrorCode,
     HeartbeatResult,
@@ -194,6 +200,16 @@ class AsyncConsumer(ReceivingIterator):
         does (a consumer of every group marks the messages of its groups so)."""
         self._state.mark_processed(message)
 
+    def lost(self, queue: int | None) -> bool:
+        """Whether the broker took ``queue`` away from this consumer (not given back)."""
+        return self._state.lost(queue)
+
+    def dropped(self, message: Message) -> None:
+        """``message`` was handed out but thrown away unseen, because its queue went to
+        another member while it waited (the cluster consumer's pumps): this consumer
+        no longer holds it, so the queue's hand-over need not wait for its commit."""
+        self._state.dropped(message)
+
     async def _commit_in_background(self) -> None:
         """_flush_commits as a task of its own, next to a PULL (one at a time)."""
         self._committing = True
@@ -310,17 +326,27 @@ class AsyncConsumer(ReceivingIterator):
             self._pull_error = exc
 
     async def _heartbeats(self) -> None:
-        """Keep the membership alive while the user works; follow reassignments."""
+        """Keep the membership alive while the user works; follow reassignments, and
+        let go of a lost queue as soon as nothing of it is held (then sooner than every
+        ``heartbeat_interval_s``: the queue's new owner waits for it)."""
+        letting_go = False
         while True:
-            await anyio.sleep(self.heartbeat_interval_s)
+            await anyio.sleep(HANDOVER_HEARTBEAT_S if letting_go else self.heartbeat_interval_s)
+            letting_go = False
             link = self._joined
             if link is None or link.closed:
                 continue  # the next PULL reconnects and joins again
             try:
+                if self._state.letting_go():
+                    await self._flush_commits()  # committed, the lost queue can go
+                held: tuple[int, ...] | None = self._state.heartbeat_held()
+                if link.protocol_version < HELD_QUEUES_VERSION:
+                    held = None  # a version-1 broker: it lets go of them with any HEARTBEAT
                 with anyio.move_on_after(self.timeout_s) as scope:
-                    result = await link.request(self.subscription.heartbeat)
+                    result = await link.request(partial(self.subscription.heartbeat, held))
                     assert isinstance(result, HeartbeatResult)
                     self._state.set_assignment(result.queues)
+                    letting_go = held is not None and not set(held) <= set(result.queues)
                 if scope.cancelled_caught:
                     link.abort("closed: no answer to HEARTBEAT in time")
             except RejectedError as exc:

@@ -30,7 +30,7 @@ from typing import Any
 from delayd.client._blocking_client import BlockingClient
 from delayd.client._blocking_link import BlockingLink
 from delayd.client._consumer_id import new_consumer_id
-from delayd.client._consumer_state import ConsumerState, Subscription
+from delayd.client._consumer_state import HANDOVER_HEARTBEAT_S, ConsumerState, Subscription
 from delayd.errors import (
     BusyError,
     ConnectionClosedError,
@@ -41,6 +41,7 @@ from delayd.errors import (
 )
 from delayd.group_address import parse_group_address
 from delayd.protocol import (
+    HELD_QUEUES_VERSION,
     CommitOffset,
     CommitOffsetOk,
     ErrorCode,
@@ -114,7 +115,7 @@ class Consumer(BlockingClient):
         self._state = ConsumerState(auto_commit=auto_commit, commit=commit)
         self._joined: BlockingLink | None = None  # the link this consumer is a member on
         self._joins = 0  # JOINs done so far
-        self._last_sent = 0.0  # monotonic time of the last request (a PULL is a heartbeat)
+        self._last_heartbeat = 0.0  # monotonic time of the last HEARTBEAT
         self._stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
 
@@ -285,7 +286,6 @@ class Consumer(BlockingClient):
             self._state.set_assignment(result.queues)
             self._joined = link
             self._joins += 1
-            self._last_sent = time.monotonic()
             self._start_heartbeats()
             return link
 
@@ -294,7 +294,6 @@ class Consumer(BlockingClient):
         connection trouble is retried by the caller (the commits stay due)."""
         joins_before = self._joins
         link = self._member_link(deadline)
-        self._last_sent = time.monotonic()
         due = self._state.commits_due()
         builds: list[Callable[[int], Request]] = [
             self._commit_request(queue, offset) for queue, offset in due
@@ -356,20 +355,29 @@ class Consumer(BlockingClient):
             self._heartbeat_thread.start()
 
     def _heartbeats(self) -> None:
-        """Thread: a HEARTBEAT whenever nothing was sent for ``heartbeat_interval_s``."""
+        """Thread: a HEARTBEAT every ``heartbeat_interval_s`` — a PULL keeps the
+        membership alive but does not say which queues are held, so a busy consumer
+        heartbeats too — and sooner while a lost queue is held (its new owner waits)."""
         interval = self.heartbeat_interval_s
-        while not self._stop.wait(interval / 3):
+        letting_go = False
+        while not self._stop.wait(HANDOVER_HEARTBEAT_S if letting_go else interval / 3):
             with self._lock:
                 if self._closed:
                     return
                 link = self._joined
-                if link is None or link.closed or time.monotonic() - self._last_sent < interval:
+                since = time.monotonic() - self._last_heartbeat
+                if link is None or link.closed or (since < interval and not letting_go):
                     continue
-                self._last_sent = time.monotonic()
+                self._last_heartbeat = time.monotonic()
+                letting_go = False
+                deadline = time.monotonic() + self.timeout_s
                 try:
-                    result = link.request(
-                        self.subscription.heartbeat, time.monotonic() + self.timeout_s
-                    )
+                    if self._state.letting_go():
+                        self._flush_commits(deadline, retry=False)
+                    held: tuple[int, ...] | None = self._state.heartbeat_held()
+                    if link.protocol_version < HELD_QUEUES_VERSION:
+                        held = None  # a version-1 broker: it lets go with any HEARTBEAT
+                    result = link.request(partial(self.subscription.heartbeat, held), deadline)
                 except RejectedError as exc:
                     if exc.code == ErrorCode.INVALID_REQUEST:
                         self._joined = None  # dropped: the next receive() joins again
@@ -379,6 +387,7 @@ class Consumer(BlockingClient):
                     continue
                 assert isinstance(result, HeartbeatResult)
                 self._state.set_assignment(result.queues)
+                letting_go = held is not None and not set(held) <= set(result.queues)
 
 
 def _names_every_group(addr: str) -> bool:

@@ -36,6 +36,7 @@ from delayd.protocol.connection import (
     State,
 )
 from delayd.protocol.events import (
+    HELD_QUEUES_VERSION,
     MAX_SUBJECT_LENGTH,
     MIN_PROTOCOL_VERSION,
     PROTOCOL_VERSION,
@@ -90,6 +91,7 @@ __all__ = [
     "FRAME_VERSION",
     "HEADER",
     "HEADER_SIZE",
+    "HELD_QUEUES_VERSION",
     "MAGIC",
     "MAX_SUBJECT_LENGTH",
     "MIN_PROTOCOL_VERSION",

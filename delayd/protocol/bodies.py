@@ -183,6 +183,14 @@ def _enc_membership(out: bytearray, e: ev.JoinGroup | ev.Heartbeat) -> None:
     put_str(out, e.consumer_id, "consumer_id")
 
 
+def _enc_heartbeat(out: bytearray, e: ev.Heartbeat) -> None:
+    _enc_membership(out, e)
+    if e.held is not None:
+        # Optional trailing list (version 2): a version-1 heartbeat stays byte for byte
+        # what brokers before it understand.
+        _put_queues(out, e.held)
+
+
 def _enc_assignment(out: bytearray, e: ev.JoinGroupResult | ev.HeartbeatResult) -> None:
     _put_queues(out, e.queues)
 
@@ -270,7 +278,7 @@ _ENCODERS: dict[type[Event], Callable[[bytearray, Event], None]] = {
     ev.CommitOffsetOk: _enc_empty,
     ev.JoinGroup: _enc_membership,
     ev.JoinGroupResult: _enc_assignment,
-    ev.Heartbeat: _enc_membership,
+    ev.Heartbeat: _enc_heartbeat,
     ev.HeartbeatResult: _enc_assignment,
     ev.Query: _enc_query,
     ev.QueryResult: _enc_messages_response,
@@ -450,7 +458,9 @@ def _dec_join_group_result(r: BodyReader) -> ev.JoinGroupResult:
 
 def _dec_heartbeat(r: BodyReader) -> ev.Heartbeat:
     group, subject = r.text("group"), r.text("subject")
-    return ev.Heartbeat(group, subject, r.text("consumer_id"), request_id=r.request_id)
+    consumer_id = r.text("consumer_id")
+    held = _get_queues(r) if r.pos < r.end else None
+    return ev.Heartbeat(group, subject, consumer_id, held, request_id=r.request_id)
 
 
 def _dec_heartbeat_result(r: BodyReader) -> ev.HeartbeatResult:

@@ -17,8 +17,12 @@ from delayd.protocol.frames import DEFAULT_MAX_FRAME_SIZE
 
 # The command set spoken inside frames, negotiated in HELLO: the client offers
 # [min_version, max_version], the server picks the highest version both speak.
-PROTOCOL_VERSION = 1
+# Version 2: HEARTBEAT may end with the queues the consumer still holds (the
+# hand-over of a rebalance, docs/protocol.md); everything of version 1 is unchanged.
+PROTOCOL_VERSION = 2
 MIN_PROTOCOL_VERSION = 1
+# The first version whose HEARTBEAT carries the queues the consumer holds.
+HELD_QUEUES_VERSION = 2
 
 MAX_SUBJECT_LENGTH = 255
 _SUBJECT_CHAR = re.compile(r"[A-Za-z0-9._\-]")
@@ -297,7 +301,15 @@ class JoinGroupResult(_Assignment):
 
 @dataclass(frozen=True, slots=True)
 class Heartbeat(_AsMember):
+    """``held``: the queues the consumer still holds, so the broker hands those it lost
+    and let go of to their new owner (protocol version 2; None: not said, version 1)."""
+
     command: ClassVar[Command] = Command.HEARTBEAT
+    held: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.held is not None:
+            _freeze(self, "held")
 
 
 @dataclass(frozen=True, slots=True)

@@ -371,7 +371,9 @@ def _consuming_routes(router: APIRouter, backend: Backend) -> None:
         got: list[Message] = []
         try:
             if broker.groups.assignment(group, subject, request.consumer_id) is None:
-                broker.join(group, subject, request.consumer_id, member, now_ms)
+                # It keeps no prefetch and cannot say what it holds: its lost queues
+                # move at once (what it pulled uncommitted comes again).
+                broker.join(group, subject, request.consumer_id, member, now_ms, confirms=False)
             with trio.CancelScope() as scope:
                 backend.pulls.add(scope)
                 try:
