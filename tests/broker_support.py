@@ -42,7 +42,16 @@ class BrokerProcess(ChildProcess):
     """``delayd broker`` in a child process on a free port of 127.0.0.1; ``start()``
     returns once the process printed its ready line."""
 
-    def __init__(self, data_dir: Path, *extra: str, log_path: Path | None = None) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        *extra: str,
+        log_path: Path | None = None,
+        command_prefix: tuple[str, ...] = (),
+    ) -> None:
+        """``command_prefix``: put before the command (``ip netns exec NS``: on a host of
+        tests/netns_support; its ``--listen`` in ``extra`` then)."""
+        self.command_prefix = list(command_prefix)
         self.data_dir = data_dir
         self.extra = list(extra)
         self.log_path = log_path or data_dir.parent / f"{data_dir.name}-broker.log"
@@ -53,6 +62,7 @@ class BrokerProcess(ChildProcess):
     def start(self) -> BrokerProcess:
         assert self.proc is None or self.proc.poll() is not None
         args = [
+            *self.command_prefix,
             *DELAYD,
             "broker",
             "--data",

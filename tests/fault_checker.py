@@ -25,9 +25,10 @@ message a consumer received and whether its commit landed. ``check`` counts:
 - **twice**: an id a consumer group received again *after* a commit covering an
   earlier copy had landed — the broker had answered it at or before the ms the copy
   came, so the group's committed offset said "done". A commit covers its own message
-  and every one before it in the queue (a Sighting's ``committed_ms``, or
-  ``History.committed``). Also twice: an id found at two positions (queue, offset) of
-  a broker (stored twice: a group reads both copies whatever it commits). A copy
+  and every one before it in the queue of its broker group (a Sighting's
+  ``committed_ms``, or ``History.committed``). Also twice: an id found at two positions
+  (broker group, queue, offset) (stored twice: a group reads both copies whatever it
+  commits). A copy
   received again before any commit covering it landed is the at-least-once window,
   reported as ``redelivered``.
 - **cancel violated**: an id answered CANCELLED that any consumer received. Histories
@@ -61,6 +62,7 @@ class Sighting:
     group: str = ""
     committed_ms: int | None = None
     stored_ms: int | None = None  # when the broker stored it
+    broker: str = ""  # the broker group it came from (a cluster has several)
 
     @property
     def times(self) -> list[int]:
@@ -88,8 +90,8 @@ class History:
     def __init__(self) -> None:
         self.fates: dict[str, _Fate] = defaultdict(_Fate)
         self.sightings: list[Sighting] = []
-        # (group, queue) -> (offset committed through, when it landed)
-        self.commits: dict[tuple[str, int], list[tuple[int, int]]] = defaultdict(list)
+        # (broker group, group, queue) -> (offset committed through, when it landed)
+        self.commits: dict[tuple[str, str, int], list[tuple[int, int]]] = defaultdict(list)
 
     # --- what producers were told -------------------------------------------------------
 
@@ -141,10 +143,14 @@ class History:
 
     # --- the load processes' records ------------------------------------------------------
 
-    def committed(self, group: str, queue: int, offset: int, landed_ms: int) -> None:
+    def committed(
+        self, group: str, queue: int, offset: int, landed_ms: int, *, broker: str = ""
+    ) -> None:
         """A commit by ``group`` of ``queue`` through ``offset`` (that message and every
-        one before it in the queue) landed: the broker answered it at ``landed_ms``."""
-        self.commits[(group, queue)].append((offset, landed_ms))
+        one before it in the queue) landed at the broker group ``broker``: it answered
+        at ``landed_ms``. Queues and offsets are a broker group's own: a commit covers
+        nothing in another."""
+        self.commits[(broker, group, queue)].append((offset, landed_ms))
 
     # --- the load processes' records ------------------------------------------------------
 
@@ -183,10 +189,17 @@ class History:
                         position=(event["queue"], event["offset"]),
                         group=event["group"],
                         stored_ms=event["stored_ms"],
+                        broker=event.get("broker", ""),
                     )
                 )
             elif kind == "committed":
-                history.committed(event["group"], event["queue"], event["offset"], event["ms"])
+                history.committed(
+                    event["group"],
+                    event["queue"],
+                    event["offset"],
+                    event["ms"],
+                    broker=event.get("broker", ""),
+                )
         return history
 
 
@@ -297,11 +310,11 @@ def _first_attempt(fate: _Fate, sighting: Sighting) -> list[int]:
 
 
 def _repeat(
-    sightings: list[Sighting], commits: dict[tuple[str, int], list[tuple[int, int]]]
+    sightings: list[Sighting], commits: dict[tuple[str, str, int], list[tuple[int, int]]]
 ) -> str | None:
     """ "twice", "redelivered" or None for one id's sightings (see the module's
     docstring)."""
-    if len({s.position for s in sightings if s.position is not None}) > 1:
+    if len({(s.broker, s.position) for s in sightings if s.position is not None}) > 1:
         return "twice"
     repeated = False
     by_group: dict[str, list[Sighting]] = defaultdict(list)
@@ -316,7 +329,9 @@ def _repeat(
 
 
 def _covered(
-    later: Sighting, earlier: list[Sighting], commits: dict[tuple[str, int], list[tuple[int, int]]]
+    later: Sighting,
+    earlier: list[Sighting],
+    commits: dict[tuple[str, str, int], list[tuple[int, int]]],
 ) -> bool:
     """Whether a commit covering ``later``'s copy had landed (at or before the ms it
     was seen): an earlier copy's own, or its group's commit of its queue through its
@@ -328,5 +343,5 @@ def _covered(
     queue, offset = later.position
     return any(
         through >= offset and landed_ms <= later.seen_ms
-        for through, landed_ms in commits.get((later.group, queue), ())
+        for through, landed_ms in commits.get((later.broker, later.group, queue), ())
     )

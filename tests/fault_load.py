@@ -12,7 +12,9 @@ at most the line being written), for ``tests.fault_checker.History.load``:
   time answered), ``cancel`` and ``reschedule`` (outcome None: no answer came), and
   ``error`` for a call that gave up (DelaydTimeout after ``--timeout-s``).
 - ``consume``: receives in a group, records ``seen``, commits each message durably
-  (``commit="sync"``) and records ``committed`` once the broker answered.
+  (``commit="sync"``) and records ``committed`` once the broker answered; both carry
+  the message's position: broker group (of a consumer over a whole cluster), queue,
+  offset.
 
 SIGTERM ends either after the call in progress.
 """
@@ -138,7 +140,11 @@ def consume(args: argparse.Namespace, record: Recorder, stop: list[bool]) -> Non
                 continue
             if message is None:
                 continue
-            position = {"queue": message.queue, "offset": message.queue_offset}
+            position = {
+                "broker": broker_group_of(consumer, message),
+                "queue": message.queue,
+                "offset": message.queue_offset,
+            }
             record(
                 "seen",
                 id=message.message_id,
@@ -155,6 +161,16 @@ def consume(args: argparse.Namespace, record: Recorder, stop: list[bool]) -> Non
                 record("error", call="commit", error=type(exc).__name__, detail=str(exc))
                 continue
             record("committed", **where, **position)
+
+
+def broker_group_of(consumer: delayd.Consumer, message: Message) -> str:
+    """The broker group ``message`` came from when ``consumer`` reads a whole cluster
+    ("" for a consumer of one broker): queues and offsets are a group's own, so the
+    checker tells two groups' commits apart by it. The client keeps it only to route
+    the commit, so it is read from there."""
+    origins = getattr(getattr(consumer, "_consumer", None), "_origins", {})
+    found = origins.get(id(message))  # (message, group) for a BlockingClusterConsumer
+    return found[1] if found is not None else ""
 
 
 def main() -> None:

@@ -252,3 +252,23 @@ def test_load_reads_the_load_processes_records(tmp_path):
     assert report.twice == ["a"]
     assert report.cancel_violated == ["b"]
     assert "c" not in history.fates
+
+
+def test_queues_and_commits_are_each_broker_groups_own():
+    """Consumers over a whole cluster read several broker groups, each with its own
+    queues and offsets: a commit at one covers nothing at another, and one id at the
+    same (queue, offset) of two groups was stored twice."""
+    history = acked("m1", "m2")
+    history.seen_all(
+        [
+            seen("m1", DUE, position=(0, 5), group="g", broker="b2"),
+            seen("m1", DUE + 3, position=(0, 5), group="g", broker="b2"),
+            seen("m2", DUE, position=(1, 3), group="g", broker="b1"),
+            seen("m2", DUE + 1, position=(1, 3), group="g", broker="b2"),
+        ]
+    )
+    history.committed("g", 0, 9, DUE + 2, broker="b1")  # b1's queue 0, not b2's
+    report = check(history, due_by_ms=DUE)
+    assert (report.twice, report.redelivered) == (["m2"], ["m1"])
+    history.committed("g", 0, 5, DUE + 2, broker="b2")
+    assert check(history, due_by_ms=DUE).twice == ["m1", "m2"]

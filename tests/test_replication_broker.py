@@ -388,3 +388,30 @@ def test_a_power_loss_while_a_follower_cuts_its_tail_leaves_a_broker_that_opens(
             assert known == held, k
         finally:
             broker.close()
+
+
+async def test_a_leader_that_followed_for_a_while_leads_again(tmp_path: Path) -> None:
+    """A leader steps down (a lease renewal unanswered, say), follows the new leader for
+    a while, and leads again: the records it put as a follower are in its queues, so its
+    next sends continue them, and every PULL, served from its cache of recent records
+    or from its consume queues, gives each record once, in queue order."""
+    async with running(tmp_path / "a") as a, running(tmp_path / "b") as b:
+        ids = await a.send("first", 20)  # a leads: its reput caches what it puts
+        end = a.broker.store.commitlog.end_offset
+        b.replica.follow()
+        b.streams.get(COMMITLOG).append_raw(0, a.broker.store.commitlog.read_raw(0, 1 << 20))
+        b.replica.promote()
+        ids += await b.send("second", 20)  # b leads now
+        a.replica.follow()
+        data = b.broker.store.commitlog.read_raw(end, 1 << 20)
+        a.streams.get(COMMITLOG).append_raw(end, data)
+        a.replica.promote()  # a leads again
+        ids += await a.send("third", 20)
+        pulled = []
+        for subject in SUBJECTS:
+            a.broker.join("g", subject, "c1", "conn", Broker.monotonic_ms())
+            pulled += await a.broker.pull(subject, "g", "c1", 1000, 0, "conn")
+        assert sorted(m.message_id for m in pulled) == sorted(ids)
+        for subject, queue in a.broker.store.queues:
+            offsets = [m.queue_offset for m in pulled if (m.subject, m.queue) == (subject, queue)]
+            assert offsets == list(range(len(offsets)))

@@ -242,6 +242,13 @@ class RecentRecords:
             run.drop(count)
             self.bytes -= size
 
+    def forget(self, keys: Iterable[QueueKey]) -> None:
+        """Drop what is cached of the queues ``keys``: they grew by a reput that does not
+        cache (a follower's), so their runs no longer end at the queue's end. Their
+        bytes stay counted until the FIFO eviction reaches them."""
+        for key in keys:
+            self._runs.pop(key, None)
+
     def read(self, key: QueueKey, start: int, stop: int) -> tuple[list[int], list[bytes]]:
         """(commitlog offsets, payloads) of the cached records of ``key`` with queue
         offsets in [start, stop); empty unless ``start`` is cached."""
@@ -642,6 +649,7 @@ class BrokerStore:
         before = {key: queue.end_index for key, queue in self.queues.items()}
         self._reput_records(self.reput_offset, durable)
         grown = {key for key, queue in self.queues.items() if queue.end_index != before.get(key)}
+        self.recent.forget(grown)  # a leader again, its reput caches from the new ends
         self.on_arrival(grown)
         return grown
 
