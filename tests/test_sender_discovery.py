@@ -118,6 +118,28 @@ async def test_an_unanswered_message_waits_for_its_group(tmp_path, clock):
         assert dead == 0  # waiting for the group is not the message's failure
 
 
+async def test_a_drained_group_takes_the_resends_of_what_it_may_hold(tmp_path, clock):
+    """Drained while its sends went unanswered: it still runs, and may have stored them;
+    sent to another group they could be stored (and consumed) twice."""
+    down = TriedTarget("a", unavailable=True)
+    up = RecordingTarget("b")
+    with Pipeline(str(tmp_path), [down, up], sender=FAST) as pipeline:
+        sender = pipeline.delivery.sender
+        ids = pipeline.schedule([T0 + 1000 + i for i in range(100)])
+        later = pipeline.schedule([T0 + 7000 + i for i in range(50)])
+        async with pipeline.running():
+            await trio.sleep_until(5)
+            tried = set(down.tried)
+            assert tried
+            sender.set_accepting("a", False, takes_resends=True)  # draining
+            down.unavailable = False
+            await trio.sleep_until(10)
+            await pipeline.stop()
+        assert Counter(received_ids([down, up])) == Counter(ids + later)
+        assert tried <= set(received_ids([down])) and not tried & set(received_ids([up]))
+        assert not set(later) & set(received_ids([down]))  # nothing new went to a
+
+
 @dataclass
 class RefusingTarget(TriedTarget):
     """A group that cannot be reached: nothing it is sent is stored."""

@@ -10,7 +10,8 @@ Every ``refresh_s`` the cluster's registry and its groups' members are read
 - a known group's member list is updated, so a new leader or a replaced member is
   reached without waiting for a NOT_LEADER answer;
 - a group that is draining, retired or no longer registered gets no new batch (what it
-  was sent finishes); one that comes back to active takes deliveries again;
+  was sent finishes; a draining group, still running, also takes the resends of what it
+  may already hold); one that comes back to active takes deliveries again;
 - a group whose members are all down stays a target: its circuit opens, as for a
   listed group, and its keys go to their second choice meanwhile.
 
@@ -31,7 +32,7 @@ import trio
 
 from delayd.cluster.broker_groups import BrokerGroup, read_broker_groups
 from delayd.cluster.etcd import EtcdClient
-from delayd.cluster.registry import GroupKind
+from delayd.cluster.registry import GroupKind, GroupStatus
 from delayd.errors import EtcdError
 from delayd.logs.dispatch_log import check_group_name
 from delayd.sender.sender import Sender
@@ -128,7 +129,12 @@ class BrokerDiscovery:
                     target.update_members(group.addresses)
                 except ValueError as exc:
                     log.warning("broker group %s: %s; keeping its members", group.name, exc)
-            self.sender.set_accepting(group.name, group.takes_deliveries)
+            # A draining broker group still runs: it takes the resends of what it may
+            # hold (delayd.sender.sender, doubt_hold_ms), never a new message.
+            draining = group.kind is GroupKind.BROKER and group.status is GroupStatus.DRAINING
+            self.sender.set_accepting(
+                group.name, group.takes_deliveries, takes_resends=group.takes_deliveries or draining
+            )
         for name in self.targets.keys() - seen:
             self.sender.set_accepting(name, False)  # retired or unregistered
 

@@ -136,6 +136,10 @@ class _Group:
         # False for a group being drained (docs/cluster.md): no new batch is routed to
         # it, what it was already sent finishes.
         self.accepting = True
+        # A drained group that still runs takes the resends of what it may hold (a send
+        # it did not answer): sent elsewhere, a message could be stored twice. False
+        # once it is retired or gone.
+        self.takes_resends = True
 
 
 class Sender:
@@ -202,11 +206,16 @@ class Sender:
         if self.ledger.parked:
             self._retry_wake.set()  # what waited for a usable group may go there now
 
-    def set_accepting(self, name: str, accepting: bool) -> None:
+    def set_accepting(
+        self, name: str, accepting: bool, *, takes_resends: bool | None = None
+    ) -> None:
         """Route new batches to group ``name`` (True) or no longer (False: it is being
         drained or was removed). Batches it was already sent finish, and their outcome
-        counts as usual; what is queued for it and not yet sent is routed elsewhere."""
+        counts as usual; what is queued for it and not yet sent is routed elsewhere,
+        except, while it ``takes_resends`` (default: ``accepting``; a drained group that
+        still runs), the messages it may hold already (doubt_hold_ms)."""
         group = self._groups[name]
+        group.takes_resends = accepting if takes_resends is None else takes_resends
         if group.accepting == accepting:
             return
         group.accepting = accepting
@@ -305,7 +314,7 @@ class Sender:
         limit = self.config.group_queue_limit
         queues = {}
         for name, group in self._groups.items():
-            if not group.accepting:
+            if not group.takes_resends:
                 continue
             breaker = group.breaker
             state = breaker.state(now_ms)
@@ -315,9 +324,13 @@ class Sender:
             ):
                 queues[name] = group.queue
 
-        def usable(name: str) -> bool:
+        def usable(name: str, *, resend: bool = False) -> bool:
+            """Whether group ``name`` takes a batch now: a new one (``accepting``), or
+            with ``resend`` the resend of messages it may hold (``takes_resends``)."""
             queue = queues.get(name)
-            return queue is not None and len(queue) < limit
+            if queue is None or len(queue) >= limit:
+                return False
+            return resend or self._groups[name].accepting
 
         return usable
 
@@ -341,8 +354,9 @@ class Sender:
                 # A broker of that group may have stored it, and dedupe is per group:
                 # sent elsewhere, it could be stored (and consumed) twice. It waits for
                 # the group instead (a new leader, its circuit closing), up to
-                # doubt_hold_ms; a group drained or removed lets it go at once.
-                if usable(held.name):
+                # doubt_hold_ms — a drained group too, while it runs; a group retired
+                # or removed lets it go at once.
+                if usable(held.name, resend=True):
                     held.queue.append(item)
                     touched.add(held)
                 else:
@@ -373,7 +387,7 @@ class Sender:
         group = self._groups.get(item.doubt_group)
         if (
             group is None
-            or not group.accepting
+            or not group.takes_resends
             or now_ms - item.doubt_since_ms >= self.config.doubt_hold_ms
         ):
             return None
@@ -456,7 +470,7 @@ class Sender:
             self.ledger.unanswered(batch, None if exc.nothing_stored else group.name, now_ms)
             # While the group holds them (doubt_hold_ms) they wait for it: its being
             # away is not the messages' fault, and must not dead-letter them.
-            held = not exc.nothing_stored and group.accepting and self.config.doubt_hold_ms > 0
+            held = not exc.nothing_stored and group.takes_resends and self.config.doubt_hold_ms > 0
             self._retry(batch, group, failure, count_attempt=not held)
             return
         finally:
