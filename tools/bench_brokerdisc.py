@@ -203,8 +203,9 @@ def bench(count: int, embedded: bool, repo: Path | None, profile: Path | None) -
             log(f"sent {count:,} in {max(seconds):.2f} s; due in {ahead_s:.2f} s")
             if ahead_s < 1:
                 raise RuntimeError(
-                    f"the sends ended {-ahead_s:.1f} s into the due second: the burst would "
-                    "not be one; run it again on a quieter host, or with fewer --messages"
+                    f"the sends ended {ahead_s:.1f} s before the due second (1 s at least): "
+                    "no burst to measure; run it again on a quieter host, or with fewer "
+                    "--messages"
                 )
             for server in servers:
                 server.wait_replayed()
