@@ -202,10 +202,14 @@ def bench(count: int, embedded: bool, repo: Path | None, profile: Path | None) -
             ahead_s = (due - now_ms()) / 1000
             log(f"sent {count:,} in {max(seconds):.2f} s; due in {ahead_s:.2f} s")
             if ahead_s < 1:
+                when = (
+                    f"{-ahead_s:.1f} s into the due second"
+                    if ahead_s < 0
+                    else f"{ahead_s:.1f} s before the due second (1 s at least)"
+                )
                 raise RuntimeError(
-                    f"the sends ended {ahead_s:.1f} s before the due second (1 s at least): "
-                    "no burst to measure; run it again on a quieter host, or with fewer "
-                    "--messages"
+                    f"the sends ended {when}: no burst to measure; "
+                    "run it again on a quieter host, or with fewer --messages"
                 )
             for server in servers:
                 server.wait_replayed()
