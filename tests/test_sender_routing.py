@@ -139,3 +139,20 @@ def test_no_group_yet_chooses_none():
     router = Router([])
     assert router.choose("k", lambda _: True) is None
     assert router.choose(None, lambda _: True) is None
+
+
+def test_one_group_takes_every_message_it_can():
+    """A delay server delivering into its embedded broker has one group: each message
+    goes there while it is usable and not excluded."""
+    router = Router([GroupWeight("embedded", 1)])
+    asked: list[str] = []
+
+    def usable(name: str) -> bool:
+        asked.append(name)
+        return True
+
+    assert router.choose("k", usable) == "embedded"
+    assert router.choose(None, usable) == "embedded"
+    assert router.choose("k", lambda n: False) is None
+    assert router.choose(None, usable, exclude={"embedded"}) is None
+    assert asked == ["embedded", "embedded"]  # not asked when excluded

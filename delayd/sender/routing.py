@@ -71,6 +71,9 @@ class Router:
         """The group for a message with ``key`` (None: no key), among the groups with
         ``usable(name)`` true and not in ``exclude``; None when there is none."""
         names = self._names
+        if len(names) == 1:  # the embedded broker, say: per message, so no list built
+            only = names[0]
+            return only if only not in exclude and usable(only) else None
         candidates = [i for i, n in enumerate(names) if n not in exclude and usable(n)]
         if len(candidates) <= 1:
             return names[candidates[0]] if candidates else None

@@ -349,7 +349,7 @@ class Sender:
             # it is sent again after a restart (sent, but not yet in dispatch_log) it goes
             # to the same group, whose broker drops it as a duplicate: dedupe is per
             # broker, and another group would store it a second time.
-            held = self._held_by(item, now_ms)
+            held = None if item.doubt_group is None else self._held_by(item, now_ms)
             if held is not None:
                 # A broker of that group may have stored it, and dedupe is per group:
                 # sent elsewhere, it could be stored (and consumed) twice. It waits for
