@@ -312,7 +312,7 @@ class Sender:
         time (it grows as the batch is routed)."""
         now_ms = self.clock()
         limit = self.config.group_queue_limit
-        queues = {}
+        queues, resend_queues = {}, {}
         for name, group in self._groups.items():
             if not group.takes_resends:
                 continue
@@ -322,15 +322,15 @@ class Sender:
                 state is CircuitState.OPEN
                 or (state is CircuitState.HALF_OPEN and breaker.probe_in_flight)
             ):
-                queues[name] = group.queue
+                resend_queues[name] = group.queue
+                if group.accepting:
+                    queues[name] = group.queue
 
         def usable(name: str, *, resend: bool = False) -> bool:
             """Whether group ``name`` takes a batch now: a new one (``accepting``), or
             with ``resend`` the resend of messages it may hold (``takes_resends``)."""
-            queue = queues.get(name)
-            if queue is None or len(queue) >= limit:
-                return False
-            return resend or self._groups[name].accepting
+            queue = (resend_queues if resend else queues).get(name)
+            return queue is not None and len(queue) < limit
 
         return usable
 
