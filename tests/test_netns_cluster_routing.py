@@ -40,8 +40,8 @@ class ClusterLoad(Load):
     def __init__(self, tmp_path: Path, etcd: EtcdHost) -> None:
         self.cluster = f"c{uuid.uuid4().hex[:8]}"
         self.etcd = etcd
-        super().__init__(etcd.host, tmp_path)
-        self.delay_server = f"etcd://{etcd.url.removeprefix('http://')}/{self.cluster}/*"
+        every_delay_group = f"etcd://{etcd.url.removeprefix('http://')}/{self.cluster}/*"
+        super().__init__(every_delay_group, "", tmp_path)  # consumers: one per group's broker
         self.members: dict[str, ServeProcess] = {}
         self.consumers_of: dict[str, LoadProcess] = {}
 

@@ -26,6 +26,7 @@ import bench_common  # noqa: F401  (puts the checkout first on sys.path)
 import trio
 
 from delayd.cluster.group_state import GroupState, lookup_group
+from delayd.group_address import GroupAddress
 from tests.etcd_support import EtcdServer
 from tests.intake_support import ServeProcess
 
@@ -173,7 +174,7 @@ class ReplicatedGroup:
         return f"etcd://{self.etcd.url.removeprefix('http://')}/{self.name}"
 
     def state(self) -> GroupState:
-        return trio.run(lookup_group, (self.etcd.url,), self.name)
+        return trio.run(lookup_group, GroupAddress(etcd=(self.etcd.url,), group=self.name))
 
     def leader(self) -> Member | None:
         """The member etcd names leader now (None while nobody leads)."""
