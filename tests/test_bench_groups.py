@@ -18,6 +18,9 @@ from tests.process_support import ROOT, child_env
 pytestmark = pytest.mark.slow
 
 
+POLL_RESOLUTION_S = 0.1
+
+
 def run_tool(*args: str) -> dict[str, dict]:
     """Run tools/``args``; its figures by metric (each row checked for the common keys)."""
     done = subprocess.run(
@@ -51,7 +54,9 @@ def test_failover_kills_and_stops_the_leader_and_times_the_new_leaders_first_ack
         # the stop to its first ack is the two parts.
         new_key = figures[f"{how}_to_new_leader_key_max"]["value"]
         promotion = figures[f"{how}_new_leader_key_to_first_ack_max"]["value"]
-        assert 0 <= promotion < 30
+        # etcd is polled (a read with a client of its own each time, ~5-20 ms): a fast
+        # promotion's first ack can come before the poll that sees the new key.
+        assert -POLL_RESOLUTION_S <= promotion < 30
         assert figures[f"{how}_to_first_ack_max"]["value"] == pytest.approx(
             new_key + promotion, abs=0.002
         )

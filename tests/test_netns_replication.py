@@ -198,7 +198,7 @@ def test_the_old_leader_returns_with_an_unacknowledged_tail(setup: Setup) -> Non
     assert group.wait_leader(other_than=old) == new
     # The new leader's acks wait for a follower (min_in_sync = 1): the old leader.
     network.heal()
-    cut = "message_log was cut back to"
+    cut = "message_log is to be cut back to"
     wait_until(lambda: cut in group.log(old), 20, "the old leader cuts its tail")
     load.wait_acked(ACKS)
     group.wait_in_sync("a", "b")
