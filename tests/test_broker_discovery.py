@@ -166,7 +166,7 @@ def test_a_delay_server_delivers_to_the_broker_groups_in_etcd_and_consumers_shar
 
     def joined(group: str) -> None:
         leader = cluster.leader_of(group)
-        poll(lambda: members(leader) == 2, 15, f"both consumers joined {group}")
+        poll(lambda: members(leader) == 2, 30, f"both consumers joined {group}")
 
     consumers = [load("consume", f"c{n}", cluster.every_group) for n in (1, 2)]
     joined("b1")
