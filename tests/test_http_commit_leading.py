@@ -142,3 +142,15 @@ async def test_a_commit_whose_flush_fails_as_the_member_steps_down_is_not_leader
                 patched.setattr(broker.offsets, "flush", cut_under_the_flush)
                 answer = await client.post(path, json={"offsets": commit})
             assert_not_leader(answer, 421, "10.0.0.2:8080")
+
+
+async def test_a_pull_on_a_member_whose_broker_follows_already_is_not_leader(tmp_path: Path):
+    """The broker follows the new leader before the member's view says it no longer
+    leads: the pull is refused as NOT_LEADER (retry at the leader), not as bad input."""
+    async with gated_broker(tmp_path) as (broker, _gate):
+        membership = FakeMembership()
+        async with client_for(broker, membership) as client:
+            broker.follow()
+            path = f"/v1/subjects/{SUBJECT}/groups/{GROUP}/pull"
+            answer = await client.post(path, json={"consumer_id": "c", "max_messages": 10})
+            assert_not_leader(answer, 503, None)

@@ -388,6 +388,8 @@ def _consuming_routes(router: APIRouter, backend: Backend) -> None:
                 finally:
                     backend.pulls.discard(scope)
         except RejectedError as exc:
+            if stopped_leading(backend, exc):  # its broker follows: before its view says so
+                check_leading(backend, acknowledged=False)
             raise bad_input(exc.reason, "rejected") from None
         ends: dict[int, int] = {}
         for message in got:
