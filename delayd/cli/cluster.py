@@ -80,23 +80,24 @@ def _status(args: argparse.Namespace) -> int:
 
 async def _read(etcd: tuple[str, ...], prefix: str, group: str | None) -> list[dict[str, Any]]:
     from delayd.cli.cluster_registry import registration_fields
+    from delayd.cluster.cluster_state import read_cluster
     from delayd.cluster.etcd import EtcdClient
-    from delayd.cluster.group_state import read_group, read_groups
+    from delayd.cluster.group_state import GroupState, read_group
     from delayd.cluster.registry import read_registry
 
     async with EtcdClient(etcd) as client:
-        states = (
-            [await read_group(client, group, prefix)]
-            if group
-            else await read_groups(client, prefix)
-        )
-        registry = await read_registry(client, prefix)
-        if not group:  # registered groups with no member up are the cluster's too
-            absent = [name for name in registry if name not in {s.group for s in states}]
-            states += [await read_group(client, name, prefix) for name in absent]
+        if group:
+            state = await read_group(client, group, prefix)
+            registry = await read_registry(client, prefix)
+            return [{**_as_dict(state), **registration_fields(registry.get(group))}]
+        # Registered groups with no member up are the cluster's too (no keys: empty).
+        cluster = await read_cluster(client, prefix)
     return [
-        {**_as_dict(state), **registration_fields(registry.get(state.group))}
-        for state in sorted(states, key=lambda state: state.group)
+        {
+            **_as_dict(found.state or GroupState(found.name, (), None, None, None)),
+            **registration_fields(found.registration),
+        }
+        for found in cluster
     ]
 
 

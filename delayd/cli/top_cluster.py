@@ -14,9 +14,10 @@ import ssl
 from rich.console import RenderableType
 
 from delayd.cli.top_watch import Watcher
+from delayd.cluster import cluster_state
 from delayd.cluster.etcd import EtcdClient
-from delayd.cluster.group_state import GroupState, read_groups
-from delayd.cluster.registry import Registration, read_registry
+from delayd.cluster.group_state import GroupState
+from delayd.cluster.registry import Registration
 from delayd.errors import EtcdError
 from delayd.timestamps import wall_ms
 from delayd.top.cluster import ClusterModel, GroupRow, GroupSeen, MemberSeen, cluster_rows
@@ -44,11 +45,9 @@ def group_seen(name: str, entry: Registration | None, state: GroupState | None) 
 async def read_cluster(etcd: EtcdClient, prefix: str) -> list[GroupSeen]:
     """Every group of the cluster at ``prefix``: registered, or with keys. Raises
     EtcdError as EtcdClient does, ValueError for a damaged registry entry."""
-    registry = await read_registry(etcd, prefix)
-    states = {state.group: state for state in await read_groups(etcd, prefix)}
     return [
-        group_seen(name, registry.get(name), states.get(name))
-        for name in sorted(registry.keys() | states.keys())
+        group_seen(group.name, group.registration, group.state)
+        for group in await cluster_state.read_cluster(etcd, prefix)
     ]
 
 

@@ -24,6 +24,7 @@ from delayd.client.receipt import Receipt
 from delayd.errors import ConnectionClosedError, DelaydTimeout, EtcdError, UnreachableError
 from delayd.group_address import parse_group_address
 from delayd.protocol import Message
+from delayd.timestamps import wall_ms
 from delayd.tls import ClientTls
 
 
@@ -158,7 +159,7 @@ class ClusterProducer(Producer):
     ) -> RescheduleReceipt:
         """As Producer.reschedule, across the cluster's delay groups (the new time is
         computed once, before the first group is asked)."""
-        due_ms = reschedule_due_ms(time.time_ns() // 1_000_000, at, delay, at_ms, delay_ms)
+        due_ms = reschedule_due_ms(wall_ms(), at, delay, at_ms, delay_ms)
         check_message_ids([message_id])
 
         def ask(group: str, ids: list[str]) -> list[RescheduleReceipt]:

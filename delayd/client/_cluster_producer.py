@@ -11,7 +11,6 @@ group's producer, only at that group, even if the registry changes meanwhile.
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from datetime import datetime, timedelta
 from typing import Any
@@ -31,6 +30,7 @@ from delayd.client.receipt import Receipt
 from delayd.errors import ConnectionClosedError, EtcdError
 from delayd.group_address import GroupAddress
 from delayd.protocol import Message
+from delayd.timestamps import wall_ms
 
 
 class AsyncClusterProducer(AsyncProducer):
@@ -138,7 +138,7 @@ class AsyncClusterProducer(AsyncProducer):
     ) -> RescheduleReceipt:
         """As AsyncProducer.reschedule, across the cluster's delay groups (the new time
         is computed once, before the first group is asked)."""
-        due_ms = reschedule_due_ms(time.time_ns() // 1_000_000, at, delay, at_ms, delay_ms)
+        due_ms = reschedule_due_ms(wall_ms(), at, delay, at_ms, delay_ms)
         check_message_ids([message_id])
 
         async def ask(group: str, ids: list[str]) -> list[RescheduleReceipt]:

@@ -13,7 +13,6 @@ acknowledge several with one fsync.
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import asynccontextmanager
 from datetime import datetime, timedelta
@@ -39,6 +38,7 @@ from delayd.errors import (
 )
 from delayd.group_address import GroupAddress, parse_group_address
 from delayd.protocol import Message, SendBatchResult
+from delayd.timestamps import wall_ms
 from delayd.tls import ClientTls
 from delayd.version import __version__
 
@@ -207,7 +207,7 @@ class AsyncProducer:
         ValueError unless exactly one time is given, or for a naive datetime or a negative
         delay; TypeError for a time of the wrong type; DelaydTimeout after ``timeout_s``.
         """
-        due_ms = reschedule_due_ms(time.time_ns() // 1_000_000, at, delay, at_ms, delay_ms)
+        due_ms = reschedule_due_ms(wall_ms(), at, delay, at_ms, delay_ms)
         return await self._call(calls.reschedule(message_id, due_ms))
 
     async def _call(self, call: calls.Call[T]) -> T:

@@ -39,6 +39,7 @@ from delayd.errors import (
 )
 from delayd.group_address import parse_group_address
 from delayd.protocol import Message, Response, SendBatch, SendBatchResult
+from delayd.timestamps import wall_ms
 from delayd.tls import ClientTls
 from delayd.version import __version__
 
@@ -177,7 +178,7 @@ class Producer(BlockingClient):
         delay_ms: int | None = None,
     ) -> RescheduleReceipt:
         """Move a delayed message to a new time; as ``AsyncProducer.reschedule``."""
-        due_ms = reschedule_due_ms(time.time_ns() // 1_000_000, at, delay, at_ms, delay_ms)
+        due_ms = reschedule_due_ms(wall_ms(), at, delay, at_ms, delay_ms)
         return self._call(calls.reschedule(message_id, due_ms))
 
     def _timed_out(self, what: str) -> DelaydTimeout:

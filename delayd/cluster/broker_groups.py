@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from delayd.cluster.cluster_state import read_cluster
 from delayd.cluster.etcd import EtcdClient
-from delayd.cluster.group_state import GroupState, read_groups
-from delayd.cluster.registry import GroupKind, GroupStatus, read_registry
+from delayd.cluster.group_state import GroupState
+from delayd.cluster.registry import GroupKind, GroupStatus
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,15 +47,13 @@ async def read_broker_groups(etcd: EtcdClient, prefix: str) -> list[BrokerGroup]
     registered broker groups (also when no member is up), and the delay groups whose
     live members serve an embedded broker. Retired groups are left out: they hold
     nothing the cluster still needs. Raises EtcdError as EtcdClient does."""
-    registry = await read_registry(etcd, prefix)
-    states = {state.group: state for state in await read_groups(etcd, prefix)}
     found = []
-    for name, entry in sorted(registry.items()):
-        if entry.status is GroupStatus.RETIRED:
+    for group in await read_cluster(etcd, prefix):
+        entry, state = group.registration, group.state
+        if entry is None or entry.status is GroupStatus.RETIRED:
             continue
-        state = states.get(name)
         addresses = broker_addresses(state) if state is not None else ()
         if entry.kind is GroupKind.DELAY and not addresses:
             continue
-        found.append(BrokerGroup(name, entry.kind, entry.status, addresses))
+        found.append(BrokerGroup(group.name, entry.kind, entry.status, addresses))
     return found
