@@ -100,6 +100,21 @@ def follower_of(member: BrokerMember, name: str, leader: Leader) -> tuple[Follow
     return follower, replica
 
 
+async def copy_until_caught_up(
+    leading: BrokerMember, following: BrokerMember, *, epoch: int
+) -> BrokerReplica:
+    """``following`` copies from a Leader of ``leading`` at ``epoch`` until it caught
+    up; then the leader stops. The follower's replica, to promote."""
+    leader = Leader(leading.streams, leading.history, epoch, group=GROUP)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(leader.run, "127.0.0.1", 0)
+        follower, replica = follower_of(following, "b", leader)
+        nursery.start_soon(follower.run)
+        await caught_up(following, leading)
+        nursery.cancel_scope.cancel()
+    return replica
+
+
 async def caught_up(follower: BrokerMember, leader: BrokerMember) -> None:
     """Wait (real time, bounded) until the follower holds and has derived everything
     the leader has."""
@@ -235,13 +250,7 @@ async def test_a_divergent_tail_is_cut_and_its_derived_state_rebuilt(tmp_path: P
     async with running(tmp_path / "a") as a, running(tmp_path / "b") as b:
         await a.send("shared", 30)
         await a.consume("g1", 12)
-        leader = Leader(a.streams, a.history, 5, group=GROUP)
-        async with trio.open_nursery() as nursery:
-            await nursery.start(leader.run, "127.0.0.1", 0)
-            follower, replica = follower_of(b, "b", leader)
-            nursery.start_soon(follower.run)
-            await caught_up(b, a)
-            nursery.cancel_scope.cancel()
+        replica = await copy_until_caught_up(a, b, epoch=5)
         replica.promote()
         b.history.begin(6, b.streams.ends())
         tail_ids = await b.send("b-tail", 20)
@@ -271,13 +280,7 @@ async def test_promotion_derives_what_was_received_but_not_yet_flushed(tmp_path:
     in their queues before the promoted broker's first append takes queue offsets."""
     async with running(tmp_path / "a") as a, running(tmp_path / "b") as b:
         await a.send("first", 20)
-        leader = Leader(a.streams, a.history, 3, group=GROUP)
-        async with trio.open_nursery() as nursery:
-            await nursery.start(leader.run, "127.0.0.1", 0)
-            follower, replica = follower_of(b, "b", leader)
-            nursery.start_soon(follower.run)
-            await caught_up(b, a)
-            nursery.cancel_scope.cancel()
+        replica = await copy_until_caught_up(a, b, epoch=3)
         start = b.broker.store.commitlog.end_offset
         await a.send("received", 12)
         data = a.broker.store.commitlog.read_raw(start, 1 << 20)
