@@ -279,6 +279,16 @@ def test_a_returning_old_leader_cuts_its_unacknowledged_tail(
         group.close()
 
 
+async def start_leading_through(group, proxy: EtcdProxy):
+    """Start member "a", reaching etcd through ``proxy`` (so the test can cut it), and
+    wait until it leads."""
+    a = await trio.to_thread.run_sync(group.start, "a", proxy.url)
+    with trio.fail_after(10):
+        while await trio.to_thread.run_sync(group.leader_id) != member_id(a):
+            await trio.sleep(0.02)
+    return a
+
+
 async def test_a_leader_that_steps_down_while_an_ack_waits_answers_not_leader(
     tmp_path: Path, etcd_server: EtcdServer, nursery: trio.Nursery
 ):
@@ -288,10 +298,7 @@ async def test_a_leader_that_steps_down_while_an_ack_waits_answers_not_leader(
     await nursery.start(proxy.serve)
     group = sync_group(tmp_path, etcd_server.url)
     try:
-        a = await trio.to_thread.run_sync(group.start, "a", proxy.url)
-        with trio.fail_after(10):
-            while await trio.to_thread.run_sync(group.leader_id) != member_id(a):
-                await trio.sleep(0.02)
+        a = await start_leading_through(group, proxy)
         assert a.address is not None
         client = await trio.to_thread.run_sync(RawClient, a.address)
         message = Message("held-1", "orders", body=b"x", delay_ms=60_000)
@@ -336,10 +343,7 @@ async def test_a_leader_cut_from_etcd_follows_the_new_leader_in_process(
     await nursery.start(proxy.serve)
     group = sync_group(tmp_path, etcd_server.url)
     try:
-        a = await trio.to_thread.run_sync(group.start, "a", proxy.url)
-        with trio.fail_after(10):
-            while await trio.to_thread.run_sync(group.leader_id) != member_id(a):
-                await trio.sleep(0.02)
+        a = await start_leading_through(group, proxy)
         b = await trio.to_thread.run_sync(group.start, "b")
         both = {member_id(a), member_id(b)}
         with trio.fail_after(10):
