@@ -501,3 +501,46 @@ async def test_retention_in_a_group_waits_for_the_in_sync_set_and_tells_the_foll
                     await trio.sleep(0.005)
             assert log.min_offset > start
             nursery.cancel_scope.cancel()
+
+
+async def test_a_wiped_member_of_the_in_sync_set_leaves_it_before_it_begins_an_epoch(
+    tmp_path: Path,
+) -> None:
+    """b, in sync, comes back wiped well within replica_lag_ms. Once truncated it begins
+    an epoch in its history, and a member with a history that the group lists in sync
+    may campaign: the leader must have persisted the set without b before then."""
+    with members(tmp_path, "a") as (a,):
+        persisted: list[frozenset[str]] = []
+
+        async def on_in_sync_change(new_set: frozenset[str]) -> None:
+            await trio.sleep(0.2)  # persisting it (etcd) takes a while
+            persisted.append(new_set)
+
+        a.append_messages(20)
+        leader = Leader(
+            a.streams,
+            a.history,
+            3,
+            group=GROUP,
+            replica_lag_ms=60_000,
+            on_in_sync_change=on_in_sync_change,
+        )
+        async with trio.open_nursery() as nursery:
+            await nursery.start(leader.run, "127.0.0.1", 0)
+            b = Member(tmp_path / "b")
+            following = trio.CancelScope()
+            nursery.start_soon(_run_in, following, follower_of(b, "b", leader))
+            await in_sync(leader, {"b"})
+            following.cancel()
+            b.close()
+            shutil.rmtree(tmp_path / "b")  # the disk is wiped
+            b = Member(tmp_path / "b")
+            nursery.start_soon(follower_of(b, "b", leader).run)
+            with trio.fail_after(5):
+                while b.history.last_epoch() == 0:
+                    await trio.sleep(0.001)
+            assert persisted[-1] == frozenset()  # out of the set before its epoch began
+            await caught_up(b, a)
+            await in_sync(leader, {"b"})  # and back in once it has everything
+            nursery.cancel_scope.cancel()
+        b.close()

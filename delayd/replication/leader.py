@@ -388,9 +388,10 @@ class Leader:
         if previous is not None:
             previous.cancel()  # the member reconnected: its old connection is dead
         targets = self._truncation(follow)
-        await stream.send_all(wire.encode(wire.TruncateTo(self.epoch, targets)))
         positions = {name: targets.get(name, 0) for name in self.streams.names()}
         positions.update(targets)
+        await self._out_of_the_set_if_it_lost_records(follow, positions)
+        await stream.send_all(wire.encode(wire.TruncateTo(self.epoch, targets)))
         starts = self.streams.starts()
         await stream.send_all(wire.encode(wire.Retained(starts)))
         if self._lacks_deleted(follow.member, positions, starts):
@@ -409,6 +410,36 @@ class Leader:
                 if self._connections.get(follow.member) is scope:
                     del self._connections[follow.member]
                     self.connected.discard(follow.member)
+
+    async def _out_of_the_set_if_it_lost_records(
+        self, follow: wire.Follow, positions: dict[str, int]
+    ) -> None:
+        """A member of the in-sync set that comes back with less than the set counts on
+        (its disk wiped: no epoch history; or streams shorter than it reported durable)
+        leaves the set, persisted, before it hears TRUNCATE_TO: once truncated it begins
+        an epoch in its history, and a member with a history that the group lists in
+        sync may campaign — it would lead with a partial copy."""
+        member = follow.member
+        known = self.tracker.durable.get(member, {})
+        lost = follow.last_epoch == 0 or any(
+            end < known.get(name, 0) for name, end in positions.items()
+        )
+        if member not in self.tracker.members or not lost:
+            return
+        self.tracker.follower_reset(member, positions)
+        if member in self.tracker.proposed(_now_ms()):
+            return  # it lacks nothing the set counts on
+        log.warning(
+            "group %s: member %s came back with less than it had (%s): it leaves the "
+            "in-sync set before it may follow",
+            self.group,
+            member,
+            "no epoch history" if follow.last_epoch == 0 else "shorter streams",
+        )
+        self._wake()  # _maintain_in_sync persists and applies the smaller set
+        while member in self.tracker.members:  # a stopping leader cancels this wait
+            progress = self._progress
+            await progress.wait()
 
     def _lacks_deleted(
         self, member: str, positions: dict[str, int], starts: dict[str, int]
