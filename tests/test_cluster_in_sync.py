@@ -18,6 +18,7 @@ from delayd.cluster.in_sync import (
     write_in_sync,
 )
 from delayd.cluster.members import GroupKeys, MemberInfo, Role
+from delayd.replication.epochs import EpochHistory
 from delayd.serving.membership import Membership
 
 GROUP = "g1"
@@ -37,9 +38,18 @@ def test_the_value_is_a_sorted_json_list_of_ids():
 class Member:
     """A Membership running in the test's nursery that can be stopped on its own."""
 
-    def __init__(self, url: str, prefix: str, member_id: str) -> None:
+    def __init__(
+        self, url: str, prefix: str, member_id: str, history: EpochHistory | None = None
+    ) -> None:
         config = ClusterConfig(etcd=(url,), group=GROUP, lease_ttl_ms=TTL_MS, prefix=prefix)
-        self.membership = Membership(config)
+        if history is None:
+            self.membership = Membership(config)
+        else:  # eligibility as a server's: by its epoch history
+            self.membership = Membership(
+                config,
+                holds_group_data=history.knows_group,
+                before_founding=history.claim_founding,
+            )
         self.info = MemberInfo(member_id, intake=f"{member_id}:7000")
 
     async def start(self, nursery: trio.Nursery) -> Member:
@@ -104,3 +114,33 @@ async def test_the_leaders_writes_are_fenced_by_its_epoch(etcd_server, etcd_pref
         # A set that exists is never written again by a campaign ("a new group").
         assert b.membership.in_sync.campaign_puts() == []
     assert await read_in_sync(url, etcd_prefix) == {"a", "b"}
+
+
+async def test_a_first_leader_that_died_before_its_epoch_began_leads_again(
+    etcd_server, etcd_prefix, nursery, tmp_path
+):
+    """The campaign that makes a new group's first leader writes the set with it alone;
+    dying before it begins its epoch, it has no history, and a member without one may
+    not campaign once the group has a set: nobody would ever lead. Its founding claim,
+    durable before the campaign, lets it lead again; a wiped disk (no claim) may not."""
+    url = etcd_server.url
+    history = EpochHistory.open(str(tmp_path / "a-epochs"))
+    a = await Member(url, etcd_prefix, "a", history).start(nursery)
+    await until(lambda: a.role is Role.LEADER, 3, "a leads a new group")
+    assert await read_in_sync(url, etcd_prefix) == {"a"}
+    assert history.last_epoch() == 0 and history.knows_group()
+    a.membership.resign()  # it dies before it begins its epoch
+    await until(lambda: a.role is not Role.LEADER, 3, "a is gone")
+    history.close()
+
+    wiped = EpochHistory.open(str(tmp_path / "wiped-epochs"))
+    w = await Member(url, etcd_prefix, "a", wiped).start(nursery)
+    with trio.move_on_after(3 * TTL_MS / 1000):
+        await until(lambda: w.role is Role.LEADER, 10, "never")
+    assert w.role is Role.CANDIDATE  # the same id on a wiped disk: no claim, no lead
+    w.membership.resign()
+
+    history = EpochHistory.open(str(tmp_path / "a-epochs"))
+    again = await Member(url, etcd_prefix, "a", history).start(nursery)
+    await until(lambda: again.role is Role.LEADER, 3, "a, restarted, leads again")
+    history.close()

@@ -245,6 +245,10 @@ async def _serve(
                             replication,
                             tls=tls,
                         )
+                        # Eligibility reads the broker's own epoch history: a member
+                        # whose disk was wiped holds nothing the group acknowledged.
+                        membership.holds_group_data = runner.history.knows_group
+                        membership.before_founding = runner.history.claim_founding
                         await root.start(runner.run)
                         metrics_port = None if args.metrics_listen is None else m_bound[0][1]
                         info = _member_info(

@@ -15,6 +15,8 @@ than it had to and fetches it again, never less.
 On disk: one RecordFile (storage framing, CRC, torn tail cut on open), one record per
 ``begin``, a JSON object ``{"epoch": E, "starts": {stream: offset}}``, fsynced before
 ``begin`` returns. A power loss during ``begin`` leaves the entry whole or absent.
+Beside it, ``<path>.founding`` (written atomically, once) says the member campaigned as
+a new group's first leader (``claim_founding``).
 """
 
 from __future__ import annotations
@@ -24,8 +26,11 @@ from dataclasses import dataclass
 
 from delayd.errors import DelaydError
 from delayd.logs import layout
+from storage.checkpoint import write_checkpoint
 from storage.fs import REAL_FS, FileSystem
 from storage.record_file import RecordFile
+
+FOUNDING_SUFFIX = ".founding"
 
 
 class EpochHistoryError(DelaydError):
@@ -41,9 +46,13 @@ class EpochStart:
 class EpochHistory:
     """The history in ``path`` (use ``open``); entries in ascending epoch order."""
 
-    def __init__(self, file: RecordFile, entries: list[EpochStart]) -> None:
+    def __init__(
+        self, file: RecordFile, entries: list[EpochStart], fs: FileSystem = REAL_FS
+    ) -> None:
         self._file = file
+        self._fs = fs
         self.entries = entries
+        self._founding_path = file.path + FOUNDING_SUFFIX
 
     @classmethod
     def open(cls, path: str, fs: FileSystem = REAL_FS) -> EpochHistory:
@@ -58,7 +67,7 @@ class EpochHistory:
         except BaseException:
             file.close()
             raise
-        return cls(file, entries)
+        return cls(file, entries, fs)
 
     @classmethod
     def open_in(cls, data_dir: str, fs: FileSystem = REAL_FS) -> EpochHistory:
@@ -93,6 +102,21 @@ class EpochHistory:
             if entry.epoch > epoch:
                 return dict(entry.starts)
         return None
+
+    def claim_founding(self) -> None:
+        """Durably note that this member is about to campaign as a new group's first
+        leader (the txn that would make it leader also writes the in-sync set with it
+        alone). Should it die before it begins its epoch, the set names only a member
+        without history, which may not campaign (``knows_group``): nobody would lead.
+        The claim lets it lead again; it acknowledged nothing before its epoch began."""
+        if not self._fs.exists(self._founding_path):
+            write_checkpoint(self._fs, self._founding_path, b"founding\n")
+
+    def knows_group(self) -> bool:
+        """Whether this member has led or followed an epoch of its group, or claimed to
+        found it: false for a new member and for one whose data directory was wiped,
+        which hold nothing the group acknowledged (docs/replication.md, "Eligibility")."""
+        return self.last_epoch() > 0 or self._fs.exists(self._founding_path)
 
     def close(self) -> None:
         self._file.close()

@@ -198,7 +198,11 @@ class DelayServer:
             # Imported here: only a member needs the etcd client and its HTTP stack.
             from delayd.serving.membership import Membership
 
-            self.membership = Membership(config.cluster, holds_group_data=self._led_or_followed)
+            self.membership = Membership(
+                config.cluster,
+                holds_group_data=self._knows_group,
+                before_founding=self._claim_founding,
+            )
             # Follower mode until a promotion's take-over: replay decides nothing.
             delivery.derive_tombstones()
         self.replication: GroupReplication | None = None  # built in run (its listener)
@@ -533,10 +537,15 @@ class DelayServer:
         self._hold_intake()
         await replication.run(task_status=task_status)
 
-    def _led_or_followed(self) -> bool:
-        """Whether this member's epoch history names an epoch: false for a new member
-        and for one whose data directory was wiped (Membership's eligibility)."""
-        return self.replication is not None and self.replication.history.last_epoch() > 0
+    def _knows_group(self) -> bool:
+        """Whether this member's epoch history names an epoch (or a founding claim):
+        false for a new member and for one whose data directory was wiped
+        (Membership's eligibility)."""
+        return self.replication is not None and self.replication.history.knows_group()
+
+    def _claim_founding(self) -> None:
+        if self.replication is not None:
+            self.replication.history.claim_founding()
 
     def _replication_role(self) -> Leader | Follower | None:
         """What /metrics reads the replication figures from: the member's Leader or

@@ -22,7 +22,7 @@ import trio
 
 from delayd.cluster.config import ClusterConfig
 from delayd.cluster.election import GroupMember
-from delayd.cluster.etcd import EtcdClient
+from delayd.cluster.etcd import EtcdClient, Put
 from delayd.cluster.in_sync import InSyncSet
 from delayd.cluster.members import GroupKeys, MemberInfo, Role, View
 from delayd.cluster.registry import GroupKind, register
@@ -54,12 +54,20 @@ class Membership:
     redirect names the intake address's host and the HTTP port it learns elsewhere)."""
 
     def __init__(
-        self, config: ClusterConfig, *, holds_group_data: Callable[[], bool] = lambda: True
+        self,
+        config: ClusterConfig,
+        *,
+        holds_group_data: Callable[[], bool] = lambda: True,
+        before_founding: Callable[[], None] = lambda: None,
     ) -> None:
         """``holds_group_data``: whether this member has ever led or followed an epoch
-        of the group (its epoch history is not empty); see ``_eligible``."""
+        of the group, or claimed to found it (``EpochHistory.knows_group``); see
+        ``_eligible``. ``before_founding``: called, and durable when it returns, before a
+        campaign that would make this member a new group's first leader
+        (``EpochHistory.claim_founding``)."""
         self.config = config
         self.holds_group_data = holds_group_data
+        self.before_founding = before_founding
         self.keys = GroupKeys(config.prefix, config.group)
         self.member: GroupMember | None = None
         self.in_sync: InSyncSet | None = None
@@ -138,6 +146,15 @@ class Membership:
             return False
         return in_sync.members is None or self.holds_group_data()
 
+    def _campaign_puts(self) -> list[Put]:
+        """The in-sync set's writes of a campaign; a new group's first leader claims it
+        on its disk first (``before_founding``)."""
+        assert self.in_sync is not None
+        puts = self.in_sync.campaign_puts()
+        if puts:
+            self.before_founding()
+        return puts
+
     async def _run(self, info: MemberInfo, task_status: trio.TaskStatus[None]) -> None:
         config = self.config
         async with EtcdClient(config.etcd) as etcd:
@@ -151,7 +168,7 @@ class Membership:
                 lease_ttl_ms=config.lease_ttl_ms,
                 eligible=self._eligible,
                 campaign_compares=in_sync.campaign_compares,
-                campaign_puts=in_sync.campaign_puts,
+                campaign_puts=self._campaign_puts,
                 on_change=self._on_change,
             )
             log.info(
