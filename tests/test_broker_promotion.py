@@ -9,14 +9,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import trio
+import trio.testing
 
+from delayd.broker.acked_checkpoint import AckedCheckpoint
 from delayd.broker.broker import Broker, open_broker
 from delayd.broker.config import BrokerConfig
 from delayd.protocol import Message
 from delayd.replication import COMMITLOG, EpochHistory
 from delayd.replication.streams import EMBEDDED_BROKER_PREFIX, MESSAGE_LOG
 from delayd.server.broker_member import ReplicatedBroker
+from storage.errors import CorruptionError
 
 CONFIG = BrokerConfig(queues_per_subject=1, checkpoint_interval_ms=60_000)
 SUBJECT = "orders"
@@ -28,12 +32,20 @@ class FakeMember:
 
     def __init__(self) -> None:
         self.told_acked: dict[str, int] = {}
+        self.follower: FakeFollower | None = None
 
     def grew(self) -> None:
         pass
 
     async def wait_acknowledged(self, offset: int, *, stream: str) -> bool:
         return True
+
+
+class FakeFollower:
+    """The member's Follower: the acknowledged offsets its leader's frames carried."""
+
+    def __init__(self, acked: dict[str, int]) -> None:
+        self.acked = acked
 
 
 class FakeLeader:
@@ -121,9 +133,34 @@ async def test_a_promoted_member_shows_only_what_its_old_leader_said_was_acknowl
         assert [m.message_id for m in new.query(SUBJECT, message_id="b-0")] == ["b-0"]
 
 
+async def test_a_member_restarted_then_promoted_goes_by_its_acked_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """Told what the group acknowledged while it followed, then restarted and promoted
+    before it copied anything again: its acked checkpoint, not its commitlog's end."""
+    async with open_broker(str(tmp_path / "old"), CONFIG) as old:
+        acknowledged = await store(old, "a")
+        await store(old, "b")  # copied, never acknowledged
+        async with open_broker(str(tmp_path / "new"), CONFIG) as new:
+            member = FakeMember()
+            replicated = ReplicatedBroker(new)
+            replicated.join(member, "")  # type: ignore[arg-type]
+            replicated.following()
+            copy_commitlog(old, replicated)
+            member.follower = FakeFollower({COMMITLOG: acknowledged})
+            await replicated.durable({COMMITLOG: new.store.commitlog.durable_offset})
+        async with open_broker(str(tmp_path / "new"), CONFIG) as restarted:
+            replicated = ReplicatedBroker(restarted)
+            replicated.join(FakeMember(), "")  # type: ignore[arg-type]
+            replicated.following()
+            replicated.promoted()
+            assert replicated.high_watermark == acknowledged
+            assert await pulled_ids(restarted, "c-1") == ["a-0", "a-1", "a-2"]
+
+
 async def test_a_member_never_told_shows_the_commitlog_it_holds(tmp_path: Path) -> None:
-    """Promoted without having followed since it started: nothing to go by but its
-    commitlog (docs/replication.md, "Still to do")."""
+    """Promoted never having followed, with no acked checkpoint: nothing to go by but
+    its commitlog (a member whose commitlog predates its group)."""
     async with (
         open_broker(str(tmp_path / "old"), CONFIG) as old,
         open_broker(str(tmp_path / "new"), CONFIG) as new,
@@ -174,3 +211,23 @@ async def test_a_member_whose_history_predates_the_broker_streams_follows_with_n
             assert not replicated.predates_replication(history)  # from then on it copies
         finally:
             history.close()
+
+
+async def test_the_acked_checkpoint_saves_forward_at_most_once_an_interval(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    path = str(tmp_path / "broker" / "replication" / "acked")
+    checkpoint = AckedCheckpoint(path, interval_s=1.0)
+    assert checkpoint.read() is None
+    await checkpoint.save(100)
+    await checkpoint.save(200)  # too soon: the file may lag, never lead
+    assert checkpoint.read() == 100
+    await trio.sleep(1.0)
+    await checkpoint.save(50)  # never backwards
+    assert checkpoint.read() == 100
+    await checkpoint.save(300)
+    assert AckedCheckpoint(path).read() == 300
+    with open(path, "r+b") as file:  # damaged: said so, not read as 0
+        file.truncate(0)
+    with pytest.raises(CorruptionError):
+        checkpoint.read()

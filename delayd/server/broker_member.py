@@ -10,10 +10,12 @@ the Leader's acknowledged commitlog offset. ``BrokerGroupReplication`` is the ru
 a standalone ``delayd broker`` group.
 
 The high watermark of a newly promoted member starts where its old leader last told
-it the group acknowledged the commitlog (``told_acked``), not at the commitlog it
-holds: a record copied to this member only may still be cut (a later leader that lacks
-it), so the records past it stay hidden from consumers (``hold_unacknowledged``) until
-the new Leader's in-sync followers have them too (Kafka's rule).
+it the group acknowledged the commitlog (``told_acked``), or, told nothing since its
+process started, where its acked checkpoint says (delayd.broker.acked_checkpoint), not
+at the commitlog it holds: a record copied to this member only may still be cut (a
+later leader that lacks it), so the records past it stay hidden from consumers
+(``hold_unacknowledged``) until the new Leader's in-sync followers have them too
+(Kafka's rule).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import contextlib
 
 import trio
 
+from delayd.broker.acked_checkpoint import AckedCheckpoint, acked_checkpoint_path
 from delayd.broker.broker import Broker
 from delayd.broker.replica import BrokerReplica, broker_epoch_history_path
 from delayd.cluster.config import ClusterConfig
@@ -41,6 +44,7 @@ class ReplicatedBroker:
         self.streams = BrokerStreams(self.replica.commitlog, broker.offsets)
         # What consumers may see: the commitlog offset the group acknowledged.
         self.high_watermark = 0
+        self.acked_checkpoint = AckedCheckpoint(acked_checkpoint_path(broker.store.directory))
         self._member: MemberReplication | None = None
         self._prefix = ""
 
@@ -89,8 +93,9 @@ class ReplicatedBroker:
         durable = store.commitlog.durable_offset
         told = self._member.told_acked.get(self._prefix + COMMITLOG)
         if told is None:
-            # Never told (no record copied since this process started): the commitlog
-            # it holds (docs/replication.md, "Still to do").
+            told = self.acked_checkpoint.read()  # told nothing since the process started
+        if told is None:
+            # Never told at all: a member whose commitlog predates its group, all its own.
             self.high_watermark = max(self.high_watermark, durable)
         else:
             self.high_watermark = min(max(self.high_watermark, told), durable)
@@ -102,10 +107,18 @@ class ReplicatedBroker:
         the commitlog (which wakes the PULLs held on the records it uncovers)."""
         stream = self._prefix + COMMITLOG
         with contextlib.suppress(LeaderStopped):
-            while True:
-                acked = await leader.wait_acknowledged_past(stream, self.high_watermark)
-                self.high_watermark = acked
-                self.broker.high_watermark_moved()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._keep_acked_checkpoint)
+                while True:
+                    acked = await leader.wait_acknowledged_past(stream, self.high_watermark)
+                    self.high_watermark = acked
+                    self.broker.high_watermark_moved()
+
+    async def _keep_acked_checkpoint(self) -> None:
+        """Save the high watermark now and then, off the path that moves it."""
+        while True:
+            await self.acked_checkpoint.save(self.high_watermark)
+            await trio.sleep(self.acked_checkpoint.interval_s)
 
     def following(self) -> None:
         """Sends and commits refused; replication writes the streams."""
@@ -142,6 +155,10 @@ class ReplicatedBroker:
     async def durable(self, flushed: dict[str, int]) -> None:
         if any(name.startswith(self._prefix) for name in flushed):
             await self.replica.on_durable(flushed)
+        follower = None if self._member is None else self._member.follower
+        told = None if follower is None else follower.acked.get(self._prefix + COMMITLOG)
+        if told is not None:
+            await self.acked_checkpoint.save(told)
 
 
 class BrokerGroupReplication(MemberReplication):
