@@ -295,3 +295,18 @@ async def test_a_failed_probe_reopens_the_circuit_and_says_so(tmp_path, clock, c
         assert any("failed in a row" in m for m in messages)  # closed -> open
         assert any("circuit open" in m and "the probe batch failed" in m for m in messages)
         assert any("circuit closed" in m for m in messages)
+
+
+async def test_an_idle_leaders_complete_marks_become_durable_without_a_delivery(tmp_path, clock):
+    """The wheel's COMPLETE mark is written after the bucket's last delivery was
+    flushed: the sender must flush it too, or an idle leader keeps it in its page cache
+    and its followers (which copy durable records only) lack it."""
+    target = RecordingTarget("a")
+    with Pipeline(str(tmp_path), [target]) as pipeline:
+        pipeline.schedule([T0 + 1000])
+        async with pipeline.running():
+            await trio.sleep(3 * MINUTE / 1000)  # the bucket passed; nothing else to do
+            assert pipeline.delivery.manager.buckets_completed == 1
+            assert not pipeline.delivery.dispatch.dirty
+        (entries,) = dispatch_entries(str(tmp_path)).values()
+        assert entries[-1].kind is EntryKind.COMPLETE

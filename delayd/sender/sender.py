@@ -641,6 +641,11 @@ class Sender:
             with trio.move_on_after(ledger.wait_s(now_ms)):
                 await self._retry_wake.wait()
 
+    def entries_written(self) -> None:
+        """Entries the sender did not write went into dispatch_log (the wheel's
+        COMPLETE marks): the next flush makes them durable, as the sender's own."""
+        self._recorded.set()
+
     async def _flush_loop(self) -> None:
         """Flush dispatch_log ``dispatch_flush_interval_s`` after the first entry that
         is not yet durable (so an idle sender does not wake)."""

@@ -98,6 +98,7 @@ class Delivery:
             clock=self.ticker.now_ms,
             config=config.sender,
         )
+        self.manager.on_marked = self.sender.entries_written
         # Tombstones are resolved as they are replayed, also before delivery runs (the
         # manager then has loaded nothing: dispatch_log decides; docs/cancel.md).
         self.canceller = Canceller(

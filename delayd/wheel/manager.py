@@ -24,6 +24,7 @@ from __future__ import annotations
 import enum
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import trio
@@ -106,6 +107,9 @@ class WheelManager:
         self._next_id = 0
         self._outstanding: dict[int, int] = {}  # bucket start -> entries not recorded
         self._marked: dict[int, int] = {}  # bucket start -> length its COMPLETE covers
+        # Called after COMPLETE marks were written: whoever flushes dispatch_log (the
+        # sender) makes them durable, and so shipped to followers, even when idle.
+        self.on_marked: Callable[[], None] = lambda: None
         # Offsets of the loading bucket withdrawn after it began, before the loader
         # reached them: the dispatch state it read at begin does not list them.
         self._skip: set[int] = set()
@@ -351,6 +355,14 @@ class WheelManager:
         ]
         if not finished:
             return
+        marked = self.buckets_completed
+        try:
+            await self._mark(finished, now_ms)
+        finally:
+            if self.buckets_completed != marked:
+                self.on_marked()
+
+    async def _mark(self, finished: list[int], now_ms: int) -> None:
         # Lengths read under the append lock cover only records with entries.
         async with self.append_lock, self.dispatch_lock:
             for bucket_ms in finished:
