@@ -217,3 +217,42 @@ def test_the_documented_openssl_commands_make_a_working_mutual_tls_setup(tmp_pat
         assert refused.returncode == 1 and "certificate required" in refused.stderr
     finally:
         server.close()
+
+
+def test_the_sender_delivers_over_tls_to_broker_groups_found_in_etcd(
+    tmp_path, etcd_server, monkeypatch
+):
+    """[delivery] broker_tls_ca_file: the broker groups of the cluster, found in etcd,
+    are reached over TLS (this broker serves TLS only)."""
+    pki = make_pki(tmp_path / "pki")
+    monkeypatch.setenv("DELAYD_CLUSTER_ACK", "leader")  # lone members: no follower to wait
+    monkeypatch.setenv("DELAYD_CLUSTER_REPLICATION_LISTEN", "127.0.0.1:0")
+    cluster = f"tls-{tmp_path.name[-12:]}".replace("_", "-")
+    joined = ("--etcd", etcd_server.url, "--cluster", cluster)
+    broker = BrokerProcess(
+        tmp_path / "broker", *joined, "--group", "b1", *tls_flags(pki.server_cert, pki.server_key)
+    )
+    broker.start()
+    server = None
+    try:
+        config = tmp_path / "serve.toml"
+        config.write_text(
+            '[delivery]\nbroker_groups_from = "etcd"\nbroker_groups_refresh_ms = 200\n'
+            f'broker_tls_ca_file = "{pki.ca_file}"\n'
+        )
+        server = ServeProcess(
+            tmp_path / "data", "--config", str(config), *joined, "--group", "d1"
+        ).start()
+        with Producer(addr(server.address), timeout_s=5) as producer:  # intake: plain TCP
+            receipts = [producer.send("orders", b"%d" % i, delay_ms=0) for i in range(3)]
+        with Consumer(
+            addr(broker.address), subject="orders", group="g", tls=pki.client(), timeout_s=5
+        ) as consumer:
+            got = [consumer.receive(timeout_s=15) for _ in receipts]
+        assert sorted(m.message_id for m in got if m is not None) == sorted(
+            r.message_id for r in receipts
+        )
+    finally:
+        if server is not None:
+            server.close()
+        broker.close()

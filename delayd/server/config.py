@@ -188,6 +188,8 @@ class ServeConfig:
     # broker_groups (delayd.sender.discovery), re-read every broker_groups_refresh_ms.
     broker_groups_from: str = BROKER_GROUPS_FROM_CONFIG
     broker_groups_refresh_ms: int = 1000
+    # TLS to the broker groups found in etcd (a [[broker_groups]] entry has its own).
+    discovered_broker_tls: ClientTls | None = None
 
     def __post_init__(self) -> None:
         if self.broker_groups_from not in BROKER_GROUPS_FROM:
@@ -367,6 +369,9 @@ _SCHEMA: dict[str, dict[str, tuple[Callable[[Any, str], Any], str]]] = {
         "retry_max_ms": (_int, "retry.max_ms"),
         "broker_groups_from": (_choice(*BROKER_GROUPS_FROM), "broker_groups_from"),
         "broker_groups_refresh_ms": (_int, "broker_groups_refresh_ms"),
+        "broker_tls_ca_file": (_str, "broker_tls.tls_ca_file"),
+        "broker_tls_cert_file": (_str, "broker_tls.tls_cert_file"),
+        "broker_tls_key_file": (_str, "broker_tls.tls_key_file"),
     },
     "retention": {
         "enabled": (_bool, "retention.enabled"),
@@ -375,7 +380,7 @@ _SCHEMA: dict[str, dict[str, tuple[Callable[[Any, str], Any], str]]] = {
         "bucket_ms": (_non_negative, "retention.bucket_ms"),
     },
 }
-_NESTED = ("limits", "flush", "sender", "retry", "retention", "tls")
+_NESTED = ("limits", "flush", "sender", "retry", "retention", "tls", "broker_tls")
 _GROUP_TLS_KEYS = ("tls_ca_file", "tls_cert_file", "tls_key_file")
 _GROUP_KEYS = {"name", "addresses", "weight", "embedded", *_GROUP_TLS_KEYS}
 # [broker] takes the embedded broker's BrokerConfig fields of simple types by name.
@@ -418,6 +423,9 @@ def string_keys() -> frozenset[str]:
         "log.level",
         "broker.flush",
         "delivery.broker_groups_from",
+        "delivery.broker_tls_ca_file",
+        "delivery.broker_tls_cert_file",
+        "delivery.broker_tls_key_file",
     }
     enums = {
         f"broker.{f.name}"
@@ -507,6 +515,9 @@ def config_from_mapping(
             values["retention"] = RetentionConfig(**nested["retention"])
         if nested["tls"]:
             values["tls"] = _server_tls(nested["tls"])
+        if nested["broker_tls"]:
+            files = [nested["broker_tls"].get(key) for key in _GROUP_TLS_KEYS]
+            values["discovered_broker_tls"] = _group_tls(files, "delivery.", "broker_")
     except ValueError as exc:
         raise ConfigError(f"{source}: {exc}") from None
     if broker:
@@ -514,6 +525,14 @@ def config_from_mapping(
             values["broker"] = BrokerConfig(**broker)
         except ValueError as exc:
             raise ConfigError(f"{source}: broker.{exc}") from None
+    if "discovered_broker_tls" in values and values.get("broker_groups_from") != (
+        BROKER_GROUPS_FROM_ETCD
+    ):
+        raise ConfigError(
+            f"{source}: delivery.broker_tls_* apply to the broker groups found in etcd "
+            '(broker_groups_from = "etcd"); a [[broker_groups]] entry takes tls_ca_file, '
+            "tls_cert_file and tls_key_file of its own"
+        )
     if values.get("broker_groups_from") == BROKER_GROUPS_FROM_ETCD and "broker_groups" in values:
         raise ConfigError(
             f'{source}: delivery.broker_groups_from = "etcd" finds the broker groups in etcd; '
@@ -557,14 +576,7 @@ def _broker_groups(entries: Any, source: str) -> tuple[BrokerGroupConfig, ...]:
             for key in _GROUP_TLS_KEYS
         ]
         try:
-            tls = None
-            if any(file is not None for file in files):
-                if files[0] is None:
-                    raise ConfigError(
-                        f"broker_groups.{name}: tls_cert_file and tls_key_file need "
-                        "tls_ca_file, the CA that signed the brokers' certificate"
-                    )
-                tls = ClientTls(*files)
+            tls = _group_tls(files, f"broker_groups.{name}: ")
             groups.append(
                 BrokerGroupConfig(
                     name,
@@ -579,6 +591,21 @@ def _broker_groups(entries: Any, source: str) -> tuple[BrokerGroupConfig, ...]:
         except ValueError as exc:  # from ClientTls
             raise ConfigError(f"{source}: broker_groups.{name}: {exc}") from None
     return tuple(groups)
+
+
+def _group_tls(files: list[str | None], label: str, prefix: str = "") -> ClientTls | None:
+    """TLS to broker groups from the (ca, cert, key) files of the keys ``prefix`` +
+    ``tls_ca_file`` and the rest: None when none is given. Raises ConfigError (starting
+    with ``label``) for a client certificate without the CA, ValueError (from
+    ClientTls) for a certificate without its key."""
+    if all(file is None for file in files):
+        return None
+    if files[0] is None:
+        raise ConfigError(
+            f"{label}{prefix}tls_cert_file and {prefix}tls_key_file need {prefix}tls_ca_file, "
+            "the CA that signed the brokers' certificate"
+        )
+    return ClientTls(*files)
 
 
 def _broker_value(key: str, value: Any, label: str) -> Any:

@@ -37,6 +37,9 @@ def _value(config: ServeConfig, target: str) -> Any:
         return value
     if head == "retry":
         return getattr(config.sender.retry, field)
+    if head == "broker_tls":  # ClientTls's fields are ca_file, cert_file, key_file
+        tls = config.discovered_broker_tls
+        return None if tls is None else getattr(tls, field.removeprefix("tls_"))
     if target == "sender.dispatch_flush_interval_ms":
         return round(config.sender.dispatch_flush_interval_s * 1000)
     value = getattr(getattr(config, head), field)
@@ -77,8 +80,8 @@ def config_to_toml(config: ServeConfig) -> str:
             continue
         lines += ["", f"[{table}]"]
         for key, target in keys.items():
-            if table == "tls" and _value(config, target) is None:
-                continue  # client_ca_file unset: no client certificates asked for
+            if table in ("tls", "delivery") and _value(config, target) is None:
+                continue  # unset files: no client certificates asked for, or plain TCP
             if key == "token":
                 state = "set" if config.token is not None else "not set"
                 lines.append(f"# token: {state} (never printed)")

@@ -119,7 +119,7 @@ class Delivery:
                 self.sender,
                 config.cluster.etcd,
                 config.cluster.prefix,
-                partial(RemoteTarget, token=config.token),
+                partial(RemoteTarget, token=config.token, tls=config.discovered_broker_tls),
                 refresh_s=config.broker_groups_refresh_ms / 1000,
             )
         self.replayer = replayer
