@@ -128,11 +128,13 @@ class Leader:
         self.record_counter = RecordCounter()
         self._known_ends = streams.ends()
         # Two wake-ups: the ack waiters' (an acknowledged offset moved, the streams or
-        # the in-sync set changed, the leader stopped) and the in-sync task's (anything
-        # its rule reads changed: every growth and every report). Most growth is an
-        # append no ack can follow yet, so the waiters sleep through it (_notice).
+        # the in-sync set changed, the leader stopped) and the in-sync task's (what
+        # could change the set sooner than it plans to look again). Most growth is an
+        # append no ack can follow yet, and most reports come from followers already
+        # in the set: both sleep through them (_notice).
         self._progress = trio.Event()
         self._tracked = trio.Event()
+        self._in_sync_due_ms: int | None = None  # when the in-sync task looks again
         self._published: dict[str, int] = {}  # the acknowledged offsets waiters last saw
         self._stopped: LeaderStopped | None = None
         self._connections: dict[str, trio.CancelScope] = {}
@@ -276,12 +278,25 @@ class Leader:
         self._tracked.set()
         self._tracked = trio.Event()
 
-    def _notice(self, names: Iterable[str], *, streams_changed: bool = False) -> None:
-        """The leader's streams ``names`` grew or a follower reported them durable:
-        the in-sync task looks again, and the ack waiters wake only when one of their
-        acknowledged offsets moved (or a stream appeared or went)."""
-        self._tracked.set()
-        self._tracked = trio.Event()
+    def _notice(
+        self, names: Iterable[str], *, reported_by: str | None = None, streams_changed: bool = False
+    ) -> None:
+        """The leader's streams ``names`` grew, or the follower ``reported_by``
+        reported them durable. The ack waiters wake only when one of their
+        acknowledged offsets moved (or a stream appeared or went). The in-sync task
+        wakes only when the set may change before it looks again: a report of a
+        follower outside the set (it may join), or growth while it planned no look
+        (a follower with nothing to copy may now fall behind); a report of a member
+        only puts its departure off, and growth while a look is planned lacks
+        nothing older than what planned it. A stream that appeared or went may
+        change anyone's standing: it wakes both."""
+        if (
+            streams_changed
+            or (reported_by is None and self._in_sync_due_ms is None)
+            or (reported_by is not None and reported_by not in self.tracker.members)
+        ):
+            self._tracked.set()
+            self._tracked = trio.Event()
         moved = streams_changed
         for name in names:
             if name not in self._known_ends:
@@ -378,8 +393,10 @@ class Leader:
                 self._wake()
                 continue
             due_ms = tracker.next_change_ms(now)
+            self._in_sync_due_ms = due_ms
             with trio.move_on_at(math.inf if due_ms is None else due_ms / 1000):
                 await tracked.wait()
+            self._in_sync_due_ms = None
 
     async def _serve_one(self, tcp: trio.SocketStream) -> None:
         decoder = wire.WireDecoder()
@@ -536,7 +553,7 @@ class Leader:
                 raise trio.BrokenResourceError(f"follower {member} closed the connection")
             if isinstance(event, wire.Durable):
                 self.tracker.follower_durable(member, event.offsets)
-                self._notice(event.offsets)
+                self._notice(event.offsets, reported_by=member)
             elif isinstance(event, wire.Fenced):
                 self._fenced_by(event.epoch)
                 return
