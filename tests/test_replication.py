@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 
 from delayd.logs import layout
 from delayd.replication import (
@@ -330,6 +331,86 @@ async def test_acks_wait_for_the_slowest_in_sync_follower_and_min_in_sync(tmp_pa
             assert leader.in_sync == {"b", "c"}
             assert changes[-1][1] == {"b", "c"}
             assert c.streams.message_log.durable_offset >= end
+            nursery.cancel_scope.cancel()
+
+
+class TaskSteps(trio.abc.Instrument):
+    """Counts the steps of the tasks whose name ends in ``name``: how often they were
+    woken."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.steps = 0
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        if task.name.endswith(self.name):
+            self.steps += 1
+
+
+async def test_ack_waiters_sleep_through_appends_the_group_cannot_acknowledge(
+    tmp_path: Path,
+) -> None:
+    """Every append and flush signals growth; an ack waiter wakes only when an
+    acknowledged offset moves (here: once the in-sync follower copied the records),
+    not at each of them: under load the leader's event loop does not run every
+    waiter at every append."""
+    with members(tmp_path, "a", "b") as (a, b):
+        leader = Leader(a.streams, a.history, 5, group=GROUP, in_sync=frozenset({"b"}),
+                        replica_lag_ms=60_000)  # fmt: skip
+        steps = TaskSteps("waiter")
+        async with trio.open_nursery() as nursery:
+            await nursery.start(leader.run, "127.0.0.1", 0)
+            end = a.streams.message_log.end_offset
+            for _ in range(20):
+                end = a.append_messages(5)
+            acknowledged = trio.Event()
+
+            async def waiter() -> None:
+                await leader.wait_acknowledged(MESSAGE_LOG, end)
+                acknowledged.set()
+
+            trio.lowlevel.add_instrument(steps)
+            nursery.start_soon(waiter, name="waiter")
+            await trio.testing.wait_all_tasks_blocked()
+            for _ in range(20):
+                a.append_messages(5)  # b is in the set and has copied nothing
+                await trio.testing.wait_all_tasks_blocked()
+            assert steps.steps == 1  # its first step only: no append woke it
+            nursery.start_soon(follower_of(b, "b", leader).run)
+            with trio.fail_after(5):
+                await acknowledged.wait()
+            trio.lowlevel.remove_instrument(steps)
+            nursery.cancel_scope.cancel()
+
+
+async def test_the_in_sync_task_sleeps_through_a_members_copying(tmp_path: Path) -> None:
+    """Under load the leader grows and its in-sync follower reports thousands of times
+    a second; neither can take the follower out of the set before the look the
+    in-sync task has planned, so they do not wake it. A member that falls behind
+    still leaves the set once replica_lag_ms has passed."""
+    with members(tmp_path, "a", "b") as (a, b):
+        leader = Leader(a.streams, a.history, 5, group=GROUP, replica_lag_ms=500)
+        steps = TaskSteps("Leader._maintain_in_sync")
+        async with trio.open_nursery() as nursery:
+            await nursery.start(leader.run, "127.0.0.1", 0)
+            following = trio.CancelScope()
+            nursery.start_soon(_run_in, following, follower_of(b, "b", leader))
+            with trio.fail_after(5):
+                end = a.append_messages(5)
+                await leader.wait_acknowledged(MESSAGE_LOG, end)  # b joined the set
+            trio.lowlevel.add_instrument(steps)
+            for _ in range(30):
+                end = a.append_messages(5)
+                with trio.fail_after(5):
+                    await leader.wait_acknowledged(MESSAGE_LOG, end)
+            trio.lowlevel.remove_instrument(steps)
+            assert leader.in_sync == {"b"}
+            assert steps.steps <= 2  # 60 growths and 30 reports or more: a look at most
+            following.cancel()
+            a.append_messages(5)
+            with trio.fail_after(5):
+                while leader.in_sync:
+                    await trio.sleep(0.05)
             nursery.cancel_scope.cancel()
 
 

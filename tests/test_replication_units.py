@@ -178,6 +178,35 @@ def test_a_follower_is_in_sync_while_it_has_what_the_leader_had_lag_ago() -> Non
     assert tracker.next_change_ms(1010) is None
 
 
+@given(st.randoms(use_true_random=False))
+def test_when_a_follower_falls_out_is_the_oldest_growth_it_lacks(rng: random.Random) -> None:
+    """next_change_ms walks only the tail of each stream a follower lacks; it must
+    answer what a walk of all the leader's growth in time order answers: the time of
+    the first growth it lacks, plus the lag."""
+    streams = ["message_log", "dispatch_log/202611221530", "broker/commitlog"]
+    tracker = InSyncTracker(1000, 1, dict.fromkeys(streams, 0))
+    tracker.apply(frozenset({"b", "c"}))
+    growth: list[tuple[int, str, int]] = []  # every leader_grew, in time order
+    ends = dict.fromkeys(streams, 0)
+    now = 0
+    for _ in range(rng.randrange(1, 60)):
+        now += rng.randrange(0, 80)
+        stream = rng.choice(streams)
+        ends[stream] += rng.randrange(1, 500)
+        tracker.leader_grew(stream, ends[stream], now)
+        growth.append((now, stream, ends[stream]))
+        member = rng.choice(["b", "c"])
+        tracker.follower_durable(member, {s: rng.randrange(0, ends[s] + 1) for s in streams})
+        now += rng.randrange(0, 80)
+        expected = None
+        for durable in (tracker.durable.get(m, {}) for m in ("b", "c")):
+            lacked = [t for t, s, end in growth if t > now - 1000 and durable.get(s, 0) < end]
+            if lacked:
+                due = lacked[0] + 1000
+                expected = due if expected is None else min(expected, due)
+        assert tracker.next_change_ms(now) == expected
+
+
 def test_a_new_stream_counts_once_the_lag_has_passed() -> None:
     tracker = InSyncTracker(1000, 1, {"message_log": 0})
     tracker.follower_reset("b", {"message_log": 0})

@@ -3,8 +3,12 @@
 A follower is *in sync* when it has durable everything the leader had ``lag_ms`` ago
 (Kafka's replica.lag.time.max.ms, KIP-16): for every stream, its durable end is at
 least where the leader's stream ended at ``now - lag_ms``. The tracker keeps the
-leader's growth of the last ``lag_ms`` as events ``(time_ms, stream, end)`` and folds
-older ones into ``horizon``, the leader's ends at ``now - lag_ms``.
+leader's growth of the last ``lag_ms`` per stream, as events ``(time_ms, end)`` in time
+order, and folds older ones into ``horizon``, the leader's ends at ``now - lag_ms``.
+A stream's ends only grow while one leader leads, so the events a follower lacks are a
+tail of each stream's: ``next_change_ms`` walks those tails from the newest, which costs
+what the follower lacks, not the whole window of growth (it runs at every report and
+every growth, thousands of times a second under load).
 
 The set that counts for acknowledgements, ``members``, changes only through
 ``apply``: the leader computes ``proposed(now)``, persists it (etcd) and then applies
@@ -31,7 +35,7 @@ class InSyncTracker:
         self.lag_ms = lag_ms
         self.min_in_sync = min_in_sync
         self.horizon = dict(leader_ends)  # the leader's ends at now - lag_ms (or start)
-        self._events: deque[tuple[int, str, int]] = deque()  # the growth since
+        self._growth: dict[str, deque[tuple[int, int]]] = {}  # stream -> growth since
         self.durable: dict[str, dict[str, int]] = {}  # member -> stream -> durable end
         self.members: frozenset[str] = frozenset()  # the set the ack rule uses
         # Until then a member of ``members`` that has not reported yet stays in sync:
@@ -44,13 +48,16 @@ class InSyncTracker:
 
     def leader_grew(self, stream: str, end: int, now_ms: int) -> None:
         """The leader's ``stream`` now ends at ``end``."""
-        self._events.append((now_ms, stream, end))
+        events = self._growth.get(stream)
+        if events is None:
+            events = self._growth[stream] = deque()
+        events.append((now_ms, end))
 
     def leader_removed(self, stream: str) -> None:
         """The leader deleted ``stream`` (superseded by a newer one): no follower needs
         it to be in sync."""
         self.horizon.pop(stream, None)
-        self._events = deque(event for event in self._events if event[1] != stream)
+        self._growth.pop(stream, None)
 
     def follower_durable(self, member: str, offsets: dict[str, int]) -> None:
         """``member`` reports these streams durable up to these offsets (a report
@@ -95,13 +102,27 @@ class InSyncTracker:
         self._fold(now_ms)
         soonest = None if now_ms >= self.grace_until_ms else self.grace_until_ms
         for member in self.members:
-            durable = self.durable.get(member, {})
-            for time_ms, stream, end in self._events:
-                if durable.get(stream, 0) < end:
-                    due = time_ms + self.lag_ms
-                    soonest = due if soonest is None else min(soonest, due)
-                    break
+            lacked_since = self._lacks_since(self.durable.get(member, {}))
+            if lacked_since is not None:
+                due = lacked_since + self.lag_ms
+                soonest = due if soonest is None else min(soonest, due)
         return soonest
+
+    def _lacks_since(self, durable: dict[str, int]) -> int | None:
+        """When the leader first had a record a follower durable up to ``durable``
+        lacks, within the window (None when it lacks none): the oldest event of each
+        stream's tail it lacks."""
+        since = None
+        for stream, events in self._growth.items():
+            held = durable.get(stream, 0)
+            oldest = None
+            for time_ms, end in reversed(events):
+                if held >= end:
+                    break
+                oldest = time_ms
+            if oldest is not None and (since is None or oldest < since):
+                since = oldest
+        return since
 
     def acknowledged(self, stream: str, leader_durable: int) -> int:
         """The acknowledged offset of ``stream`` under the sync rule, given the leader's
@@ -124,7 +145,6 @@ class InSyncTracker:
 
     def _fold(self, now_ms: int) -> None:
         horizon_ms = now_ms - self.lag_ms
-        events = self._events
-        while events and events[0][0] <= horizon_ms:
-            _, stream, end = events.popleft()
-            self.horizon[stream] = end
+        for stream, events in self._growth.items():
+            while events and events[0][0] <= horizon_ms:
+                self.horizon[stream] = events.popleft()[1]

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 
 import trio
 
@@ -127,7 +127,15 @@ class Leader:
         self.growth = GrowthClock()
         self.record_counter = RecordCounter()
         self._known_ends = streams.ends()
+        # Two wake-ups: the ack waiters' (an acknowledged offset moved, the streams or
+        # the in-sync set changed, the leader stopped) and the in-sync task's (what
+        # could change the set sooner than it plans to look again). Most growth is an
+        # append no ack can follow yet, and most reports come from followers already
+        # in the set: both sleep through them (_notice).
         self._progress = trio.Event()
+        self._tracked = trio.Event()
+        self._in_sync_due_ms: int | None = None  # when the in-sync task looks again
+        self._published: dict[str, int] = {}  # the acknowledged offsets waiters last saw
         self._stopped: LeaderStopped | None = None
         self._connections: dict[str, trio.CancelScope] = {}
         self._cancel: trio.CancelScope | None = None
@@ -267,6 +275,44 @@ class Leader:
     def _wake(self) -> None:
         self._progress.set()
         self._progress = trio.Event()
+        self._tracked.set()
+        self._tracked = trio.Event()
+
+    def _notice(
+        self, names: Iterable[str], *, reported_by: str | None = None, streams_changed: bool = False
+    ) -> None:
+        """The leader's streams ``names`` grew, or the follower ``reported_by``
+        reported them durable. The ack waiters wake only when one of their
+        acknowledged offsets moved (or a stream appeared or went). The in-sync task
+        wakes only when the set may change before it looks again: a report of a
+        follower outside the set (it may join), or growth while it planned no look
+        (a follower with nothing to copy may now fall behind); a report of a member
+        only puts its departure off, and growth while a look is planned lacks
+        nothing older than what planned it. A stream that appeared or went may
+        change anyone's standing: it wakes both."""
+        if (
+            streams_changed
+            or (reported_by is None and self._in_sync_due_ms is None)
+            or (reported_by is not None and reported_by not in self.tracker.members)
+        ):
+            self._tracked.set()
+            self._tracked = trio.Event()
+        moved = streams_changed
+        for name in names:
+            if name not in self._known_ends:
+                continue  # a follower's stream this leader does not hold: no ack of it
+            stream = self.streams.find(name)
+            if stream is None:
+                moved = True  # gone: a waiter on it must move to its successor
+                continue
+            durable = stream.durable_offset
+            acked = durable if self.ack == ACK_LEADER else self.tracker.acknowledged(name, durable)
+            if self._published.get(name) != acked:
+                self._published[name] = acked
+                moved = True
+        if moved:
+            self._progress.set()
+            self._progress = trio.Event()
 
     # ------------------------------------------------------------------ serving
 
@@ -317,17 +363,19 @@ class Leader:
                 self.growth.grew(name, end, now)
                 if end != self._known_ends.get(name, 0):
                     self.tracker.leader_grew(name, end, now)
-            for name in self._known_ends.keys() - ends.keys():
+            removed = self._known_ends.keys() - ends.keys()
+            for name in removed:
                 self.tracker.leader_removed(name)  # compacted away: nobody needs it
                 self.growth.removed(name)
+            streams_changed = bool(removed) or ends.keys() != self._known_ends.keys()
             self._known_ends = ends
-            self._wake()
+            self._notice(ends, streams_changed=streams_changed)
             await self.streams.wait_growth(seen)
 
     async def _maintain_in_sync(self) -> None:
         tracker = self.tracker
         while True:
-            progress = self._progress
+            tracked = self._tracked
             now = _now_ms()
             proposed = tracker.proposed(now)
             if proposed != tracker.members:
@@ -345,8 +393,10 @@ class Leader:
                 self._wake()
                 continue
             due_ms = tracker.next_change_ms(now)
+            self._in_sync_due_ms = due_ms
             with trio.move_on_at(math.inf if due_ms is None else due_ms / 1000):
-                await progress.wait()
+                await tracked.wait()
+            self._in_sync_due_ms = None
 
     async def _serve_one(self, tcp: trio.SocketStream) -> None:
         decoder = wire.WireDecoder()
@@ -534,7 +584,7 @@ class Leader:
                 raise trio.BrokenResourceError(f"follower {member} closed the connection")
             if isinstance(event, wire.Durable):
                 self.tracker.follower_durable(member, event.offsets)
-                self._wake()
+                self._notice(event.offsets, reported_by=member)
             elif isinstance(event, wire.Fenced):
                 self._fenced_by(event.epoch)
                 return
