@@ -297,7 +297,7 @@ plain_messages = st.builds(
 )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(batch=st.lists(plain_messages | messages, max_size=8))
 def test_a_batch_encodes_as_each_message_encodes_alone(batch):
     # put_messages writes plain messages by a fast path of its own; the bytes must be
