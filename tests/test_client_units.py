@@ -3,6 +3,7 @@ message building and framing, ERROR mapping, and the consumer's bookkeeping."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -136,6 +137,18 @@ def test_receipt_from_a_broker_result_and_refusals() -> None:
     assert receipt.ok  # DUPLICATE: stored by an earlier send
     refused = Receipt.from_result("m", SendResult(ResultCode.BODY_TOO_LARGE, "too big"))
     assert not refused.ok and refused.reason == "too big"
+
+
+def test_a_receipt_from_a_result_is_an_ordinary_receipt() -> None:
+    # from_result builds it by plain stores (a producer makes one per message): it must
+    # equal, print and stay frozen as one built by Receipt(...).
+    receipt = Receipt.from_result("m", SendResult(ResultCode.OK, due_ms=5, queue_offset=2))
+    expected = Receipt("m", ResultCode.OK, "", due_ms=5, sequence=2, queue_offset=2)
+    assert type(receipt) is Receipt
+    assert receipt == expected and repr(receipt) == repr(expected)
+    assert hash(receipt) == hash(expected)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        receipt.code = ResultCode.BUSY  # type: ignore[misc]
 
 
 # --- building messages --------------------------------------------------------------------

@@ -286,6 +286,49 @@ def test_the_delay_servers_results_take_their_own_fast_path_both_ways():
     assert list(decoded) == results and repr(decoded[0]) == repr(results[0])
 
 
+# What a producer sends: no key, no properties, at most a delay or a time.
+plain_messages = st.builds(
+    Message,
+    message_id=text.filter(bool),
+    subject=text,
+    body=st.binary(max_size=64),
+    at_ms=optional(i64),
+    delay_ms=optional(i64),
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(batch=st.lists(plain_messages | messages, max_size=8))
+def test_a_batch_encodes_as_each_message_encodes_alone(batch):
+    # put_messages writes plain messages by a fast path of its own; the bytes must be
+    # those of the general encoder, also with other messages between them.
+    out = bytearray()
+    p.message_layout.put_messages(out, tuple(batch))
+    encoded = [p.message_layout.encode_message(m) for m in batch]
+    assert bytes(out) == struct.pack("<I", len(batch)) + b"".join(encoded)
+
+
+def test_a_plain_message_the_wire_cannot_carry_is_still_refused():
+    too_long = Message("x" * 65_536, "orders", delay_ms=5)
+    with pytest.raises(LocalProtocolError, match="message_id is 65536"):
+        encode_event(p.SendBatch([SAMPLE_MESSAGE, too_long], request_id=1))
+    with pytest.raises(LocalProtocolError, match="cannot encode SendBatch"):
+        encode_event(p.SendBatch([Message("m", "orders", delay_ms=2**63)], request_id=1))
+
+
+def test_a_delay_servers_whole_answer_is_decoded_in_one_pass_or_not_at_all():
+    scheduled = [p.SendResult(ResultCode.OK, "", None, None, None, n, 1_700 + n) for n in range(3)]
+    frame = encode_event(p.SendBatchResult(scheduled, request_id=1))
+    assert list(decode_all([frame])[0].results) == scheduled
+    # A refusal whose reason makes it as long as a scheduled result: the same body size,
+    # so the one-pass decoder must see it is not one and leave it to the general path.
+    refused = p.SendResult(ResultCode.INVALID_SUBJECT, "x" * 16)
+    mixed = [refused, scheduled[0]]
+    frame = encode_event(p.SendBatchResult(mixed, request_id=1))
+    assert len(frame) == len(encode_event(p.SendBatchResult(scheduled[:2], request_id=1)))
+    assert list(decode_all([frame])[0].results) == mixed
+
+
 @settings(max_examples=100, deadline=None)
 @given(batch=message_lists.filter(bool), store_ms=i64, data=st.data())
 def test_stamp_messages_is_stamp_message_of_each(batch, store_ms, data):

@@ -122,7 +122,11 @@ def split_frames(
     current: list[Message] = []
     current_bytes = 0
     for m in messages:
-        size = _size(m)
+        # _size inlined for the message without key or properties: it runs per message
+        if m.key or m.properties:
+            size = _size(m)
+        else:
+            size = _MESSAGE_OVERHEAD + len(m.body) + len(m.message_id) * 4 + len(m.subject)
         if current and (len(current) >= max_messages or current_bytes + size > max_bytes):
             frames.append(current)
             current, current_bytes = [], 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -44,18 +45,46 @@ class Receipt:
         """The receipt for ``message_id`` from its SEND_BATCH result."""
         # The delay server sends due_ms, and its message_log sequence in the queue_offset
         # slot (docs/protocol.md, "SEND_BATCH results"); a broker sends no due_ms.
-        from_delay_server = result.due_ms is not None
-        return cls(
+        due_ms, queue_offset = result.due_ms, result.queue_offset
+        return _ReceiptBuilder(  # type: ignore[return-value]
             message_id,
             result.code,
             result.reason,
-            due_ms=result.due_ms,
-            sequence=result.queue_offset if from_delay_server else None,
-            store_ms=result.store_ms,
-            commitlog_offset=result.commitlog_offset,
-            queue=result.queue,
-            queue_offset=result.queue_offset,  # as sent, also for code that reads the slot
+            due_ms,
+            None if due_ms is None else queue_offset,
+            result.store_ms,
+            result.commitlog_offset,
+            result.queue,
+            queue_offset,  # as sent, also for code that reads the slot
         )
+
+
+class _ReceiptBuilder:
+    """Receipt's fields by plain stores, then the instance becomes a Receipt: a frozen
+    dataclass's __init__ stores each field through object.__setattr__, and a producer
+    makes one receipt per message it sends (as the protocol's _SendResultBuilder)."""
+
+    __slots__ = Receipt.__slots__
+
+    def __init__(
+        self,
+        message_id: str,
+        code: ResultCode,
+        reason: str,
+        due_ms: int | None,
+        sequence: int | None,
+        store_ms: int | None,
+        commitlog_offset: int | None,
+        queue: int | None,
+        queue_offset: int | None,
+    ) -> None:
+        self.message_id, self.code, self.reason = message_id, code, reason
+        self.due_ms, self.sequence, self.store_ms = due_ms, sequence, store_ms
+        self.commitlog_offset, self.queue, self.queue_offset = commitlog_offset, queue, queue_offset
+        self.__class__ = Receipt  # type: ignore[assignment]
+
+
+assert Receipt.__slots__ == tuple(f.name for f in dataclasses.fields(Receipt))
 
 
 def stored_or_raise(receipt: Receipt, addr: str, busy_retries: int) -> Receipt:

@@ -377,6 +377,10 @@ def _dec_send_batch_result(r: BodyReader) -> ev.SendBatchResult:
     count = r.fixed(U32, "result count")
     if count * 4 > r.end - r.pos:  # code, mask, reason length: at least 4 bytes each
         raise r.error(f"{count} results cannot fit in {r.end - r.pos} bytes")
+    if count and r.end - r.pos == count * _SCHEDULED_RESULT.size:
+        scheduled_only = _scheduled_results(r, count)
+        if scheduled_only is not None:
+            return ev.SendBatchResult(scheduled_only, request_id=r.request_id)
     results = []
     body, end = r.body, r.end
     stored, size = _STORED_RESULT, _STORED_RESULT.size
@@ -419,6 +423,22 @@ def _dec_send_batch_result(r: BodyReader) -> ev.SendBatchResult:
         ints = [r.fixed(fmt, name) if mask & bit else None for bit, name, fmt in RES_INTS]
         results.append(_SendResultBuilder(code, reason, *ints))
     return ev.SendBatchResult(tuple(results), request_id=r.request_id)
+
+
+def _scheduled_results(r: BodyReader, count: int) -> tuple[SendResult, ...] | None:
+    """The ``count`` results left in ``r`` when every one is a delay server's plain
+    acceptance (queue_offset and due_ms, no reason), unpacked in one pass — a
+    producer's answer to each frame it sends; None (``r`` untouched) otherwise."""
+    codes = _RESULT_CODES
+    results = []
+    append = results.append
+    view = memoryview(r.body)[r.pos : r.end]
+    for code, mask, reason_len, queue_offset, due_ms in _SCHEDULED_RESULT.iter_unpack(view):
+        if mask != _RES_SCHEDULED or reason_len or code not in codes:
+            return None
+        append(_SendResultBuilder(codes[code], "", None, None, None, queue_offset, due_ms))
+    r.pos = r.end
+    return tuple(results)
 
 
 def _dec_pull(r: BodyReader) -> ev.Pull:

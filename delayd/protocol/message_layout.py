@@ -150,8 +150,43 @@ def put_message(out: bytearray, m: Message) -> None:
 
 def put_messages(out: bytearray, messages: tuple[Message, ...]) -> None:
     out += U32.pack(len(messages))
+    # What a producer sends — no key, no properties, at most one of at_ms and delay_ms —
+    # is written here in one pass and joined once: put_message's general mask loop cost
+    # a producer more CPU per message than the server spends decoding it.
+    parts: list[bytes] = []
+    append = parts.append
+    head, i64 = MSG_HEAD.pack, I64.pack
     for m in messages:
+        if (
+            m.key is None
+            and not m.properties
+            and m.store_ms is None
+            and m.commitlog_offset is None
+            and m.queue is None
+            and m.queue_offset is None
+            and m.due_ms is None
+            and m.dispatched_ms is None
+            and (m.at_ms is None or m.delay_ms is None)
+        ):
+            message_id = m.message_id.encode()
+            subject = m.subject.encode()
+            if len(message_id) <= MAX_STR_BYTES and len(subject) <= MAX_STR_BYTES:
+                body = m.body
+                at_ms, delay_ms = m.at_ms, m.delay_ms
+                mask = 0 if at_ms is None else MSG_AT_MS
+                if delay_ms is not None:
+                    mask = MSG_DELAY_MS
+                append(head(mask, len(message_id), len(subject), 0, 0, len(body)))
+                append(message_id)
+                append(subject)
+                append(body)
+                if mask:
+                    append(i64(delay_ms if at_ms is None else at_ms))
+                continue
+        out += b"".join(parts)
+        parts.clear()
         put_message(out, m)
+    out += b"".join(parts)
 
 
 def encode_message(message: Message) -> bytes:
