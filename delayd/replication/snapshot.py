@@ -202,7 +202,7 @@ def received_file(directory: str, index: int) -> str:
 
 def discard_partial(directory: str, fs: FileSystem = REAL_FS, *, whole_too: bool = False) -> bool:
     """Remove ``directory`` when it holds a snapshot cut short (no MANIFEST), or any
-    snapshot with ``whole_too``; returns whether something was removed. MANIFEST goes
+    snapshot with ``whole_too``; returns whether a file was removed. MANIFEST goes
     first, so a crash part way leaves a partial snapshot, never a whole-looking one."""
     if not fs.exists(directory):
         return False
@@ -212,7 +212,9 @@ def discard_partial(directory: str, fs: FileSystem = REAL_FS, *, whole_too: bool
             return False
         fs.unlink(manifest)
         fs.fsync_dir(directory)
-    for name in fs.listdir(directory):
+    names = fs.listdir(directory)
+    for name in names:
         fs.unlink(os.path.join(directory, name))
-    fs.fsync_dir(directory)
-    return True
+    if names:
+        fs.fsync_dir(directory)
+    return bool(names)
