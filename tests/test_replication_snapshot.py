@@ -19,7 +19,7 @@ from delayd.logs import layout
 from delayd.replay import open_replayer
 from delayd.replication import MESSAGE_LOG, DelayStreams, EpochHistory, Follower, Leader
 from delayd.replication.metrics import ReplicationCollector
-from delayd.replication.snapshot import SnapshotReceiver
+from delayd.replication.snapshot import SnapshotError, SnapshotReceiver, read_manifest
 from delayd.server.receiver import IntakeLimits
 from delayd.server.snapshot import DelaySnapshots, SnapshotReceived, install_received_snapshot
 from storage.crashfs import CrashSimFileSystem, SimulatedCrash
@@ -296,3 +296,33 @@ async def test_a_crash_while_a_snapshot_arrives_or_installs_never_leaves_half_of
         install_received_snapshot(data)  # the next start
         assert derived_state(data) == expected, f"crash point {k}"
         assert lookups(data, ids) == expected_lookups, f"crash point {k}"
+
+
+@pytest.mark.parametrize(
+    ("manifest", "message"),
+    [
+        ({"format": 1, "files": [{"name": "../../etc/passwd", "size": 3}]}, "leaves the data"),
+        ({"format": 1, "files": [{"name": "/abs", "size": 3}]}, "leaves the data"),
+        ({"format": 1, "files": [{"name": "x", "size": -1}]}, "want a name and a size"),
+        ({"format": 2, "files": []}, "run the same delayd version"),
+    ],
+)
+def test_a_manifest_that_would_leave_the_directory_is_refused(
+    tmp_path: Path, manifest: dict, message: str
+) -> None:
+    with pytest.raises(SnapshotError, match=message):
+        SnapshotReceiver(str(tmp_path / "in")).begin(manifest)
+
+
+def test_chunks_out_of_place_and_files_cut_short_are_refused(tmp_path: Path) -> None:
+    receiver = SnapshotReceiver(str(tmp_path / "in"))
+    receiver.begin({"format": 1, "files": [{"name": "a", "size": 4}], "meta": {}})
+    with pytest.raises(SnapshotError, match="0 of its 4 bytes arrived so far"):
+        receiver.write(0, 2, b"xx")
+    with pytest.raises(SnapshotError, match="file 1; the manifest has 1"):
+        receiver.write(1, 0, b"x")
+    receiver.write(0, 0, b"xyz")
+    with pytest.raises(SnapshotError, match="ended with 3 of the 4 bytes of a"):
+        receiver.finish()
+    receiver.close()
+    assert read_manifest(str(tmp_path / "in")) is None  # nothing whole to install
