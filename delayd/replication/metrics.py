@@ -104,7 +104,8 @@ def leader_metrics(leader: Leader) -> Iterator[Metric]:
         GaugeMetricFamily,
         "delayd_replication_follower_deleted_lag_bytes",
         "Bytes a follower lacks that retention deleted on the leader: it cannot catch up "
-        "by copying (docs/replication.md, Retention in a group); no sample for the others.",
+        "by copying and is sent a snapshot (docs/replication.md, Resync from a snapshot); "
+        "no sample for the others.",
         "member",
         sorted(leader.deleted_lag().items()),
     )
