@@ -418,6 +418,9 @@ class Leader:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._receive_reports, stream, decoder, follow.member)
                     await self._send_records(stream, positions, follow.member)
+                    # It lacks records deleted meanwhile: the session ends, and the
+                    # follower's next FOLLOW gets a snapshot (or is refused).
+                    nursery.cancel_scope.cancel()
             finally:
                 if self._connections.get(follow.member) is scope:
                     del self._connections[follow.member]

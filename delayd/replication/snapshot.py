@@ -83,6 +83,8 @@ def read_chunk(path: str, offset: int, size: int) -> bytes:
 
 def manifest_files(manifest: dict) -> list[SnapshotFile]:
     """The files a manifest lists; SnapshotError when it is not one."""
+    if not isinstance(manifest, dict):
+        raise SnapshotError(f"a snapshot manifest must be a JSON object, not {manifest!r}")
     files = manifest.get("files")
     if manifest.get("format") != MANIFEST_FORMAT or not isinstance(files, list):
         raise SnapshotError(
@@ -189,9 +191,7 @@ def read_manifest(directory: str, fs: FileSystem = REAL_FS) -> dict | None:
         manifest = json.loads(body)
     except ValueError as exc:
         raise SnapshotError(f"{directory}/{MANIFEST} is not JSON: {exc}") from None
-    if not isinstance(manifest, dict):
-        raise SnapshotError(f"{directory}/{MANIFEST} is not a JSON object")
-    manifest_files(manifest)
+    manifest_files(manifest)  # a manifest, or SnapshotError
     return manifest
 
 

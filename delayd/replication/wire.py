@@ -238,20 +238,14 @@ def decode_body(kind: int, body: bytes) -> Event:
         epoch, file, offset = CHUNK_HEAD.unpack(reader.take(CHUNK_HEAD.size))
         return SnapshotChunk(epoch, file, offset, reader.rest())
     if kind == SNAPSHOT_END:
-        reader = _Reader(body, "SNAPSHOT_END")
-        epoch = reader.u64()
-        _no_trailing(reader)
-        return SnapshotEnd(epoch)
+        return SnapshotEnd(_epoch_only(body, "SNAPSHOT_END"))
     if kind == SNAPSHOT:
         value = _json(body, "SNAPSHOT")
         return Snapshot(
             _field(value, "epoch", int, "SNAPSHOT"), _field(value, "manifest", dict, "SNAPSHOT")
         )
     if kind == FENCED:
-        reader = _Reader(body, "FENCED")
-        epoch = reader.u64()
-        _no_trailing(reader)
-        return Fenced(epoch)
+        return Fenced(_epoch_only(body, "FENCED"))
     if kind == FOLLOW:
         value = _json(body, "FOLLOW")
         if value.get("magic") != MAGIC:
@@ -275,6 +269,14 @@ def decode_body(kind: int, body: bytes) -> Event:
             _field(value, "epoch", int, "TRUNCATE_TO"), _offset_map(value, "offsets", "TRUNCATE_TO")
         )
     raise WireError(f"unknown replication frame type {kind}")
+
+
+def _epoch_only(body: bytes, kind: str) -> int:
+    """The body of a frame that is an epoch and nothing else."""
+    reader = _Reader(body, kind)
+    epoch = reader.u64()
+    _no_trailing(reader)
+    return epoch
 
 
 def _no_trailing(reader: _Reader) -> None:

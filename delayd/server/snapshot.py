@@ -21,8 +21,9 @@ so are the embedded broker's, whose commitlog no retention deletes: neither is i
 snapshot. The id index is built again from the installed schedule_log.
 
 Leader side, ``DelaySnapshots.take``: every file is hard-linked into
-``<data>/delay/snapshots/<n>/`` (the message_log listing taken before the checkpoint is
-read, so its first segment lies at or below P), so retention may delete the originals
+``<data>/delay/snapshots/<n>/`` (the message_log listing taken after the checkpoint is
+read, so the segment holding P exists in it; a segment deleted between the listing and
+its link makes it take the snapshot again), so retention may delete the originals
 while the snapshot is sent; the links go when it was sent. Bucket files and segments
 are append-only, so the bytes below the shipped lengths never change.
 
@@ -131,8 +132,6 @@ class DelaySnapshots:
                 return None
             return target
 
-        segments = sorted(n for n in os.listdir(layout.message_log_dir(self.data_dir)))
-        segments = [n for n in segments if is_segment_name(n)]
         meta_path, replay_path = link(META), link(REPLAY)
         if meta_path is None or replay_path is None:
             raise SnapshotError(f"{self.data_dir} has no replay checkpoint yet: no snapshot")
@@ -140,8 +139,11 @@ class DelaySnapshots:
         assert replay_bytes is not None
         checkpoint = decode_replay_checkpoint(replay_bytes, replay_path)
         position = checkpoint.position
+        # Listed after the checkpoint was read: the segment holding P exists by then.
+        names = sorted(os.listdir(layout.message_log_dir(self.data_dir)))
         files: list[SnapshotFile] = []
-        for name in segments:
+        start = end = None
+        for name in filter(is_segment_name, names):
             base = int(name)
             if base > position:
                 break
@@ -150,11 +152,12 @@ class DelaySnapshots:
                 if files:
                     return None, {}  # deleted past the first one linked: list again
                 continue  # deleted below: the log begins later
-            size = min(os.path.getsize(path), position - base)
+            start = base if start is None else start
+            end = base + os.path.getsize(path)
+            size = min(end, position) - base
             files.append(SnapshotFile(f"{layout.MESSAGE_LOG}/{name}", size, path))
-        if not files or int(files[0].name.rsplit("/", 1)[1]) > position:
-            return None, {}
-        start = int(files[0].name.rsplit("/", 1)[1])
+        if start is None or end is None or end < position:
+            return None, {}  # retention passed P meanwhile: a newer checkpoint covers it
         schedule_dir = layout.schedule_log_dir(self.data_dir)
         for bucket in bucket_starts(os.listdir(schedule_dir)):
             name = f"{layout.SCHEDULE_LOG}/{bucket_name(bucket)}"
