@@ -334,3 +334,11 @@ def test_chunks_out_of_place_and_files_cut_short_are_refused(tmp_path: Path) -> 
         receiver.finish()
     receiver.close()
     assert read_manifest(str(tmp_path / "in")) is None  # nothing whole to install
+
+
+def test_a_received_snapshot_that_cannot_be_installed_says_what_to_do(tmp_path: Path) -> None:
+    receiver = SnapshotReceiver(layout.received_snapshot_dir(str(tmp_path)))
+    receiver.begin({"format": 1, "files": [{"name": "schedule_log/x", "size": 0}], "meta": {}})
+    receiver.finish()
+    with pytest.raises(SnapshotError, match=r"holds no replay checkpoint\): remove the directory"):
+        install_received_snapshot(str(tmp_path))

@@ -202,15 +202,22 @@ def install_received_snapshot(data_dir: str, fs: FileSystem = REAL_FS) -> dict |
     directory = layout.received_snapshot_dir(data_dir)
     if discard_partial(directory, fs):
         log.warning("%s: removed a snapshot cut short (the leader sends it again)", directory)
-    manifest = read_manifest(directory, fs)
-    if manifest is None:
-        return None
-    files = manifest_files(manifest)
+    try:
+        manifest = read_manifest(directory, fs)
+        if manifest is None:
+            return None
+        files = manifest_files(manifest)
+        replay = [i for i, file in enumerate(files) if file.name == REPLAY]
+        if len(replay) != 1 or META not in {file.name for file in files}:
+            raise SnapshotError("it holds no replay checkpoint")
+    except SnapshotError as exc:
+        raise SnapshotError(
+            f"{directory} is not a snapshot this member can install ({exc}): remove the "
+            "directory, and the member starts from what it held before (its leader sends "
+            "it a snapshot again)"
+        ) from None
     delay = layout.delay_dir(data_dir)
     names = {file.name for file in files}
-    replay = [i for i, file in enumerate(files) if file.name == REPLAY]
-    if len(replay) != 1 or META not in names:
-        raise SnapshotError(f"{directory}: the snapshot holds no replay checkpoint")
     if fs.exists(received_file(directory, replay[0])):
         # The old checkpoint first: until the new one is in place no start resumes.
         _remove(fs, layout.replay_checkpoint_path(data_dir))
