@@ -19,6 +19,7 @@ from delayd.logs import layout
 from tests.delivery_support import consume, now_ms
 from tests.etcd_support import EtcdServer
 from tests.fault_checker import History, check
+from tests.intake_support import ServeProcess
 from tests.test_cluster_replication import in_sync_pair, member
 from tests.test_cluster_roles import LEASE_TTL_MS, Group, addr, member_id, state, wait_until
 
@@ -80,7 +81,7 @@ def test_the_follower_deletes_message_log_in_step_with_its_leader(
         group.close()
 
 
-DELAY_MS = 9_000  # due after the wipe, the snapshot and the failover
+DELAY_MS = 8_000  # due after the wipe, the snapshot and the failover
 
 
 def send_checked(address: str, history: History, prefix: str, count: int) -> None:
@@ -97,6 +98,18 @@ def send_checked(address: str, history: History, prefix: str, count: int) -> Non
                 history.cancel(message_id, "CANCELLED")
 
 
+def installed_snapshots(group: Group, process: ServeProcess) -> float | None:
+    """The member's count of installed snapshots, from the metrics address it
+    registered (the start after an install bound new ports)."""
+    members = state(group.etcd_url, group.name).members
+    mine = [m for m in members if m.member_id == member_id(process)]
+    if not mine or not mine[0].metrics:
+        return None
+    host, port = mine[0].metrics.rsplit(":", 1)
+    process.metrics_address = (host, int(port))
+    return process.metrics().get('delayd_replication_snapshots_total{outcome="installed"}')
+
+
 def test_a_wiped_member_is_brought_back_by_a_snapshot_and_leads(
     tmp_path: Path, etcd_server: EtcdServer
 ):
@@ -110,19 +123,20 @@ def test_a_wiped_member_is_brought_back_by_a_snapshot_and_leads(
     try:
         a, b = in_sync_pair(group)
         history = History()
-        send_checked(addr(a.address), history, "m", 150)
+        send_checked(addr(a.address), history, "m", 100)
         wait_until(lambda: min(segments(a.data_dir)) > 0, 20, "the leader deletes segments")
         b.kill()
         shutil.rmtree(b.data_dir)
         assert b.address is not None
         b = member(group, b.data_dir, "--listen", addr(b.address), env=retention_env()).start()
-        installed = lambda: "snapshot installed, starting again" in b.log_path.read_text()  # noqa: E731
+        installed = lambda: "installed a snapshot of the leader" in b.log_path.read_text()  # noqa: E731
         wait_until(installed, 20, "the wiped member installs a snapshot of the leader's state")
         assert "snapshot sent to member" in a.log_path.read_text()
         assert a.metrics()['delayd_replication_snapshots_total{outcome="sent"}'] >= 1
+        wait_until(lambda: installed_snapshots(group, b) == 1, 10, "b counts the install")
         assert min(segments(b.data_dir)) > 0  # it begins where the leader's copy did
         # Acknowledged under ack = sync: b holds them, and everything before, durable.
-        send_checked(addr(a.address), history, "n", 20)
+        send_checked(addr(a.address), history, "n", 10)
         both = {member_id(a), member_id(b)}
         assert state(group.etcd_url, group.name).in_sync == both
 

@@ -73,9 +73,10 @@ TAKE_ATTEMPTS = 3  # retention may delete the segment holding P between listing 
 
 class SnapshotReceived(RebuildNeeded):
     """A whole snapshot of the leader's state arrived: ``delayd serve`` stops the
-    server and starts again, installing it first (``rebuild``; every start would)."""
+    server and starts again; the start installs it (``DelayServer.open``, as every
+    start installs a whole snapshot it finds), and counts it."""
 
-    after = "snapshot installed, starting again (the replayer resumes at its checkpoint)"
+    after = "starting again from it (installed first; the replayer resumes at its checkpoint)"
 
     def __init__(self, data_dir: str, manifest: dict) -> None:
         self.data_dir = data_dir
@@ -88,7 +89,7 @@ class SnapshotReceived(RebuildNeeded):
         )
 
     def rebuild(self, *, fs: FileSystem = REAL_FS, segment_size: int = 0) -> None:
-        install_received_snapshot(self.data_dir, fs)
+        """Nothing before the start: the start installs the snapshot."""
 
 
 class DelaySnapshots:
