@@ -50,6 +50,7 @@ UNITS = {
     "revision",
     "elections",
     "members",
+    "snapshots",
 }
 # 0/1 gauges: a flag has no unit, as Prometheus's own ``up``.
 FLAGS = {"delayd_intake_id_filter_warm"}

@@ -17,6 +17,9 @@ from delayd.replication.wire import (
     Follow,
     Records,
     Retained,
+    Snapshot,
+    SnapshotChunk,
+    SnapshotEnd,
     TruncateTo,
     WireDecoder,
     WireError,
@@ -33,6 +36,10 @@ EVENTS = [
     Durable({"message_log": 400, "dispatch_log/202611221530": 82}),
     Fenced(11),
     Retained({"message_log": 4096}),
+    Snapshot(9, {"format": 1, "files": [{"name": "checkpoint/replay", "size": 33}], "meta": {}}),
+    SnapshotChunk(9, 0, 4096, b"y" * 100),
+    SnapshotChunk(9, 3, 0, b""),
+    SnapshotEnd(9),
 ]
 
 
@@ -63,6 +70,13 @@ def test_every_event_round_trips_whole_and_byte_by_byte() -> None:
         (encode_record(b"\x01\x00\x00", 5), "DURABLE frame is cut short"),
         (encode_record(b"\x00" * 9, 6), "FENCED frame has 1 trailing bytes"),
         (encode_record(b"", 77), "unknown replication frame type 77"),
+        (
+            encode_record(b'{"magic": "delayd-replication", "version": 2}', 2),
+            "FOLLOW of replication version 2; this member speaks version 3",
+        ),
+        (encode_record(b'{"epoch": 1, "manifest": []}', 8), "'manifest' must be a dict"),
+        (encode_record(b"\x01" * 12, 9), "SNAPSHOT_CHUNK frame is cut short"),
+        (encode_record(b"\x01" * 9, 10), "SNAPSHOT_END frame has 1 trailing bytes"),
     ],
 )
 def test_bad_frames_are_refused_with_a_reason(frame: bytes, message: str) -> None:

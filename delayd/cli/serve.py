@@ -195,17 +195,14 @@ async def _serve(data_dir: str, config: ServeConfig, tls: ServerTls | None) -> N
             return
         except* RebuildNeeded as cut:
             # A member of a group whose message_log the leader cut: what it derived
-            # goes, and a start derives it again from message_log.
+            # goes, and a start derives it again from message_log. Or one that
+            # received a snapshot of the leader's state: it is installed.
             rebuild: BaseException = cut
             while isinstance(rebuild, BaseExceptionGroup):
                 rebuild = rebuild.exceptions[0]
             assert isinstance(rebuild, RebuildNeeded)
             rebuild.rebuild(segment_size=config.message_log_segment_bytes)
-            log.warning(
-                "%s: derived state removed, message_log cut, starting again (message_log "
-                "is replayed from the start)",
-                rebuild,
-            )
+            log.warning("%s: %s", rebuild, rebuild.after)
 
 
 async def _serve_once(data_dir: str, config: ServeConfig, tls: ServerTls | None) -> None:

@@ -7,6 +7,8 @@
     <data>/delay/checkpoint/meta                     segment_scale the data was made with
     <data>/delay/checkpoint/replay                   the replayer's checkpoint
     <data>/delay/replication/epochs                  the member's epoch history
+    <data>/delay/snapshot/                           a snapshot received, until installed
+    <data>/delay/snapshots/<n>/                      a snapshot being sent (hard links)
 
 The server, ``delayd inspect`` and the audit take paths from here, never spell them.
 """
@@ -25,6 +27,8 @@ META_CHECKPOINT = "meta"
 REPLAY_CHECKPOINT = "replay"
 REPLICATION = "replication"
 EPOCH_HISTORY = "epochs"
+RECEIVED_SNAPSHOT = "snapshot"
+OUTGOING_SNAPSHOTS = "snapshots"
 
 
 def delay_dir(data_dir: str) -> str:
@@ -61,3 +65,11 @@ def replay_checkpoint_path(data_dir: str) -> str:
 
 def epoch_history_path(data_dir: str) -> str:
     return os.path.join(data_dir, DELAY, REPLICATION, EPOCH_HISTORY)
+
+
+def received_snapshot_dir(data_dir: str) -> str:
+    return os.path.join(data_dir, DELAY, RECEIVED_SNAPSHOT)
+
+
+def outgoing_snapshots_dir(data_dir: str) -> str:
+    return os.path.join(data_dir, DELAY, OUTGOING_SNAPSHOTS)

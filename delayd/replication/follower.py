@@ -13,13 +13,21 @@ leader answers TRUNCATE_TO; the follower
    rebuild what it derived from the cut records;
 3. begins the leader's epoch in its history with its ends after the cut, when newer;
 
-then appends every RECORDS frame raw at the offset it names (the storage checks every
+then (unless it lacks records retention deleted: a snapshot, below) appends every
+RECORDS frame raw at the offset it names (the storage checks every
 CRC and that the offset is the stream's end, so a copy is byte-identical or refused),
 makes them durable in group commits (one flush in a worker thread covers every record
 that arrived meanwhile), reports DURABLE after each and then awaits
 ``on_durable(flushed)``, where the server derives what it derives from the new durable
 records (as a restart's recovery would). A broken connection, a refused
 frame or a stale leader ends the session; ``run`` reconnects with exponential backoff.
+
+A follower whose streams end below where the leader's begin (RETAINED says so) cannot
+catch up by copying. Without a ``snapshots`` receiver it refuses to go on
+(FollowRefused); with one it waits for the leader's SNAPSHOT, writes its files
+(``SnapshotReceiver``: all or nothing, durably), then awaits ``on_snapshot(manifest)``,
+where the server installs it (a delay member stops and starts again from it), and the
+session ends.
 
 With a ``ClientTls`` the follower connects over TLS: it verifies the leader's
 certificate and, for mutual TLS, presents its own. A refused handshake (either side's
@@ -42,6 +50,7 @@ from delayd.errors import ConnectionClosedError, DelaydError
 from delayd.replication import wire
 from delayd.replication.connection import receive_event
 from delayd.replication.epochs import EpochHistory
+from delayd.replication.snapshot import SnapshotError, SnapshotReceiver
 from delayd.replication.streams import Stream, StreamSet
 from delayd.tls import ClientTls, ServerTlsConfig, TlsError, handshake_failure
 from storage.errors import RawAppendRefused
@@ -58,6 +67,7 @@ FAILURE_REASONS = ("tls", "refused", "network", "protocol")
 OnTruncated = Callable[[str, int], Awaitable[object]]
 OnDurable = Callable[[dict[str, int]], Awaitable[object]]
 OnRetained = Callable[[dict[str, int]], Awaitable[object]]
+OnSnapshot = Callable[[dict], Awaitable[object]]
 
 
 def member_client_tls(config: ServerTlsConfig) -> ClientTls:
@@ -91,6 +101,9 @@ class Follower:
         min_backoff_ms: int = MIN_BACKOFF_MS,
         max_backoff_ms: int = MAX_BACKOFF_MS,
         tls: ClientTls | None = None,
+        snapshots: SnapshotReceiver | None = None,
+        on_snapshot: OnSnapshot | None = None,
+        snapshots_installed: int = 0,
     ) -> None:
         self.streams = streams
         self.history = history
@@ -112,6 +125,11 @@ class Follower:
         self.connections = 0  # attempts to connect to the leader
         self.failures = dict.fromkeys(FAILURE_REASONS, 0)  # sessions ended by an error
         self.received_bytes = 0  # record bytes copied from the leader
+        self.snapshots = snapshots
+        self.on_snapshot = on_snapshot
+        self.snapshots_received = 0  # whole and durable, handed to on_snapshot
+        self.snapshots_installed = snapshots_installed  # as the server says (metrics)
+        self._lacking = False  # RETAINED said this member lacks deleted records
         self._appended = trio.Event()
         self._dirty: dict[str, Stream] = {}
 
@@ -260,6 +278,7 @@ class Follower:
                     await self.on_truncated(name, offset)
 
     async def _copy(self, stream: trio.abc.Stream, decoder: wire.WireDecoder, epoch: int) -> None:
+        self._lacking = False
         while True:
             event = await receive_event(stream, decoder)
             if event is None:
@@ -269,6 +288,9 @@ class Follower:
             if isinstance(event, wire.Retained):
                 await self._retained(event.starts)
                 continue
+            if isinstance(event, wire.Snapshot) and self._lacking:
+                await self._receive_snapshot(stream, decoder, event, epoch)
+                return
             if not isinstance(event, wire.Records):
                 raise FollowRefused(f"the leader sent {type(event).__name__} after TRUNCATE_TO")
             if event.epoch != epoch:
@@ -299,6 +321,16 @@ class Follower:
             end = 0 if held is None else held.end_offset
             if end < start:
                 lacking.append(f"{name} ends at {end} here, the leader's begins at {start}")
+        if lacking and self.snapshots is not None:
+            log.warning(
+                "member %s of group %s lacks records the leader deleted (%s): waiting for "
+                "a snapshot of the leader's state",
+                self.member,
+                self.group,
+                "; ".join(lacking),
+            )
+            self._lacking = True
+            return
         if lacking:
             host, port = self.leader
             raise FollowRefused(
@@ -308,6 +340,61 @@ class Follower:
             )
         if self.on_retained is not None:
             await self.on_retained(starts)
+
+    async def _receive_snapshot(
+        self,
+        stream: trio.abc.Stream,
+        decoder: wire.WireDecoder,
+        begin: wire.Snapshot,
+        epoch: int,
+    ) -> None:
+        """Write the snapshot ``begin`` announces, chunk by chunk, until SNAPSHOT_END;
+        then it is whole and durable and ``on_snapshot`` installs it. Any other frame,
+        or a chunk out of place, ends the session (what was written is discarded by
+        the next snapshot or the next start)."""
+        receiver = self.snapshots
+        assert receiver is not None
+        started = trio.current_time()
+        try:
+            await trio.to_thread.run_sync(receiver.begin, begin.manifest)
+            files, size = len(receiver.files), sum(f.size for f in receiver.files)
+            log.info(
+                "member %s of group %s: receiving a snapshot: %d file(s), %d bytes",
+                self.member,
+                self.group,
+                files,
+                size,
+            )
+            while True:
+                event = await receive_event(stream, decoder)
+                if event is None:
+                    raise ConnectionClosedError("the leader hung up in the middle of a snapshot")
+                if isinstance(event, wire.SnapshotEnd | wire.SnapshotChunk) and (
+                    event.epoch != epoch
+                ):
+                    raise FollowRefused(f"a snapshot frame of epoch {event.epoch}, not {epoch}")
+                if isinstance(event, wire.SnapshotEnd):
+                    break
+                if not isinstance(event, wire.SnapshotChunk):
+                    raise FollowRefused(f"the leader sent {type(event).__name__} in a snapshot")
+                await trio.to_thread.run_sync(receiver.write, event.file, event.offset, event.data)
+                self.received_bytes += len(event.data)
+            manifest = await trio.to_thread.run_sync(receiver.finish)
+        except SnapshotError as exc:
+            raise FollowRefused(f"snapshot refused: {exc}") from exc
+        finally:
+            receiver.close()
+        self.snapshots_received += 1
+        log.info(
+            "member %s of group %s: snapshot received: %d file(s), %d bytes in %.2f s",
+            self.member,
+            self.group,
+            files,
+            size,
+            trio.current_time() - started,
+        )
+        if self.on_snapshot is not None:
+            await self.on_snapshot(manifest)
 
     async def _commit(self, stream: trio.abc.Stream) -> None:
         """Group commit: flush every stream that grew since the last flush, in a worker

@@ -17,6 +17,12 @@ longer campaign. If the hook raises, ``run`` raises it: a leader that cannot kee
 group's record of the set true must stop. With ``ack = "leader"`` it returns at once;
 ``lag()`` is what a failover could lose.
 
+A follower whose streams end below where the leader's begin (retention deleted the
+records between) cannot catch up by copying: with a ``SnapshotSource`` the leader sends
+it a snapshot instead (SNAPSHOT, SNAPSHOT_CHUNK..., SNAPSHOT_END; delayd.replication.
+snapshot), waits for it to close the connection, and the follower installs it and
+follows again from there; without one it is refused, and said so.
+
 A leader that meets a newer epoch (a follower that followed one, or says FENCED) stops:
 every waiter gets LeaderFenced, and ``run`` returns.
 
@@ -40,6 +46,7 @@ from delayd.replication.connection import receive_event
 from delayd.replication.epochs import EpochHistory
 from delayd.replication.in_sync import InSyncTracker
 from delayd.replication.lag import GrowthClock, RecordCounter
+from delayd.replication.snapshot import Snapshot, SnapshotError, SnapshotSource, read_chunk
 from delayd.replication.streams import StreamSet
 from delayd.serving.listeners import bound_addresses, open_listeners
 from delayd.serving.tls import ServerTls
@@ -53,6 +60,7 @@ DEFAULT_MIN_IN_SYNC = 1
 CHUNK_BYTES = 1 << 20  # raw bytes per RECORDS frame (one record may exceed it)
 LACKING_LOG_INTERVAL_MS = 60_000  # a follower that lacks deleted records is said this often
 FOLLOW_TIMEOUT_S = 10.0  # a connection must end its TLS handshake, then say FOLLOW, within this
+SNAPSHOT_CLOSE_TIMEOUT_S = 60.0  # a follower has this long to install a snapshot and hang up
 
 OnInSyncChange = Callable[[frozenset[str]], Awaitable[object]]
 
@@ -101,6 +109,7 @@ class Leader:
         on_in_sync_change: OnInSyncChange | None = None,
         chunk_bytes: int = CHUNK_BYTES,
         tls: ServerTls | None = None,
+        snapshots: SnapshotSource | None = None,
     ) -> None:
         if ack not in (ACK_SYNC, ACK_LEADER):
             raise ValueError(f"ack must be {ACK_SYNC!r} or {ACK_LEADER!r}, got {ack!r}")
@@ -112,6 +121,8 @@ class Leader:
         self.on_in_sync_change = on_in_sync_change
         self.chunk_bytes = chunk_bytes
         self.tls = tls
+        self.snapshots = snapshots  # None: a follower that lacks deleted records is refused
+        self.snapshots_sent = 0
         self.tracker = InSyncTracker(replica_lag_ms, min_in_sync, streams.ends())
         self._initial_in_sync = in_sync
         self.addresses: list[tuple[str, int]] = []
@@ -445,7 +456,9 @@ class Leader:
         starts = self.streams.starts()
         await stream.send_all(wire.encode(wire.Retained(starts)))
         if self._lacks_deleted(follow.member, positions, starts):
-            return  # the follower refuses to go on when it reads RETAINED
+            if self.snapshots is not None:
+                await self._send_snapshot(stream, decoder, follow.member)
+            return  # without a snapshot the follower refuses to go on at RETAINED
         self.lacking.pop(follow.member, None)
         self.tracker.follower_reset(follow.member, positions)
         self._wake()
@@ -456,6 +469,9 @@ class Leader:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._receive_reports, stream, decoder, follow.member)
                     await self._send_records(stream, positions, follow.member)
+                    # It lacks records deleted meanwhile: the session ends, and the
+                    # follower's next FOLLOW gets a snapshot (or is refused).
+                    nursery.cancel_scope.cancel()
             finally:
                 if self._connections.get(follow.member) is scope:
                     del self._connections[follow.member]
@@ -510,15 +526,70 @@ class Leader:
             log.warning(
                 "group %s: member %s cannot follow: %s; retention deleted the records "
                 "between here, so it cannot catch up by copying (docs/replication.md, "
-                '"Retention in a group")',
+                '"Retention in a group")%s',
                 self.group,
                 member,
                 ", ".join(
                     f"its {name} ends at {end}, this leader's begins at {starts[name]}"
                     for name, end in sorted(lacking.items())
                 ),
+                "" if self.snapshots is None else ": it gets a snapshot",
             )
         return True
+
+    async def _send_snapshot(
+        self, stream: trio.abc.Stream, decoder: wire.WireDecoder, member: str
+    ) -> None:
+        """Ship a snapshot to ``member`` (it lacks records retention deleted), then wait
+        until it hangs up: closing first would reset a connection whose DURABLE reports
+        are unread, and the follower could lose the end of the snapshot."""
+        assert self.snapshots is not None
+        started = trio.current_time()
+        try:
+            snapshot = await trio.to_thread.run_sync(self.snapshots.take)
+        except (SnapshotError, OSError) as exc:
+            log.warning("group %s: no snapshot for member %s: %s", self.group, member, exc)
+            return
+        try:
+            log.info(
+                "group %s: sending member %s a snapshot: %d file(s), %d bytes, %s",
+                self.group,
+                member,
+                len(snapshot.files),
+                snapshot.size,
+                snapshot.meta,
+            )
+            await stream.send_all(wire.encode(wire.Snapshot(self.epoch, snapshot.manifest())))
+            await self._send_snapshot_files(stream, snapshot)
+            await stream.send_all(wire.encode(wire.SnapshotEnd(self.epoch)))
+        except (SnapshotError, OSError) as exc:
+            log.warning("group %s: snapshot for member %s failed: %s", self.group, member, exc)
+            return
+        finally:
+            await trio.to_thread.run_sync(snapshot.release)
+        self.snapshots_sent += 1
+        log.info(
+            "group %s: snapshot sent to member %s: %d file(s), %d bytes in %.2f s",
+            self.group,
+            member,
+            len(snapshot.files),
+            snapshot.size,
+            trio.current_time() - started,
+        )
+        with trio.move_on_after(SNAPSHOT_CLOSE_TIMEOUT_S):
+            while await receive_event(stream, decoder) is not None:
+                pass
+
+    async def _send_snapshot_files(self, stream: trio.abc.Stream, snapshot: Snapshot) -> None:
+        for index, file in enumerate(snapshot.files):
+            offset = 0
+            while offset < file.size:
+                size = min(self.chunk_bytes, file.size - offset)
+                data = await trio.to_thread.run_sync(read_chunk, file.path, offset, size)
+                chunk = wire.SnapshotChunk(self.epoch, index, offset, data)
+                await stream.send_all(wire.encode(chunk))
+                offset += size
+                self.sent_bytes += size
 
     def _truncation(self, follow: wire.Follow) -> dict[str, int]:
         """Where each of the follower's streams must be cut back to (module docstring)."""

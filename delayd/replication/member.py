@@ -9,7 +9,8 @@ the leader changes) a ``Follower`` of the replication address in etcd's leader k
 and a broker group (delayd.server.broker_member) are this runner with their streams and
 hooks: subclasses override ``_before_leading``, ``_promoted``, ``_while_leading``,
 ``_demoted``, ``_following``, ``_truncating``, ``_truncated``, ``_retained`` and
-``_durable``.
+``_durable``, and, for a resync from a snapshot of the leader's state,
+``_snapshot_source``, ``_snapshot_receiver`` and ``_snapshot_received``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from delayd.errors import EtcdError
 from delayd.replication.epochs import EpochHistory
 from delayd.replication.follower import Follower, member_client_tls
 from delayd.replication.leader import Leader, LeaderFenced, LeaderStopped
+from delayd.replication.snapshot import SnapshotReceiver, SnapshotSource
 from delayd.replication.streams import StreamSet
 from delayd.serving.membership import Membership
 from delayd.serving.tls import ServerTls
@@ -58,6 +60,7 @@ class MemberReplication:
         self.tls = tls
         self.leader: Leader | None = None
         self.follower: Follower | None = None
+        self.snapshots_installed = 0  # by the server at its start (metrics)
         # The group's acknowledged offsets as the leaders this member followed told it
         # (never lowered: what the group acknowledged is never cut).
         self.told_acked: dict[str, int] = {}
@@ -75,6 +78,18 @@ class MemberReplication:
 
     def _before_leading(self) -> None:
         """Before the Leader reads the streams' ends (a promotion)."""
+
+    def _snapshot_source(self) -> SnapshotSource | None:
+        """What a Leader sends a follower that lacks records retention deleted; None:
+        such a follower is refused."""
+        return None
+
+    def _snapshot_receiver(self) -> SnapshotReceiver | None:
+        """Where a Follower writes a snapshot; None: it refuses to go on instead."""
+        return None
+
+    async def _snapshot_received(self, manifest: dict) -> None:
+        """A whole snapshot is durable in the receiver's directory: install it."""
 
     async def _promoted(self) -> None:
         """The member leads: what was copied is derived before requests are taken."""
@@ -192,6 +207,7 @@ class MemberReplication:
             in_sync=persisted - {me},
             on_in_sync_change=on_in_sync_change,
             tls=self.tls,
+            snapshots=self._snapshot_source(),
         )
         assert self._bound is not None, "a member of a group has a replication listener"
         host, port = self._bound
@@ -261,6 +277,9 @@ class MemberReplication:
             # A member follows with its own certificate, trusting the CA that signed
             # every member's (mutual TLS between members: docs/replication.md).
             tls=None if self.tls is None else member_client_tls(self.tls.config),
+            snapshots=self._snapshot_receiver(),
+            on_snapshot=self._snapshot_received,
+            snapshots_installed=self.snapshots_installed,
         )
         self.follower = follower
         log.info("group %s: following %s at epoch %s", self.config.group, address, epoch)

@@ -104,7 +104,8 @@ def leader_metrics(leader: Leader) -> Iterator[Metric]:
         GaugeMetricFamily,
         "delayd_replication_follower_deleted_lag_bytes",
         "Bytes a follower lacks that retention deleted on the leader: it cannot catch up "
-        "by copying (docs/replication.md, Retention in a group); no sample for the others.",
+        "by copying and is sent a snapshot (docs/replication.md, Resync from a snapshot); "
+        "no sample for the others.",
         "member",
         sorted(leader.deleted_lag().items()),
     )
@@ -129,6 +130,7 @@ def leader_metrics(leader: Leader) -> Iterator[Metric]:
         "Record bytes sent to followers.",
         value=leader.sent_bytes,
     )
+    yield snapshots_metric("sent", leader.snapshots_sent)
     yield CounterMetricFamily(
         "delayd_replication_handshake_failures_total",
         "TLS handshakes on the replication listener that failed (no, or an unknown, "
@@ -157,6 +159,7 @@ def follower_metrics(follower: Follower) -> Iterator[Metric]:
         "Record bytes copied from the leader.",
         value=follower.received_bytes,
     )
+    yield snapshots_metric("installed", follower.snapshots_installed)
     yield CounterMetricFamily(
         "delayd_replication_leader_connections_total",
         "Connections this follower opened to the leader (the first, then every reconnect).",
@@ -170,4 +173,15 @@ def follower_metrics(follower: Follower) -> Iterator[Metric]:
         "protocol (a bad frame).",
         "reason",
         ((reason, follower.failures[reason]) for reason in FAILURE_REASONS),
+    )
+
+
+def snapshots_metric(outcome: str, count: int) -> Metric:
+    return labelled(
+        CounterMetricFamily,
+        "delayd_replication_snapshots_total",
+        "Snapshots of a delay member's derived state, for a follower that lacked records "
+        "retention deleted: sent (leader) or installed at this server's start (follower).",
+        "outcome",
+        [(outcome, count)],
     )

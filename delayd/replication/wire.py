@@ -20,6 +20,12 @@ the frame type saying which event it is::
     RETAINED     7  leader -> follower: count:u16 (stream:str16 offset:u64)* — where
                     each listed stream now begins on the leader (retention deleted what
                     lay below); sent after TRUNCATE_TO and whenever it moves
+    SNAPSHOT     8  leader -> follower, instead of RECORDS to a follower that lacks
+                    records retention deleted: JSON {"epoch", "manifest": {"files":
+                    [{"name", "size"}], "meta": {...}}} — the files that follow
+    SNAPSHOT_CHUNK 9  leader -> follower: epoch:u64 file:u32 offset:u64 data:rest —
+                    bytes of the manifest's file number ``file`` from ``offset``
+    SNAPSHOT_END 10  leader -> follower: epoch:u64 — every file was sent
     str16 := length:u16 utf8:byte[length]
 
 All integers little-endian. A decoder that meets a bad frame raises WireError and is
@@ -37,7 +43,7 @@ from delayd.protocol.receive_buffer import ReceiveBuffer
 from storage.framing import HEADER, HEADER_SIZE, encode_record, record_crc
 
 MAGIC = "delayd-replication"
-VERSION = 2  # 2: RETAINED
+VERSION = 3  # 2: RETAINED; 3: SNAPSHOT
 DEFAULT_MAX_FRAME_SIZE = 64 << 20  # a chunk of records, or one record of up to a segment
 
 FOLLOW = 2
@@ -46,10 +52,14 @@ RECORDS = 4
 DURABLE = 5
 FENCED = 6
 RETAINED = 7
+SNAPSHOT = 8
+SNAPSHOT_CHUNK = 9
+SNAPSHOT_END = 10
 
 U16 = struct.Struct("<H")
 U64 = struct.Struct("<Q")
 RECORDS_HEAD = struct.Struct("<QQ")  # epoch, offset
+CHUNK_HEAD = struct.Struct("<QIQ")  # epoch, file, offset
 
 
 class WireError(RemoteProtocolError):
@@ -94,7 +104,36 @@ class Retained:
     starts: dict[str, int]
 
 
-Event = Follow | TruncateTo | Records | Durable | Fenced | Retained
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    epoch: int
+    manifest: dict  # {"files": [{"name", "size"}], "meta": {...}}: delayd.replication.snapshot
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotChunk:
+    epoch: int
+    file: int  # the file's place in the manifest's list
+    offset: int
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotEnd:
+    epoch: int
+
+
+Event = (
+    Follow
+    | TruncateTo
+    | Records
+    | Durable
+    | Fenced
+    | Retained
+    | Snapshot
+    | SnapshotChunk
+    | SnapshotEnd
+)
 
 
 def encode(event: Event) -> bytes:
@@ -108,6 +147,14 @@ def encode(event: Event) -> bytes:
         return encode_record(U64.pack(event.epoch), FENCED)
     if isinstance(event, Retained):
         return encode_record(_offsets(event.starts), RETAINED)
+    if isinstance(event, SnapshotChunk):
+        head = CHUNK_HEAD.pack(event.epoch, event.file, event.offset)
+        return encode_record(head + event.data, SNAPSHOT_CHUNK)
+    if isinstance(event, SnapshotEnd):
+        return encode_record(U64.pack(event.epoch), SNAPSHOT_END)
+    if isinstance(event, Snapshot):
+        body = {"epoch": event.epoch, "manifest": event.manifest}
+        return encode_record(json.dumps(body).encode(), SNAPSHOT)
     if isinstance(event, Follow):
         body = {
             "magic": MAGIC,
@@ -186,11 +233,19 @@ def decode_body(kind: int, body: bytes) -> Event:
         starts = reader.offsets()
         _no_trailing(reader)
         return Retained(starts)
+    if kind == SNAPSHOT_CHUNK:
+        reader = _Reader(body, "SNAPSHOT_CHUNK")
+        epoch, file, offset = CHUNK_HEAD.unpack(reader.take(CHUNK_HEAD.size))
+        return SnapshotChunk(epoch, file, offset, reader.rest())
+    if kind == SNAPSHOT_END:
+        return SnapshotEnd(_epoch_only(body, "SNAPSHOT_END"))
+    if kind == SNAPSHOT:
+        value = _json(body, "SNAPSHOT")
+        return Snapshot(
+            _field(value, "epoch", int, "SNAPSHOT"), _field(value, "manifest", dict, "SNAPSHOT")
+        )
     if kind == FENCED:
-        reader = _Reader(body, "FENCED")
-        epoch = reader.u64()
-        _no_trailing(reader)
-        return Fenced(epoch)
+        return Fenced(_epoch_only(body, "FENCED"))
     if kind == FOLLOW:
         value = _json(body, "FOLLOW")
         if value.get("magic") != MAGIC:
@@ -214,6 +269,14 @@ def decode_body(kind: int, body: bytes) -> Event:
             _field(value, "epoch", int, "TRUNCATE_TO"), _offset_map(value, "offsets", "TRUNCATE_TO")
         )
     raise WireError(f"unknown replication frame type {kind}")
+
+
+def _epoch_only(body: bytes, kind: str) -> int:
+    """The body of a frame that is an epoch and nothing else."""
+    reader = _Reader(body, kind)
+    epoch = reader.u64()
+    _no_trailing(reader)
+    return epoch
 
 
 def _no_trailing(reader: _Reader) -> None:

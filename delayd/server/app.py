@@ -50,6 +50,7 @@ from delayd.server.pending_metrics import PendingCollector, PendingTracker, chai
 from delayd.server.receiver import Receiver
 from delayd.server.retention import Retention, remove_orphans, trim_below_leader
 from delayd.server.retention_metrics import RetentionCollector
+from delayd.server.snapshot import install_received_snapshot
 from delayd.serving.connection_gate import ConnectionGate
 from delayd.serving.connection_metrics import register_connection_metrics
 from delayd.serving.listeners import bound_addresses
@@ -206,6 +207,7 @@ class DelayServer:
             # Follower mode until a promotion's take-over: replay decides nothing.
             delivery.derive_tombstones()
         self.replication: GroupReplication | None = None  # built in run (its listener)
+        self.snapshots_installed = 0  # at open: a snapshot of the leader's state (metrics)
         self.listener = IntakeListener(
             self._connection, ConnectionGate("intake", config.connection_limits), tls
         )
@@ -301,6 +303,8 @@ class DelayServer:
         """
         if tls is None and config.tls is not None:
             tls = ServerTls(config.tls)  # first: a bad file is reported before recovery
+        # A member that received a snapshot of its leader's state starts from it.
+        installed = install_received_snapshot(data_dir, fs)
         message_log = SegmentedLog.open(
             layout.message_log_dir(data_dir), fs=fs, segment_size=config.message_log_segment_bytes
         )
@@ -357,7 +361,9 @@ class DelayServer:
             replayer.close()
             message_log.close()
             raise
-        return cls(config, message_log, replayer, broker, delivery, tls)
+        server = cls(config, message_log, replayer, broker, delivery, tls)
+        server.snapshots_installed = int(installed is not None)
+        return server
 
     def _connection(self, stream: trio.abc.Stream) -> DelayConnection:
         return DelayConnection(
@@ -527,6 +533,7 @@ class DelayServer:
             # The embedded broker moves with its delay server: its store acks wait for
             # the group before the sender records a delivery.
             broker=ReplicatedBroker(self.broker),
+            snapshots_installed=self.snapshots_installed,
         )
         self.replication = replication
         if self.retention is not None:

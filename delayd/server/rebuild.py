@@ -26,6 +26,11 @@ class RebuildNeeded(DelaydError):
     serve`` stops the server, runs ``cut_message_log`` with nothing running, and starts
     again in the same process, replaying message_log from the start."""
 
+    after = (
+        "derived state removed, message_log cut, starting again (message_log is "
+        "replayed from the start)"
+    )
+
     def __init__(self, data_dir: str, offset: int) -> None:
         self.data_dir = data_dir
         self.offset = offset

@@ -12,7 +12,9 @@ LogWriter's fsyncs call ``grew``. The dispatch_log buckets a leader sends throug
 server's writer (``dispatch_files``, never past its durable end; its flushes call
 ``grew``); a follower copies into files of its own, closed again at a promotion so that
 the writer opens the copies: a promoted member does not deliver again what the old
-leader recorded delivered.
+leader recorded delivered. A follower that lacks records the leader's retention deleted
+is sent a snapshot of the leader's derived state (delayd.server.snapshot) and starts
+again from it.
 """
 
 from __future__ import annotations
@@ -23,14 +25,17 @@ from collections.abc import Awaitable, Callable, Iterable
 import trio
 
 from delayd.cluster.config import AckMode, ClusterConfig
+from delayd.logs import layout
 from delayd.logs.bucket_files import BucketFiles
 from delayd.logs.buckets import bucket_name
 from delayd.replay import Replayer
 from delayd.replication import MESSAGE_LOG, DelayStreams, EpochHistory, Leader, dispatch_stream
 from delayd.replication.member import MemberReplication
+from delayd.replication.snapshot import SnapshotReceiver, SnapshotSource
 from delayd.replication.streams import EMBEDDED_BROKER_PREFIX, JoinedStreams, StreamSet
 from delayd.server.broker_member import ReplicatedBroker
 from delayd.server.rebuild import RebuildNeeded
+from delayd.server.snapshot import DelaySnapshots, SnapshotReceived
 from delayd.serving.membership import Membership
 from delayd.serving.tls import ServerTls
 from storage.fs import REAL_FS, FileSystem
@@ -64,6 +69,7 @@ class GroupReplication(MemberReplication):
         dispatch_files: Callable[[], BucketFiles] | None = None,
         on_leader_retained: Callable[[int], Awaitable[object]] | None = None,
         broker: ReplicatedBroker | None = None,
+        snapshots_installed: int = 0,
     ) -> None:
         self.data_dir = data_dir
         self.on_promoted = on_promoted
@@ -99,6 +105,8 @@ class GroupReplication(MemberReplication):
         )
         if broker is not None:
             broker.join(self, EMBEDDED_BROKER_PREFIX)
+        self.snapshots_installed = snapshots_installed
+        self._snapshots: DelaySnapshots | None = None
 
     def stats(self) -> dict[str, int | str]:
         """STATS fields: how far the group acknowledged message_log and, on the
@@ -192,6 +200,18 @@ class GroupReplication(MemberReplication):
         self.delay_streams.share_dispatch(None)
         self.replayer.poll_interval_s = FOLLOWER_POLL_S
         self.replayer.notify(0)  # it may be waiting for intake, with no deadline
+
+    def _snapshot_source(self) -> SnapshotSource | None:
+        if self._snapshots is None:
+            self._snapshots = DelaySnapshots(self.data_dir)
+        return self._snapshots
+
+    def _snapshot_receiver(self) -> SnapshotReceiver | None:
+        return SnapshotReceiver(layout.received_snapshot_dir(self.data_dir), self.fs)
+
+    async def _snapshot_received(self, manifest: dict) -> None:
+        """Installed with nothing running, as a cut is (``delayd serve`` catches it)."""
+        raise SnapshotReceived(self.data_dir, manifest)
 
     async def _retained(self, starts: dict[str, int]) -> None:
         if self.on_leader_retained is not None and MESSAGE_LOG in starts:
