@@ -151,9 +151,108 @@ def test_a_member_that_cannot_confirm_lets_go_at_once():
     assert groups.in_handover("g", "s") == {}
 
 
+def promoted_with(groups: GroupRegistry, now_ms: int) -> None:
+    """The broker begins to lead with committed offsets of consumer group g on s."""
+    groups.promoted({("g", "s")}, now_ms)
+
+
+def test_after_a_promotion_a_rejoining_holder_gets_the_queues_it_declares_back():
+    groups = GroupRegistry(timeout_ms=1000)
+    groups.join("g", "s", "a", 4, "old-a", now_ms=0)
+    promoted_with(groups, now_ms=5000)
+    assert groups.members("g", "s") == []  # the members of the old leadership join again
+    # b comes back first: it had 2 and 3 in hand and gets them back; a's 0 and 1 are
+    # held for a, though b is their target now.
+    assert groups.join("g", "s", "b", 4, "conn-b", now_ms=5100, held=(2, 3)) == (
+        (0, 1, 2, 3),
+        True,
+    )
+    assert _serving(groups, "b") == {"b": (2, 3)}
+    assert groups.unclaimed("g", "s") == {0, 1}
+    groups.join("g", "s", "a", 4, "conn-a", now_ms=5300, held=(0, 1))
+    assert _serving(groups, "a", "b") == {"a": (0, 1), "b": (2, 3)}
+    assert groups.unclaimed("g", "s") == set()
+    assert (groups.claim_holds, groups.claim_hold_ms_total) == (4, 2 * 100 + 2 * 300)
+    assert groups.unclaimed_given == 0
+    assert groups.next_expiry_ms() == 5100 + 1000  # b's silence; no claim is awaited
+
+
+def test_a_queue_no_one_declares_is_held_until_the_heartbeat_timeout():
+    groups = GroupRegistry(timeout_ms=1000)
+    promoted_with(groups, now_ms=0)
+    groups.join("g", "s", "a", 4, "conn-a", now_ms=10, held=(0,))
+    groups.join("g", "s", "b", 4, "conn-b", now_ms=20)  # a new member: it holds nothing
+    assert _serving(groups, "a", "b") == {"a": (0,), "b": ()}
+    assert groups.next_expiry_ms() == 1000  # the claims end
+    groups.touch("g", "s", "a", "conn-a", now_ms=990)
+    groups.touch("g", "s", "b", "conn-b", now_ms=990)
+    assert groups.expire(now_ms=999) == set()
+    assert groups.expire(now_ms=1000) == {("g", "s")}
+    assert _serving(groups, "a", "b") == {"a": (0, 1), "b": (2, 3)}
+    assert groups.unclaimed_given == 3
+    assert (groups.claim_holds, groups.claim_hold_ms_total) == (4, 10 + 3 * 1000)
+    # Claims end with the period: who holds what is this broker's to know again; c's
+    # JOIN takes nothing from a, and 2 and 3 move to c once a let go of them.
+    groups.leave_connection("conn-b", now_ms=1100)
+    groups.join("g", "s", "c", 4, "conn-c", now_ms=1200, held=(0, 1))
+    assert _serving(groups, "a", "c") == {"a": (0, 1), "c": ()}
+    assert groups.in_handover("g", "s") == {2: 1200, 3: 1200}
+
+
+def test_a_group_without_committed_offsets_is_not_held_after_a_promotion():
+    groups = GroupRegistry(timeout_ms=1000)
+    promoted_with(groups, now_ms=0)
+    groups.join("new", "s", "a", 4, "conn-a", now_ms=10)
+    assert groups.serving("new", "s", "a") == (0, 1, 2, 3)
+    groups.promoted(set(), now_ms=20)
+    assert groups.next_expiry_ms() is None
+
+
+def test_a_queue_two_members_declare_is_served_once_all_but_one_let_go():
+    # a held queue 1; b's claim is stale (the old leader was handing it over to b, or
+    # had taken it from b): neither is served it until the one not its target lets go.
+    groups = GroupRegistry(timeout_ms=1000)
+    promoted_with(groups, now_ms=0)
+    groups.join("g", "s", "a", 2, "conn-a", now_ms=10, held=(0, 1))
+    assert _serving(groups, "a") == {"a": (0, 1)}
+    groups.join("g", "s", "b", 2, "conn-b", now_ms=20, held=(1,))
+    assert _serving(groups, "a", "b") == {"a": (0,), "b": ()}
+    assert groups.in_handover("g", "s") == {1: 20}
+    assert not groups.confirm("g", "s", "a", held=(0, 1), now_ms=30)  # b's target: kept
+    assert groups.confirm("g", "s", "a", held=(0,), now_ms=40)
+    assert _serving(groups, "a", "b") == {"a": (0,), "b": (1,)}  # b holds it alone
+    assert groups.in_handover("g", "s") == {}
+    # The other way round: the target lets go of nothing; the stale claimant is
+    # overruled after timeout_ms when it never lets go.
+    groups = GroupRegistry(timeout_ms=1000)
+    promoted_with(groups, now_ms=0)
+    groups.join("g", "s", "a", 2, "conn-a", now_ms=10, held=(1,))
+    groups.join("g", "s", "b", 2, "conn-b", now_ms=20, held=(1,))
+    assert _serving(groups, "a", "b") == {"a": (), "b": ()}
+    for now_ms in (500, 1000):
+        groups.touch("g", "s", "a", "conn-a", now_ms)
+        groups.touch("g", "s", "b", "conn-b", now_ms)
+    assert groups.expire(now_ms=1019) == {("g", "s")}  # the claims ended: queue 0 is a's
+    assert _serving(groups, "a", "b") == {"a": (0,), "b": ()}
+    groups.expire(now_ms=1020)
+    assert _serving(groups, "a", "b") == {"a": (0,), "b": (1,)}
+
+
+def test_a_claimant_that_leaves_lets_go_at_once():
+    groups = GroupRegistry(timeout_ms=1000)
+    promoted_with(groups, now_ms=0)
+    groups.join("g", "s", "a", 2, "conn-a", now_ms=10, held=(0, 1))
+    groups.join("g", "s", "b", 2, "conn-b", now_ms=20, held=(1,))
+    groups.leave_connection("conn-a", now_ms=30)
+    assert _serving(groups, "b") == {"b": (0, 1)}
+
+
 @given(
     st.lists(
-        st.tuples(st.sampled_from(["join", "leave", "confirm", "expire"]), st.sampled_from("abcd")),
+        st.tuples(
+            st.sampled_from(["join", "claim", "leave", "confirm", "expire", "promote"]),
+            st.sampled_from("abcd"),
+        ),
         max_size=30,
     )
 )
@@ -164,6 +263,11 @@ def test_no_queue_is_ever_read_by_two_members(steps):
         now_ms += 30
         if action == "join":
             groups.join("g", "s", member, 5, f"conn-{member}", now_ms)
+        elif action == "claim":
+            held = groups.assignment("g", "s", member) or (1, 2, 3)
+            groups.join("g", "s", member, 5, f"conn-{member}", now_ms, held=held)
+        elif action == "promote":
+            promoted_with(groups, now_ms)
         elif action == "leave":
             groups.leave_connection(f"conn-{member}", now_ms)
         elif action == "confirm":

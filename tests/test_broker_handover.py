@@ -115,3 +115,54 @@ async def test_a_leaving_owner_lets_go_and_a_revoked_queue_given_back_restarts(t
         broker.connection_closed("conn-a")  # a leaves while holding b's queues
         got = await pull_b(broker)
         assert {m.queue for m in got} == set(handed)  # all of them, at once
+
+
+async def failed_over(broker: Broker) -> None:
+    """The group fails over to this broker: it followed, and leads again (in process,
+    one broker stands in for the old leader and the new one: what it held in memory
+    is forgotten at the promotion, as a new leader never had it)."""
+    broker.follow()
+    broker.promote()
+
+
+async def test_a_promoted_broker_gives_each_queue_back_to_the_member_that_holds_it(tmp_path):
+    async with open_broker(str(tmp_path), CONFIG) as broker:
+        await broker.send_batch([Message(f"m-{i}", "orders") for i in range(40)])
+        for member in ("a", "b"):
+            broker.join("g", "orders", member, f"conn-{member}", broker.monotonic_ms())
+        a_queues = broker.heartbeat("g", "orders", "a", "conn-a", broker.monotonic_ms(), held=())
+        b_queues = broker.heartbeat("g", "orders", "b", "conn-b", broker.monotonic_ms(), held=())
+        in_hand = await broker.pull("orders", "g", "a", 100, 0, "conn-a")  # not committed
+        assert {m.queue for m in in_hand} == set(a_queues)
+        await failed_over(broker)
+        # b rejoins first: its queues come back to it, a's wait for a (b's PULL would
+        # otherwise read what a has in hand).
+        now = broker.monotonic_ms()
+        assert broker.join("g", "orders", "b", "conn-b2", now, held=b_queues) == tuple(range(4))
+        assert {m.queue for m in await broker.pull("orders", "g", "b", 100, 0, "conn-b2")} == set(
+            b_queues
+        )
+        broker.join("g", "orders", "a", "conn-a2", broker.monotonic_ms(), held=a_queues)
+        assert await broker.pull("orders", "g", "b", 100, 0, "conn-b2") == []
+        again = await broker.pull("orders", "g", "a", 100, 0, "conn-a2")
+        assert sorted(m.message_id for m in again) == sorted(m.message_id for m in in_hand)
+        stats = broker.stats()
+        assert stats["broker.promotion_held_queues_total"] == 4
+        assert stats["broker.promotion_held_queues"] == 0
+        assert stats["broker.promotion_unclaimed_queues_total"] == 0
+
+
+async def test_a_queue_nobody_claims_goes_out_after_the_heartbeat_timeout(tmp_path, clock):
+    async with open_broker(str(tmp_path), CONFIG) as broker:
+        await broker.send_batch([Message(f"m-{i}", "orders") for i in range(40)])
+        broker.join("g", "orders", "a", "conn-a", broker.monotonic_ms())
+        await failed_over(broker)
+        promoted_at = trio.current_time()
+        broker.join("g", "orders", "b", "conn-b", broker.monotonic_ms(), held=())
+        assert broker.stats()["broker.promotion_held_queues"] == 4
+        got = await pull_b(broker, wait_ms=30_000)  # woken when the claims end
+        assert 3.0 <= trio.current_time() - promoted_at < 3.1  # heartbeat_timeout_ms
+        assert {m.queue for m in got} == set(range(4))
+        stats = broker.stats()
+        assert stats["broker.promotion_unclaimed_queues_total"] == 4
+        assert stats["broker.promotion_held_ms_total"] == 4 * 3000

@@ -94,7 +94,7 @@ requests = st.one_of(
     st.builds(p.SendBatch, message_lists),
     st.builds(p.Pull, text, text, text, u32, u32),
     st.builds(p.CommitOffset, text, text, u32, u64),
-    st.builds(p.JoinGroup, text, text, text),
+    st.builds(p.JoinGroup, text, text, text, st.none() | queues),
     st.builds(p.Heartbeat, text, text, text, st.none() | queues),
     st.builds(p.Query, text, message_id=text),
     st.builds(p.Query, text, key=text),
@@ -594,7 +594,7 @@ def test_rejected_hello_reaches_the_client_as_a_closing_error():
     assert drain(client) == [ConnectionClosed()]
 
 
-@pytest.mark.parametrize("versions", [(3, 5), (0, 0), (3, 1), (3, 3)])
+@pytest.mark.parametrize("versions", [(4, 5), (0, 0), (3, 1), (4, 4)])
 def test_hello_without_a_common_version_is_rejected(versions):
     low, high = versions
     exc = reject_hello(Connection(SERVER), Hello(min_version=low, max_version=high, request_id=1))
@@ -945,11 +945,24 @@ def test_a_heartbeat_without_held_queues_is_the_version_1_body():
     assert [e.held for e in drain(server)] == [None, (0, 3)]
 
 
+def test_a_join_without_held_queues_is_the_version_1_body():
+    old = encode_event(p.JoinGroup("g", "s", "c", request_id=2))
+    new = encode_event(p.JoinGroup("g", "s", "c", (1,), request_id=3))
+    body = old[p.HEADER_SIZE :]
+    assert body == b"\x01\x00g\x01\x00s\x01\x00c"
+    assert new[p.HEADER_SIZE :] == body + b"\x01\x00" + b"\x01\x00\x00\x00"
+    server = Connection(SERVER)
+    server.receive_data(raw_request(Hello(request_id=1)))
+    server.next_event()
+    server.receive_data(old + new)
+    assert [e.held for e in drain(server)] == [None, (1,)]
+
+
 def test_worked_examples_in_docs_match_the_code():
     hello = encode_event(Hello(token="s3cret", client_name="cli", request_id=1))
     assert hello.hex(" ") == (
-        "44 4c 59 44 01 01 00 00 01 00 00 00 00 00 00 00 12 00 00 00 0b 43 e7 f6 "
-        "01 00 02 00 01 06 00 73 33 63 72 65 74 03 00 63 6c 69"
+        "44 4c 59 44 01 01 00 00 01 00 00 00 00 00 00 00 12 00 00 00 f5 4e eb 04 "
+        "01 00 03 00 01 06 00 73 33 63 72 65 74 03 00 63 6c 69"
     )
     batch = p.SendBatch([Message("m-1", "orders", body=b"hi", delay_ms=60000)], request_id=2)
     assert encode_event(batch).hex(" ") == (

@@ -196,12 +196,13 @@ async def test_a_follower_copies_the_commitlog_and_offsets_and_derives_the_rest(
         with pytest.raises(RejectedError, match="follows"):
             b.broker.commit("g1", SUBJECTS[0], 0, 1)
 
-        # Promotion: a consumer that rejoins resumes from the replicated offsets, and a
-        # producer's retry of a stored id is a duplicate.
+        # Promotion: a consumer that rejoins (saying it holds the queues it read from the
+        # old leader) resumes from the replicated offsets, and a producer's retry of a
+        # stored id is a duplicate.
         replica.promote()
         committed = {q: b.broker.offsets.get("g1", SUBJECTS[0], q) for q in range(3)}
         assert committed == {q: a.broker.offsets.get("g1", SUBJECTS[0], q) for q in range(3)}
-        b.broker.join("g1", SUBJECTS[0], "c9", "conn9", Broker.monotonic_ms())
+        b.broker.join("g1", SUBJECTS[0], "c9", "conn9", Broker.monotonic_ms(), held=(0, 1, 2))
         resumed = await b.broker.pull(SUBJECTS[0], "g1", "c9", 1000, 0, "conn9")
         first = {}
         for message in resumed:

@@ -295,9 +295,12 @@ class Broker:
     def promote(self) -> None:
         """Become the group's broker again (the leader's): everything replicated is
         derived, then sends and commits are accepted; consumers that rejoin start
-        from the replicated committed offsets. Call it once the follower stopped:
-        what it appended is made durable here first, so that every record before the
-        next append is in its queue (else new queue offsets would repeat its)."""
+        from the replicated committed offsets, and get back the queues they say they
+        hold (every queue of a consumer group waits for its holder's claim, or for
+        ``heartbeat_timeout_ms``: delayd.broker.groups). Call it once the follower
+        stopped: what it appended is made durable here first, so that every record
+        before the next append is in its queue (else new queue offsets would repeat
+        its)."""
         self.store.commitlog.flush()
         self.offsets.flush()
         self.store.drop_pending()  # a leader again: what the reput held is put now
@@ -306,6 +309,9 @@ class Broker:
         self.offsets.following = False
         self._cursors.clear()
         self.offsets.drop_superseded()
+        known = {(group, subject) for (group, subject, _), _ in self.offsets.items()}
+        self.groups.promoted(known, self.monotonic_ms())
+        self._membership_changed.set()  # the expiry task wakes when the claims end
 
     def apply_replicated(self) -> None:
         """Derive what the records replication made durable give (a follower, after
@@ -692,12 +698,14 @@ class Broker:
         now_ms: int,
         *,
         confirms: bool = True,
+        held: Sequence[int] = (),
     ) -> tuple[int, ...]:
         """JOIN_GROUP: the member's queues. A group seen for the first time gets its
         start offsets (earliest or latest, per config) committed now, so a restart does
         not move them. ``confirms=False`` for a member that never says which queues it
-        holds (the HTTP API's): its lost queues move at once. Raises RejectedError for
-        bad names."""
+        holds (the HTTP API's): its lost queues move at once. ``held``: the queues the
+        member still holds (protocol version 3), which it gets back after a promotion
+        (:meth:`promote`). Raises RejectedError for bad names."""
         self._refuse_if_following()
         _check_name("group", group)
         _check_subject(subject)
@@ -707,7 +715,7 @@ class Broker:
             if self.offsets.get(group, subject, queue) is None:
                 self.offsets.set(group, subject, queue, self._start_offset(subject, queue))
         queues, changed = self.groups.join(
-            group, subject, consumer_id, count, connection, now_ms, confirms=confirms
+            group, subject, consumer_id, count, connection, now_ms, confirms=confirms, held=held
         )
         self._membership_changed.set()
         if changed:
@@ -964,6 +972,10 @@ class Broker:
             "broker.rebalance_handovers_total": self.groups.handovers,
             "broker.rebalance_handover_ms_total": self.groups.handover_wait_ms_total,
             "broker.rebalance_handover_queues": self.groups.queues_in_handover(),
+            "broker.promotion_held_queues_total": self.groups.claim_holds,
+            "broker.promotion_held_ms_total": self.groups.claim_hold_ms_total,
+            "broker.promotion_unclaimed_queues_total": self.groups.unclaimed_given,
+            "broker.promotion_held_queues": self.groups.queues_unclaimed(),
         }
         for subject, queue in sorted(store.queues):
             out[f"queue_end_offset/{subject}/{queue}"] = store.queue_end(subject, queue)

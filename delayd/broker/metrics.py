@@ -118,6 +118,13 @@ class BrokerCollector(Collector):
             count_value=groups.handovers,
             sum_value=groups.handover_wait_ms_total / 1000,
         )
+        yield SummaryMetricFamily(
+            "delayd_broker_promotion_hold_seconds",
+            "How long the queues of consumer groups were held after this broker began to "
+            "lead its group, until their holder claimed them or nobody did in time.",
+            count_value=groups.claim_holds,
+            sum_value=groups.claim_hold_ms_total / 1000,
+        )
 
 
 async def collect_broker_metrics(

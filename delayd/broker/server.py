@@ -192,7 +192,8 @@ class BrokerConnection(ServerConnection[tuple[SendBatchResult, int]]):
                 await self._answer(CommitOffsetOk(request_id=rid))
         elif isinstance(event, JoinGroup):
             now = broker.monotonic_ms()
-            queues = broker.join(event.group, event.subject, event.consumer_id, self, now)
+            member = (event.group, event.subject, event.consumer_id)
+            queues = broker.join(*member, self, now, held=event.held or ())
             await self._answer(JoinGroupResult(queues, request_id=rid))
         elif isinstance(event, Heartbeat):
             now = broker.monotonic_ms()

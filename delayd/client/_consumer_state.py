@@ -50,8 +50,11 @@ class Subscription:
     group: str
     consumer_id: str
 
-    def join(self, request_id: int) -> JoinGroup:
-        return JoinGroup(self.group, self.subject, self.consumer_id, request_id=request_id)
+    def join(self, held: tuple[int, ...] | None, request_id: int) -> JoinGroup:
+        """JOIN_GROUP; ``held``: the queues still held (None to a broker before version
+        3), which a broker that has just begun to lead gives back."""
+        identity = (self.group, self.subject, self.consumer_id)
+        return JoinGroup(*identity, held, request_id=request_id)
 
     def heartbeat(self, held: tuple[int, ...] | None, request_id: int) -> Heartbeat:
         """HEARTBEAT; ``held``: the queues still held (None to a version-1 broker)."""
@@ -134,10 +137,11 @@ class ConsumerState:
         return queue in self._revoked
 
     def heartbeat_held(self) -> tuple[int, ...]:
-        """The queues to name in the next HEARTBEAT: the assignment, and every lost
-        queue of which a message was handed to the user and is not committed yet. The
-        lost queues it leaves out are let go with that HEARTBEAT: what a PULL brought
-        of them before they were taken away is dropped now."""
+        """The queues to name in the next HEARTBEAT, or in the JOIN_GROUP after a
+        reconnect: the assignment, and every lost queue of which a message was handed
+        to the user and is not committed yet. The lost queues it leaves out are let go
+        with that request: what a PULL brought of them before they were taken away is
+        dropped now."""
         unfinished = {
             q for q in self._revoked if self._handed.get(q, 0) > self._committed.get(q, 0)
         }

@@ -53,6 +53,7 @@ from delayd.errors import (
 from delayd.group_address import parse_group_address
 from delayd.protocol import (
     HELD_QUEUES_VERSION,
+    JOIN_HELD_VERSION,
     CommitOffset,
     ErrorCode,
     HeartbeatResult,
@@ -103,6 +104,7 @@ class AsyncConsumer(ReceivingIterator):
         self._committing = False  # a _commit_in_background task is running
         self._prefetch_low = max_messages // 2  # pull ahead below this many buffered
         self._arrived = anyio.Event()
+        self._heartbeat_now = anyio.Event()  # a JOIN's answer took declared queues away
         self._pull_error: DelaydError | None = None
         self._busy_backoff = Backoff(initial_s=0.01, max_s=1.0)
         self._closed = False
@@ -263,8 +265,12 @@ class AsyncConsumer(ReceivingIterator):
                 link = await self._session.link()
                 if link is self._joined:
                     return link
+                held: tuple[int, ...] | None = None
+                if link.protocol_version >= JOIN_HELD_VERSION:
+                    # A broker that has just begun to lead gives these back.
+                    held = self._state.heartbeat_held()
                 try:
-                    result = await link.request(self.subscription.join)
+                    result = await link.request(partial(self.subscription.join, held))
                 except ConnectionClosedError as exc:
                     self._session.lost(link, exc)
                     continue
@@ -277,6 +283,8 @@ class AsyncConsumer(ReceivingIterator):
                     continue
                 assert isinstance(result, JoinGroupResult)
                 self._state.set_assignment(result.queues)
+                if held and not set(held) <= set(result.queues):
+                    self._heartbeat_now.set()  # let go of them as soon as nothing is held
                 self._joined = link
                 self._joins += 1
                 return link
@@ -331,7 +339,11 @@ class AsyncConsumer(ReceivingIterator):
         ``heartbeat_interval_s``: the queue's new owner waits for it)."""
         letting_go = False
         while True:
-            await anyio.sleep(HANDOVER_HEARTBEAT_S if letting_go else self.heartbeat_interval_s)
+            with anyio.move_on_after(
+                HANDOVER_HEARTBEAT_S if letting_go else self.heartbeat_interval_s
+            ):
+                await self._heartbeat_now.wait()
+            self._heartbeat_now = anyio.Event()
             letting_go = False
             link = self._joined
             if link is None or link.closed:

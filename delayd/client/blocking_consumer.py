@@ -42,6 +42,7 @@ from delayd.errors import (
 from delayd.group_address import parse_group_address
 from delayd.protocol import (
     HELD_QUEUES_VERSION,
+    JOIN_HELD_VERSION,
     CommitOffset,
     CommitOffsetOk,
     ErrorCode,
@@ -116,6 +117,7 @@ class Consumer(BlockingClient):
         self._joined: BlockingLink | None = None  # the link this consumer is a member on
         self._joins = 0  # JOINs done so far
         self._last_heartbeat = 0.0  # monotonic time of the last HEARTBEAT
+        self._letting_go = False  # a lost queue is held: heartbeat every 0.1 s
         self._stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
 
@@ -261,9 +263,13 @@ class Consumer(BlockingClient):
             link = self._session.link(deadline)
             if link is self._joined:
                 return link
+            held: tuple[int, ...] | None = None
+            if link.protocol_version >= JOIN_HELD_VERSION:
+                held = self._state.heartbeat_held()  # a broker just leading gives them back
             try:
                 result = link.request(
-                    self.subscription.join, min(deadline, time.monotonic() + self.timeout_s)
+                    partial(self.subscription.join, held),
+                    min(deadline, time.monotonic() + self.timeout_s),
                 )
             except (ConnectionClosedError, DelaydTimeout) as exc:
                 self._session.lost(exc)
@@ -284,6 +290,8 @@ class Consumer(BlockingClient):
                 continue
             assert isinstance(result, JoinGroupResult)
             self._state.set_assignment(result.queues)
+            if held and not set(held) <= set(result.queues):
+                self._letting_go = True  # the heartbeat thread lets go of them soon
             self._joined = link
             self._joins += 1
             self._start_heartbeats()
@@ -359,17 +367,16 @@ class Consumer(BlockingClient):
         membership alive but does not say which queues are held, so a busy consumer
         heartbeats too — and sooner while a lost queue is held (its new owner waits)."""
         interval = self.heartbeat_interval_s
-        letting_go = False
-        while not self._stop.wait(HANDOVER_HEARTBEAT_S if letting_go else interval / 3):
+        while not self._stop.wait(HANDOVER_HEARTBEAT_S if self._letting_go else interval / 3):
             with self._lock:
                 if self._closed:
                     return
                 link = self._joined
                 since = time.monotonic() - self._last_heartbeat
-                if link is None or link.closed or (since < interval and not letting_go):
+                if link is None or link.closed or (since < interval and not self._letting_go):
                     continue
                 self._last_heartbeat = time.monotonic()
-                letting_go = False
+                self._letting_go = False
                 deadline = time.monotonic() + self.timeout_s
                 try:
                     if self._state.letting_go():
@@ -387,7 +394,7 @@ class Consumer(BlockingClient):
                     continue
                 assert isinstance(result, HeartbeatResult)
                 self._state.set_assignment(result.queues)
-                letting_go = held is not None and not set(held) <= set(result.queues)
+                self._letting_go = held is not None and not set(held) <= set(result.queues)
 
 
 def _names_every_group(addr: str) -> bool:

@@ -37,6 +37,7 @@ from delayd.protocol.connection import (
 )
 from delayd.protocol.events import (
     HELD_QUEUES_VERSION,
+    JOIN_HELD_VERSION,
     MAX_SUBJECT_LENGTH,
     MIN_PROTOCOL_VERSION,
     PROTOCOL_VERSION,
@@ -92,6 +93,7 @@ __all__ = [
     "HEADER",
     "HEADER_SIZE",
     "HELD_QUEUES_VERSION",
+    "JOIN_HELD_VERSION",
     "MAGIC",
     "MAX_SUBJECT_LENGTH",
     "MIN_PROTOCOL_VERSION",

@@ -183,11 +183,11 @@ def _enc_membership(out: bytearray, e: ev.JoinGroup | ev.Heartbeat) -> None:
     put_str(out, e.consumer_id, "consumer_id")
 
 
-def _enc_heartbeat(out: bytearray, e: ev.Heartbeat) -> None:
+def _enc_holding(out: bytearray, e: ev.JoinGroup | ev.Heartbeat) -> None:
     _enc_membership(out, e)
     if e.held is not None:
-        # Optional trailing list (version 2): a version-1 heartbeat stays byte for byte
-        # what brokers before it understand.
+        # Optional trailing list (HEARTBEAT version 2, JOIN_GROUP version 3): without it
+        # the request stays byte for byte what brokers before it understand.
         _put_queues(out, e.held)
 
 
@@ -276,9 +276,9 @@ _ENCODERS: dict[type[Event], Callable[[bytearray, Event], None]] = {
     ev.PullResult: _enc_messages_response,
     ev.CommitOffset: _enc_commit_offset,
     ev.CommitOffsetOk: _enc_empty,
-    ev.JoinGroup: _enc_membership,
+    ev.JoinGroup: _enc_holding,
     ev.JoinGroupResult: _enc_assignment,
-    ev.Heartbeat: _enc_heartbeat,
+    ev.Heartbeat: _enc_holding,
     ev.HeartbeatResult: _enc_assignment,
     ev.Query: _enc_query,
     ev.QueryResult: _enc_messages_response,
@@ -469,7 +469,9 @@ def _dec_commit_offset_ok(r: BodyReader) -> ev.CommitOffsetOk:
 
 def _dec_join_group(r: BodyReader) -> ev.JoinGroup:
     group, subject = r.text("group"), r.text("subject")
-    return ev.JoinGroup(group, subject, r.text("consumer_id"), request_id=r.request_id)
+    consumer_id = r.text("consumer_id")
+    held = _get_queues(r) if r.pos < r.end else None
+    return ev.JoinGroup(group, subject, consumer_id, held, request_id=r.request_id)
 
 
 def _dec_join_group_result(r: BodyReader) -> ev.JoinGroupResult:

@@ -19,10 +19,14 @@ from delayd.protocol.frames import DEFAULT_MAX_FRAME_SIZE
 # [min_version, max_version], the server picks the highest version both speak.
 # Version 2: HEARTBEAT may end with the queues the consumer still holds (the
 # hand-over of a rebalance, docs/protocol.md); everything of version 1 is unchanged.
-PROTOCOL_VERSION = 2
+# Version 3: JOIN_GROUP may end with them too (a broker that begins to lead its group
+# gives them back to the consumers that rejoin); everything of version 2 is unchanged.
+PROTOCOL_VERSION = 3
 MIN_PROTOCOL_VERSION = 1
 # The first version whose HEARTBEAT carries the queues the consumer holds.
 HELD_QUEUES_VERSION = 2
+# The first version whose JOIN_GROUP carries them.
+JOIN_HELD_VERSION = 3
 
 MAX_SUBJECT_LENGTH = 255
 _SUBJECT_CHAR = re.compile(r"[A-Za-z0-9._\-]")
@@ -289,7 +293,16 @@ class _Assignment(Response):
 
 @dataclass(frozen=True, slots=True)
 class JoinGroup(_AsMember):
+    """``held``: the queues the consumer still holds when it joins again, so a broker
+    that has just begun to lead gives them back to it (protocol version 3; None: not
+    said, versions 1 and 2)."""
+
     command: ClassVar[Command] = Command.JOIN_GROUP
+    held: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.held is not None:
+            _freeze(self, "held")
 
 
 @dataclass(frozen=True, slots=True)
