@@ -100,6 +100,7 @@ requests = st.one_of(
     st.builds(p.Query, text, key=text),
     st.builds(p.Stats),
     st.builds(p.Cancel, text),
+    st.builds(p.HeldIds, st.lists(text, max_size=5).map(tuple)),
     st.builds(p.Reschedule, text, i64),
 )
 responses = st.one_of(
@@ -112,6 +113,7 @@ responses = st.one_of(
     st.builds(p.QueryResult, message_lists),
     st.builds(p.StatsResult, st.dictionaries(text, stat_values, max_size=5)),
     st.builds(p.CancelResult, st.sampled_from(p.CancelOutcome), optional(i64)),
+    st.builds(p.HeldIdsResult, st.lists(optional(i64), max_size=5).map(tuple)),
     st.builds(p.RescheduleResult, st.sampled_from(p.RescheduleOutcome), optional(i64)),
     st.builds(Error, st.sampled_from(ErrorCode), text, st.booleans()),
 )
@@ -551,7 +553,7 @@ def test_rejected_hello_reaches_the_client_as_a_closing_error():
     assert drain(client) == [ConnectionClosed()]
 
 
-@pytest.mark.parametrize("versions", [(3, 5), (0, 0), (3, 1), (3, 3)])
+@pytest.mark.parametrize("versions", [(4, 5), (0, 0), (3, 1), (4, 4)])
 def test_hello_without_a_common_version_is_rejected(versions):
     low, high = versions
     exc = reject_hello(Connection(SERVER), Hello(min_version=low, max_version=high, request_id=1))
@@ -905,8 +907,8 @@ def test_a_heartbeat_without_held_queues_is_the_version_1_body():
 def test_worked_examples_in_docs_match_the_code():
     hello = encode_event(Hello(token="s3cret", client_name="cli", request_id=1))
     assert hello.hex(" ") == (
-        "44 4c 59 44 01 01 00 00 01 00 00 00 00 00 00 00 12 00 00 00 0b 43 e7 f6 "
-        "01 00 02 00 01 06 00 73 33 63 72 65 74 03 00 63 6c 69"
+        "44 4c 59 44 01 01 00 00 01 00 00 00 00 00 00 00 12 00 00 00 f5 4e eb 04 "
+        "01 00 03 00 01 06 00 73 33 63 72 65 74 03 00 63 6c 69"
     )
     batch = p.SendBatch([Message("m-1", "orders", body=b"hi", delay_ms=60000)], request_id=2)
     assert encode_event(batch).hex(" ") == (

@@ -36,6 +36,7 @@ from delayd.protocol.connection import (
     State,
 )
 from delayd.protocol.events import (
+    HELD_IDS_VERSION,
     HELD_QUEUES_VERSION,
     MAX_SUBJECT_LENGTH,
     MIN_PROTOCOL_VERSION,
@@ -52,6 +53,8 @@ from delayd.protocol.events import (
     Event,
     Heartbeat,
     HeartbeatResult,
+    HeldIds,
+    HeldIdsResult,
     Hello,
     HelloOk,
     JoinGroup,
@@ -91,6 +94,7 @@ __all__ = [
     "FRAME_VERSION",
     "HEADER",
     "HEADER_SIZE",
+    "HELD_IDS_VERSION",
     "HELD_QUEUES_VERSION",
     "MAGIC",
     "MAX_SUBJECT_LENGTH",
@@ -118,6 +122,8 @@ __all__ = [
     "FrameDecoder",
     "Heartbeat",
     "HeartbeatResult",
+    "HeldIds",
+    "HeldIdsResult",
     "Hello",
     "HelloOk",
     "JoinGroup",
