@@ -14,19 +14,12 @@ import delayd
 from delayd.client import _calls as calls
 from delayd.errors import RejectedError
 from delayd.protocol import ErrorCode, ResultCode
-from delayd.server import DelayServer, ServeConfig
-from storage.flusher import FlushMode, FlushPolicy
+from delayd.server import DelayServer
+from tests.test_intake_path import intake_only
 
 
 async def test_held_ids_answers_what_a_send_would_and_stores_nothing(tmp_path):
-    config = ServeConfig(
-        listen=("127.0.0.1", 0),
-        broker_listen=None,
-        metrics_listen=None,
-        http_listen=None,
-        flush=FlushPolicy(FlushMode.ASYNC, interval_ms=20),
-    )
-    server = await trio.to_thread.run_sync(DelayServer.open, str(tmp_path), config)
+    server = await trio.to_thread.run_sync(DelayServer.open, str(tmp_path), intake_only())
     async with trio.open_nursery() as nursery:
         bound = await nursery.start(server.run)
         address = "{}:{}".format(*bound.intake)

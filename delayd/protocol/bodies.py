@@ -231,43 +231,36 @@ def _enc_cancel(out: bytearray, e: ev.Cancel) -> None:
     put_str(out, e.message_id, "message_id")
 
 
-def _enc_cancel_batch(out: bytearray, e: ev.CancelBatch) -> None:
-    if len(e.message_ids) > MAX_COUNT_U16:
-        raise LocalProtocolError(
-            f"CANCEL_BATCH of {len(e.message_ids)} ids; the wire allows at most {MAX_COUNT_U16}"
-        )
-    out += U16.pack(len(e.message_ids))
-    for message_id in e.message_ids:
+def _put_count(out: bytearray, count: int, what: str) -> None:
+    """The u16 count of a list body; LocalProtocolError naming ``what`` when over it."""
+    if count > MAX_COUNT_U16:
+        raise LocalProtocolError(f"{what} of {count}; the wire allows at most {MAX_COUNT_U16}")
+    out += U16.pack(count)
+
+
+def _put_ids(out: bytearray, message_ids: tuple[str, ...], what: str) -> None:
+    _put_count(out, len(message_ids), f"{what} ids")
+    for message_id in message_ids:
         put_str(out, message_id, "message_id")
 
 
+def _enc_cancel_batch(out: bytearray, e: ev.CancelBatch) -> None:
+    _put_ids(out, e.message_ids, "CANCEL_BATCH")
+
+
 def _enc_cancel_batch_result(out: bytearray, e: ev.CancelBatchResult) -> None:
-    if len(e.results) > MAX_COUNT_U16:
-        raise LocalProtocolError(
-            f"CANCEL_BATCH_RESULT of {len(e.results)}; the wire allows at most {MAX_COUNT_U16}"
-        )
-    out += U16.pack(len(e.results))
+    _put_count(out, len(e.results), "CANCEL_BATCH_RESULT results")
     for outcome, dispatched_ms in e.results:
         out.append(outcome)
         put_opt_i64(out, dispatched_ms)
 
 
 def _enc_held_ids(out: bytearray, e: ev.HeldIds) -> None:
-    if len(e.message_ids) > MAX_COUNT_U16:
-        raise LocalProtocolError(
-            f"HELD_IDS of {len(e.message_ids)} ids; the wire allows at most {MAX_COUNT_U16}"
-        )
-    out += U16.pack(len(e.message_ids))
-    for message_id in e.message_ids:
-        put_str(out, message_id, "message_id")
+    _put_ids(out, e.message_ids, "HELD_IDS")
 
 
 def _enc_held_ids_result(out: bytearray, e: ev.HeldIdsResult) -> None:
-    if len(e.due_ms) > MAX_COUNT_U16:
-        raise LocalProtocolError(
-            f"HELD_IDS_RESULT of {len(e.due_ms)}; the wire allows at most {MAX_COUNT_U16}"
-        )
-    out += U16.pack(len(e.due_ms))
+    _put_count(out, len(e.due_ms), "HELD_IDS_RESULT results")
     for due_ms in e.due_ms:
         put_opt_i64(out, due_ms)
 
