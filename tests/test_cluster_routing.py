@@ -293,14 +293,16 @@ def test_a_resend_after_the_active_groups_changed_is_a_duplicate(cluster: Cluste
 
     assert {r.code for r in trio.run(resend_async)} == {ResultCode.DUPLICATE}
     assert {g: cluster.accepted(g) for g in ("d1", "d2", "d3")} == accepted  # none stored again
+    with delayd.Producer(cluster.address, timeout_s=20) as producer:
+        assert set(cancel(producer, history, ids[::2])) == {CancelOutcome.CANCELLED}
     held = {}
     for group, member in cluster.members.items():
         assert member.address is not None
         with delayd.Producer("{}:{}".format(*member.address)) as one_group:
             held[group] = one_group.held(ids)
     assert all(sum(held[g][n] is not None for g in held) == 1 for n in range(len(ids)))
-    with delayd.Producer(cluster.address, timeout_s=20) as producer:
-        assert set(cancel(producer, history, ids[::2])) == {CancelOutcome.CANCELLED}
+    with delayd.Producer(cluster.address) as producer:
+        assert producer.held(ids) == [first[i] for i in ids]
     time.sleep(max(0.0, (due_ms - now_ms() + 1500) / 1000))
     consume_all(cluster, history)
     check(history, due_by_ms=now_ms() - 1000).assert_clean()

@@ -326,3 +326,15 @@ def test_a_change_older_than_the_window_and_its_margin_asks_nobody():
     assert CHANGE_MARGIN_MS == 60_000
     producer.send_batch(batch())
     assert all(not g.asked for g in groups.values())
+
+
+async def test_held_over_a_cluster_asks_every_group_once_and_takes_the_first_holder():
+    moved = next(i for i in IDS if added_c().owner(i) == "c")
+    expected = [9 if i == moved else 5 for i in IDS]  # held twice: its owner's answer
+    groups = fakes(AsyncFake)
+    groups["c"].holds = {moved: 9}
+    assert await async_producer(groups, 3600).held(IDS) == expected
+    assert all(len(g.asked) == 1 for g in groups.values())
+    blocking = fakes(BlockingFake)
+    blocking["c"].holds = {moved: 9}
+    assert blocking_producer(blocking, 3600).held([*IDS, "never"]) == [*expected, None]

@@ -146,6 +146,18 @@ class ClusterProducer(Producer):
         self._each(check.parts(), part)
         return [receipts[index] for index in range(len(batch))]
 
+    def held(self, message_ids: Iterable[str]) -> list[int | None]:
+        """As Producer.held, across the cluster's delay groups (as the async one's)."""
+        ids = check_message_ids(message_ids)
+        groups = self.delay_groups()
+        answers: dict[str, list[int | None]] = {}
+
+        def ask(group: str, _: list[int]) -> None:
+            answers[group] = self.group(group).held(ids)
+
+        self._each({group: [] for group in groups.lookup}, ask)
+        return groups.held(ids, answers)
+
     def cancel(self, message_id: str) -> CancelReceipt:
         """As Producer.cancel, across the cluster's delay groups."""
         (receipt,) = self.cancel_many([message_id])

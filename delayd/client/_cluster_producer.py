@@ -126,6 +126,21 @@ class AsyncClusterProducer(AsyncProducer):
         await self._each(check.parts(), part)
         return [receipts[index] for index in range(len(batch))]
 
+    async def held(self, message_ids: Iterable[str]) -> list[int | None]:
+        """As AsyncProducer.held, across the cluster's active and draining delay groups
+        (each asked once, all at once; an id's answer is its owner's, else the first
+        other group's that holds it)."""
+        ids = check_message_ids(message_ids)
+        self._check_open()
+        groups = await self.delay_groups()
+        answers: dict[str, list[int | None]] = {}
+
+        async def ask(group: str, _: list[int]) -> None:
+            answers[group] = await self.group(group).held(ids)
+
+        await self._each({group: [] for group in groups.lookup}, ask)
+        return groups.held(ids, answers)
+
     async def cancel(self, message_id: str) -> CancelReceipt:
         """As AsyncProducer.cancel, across the cluster's delay groups."""
         (receipt,) = await self.cancel_many([message_id])

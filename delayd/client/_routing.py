@@ -168,6 +168,20 @@ class DelayGroups:
         first = [owner(message_id, self.active)] if self.active else []
         return [*first, *(g for g in self.lookup if g not in first)]
 
+    def held(
+        self, message_ids: Sequence[str], answers: Mapping[str, Sequence[int | None]]
+    ) -> list[int | None]:
+        """For each id, the due time the first group of its ``ask_order`` that holds it
+        answered (``answers``: every ``lookup`` group's HELD_IDS answers to
+        ``message_ids``), or None when none does."""
+        return [
+            next(
+                (due for g in self.ask_order(m) if (due := answers[g][i]) is not None),
+                None,
+            )
+            for i, m in enumerate(message_ids)
+        ]
+
     def split(self, message_ids: Sequence[str]) -> dict[str, list[int]]:
         """The indexes of ``message_ids`` by owner, in their order (UnreachableError as
         ``owner``)."""
