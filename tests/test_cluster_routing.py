@@ -26,6 +26,7 @@ import pytest
 import trio
 
 import delayd
+from delayd.client._blocking_cluster_producer import ClusterProducer
 from delayd.client._cluster_view import read_delay_groups
 from delayd.client._routing import DelayGroups
 from delayd.errors import DelaydTimeout
@@ -255,6 +256,75 @@ def test_a_group_added_and_one_drained_while_producing_lose_nothing(cluster: Clu
         assert "d1" not in producer.delay_groups().lookup
     consume_all(cluster, history)
     check(history, due_by_ms=now_ms() - 1000).assert_clean()
+
+
+def test_a_resend_after_the_active_groups_changed_is_a_duplicate(cluster: Cluster):
+    """An application sends ids, a group is added, then one drained, and after each
+    change it sends the same ids again in new calls (new producers, as after a crash):
+    every resend is answered DUPLICATE with the held due time, each id is held by
+    exactly one group, a cancel of each is honoured, the rest delivered once."""
+    cluster.start("d1")
+    cluster.start("d2")
+    history = History()
+    ids = [f"r-{i}" for i in range(200)]
+    due_ms = now_ms() + RESEND_DELAY_MS
+    with delayd.Producer(cluster.address, timeout_s=20) as producer:
+        receipts = answered(history, producer.send_batch(resent(ids, history)))
+        first = {r.message_id: r.due_ms for r in receipts}
+    cluster.start("d3")
+    accepted = {g: cluster.accepted(g) for g in ("d1", "d2", "d3")}
+    with delayd.Producer(cluster.address, timeout_s=20) as producer:
+        assert isinstance(producer, ClusterProducer)
+        assert producer.delay_groups().active == ("d1", "d2", "d3")
+        moved = [i for i in ids if producer.delay_groups().owner(i) == "d3"]
+        again = answered(history, producer.send_batch(resent(ids, history)))
+    assert len(moved) > 30  # ids the new group owns now: each would have been stored twice
+    assert {r.code for r in again} == {ResultCode.DUPLICATE}
+    assert {r.message_id: r.due_ms for r in again} == first
+    # HTTP clients route by `delayd cluster route`: the same groups to ask first.
+    (route,) = json.loads(cluster.cli("route", moved[0], "--json").stdout)["routes"]
+    before = DelayGroups(("d1", "d2"), ()).owner(moved[0])
+    assert route["owner"] == "d3" and route["previous_owners"] == [before]
+    assert cluster.cli("drain", "d1").returncode == 0
+
+    async def resend_async() -> list:
+        async with delayd.open_producer(cluster.address, timeout_s=20) as producer:
+            return answered(history, await producer.send_batch(resent(ids, history)))
+
+    assert {r.code for r in trio.run(resend_async)} == {ResultCode.DUPLICATE}
+    assert {g: cluster.accepted(g) for g in ("d1", "d2", "d3")} == accepted  # none stored again
+    with delayd.Producer(cluster.address, timeout_s=20) as producer:
+        assert set(cancel(producer, history, ids[::2])) == {CancelOutcome.CANCELLED}
+    held = {}
+    for group, member in cluster.members.items():
+        assert member.address is not None
+        with delayd.Producer("{}:{}".format(*member.address)) as one_group:
+            held[group] = one_group.held(ids)
+    assert all(sum(held[g][n] is not None for g in held) == 1 for n in range(len(ids)))
+    with delayd.Producer(cluster.address) as producer:
+        assert producer.held(ids) == [first[i] for i in ids]
+    time.sleep(max(0.0, (due_ms - now_ms() + 1500) / 1000))
+    consume_all(cluster, history)
+    check(history, due_by_ms=now_ms() - 1000).assert_clean()
+
+
+RESEND_DELAY_MS = 7_500  # the ids are still pending when they are cancelled
+
+
+def resent(ids: list[str], history: History) -> list[dict]:
+    """``ids`` as one batch, recorded in ``history`` as sent (``answered`` records the
+    receipts)."""
+    due_ms = now_ms() + RESEND_DELAY_MS
+    for message_id in ids:
+        history.sent(message_id, due_ms)
+    return messages(ids, RESEND_DELAY_MS)
+
+
+def answered(history: History, receipts: list) -> list:
+    for receipt in receipts:
+        duplicate = receipt.code is ResultCode.DUPLICATE
+        history.acked(receipt.message_id, receipt.due_ms, duplicate=duplicate)
+    return receipts
 
 
 def test_a_group_that_is_down_keeps_its_ids(cluster: Cluster):

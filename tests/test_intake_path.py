@@ -90,16 +90,20 @@ async def test_busy_from_pending_acks_and_from_replay_lag(tmp_path):
     intake.log.close()
 
 
-async def test_delay_server_in_process_with_the_public_producer(tmp_path):
-    """DelayServer.run under trio, the async client on it, async flush, shutdown."""
-    config = ServeConfig(
+def intake_only() -> ServeConfig:
+    """A DelayServer for tests run in process: intake only, on a free port, async flush."""
+    return ServeConfig(
         listen=("127.0.0.1", 0),
         broker_listen=None,
         metrics_listen=None,
         http_listen=None,
         flush=FlushPolicy(FlushMode.ASYNC, interval_ms=20),
     )
-    server = await trio.to_thread.run_sync(DelayServer.open, str(tmp_path), config)
+
+
+async def test_delay_server_in_process_with_the_public_producer(tmp_path):
+    """DelayServer.run under trio, the async client on it, async flush, shutdown."""
+    server = await trio.to_thread.run_sync(DelayServer.open, str(tmp_path), intake_only())
     async with trio.open_nursery() as nursery:
         bound = await nursery.start(server.run)
         assert bound.broker is None and bound.metrics is None

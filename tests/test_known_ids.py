@@ -160,6 +160,31 @@ async def test_duplicates_in_a_batch_before_replay_after_replay_and_after_a_reop
         close(intake, known)
 
 
+async def test_held_answers_as_a_send_would_and_adds_nothing(tmp_path):
+    """HELD_IDS (KnownIds.held): each id's held due time, before and after replay, cold
+    and warm; an id it was asked about is not held by being asked (a warm filter still
+    rules it out, and a send of it is OK)."""
+    intake, known = make_intake(str(tmp_path), REAL_FS)
+    try:
+        async with running(intake.writer.run):
+            await intake.send_batch([message("a", 5000), message("b", 7)])
+            assert await intake.held(["a", "b", "x"]) == [NOW + 5000, NOW + 7, None]
+            intake.replayer.replay_available()
+            assert known.unindexed_count == 0
+            assert await intake.held(["b", "a", "x"]) == [NOW + 7, NOW + 5000, None]
+            assert known.finish_rebuild(known.build_filter(known.begin_rebuild()))
+            lookups = known.lookups
+            asked = [f"never-{i}" for i in range(200)]
+            assert await intake.held([*asked, "a"]) == [None] * 200 + [NOW + 5000]
+            assert known.lookups - lookups < 10  # warm: the filter rules most ids out
+            assert not any(known.filter.may_contain(default_hash(i.encode())) for i in asked[:3])
+            sent = await intake.send_batch([message(asked[0]), message("a", 1)])
+            assert codes(sent) == [ResultCode.OK, ResultCode.DUPLICATE]
+            assert sent[1].due_ms == (await intake.held(["a"]))[0]
+    finally:
+        close(intake, known)
+
+
 class FullDiskOnce(OsFileSystem):
     """The real file system, with the next ``pwrite`` failing with ENOSPC when armed."""
 

@@ -100,6 +100,7 @@ requests = st.one_of(
     st.builds(p.Query, text, key=text),
     st.builds(p.Stats),
     st.builds(p.Cancel, text),
+    st.builds(p.HeldIds, st.lists(text, max_size=5).map(tuple)),
     st.builds(p.Reschedule, text, i64),
 )
 responses = st.one_of(
@@ -112,6 +113,7 @@ responses = st.one_of(
     st.builds(p.QueryResult, message_lists),
     st.builds(p.StatsResult, st.dictionaries(text, stat_values, max_size=5)),
     st.builds(p.CancelResult, st.sampled_from(p.CancelOutcome), optional(i64)),
+    st.builds(p.HeldIdsResult, st.lists(optional(i64), max_size=5).map(tuple)),
     st.builds(p.RescheduleResult, st.sampled_from(p.RescheduleOutcome), optional(i64)),
     st.builds(Error, st.sampled_from(ErrorCode), text, st.booleans()),
 )

@@ -13,7 +13,7 @@ budget come from the broker's ConnectionLimits.
 
 A bad argument gets ERROR INVALID_REQUEST (a RejectedError's code); a storage failure
 in one request gets ERROR INTERNAL, and the broker keeps serving the others; CANCEL,
-CANCEL_BATCH and RESCHEDULE get ERROR UNSUPPORTED, naming the delay server. A member of
+CANCEL_BATCH, RESCHEDULE and HELD_IDS get ERROR UNSUPPORTED, naming the delay server. A member of
 a group that does not lead it (``membership``) answers every request but STATS with
 ERROR NOT_LEADER naming the leader's broker address, and a leader that steps down
 answers the SEND_BATCHes in flight so too (docs/replication.md); a member's broker
@@ -45,6 +45,7 @@ from delayd.protocol import (
     Event,
     Heartbeat,
     HeartbeatResult,
+    HeldIds,
     JoinGroup,
     JoinGroupResult,
     Pull,
@@ -205,7 +206,7 @@ class BrokerConnection(ServerConnection[tuple[SendBatchResult, int]]):
             await self._answer(QueryResult(found, request_id=rid))
         elif isinstance(event, Stats):
             await self._answer(StatsResult(broker.stats(), request_id=rid))
-        elif isinstance(event, (Cancel, CancelBatch, Reschedule)):
+        elif isinstance(event, (Cancel, CancelBatch, Reschedule, HeldIds)):
             await self._answer(
                 Error(
                     ErrorCode.UNSUPPORTED,

@@ -8,6 +8,10 @@ intake addresses ("-" when it has no leader now or serves no HTTP API)::
 
     order-42  d2 http 10.0.0.12:20802 intake 10.0.0.12:20801
               d1 http 10.0.0.11:20802 intake 10.0.0.11:20801
+
+``--json`` adds ``previous_owners``: the groups a producer asks before sending the id
+(those that may hold it from before a change of the active set within
+``--resend-window-s``, docs/cluster.md), by the producers' own rule.
 """
 
 from __future__ import annotations
@@ -31,6 +35,10 @@ def add_action(actions: Any) -> None:
     )  # fmt: skip
     parser.add_argument("--cluster", metavar="NAME", default="", help="the cluster (default one)")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    parser.add_argument(
+        "--resend-window-s", type=float, metavar="S",
+        help="the window of previous_owners (default: the producers', one day)",
+    )  # fmt: skip
     parser.set_defaults(run=_route)
 
 
@@ -59,11 +67,12 @@ def _route(args: argparse.Namespace) -> int:
 
 
 async def _read(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from delayd.client._routing import DelayGroups
+    from delayd.client._routing import CHANGE_MARGIN_MS, RESEND_WINDOW_S, DelayGroups
     from delayd.cluster.etcd import EtcdClient
     from delayd.cluster.group_state import read_groups
     from delayd.cluster.members import cluster_prefix
     from delayd.cluster.registry import read_registry
+    from delayd.timestamps import wall_ms
 
     prefix = cluster_prefix(args.cluster)
     async with EtcdClient(args.etcd) as etcd:
@@ -71,6 +80,8 @@ async def _read(args: argparse.Namespace) -> list[dict[str, Any]]:
         leaders = {state.group: state.leader for state in await read_groups(etcd, prefix)}
     if not groups.lookup:
         raise LookupError("the cluster has no delay group (delayd cluster status)")
+    window_s = RESEND_WINDOW_S if args.resend_window_s is None else args.resend_window_s
+    since_ms = wall_ms() - round(window_s * 1000) - CHANGE_MARGIN_MS
     routes = []
     for message_id in args.ids:
         ask = []
@@ -84,5 +95,6 @@ async def _read(args: argparse.Namespace) -> list[dict[str, Any]]:
                 }
             )
         owner = groups.owner(message_id) if groups.active else None  # None: nothing takes ids
-        routes.append({"id": message_id, "owner": owner, "ask": ask})
+        previous = groups.previous_owners(message_id, since_ms) if owner else []
+        routes.append({"id": message_id, "owner": owner, "ask": ask, "previous_owners": previous})
     return routes

@@ -1,7 +1,8 @@
 """The blocking producer over every delay group of a cluster (``etcd://H:P/[CLUSTER/]*``):
 what ``Producer(addr)`` makes for such an address (docs/cluster.md, "Routing by message
 id"). As the async one (delayd.client._cluster_producer): one Producer per delay group,
-opened on first use; a batch split by owner, the owners fixed for the call; a lookup by
+opened on first use; the groups that may have owned a batch's ids before a change of
+the active set asked first; a batch split by owner, the owners fixed for the call; a lookup by
 id asks the owner first and every other registered delay group on UNKNOWN. The groups
 are asked one after another.
 """
@@ -17,7 +18,7 @@ from typing import Any
 from delayd.client._cluster_view import ClusterView, read_delay_groups
 from delayd.client._due import reschedule_due_ms
 from delayd.client._messages import MAX_FRAME_MESSAGES, coerce_batch
-from delayd.client._routing import DelayGroups, Lookup, R
+from delayd.client._routing import RESEND_WINDOW_S, DelayGroups, Lookup, R
 from delayd.client.blocking_producer import CLIENT_NAME, Producer
 from delayd.client.cancel_receipt import CancelReceipt, RescheduleReceipt, check_message_ids
 from delayd.client.receipt import Receipt
@@ -45,10 +46,11 @@ class ClusterProducer(Producer):
         max_in_flight: int = 8,
         client_name: str = CLIENT_NAME,
         retry_first_connect: bool = True,
+        resend_window_s: float = RESEND_WINDOW_S,
     ) -> None:
         # Producer.__init__ is not called: it opens one session, and this holds one per
         # group, made with these options.
-        self.view = ClusterView(parse_group_address(addr))
+        self.view = ClusterView(parse_group_address(addr), resend_window_s)
         self.addr = addr
         self.timeout_s = timeout_s
         self.busy_retries = busy_retries
@@ -127,16 +129,34 @@ class ClusterProducer(Producer):
         batch = coerce_batch(messages)
         if not batch:
             return []
-        parts = self.delay_groups().split([m.message_id for m in batch])
-        receipts: list[Receipt | None] = [None] * len(batch)
+        check = self.view.resend_check([m.message_id for m in batch], self.delay_groups())
+
+        def ask(group: str, indexes: list[int]) -> None:
+            due_ms = self.group(group).held([batch[i].message_id for i in indexes])
+            check.answered(group, indexes, due_ms)
+
+        if check.asks:
+            self._each(check.asks, ask)
+        receipts: dict[int, Receipt] = check.receipts()
 
         def part(group: str, indexes: list[int]) -> None:
             got = self.group(group).send_batch([batch[i] for i in indexes])
-            for index, receipt in zip(indexes, got, strict=True):
-                receipts[index] = receipt
+            receipts.update(zip(indexes, got, strict=True))
 
-        self._each(parts, part)
-        return [r for r in receipts if r is not None]
+        self._each(check.parts(), part)
+        return [receipts[index] for index in range(len(batch))]
+
+    def held(self, message_ids: Iterable[str]) -> list[int | None]:
+        """As Producer.held, across the cluster's delay groups (as the async one's)."""
+        ids = check_message_ids(message_ids)
+        groups = self.delay_groups()
+        answers: dict[str, list[int | None]] = {}
+
+        def ask(group: str, _: list[int]) -> None:
+            answers[group] = self.group(group).held(ids)
+
+        self._each({group: [] for group in groups.lookup}, ask)
+        return groups.held(ids, answers)
 
     def cancel(self, message_id: str) -> CancelReceipt:
         """As Producer.cancel, across the cluster's delay groups."""

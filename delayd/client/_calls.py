@@ -19,9 +19,15 @@ from delayd.client.cancel_receipt import (
     check_message_id,
     check_message_ids,
 )
+from delayd.errors import RejectedError, RemoteProtocolError
 from delayd.protocol import (
+    HELD_IDS_VERSION,
+    MIN_PROTOCOL_VERSION,
     Cancel,
     CancelBatch,
+    ErrorCode,
+    HeldIds,
+    HeldIdsResult,
     Message,
     Request,
     Reschedule,
@@ -39,6 +45,18 @@ class Call(Generic[T]):
     build: Callable[[int], Request]
     finish: Callable[[Response], T]
     what: str  # "cancelling 'order-17'"
+    min_version: int = MIN_PROTOCOL_VERSION  # the protocol version the request needs
+
+    def check_version(self, protocol_version: int, addr: str) -> None:
+        """Raise RejectedError (UNSUPPORTED) when the connection's negotiated
+        ``protocol_version`` is older than the request: the server would answer
+        UNKNOWN_COMMAND and close the connection."""
+        if protocol_version < self.min_version:
+            raise RejectedError(
+                ErrorCode.UNSUPPORTED,
+                f"{addr} speaks protocol version {protocol_version}; {self.what} needs "
+                f"{self.min_version} or later: upgrade delayd there",
+            )
 
 
 def cancel(message_id: str) -> Call[CancelReceipt]:
@@ -64,6 +82,34 @@ def _cancel_batch(ids: tuple[str, ...]) -> Call[list[CancelReceipt]]:
         lambda request_id: CancelBatch(ids, request_id=request_id),
         lambda answer: batch_receipts(ids, answer),
         f"cancelling {len(ids)} message(s)",
+    )
+
+
+def held_batches(message_ids: list[str]) -> list[Call[list[int | None]]]:
+    """HELD_IDS frames of ``message_ids`` (checked by the caller), CANCEL_BATCH_IDS to a
+    frame: each answers, per id, the due time of the message the server holds with it,
+    or None."""
+    frames = [
+        tuple(message_ids[i : i + CANCEL_BATCH_IDS])
+        for i in range(0, len(message_ids), CANCEL_BATCH_IDS)
+    ]
+    return [_held(frame) for frame in frames]
+
+
+def _held(ids: tuple[str, ...]) -> Call[list[int | None]]:
+    def finish(answer: Response) -> list[int | None]:
+        assert isinstance(answer, HeldIdsResult)
+        if len(answer.due_ms) != len(ids):
+            raise RemoteProtocolError(
+                f"HELD_IDS of {len(ids)} ids answered with {len(answer.due_ms)} results"
+            )
+        return list(answer.due_ms)
+
+    return Call(
+        lambda request_id: HeldIds(ids, request_id=request_id),
+        finish,
+        f"asking whether it holds {len(ids)} id(s)",
+        HELD_IDS_VERSION,
     )
 
 

@@ -22,7 +22,7 @@ from delayd.client._async_session import AsyncSession
 from delayd.client._cluster_view import ClusterView, read_delay_groups
 from delayd.client._due import reschedule_due_ms
 from delayd.client._messages import coerce_batch
-from delayd.client._routing import DelayGroups, Lookup, R
+from delayd.client._routing import RESEND_WINDOW_S, DelayGroups, Lookup, R
 from delayd.client._task_group import run_all
 from delayd.client.async_producer import AsyncProducer
 from delayd.client.cancel_receipt import CancelReceipt, RescheduleReceipt, check_message_ids
@@ -35,7 +35,9 @@ from delayd.timestamps import wall_ms
 
 class AsyncClusterProducer(AsyncProducer):
     """An AsyncProducer whose messages are spread over the cluster's active delay
-    groups by id; ``send`` and ``send_batch`` as AsyncProducer's, ``cancel``,
+    groups by id; ``send`` and ``send_batch`` as AsyncProducer's (an id a group that
+    may have owned it before a change of the active set holds is answered DUPLICATE
+    without a send: docs/cluster.md), ``cancel``,
     ``cancel_many`` and ``reschedule`` ask the id's owner first and every other
     registered delay group on UNKNOWN. Each group's requests are bounded by
     ``timeout_s`` (a DelaydTimeout names the group's address)."""
@@ -48,16 +50,17 @@ class AsyncClusterProducer(AsyncProducer):
         timeout_s: float,
         busy_retries: int,
         retry_first_connect: bool = True,
+        resend_window_s: float = RESEND_WINDOW_S,
         **session_options: Any,
     ) -> None:
         """``session_options``: AsyncSession's (token, client_name, tls), for every
-        group."""
+        group. ``resend_window_s``: as open_producer's."""
         # AsyncProducer.__init__ is not called: it takes one session, and this holds one
         # per group, made with ``session_options``.
         tls = session_options.get("tls")
         if tls is not None:
             tls.ssl_context  # noqa: B018  # its files read now: a TlsError names them
-        self.view = ClusterView(target)
+        self.view = ClusterView(target, resend_window_s)
         self.addr = str(target)
         self.timeout_s = timeout_s
         self.busy_retries = busy_retries
@@ -106,16 +109,37 @@ class AsyncClusterProducer(AsyncProducer):
         self._check_open()
         if not batch:
             return []
-        parts = (await self.delay_groups()).split([m.message_id for m in batch])
-        receipts: list[Receipt | None] = [None] * len(batch)
+        check = self.view.resend_check([m.message_id for m in batch], await self.delay_groups())
+
+        async def ask(group: str, indexes: list[int]) -> None:
+            due_ms = await self.group(group).held([batch[i].message_id for i in indexes])
+            check.answered(group, indexes, due_ms)
+
+        if check.asks:
+            await self._each(check.asks, ask)
+        receipts: dict[int, Receipt] = check.receipts()
 
         async def part(group: str, indexes: list[int]) -> None:
             got = await self.group(group).send_batch([batch[i] for i in indexes])
-            for index, receipt in zip(indexes, got, strict=True):
-                receipts[index] = receipt
+            receipts.update(zip(indexes, got, strict=True))
 
-        await self._each(parts, part)
-        return [r for r in receipts if r is not None]
+        await self._each(check.parts(), part)
+        return [receipts[index] for index in range(len(batch))]
+
+    async def held(self, message_ids: Iterable[str]) -> list[int | None]:
+        """As AsyncProducer.held, across the cluster's active and draining delay groups
+        (each asked once, all at once; an id's answer is its owner's, else the first
+        other group's that holds it)."""
+        ids = check_message_ids(message_ids)
+        self._check_open()
+        groups = await self.delay_groups()
+        answers: dict[str, list[int | None]] = {}
+
+        async def ask(group: str, _: list[int]) -> None:
+            answers[group] = await self.group(group).held(ids)
+
+        await self._each({group: [] for group in groups.lookup}, ask)
+        return groups.held(ids, answers)
 
     async def cancel(self, message_id: str) -> CancelReceipt:
         """As AsyncProducer.cancel, across the cluster's delay groups."""

@@ -5,6 +5,9 @@ Read again when older than REFRESH_S, and at once after a group failed a call (a
 added or drained is then picked up). When etcd cannot be read the last registry read
 stays in use: the registry changes only by an operator's hand, and a producer must not
 stop sending because etcd is briefly away.
+
+``resend_check`` is where a send's window of possible previous owners starts: the
+producer's ``resend_window_s`` (plus CHANGE_MARGIN_MS) before now, on this host's clock.
 """
 
 from __future__ import annotations
@@ -12,17 +15,31 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from delayd.client._routing import REFRESH_S, DelayGroups
+from delayd.client._routing import (
+    CHANGE_MARGIN_MS,
+    REFRESH_S,
+    RESEND_WINDOW_S,
+    DelayGroups,
+    ResendCheck,
+)
 from delayd.errors import UnreachableError
 from delayd.group_address import GroupAddress
+from delayd.timestamps import wall_ms
 
 
 class ClusterView:
-    """See the module docstring. ``target`` is a whole-cluster address."""
+    """See the module docstring. ``target`` is a whole-cluster address; ValueError for a
+    negative ``resend_window_s``."""
 
-    def __init__(self, target: GroupAddress) -> None:
+    def __init__(self, target: GroupAddress, resend_window_s: float = RESEND_WINDOW_S) -> None:
         assert target.whole_cluster
+        if not resend_window_s >= 0:
+            raise ValueError(
+                f"resend_window_s must be 0 or more seconds, got {resend_window_s!r} "
+                "(0: ask no group before a send)"
+            )
         self.target = target
+        self.resend_window_ms = round(resend_window_s * 1000)
         self.groups: DelayGroups | None = None
         self.reads = 0  # registry reads so far (statistics, tests)
         self._read_s = -math.inf
@@ -49,6 +66,14 @@ class ClusterView:
     def stale(self) -> None:
         """A group failed a call: read the registry again before the next one."""
         self._read_s = -math.inf
+
+    def resend_check(self, message_ids: list[str], groups: DelayGroups) -> ResendCheck:
+        """The groups to ask about ``message_ids`` before they are sent (none when
+        ``resend_window_s`` is 0)."""
+        if not self.resend_window_ms:
+            return ResendCheck(message_ids, groups, since_ms=None)
+        since_ms = wall_ms() - self.resend_window_ms - CHANGE_MARGIN_MS
+        return ResendCheck(message_ids, groups, since_ms)
 
     def group_address(self, group: str) -> str:
         """The ``etcd://`` address of one group of the cluster."""

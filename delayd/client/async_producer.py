@@ -26,8 +26,9 @@ from delayd.client._async_session import AsyncSession
 from delayd.client._backoff import Backoff
 from delayd.client._due import reschedule_due_ms
 from delayd.client._messages import SendOptions, build_message, coerce_batch, split_frames
+from delayd.client._routing import RESEND_WINDOW_S
 from delayd.client._task_group import background_task_group, run_all
-from delayd.client.cancel_receipt import CancelReceipt, RescheduleReceipt
+from delayd.client.cancel_receipt import CancelReceipt, RescheduleReceipt, check_message_ids
 from delayd.client.receipt import Receipt, still_busy, stored_or_raise
 from delayd.errors import (
     BusyError,
@@ -177,15 +178,26 @@ class AsyncProducer:
         once over the connection (the server answers each with one fsync pair), each
         sent again after a lost connection. Raises ValueError for a bad id (before
         sending anything), DelaydTimeout after ``timeout_s``."""
-        batches = calls.cancel_batches(message_ids)
-        answers: list[list[CancelReceipt]] = [[] for _ in batches]
+        return await self._call_frames(calls.cancel_batches(message_ids))
+
+    async def held(self, message_ids: Iterable[str]) -> list[int | None]:
+        """For each id, the due time (epoch ms) of the message the delay server holds
+        with it — what a send of the id would be answered DUPLICATE with — or None;
+        read-only, nothing is stored. HELD_IDS frames of up to CANCEL_BATCH_IDS ids, all
+        at once. Raises ValueError for a bad id, RejectedError (UNSUPPORTED) for a
+        server older than protocol version 3, DelaydTimeout after ``timeout_s``."""
+        return await self._call_frames(calls.held_batches(check_message_ids(message_ids)))
+
+    async def _call_frames(self, frames: list[calls.Call[list[T]]]) -> list[T]:
+        """``_call`` of every frame at once; their answers joined, in order."""
+        answers: list[list[T]] = [[] for _ in frames]
 
         async def one(index: int) -> None:
-            answers[index] = await self._call(batches[index])
+            answers[index] = await self._call(frames[index])
 
-        jobs = [functools.partial(one, index) for index in range(len(batches))]
+        jobs = [functools.partial(one, index) for index in range(len(frames))]
         await run_all(jobs, stop_on_error=True)
-        return [receipt for frame_receipts in answers for receipt in frame_receipts]
+        return [item for frame_answers in answers for item in frame_answers]
 
     async def reschedule(
         self,
@@ -217,6 +229,7 @@ class AsyncProducer:
         with anyio.move_on_after(self.timeout_s):
             while True:
                 link = await self._session.link()
+                call.check_version(link.protocol_version, self.addr)
                 try:
                     response = await link.request(call.build)
                 except ConnectionClosedError as exc:
@@ -246,6 +259,7 @@ async def open_producer(
     busy_retries: int = 5,
     client_name: str = CLIENT_NAME,
     retry_first_connect: bool = True,
+    resend_window_s: float = RESEND_WINDOW_S,
 ) -> AsyncIterator[AsyncProducer]:
     """An async producer connected to ``addr``, closed on exit: ``"host:port"``, a
     group's members ``"h1:p1,h2:p2"`` or ``"etcd://host:port/GROUP"`` (the group's leader
@@ -262,12 +276,19 @@ async def open_producer(
     RejectedError for a wrong token, TlsError for a certificate refused (by either
     side) or a TLS file that cannot be used, DelaydTimeout when the server cannot be
     reached.
+
+    ``resend_window_s`` (a cluster address only; default one day): an id sent again up
+    to this long after its first send is answered DUPLICATE even when the cluster's
+    active delay groups changed in between, at the cost of asking the groups that may
+    hold it first (docs/cluster.md, "A resend of the same id ..."); 0 asks none.
+    ValueError when negative.
     """
     target = parse_group_address(addr)
     if target.whole_cluster:
         async with _open_cluster_producer(
             target, token=token, tls=tls, timeout_s=timeout_s, busy_retries=busy_retries,
             client_name=client_name, retry_first_connect=retry_first_connect,
+            resend_window_s=resend_window_s,
         ) as producer:  # fmt: skip
             yield producer
         return

@@ -28,7 +28,8 @@ from delayd.client._messages import (
     coerce_batch,
     split_frames,
 )
-from delayd.client.cancel_receipt import CancelReceipt, RescheduleReceipt
+from delayd.client._routing import RESEND_WINDOW_S
+from delayd.client.cancel_receipt import CancelReceipt, RescheduleReceipt, check_message_ids
 from delayd.client.receipt import Receipt, still_busy, stored_or_raise
 from delayd.errors import (
     BusyError,
@@ -62,7 +63,8 @@ class Producer(BlockingClient):
 
     ``addr`` may also name every delay group of a cluster, ``"etcd://host:port/[CLUSTER/]*"``:
     the Producer made is then a ClusterProducer, which spreads messages over the groups
-    by id (docs/cluster.md, "Routing by message id").
+    by id (docs/cluster.md, "Routing by message id"); ``resend_window_s`` is then as
+    ``open_producer``'s.
     """
 
     def __new__(cls, addr: str, *args: Any, **kwargs: Any) -> Producer:
@@ -84,7 +86,9 @@ class Producer(BlockingClient):
         max_in_flight: int = 8,
         client_name: str = CLIENT_NAME,
         retry_first_connect: bool = True,
+        resend_window_s: float = RESEND_WINDOW_S,
     ) -> None:
+        # resend_window_s is a cluster's (ClusterProducer): one group has no other owner.
         super().__init__(addr, token, client_name, timeout_s, retry_first_connect, tls)
         self.busy_retries = busy_retries
         self.max_frame_messages = max_frame_messages
@@ -168,6 +172,12 @@ class Producer(BlockingClient):
                 todo = []
         return [receipt for index in range(len(batches)) for receipt in answers[index]]
 
+    def held(self, message_ids: Iterable[str]) -> list[int | None]:
+        """Which ids the delay server holds; as ``AsyncProducer.held`` (the frames one
+        after another)."""
+        frames = calls.held_batches(check_message_ids(message_ids))
+        return [due_ms for frame in frames for due_ms in self._call(frame)]
+
     def reschedule(
         self,
         message_id: str,
@@ -194,6 +204,7 @@ class Producer(BlockingClient):
             self._check_open()
             while True:
                 link = self._session.link(deadline)
+                call.check_version(link.protocol_version, self.addr)
                 try:
                     response = link.request(call.build, deadline)
                 except ConnectionClosedError as exc:

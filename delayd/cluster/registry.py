@@ -11,6 +11,10 @@ A member registers its group when it joins (``register``: created if absent, nev
 overwritten, so an operator's status stands). The status is the operator's
 (``set_status``): ``active`` takes new work; ``draining`` takes none but is still asked
 about what it holds; ``retired`` holds nothing the cluster still needs.
+
+``registered_ms`` and ``changed_ms`` (the registration, then each ``set_status``, in the
+same compare-and-swap as the status) are all a producer needs of the past to tell which
+groups may hold an id sent before a change (delayd.client._routing.possible_owners).
 """
 
 from __future__ import annotations

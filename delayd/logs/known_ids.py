@@ -164,6 +164,18 @@ class KnownIds:
         found = self.index.lookup(message_id)
         return found[0].due_ms if found else None
 
+    def held(self, message_ids: list[bytes]) -> list[int | None]:
+        """``held_due_ms`` of each of ``message_ids``, read-only (a HELD_IDS): unlike
+        ``check`` nothing is added to the filter, which a warm filter lets rule out most
+        ids not held without reading the index. Raises CorruptionError as ``check``."""
+        rule_out = self.filter.may_contain if self.warm else None
+        return [
+            None
+            if rule_out is not None and not rule_out(xxh64_intdigest(message_id))
+            else self.held_due_ms(message_id)
+            for message_id in message_ids
+        ]
+
     def hold(self, message_ids: list[bytes], due_ms: list[int], last_sequence: int) -> None:
         """``message_ids`` (checked, not held) were appended to message_log, the last
         with ``last_sequence``: held from now on."""

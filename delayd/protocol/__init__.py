@@ -36,6 +36,7 @@ from delayd.protocol.connection import (
     State,
 )
 from delayd.protocol.events import (
+    HELD_IDS_VERSION,
     HELD_QUEUES_VERSION,
     JOIN_HELD_VERSION,
     MAX_SUBJECT_LENGTH,
@@ -53,6 +54,8 @@ from delayd.protocol.events import (
     Event,
     Heartbeat,
     HeartbeatResult,
+    HeldIds,
+    HeldIdsResult,
     Hello,
     HelloOk,
     JoinGroup,
@@ -92,6 +95,7 @@ __all__ = [
     "FRAME_VERSION",
     "HEADER",
     "HEADER_SIZE",
+    "HELD_IDS_VERSION",
     "HELD_QUEUES_VERSION",
     "JOIN_HELD_VERSION",
     "MAGIC",
@@ -120,6 +124,8 @@ __all__ = [
     "FrameDecoder",
     "Heartbeat",
     "HeartbeatResult",
+    "HeldIds",
+    "HeldIdsResult",
     "Hello",
     "HelloOk",
     "JoinGroup",

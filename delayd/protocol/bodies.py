@@ -231,25 +231,38 @@ def _enc_cancel(out: bytearray, e: ev.Cancel) -> None:
     put_str(out, e.message_id, "message_id")
 
 
-def _enc_cancel_batch(out: bytearray, e: ev.CancelBatch) -> None:
-    if len(e.message_ids) > MAX_COUNT_U16:
-        raise LocalProtocolError(
-            f"CANCEL_BATCH of {len(e.message_ids)} ids; the wire allows at most {MAX_COUNT_U16}"
-        )
-    out += U16.pack(len(e.message_ids))
-    for message_id in e.message_ids:
+def _put_count(out: bytearray, count: int, what: str) -> None:
+    """The u16 count of a list body; LocalProtocolError naming ``what`` when over it."""
+    if count > MAX_COUNT_U16:
+        raise LocalProtocolError(f"{what} of {count}; the wire allows at most {MAX_COUNT_U16}")
+    out += U16.pack(count)
+
+
+def _put_ids(out: bytearray, message_ids: tuple[str, ...], what: str) -> None:
+    _put_count(out, len(message_ids), f"{what} ids")
+    for message_id in message_ids:
         put_str(out, message_id, "message_id")
 
 
+def _enc_cancel_batch(out: bytearray, e: ev.CancelBatch) -> None:
+    _put_ids(out, e.message_ids, "CANCEL_BATCH")
+
+
 def _enc_cancel_batch_result(out: bytearray, e: ev.CancelBatchResult) -> None:
-    if len(e.results) > MAX_COUNT_U16:
-        raise LocalProtocolError(
-            f"CANCEL_BATCH_RESULT of {len(e.results)}; the wire allows at most {MAX_COUNT_U16}"
-        )
-    out += U16.pack(len(e.results))
+    _put_count(out, len(e.results), "CANCEL_BATCH_RESULT results")
     for outcome, dispatched_ms in e.results:
         out.append(outcome)
         put_opt_i64(out, dispatched_ms)
+
+
+def _enc_held_ids(out: bytearray, e: ev.HeldIds) -> None:
+    _put_ids(out, e.message_ids, "HELD_IDS")
+
+
+def _enc_held_ids_result(out: bytearray, e: ev.HeldIdsResult) -> None:
+    _put_count(out, len(e.due_ms), "HELD_IDS_RESULT results")
+    for due_ms in e.due_ms:
+        put_opt_i64(out, due_ms)
 
 
 def _enc_outcome(out: bytearray, e: ev.CancelResult | ev.RescheduleResult) -> None:
@@ -288,6 +301,8 @@ _ENCODERS: dict[type[Event], Callable[[bytearray, Event], None]] = {
     ev.CancelResult: _enc_outcome,
     ev.CancelBatch: _enc_cancel_batch,
     ev.CancelBatchResult: _enc_cancel_batch_result,
+    ev.HeldIds: _enc_held_ids,
+    ev.HeldIdsResult: _enc_held_ids_result,
     ev.Reschedule: _enc_reschedule,
     ev.RescheduleResult: _enc_outcome,
     Error: _enc_error,
@@ -551,6 +566,17 @@ def _dec_cancel_batch_result(r: BodyReader) -> ev.CancelBatchResult:
     return ev.CancelBatchResult(tuple(results), request_id=r.request_id)  # type: ignore[arg-type]
 
 
+def _dec_held_ids(r: BodyReader) -> ev.HeldIds:
+    count = r.fixed(U16, "id count")
+    return ev.HeldIds(tuple([r.text("message_id") for _ in range(count)]), request_id=r.request_id)
+
+
+def _dec_held_ids_result(r: BodyReader) -> ev.HeldIdsResult:
+    count = r.fixed(U16, "result count")
+    due_ms = tuple([r.opt_i64("due_ms") for _ in range(count)])
+    return ev.HeldIdsResult(due_ms, request_id=r.request_id)
+
+
 def _dec_reschedule(r: BodyReader) -> ev.Reschedule:
     message_id = r.text("message_id")
     return ev.Reschedule(message_id, r.fixed(I64, "at_ms"), request_id=r.request_id)
@@ -588,6 +614,8 @@ _DECODERS: dict[Command, Callable[[BodyReader], Event]] = {
     Command.CANCEL_RESULT: _dec_cancel_result,
     Command.CANCEL_BATCH: _dec_cancel_batch,
     Command.CANCEL_BATCH_RESULT: _dec_cancel_batch_result,
+    Command.HELD_IDS: _dec_held_ids,
+    Command.HELD_IDS_RESULT: _dec_held_ids_result,
     Command.RESCHEDULE: _dec_reschedule,
     Command.RESCHEDULE_RESULT: _dec_reschedule_result,
     Command.ERROR: _dec_error,

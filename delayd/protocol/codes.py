@@ -24,6 +24,7 @@ class Command(enum.IntEnum):
     CANCEL = 0x09  # withdraw a pending message (docs/cancel.md)
     RESCHEDULE = 0x0A  # move a pending message to another due time (docs/cancel.md)
     CANCEL_BATCH = 0x0B  # many CANCELs in one frame (throughput)
+    HELD_IDS = 0x0C  # which ids the delay server holds, read-only (protocol version 3)
 
     HELLO_OK = 0x81
     SEND_BATCH_RESULT = 0x82
@@ -36,6 +37,7 @@ class Command(enum.IntEnum):
     CANCEL_RESULT = 0x89
     RESCHEDULE_RESULT = 0x8A
     CANCEL_BATCH_RESULT = 0x8B
+    HELD_IDS_RESULT = 0x8C
 
     ERROR = 0xFF  # answers any request, or none (request id 0: the whole connection)
 

@@ -20,13 +20,18 @@ from delayd.protocol.frames import DEFAULT_MAX_FRAME_SIZE
 # Version 2: HEARTBEAT may end with the queues the consumer still holds (the
 # hand-over of a rebalance, docs/protocol.md); everything of version 1 is unchanged.
 # Version 3: JOIN_GROUP may end with them too (a broker that begins to lead its group
-# gives them back to the consumers that rejoin); everything of version 2 is unchanged.
+# gives them back to the consumers that rejoin); HELD_IDS, which ids a delay server
+# holds (a producer over a cluster asks a group that may hold an id before it sends the
+# id elsewhere, docs/cluster.md); everything of version 2 is unchanged.
 PROTOCOL_VERSION = 3
 MIN_PROTOCOL_VERSION = 1
 # The first version whose HEARTBEAT carries the queues the consumer holds.
 HELD_QUEUES_VERSION = 2
 # The first version whose JOIN_GROUP carries them.
 JOIN_HELD_VERSION = 3
+# The first version with HELD_IDS: a client never sends it to an older server, which
+# would answer UNKNOWN_COMMAND and close the connection.
+HELD_IDS_VERSION = 3
 
 MAX_SUBJECT_LENGTH = 255
 _SUBJECT_CHAR = re.compile(r"[A-Za-z0-9._\-]")
@@ -407,6 +412,31 @@ class CancelBatchResult(Response):
 
     def __post_init__(self) -> None:
         _freeze(self, "results")
+
+
+@dataclass(frozen=True, slots=True)
+class HeldIds(Request):
+    """Which of ``message_ids`` the delay server holds (read-only: as a SEND_BATCH of
+    them would decide DUPLICATE, storing nothing), answered by one HELD_IDS_RESULT."""
+
+    command: ClassVar[Command] = Command.HELD_IDS
+    message_ids: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        _freeze(self, "message_ids")
+
+
+@dataclass(frozen=True, slots=True)
+class HeldIdsResult(Response):
+    """One entry per id of the HELD_IDS, in its order: the held message's due time
+    (epoch ms; after a reschedule, the new one) — what a SEND_BATCH of the id would be
+    answered DUPLICATE with — or None when the server does not hold the id."""
+
+    command: ClassVar[Command] = Command.HELD_IDS_RESULT
+    due_ms: tuple[int | None, ...]
+
+    def __post_init__(self) -> None:
+        _freeze(self, "due_ms")
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,6 @@
 """One producer connection to the delay server, built on the connection skeleton of
 delayd.serving.connection (reader, writer, acker, limits, graceful stop), feeding the
-intake path: SEND_BATCH, CANCEL, CANCEL_BATCH, RESCHEDULE and STATS.
+intake path: SEND_BATCH, CANCEL, CANCEL_BATCH, RESCHEDULE, HELD_IDS and STATS.
 
 SEND_BATCH is validated and appended on the reader, so pipelined batches keep their
 order, and answered by the acker once durable, so batches in flight share group-commit
@@ -8,10 +8,13 @@ fsyncs. A CANCEL or RESCHEDULE appends its tombstone on the reader as well (in o
 with this connection's sends) and is answered from a request task once durable and
 resolved (docs/cancel.md); a CANCEL_BATCH is one append and one answer. SEND_BATCHes
 and CANCEL_BATCHes take the skeleton's slots, single tombstones MAX_TOMBSTONES_IN_FLIGHT
-of their own; at a graceful stop every one of them is answered.
+of their own; at a graceful stop every one of them is answered. HELD_IDS is read-only:
+answered on the reader from the id index, as a SEND_BATCH of the ids would decide
+DUPLICATE.
 
 A member of a group that does not lead it (``membership``, delayd.serving.membership)
-answers SEND_BATCH, CANCEL, CANCEL_BATCH and RESCHEDULE with ERROR NOT_LEADER naming
+answers SEND_BATCH, CANCEL, CANCEL_BATCH, RESCHEDULE and HELD_IDS (a follower's id
+index may lag its leader's) with ERROR NOT_LEADER naming
 the leader's intake address; the leader asks ``may_lead()`` again before each answer, so
 what was in flight when it stepped down is answered NOT_LEADER too, never acknowledged.
 
@@ -40,6 +43,8 @@ from delayd.protocol import (
     Error,
     ErrorCode,
     Event,
+    HeldIds,
+    HeldIdsResult,
     Reschedule,
     RescheduleOutcome,
     RescheduleResult,
@@ -66,7 +71,7 @@ SERVER_NAME = "delayd-serve"
 MAX_TOMBSTONES_IN_FLIGHT = 1024
 
 
-_LEADER_ONLY = (SendBatch, Cancel, CancelBatch, Reschedule)
+_LEADER_ONLY = (SendBatch, Cancel, CancelBatch, Reschedule, HeldIds)
 
 
 class DelayConnection(ServerConnection[tuple[Intake, int]]):
@@ -125,11 +130,18 @@ class DelayConnection(ServerConnection[tuple[Intake, int]]):
             await self._tombstone(event, requests)
         elif isinstance(event, CancelBatch):
             await self._cancel_batch(event, requests)
+        elif isinstance(event, HeldIds):
+            if not all(event.message_ids):
+                reason = f"message_id {event.message_ids.index('')} is empty: name every id"
+                await self._answer(Error(ErrorCode.INVALID_REQUEST, reason, request_id=rid))
+                return
+            due_ms = await self.intake.held(event.message_ids)
+            await self._answer(HeldIdsResult(tuple(due_ms), request_id=rid))
         else:
             where = f" at {self.broker_address}" if self.broker_address else ""
             reason = (
                 "this is the delay server: it takes SEND_BATCH, CANCEL, CANCEL_BATCH, "
-                f"RESCHEDULE and STATS; "
+                f"RESCHEDULE, HELD_IDS and STATS; "
                 f"{event.command.name} goes to its broker{where}"
             )
             await self._answer(Error(ErrorCode.UNSUPPORTED, reason, request_id=rid))

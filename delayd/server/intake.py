@@ -164,6 +164,16 @@ class IntakePath:
         await self.make_room()
         return await self.acknowledge(self.append(messages))
 
+    async def held(self, message_ids: Sequence[str]) -> list[int | None]:
+        """For each id, the due time of the message this server holds with it (what a
+        send of the id would be answered DUPLICATE with), or None; stores nothing.
+        Raises CorruptionError for a damaged index chain."""
+        await self.ids_ready.wait()
+        known = self.receiver.known
+        if known is None:  # no idempotent intake: a send would store every id again
+            return [None] * len(message_ids)
+        return known.held([message_id.encode() for message_id in message_ids])
+
     # ------------------------------------------------------------------ cancel, reschedule
 
     def append_tombstone(self, message_id: str, due_ms: int | None = None) -> Answer:
