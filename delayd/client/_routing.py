@@ -47,8 +47,23 @@ CHANGE_MARGIN_MS = 60_000
 
 def owner(message_id: str, groups: Sequence[str]) -> str:
     """The group of ``groups`` (not empty) that ``message_id`` belongs to."""
-    data = message_id.encode()
-    return max(groups, key=lambda g: (xxhash.xxh64_intdigest(data, _seed(g)), g))
+    return _owner(message_id.encode(), _seeded(groups))
+
+
+def _seeded(groups: Sequence[str]) -> list[tuple[int, str]]:
+    return [(_seed(group), group) for group in groups]
+
+
+def _owner(data: bytes, seeded: Sequence[tuple[int, str]]) -> str:
+    """The best score wins, the greater name on a tie: ``owner`` with the groups'
+    seeds computed once for many ids."""
+    digest = xxhash.xxh64_intdigest
+    best_score, best = -1, ""
+    for seed, group in seeded:
+        score = digest(data, seed)
+        if score > best_score or (score == best_score and group > best):
+            best_score, best = score, group
+    return best
 
 
 def _seed(group: str) -> int:
@@ -185,9 +200,13 @@ class DelayGroups:
     def split(self, message_ids: Sequence[str]) -> dict[str, list[int]]:
         """The indexes of ``message_ids`` by owner, in their order (UnreachableError as
         ``owner``)."""
+        if not message_ids:
+            return {}
+        self.owner(message_ids[0])  # UnreachableError without an active group
+        seeded = _seeded(self.active)
         by_group: dict[str, list[int]] = {}
         for index, message_id in enumerate(message_ids):
-            by_group.setdefault(self.owner(message_id), []).append(index)
+            by_group.setdefault(_owner(message_id.encode(), seeded), []).append(index)
         return by_group
 
 
