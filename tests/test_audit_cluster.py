@@ -32,16 +32,13 @@ AS_OF = "2026-11-22T11:00:00Z"
 JOB = str(ROOT / "delayd" / "cli" / "spark_submit" / "audit_job.py")
 # spark-submit's defaults on the test cluster (its spark-defaults.conf, which the
 # documented command reads too): one executor of 512 MiB per worker, and the tiny-input
-# settings of the local session's tests (no code generation, C1 only), executors included
-# (with the serial collector, the driver's too: small heaps on a 2-core machine, where
-# G1's threads only compete).
+# settings of the local session's tests (no code generation, C1 only), executors included.
 DEFAULTS = {
     **SPARK_TEST_CONF,
     "spark.ui.enabled": "false",
     "spark.executor.memory": "512m",
     "spark.driver.memory": "1g",
-    "spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC",
-    "spark.executor.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC",
+    "spark.executor.extraJavaOptions": "-XX:TieredStopAtLevel=1",
 }
 # The master and the workers: C1 only and the serial collector start a daemon JVM in
 # well under half the time on a busy 2-core machine (the cluster came up in ~11 s
