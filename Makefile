@@ -33,11 +33,13 @@ run: $(SERVER_STAMP)
 
 # Two workers, whole files each (--dist loadfile): most tests wait on real processes,
 # sockets and fsyncs, so two halve the wall time on a 2-core machine, and a module's
-# fixtures (one SparkSession per audit module) stay in one worker.
+# fixtures (one SparkSession per audit module) stay in one worker. The modules are
+# handed out in the order tests/conftest.py sorts them (the longest first), not
+# xdist's (the most tests first), so that both workers finish together.
 test: $(ALL_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/pytest -n 2 --dist loadfile
+	$(BIN)/pytest -n 2 --dist loadfile --no-loadscope-reorder
 
 format: $(ALL_STAMP)
 	$(BIN)/ruff format .

@@ -63,7 +63,8 @@ def spark_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 class StandaloneCluster:
     """A master and ``workers`` workers of ``cores`` cores and ``memory`` each, their
     logs, work directories and Spark configuration (``defaults`` for spark-submit)
-    under ``root`` (standalone_cluster runs one)."""
+    under ``root`` (standalone_cluster runs one); ``daemon_java_opts`` for the master's
+    and workers' JVMs."""
 
     def __init__(
         self,
@@ -73,6 +74,7 @@ class StandaloneCluster:
         cores: int = 1,
         memory: str = "1g",
         defaults: dict[str, str] | None = None,
+        daemon_java_opts: str = "",
     ) -> None:
         self.root = root
         self.workers = workers
@@ -83,6 +85,8 @@ class StandaloneCluster:
         # spark-defaults.conf, so a command run as an operator types it gets them too.
         self.conf_dir = root / "conf"
         self.env = spark_env({"SPARK_CONF_DIR": str(self.conf_dir)})
+        if daemon_java_opts:  # the master's and workers' JVMs (spark-class reads it)
+            self.env["SPARK_DAEMON_JAVA_OPTS"] = daemon_java_opts
         self.port = free_port()
         self.ui_port = free_port()
         self.daemons: list[subprocess.Popen[bytes]] = []

@@ -40,12 +40,16 @@ DEFAULTS = {
     "spark.driver.memory": "1g",
     "spark.executor.extraJavaOptions": "-XX:TieredStopAtLevel=1",
 }
+# The master and the workers: C1 only and the serial collector start a daemon JVM in
+# well under half the time on a busy 2-core machine (the cluster came up in ~11 s
+# instead of ~25-36 s), and they only pass messages.
+DAEMON_JAVA_OPTS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("spark-standalone")
-    with standalone_cluster(root, defaults=DEFAULTS) as started:
+    with standalone_cluster(root, defaults=DEFAULTS, daemon_java_opts=DAEMON_JAVA_OPTS) as started:
         yield started
     assert not started.processes(), "a process of the cluster outlived it"
 

@@ -26,6 +26,10 @@ from tests.delivery_pipeline import (
     received_ids,
 )
 
+# In-process with recording targets: nothing real to wait for but the store's worker
+# threads, which hold virtual time (tests/conftest.py).
+pytestmark = pytest.mark.instant_autojump
+
 MINUTE = 60_000
 
 

@@ -280,6 +280,7 @@ async def test_delivered_messages_are_held_until_their_entries_find_room(clock):
         assert len(target.received) == 5  # each sent once: nothing resent for the wait
 
 
+@pytest.mark.instant_autojump
 async def test_a_broker_disk_full_is_retried_without_dead_lettering(clock):
     target = RecordingTarget("a", refuse=ResultCode.DISK_FULL)
     fs = sim()

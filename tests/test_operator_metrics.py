@@ -21,10 +21,10 @@ HOUR_MS = 60 * MINUTE_MS
 DAY_MS = 24 * HOUR_MS
 
 # delay -> messages. Each delay sits well inside its band, so the band does not depend
-# on when the test scrapes: 8 s is delivered during the test, 45 s is not (it would
+# on when the test scrapes: 4 s is delivered during the test, 45 s is not (it would
 # be, were the test ever 40 s slower).
 WORKLOAD = {
-    8 * SECOND_MS: 2,
+    4 * SECOND_MS: 2,
     45 * SECOND_MS: 3,
     5 * MINUTE_MS: 4,
     30 * MINUTE_MS: 5,
@@ -68,9 +68,9 @@ def test_pending_by_horizon_follows_schedule_and_dispatch_logs(procs, tmp_path):
     assert all(r.code.is_success for r in results)
     poll(lambda: pending(server) == BANDS, 5, f"pending == {BANDS}")
 
-    # The oldest undelivered bucket is that of the 8 s messages.
+    # The oldest undelivered bucket is that of the 4 s messages.
     first_due = min(r.due_ms for r in results)
-    assert first_due >= sent_at_ms + 8 * SECOND_MS
+    assert first_due >= sent_at_ms + 4 * SECOND_MS
     oldest = "delayd_store_oldest_undelivered_bucket_start_timestamp_seconds"
     assert server.metrics()[oldest] == bucket_of(first_due, 1) / 1000
 
