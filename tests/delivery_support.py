@@ -24,7 +24,7 @@ import delayd
 from delayd.errors import DelaydError, ProtocolError
 from delayd.logs import layout
 from delayd.logs.buckets import parse_bucket_name
-from delayd.logs.dispatch_log import DispatchEntry, EntryKind, decode_entry
+from delayd.logs.dispatch_log import FATES, DispatchEntry, EntryKind, decode_entry
 from delayd.protocol import (
     ConnectionClosed,
     Message,
@@ -265,7 +265,7 @@ def dispatched_count(data_dir: Path) -> int:
         (bucket, e.offset)
         for bucket, entries in read_dispatch_log(data_dir).items()
         for e in entries
-        if e.kind is not EntryKind.COMPLETE
+        if e.kind in FATES
     ]
     twice = sorted(p for p, n in Counter(places).items() if n > 1)
     assert not twice, f"{len(twice)} records with two dispatch_log entries: {twice[:5]}"

@@ -343,7 +343,7 @@ def test_dispatch_log_damage(tmp_path, verify):
     root = str(tmp_path)
     path = dispatch_file(root, 10)
     with RecordFile.open(path) as record_file:
-        unknown_kind = record_file.append_batch([encode_entry(1, 2, b"g")], 9)[0]
+        unknown_kind = record_file.append_batch([encode_entry(1, 2, b"g")], 99)[0]
         wrong_size = record_file.append_batch([b"x" * 31])[0]
         not_ascii = record_file.append_batch([encode_entry(1, 2, b"\xe9t\xe9")])[0]
         after = record_file.append_batch([encode_entry(5000, 3, b"g")])[0]
