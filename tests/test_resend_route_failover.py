@@ -47,6 +47,9 @@ DELAY_ENV = {**BROKER_ENV, "DELAYD_CLUSTER_ACK": "sync"}
 
 
 class Cluster:
+    """A cluster of its own on the session's etcd: single-member broker groups and the
+    two members of delay group d1 (ack = sync), which never flush dispatch_log."""
+
     def __init__(self, tmp_path: Path, etcd: EtcdServer) -> None:
         self.name = f"c{uuid.uuid4().hex[:10]}"
         self.etcd = etcd

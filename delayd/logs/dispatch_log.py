@@ -40,8 +40,9 @@ The frame's type byte says what the entry is:
                       ``offset`` packs ``count << 32 | weight`` (count: the groups in the
                       set; a set is ``count`` consecutive ROUTE entries of one ``at_ms``;
                       count 0 with ``group`` empty is the empty set). Written before the
-                      bucket's first send, durable (and in a group acknowledged) before
-                      it; the first whole set of a file is the bucket's, for good
+                      bucket's first send, durable (and in a group copied by the in-sync
+                      followers) before it; the first whole set of a file is the
+                      bucket's, for good
     ROUTED         9  the record at ``offset`` is sent to ``group``, not where the
                       route set puts it (a circuit open, a group added or drained since),
                       written durable before that send; the last one of an offset counts

@@ -52,10 +52,10 @@ a bucket's first send its **route set** (the groups taking deliveries, with thei
 weights) is recorded in its dispatch_log (ROUTE entries), and before a message is sent
 anywhere but the set's rendezvous choice (a circuit open, a group added or drained
 since) that group is recorded for it (ROUTED): both durable, and in a replicated group
-acknowledged (``acknowledge``), before the send. The common send — to the set's first
-choice, in a bucket already recorded — records nothing and waits for nothing. A message
-an earlier run may have sent waits for the group its bucket's records route it to as
-for an unanswered send (``doubt_hold_ms``).
+copied by the in-sync followers (``acknowledge``), before the send. The common send —
+to the set's first choice, in a bucket already recorded — records nothing and waits
+for nothing. A message an earlier run may have sent waits for the group its bucket's
+records route it to as for an unanswered send (``doubt_hold_ms``).
 """
 
 from __future__ import annotations
