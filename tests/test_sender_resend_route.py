@@ -12,6 +12,7 @@ import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
 
+import pytest
 import trio
 
 from delayd.logs.dispatch_log import (
@@ -28,6 +29,7 @@ from delayd.sender.retry import RetryPolicy
 from delayd.sender.routing import GroupWeight, Router
 from delayd.sender.sender import SenderConfig
 from delayd.sender.targets import TargetUnavailable
+from delayd.server.config import ConfigError, config_from_mapping
 from delayd.server.pending import PendingCounts
 from storage.fs import REAL_FS
 from storage.record_file import RecordFile
@@ -239,3 +241,9 @@ def test_routing_entries_are_no_fate_for_lookups_nor_for_the_pending_count(tmp_p
     counts.on_scheduled(T0, [0, 41], [T0, T0])
     counts.add_entries(T0, [(EntryKind.ROUTE.value, 1 << 32 | 1), (EntryKind.ROUTED.value, 41)])
     assert counts.total == 2
+
+
+def test_a_weight_a_route_entry_cannot_hold_is_refused():
+    group = {"name": "a", "addresses": ["127.0.0.1:1"], "weight": 2**32}
+    with pytest.raises(ConfigError, match=r"weight must be 1\.\.4294967295"):
+        config_from_mapping({"broker_groups": [group]})

@@ -107,6 +107,7 @@ FATES = frozenset(
 ROUTING = frozenset({EntryKind.ROUTE, EntryKind.ROUTED})
 _ROUTE_COUNT_SHIFT = 32
 _ROUTE_WEIGHT_MASK = (1 << _ROUTE_COUNT_SHIFT) - 1
+MAX_ROUTE_WEIGHT = _ROUTE_WEIGHT_MASK  # a ROUTE entry holds a group's weight in 32 bits
 
 RouteSet = tuple[tuple[str, int], ...]
 """A route set: (broker group name, weight) pairs, sorted by name."""
@@ -173,7 +174,7 @@ def encode_route_set(route_set: RouteSet, at_ms: int) -> list[bytes]:
         return [encode_entry(0, at_ms)]
     payloads = []
     for name, weight in route_set:
-        if not 1 <= weight <= _ROUTE_WEIGHT_MASK:
+        if not 1 <= weight <= MAX_ROUTE_WEIGHT:
             raise ValueError(f"broker group {name!r}: weight {weight} is not in 1..2**32-1")
         payloads.append(encode_entry(count | weight, at_ms, check_group_name(name)))
     return payloads
