@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import trio
 
 from delayd.logs import layout, message_log, tombstone
-from delayd.logs.dispatch_log import DispatchEntry, EntryKind, decode_records
+from delayd.logs.dispatch_log import FATES, DispatchEntry, decode_records
 from delayd.logs.message_log import MessageRecord
 from delayd.protocol import Message, SendResult
 from delayd.protocol.codes import ResultCode
@@ -216,5 +216,5 @@ def dispatched_offsets(data: str) -> list[tuple[str, int]]:
         (name, e.offset)
         for name, entries in dispatch_entries(data).items()
         for e in entries
-        if e.kind is not EntryKind.COMPLETE
+        if e.kind in FATES
     ]

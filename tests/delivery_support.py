@@ -24,7 +24,7 @@ import delayd
 from delayd.errors import DelaydError, ProtocolError
 from delayd.logs import layout
 from delayd.logs.buckets import parse_bucket_name
-from delayd.logs.dispatch_log import DispatchEntry, EntryKind, decode_entry
+from delayd.logs.dispatch_log import FATES, DispatchEntry, EntryKind, decode_entry
 from delayd.protocol import (
     ConnectionClosed,
     Message,
@@ -265,7 +265,7 @@ def dispatched_count(data_dir: Path) -> int:
         (bucket, e.offset)
         for bucket, entries in read_dispatch_log(data_dir).items()
         for e in entries
-        if e.kind is not EntryKind.COMPLETE
+        if e.kind in FATES
     ]
     twice = sorted(p for p, n in Counter(places).items() if n > 1)
     assert not twice, f"{len(twice)} records with two dispatch_log entries: {twice[:5]}"
@@ -274,7 +274,7 @@ def dispatched_count(data_dir: Path) -> int:
 
 def check_dispatch_log(data_dir: Path) -> dict[str, tuple[Scheduled, DispatchEntry]]:
     """Hold dispatch_log to schedule_log (server stopped): every schedule_log record has
-    exactly one entry (dispatched or dead-lettered), no entry names an offset that holds
+    exactly one fate (dispatched or dead-lettered), no entry names an offset that holds
     no record, and every COMPLETE mark covers only records that have their entry.
     Returns (schedule record, entry) by message id."""
     scheduled = read_schedule_log(data_dir)
@@ -290,7 +290,12 @@ def check_dispatch_log(data_dir: Path) -> dict[str, tuple[Scheduled, DispatchEnt
                 missing = [o for o in below if o not in done]
                 assert not missing, f"bucket {bucket}: COMPLETE at {entry.offset} before {missing}"
                 continue
+            if entry.kind is EntryKind.ROUTE:  # the bucket's route set: no record's
+                continue
             place = (bucket, entry.offset)
+            if entry.kind is EntryKind.ROUTED:  # where a send went: not its fate
+                assert place in by_place, f"ROUTED entry for no schedule record: {entry}"
+                continue
             seen[place] += 1
             done.add(entry.offset)
             assert place in by_place, f"dispatch_log entry for no schedule record: {entry}"

@@ -221,6 +221,8 @@ def test_summary_counts_what_was_written(written, capsys):
         "complete": 1,
         "rescheduled": 0,
         "not_moved": 0,
+        "route": 0,
+        "routed": 0,
     }
     assert buckets[first.name]["dispatch_log"]["bytes"] == 5 * (HEADER_SIZE + 32)
     assert [buckets[b.name]["undispatched"] for b in (first, second, third)] == [0, 2, 3]
@@ -520,7 +522,7 @@ def test_zero_filled_tail_is_torn_and_an_unreadable_entry_is_corrupt(written, ca
     second = written.bucket(1)
     dispatch_path = written.path("dispatch_log", second.name)
     with RecordFile.open(dispatch_path) as dispatch:  # a crc that holds, a type unknown
-        position = dispatch.append(encode_entry(0, T), 9)
+        position = dispatch.append(encode_entry(0, T), 99)
     doc = inspect_json(capsys, written.data, "summary")
     assert [(d["kind"], d["file"], d["position"]) for d in doc["damages"]] == [
         ("corrupt", dispatch_path, position),

@@ -20,7 +20,7 @@ from typing import Generic, TypeVar
 from delayd.inspect.files import CORRUPT, TORN_TAIL, Damage, FileEnd, records_of, scan_file
 from delayd.logs import dispatch_log, layout, message_log, schedule_log
 from delayd.logs.buckets import parse_bucket_name
-from delayd.logs.dispatch_log import DispatchEntry, EntryKind
+from delayd.logs.dispatch_log import FATES, DispatchEntry, EntryKind
 from delayd.logs.log_files import (
     DISPATCH_LOG,
     MESSAGE_LOG,
@@ -103,10 +103,11 @@ class DispatchFile:
     end: FileEnd
 
     def by_offset(self) -> dict[int, list[DispatchEntry]]:
-        """The entries naming each schedule_log offset (COMPLETE marks left out)."""
+        """The fates of each schedule_log offset (COMPLETE marks, ROUTE and ROUTED
+        entries left out: they are no record's fate)."""
         out: dict[int, list[DispatchEntry]] = {}
         for _, entry in self.entries:
-            if entry.kind is not EntryKind.COMPLETE:
+            if entry.kind in FATES:
                 out.setdefault(entry.offset, []).append(entry)
         return out
 

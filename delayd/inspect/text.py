@@ -39,6 +39,8 @@ KIND_WORDS = {
     EntryKind.COMPLETE: "complete",
     EntryKind.RESCHEDULED: "rescheduled",
     EntryKind.NOT_MOVED: "not moved",
+    EntryKind.ROUTE: "route set",
+    EntryKind.ROUTED: "routed",
 }
 
 

@@ -13,10 +13,13 @@ from collections.abc import Callable, Sequence
 
 from delayd.logs.bucket_files import BucketFiles
 from delayd.logs.dispatch_log import (
+    BucketRoutes,
     DispatchState,
     EntryKind,
+    RouteSet,
     decode_records,
     encode_entry,
+    encode_route_set,
     read_state,
 )
 from storage.descriptor_limit import soft_descriptor_limit
@@ -51,6 +54,9 @@ class DispatchFiles:
             max_retired = retired_budget()
         self.files = BucketFiles(directory, fs=fs, max_open=max_open, max_retired=max_retired)
         self._checked: set[int] = set()  # buckets whose file this process has scanned
+        # What each bucket's file says of routing, kept from its first read (the
+        # loader's, at begin) and brought up to date by what is recorded since.
+        self._routes: dict[int, BucketRoutes] = {}
         self.entries_written = 0
         # Called on the event loop after a flush made entries durable (a group's leader
         # then sends them to its followers: delayd.replication.streams).
@@ -73,9 +79,37 @@ class DispatchFiles:
         """What the bucket's file says (nothing, when it has no file). Raises
         CorruptionError for damage a crash cannot explain."""
         if not self.files.exists(bucket_ms) and bucket_ms not in self._checked:
-            return read_state(())
-        record_file = self._file(bucket_ms)
-        return read_state(decode_records(record_file.iter_from(0), record_file.path))
+            state = read_state(())
+        else:
+            record_file = self._file(bucket_ms)
+            state = read_state(decode_records(record_file.iter_from(0), record_file.path))
+        self._routes[bucket_ms] = state.routes
+        return state
+
+    def routes(self, bucket_ms: int) -> BucketRoutes:
+        """What the bucket's file says of routing (read once, then kept up to date by
+        ``record_route_set`` and ``record`` of ROUTED). Raises CorruptionError as
+        ``state`` does."""
+        routes = self._routes.get(bucket_ms)
+        if routes is None:
+            routes = self.state(bucket_ms).routes
+        return routes
+
+    def known_routes(self, bucket_ms: int) -> BucketRoutes | None:
+        """``routes`` when the bucket's file was read already, else None (no I/O)."""
+        return self._routes.get(bucket_ms)
+
+    def record_route_set(self, bucket_ms: int, route_set: RouteSet, at_ms: int) -> RouteSet:
+        """Record ``route_set`` as the bucket's unless it has one; the bucket's set
+        (durable after ``flush``). Raises ValueError as ``encode_route_set``."""
+        routes = self.routes(bucket_ms)
+        if routes.route_set is None:
+            payloads = encode_route_set(route_set, at_ms)
+            self._file(bucket_ms)
+            self.files.append_batch(bucket_ms, payloads, EntryKind.ROUTE)
+            self.entries_written += len(payloads)
+            routes.route_set = route_set
+        return routes.route_set
 
     def record(
         self, bucket_ms: int, kind: EntryKind, offsets: Sequence[int], at_ms: int, group: bytes
@@ -83,6 +117,8 @@ class DispatchFiles:
         """Append one entry per schedule_log offset (durable after ``flush``)."""
         payloads = [encode_entry(offset, at_ms, group) for offset in offsets]
         self._file(bucket_ms)  # a first touch checks the file: appends follow no torn tail
+        if kind is EntryKind.ROUTED:
+            self.routes(bucket_ms).deviations.update(dict.fromkeys(offsets, group.decode()))
         self.files.append_batch(bucket_ms, payloads, kind)
         self.entries_written += len(payloads)
 
@@ -96,12 +132,14 @@ class DispatchFiles:
         that it was checked: a file of that name created later is new."""
         self.files.close_bucket(bucket_ms)
         self._checked.discard(bucket_ms)
+        self._routes.pop(bucket_ms, None)
 
     def forget_all(self) -> None:
         """Flush and close every file and forget which were checked: the files may have
         been written by someone else meanwhile (a follower copying the leader's)."""
         self.files.close()
         self._checked.clear()
+        self._routes.clear()
 
     @property
     def dirty(self) -> bool:
@@ -112,3 +150,4 @@ class DispatchFiles:
 
     def close(self) -> None:
         self.files.close()
+        self._routes.clear()

@@ -36,9 +36,26 @@ The frame's type byte says what the entry is:
                       never delivered, and the id's current record is the one before it.
                       Replay appends the copy on every member of a group; the leader's
                       decision lives here (docs/cancel.md, "Reschedules and replication")
+    ROUTE          8  one broker group of the bucket's **route set**: ``group`` its name,
+                      ``offset`` packs ``count << 32 | weight`` (count: the groups in the
+                      set; a set is ``count`` consecutive ROUTE entries of one ``at_ms``;
+                      count 0 with ``group`` empty is the empty set). Written before the
+                      bucket's first send, durable (and in a group copied by the in-sync
+                      followers) before it; the first whole set of a file is the
+                      bucket's, for good
+    ROUTED         9  the record at ``offset`` is sent to ``group``, not where the
+                      route set puts it (a circuit open, a group added or drained since),
+                      written durable before that send; the last one of an offset counts
 
-An offset has one entry, except after a crash (an entry repeated by replay, or a resend
-whose DISPATCHED entry was lost): readers take the first entry of an offset as its fate.
+ROUTE and ROUTED say where a send went, not what became of the record (``FATES`` are
+the others): after a crash, a record without a fate is sent again to its last ROUTED
+group, else to the rendezvous choice of the bucket's route set — where the first send
+went, so that broker drops the copy (docs/cluster.md, "A resend after a failover").
+Files written before these kinds existed have none: their records are routed by the
+groups of the moment, as then.
+
+An offset has one fate, except after a crash (an entry repeated by replay, or a resend
+whose DISPATCHED entry was lost): readers take the first fate of an offset.
 
 ``group`` is the broker group's name in ASCII, NUL-padded (names are at most 16 bytes;
 delayd.server.config checks). The name is stored, not an index into a table, so that
@@ -48,8 +65,8 @@ the file means the same thing after the configuration changes.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from enum import IntEnum
 
 from storage.errors import CorruptionError
@@ -73,6 +90,27 @@ class EntryKind(IntEnum):
     COMPLETE = 5
     RESCHEDULED = 6
     NOT_MOVED = 7
+    ROUTE = 8
+    ROUTED = 9
+
+
+# The kinds that say what became of a record (ROUTE, ROUTED and COMPLETE do not).
+FATES = frozenset(
+    {
+        EntryKind.DISPATCHED,
+        EntryKind.DEAD_LETTERED,
+        EntryKind.CANCELLED,
+        EntryKind.RESCHEDULED,
+        EntryKind.NOT_MOVED,
+    }
+)
+ROUTING = frozenset({EntryKind.ROUTE, EntryKind.ROUTED})
+_ROUTE_COUNT_SHIFT = 32
+_ROUTE_WEIGHT_MASK = (1 << _ROUTE_COUNT_SHIFT) - 1
+MAX_ROUTE_WEIGHT = _ROUTE_WEIGHT_MASK  # a ROUTE entry holds a group's weight in 32 bits
+
+RouteSet = tuple[tuple[str, int], ...]
+"""A route set: (broker group name, weight) pairs, sorted by name."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,20 +165,48 @@ def decode_entry(
 _KINDS = {kind.value: kind for kind in EntryKind}
 
 
+def encode_route_set(route_set: RouteSet, at_ms: int) -> list[bytes]:
+    """The payloads of the ROUTE entries recording ``route_set`` (one entry for the
+    empty set). Raises ValueError for a name ``check_group_name`` refuses or a weight
+    outside 1..2**32-1."""
+    count = len(route_set) << _ROUTE_COUNT_SHIFT
+    if not route_set:
+        return [encode_entry(0, at_ms)]
+    payloads = []
+    for name, weight in route_set:
+        if not 1 <= weight <= MAX_ROUTE_WEIGHT:
+            raise ValueError(f"broker group {name!r}: weight {weight} is not in 1..2**32-1")
+        payloads.append(encode_entry(count | weight, at_ms, check_group_name(name)))
+    return payloads
+
+
 def decode_records(records: Iterable[Record], path: str) -> Iterator[DispatchEntry]:
     for record in records:
         yield decode_entry(record.type, record.payload, path, record.offset)
 
 
 @dataclass(slots=True)
+class BucketRoutes:
+    """What a bucket's dispatch_log says of its sends: its route set (None: no send
+    recorded one, e.g. a file of an older version), the last ROUTED group of each
+    offset that has one, and whether the set was read from the file (``earlier``: a
+    run before this one may have sent from the bucket) rather than recorded since."""
+
+    route_set: RouteSet | None = None
+    deviations: dict[int, str] = field(default_factory=dict)
+    earlier: bool = False
+
+
+@dataclass(slots=True)
 class DispatchState:
-    """What a bucket's dispatch_log says: the schedule_log offsets that have an entry
-    (dispatched, dead-lettered or cancelled) and the length the last COMPLETE mark
-    covers (None without one)."""
+    """What a bucket's dispatch_log says: the schedule_log offsets that have a fate
+    (dispatched, dead-lettered, cancelled, moved), the length the last COMPLETE mark
+    covers (None without one), and its routes."""
 
     done: set[int]
     complete_up_to: int | None
     entries: int
+    routes: BucketRoutes = field(default_factory=BucketRoutes)
 
 
 def read_last_entry(fs: FileSystem, path: str) -> DispatchEntry | None:
@@ -168,7 +234,7 @@ _OFFSET_AT = HEADER_SIZE  # the entry's offset field is the first of its payload
 
 
 def find_entry(fs: FileSystem, path: str, offset: int) -> DispatchEntry | None:
-    """The first entry (not COMPLETE) for schedule_log ``offset`` in a dispatch_log file,
+    """The first fate (``FATES``) of schedule_log ``offset`` in a dispatch_log file,
     or None. Reads the file once and lets ``bytes.find`` look for the offset field, so
     a bucket of a million entries (41 MB) is searched in C; CRCs are checked on the
     matches only. A torn tail is ignored. Raises CorruptionError for a matching entry
@@ -191,7 +257,7 @@ def find_entry(fs: FileSystem, path: str, offset: int) -> DispatchEntry | None:
             payload = data[start + HEADER_SIZE : start + FRAMED_SIZE]
             if length == ENTRY_SIZE and crc == crc32c(payload, type_seed(rtype)):
                 entry = decode_entry(rtype, payload, path, start)
-                if entry.kind is not EntryKind.COMPLETE:
+                if entry.kind in FATES:
                     return entry
         at = data.find(needle, at + 1, whole)
     return None
@@ -201,10 +267,38 @@ def read_state(entries: Iterable[DispatchEntry]) -> DispatchState:
     """Fold a bucket's entries (e.g. ``decode_records(record_file.iter_from(0), path)``
     of a RecordFile, which cut any torn tail when it opened) into a DispatchState."""
     state = DispatchState(set(), None, 0)
+    routes = state.routes
+    run: list[DispatchEntry] = []  # the ROUTE entries of the set being read
     for entry in entries:
         state.entries += 1
-        if entry.kind is EntryKind.COMPLETE:
+        kind = entry.kind
+        if kind is EntryKind.ROUTE:
+            if routes.route_set is None:
+                run = _route_run(run, entry)
+                if len(run) == entry.offset >> _ROUTE_COUNT_SHIFT or not entry.group:
+                    routes.route_set, routes.earlier = _route_set_of(run), True
+            continue
+        run = []  # a set cut short by a crash is no set
+        if kind is EntryKind.COMPLETE:
             state.complete_up_to = entry.offset
+        elif kind is EntryKind.ROUTED:
+            routes.deviations[entry.offset] = entry.group
         else:
             state.done.add(entry.offset)
     return state
+
+
+def _route_run(run: list[DispatchEntry], entry: DispatchEntry) -> list[DispatchEntry]:
+    """``run`` with ROUTE ``entry`` added, or a new run when it starts another set."""
+    if run and (
+        run[0].at_ms != entry.at_ms
+        or run[0].offset >> _ROUTE_COUNT_SHIFT != entry.offset >> _ROUTE_COUNT_SHIFT
+        or any(e.group == entry.group for e in run)
+    ):
+        run = []
+    run.append(entry)
+    return run
+
+
+def _route_set_of(run: Sequence[DispatchEntry]) -> RouteSet:
+    return tuple(sorted((e.group, e.offset & _ROUTE_WEIGHT_MASK) for e in run if e.group))

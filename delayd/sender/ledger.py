@@ -72,7 +72,9 @@ class Item:
         "message_id",
         "offset",
         "payload",
+        "planned",
         "reason",
+        "route",
         "sending",
         "subject",
         "watchers",
@@ -104,6 +106,12 @@ class Item:
         self.doubt_group: str | None = None  # the group of that broker (Sender._route)
         self.doubt_since_ms = 0  # when that batch failed first
         self.withdrawn = False  # cancelled or moved: skipped wherever it still sits
+        # The route set under which Sender._route chose its group as the first choice
+        # (None: it chose another, or a held group).
+        self.planned: tuple | None = None
+        # The group dispatch_log routes it to (a resend after a crash goes there), once
+        # the sender looked: its last ROUTED entry, else its bucket's route set's choice.
+        self.route: str | None = None
         self.watchers: list[tuple[bool, Watcher]] | None = None  # (withdraw on refusal, cb)
 
     @property

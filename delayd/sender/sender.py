@@ -44,6 +44,18 @@ A message that an earlier run may have sent (due before this sender started, wit
 dispatch_log entry: its entry may have been lost with the unflushed tail, or its batch
 was in flight at the crash) is in doubt wherever it is (``watch_earlier``). It is sent
 as usual and never withdrawn.
+
+Where a resend goes (docs/cluster.md, "A resend after a failover"): a broker drops
+only the ids it holds itself, so a message sent again after a crash or a failover must
+reach the group its first send went to, whatever the broker groups are by then. Before
+a bucket's first send its **route set** (the groups taking deliveries, with their
+weights) is recorded in its dispatch_log (ROUTE entries), and before a message is sent
+anywhere but the set's rendezvous choice (a circuit open, a group added or drained
+since) that group is recorded for it (ROUTED): both durable, and in a replicated group
+copied by the in-sync followers (``acknowledge``), before the send. The common send —
+to the set's first choice, in a bucket already recorded — records nothing and waits
+for nothing. A message an earlier run may have sent waits for the group its bucket's
+records route it to as for an unanswered send (``doubt_hold_ms``).
 """
 
 from __future__ import annotations
@@ -51,20 +63,21 @@ from __future__ import annotations
 import logging
 import random
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 
 import trio
 
 from delayd.logs.dispatch_files import DispatchFiles
-from delayd.logs.dispatch_log import EntryKind, check_group_name
+from delayd.logs.dispatch_log import EntryKind, RouteSet, check_group_name
 from delayd.logs.schedule_reader import ScheduleReader
 from delayd.nowait_acquire import holding
 from delayd.sender.circuit import CircuitBreaker, CircuitState
 from delayd.sender.histogram import Histogram
 from delayd.sender.ledger import Item, Ledger, Watcher, Withdrawal
 from delayd.sender.retry import RetryPolicy, dead_letter_subject
+from delayd.sender.route_sets import RouteSets, route_set_of
 from delayd.sender.routing import GroupWeight, Router
 from delayd.sender.targets import SendTarget, TargetUnavailable
 from delayd.sender.wire import encode_batch
@@ -115,6 +128,14 @@ class GroupStatistics:
     dead_lettered: int = 0
 
 
+class RoutesNotRecorded(TargetUnavailable):
+    """A batch's routes could not be made durable (or acknowledged by the group) before
+    its send: nothing was sent."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, nothing_stored=True)
+
+
 class _Group:
     def __init__(self, target: SendTarget, weight: int, config: SenderConfig) -> None:
         self.name = target.name
@@ -163,6 +184,15 @@ class Sender:
             raise ValueError("broker group names must be unique")
         self._seed = seed
         self._router = self._new_router()
+        self._route_sets = RouteSets()
+        self._route_set = self._current_route_set()
+        # Buckets whose route set is durable and acknowledged in this run.
+        self._routes_acked: set[int] = set()
+        self._routing = trio.Lock()  # one batch at a time records routes
+        self._denied = [0]  # groups of the route set passed over by routing (a count)
+        # Waits until the group acknowledged the dispatch_log buckets (start ms) up to
+        # what is durable here; False when this member may no longer lead. None alone.
+        self.acknowledge: Callable[[Collection[int]], Awaitable[bool]] | None = None
         self.manager = manager
         self.reader = reader
         self.dispatch = dispatch
@@ -187,6 +217,11 @@ class Sender:
         weights = [GroupWeight(g.name, g.weight) for g in self._groups.values()]
         return Router(weights, seed=self._seed)
 
+    def _current_route_set(self) -> RouteSet:
+        """The groups taking new deliveries now, interned."""
+        groups = route_set_of((g.name, g.weight) for g in self._groups.values() if g.accepting)
+        return self._route_sets.intern(groups)
+
     # ------------------------------------------------------------------ groups
 
     @property
@@ -201,6 +236,7 @@ class Sender:
             raise ValueError(f"broker group {target.name!r} is already a target")
         group = self._groups[target.name] = _Group(target, weight, self.config)
         self._router = self._new_router()
+        self._route_set = self._current_route_set()
         if self._nursery is not None:
             self._nursery.start_soon(self._group_loop, group)
         if self.ledger.parked:
@@ -219,6 +255,7 @@ class Sender:
         if group.accepting == accepting:
             return
         group.accepting = accepting
+        self._route_set = self._current_route_set()
         log.info("broker group %s: %s", name, "takes deliveries" if accepting else "drained")
         if accepting:
             if self.ledger.parked:
@@ -280,7 +317,27 @@ class Sender:
     def _take(self, items: list[Item]) -> None:
         """Hold the items read for released entries (except those withdrawn meanwhile)
         and route them."""
-        self._route(self.ledger.take(items), None)
+        items = self.ledger.take(items)
+        started_ms = self.started_ms
+        if started_ms is not None:
+            for item in items:
+                if item.due_ms < started_ms:
+                    self._resend_where_recorded(item)
+        self._route(items, None)
+
+    def _resend_where_recorded(self, item: Item) -> None:
+        """An earlier run may have sent ``item``: if its bucket's dispatch_log says
+        where (a route set an earlier run recorded), it waits for that group as for an
+        unanswered send (doubt_hold_ms), and goes elsewhere only after a ROUTED entry."""
+        routes = self.dispatch.known_routes(item.bucket_ms)  # read when its load began
+        if routes is None or not routes.earlier or item.doubt_group is not None:
+            return
+        route = routes.deviations.get(item.offset)
+        if route is None:
+            route = self._route_sets.first_choice(routes.route_set, _route_key(item))
+        item.route = route
+        if route is not None:
+            item.doubt_group, item.doubt_since_ms = route, self.clock()
 
     async def _read(self, refs) -> list[Item]:
         """The records of the wheel refs; many are read in a worker thread."""
@@ -313,6 +370,8 @@ class Sender:
         now_ms = self.clock()
         limit = self.config.group_queue_limit
         queues, resend_queues = {}, {}
+        route_set_names = {name for name, _ in self._route_set}
+        denied = self._denied
         for name, group in self._groups.items():
             if not group.takes_resends:
                 continue
@@ -330,7 +389,11 @@ class Sender:
             """Whether group ``name`` takes a batch now: a new one (``accepting``), or
             with ``resend`` the resend of messages it may hold (``takes_resends``)."""
             queue = (resend_queues if resend else queues).get(name)
-            return queue is not None and len(queue) < limit
+            if queue is not None and len(queue) < limit:
+                return True
+            if not resend and name in route_set_names:
+                denied[0] += 1  # a group of the route set passed over: not its first choice
+            return False
 
         return usable
 
@@ -341,6 +404,7 @@ class Sender:
         choose, usable = self._router.choose, self._usable_now()
         now_ms = self.clock()
         exclude = () if failed_group is None else (failed_group,)
+        route_set, denied = self._route_set, self._denied
         touched = set()
         for item in items:
             if item.withdrawn:
@@ -363,12 +427,15 @@ class Sender:
                     self.ledger.park(item)
                 continue
             route_key = item.message_id if item.key is None else item.key
+            passed_over = denied[0]
             name = choose(route_key, usable, exclude)
             if name is None and exclude:
                 name = choose(route_key, usable)
             if name is None:
                 self.ledger.park(item)
                 continue
+            # Every group of the set was there to choose: the set's first choice.
+            item.planned = route_set if not exclude and denied[0] == passed_over else None
             group = self._groups[name]
             group.queue.append(item)
             touched.add(group)
@@ -457,12 +524,20 @@ class Sender:
         ok = False
         failure = "the send was cancelled or failed"
         try:
+            if self._routes_unrecorded(group, batch):
+                await self._record_routes(group, batch)
             if group.send_encoded is not None:
                 results = await group.send_encoded(encode_batch(batch, now_ms))
             else:
                 messages = [item.message(now_ms) for item in batch]
                 results = await group.target.send_batch(messages)
             ok = True
+        except RoutesNotRecorded as exc:
+            failure = str(exc)
+            for item in batch:
+                item.sending = False
+            self._retry(batch, group, failure, count_attempt=False)
+            return
         except TargetUnavailable as exc:
             failure = str(exc)
             group.stats.failed += len(batch)
@@ -489,6 +564,85 @@ class Sender:
             full = outcomes.disk_full
             group.stats.failed += len(full)
             self._retry(full, group, full[0].reason, count_attempt=False)
+
+    def _routes_unrecorded(self, group: _Group, batch: list[Item]) -> bool:
+        """Whether a resend of some message of ``batch`` after a crash would not go to
+        ``group`` by what dispatch_log says now (its bucket's route set is not recorded
+        and acknowledged yet, or routes it elsewhere): then ``_record_routes`` first.
+        The common batch — first choices under the current set, in buckets recorded
+        under it — is answered by an identity test per message."""
+        name, acked, routes_of = group.name, self._routes_acked, self.dispatch.known_routes
+        bucket_ms, routes = None, None
+        for item in batch:
+            if item.bucket_ms != bucket_ms:
+                bucket_ms = item.bucket_ms
+                routes = routes_of(bucket_ms) if bucket_ms in acked else None
+                if routes is None:
+                    return True
+            if item.route is not None:
+                if item.route != name:
+                    return True
+            elif item.planned is not routes.route_set or item.offset in routes.deviations:
+                return True
+        return False
+
+    async def _record_routes(self, group: _Group, batch: list[Item]) -> None:
+        """Make dispatch_log route every message of ``batch`` to ``group``: the route
+        set of each bucket that has none (the current one), and a ROUTED entry for each
+        message that it routes elsewhere; flushed and, in a replicated group,
+        acknowledged before the send. A full disk does not stop the send (nor does it
+        stop the entries' writer: docs/operations.md, "A full disk"): the batch goes
+        without the records that did not fit. Raises RoutesNotRecorded when this member
+        may no longer lead (nothing is sent)."""
+        async with self._routing:
+            async with holding(self.dispatch_lock):
+                try:
+                    buckets = self._write_routes(group, batch, self.clock())
+                except DiskFullError as exc:
+                    self.refusals.refuse(DISPATCH_LOG, exc)
+                    return
+            if not buckets:
+                return
+            await self.flush()
+            if self.acknowledge is not None and not await self.acknowledge(buckets):
+                raise RoutesNotRecorded(
+                    f"broker group {group.name}: the group did not acknowledge the routes "
+                    "of a batch (this member may no longer lead)"
+                )
+            self._routes_acked.update(buckets)
+
+    def _write_routes(self, group: _Group, batch: list[Item], now_ms: int) -> set[int]:
+        """Append what ``_record_routes`` needs; the buckets to flush and have
+        acknowledged. ``item.route`` follows what is written. Call with the dispatch
+        lock held; raises DiskFullError (what was written stays, and counts)."""
+        name, dispatch, route_sets = group.name, self.dispatch, self._route_sets
+        buckets: set[int] = set()
+        elsewhere: dict[int, list[Item]] = {}
+        for item in batch:
+            bucket_ms = item.bucket_ms
+            routes = dispatch.routes(bucket_ms)
+            if routes.route_set is None:
+                dispatch.record_route_set(bucket_ms, self._route_set, now_ms)
+            routes.route_set = route_set = route_sets.intern(routes.route_set)
+            if bucket_ms not in self._routes_acked:
+                buckets.add(bucket_ms)
+            route = item.route or routes.deviations.get(item.offset)
+            if route is None:
+                route = (
+                    name
+                    if item.planned is route_set
+                    else route_sets.first_choice(route_set, _route_key(item))
+                )
+            item.route = route
+            if route != name:
+                elsewhere.setdefault(bucket_ms, []).append(item)
+        for bucket_ms, items in elsewhere.items():
+            offsets = [item.offset for item in items]
+            dispatch.record(bucket_ms, EntryKind.ROUTED, offsets, now_ms, group.raw_name)
+            for item in items:
+                item.route = name
+            buckets.add(bucket_ms)
+        return buckets
 
     def _record_outcome(self, group: _Group, ok: bool, failure: str) -> None:
         """Tell the group's breaker how a batch went, log the circuit's transitions, and
@@ -683,6 +837,11 @@ class Sender:
     # ------------------------------------------------------------------ metrics
 
     @property
+    def route_set(self) -> RouteSet:
+        """The broker groups (name, weight) that new deliveries are routed over now."""
+        return self._route_set
+
+    @property
     def in_flight(self) -> int:
         return self.ledger.in_flight
 
@@ -702,3 +861,9 @@ class Sender:
             group.stats.queued = len(group.queue)
             out.append(group.stats)
         return out
+
+
+def _route_key(item: Item) -> str:
+    """What ``item`` is routed by: its key, or its id when it has none (so that a
+    resend goes where the first send went)."""
+    return item.message_id if item.key is None else item.key

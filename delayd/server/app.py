@@ -539,6 +539,7 @@ class DelayServer:
         if self.retention is not None:
             self.retention.replicated_floor = replication.message_log_copied
         self.delivery.dispatch.on_durable = replication.grew
+        self.delivery.sender.acknowledge = replication.wait_routes_copied
         self.writer.on_durable = replication.grew
         self.intake.replication = replication
         self._hold_intake()
@@ -804,6 +805,7 @@ class DelayServer:
         delivery.derive_tombstones()  # until _take_over
         if self.replication is not None:
             delivery.dispatch.on_durable = self.replication.grew
+            delivery.sender.acknowledge = self.replication.wait_routes_copied
         self.intake.canceller = delivery.canceller
         delivery.sender.refusals = self.refusals
         if self.pending is not None:

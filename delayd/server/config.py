@@ -26,7 +26,7 @@ from delayd.cluster.config import (
 from delayd.logs import message_log, schedule_log
 from delayd.logs.bucket_files import DEFAULT_MAX_OPEN
 from delayd.logs.buckets import DEFAULT_SEGMENT_SCALE, check_segment_scale
-from delayd.logs.dispatch_log import check_group_name
+from delayd.logs.dispatch_log import MAX_ROUTE_WEIGHT, check_group_name
 from delayd.protocol.frames import DEFAULT_MAX_FRAME_SIZE
 from delayd.replay.replayer import DEFAULT_BATCH_RECORDS, DEFAULT_CHECKPOINT_INTERVAL_S
 from delayd.sender.retry import RetryPolicy
@@ -122,8 +122,11 @@ class BrokerGroupConfig:
                 parse_address(address)
             except ValueError as exc:
                 raise ConfigError(f"broker_groups.{self.name}.addresses: {exc}") from None
-        if self.weight < 1:
-            raise ConfigError(f"broker_groups.{self.name}.weight must be >= 1")
+        if not 1 <= self.weight <= MAX_ROUTE_WEIGHT:
+            raise ConfigError(
+                f"broker_groups.{self.name}.weight must be 1..{MAX_ROUTE_WEIGHT} "
+                "(dispatch_log records it in 32 bits)"
+            )
         if self.embedded and self.tls is not None:
             raise ConfigError(
                 f"broker_groups: group {self.name!r} is embedded (no connection): "

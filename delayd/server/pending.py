@@ -31,7 +31,7 @@ from collections.abc import Iterable
 
 from sortedcontainers import SortedDict
 
-from delayd.logs.dispatch_log import EntryKind
+from delayd.logs.dispatch_log import FATES
 
 # (band label, upper bound of bucket start - now, in ms); the last band is open.
 HORIZONS: tuple[tuple[str, float], ...] = (
@@ -41,10 +41,10 @@ HORIZONS: tuple[tuple[str, float], ...] = (
     ("1d", 86_400_000),
     ("later", float("inf")),
 )
-# Every entry but COMPLETE settles one record (dispatched, dead-lettered, cancelled, or
-# rescheduled — the copy in its new bucket is a record of its own), so kinds added
-# later count as done without a change here.
-_NOT_DONE = EntryKind.COMPLETE.value
+# Every fate settles one record (dispatched, dead-lettered, cancelled, or rescheduled —
+# the copy in its new bucket is a record of its own); COMPLETE marks and the ROUTE and
+# ROUTED entries (where a send went) settle none.
+_DONE = frozenset(kind.value for kind in FATES)
 
 
 class BucketCounts:
@@ -123,13 +123,14 @@ class PendingCounts:
 
     def add_entries(self, bucket_ms: int, entries: Iterable[tuple[int, int]]) -> None:
         """dispatch_log entries ``(kind, schedule_log offset)`` read from the bucket's
-        file, each once. COMPLETE marks carry no message and are skipped."""
+        file, each once. Entries that are no record's fate (COMPLETE marks, ROUTE,
+        ROUTED) are skipped."""
         counts = self._buckets.get(bucket_ms)
         if counts is None:
             return  # no record known: entries of a file that appeared without any
         before = counts.pending
         for kind, offset in entries:
-            if kind == _NOT_DONE:
+            if kind not in _DONE:
                 continue
             if offset >= counts.base:
                 counts.done_new += 1

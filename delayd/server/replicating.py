@@ -43,6 +43,8 @@ from storage.segmented_log import SegmentedLog
 
 log = logging.getLogger(__name__)
 
+ROUTES_RECHECK_S = 0.5  # how often a wait for route records looks at the in-sync set
+
 FOLLOWER_POLL_S = 0.005  # how often a follower's replayer looks for copied records
 
 
@@ -151,6 +153,23 @@ class GroupReplication(MemberReplication):
             if not await self.wait_acknowledged(end, stream=name):
                 return False
         return True
+
+    async def wait_routes_copied(self, buckets: Iterable[int]) -> bool:
+        """``wait_dispatch_acknowledged`` for the sender's route records
+        (docs/cluster.md, "A resend after a failover"), while the group has its
+        ``min_in_sync`` in-sync followers: a leader left without them (its followers
+        down or behind) goes on delivering, as it does to a broker group, rather than
+        stop until one returns. The set is looked at again every ROUTES_RECHECK_S of
+        the wait. False when this member may no longer lead."""
+        buckets = list(buckets)
+        while True:
+            leader = self.leader
+            if leader is None:
+                return False
+            if len(leader.in_sync) < self.config.min_in_sync:
+                return True
+            with trio.move_on_after(ROUTES_RECHECK_S):
+                return await self.wait_dispatch_acknowledged(buckets)
 
     async def wait_acknowledged(self, offset: int, *, stream: str = MESSAGE_LOG) -> bool:
         return await super().wait_acknowledged(offset, stream=stream)

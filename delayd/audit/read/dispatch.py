@@ -12,6 +12,10 @@ one frame at a time through the server's code — ``storage.scan.read_frame`` an
 then block reading resumes.
 
 Option ``verify=full`` reads every entry the slow way; the tests check both agree.
+
+ROUTE and ROUTED entries (where a send went, for a resend after a failover; not what
+became of a record) are left out: the audit judges fates, and a ROUTED entry comes
+before its record's fate.
 """
 
 from __future__ import annotations
@@ -27,7 +31,14 @@ from delayd.audit.read import fields
 from delayd.audit.read.batches import ALL, ReadOptions, bucket_value, build, problems_batch
 from delayd.audit.read.frames import Problem, verdict
 from delayd.audit.schemas import DISPATCH_LOG, select
-from delayd.logs.dispatch_log import ENTRY, ENTRY_SIZE, FRAMED_SIZE, EntryKind, decode_entry
+from delayd.logs.dispatch_log import (
+    ENTRY,
+    ENTRY_SIZE,
+    FRAMED_SIZE,
+    ROUTING,
+    EntryKind,
+    decode_entry,
+)
 from delayd.logs.log_files import LogFile
 from storage.errors import CorruptionError
 from storage.framing import HEADER, HEADER_SIZE, crc32c
@@ -41,6 +52,7 @@ _FRAMED_FIELDS = fields.layout(_FRAMED_ENTRY)
 _CRC_FROM = HEADER_SIZE - 1  # the CRC covers the type byte and the payload
 _KINDS = frozenset(kind.value for kind in EntryKind)
 _KIND_VALUES = pa.array(sorted(_KINDS), pa.uint8())
+_ROUTING_VALUES = pa.array(sorted(kind.value for kind in ROUTING), pa.uint8())
 # Kind names indexed by the frame's type byte, for Arrow's take().
 _KIND_NAMES = pa.array(
     [EntryKind(t).name.lower() if t in _KINDS else None for t in range(256)], pa.string()
@@ -65,8 +77,9 @@ def dispatch_batches(
             if count:
                 block = REAL_FS.pread(fd, count * FRAMED_SIZE, position)
                 good, batch = _read_block(schema, block, count, position, where)
-                if batch is not None:
-                    yield batch
+                if good:
+                    if batch is not None:
+                        yield batch
                     position += good * FRAMED_SIZE
                     continue
             # One frame the server's way: the block reader stopped here, or fewer than
@@ -78,9 +91,9 @@ def dispatch_batches(
                 break
             try:
                 entry = decode_entry(record.type, record.payload, file.path, position)
-                slow_rows.append(
-                    (position, (entry.kind.name.lower(), entry.offset, entry.at_ms, entry.group))
-                )
+                if entry.kind not in ROUTING:
+                    row = (entry.kind.name.lower(), entry.offset, entry.at_ms, entry.group)
+                    slow_rows.append((position, row))
             except (CorruptionError, UnicodeDecodeError) as exc:
                 problems.append(Problem(FORMAT, position, getattr(exc, "reason", str(exc))))
             position = record.next_offset
@@ -100,7 +113,8 @@ def _read_block(
 ) -> tuple[int, pa.RecordBatch | None]:
     """The whole, known, CRC-valid entries at the start of ``block`` (``count`` entries
     long), stopping before the first that is not — or whose group is not ASCII, which
-    decode_entry would refuse: how many, and their batch (None for none)."""
+    decode_entry would refuse: how many, and their batch without the ROUTE and ROUTED
+    entries (None for none)."""
     entries = pa.Array.from_buffers(pa.binary(FRAMED_SIZE), count, [None, pa.py_buffer(block)])
     length, crc, rtype, offset, at_ms, group = (fields.field(entries, *at) for at in _FRAMED_FIELDS)
     view = memoryview(block)
@@ -127,7 +141,11 @@ def _read_block(
         # As the codec reads a name: NUL padding removed.
         names = [name.rstrip(b"\0").decode("ascii") if name.isascii() else None for name in raw]
         values["group"] = pa.array(names, pa.string()).take(groups.indices.slice(0, good))
-    return good, build(schema, good, values)
+    batch = build(schema, good, values)
+    routing = pc.is_in(rtype.slice(0, good), _ROUTING_VALUES)
+    if pc.any(routing).as_py():
+        batch = batch.filter(pc.invert(routing))
+    return good, batch if batch.num_rows else None
 
 
 def _rows_batch(schema: pa.Schema, rows: list[tuple[int, tuple]], where: dict) -> pa.RecordBatch:
