@@ -46,6 +46,7 @@ class TriedTarget(RecordingTarget):
         return await super().send_batch(messages)
 
 
+@pytest.mark.instant_autojump  # recording targets: nothing real to wait for
 async def test_a_group_added_while_running_takes_its_share(tmp_path, clock):
     a, b = RecordingTarget("a"), RecordingTarget("b")
     with Pipeline(str(tmp_path), [a]) as pipeline:
@@ -63,6 +64,7 @@ async def test_a_group_added_while_running_takes_its_share(tmp_path, clock):
         assert 50 < len(b.received) < 150  # about half of what came due after it joined
 
 
+@pytest.mark.instant_autojump  # recording targets: nothing real to wait for
 async def test_without_a_group_messages_wait_for_the_first_one(tmp_path, clock):
     """Groups found in etcd may not be known when the sender starts."""
     a = RecordingTarget("a")
@@ -78,6 +80,7 @@ async def test_without_a_group_messages_wait_for_the_first_one(tmp_path, clock):
         assert sorted(received_ids([a])) == sorted(ids)
 
 
+@pytest.mark.instant_autojump  # recording targets: nothing real to wait for
 async def test_a_drained_group_gets_no_new_batch(tmp_path, clock):
     a, b = RecordingTarget("a"), RecordingTarget("b")
     with Pipeline(str(tmp_path), [a, b]) as pipeline:
@@ -99,6 +102,7 @@ async def test_a_drained_group_gets_no_new_batch(tmp_path, clock):
         assert {r.message.message_id for r in b.received} >= set(later)
 
 
+@pytest.mark.instant_autojump  # recording targets: nothing real to wait for
 async def test_an_unanswered_message_waits_for_its_group(tmp_path, clock):
     """Its broker may have stored it: sent to another group it could be stored twice."""
     down = TriedTarget("a", unavailable=True)
@@ -118,6 +122,7 @@ async def test_an_unanswered_message_waits_for_its_group(tmp_path, clock):
         assert dead == 0  # waiting for the group is not the message's failure
 
 
+@pytest.mark.instant_autojump  # recording targets: nothing real to wait for
 async def test_a_drained_group_takes_the_resends_of_what_it_may_hold(tmp_path, clock):
     """Drained while its sends went unanswered: it still runs, and may have stored them;
     sent to another group they could be stored (and consumed) twice."""
@@ -149,6 +154,7 @@ class RefusingTarget(TriedTarget):
         raise TargetUnavailable(f"{self.name}: connection refused (test)", nothing_stored=True)
 
 
+@pytest.mark.instant_autojump  # recording targets: nothing real to wait for
 async def test_a_batch_that_was_certainly_not_stored_goes_elsewhere_at_once(tmp_path, clock):
     down, up = RefusingTarget("a"), RecordingTarget("b")
     with Pipeline(str(tmp_path), [down, up], sender=FAST) as pipeline:
@@ -158,6 +164,7 @@ async def test_a_batch_that_was_certainly_not_stored_goes_elsewhere_at_once(tmp_
         assert sorted(received_ids([up])) == sorted(ids)
 
 
+@pytest.mark.instant_autojump  # recording targets: nothing real to wait for
 async def test_past_doubt_hold_an_unanswered_message_goes_elsewhere(tmp_path, clock):
     down, up = TriedTarget("a", unavailable=True), RecordingTarget("b")
     config = dataclasses.replace(FAST, doubt_hold_ms=0)

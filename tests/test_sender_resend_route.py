@@ -39,6 +39,9 @@ FAST = SenderConfig(
     failure_threshold=1, open_ms=60_000, max_open_ms=60_000, retry=RetryPolicy(base_ms=10)
 )
 
+# In-process, recording targets: nothing real to wait for but worker threads.
+pytestmark = pytest.mark.instant_autojump
+
 
 def durable_entries(data: str) -> list[DispatchEntry]:
     """Every dispatch_log entry on disk now (what a crash would leave, at most)."""
