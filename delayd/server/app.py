@@ -42,7 +42,6 @@ from delayd.server.config import Address, ServeConfig
 from delayd.server.connection import DelayConnection
 from delayd.server.delivery import Delivery, build_targets
 from delayd.server.delivery_metrics import DeliveryCollector
-from delayd.server.http import Backend, HttpListener, open_api
 from delayd.server.intake import IntakePath
 from delayd.server.listener import IntakeListener
 from delayd.server.metrics import IntakeCollector
@@ -66,6 +65,7 @@ from storage.segmented_log import SegmentedLog
 
 if TYPE_CHECKING:
     from delayd.replication import Follower, Leader
+    from delayd.server.http import HttpListener
     from delayd.server.replicating import GroupReplication
     from delayd.serving.membership import Membership
 
@@ -650,6 +650,10 @@ class DelayServer:
                 raise exc
 
             root.start_soon(fail)
+
+        # Here, not at the top: the HTTP stack (FastAPI, pydantic) takes half of a start's
+        # imports, and a server without the HTTP API does without it.
+        from delayd.server.http import Backend, open_api
 
         assert listeners.http is not None  # bound by open_listeners
         backend = Backend(
