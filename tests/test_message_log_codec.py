@@ -187,3 +187,9 @@ def test_a_bucket_retirement_round_trips_and_a_wrong_length_is_refused():
     assert message_log.describe_type(message_log.TYPE_RETIRE_BUCKET) == "retire_bucket"
     with pytest.raises(RecordFormatError, match="retirement has 24 bytes, this record has 23"):
         retirement.decode(payload[:-1])
+
+
+def test_the_retirement_of_the_worked_example_in_the_docs():
+    retired = retirement.Retirement(1_795_341_600_000, 1370, 1_795_600_860_000)
+    documented = "00 c5 b2 02 a2 01 00 00 5a 05 00 00 00 00 00 00 60 c3 26 12 a2 01 00 00"
+    assert retirement.encode(retired) == bytes.fromhex(documented)
