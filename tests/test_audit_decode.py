@@ -21,7 +21,7 @@ from delayd.audit.read.batches import ReadOptions
 from delayd.audit.read.dispatch import dispatch_batches
 from delayd.audit.read.messages import message_batches, schedule_batches
 from delayd.audit.schemas import DISPATCH_LOG, MESSAGE_LOG, SCHEDULE_LOG
-from delayd.logs import layout, log_files, message_log, tombstone
+from delayd.logs import layout, log_files, message_log, retirement, tombstone
 from delayd.logs.dispatch_log import FRAMED_SIZE, EntryKind, decode_entry, encode_entry
 from delayd.logs.log_files import LogFile
 from delayd.logs.message_log import TYPE_MESSAGE, MessageRecord, decode_message, encode_message
@@ -303,6 +303,27 @@ def test_message_log_tombstones_the_codec_refuses_are_format_rows(tmp_path):
         ], verify
         expected = [(short, "id_len is 3"), (bad_utf8, "not valid UTF-8"), (unknown, "type 9")]
         assert_format_rows(found, expected)
+
+
+def test_a_bucket_retirement_is_no_row_and_a_malformed_one_a_format_row(tmp_path):
+    """A RETIRE_BUCKET record is a deletion retention ordered, not a message: the
+    audit checks it with its codec and gives it no row."""
+    directory = layout.message_log_dir(str(tmp_path))
+    message = encode_message(T0, 1, T0, b"m-1", b"s", None, b"", b"")
+    retired = retirement.encode(retirement.Retirement(T0, 100, T0))
+    with SegmentedLog.open(directory) as log:
+        (first,) = log.append_batch([message], TYPE_MESSAGE)
+        log.append_batch([retired], message_log.TYPE_RETIRE_BUCKET)
+        (short,) = log.append_batch([retired[:-1]], message_log.TYPE_RETIRE_BUCKET)
+        (after,) = log.append_batch([message], TYPE_MESSAGE)
+    for verify in ("head", FULL):
+        segment = only_file(str(tmp_path), log_files.MESSAGE_LOG)
+        found = table(message_batches(segment, "s1", ReadOptions(verify)))
+        assert [(r["offset"], r["kind"]) for r in records(found)] == [
+            (first, "message"),
+            (after, "message"),
+        ], verify
+        assert_format_rows(found, [(short, "retirement has 24 bytes")])
 
 
 def test_bytes_after_the_end_of_segment_marker_are_corruption(tmp_path):
