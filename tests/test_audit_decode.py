@@ -283,10 +283,15 @@ def test_records_the_codec_refuses_are_format_rows_and_reading_goes_on(tmp_path)
 
 
 def test_message_log_tombstones_the_codec_refuses_are_format_rows(tmp_path):
+    """And a bucket retirement, a deletion retention ordered, is not a message: the
+    audit checks it with its codec and gives it no row."""
     directory = layout.message_log_dir(str(tmp_path))
     message = encode_message(T0, 1, T0, b"m-1", b"s", None, b"", b"")
     cancel = tombstone.encode(Tombstone("m-1", T0))
+    retired = retirement.encode(retirement.Retirement(T0, 100, T0))
     with SegmentedLog.open(directory) as log:
+        log.append_batch([retired], message_log.TYPE_RETIRE_BUCKET)
+        (cut_retirement,) = log.append_batch([retired[:-1]], message_log.TYPE_RETIRE_BUCKET)
         (first,) = log.append_batch([message], TYPE_MESSAGE)
         (good,) = log.append_batch([cancel], message_log.TYPE_CANCEL)
         (short,) = log.append_batch([cancel[:-1]], message_log.TYPE_CANCEL)  # id_len says 3
@@ -302,28 +307,7 @@ def test_message_log_tombstones_the_codec_refuses_are_format_rows(tmp_path):
             (after, "message"),
         ], verify
         expected = [(short, "id_len is 3"), (bad_utf8, "not valid UTF-8"), (unknown, "type 9")]
-        assert_format_rows(found, expected)
-
-
-def test_a_bucket_retirement_is_no_row_and_a_malformed_one_a_format_row(tmp_path):
-    """A RETIRE_BUCKET record is a deletion retention ordered, not a message: the
-    audit checks it with its codec and gives it no row."""
-    directory = layout.message_log_dir(str(tmp_path))
-    message = encode_message(T0, 1, T0, b"m-1", b"s", None, b"", b"")
-    retired = retirement.encode(retirement.Retirement(T0, 100, T0))
-    with SegmentedLog.open(directory) as log:
-        (first,) = log.append_batch([message], TYPE_MESSAGE)
-        log.append_batch([retired], message_log.TYPE_RETIRE_BUCKET)
-        (short,) = log.append_batch([retired[:-1]], message_log.TYPE_RETIRE_BUCKET)
-        (after,) = log.append_batch([message], TYPE_MESSAGE)
-    for verify in ("head", FULL):
-        segment = only_file(str(tmp_path), log_files.MESSAGE_LOG)
-        found = table(message_batches(segment, "s1", ReadOptions(verify)))
-        assert [(r["offset"], r["kind"]) for r in records(found)] == [
-            (first, "message"),
-            (after, "message"),
-        ], verify
-        assert_format_rows(found, [(short, "retirement has 24 bytes")])
+        assert_format_rows(found, [(cut_retirement, "retirement has 24 bytes"), *expected])
 
 
 def test_bytes_after_the_end_of_segment_marker_are_corruption(tmp_path):
