@@ -22,13 +22,12 @@ deletes the files when it replays the record (``delete_retired``, its ``on_retir
 In a group every member's replayer does, so the buckets go at the same message_log
 position everywhere (docs/replication.md, "Retention in a group").
 
-In a replicated group the leader deletes a
-message_log segment only once every member of the in-sync set has copied past it too
-(``replicated_floor``): a follower that may take over never lacks a record the leader
-deleted. A follower deletes no segment by its own rule: it deletes those the leader
-no longer holds, once its own replay checkpoint has passed them
-(``trim_below_leader``), so message_log goes on every member at the leader's word, not
-by each member's clock.
+In a replicated group the leader deletes a message_log segment only once every member
+of the in-sync set has copied past it too (``replicated_floor``): a follower that may
+take over never lacks a record the leader deleted. A follower deletes no segment by its
+own rule: it deletes those the leader no longer holds, once its own replay checkpoint
+has passed them (``trim_below_leader``), so message_log goes on every member at the
+leader's word, not by each member's clock.
 
 Why a bucket deletion races nothing (docs/operations.md, "Retention"):
 
@@ -77,7 +76,7 @@ from delayd.replay import Replayer
 from delayd.server.config import RetentionConfig
 from delayd.server.delivery import Delivery
 from delayd.server.pending_metrics import PendingTracker
-from storage.errors import CorruptionError
+from storage.errors import CorruptionError, DiskFullError
 from storage.fs import O_READ, FileSystem
 from storage.segmented_log import SegmentedLog, is_segment_name
 
@@ -309,8 +308,13 @@ class Retention:
         candidates = await trio.to_thread.run_sync(self._complete_buckets, newest)
         candidates = [c for c in candidates if c.start_ms not in self._retiring]
         appended = False
-        for index in range(0, len(candidates), BATCH_BUCKETS):
-            appended |= await self._retire_buckets(candidates[index : index + BATCH_BUCKETS])
+        try:
+            for index in range(0, len(candidates), BATCH_BUCKETS):
+                batch = candidates[index : index + BATCH_BUCKETS]
+                appended |= await self._retire_buckets(batch)
+        except DiskFullError as exc:
+            # Nothing of the refused batch was appended; a later pass tries again.
+            log.warning("retention: no room in message_log to retire buckets: %s", exc)
         # The replay deletes them (delete_retired); a pass does not wait for it.
         if appended and await self.commit_appended():
             self.replayer.notify(0)
