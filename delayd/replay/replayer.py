@@ -276,6 +276,7 @@ class Replayer:
             if self.on_retire is not None:
                 raise RuntimeError("retirements need the async run loop (on_retire is set)")
             starts = self._close_retired(step.retirements)
+            self._forget_indexed(starts)
             retirement.delete_bucket_files(self.fs, self.data_dir, starts)
             self._finish(step, {})
             return step.count
@@ -373,10 +374,11 @@ class Replayer:
         return _Step({}, position, self._replayed_sequence, count, retirements=retirements)
 
     def _close_retired(self, retirements: list[retirement.Retirement]) -> list[int]:
-        """The buckets of ``retirements`` to delete, their descriptors here closed: each
-        whose schedule_log file still has the length the leader found complete, or has
-        no file any more (deleted before a crash: its dispatch_log file may be left).
-        The length is a function of message_log, so every member decides alike."""
+        """The buckets of ``retirements`` to delete, their bucket files closed (flushed:
+        ``run`` calls it in a worker thread): each whose schedule_log file still has the
+        length the leader found complete, or has no file any more (deleted before a
+        crash: its dispatch_log file may be left). The length is a function of
+        message_log, so every member decides alike."""
         starts = []
         for retired in retirements:
             start_ms = retired.start_ms
@@ -388,10 +390,14 @@ class Replayer:
             if size is not None and size != retired.schedule_bytes:
                 continue  # appended to since the leader decided: kept everywhere
             self.buckets.close_bucket(start_ms)
-            if self.index is not None:
-                self.index.reader.forget(start_ms)
             starts.append(start_ms)
         return starts
+
+    def _forget_indexed(self, starts: list[int]) -> None:
+        """Close the id index reader's descriptors of these buckets (the event loop's)."""
+        if self.index is not None:
+            for start_ms in starts:
+                self.index.reader.forget(start_ms)
 
     def offer(
         self,
@@ -693,7 +699,8 @@ class Replayer:
             return 0
         if step.retirements:
             async with holding(self.append_lock):
-                starts = self._close_retired(step.retirements)
+                starts = await trio.to_thread.run_sync(self._close_retired, step.retirements)
+                self._forget_indexed(starts)
                 if self.on_retire is None:
                     await trio.to_thread.run_sync(
                         retirement.delete_bucket_files, self.fs, self.data_dir, starts
