@@ -21,7 +21,7 @@ from delayd.audit.read.batches import ReadOptions
 from delayd.audit.read.dispatch import dispatch_batches
 from delayd.audit.read.messages import message_batches, schedule_batches
 from delayd.audit.schemas import DISPATCH_LOG, MESSAGE_LOG, SCHEDULE_LOG
-from delayd.logs import layout, log_files, message_log, tombstone
+from delayd.logs import layout, log_files, message_log, retirement, tombstone
 from delayd.logs.dispatch_log import (
     FRAMED_SIZE,
     ROUTING,
@@ -296,10 +296,15 @@ def test_records_the_codec_refuses_are_format_rows_and_reading_goes_on(tmp_path)
 
 
 def test_message_log_tombstones_the_codec_refuses_are_format_rows(tmp_path):
+    """And a bucket retirement, a deletion retention ordered, is not a message: the
+    audit checks it with its codec and gives it no row."""
     directory = layout.message_log_dir(str(tmp_path))
     message = encode_message(T0, 1, T0, b"m-1", b"s", None, b"", b"")
     cancel = tombstone.encode(Tombstone("m-1", T0))
+    retired = retirement.encode(retirement.Retirement(T0, 100, T0))
     with SegmentedLog.open(directory) as log:
+        log.append_batch([retired], message_log.TYPE_RETIRE_BUCKET)
+        (cut_retirement,) = log.append_batch([retired[:-1]], message_log.TYPE_RETIRE_BUCKET)
         (first,) = log.append_batch([message], TYPE_MESSAGE)
         (good,) = log.append_batch([cancel], message_log.TYPE_CANCEL)
         (short,) = log.append_batch([cancel[:-1]], message_log.TYPE_CANCEL)  # id_len says 3
@@ -315,7 +320,7 @@ def test_message_log_tombstones_the_codec_refuses_are_format_rows(tmp_path):
             (after, "message"),
         ], verify
         expected = [(short, "id_len is 3"), (bad_utf8, "not valid UTF-8"), (unknown, "type 9")]
-        assert_format_rows(found, expected)
+        assert_format_rows(found, [(cut_retirement, "retirement has 24 bytes"), *expected])
 
 
 def test_bytes_after_the_end_of_segment_marker_are_corruption(tmp_path):

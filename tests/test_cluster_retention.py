@@ -4,18 +4,23 @@ its in-sync follower has copied, and the follower deletes the same ones at the l
 word; the two copies then begin at the same segment and hold the same bytes from there.
 A member whose disk was wiped after the leader deleted segments is brought back by a
 snapshot of the leader's state, and leads after the old leader is killed.
+A bucket the leader retires goes on the follower too, when it replays the record.
 """
 
 from __future__ import annotations
 
 import itertools
 import shutil
+import time
 from pathlib import Path
 
 import pytest
 
 import delayd
-from delayd.logs import layout
+from delayd.logs import layout, message_log
+from delayd.logs.buckets import bucket_name, bucket_of
+from delayd.logs.message_log import MessageRecord
+from storage.segmented_log import SegmentedLog
 from tests.delivery_support import consume, now_ms
 from tests.etcd_support import EtcdServer
 from tests.fault_checker import History, check
@@ -156,5 +161,47 @@ def test_a_wiped_member_is_brought_back_by_a_snapshot_and_leads(
         history.seen_all(r.sighting("check", committed=True) for r in received)
         check(history, due_by_ms=now_ms()).assert_clean()
         assert {r.message_id for r in received} == expected
+    finally:
+        group.close()
+
+
+def bucket_files(data_dir: Path) -> set[str]:
+    found = set()
+    for directory in (layout.schedule_log_dir, layout.dispatch_log_dir):
+        path = Path(directory(str(data_dir)))
+        found |= {f"{path.name}/{p.name}" for p in path.iterdir()} if path.is_dir() else set()
+    return found
+
+
+def test_the_follower_deletes_a_bucket_when_it_replays_the_leaders_retirement(
+    tmp_path: Path, etcd_server: EtcdServer
+):
+    """The first leader holds messages received an hour ago (its message_log written
+    here, as a server's): the first of their buckets is delivered at once, complete and
+    old enough with ``bucket_ms = 0``. Its retirement reaches the follower in message_log, and the
+    follower's replay deletes its copies of the bucket's files."""
+    received_ms = int(time.time() * 1000) - 3_600_000
+    # Ten in one bucket, ten two minutes later: the loader moves on past the first (the
+    # bucket it loaded last is kept).
+    dues = [received_ms] * 10 + [received_ms + 120_000] * 10
+    with SegmentedLog.open(layout.message_log_dir(str(tmp_path / "a"))) as log:
+        records = [
+            MessageRecord(due, i + 1, received_ms, f"old-{i}", "orders", body=b"x")
+            for i, due in enumerate(dues)
+        ]
+        log.append_batch(list(map(message_log.encode_record, records)), message_log.TYPE_MESSAGE)
+    old = bucket_name(bucket_of(received_ms, 1))
+    env = {**retention_env(), "DELAYD_RETENTION_BUCKET_MS": "0"}
+    group = Group(tmp_path, etcd_server.url, env=env)
+    try:
+        a, b = in_sync_pair(group)
+        names = {f"schedule_log/{old}", f"dispatch_log/{old}"}
+        wait_until(lambda: not names & bucket_files(a.data_dir), 15, "the leader retires it")
+        wait_until(lambda: not names & bucket_files(b.data_dir), 15, "the follower deletes it")
+        for member in (a, b):
+            with SegmentedLog.open(layout.message_log_dir(str(member.data_dir))) as copy:
+                kinds = [r.type for r in copy.iter_from(copy.min_offset)]
+            assert kinds.count(message_log.TYPE_RETIRE_BUCKET) == 1
+            assert "retention: deleted 1 complete bucket(s)" in member.log_path.read_text()
     finally:
         group.close()

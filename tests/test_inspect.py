@@ -16,7 +16,7 @@ from delayd.cli.main import main
 from delayd.inspect import files as inspect_files
 from delayd.inspect import report
 from delayd.inspect.report import WHEEL_CHECKPOINT
-from delayd.logs import layout, message_log, schedule_log
+from delayd.logs import layout, message_log, retirement, schedule_log
 from delayd.logs.bucket_files import BucketFiles
 from delayd.logs.buckets import bucket_name, bucket_of
 from delayd.logs.dispatch_log import EntryKind, check_group_name, encode_entry
@@ -603,3 +603,20 @@ def test_requests_that_cannot_be_answered(written, tmp_path, capsys):
     # --data and --json also after the subcommand
     status = main(["inspect", "checkpoints", "--data", written.data, "--json"])
     assert status == 0 and json.loads(capsys.readouterr().out)["meta"]["format"] == 1
+
+
+def test_message_log_shows_a_bucket_retirement_with_its_bucket(tmp_path, capsys):
+    data = str(tmp_path)
+    ensure_segment_scale(REAL_FS, data, 1)
+    start_ms = 1_795_341_600_000
+    payload = retirement.encode(retirement.Retirement(start_ms, 1370, start_ms + 60_000))
+    with SegmentedLog.open(layout.message_log_dir(data)) as log:
+        log.append_batch([payload], message_log.TYPE_RETIRE_BUCKET)
+    (row,) = inspect_json(capsys, data, "message-log")["records"]
+    assert (row["type"], row["retired_bucket"], row["message"]) == (
+        "retire_bucket",
+        bucket_name(start_ms),
+        None,
+    )
+    lines = text_lines(capsys, data, "message-log")
+    assert lines[1] == f"@0  retire_bucket  bucket {bucket_name(start_ms)}"

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from delayd.logs import message_log, schedule_log
+from delayd.logs import message_log, retirement, schedule_log
 from delayd.logs.message_log import MessageRecord, RecordFormatError
 from storage.framing import HEADER_SIZE, encode_record
 
@@ -165,8 +165,9 @@ def test_unknown_record_types_are_refused_by_name():
     message_log.check_type(message_log.TYPE_CANCEL, "/d/message_log", 0)  # issue 8
     message_log.check_type(message_log.TYPE_RESCHEDULE, "/d/message_log", 0)
     message_log.check_type(message_log.TYPE_RESCHEDULE_COPY, "/d/message_log", 0)
-    with pytest.raises(RecordFormatError, match=r"type 6 \(unknown type 6\) is not supported"):
-        message_log.check_type(6, "/d/message_log", 14)
+    message_log.check_type(message_log.TYPE_RETIRE_BUCKET, "/d/message_log", 0)
+    with pytest.raises(RecordFormatError, match=r"type 7 \(unknown type 7\) is not supported"):
+        message_log.check_type(7, "/d/message_log", 14)
     with pytest.raises(RecordFormatError, match="type 200"):
         message_log.check_type(200, "/d/message_log", 14)
     with pytest.raises(RecordFormatError, match="schedule_log record of type 3"):
@@ -176,3 +177,19 @@ def test_unknown_record_types_are_refused_by_name():
 def test_oversized_property_text_is_a_value_error():
     with pytest.raises(ValueError, match="65535"):
         message_log.encode_properties({"k": "x" * 65_536})
+
+
+def test_a_bucket_retirement_round_trips_and_a_wrong_length_is_refused():
+    retired = retirement.Retirement(start_ms=1_795_341_600_000, schedule_bytes=4242, receive_ms=7)
+    payload = retirement.encode(retired)
+    assert len(payload) == 8 + 8 + 8
+    assert retirement.decode(payload) == retired
+    assert message_log.describe_type(message_log.TYPE_RETIRE_BUCKET) == "retire_bucket"
+    with pytest.raises(RecordFormatError, match="retirement has 24 bytes, this record has 23"):
+        retirement.decode(payload[:-1])
+
+
+def test_the_retirement_of_the_worked_example_in_the_docs():
+    retired = retirement.Retirement(1_795_341_600_000, 1370, 1_795_600_860_000)
+    documented = "00 c5 b2 02 a2 01 00 00 5a 05 00 00 00 00 00 00 60 c3 26 12 a2 01 00 00"
+    assert retirement.encode(retired) == bytes.fromhex(documented)

@@ -23,9 +23,13 @@ import trio
 import trio.testing
 
 from delayd.logs import layout
+from delayd.logs.buckets import bucket_name
 from delayd.logs.dispatch_log import EntryKind
+from delayd.logs.message_log import TYPE_RETIRE_BUCKET
 from delayd.protocol.codes import CancelOutcome, RescheduleOutcome
 from delayd.replay import open_replayer
+from delayd.server.config import RetentionConfig
+from delayd.server.retention import Retention
 from storage.segmented_log import SegmentedLog
 from tests.delivery_pipeline import T0, Pipeline, RecordingTarget, dispatch_entries
 
@@ -348,3 +352,62 @@ async def test_a_promoted_follower_decides_what_replication_did_not_bring(tmp_pa
     assert len(target.received) == len(got) == 3  # each once
     assert got == {sent: got[sent], moved: T0 + 4 * MINUTE, kept: T0 + 3 * MINUTE}
     assert got[sent] < T0 + 5 * MINUTE  # the resend, not the void copy
+
+
+async def test_a_bucket_the_leader_retires_goes_at_the_same_record_on_a_follower(tmp_path, clock):
+    """Retention on the leader retires a delivered bucket (a RETIRE_BUCKET record, whose
+    replay deletes the files); a reschedule of one of its messages after that finds no
+    record to copy. A follower that holds the bucket's dispatch_log replays message_log:
+    it deletes the bucket's files exactly at that record, and its schedule_log stays
+    byte-identical to the leader's — had it kept the bucket, the reschedule would copy
+    the message there (docs/replication.md, "Retention in a group")."""
+    leader, follower = str(tmp_path / "leader"), str(tmp_path / "follower")
+    pipeline = Pipeline(leader, [RecordingTarget("a")])
+    config = RetentionConfig(interval_ms=1000, bucket_ms=0, message_log_ms=3_600_000)
+    retention = Retention(config, pipeline.log, pipeline.replayer, pipeline.delivery)
+    old, pending = pipeline.schedule([T0 + 1000, T0 + 4 * MINUTE])
+    name = bucket_name(T0)
+    leader_bucket = os.path.join(layout.schedule_log_dir(leader), name)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pipeline.run)
+        await trio.sleep(3 * MINUTE / 1000)  # delivered, COMPLETE, the loader past it
+        # The follower copied the bucket's dispatch_log before the leader retired it.
+        shutil.copytree(layout.dispatch_log_dir(leader), layout.dispatch_log_dir(follower))
+        assert name in os.listdir(layout.dispatch_log_dir(follower))
+        for _ in range(10):
+            await retention.run_pass()
+            await trio.sleep(1)
+            if not os.path.exists(leader_bucket):
+                break
+        assert not os.path.exists(leader_bucket)
+        assert pipeline.replayer.retired_total == 1
+        assert await reschedule(pipeline, old, T0 + 5 * MINUTE) is RescheduleOutcome.UNKNOWN
+        assert await reschedule(pipeline, pending, T0 + 5 * MINUTE) is (
+            RescheduleOutcome.RESCHEDULED
+        )
+        await pipeline.stop()
+        nursery.cancel_scope.cancel()
+    pipeline.close()
+    assert name not in os.listdir(layout.dispatch_log_dir(leader))
+
+    shutil.copytree(layout.message_log_dir(leader), layout.message_log_dir(follower))
+    log = SegmentedLog.open(layout.message_log_dir(follower))
+    (retired_at,) = [r.offset for r in log.iter_from(0) if r.type == TYPE_RETIRE_BUCKET]
+    replayer = open_replayer(follower, log, segment_scale=SCALE)
+    files = [
+        os.path.join(directory(follower), name)
+        for directory in (
+            layout.schedule_log_dir,
+            layout.dispatch_log_dir,
+        )
+    ]
+    while replayer.replay_available(1):
+        past = replayer.position > retired_at
+        assert [os.path.exists(path) for path in files] == [not past, not past]
+    assert replayer.retired_total == 1
+    replayer.checkpoint()
+    replayer.close()
+    log.close()
+    assert files_of(layout.schedule_log_dir(follower)) == files_of(layout.schedule_log_dir(leader))
+    assert lookups(follower, [old, pending]) == lookups(leader, [old, pending])
+    assert [bucket for bucket, _, _ in lookups(follower, [old])[old]] == []

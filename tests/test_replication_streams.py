@@ -58,6 +58,27 @@ def test_streams_list_message_log_then_buckets_in_time_order(tmp_path: Path) -> 
         reopened.close()
 
 
+def test_a_follower_copies_no_more_of_a_bucket_its_replay_retired(tmp_path: Path) -> None:
+    """A retirement's replay closes the follower's copy of the bucket's dispatch_log
+    stream before its file goes; records of it still in flight (the leader deletes it
+    at its own replay of the record) are not copied into a new file of that name."""
+    streams = DelayStreams(str(tmp_path))
+    joined = JoinedStreams({"": streams})
+    try:
+        retired, kept = dispatch_stream("202611221530"), dispatch_stream("202611221531")
+        for name in (retired, kept):
+            streams.get(name).append(b"x" * 32)
+        streams.flush_all()
+        assert joined.copies(retired) and joined.copies(kept)
+        streams.retire_dispatch(["202611221530"])
+        os.unlink(os.path.join(layout.dispatch_log_dir(str(tmp_path)), "202611221530"))
+        assert not joined.copies(retired) and joined.copies(kept)
+        assert streams.names() == [MESSAGE_LOG, kept]
+        assert streams.flush_all() == {}  # the closed copy is no longer among the open
+    finally:
+        joined.close()
+
+
 def test_joined_streams_name_the_brokers_under_its_prefix(tmp_path: Path) -> None:
     """A delay member's set with its embedded broker's: one list, each name routed to
     its part by prefix, flushed together; a name of neither is refused."""

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from delayd.inspect.files import CORRUPT, TORN_TAIL, Damage, FileEnd, records_of, scan_file
-from delayd.logs import dispatch_log, layout, message_log, schedule_log
-from delayd.logs.buckets import parse_bucket_name
+from delayd.logs import dispatch_log, layout, message_log, retirement, schedule_log
+from delayd.logs.buckets import bucket_name, parse_bucket_name
 from delayd.logs.dispatch_log import FATES, DispatchEntry, EntryKind
 from delayd.logs.log_files import (
     DISPATCH_LOG,
@@ -334,6 +334,7 @@ class MessageRow:
     type: str  # "message", or the name of another record type
     message: MessageRecord | None
     error: str | None = None
+    retired_bucket: str | None = None  # a retire_bucket record: the bucket it names
 
 
 @dataclass(frozen=True, slots=True)
@@ -361,6 +362,16 @@ class Listing(Generic[RowT]):
 
 def _message_row(record: Record, segment: LogFile) -> MessageRow:
     kind = message_log.describe_type(record.type)
+    if record.type == message_log.TYPE_RETIRE_BUCKET:
+        try:
+            retired = bucket_name(retirement.decode(record.payload).start_ms)
+        except RecordFormatError as exc:
+            return MessageRow(
+                record.offset, record.next_offset, segment.name, kind, None, f"undecodable: {exc}"
+            )
+        return MessageRow(
+            record.offset, record.next_offset, segment.name, kind, None, retired_bucket=retired
+        )
     if record.type != message_log.TYPE_MESSAGE:
         return MessageRow(record.offset, record.next_offset, segment.name, kind, None)
     try:

@@ -234,6 +234,8 @@ def message_listing_lines(listing: Listing[MessageRow], data_dir: str) -> list[s
     for row in listing.rows:
         if row.message is not None:
             lines += _message_lines(row.message, f"@{row.offset}")
+        elif row.retired_bucket is not None:
+            lines.append(fit(f"@{row.offset}  {row.type}  bucket {row.retired_bucket}"))
         else:
             lines.append(fit(f"@{row.offset}  {row.type}  {row.error or ''}".rstrip()))
     return lines + _listing_tail(listing, "message_log", data_dir)

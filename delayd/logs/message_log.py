@@ -48,6 +48,11 @@ TOMBSTONE_TYPES = {
     TYPE_RESCHEDULE: "reschedule",
     TYPE_RESCHEDULE_COPY: "reschedule",
 }
+# A bucket deletion (delayd.logs.retirement): retention on the leader appends it, and
+# every member deletes the bucket's files when its replay reaches it, so the members'
+# schedule_log stays the same function of message_log. Not a message, not a tombstone.
+TYPE_RETIRE_BUCKET = 6
+RETIRE_BUCKET = "retire_bucket"
 
 HEAD = struct.Struct("<qQqBHHHII")
 HEAD_SIZE = HEAD.size  # 8 + 8 + 8 + 1 + 2 + 2 + 2 + 4 + 4 = 39
@@ -331,13 +336,15 @@ def describe_type(rtype: int) -> str:
     """A name for a message_log record type, for error messages and ``delayd inspect``."""
     if rtype == TYPE_MESSAGE:
         return "message"
+    if rtype == TYPE_RETIRE_BUCKET:
+        return RETIRE_BUCKET
     return TOMBSTONE_TYPES.get(rtype, f"unknown type {rtype}")
 
 
 def check_type(rtype: int, path: str, offset: int) -> None:
     """Raise RecordFormatError unless ``rtype`` is a record type this version reads
-    (a message, or a cancel or reschedule tombstone)."""
-    if rtype != TYPE_MESSAGE and rtype not in TOMBSTONE_TYPES:
+    (a message, a cancel or reschedule tombstone, a bucket retirement)."""
+    if rtype != TYPE_MESSAGE and rtype != TYPE_RETIRE_BUCKET and rtype not in TOMBSTONE_TYPES:
         raise RecordFormatError(
             f"{os.path.basename(path) or path}@{offset}: record of type {rtype} "
             f"({describe_type(rtype)}) is not supported by this version of delayd"

@@ -12,7 +12,10 @@ message_log offset. Recovery removes them:
    buckets those records map to contains every bucket that can hold a suffix to cut.
    A RESCHEDULE tombstone maps to the bucket of its new due time, where its replay
    appended the moved copy (stamped with the tombstone's offset); a CANCEL to none.
-   The same scan finds the last sequence, from which intake numbers on.
+   The same scan finds the last sequence, from which intake numbers on, and the
+   buckets a RETIRE_BUCKET record after C names (delayd.logs.retirement): their
+   replay may have deleted the file C lists and a later record created a new one of
+   that name, so the length C lists is not trusted for them.
 2. For each such bucket that has a file, cut it at the first record whose message_log
    offset is >= C. The checkpoint lists the length of every bucket open when it was
    written (all durable then); for those the cut is that length, checked against the
@@ -31,7 +34,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from delayd.logs import message_log, schedule_log
+from delayd.logs import message_log, retirement, schedule_log
 from delayd.logs.bucket_files import BucketFiles
 from delayd.logs.buckets import bucket_of
 from delayd.logs.log_files import MESSAGE_LOG, list_files
@@ -78,18 +81,21 @@ def recover(
             "copied to schedule_log are missing",
         )
     touched: dict[int, None] = {}  # insertion-ordered set of bucket starts
+    retired: set[int] = set()
     last_sequence = checkpoint.next_sequence - 1
     for record in log.iter_from(position):
         message_log.check_type(record.type, log.directory, record.offset)
         bucket = replayed_bucket(record, segment_scale)
         if bucket is not None:
             touched[bucket] = None
+        _note_retired(record, retired)
         if record.type == message_log.TYPE_MESSAGE:
             last_sequence = max(last_sequence, message_log.sequence_of(record.payload))
         report.records_after_checkpoint += 1
     report.bytes_after_checkpoint = log.end_offset - position
     report.next_sequence = last_sequence + 1
     report.buckets_checked = len(touched)
+    checkpoint = trusting(checkpoint, retired)
     for start_ms in touched:
         if not buckets.exists(start_ms):
             continue
@@ -117,6 +123,20 @@ def replayed_bucket(record: Record, segment_scale: int) -> int | None:
     return None
 
 
+def _note_retired(record: Record, retired: set[int]) -> None:
+    if record.type == message_log.TYPE_RETIRE_BUCKET:
+        retired.add(retirement.decode(record.payload).start_ms)
+
+
+def trusting(checkpoint: ReplayCheckpoint, retired: set[int]) -> ReplayCheckpoint:
+    """``checkpoint`` without the lengths of the buckets ``retired`` by records after
+    it: the file of that name may be a new one (module docstring, step 1)."""
+    if not retired & checkpoint.bucket_sizes.keys():
+        return checkpoint
+    sizes = {b: n for b, n in checkpoint.bucket_sizes.items() if b not in retired}
+    return ReplayCheckpoint(checkpoint.position, checkpoint.next_sequence, sizes)
+
+
 def trusted_end(checkpoint: ReplayCheckpoint, bucket_ms: int) -> int:
     """Where recovery starts scanning the file of a bucket that records after
     ``checkpoint`` map to: the length the checkpoint lists for it (durable then), else
@@ -140,12 +160,15 @@ def scanned_buckets(fs: FileSystem, data_dir: str) -> dict[int, int] | None:
         return None
     if segment_scale is None:
         return None
-    scanned: dict[int, int] = {}
+    touched: list[int] = []
+    retired: set[int] = set()
     for record in _records_from(fs, data_dir, checkpoint.position):
         bucket = replayed_bucket(record, segment_scale)
         if bucket is not None:
-            scanned[bucket] = trusted_end(checkpoint, bucket)
-    return scanned
+            touched.append(bucket)
+        _note_retired(record, retired)
+    checkpoint = trusting(checkpoint, retired)
+    return {bucket: trusted_end(checkpoint, bucket) for bucket in touched}
 
 
 def _records_from(fs: FileSystem, data_dir: str, position: int) -> Iterator[Record]:

@@ -13,6 +13,11 @@ order: a step holds either messages or tombstones, never both, so a tombstone is
 to ``on_tombstones`` after every message before it is in schedule_log and in the id
 index, and before any message after it (docs/cancel.md).
 
+Bucket retirements (delayd.logs.retirement) are replayed in order too, in steps of
+their own: the replayer deletes the bucket's files (through ``on_retire`` when the
+server has descriptors of them to close first), so every member of a group deletes a
+bucket at the same message_log position.
+
 Without ``on_tombstones`` (a follower of a group, offline tools) the replayer derives
 what tombstones put in schedule_log and the id index itself (``derive_tombstones``) and
 writes nothing to dispatch_log: the leader's decisions arrive in its dispatch_log. The
@@ -40,7 +45,7 @@ from typing import TypeVar
 
 import trio
 
-from delayd.logs import layout, message_log, moves, schedule_log, tombstone
+from delayd.logs import layout, message_log, moves, retirement, schedule_log, tombstone
 from delayd.logs.bucket_files import BucketFiles
 from delayd.logs.buckets import bucket_name, bucket_of, bucket_width_ms
 from delayd.logs.dispatch_log import EntryKind, find_entry
@@ -70,7 +75,7 @@ def read_tombstones(fs: FileSystem, data_dir: str, start: int, end: int) -> list
     nothing of a SegmentedLog is touched, so a worker thread may read while the event
     loop appends to the log. Every CRC is checked (BadFrame for a damaged record)."""
     found: list[TombstoneRecord] = []
-    message_type = message_log.TYPE_MESSAGE
+    tombstone_types = message_log.TOMBSTONE_TYPES
     for segment in list_files(data_dir, MESSAGE_LOG, fs):
         if segment.base >= end:
             break
@@ -83,7 +88,7 @@ def read_tombstones(fs: FileSystem, data_dir: str, start: int, end: int) -> list
             for offset, rtype, payload, _ in scan_frames(
                 fs, fd, segment.path, segment.base, first, limit
             ):
-                if rtype != message_type:
+                if rtype in tombstone_types:
                     found.append((offset, rtype, payload))
         finally:
             fs.close(fd)
@@ -94,6 +99,10 @@ OnTombstones = Callable[["Replayer", list[TombstoneRecord]], Awaitable[object]]
 """``await on_tombstones(replayer, records)``: consecutive tombstones, in log order,
 under the append lock; reschedules write their copies with ``replayer.append_copy``."""
 BeforeCheckpoint = Callable[[], Awaitable[object]]
+OnRetire = Callable[[list[int]], Awaitable[object]]
+"""``await on_retire(bucket_starts)``: delete the files of these buckets
+(``retirement.delete_bucket_files``), closing every descriptor the server holds of them
+first; under the append lock, the replayer's own descriptors closed already."""
 T = TypeVar("T")
 
 
@@ -122,6 +131,7 @@ class _Step:
     last_sequence: int
     count: int
     tombstones: list[TombstoneRecord] = field(default_factory=list)  # or these, only
+    retirements: list[retirement.Retirement] = field(default_factory=list)  # or these
 
 
 DEFAULT_BATCH_RECORDS = 4096  # records per step before yielding to other tasks
@@ -135,7 +145,7 @@ def _entries(records: Iterable[Record]) -> Iterator[_Entry]:
     identity_of = message_log.identity_of
     message_type = message_log.TYPE_MESSAGE
     for offset, rtype, payload, next_offset in records:
-        if rtype != message_type:  # a tombstone
+        if rtype != message_type:  # a tombstone or a retirement
             yield offset, rtype, payload, next_offset, 0, b"", 0
             continue
         due_ms, message_id, receive_ms = identity_of(payload)
@@ -178,6 +188,9 @@ class Replayer:
         # a leader sets both hooks (delayd.server.delivery).
         self.on_tombstones: OnTombstones | None = None
         self.before_checkpoint: BeforeCheckpoint | None = None
+        # Without it a retirement deletes the bucket's files here (offline tools, a
+        # server without retention); the server's retention sets it.
+        self.on_retire: OnRetire | None = None
         self.index = index
         # Set by the server (idempotent intake): told which accepted ids the index
         # answers for once they are put.
@@ -200,16 +213,13 @@ class Replayer:
         self.replayed_from_tail = 0  # records replayed from memory, not read back
         self.replayed_total = 0  # records appended to schedule_log by this process
         self.tombstones_total = 0  # tombstones handed to on_tombstones
+        self.retired_total = 0  # retirements replayed
         self.checkpoints = 0  # checkpoints written by this process
         # Held from an append to the end of its on_scheduled calls: whoever reads a
         # bucket file's length under it (the wheel manager, fixing a bucket's loading
         # end) knows every record below that length has been offered to the hook.
         self.append_lock = trio.Lock()
-        # Retention (delayd.server.retention): buckets to close at the next checkpoint,
-        # the buckets the last checkpoint lists (recovery trusts their lengths, so their
-        # files must not be deleted), and a pause of message_log reads.
-        self._retiring: frozenset[int] = frozenset()
-        self.listed_buckets: frozenset[int] = frozenset(checkpoint.bucket_sizes)
+        # Retention (delayd.server.retention) pauses message_log reads to delete segments.
         self._reads_paused: trio.Event | None = None
         self._wake = trio.Event()
         self._checkpoint_written = trio.Event()
@@ -262,6 +272,14 @@ class Replayer:
         step = self._collect(max_records)
         if step is None:
             return 0
+        if step.retirements:
+            if self.on_retire is not None:
+                raise RuntimeError("retirements need the async run loop (on_retire is set)")
+            starts = self._close_retired(step.retirements)
+            self._forget_indexed(starts)
+            retirement.delete_bucket_files(self.fs, self.data_dir, starts)
+            self._finish(step, {})
+            return step.count
         if step.tombstones:
             if self.on_tombstones is not None:
                 raise RuntimeError("tombstones need the async run loop (on_tombstones is set)")
@@ -294,6 +312,8 @@ class Replayer:
                 if count:  # messages first: the tombstones are the next step
                     self._carry = entry
                     break
+                if rtype == message_log.TYPE_RETIRE_BUCKET:
+                    return self._collect_retirements(entry, target, limit)
                 return self._collect_tombstones(entry, target, limit)
             start = due_ms - due_ms % width  # bucket_of, inlined
             group = groups.get(start)
@@ -322,11 +342,10 @@ class Replayer:
         """``first`` and the tombstones right after it, up to the next message."""
         tombstones = [(first[0], first[1], first[2])]
         position = first[3]
-        message_type = message_log.TYPE_MESSAGE
         if len(tombstones) < limit:
             for entry in self._records(position, target):
                 offset, rtype, payload, next_offset = entry[:4]
-                if rtype == message_type:
+                if rtype not in message_log.TOMBSTONE_TYPES:
                     self._carry = entry
                     break
                 message_log.check_type(rtype, self.log.directory, offset)
@@ -335,6 +354,50 @@ class Replayer:
                 if len(tombstones) >= limit:
                     break
         return _Step({}, position, self._replayed_sequence, len(tombstones), tombstones)
+
+    def _collect_retirements(self, first: _Entry, target: int, limit: float) -> _Step:
+        """``first`` and the retirements right after it, up to the next other record.
+        Raises RecordFormatError for a malformed one."""
+        retirements = [retirement.decode(first[2])]
+        position = first[3]
+        if len(retirements) < limit:
+            for entry in self._records(position, target):
+                rtype, payload, next_offset = entry[1:4]
+                if rtype != message_log.TYPE_RETIRE_BUCKET:
+                    self._carry = entry
+                    break
+                retirements.append(retirement.decode(payload))
+                position = next_offset
+                if len(retirements) >= limit:
+                    break
+        count = len(retirements)
+        return _Step({}, position, self._replayed_sequence, count, retirements=retirements)
+
+    def _close_retired(self, retirements: list[retirement.Retirement]) -> list[int]:
+        """The buckets of ``retirements`` to delete, their bucket files closed (flushed:
+        ``run`` calls it in a worker thread): each whose schedule_log file still has the
+        length the leader found complete, or has no file any more (deleted before a
+        crash: its dispatch_log file may be left). The length is a function of
+        message_log, so every member decides alike."""
+        starts = []
+        for retired in retirements:
+            start_ms = retired.start_ms
+            opened = self.buckets.opened(start_ms)
+            if opened is not None:
+                size: int | None = opened.end_offset
+            else:
+                size = self.buckets.size(start_ms) if self.buckets.exists(start_ms) else None
+            if size is not None and size != retired.schedule_bytes:
+                continue  # appended to since the leader decided: kept everywhere
+            self.buckets.close_bucket(start_ms)
+            starts.append(start_ms)
+        return starts
+
+    def _forget_indexed(self, starts: list[int]) -> None:
+        """Close the id index reader's descriptors of these buckets (the event loop's)."""
+        if self.index is not None:
+            for start_ms in starts:
+                self.index.reader.forget(start_ms)
 
     def offer(
         self,
@@ -455,7 +518,9 @@ class Replayer:
         self._position = step.position
         self._replayed_sequence = step.last_sequence
         self._head_sequence = max(self._head_sequence, step.last_sequence)
-        if not step.tombstones:
+        if step.retirements:
+            self.retired_total += step.count
+        elif not step.tombstones:
             self.replayed_total += step.count
 
     def derive_tombstones(self, records: list[TombstoneRecord]) -> None:
@@ -537,20 +602,16 @@ class Replayer:
 
         Order is the idempotency argument: bucket files first, checkpoint second.
         """
-        if self._position == self._checkpointed and not self.buckets.dirty and not self._retiring:
+        if self._position == self._checkpointed and not self.buckets.dirty:
             return False
         position, next_sequence = self._position, self._replayed_sequence + 1
         self.buckets.flush()
-        retiring, self._retiring = self._retiring, frozenset()
-        for start_ms in retiring:
-            self.buckets.close_bucket(start_ms)  # flushed just above: a cheap close
         if self.index is not None:
             self.index.flush()  # every record below the checkpoint is indexed durably
         sizes = self.buckets.open_sizes()
         write_replay_checkpoint(
             self.fs, self.data_dir, ReplayCheckpoint(position, next_sequence, sizes)
         )
-        self.listed_buckets = frozenset(sizes)
         self._checkpointed = position
         self.checkpoints += 1
         return True
@@ -581,7 +642,7 @@ class Replayer:
                     # A full step, or one cut short by a tombstone: there is more.
                     if self._position < self.log.durable_offset:
                         continue
-                pending = self._position != self._checkpointed or bool(self._retiring)
+                pending = self._position != self._checkpointed
                 # One absolute deadline for both the test and the wait: "now - last >=
                 # interval" false while "last + interval - now" rounds to 0 made the loop
                 # wait 0 s forever on trio's MockClock (which never reached the time).
@@ -636,6 +697,18 @@ class Replayer:
         step = self._collect(self.batch_records)
         if step is None:
             return 0
+        if step.retirements:
+            async with holding(self.append_lock):
+                starts = await trio.to_thread.run_sync(self._close_retired, step.retirements)
+                self._forget_indexed(starts)
+                if self.on_retire is None:
+                    await trio.to_thread.run_sync(
+                        retirement.delete_bucket_files, self.fs, self.data_dir, starts
+                    )
+                elif starts:
+                    await self.on_retire(starts)
+                self._finish(step, {})
+            return step.count
         if step.tombstones:
             async with holding(self.append_lock):
                 if self.on_tombstones is None:
@@ -667,15 +740,6 @@ class Replayer:
         return step.count
 
     # ------------------------------------------------------------------ retention
-
-    def retire_buckets(self, starts: Iterable[int]) -> None:
-        """Close these bucket files at the next checkpoint, which then no longer lists
-        them (``listed_buckets``): only then may retention delete them, because
-        recovery takes a listed bucket's length on trust. An append meanwhile simply
-        opens the file again."""
-        # Replaced, never changed in place: checkpoint() takes it in a worker thread.
-        self._retiring = self._retiring | frozenset(starts)
-        self._wake.set()
 
     async def without_log_reads(self, work: Callable[[], T]) -> T:
         """Run ``work`` in a worker thread while this replayer reads nothing from

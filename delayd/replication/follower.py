@@ -297,6 +297,9 @@ class Follower:
                 raise FollowRefused(
                     f"RECORDS of epoch {event.epoch} on a session of epoch {epoch}: refused"
                 )
+            self.acked.update(event.acked)
+            if not self.streams.copies(event.stream):
+                continue  # deleted here by the leader's word: it deletes it too
             target = self.streams.get(event.stream)
             try:
                 target.append_raw(event.offset, event.data)
@@ -306,7 +309,6 @@ class Follower:
                 # stops it (a failed fsync must not be retried).
                 raise FollowRefused(f"{event.stream}: {exc}") from exc
             self.received_bytes += len(event.data)
-            self.acked.update(event.acked)
             self._dirty[event.stream] = target
             self._appended.set()
 

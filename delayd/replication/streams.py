@@ -111,6 +111,12 @@ class StreamSet:
         leader reading a stream deleted since it listed the names)."""
         return self.get(name)
 
+    def copies(self, name: str) -> bool:
+        """Whether a follower copies the leader's records of ``name``: False for a
+        stream this member deleted by the leader's word, which the leader deletes too
+        (records of it still in flight are dropped, never a new empty copy)."""
+        return True
+
     def _opened(self) -> list[tuple[str, Stream]]:
         """The streams open now (what ``flush_all`` flushes)."""
         return [(name, self.get(name)) for name in self.names()]
@@ -244,6 +250,7 @@ class DelayStreams(StreamSet):
         self._buckets: dict[str, RecordFile] = {}
         self._dispatch_dir = layout.dispatch_log_dir(data_dir)
         self._written: Callable[[], BucketFiles] | None = None  # share_dispatch's
+        self._retired: set[str] = set()  # dispatch_log buckets a replay deleted
 
     def share_dispatch(self, files: Callable[[], BucketFiles] | None) -> None:
         """Read the dispatch_log buckets through the server's writer, ``files()`` (its
@@ -296,6 +303,19 @@ class DelayStreams(StreamSet):
 
     def _opened(self) -> list[tuple[str, Stream]]:
         return [(MESSAGE_LOG, self.message_log), *self._buckets.items()]
+
+    def retire_dispatch(self, bucket_names: list[str]) -> None:
+        """The replay of a bucket retirement is about to delete these dispatch_log
+        buckets (delayd.logs.retirement): close this object's copies of them, and copy
+        no more of them (``copies``), as the leader deletes them too."""
+        for name in map(dispatch_stream, bucket_names):
+            bucket = self._buckets.pop(name, None)
+            if bucket is not None:
+                bucket.close()
+            self._retired.add(name)
+
+    def copies(self, name: str) -> bool:
+        return name not in self._retired
 
     def starts(self) -> dict[str, int]:
         return {MESSAGE_LOG: self.message_log.min_offset}
@@ -401,6 +421,10 @@ class JoinedStreams(StreamSet):
     def find(self, name: str) -> Stream | None:
         part, own = self._part(name)
         return part.find(own)
+
+    def copies(self, name: str) -> bool:
+        part, own = self._part(name)
+        return part.copies(own)
 
     def _opened(self) -> list[tuple[str, Stream]]:
         return [

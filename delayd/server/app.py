@@ -265,12 +265,14 @@ class DelayServer:
                 directories, data_dir, self.refusals, resume_free_bytes=resume
             )
         # Deletes replayed message_log segments and delivered buckets once they are old
-        # enough (docs/operations.md, "Retention"); runs once delivery does.
-        self.retention: Retention | None = None
-        if config.retention.enabled:
-            self.retention = Retention(
-                config.retention, message_log, replayer, delivery, pending=self.pending
-            )
+        # enough (docs/operations.md, "Retention"); runs once delivery does. Built
+        # whatever the configuration: a bucket the leader retires is deleted by every
+        # member's replay through it (Retention.delete_retired).
+        self.retention = Retention(
+            config.retention, message_log, replayer, delivery, pending=self.pending
+        )
+        self.retention.append_retirements = self.intake.append_retirements
+        self.retention.commit_appended = self.intake.commit_appended
 
     def _chain_pending(self) -> None:
         """The pending count hears of every record the replayer schedules, after the
@@ -463,7 +465,7 @@ class DelayServer:
                         registry.register(ReplicationCollector(self._replication_role))
                     registry.register(PendingCollector(self.pending))
                     self.store_metrics.register(registry)
-                    if self.retention is not None:
+                    if self.config.retention.enabled:
                         registry.register(RetentionCollector(self.retention))
                     gates = {"intake": self.listener.gate, "broker": self.broker_listener.gate}
                     register_connection_metrics(registry, gates)
@@ -536,8 +538,9 @@ class DelayServer:
             snapshots_installed=self.snapshots_installed,
         )
         self.replication = replication
-        if self.retention is not None:
-            self.retention.replicated_floor = replication.message_log_copied
+        self.retention.replicated_floor = replication.message_log_copied
+        self.retention.streams_retired = replication.buckets_retired
+        self.retention.streams_deleted = replication.grew
         self.delivery.dispatch.on_durable = replication.grew
         self.delivery.sender.acknowledge = replication.wait_routes_copied
         self.writer.on_durable = replication.grew
@@ -712,7 +715,7 @@ class DelayServer:
             await self._deliver_while_leading()
             return
         await root.start(self.delivery.run)
-        if self.retention is not None:
+        if self.config.retention.enabled:
             await root.start(self.retention.run)
         self.readiness.set_ready()
         log.info("delivering: replay caught up at message_log offset %d", replay_target)
@@ -747,7 +750,7 @@ class DelayServer:
         log.info("leading group %s at epoch %s: delivering", membership.keys.group, epoch)
         async with trio.open_nursery() as delivering:
             await delivering.start(self.delivery.run)
-            if self.retention is not None:
+            if self.config.retention.enabled:
                 await delivering.start(self.retention.run)
             while membership.may_lead():
                 await membership.wait_change()
@@ -814,9 +817,8 @@ class DelayServer:
         delivery.sender.refusals = self.refusals
         if self.pending is not None:
             self._chain_pending()
-        if self.retention is not None:
-            self.retention.delivery = delivery
-            self.retention.clock = delivery.now_ms
+        self.retention.delivery = delivery
+        self.retention.clock = delivery.now_ms
         if self._delivery_collector is not None:
             self._delivery_collector.delivery = delivery
 

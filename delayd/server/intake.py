@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING
 import trio
 
 from delayd.errors import DelaydError
-from delayd.logs import tombstone
-from delayd.logs.message_log import TYPE_MESSAGE
+from delayd.logs import retirement, tombstone
+from delayd.logs.message_log import TYPE_MESSAGE, TYPE_RETIRE_BUCKET
 from delayd.protocol import EncodedMessages, Message, ResultCode, SendResult
 from delayd.replay import Replayer
 from delayd.server.receiver import Intake, Receiver
@@ -205,6 +205,29 @@ class IntakePath:
             raise
         self.replayer.offer_typed(offsets, payloads, rtype)
         return self.canceller.expect_many(offsets, is_cancel=due_ms is None)
+
+    # ------------------------------------------------------------------ retention
+
+    def append_retirements(self, retirements: Sequence[retirement.Retirement]) -> int:
+        """Append bucket retirements (delayd.logs.retirement) for retention, in order
+        with the sends; returns message_log's end after them. Raises DiskFullError
+        (nothing appended: the next pass tries again), StorageError."""
+        payloads = [retirement.encode(r) for r in retirements]
+        rtype = TYPE_RETIRE_BUCKET
+        offsets = self.log.append_batch(payloads, rtype)
+        self.replayer.offer_typed(offsets, payloads, rtype)
+        return self.log.end_offset
+
+    async def commit_appended(self) -> bool:
+        """Wait until what was appended is durable (flush policy) and, in a group,
+        acknowledged by it; False when this member stopped leading first."""
+        if self.writer.policy.mode is FlushMode.SYNC:
+            await self.writer.flush()
+        try:
+            await self._replicated()
+        except NotAcknowledged:
+            return False
+        return True
 
     def reschedule_due_ms(self, at_ms: int) -> tuple[int | None, str]:
         """The due time a reschedule to ``at_ms`` gets, as a send's would: a past time

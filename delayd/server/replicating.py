@@ -136,6 +136,13 @@ class GroupReplication(MemberReplication):
         leader = self.leader
         return 0 if leader is None else leader.copied_by_in_sync(MESSAGE_LOG)
 
+    def buckets_retired(self, starts: list[int]) -> None:
+        """The replay of a retirement is about to delete these buckets' files
+        (retention's ``streams_retired``): a follower closes its dispatch_log copies
+        and copies no more of them. A leader's streams shrink once the files are gone
+        (``grew``: its Leader drops them from the in-sync reference)."""
+        self.delay_streams.retire_dispatch([bucket_name(start) for start in starts])
+
     # ------------------------------------------------------------------ acks
 
     async def wait_dispatch_acknowledged(self, buckets: Iterable[int]) -> bool:

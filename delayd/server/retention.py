@@ -16,25 +16,34 @@ A trio task of ``delayd serve`` (started once delivery runs) makes a pass every
 * **id index files** whose entries all point into buckets older than the oldest bucket
   left (lookups there would find no record anyway).
 
-In a replicated group (docs/replication.md, "Retention in a group") the leader deletes a
-message_log segment only once every member of the in-sync set has copied past it too
-(``replicated_floor``): a follower that may take over never lacks a record the leader
-deleted. A follower deletes no segment by its own rule: it deletes those the leader
-no longer holds, once its own replay checkpoint has passed them
-(``trim_below_leader``), so message_log goes on every member at the leader's word, not
-by each member's clock.
+A bucket is not deleted by the pass itself: the pass appends a RETIRE_BUCKET record
+to message_log (delayd.logs.retirement), through intake's append path, and the replayer
+deletes the files when it replays the record (``delete_retired``, its ``on_retire``).
+In a group every member's replayer does, so the buckets go at the same message_log
+position everywhere (docs/replication.md, "Retention in a group").
+
+In a replicated group the leader deletes a message_log segment only once every member
+of the in-sync set has copied past it too (``replicated_floor``): a follower that may
+take over never lacks a record the leader deleted. A follower deletes no segment by its
+own rule: it deletes those the leader no longer holds, once its own replay checkpoint
+has passed them (``trim_below_leader``), so message_log goes on every member at the
+leader's word, not by each member's clock.
 
 Why a bucket deletion races nothing (docs/operations.md, "Retention"):
 
-* The COMPLETE check and the unlinks run under the replayer's append lock and the
-  delivery dispatch lock: no schedule record can be appended and no dispatch_log entry
-  written meanwhile, so "COMPLETE at the current length" stays true until the files
-  are gone, and no cancel decision (taken under both) sees half a bucket.
-* Every descriptor of the bucket is closed first: the replayer's (at a checkpoint —
-  ``Replayer.retire_buckets`` — because recovery trusts the length of every bucket the
-  last checkpoint lists, so a listed bucket is never deleted), the wheel manager's
-  (``WheelManager.retire``, which refuses a bucket it still loads or has entries of),
-  the sender's and the id index's readers, DispatchFiles', the pending tracker's.
+* The pass checks COMPLETE and appends the record under the replayer's append lock and
+  the delivery dispatch lock; the replay of the record deletes under both again. The
+  record carries the schedule_log file's length the pass saw complete, and the replay
+  deletes only a file of that length: a schedule record replayed into the bucket in
+  between (a clock set back) keeps it, on every member alike (schedule_log is a
+  function of message_log). Without one, the sender writes nothing more to a
+  COMPLETE bucket's dispatch_log: it has no entry of it left (the wheel manager's
+  ``retire`` refuses a bucket it still loads or has entries of), and a cancel or a
+  reschedule of one of its messages finds it delivered and writes nothing there.
+* Every descriptor of the bucket is closed first: the replayer's and the id index
+  reader's (the replayer, before ``on_retire``), the wheel manager's, the sender's
+  reader's, DispatchFiles', the pending tracker's, a follower's copy of the
+  dispatch_log stream (``streams_retired``).
 * A record that arrives for a deleted bucket later (due times in the past are stored
   as the receipt time, so only a clock set back, or an age of 0, can make one) creates
   a new file of that name; it is below the loading bucket, so canAdd puts it straight
@@ -52,21 +61,22 @@ import contextlib
 import logging
 import os
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
 
 import trio
 
-from delayd.logs import layout, message_log, tombstone
+from delayd.logs import layout, message_log, retirement, tombstone
 from delayd.logs.buckets import bucket_name, bucket_starts
 from delayd.logs.dispatch_log import EntryKind, read_last_entry
 from delayd.logs.id_index import MAX_MINUTE, MINUTE_MS, pack_location
+from delayd.nowait_acquire import holding
 from delayd.replay import Replayer
 from delayd.server.config import RetentionConfig
 from delayd.server.delivery import Delivery
 from delayd.server.pending_metrics import PendingTracker
-from storage.errors import CorruptionError
+from storage.errors import CorruptionError, DiskFullError
 from storage.fs import O_READ, FileSystem
 from storage.segmented_log import SegmentedLog, is_segment_name
 
@@ -74,7 +84,7 @@ log = logging.getLogger(__name__)
 
 LOGS = ("message_log", "schedule_log", "dispatch_log", "id_index")
 MAX_LAG_RECORDS = 10_000  # a pass is skipped while the replayer is further behind
-BATCH_BUCKETS = 64  # buckets deleted per hold of the locks (replay waits meanwhile)
+BATCH_BUCKETS = 64  # buckets retired per hold of the locks (replay waits meanwhile)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,10 +95,19 @@ class _Bucket:
 
 
 def receive_ms_of(rtype: int, payload: bytes) -> int:
-    """The receive time of a message_log record (message or tombstone)."""
+    """The receive time of a message_log record (message, tombstone, retirement)."""
     if rtype == message_log.TYPE_MESSAGE:
         return message_log.HEAD.unpack_from(payload)[2]
+    if rtype == message_log.TYPE_RETIRE_BUCKET:
+        return retirement.decode(payload).receive_ms
     return tombstone.decode(rtype, payload).receive_ms
+
+
+AppendRetirements = Callable[[list[retirement.Retirement]], int]
+"""Append retirements to message_log (no await); returns the log's end after them."""
+CommitAppended = Callable[[], Awaitable[bool]]
+"""Wait until what was appended is durable and (in a group) acknowledged; False when
+it will not be (this member stopped leading)."""
 
 
 def _file_size(fs: FileSystem, path: str) -> int | None:
@@ -156,9 +175,12 @@ async def trim_below_leader(log_: SegmentedLog, replayer: Replayer, leader_start
 
 class Retention:
     """The retention task of one delay server; see the module docstring. Build it
-    after the server opened, run ``run`` once delivery runs; ``run_pass`` is one pass
-    (for tests). Counters for metrics: ``deleted_files``, ``deleted_bytes`` (by log),
-    ``passes``, ``skipped_passes``, ``last_pass_ms``."""
+    after the server opened (it becomes the replayer's ``on_retire``: every member
+    deletes retired buckets, a follower too), run ``run`` once delivery runs;
+    ``run_pass`` is one pass (for tests). ``append_retirements`` and
+    ``commit_appended``: intake's append path (the server's IntakePath); without them
+    the records go straight to message_log. Counters for metrics: ``deleted_files``,
+    ``deleted_bytes`` (by log), ``passes``, ``skipped_passes``, ``last_pass_ms``."""
 
     def __init__(
         self,
@@ -189,6 +211,15 @@ class Retention:
         # In a group: how far every in-sync member has message_log durable (the
         # leader's own end included); segments at or above it stay. None: no group.
         self.replicated_floor: Callable[[], int] | None = None
+        self.append_retirements: AppendRetirements = self._append_to_log
+        self.commit_appended: CommitAppended = self._flush_log
+        # In a group: told of buckets about to be deleted (a follower stops copying
+        # their dispatch_log stream), then that they were (the leader's streams shrank).
+        self.streams_retired: Callable[[list[int]], object] | None = None
+        self.streams_deleted: Callable[[], object] | None = None
+        self._retiring: dict[int, int] = {}  # bucket -> message_log end after its record
+        self._index_trimmed_after = 0  # schedule_log files deleted at the last index trim
+        replayer.on_retire = self.delete_retired
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """A pass every ``interval_ms`` until cancelled. Raises what a deletion raises
@@ -267,22 +298,26 @@ class Retention:
             now_ms - self.width_ms - self.config.bucket_ms,
             manager.cursors.loading.bucket_ms - 1,
         )
-        candidates = await trio.to_thread.run_sync(self._complete_buckets, newest)
-        replayer = self.replayer
-        held = [
-            c.start_ms
-            for c in candidates
-            if replayer.buckets.is_open(c.start_ms) or c.start_ms in replayer.listed_buckets
-        ]
-        if held:
-            replayer.retire_buckets(held)  # closed at its next checkpoint: a later pass
-        skip = set(held)
-        ready = [c for c in candidates if c.start_ms not in skip]
-        deleted = 0
-        for index in range(0, len(ready), BATCH_BUCKETS):
-            deleted += await self._delete_buckets(ready[index : index + BATCH_BUCKETS])
-        if deleted:  # the oldest bucket left may have moved: index files may go
+        if self.deleted_files["schedule_log"] > self._index_trimmed_after:
+            # Replays deleted buckets since the last look: the oldest bucket left may
+            # have moved, and index files with it.
+            self._index_trimmed_after = self.deleted_files["schedule_log"]
             await self._trim_id_index()
+        position = self.replayer.position
+        self._retiring = {b: end for b, end in self._retiring.items() if end > position}
+        candidates = await trio.to_thread.run_sync(self._complete_buckets, newest)
+        candidates = [c for c in candidates if c.start_ms not in self._retiring]
+        appended = False
+        try:
+            for index in range(0, len(candidates), BATCH_BUCKETS):
+                batch = candidates[index : index + BATCH_BUCKETS]
+                appended |= await self._retire_buckets(batch)
+        except DiskFullError as exc:
+            # Nothing of the refused batch was appended; a later pass tries again.
+            log.warning("retention: no room in message_log to retire buckets: %s", exc)
+        # The replay deletes them (delete_retired); a pass does not wait for it.
+        if appended and await self.commit_appended():
+            self.replayer.notify(0)
 
     def _complete_buckets(self, newest_ms: int) -> list[_Bucket]:
         """Buckets starting at or before ``newest_ms`` whose dispatch_log ends with a
@@ -314,60 +349,87 @@ class Retention:
             return None
         return _Bucket(start_ms, schedule_bytes, dispatch_bytes)
 
-    async def _delete_buckets(self, batch: list[_Bucket]) -> int:
+    async def _retire_buckets(self, batch: list[_Bucket]) -> bool:
+        """Append a retirement for each bucket of ``batch`` still complete (checked
+        again under both locks: nothing appends meanwhile) that the wheel manager has
+        no business with; whether any was. Until the replay passes its record a
+        bucket is not retired again (``_retiring``)."""
         replayer, delivery = self.replayer, self.delivery
         async with replayer.append_lock, delivery.dispatch_lock:
-            chosen = [
-                c
-                for c in batch
-                if not replayer.buckets.is_open(c.start_ms)
-                and c.start_ms not in replayer.listed_buckets
-                and delivery.manager.retire(c.start_ms)
-            ]
-            for c in chosen:
-                delivery.sender.reader.forget(c.start_ms)
-                if replayer.index is not None:
-                    replayer.index.reader.forget(c.start_ms)
-            deleted = await trio.to_thread.run_sync(self._unlink_buckets, chosen)
+            still = await trio.to_thread.run_sync(self._still_complete, batch)
+            manager = delivery.manager
+            chosen = [c for c in still if manager.may_retire(c.start_ms)]
+            if not chosen:
+                return False
+            now_ms = self.clock()
+            end = self.append_retirements(
+                [retirement.Retirement(c.start_ms, c.schedule_bytes, now_ms) for c in chosen]
+            )
+        self._retiring.update((c.start_ms, end) for c in chosen)
+        return True
+
+    def _still_complete(self, batch: list[_Bucket]) -> list[_Bucket]:
+        return [c for c in batch if self._complete(c.start_ms) == c]
+
+    def _append_to_log(self, retirements: list[retirement.Retirement]) -> int:
+        payloads = [retirement.encode(r) for r in retirements]
+        rtype = message_log.TYPE_RETIRE_BUCKET
+        offsets = self.message_log.append_batch(payloads, rtype)
+        self.replayer.offer_typed(offsets, payloads, rtype)
+        return self.message_log.end_offset
+
+    async def _flush_log(self) -> bool:
+        await trio.to_thread.run_sync(self.message_log.flush)
+        return True
+
+    async def delete_retired(self, starts: list[int]) -> None:
+        """The replayer's ``on_retire`` (every member's, the leader's included): close
+        every descriptor of the buckets ``starts`` and delete their files (schedule_log
+        first: ``retirement.delete_bucket_files``). Under the append lock."""
+        delivery = self.delivery
+        async with holding(delivery.dispatch_lock):
+            for start_ms in starts:
+                # A follower's manager, never run, refuses: it holds nothing of them.
+                delivery.manager.retire(start_ms)
+                delivery.manager.reader.forget(start_ms)
+                delivery.sender.reader.forget(start_ms)
+            if self.streams_retired is not None:
+                self.streams_retired(starts)
+            sizes = await trio.to_thread.run_sync(self._delete_files, starts)
             if self.pending is not None:
-                for c in deleted:
-                    self.pending.forget(c.start_ms)
-        if not deleted:
-            return 0
-        schedule_bytes = sum(c.schedule_bytes for c in deleted)
-        dispatch_bytes = sum(c.dispatch_bytes for c in deleted)
-        self.deleted_files["schedule_log"] += len(deleted)
-        self.deleted_files["dispatch_log"] += len(deleted)
+                for start_ms in starts:
+                    self.pending.forget(start_ms)
+        if self.streams_deleted is not None:
+            self.streams_deleted()
+        schedule_sizes = [s for s, _ in sizes if s is not None]
+        dispatch_sizes = [d for _, d in sizes if d is not None]
+        schedule_bytes, dispatch_bytes = sum(schedule_sizes), sum(dispatch_sizes)
+        self.deleted_files["schedule_log"] += len(schedule_sizes)
+        self.deleted_files["dispatch_log"] += len(dispatch_sizes)
         self.deleted_bytes["schedule_log"] += schedule_bytes
         self.deleted_bytes["dispatch_log"] += dispatch_bytes
         log.info(
             "retention: deleted %d complete bucket(s) %s..%s (schedule_log %d bytes, "
             "dispatch_log %d bytes)",
-            len(deleted),
-            bucket_name(deleted[0].start_ms),
-            bucket_name(deleted[-1].start_ms),
+            len(starts),
+            bucket_name(starts[0]),
+            bucket_name(starts[-1]),
             schedule_bytes,
             dispatch_bytes,
         )
-        return len(deleted)
 
-    def _unlink_buckets(self, chosen: list[_Bucket]) -> list[_Bucket]:
-        """Check each bucket again (nothing can append while the caller holds both
-        locks) and delete the complete ones: schedule_log files, a directory fsync,
-        then dispatch_log files (the module docstring says why in this order)."""
-        fs = self.fs
-        deleted = [c for c in chosen if self._complete(c.start_ms) == c]
-        for c in deleted:
-            self.delivery.dispatch.forget(c.start_ms)  # flushes and closes its descriptor
-        for c in deleted:
-            _unlink(fs, os.path.join(self.schedule_dir, bucket_name(c.start_ms)))
-        if deleted:
-            fs.fsync_dir(self.schedule_dir)
-        for c in deleted:
-            _unlink(fs, os.path.join(self.dispatch_dir, bucket_name(c.start_ms)))
-        if deleted:
-            fs.fsync_dir(self.dispatch_dir)
-        return deleted
+    def _delete_files(self, starts: list[int]) -> list[tuple[int | None, int | None]]:
+        """Delete the buckets' files; their (schedule_log, dispatch_log) sizes before
+        (None: no file, a deletion a crash cut short)."""
+        sizes = []
+        for start_ms in starts:
+            self.delivery.dispatch.forget(start_ms)  # flushes and closes its descriptor
+            name = bucket_name(start_ms)
+            schedule = _file_size(self.fs, os.path.join(self.schedule_dir, name))
+            dispatch = _file_size(self.fs, os.path.join(self.dispatch_dir, name))
+            sizes.append((schedule, dispatch))
+        retirement.delete_bucket_files(self.fs, self.delivery.data_dir, starts)
+        return sizes
 
     # ------------------------------------------------------------------ id index
 

@@ -215,6 +215,10 @@ class WheelManager:
 
     # ------------------------------------------------------------------ retention
 
+    def may_retire(self, bucket_ms: int) -> bool:
+        """Whether ``retire`` would forget the bucket now (it changes nothing)."""
+        return bucket_ms < self.cursors.loading.bucket_ms and bucket_ms not in self._outstanding
+
     def retire(self, bucket_ms: int) -> bool:
         """Forget a bucket whose files retention is about to delete, closing this
         manager's descriptor of it; False (and nothing forgotten) while the manager
@@ -223,7 +227,7 @@ class WheelManager:
 
         A record appended to the bucket later (a file of the same name, new) is below
         the loading bucket, so canAdd puts it straight into the wheel."""
-        if bucket_ms >= self.cursors.loading.bucket_ms or bucket_ms in self._outstanding:
+        if not self.may_retire(bucket_ms):
             return False
         if bucket_ms in self._known:
             self._known.remove(bucket_ms)

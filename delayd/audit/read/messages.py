@@ -12,7 +12,9 @@ and the body's size. Properties and bodies are not decoded.
 message_log also holds cancel and reschedule tombstones (docs/cancel.md). Each goes
 through its codec (delayd.logs.tombstone), one at a time, into a row whose ``kind``
 says what it is (``cancel``, ``reschedule``; a message's is ``message``) and whose
-sequence, subject, key and body_size are null.
+sequence, subject, key and body_size are null. A bucket retirement (a deletion
+retention ordered, delayd.logs.retirement) is not a message: it is checked by its
+codec and gives no row.
 
 Two modes, option ``verify``:
 
@@ -38,9 +40,10 @@ from delayd.audit.read import fields
 from delayd.audit.read.batches import ALL, ReadOptions, bucket_value, build, problems_batch
 from delayd.audit.read.frames import FileScan, Problem
 from delayd.audit.schemas import MESSAGE_LOG, SCHEDULE_LOG, select
-from delayd.logs import message_log, schedule_log, tombstone
+from delayd.logs import message_log, retirement, schedule_log, tombstone
 from delayd.logs.log_files import LogFile
 from delayd.logs.message_log import FLAG_KEY, KNOWN_FLAGS, MessageRecord, RecordFormatError
+from delayd.logs.retirement import Retirement
 from delayd.logs.tombstone import Tombstone
 from storage.scan import BadFrame, Record
 
@@ -70,7 +73,7 @@ _KIND_NAMES = pa.array(
 # memory until it is built, end to end in one buffer with int32 offsets (fields.cut).
 _BATCH_BYTES = 64 << 20
 
-Decoded = tuple[int | None, MessageRecord | Tombstone]  # message_log_offset (None), record
+Decoded = tuple[int | None, MessageRecord | Tombstone | Retirement]  # message_log_offset, record
 # A record decoded by its codec: offset, frame type, and the values of _ROW_COLUMNS.
 _Row = tuple[int, int, tuple]
 _ROW_COLUMNS = (
@@ -112,6 +115,8 @@ def _decode_scheduled(rtype: int, payload: bytes) -> Decoded:
 def _decode_message(rtype: int, payload: bytes) -> Decoded:
     if rtype in message_log.TOMBSTONE_TYPES:
         return None, tombstone.decode(rtype, payload)
+    if rtype == message_log.TYPE_RETIRE_BUCKET:
+        return None, retirement.decode(payload)
     return None, message_log.decode_message(payload)
 
 
@@ -172,6 +177,8 @@ class _Batch:
         except RecordFormatError as exc:
             problems.append(Problem(FORMAT, offset - file.base, exc.reason))
             return
+        if isinstance(message, Retirement):
+            return  # a bucket deletion retention ordered: not a message, no row
         if isinstance(message, Tombstone):  # message_log only; no sequence, no body
             values = (None, message.due_ms, None, message.receive_ms, message.message_id)
             self.decoded.append((offset, rtype, (*values, None, None, None)))
