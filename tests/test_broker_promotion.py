@@ -17,7 +17,7 @@ from delayd.broker.acked_checkpoint import AckedCheckpoint
 from delayd.broker.broker import Broker, open_broker
 from delayd.broker.config import BrokerConfig
 from delayd.protocol import Message
-from delayd.replication import COMMITLOG, EpochHistory
+from delayd.replication import COMMITLOG, EpochHistory, LeaderStopped
 from delayd.replication.streams import EMBEDDED_BROKER_PREFIX, MESSAGE_LOG
 from delayd.server.broker_member import ReplicatedBroker
 from storage.errors import CorruptionError
@@ -231,3 +231,21 @@ async def test_the_acked_checkpoint_saves_forward_at_most_once_an_interval(
         file.truncate(0)
     with pytest.raises(CorruptionError):
         checkpoint.read()
+
+
+async def test_following_the_high_watermark_ends_quietly_when_the_leader_stops(
+    tmp_path: Path,
+) -> None:
+    """The role loop runs it beside each Leader: the Leader's stop ends it, without an
+    error (one would stop the server)."""
+
+    class StoppingLeader:
+        async def wait_acknowledged_past(self, stream: str, offset: int) -> int:
+            await trio.sleep(0.01)
+            raise LeaderStopped("the leader of group g was stopped")
+
+    async with open_broker(str(tmp_path / "b"), CONFIG) as broker:
+        replicated = ReplicatedBroker(broker)
+        replicated.join(FakeMember(), "")  # type: ignore[arg-type]
+        with trio.fail_after(5):
+            await replicated.follow_high_watermark(StoppingLeader())  # type: ignore[arg-type]

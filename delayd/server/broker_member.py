@@ -106,13 +106,14 @@ class ReplicatedBroker:
         """While ``leader`` serves: move the high watermark as the group acknowledges
         the commitlog (which wakes the PULLs held on the records it uncovers)."""
         stream = self._prefix + COMMITLOG
-        with contextlib.suppress(LeaderStopped):
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._keep_acked_checkpoint)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._keep_acked_checkpoint)
+            with contextlib.suppress(LeaderStopped):
                 while True:
                     acked = await leader.wait_acknowledged_past(stream, self.high_watermark)
                     self.high_watermark = acked
                     self.broker.high_watermark_moved()
+            nursery.cancel_scope.cancel()
 
     async def _keep_acked_checkpoint(self) -> None:
         """Save the high watermark now and then, off the path that moves it."""
