@@ -22,6 +22,7 @@ from delayd.cluster.members import cluster_prefix
 from delayd.errors import NotLeaderError, RejectedError, UnreachableError
 from delayd.group_address import GroupAddress, parse_group_address
 from delayd.protocol import (
+    PROTOCOL_VERSION,
     CancelOutcome,
     CancelResult,
     Error,
@@ -282,6 +283,8 @@ async def test_sender_target_follows_not_leader_to_the_leader(nursery):
 
 class FakeLink:
     """An AsyncLink stand-in: ``answer(addr)`` is what each request gets."""
+
+    protocol_version = PROTOCOL_VERSION  # what a server of this version negotiates
 
     def __init__(self, addr: str, answer: Callable[[str], object]) -> None:
         self.addr = addr
