@@ -257,13 +257,29 @@ async def test_a_crash_while_a_snapshot_arrives_or_installs_never_leaves_half_of
         fs.mkdir("/data")
         fs.fsync_dir("/")
         member = NewMember("/data", fs)
-        fs.crash_after(fs.ops + 40)
+        follower = member.follower(leader)
+        receiver = follower.snapshots
+        assert receiver is not None
+        begin, write = receiver.begin, receiver.write
+        chunks: list[int] = []
+
+        def begin_then_lose_power_soon(manifest: dict) -> None:
+            begin(manifest)
+            fs.crash_after(fs.ops + 6)  # a few chunks in, however long the way here was
+
+        def counted_write(index: int, offset: int, data: bytes) -> None:
+            write(index, offset, data)
+            chunks.append(index)
+
+        receiver.begin = begin_then_lose_power_soon  # type: ignore[method-assign]
+        receiver.write = counted_write  # type: ignore[method-assign]
         with trio.fail_after(30), pytest.RaisesGroup(SimulatedCrash, flatten_subgroups=True):
-            await member.follower(leader).run()
+            await follower.run()
+        assert chunks  # the power went mid-receipt, after chunks were written
         crashed = str(tmp_path / "crashed")
         fs.materialize(crashed, "torn", random.Random(1))
         received = os.path.join(crashed, "data", "delay", "snapshot")
-        assert os.listdir(received) and "MANIFEST" not in os.listdir(received)
+        assert "MANIFEST" not in os.listdir(received)  # never committed
         assert install_received_snapshot(os.path.join(crashed, "data")) is None
         assert not os.listdir(received)  # discarded: nothing of it installed
         assert not os.path.exists(layout.replay_checkpoint_path(os.path.join(crashed, "data")))
