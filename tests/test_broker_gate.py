@@ -16,6 +16,7 @@ import trio
 from delayd.broker.broker import Broker, open_broker
 from delayd.broker.config import BrokerConfig
 from delayd.broker.server import serve_broker
+from delayd.client import Consumer
 from delayd.errors import NotLeaderError
 from delayd.protocol import (
     CommitOffset,
@@ -207,4 +208,52 @@ async def test_the_tcp_server_answers_sends_and_commits_once_the_group_has_them(
             refused = await answer(waiting)
             assert isinstance(refused, Error) and refused.code is ErrorCode.NOT_LEADER
         client.close()
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_consumer_gets_its_next_messages_before_the_group_acknowledged_its_commit(
+    tmp_path: Path,
+) -> None:
+    """The blocking consumer sends its commits in the write of its next PULL; in a group
+    a commit is answered once the followers have it, and the pulled messages must not
+    wait for that answer (it would add a follower's round trip to every message's
+    lateness). The commit counts once answered; closing waits for it."""
+    async with gated_broker(tmp_path) as (broker, gate), trio.open_nursery() as nursery:
+        addresses = await nursery.start(serve_broker, broker, "127.0.0.1", 0)
+        sending = trio.Event()
+
+        async def send() -> None:
+            await broker.send_batch(messages("m", 3))
+            sending.set()
+
+        nursery.start_soon(send)
+        await trio.sleep(0.05)
+        gate.move(commitlog=broker.store.commitlog.end_offset)
+        await sending.wait()
+        consumer = Consumer(
+            f"127.0.0.1:{addresses[0][1]}", subject="orders", group="g", max_messages=1,
+            pull_wait_ms=100, timeout_s=10,
+        )  # fmt: skip
+        try:
+            first = await trio.to_thread.run_sync(consumer.receive, 5)
+            assert first is not None and first.message_id == "m-0"
+            with trio.fail_after(3):  # not the consumer's 10 s: the commit is never answered
+                second = await trio.to_thread.run_sync(consumer.receive, 5)
+            assert second is not None and second.message_id == "m-1"
+            assert broker.offsets.get("g", "orders", 0) == 1  # sent, applied, unanswered
+            with trio.fail_after(5):  # its answer waits for the group, which never comes
+                while not any(kind.startswith("offsets/") for kind, _ in gate.waits):
+                    await trio.sleep(0.01)
+
+            async def acknowledge() -> None:  # the followers have every commit from now on
+                while True:
+                    gate.move(offsets=dict([broker.offsets.position()]))
+                    await trio.sleep(0.01)
+
+            nursery.start_soon(acknowledge)
+            third = await trio.to_thread.run_sync(consumer.receive, 5)
+            assert third is not None and third.message_id == "m-2"
+        finally:
+            await trio.to_thread.run_sync(consumer.close)
+        assert broker.offsets.get("g", "orders", 0) == 3  # the last commit, at close
         nursery.cancel_scope.cancel()

@@ -55,6 +55,9 @@ class BlockingLink:
         self._conn = conn
         self._answers: deque[Response | Error] = deque()  # read, not yet handed out
         self._ended: DelaydError | None = None  # why no answer follows those
+        # Requests whose answers a pipeline did not wait for (``detach``): request id ->
+        # what takes the answer when a later read on this link meets it.
+        self._detached: dict[int, Callable[[Response | Error], None]] = {}
         self.closed = False
 
     @property
@@ -137,6 +140,7 @@ class BlockingLink:
         *,
         on_answer: Callable[[int, Response | DelaydError], None],
         window: int = 8,
+        detach: int = 0,
     ) -> None:
         """Send each request, keeping at most ``window`` unanswered, until all are answered.
 
@@ -146,13 +150,18 @@ class BlockingLink:
         deadlock against a server blocked writing answers nobody reads. Raises as
         ``request`` does for the connection as a whole; answers already passed to
         ``on_answer`` stand.
+
+        The answers of the first ``detach`` requests are not waited for: this returns
+        once the others are answered, and theirs go to ``on_answer`` when a read on this
+        link meets them (this call, a later one, or ``settle_detached``); lost with the
+        link if it closes first.
         """
         if self.closed:
             raise ConnectionClosedError(f"connection to {self.addr} is closed")
         waiting: dict[int, tuple[int, Request]] = {}  # request id -> (index, request)
         next_index = 0
         try:
-            while next_index < len(builds) or waiting:
+            while next_index < len(builds) or any(i >= detach for i, _ in waiting.values()):
                 # Write as many as the window allows in one sendall: fewer system calls,
                 # and the server can read them in one go.
                 chunks = []
@@ -164,18 +173,42 @@ class BlockingLink:
                 if chunks:
                     self._write(b"".join(chunks), deadline)
                 answer = self._read_answer(deadline)
-                index, request = waiting.pop(answer.request_id)
-                if isinstance(answer, Error):
-                    what = f"{request.command.name} to {self.addr}"
-                    exc = error_to_exception(answer, what)
-                    if answer.close:
-                        raise exc  # the server closes: the other requests are lost too
-                    on_answer(index, exc)
-                else:
-                    on_answer(index, answer)
+                if answer.request_id in waiting:
+                    index, request = waiting.pop(answer.request_id)
+                    self._hand(answer, index, request, on_answer)
+            for request_id, (index, request) in waiting.items():
+                self._detached[request_id] = partial(
+                    self._hand, index=index, request=request, on_answer=on_answer
+                )
         except BaseException:
             self.close()
             raise
+
+    def settle_detached(self, deadline: float) -> None:
+        """Read until every detached request (``pipeline``) is answered. Raises as
+        ``pipeline`` does."""
+        try:
+            while self._detached:
+                self._read_answer(deadline)
+        except BaseException:
+            self.close()
+            raise
+
+    def _hand(
+        self,
+        answer: Response | Error,
+        index: int,
+        request: Request,
+        on_answer: Callable[[int, Response | DelaydError], None],
+    ) -> None:
+        if isinstance(answer, Error):
+            what = f"{request.command.name} to {self.addr}"
+            exc = error_to_exception(answer, what)
+            if answer.close:
+                raise exc  # the server closes: the other requests are lost too
+            on_answer(index, exc)
+        else:
+            on_answer(index, answer)
 
     # --- bytes ------------------------------------------------------------------------
 
@@ -190,7 +223,8 @@ class BlockingLink:
 
     def _read_answer(self, deadline: float) -> Response | Error:
         """The next answer to a request; raises, once the answers that came before it
-        are handed out, what ended the connection (route_answers)."""
+        are handed out, what ended the connection (route_answers). The answer of a
+        detached request goes to its taker on the way (and is returned too)."""
         while not self._answers:
             if self._ended is not None:
                 raise self._ended
@@ -199,7 +233,11 @@ class BlockingLink:
                 route_answers(self._conn, self._keep_answer, self.addr)
             except DelaydError as exc:
                 self._ended = exc
-        return self._answers.popleft()
+        answer = self._answers.popleft()
+        taker = self._detached.pop(answer.request_id, None)
+        if taker is not None:
+            taker(answer)
+        return answer
 
     def _keep_answer(self, answer: Response | Error) -> None:
         if answer.request_id:  # an ERROR about the whole connection is raised instead

@@ -115,6 +115,10 @@ class Consumer(BlockingClient):
         self.heartbeat_interval_s = heartbeat_interval_s
         self._state = ConsumerState(auto_commit=auto_commit, commit=commit)
         self._joined: BlockingLink | None = None  # the link this consumer is a member on
+        # COMMIT_OFFSETs sent with a PULL whose answers were not waited for: queue ->
+        # offset, on the link ``_in_flight_on`` (lost with it: due again).
+        self._in_flight: dict[int, int] = {}
+        self._in_flight_on: BlockingLink | None = None
         self._joins = 0  # JOINs done so far
         self._last_heartbeat = 0.0  # monotonic time of the last HEARTBEAT
         self._letting_go = False  # a lost queue is held: heartbeat every 0.1 s
@@ -299,29 +303,43 @@ class Consumer(BlockingClient):
 
     def _pull(self, wait_ms: int, deadline: float) -> None:
         """One PULL into the prefetch buffer, preceded on the wire by the commits due;
-        connection trouble is retried by the caller (the commits stay due)."""
+        connection trouble is retried by the caller (the commits stay due). The pulled
+        messages are handed out without waiting for those commits' answers: in a
+        replicated group a commit is answered once the followers have it, and the
+        next messages would wait for that round trip. A commit confirmed later counts
+        then; one lost with the link is due again."""
         joins_before = self._joins
         link = self._member_link(deadline)
-        due = self._state.commits_due()
+        due = self._commits_to_send(link)
         builds: list[Callable[[int], Request]] = [
             self._commit_request(queue, offset) for queue, offset in due
         ]
         builds.append(partial(self.subscription.pull, self.max_messages, wait_ms))
         answers: dict[int, Response | DelaydError] = {}
+
+        def on_answer(index: int, answer: Response | DelaydError) -> None:
+            if index == len(due):
+                answers[index] = answer
+                return
+            queue, offset = due[index]
+            if isinstance(answer, CommitOffsetOk):
+                self._state.committed(queue, offset)
+            if self._in_flight.get(queue) == offset:
+                del self._in_flight[queue]  # answered: refused, it is due again
+
+        self._in_flight.update(due)
         try:
             link.pipeline(
                 builds,
                 time.monotonic() + wait_ms / 1000 + self.timeout_s,
-                on_answer=answers.__setitem__,
+                on_answer=on_answer,
                 window=len(builds),
+                detach=len(due),
             )
         except (ConnectionClosedError, DelaydTimeout) as exc:
             self._session.lost(exc)
             return
         finally:
-            for index, (queue, offset) in enumerate(due):
-                if isinstance(answers.get(index), CommitOffsetOk):
-                    self._state.committed(queue, offset)
             self._state.flushed(time.monotonic())
         result = answers[len(due)]
         if isinstance(result, PullResult):
@@ -347,6 +365,16 @@ class Consumer(BlockingClient):
             answer = answers.get(index)
             if isinstance(answer, DelaydError) and not isinstance(answer, NotLeaderError):
                 raise answer
+
+    def _commits_to_send(self, link: BlockingLink) -> list[tuple[int, int]]:
+        """The commits due that are not on their way on ``link`` already."""
+        if link is not self._in_flight_on:
+            self._in_flight, self._in_flight_on = {}, link  # lost with the old link
+        return [
+            (queue, offset)
+            for queue, offset in self._state.commits_due()
+            if offset > self._in_flight.get(queue, -1)
+        ]
 
     def _commit_request(self, queue: int, offset: int) -> Callable[[int], CommitOffset]:
         return partial(self.subscription.commit, queue, offset, self._state.sync_commits)
