@@ -128,6 +128,20 @@ def test_serve_refuses_to_start_with_a_tls_file_it_cannot_use(tmp_path):
     assert code == 2 and "--tls-key" in log
 
 
+def assert_delivered_over_tls(server: ServeProcess, broker: BrokerProcess, pki: Pki) -> None:
+    """Three messages sent to ``server`` (plain TCP) are consumed from ``broker`` over
+    TLS: the sender delivered them to it over TLS."""
+    with Producer(addr(server.address), timeout_s=5) as producer:
+        receipts = [producer.send("orders", b"%d" % i, delay_ms=0) for i in range(3)]
+    with Consumer(
+        addr(broker.address), subject="orders", group="g", tls=pki.client(), timeout_s=5
+    ) as consumer:
+        got = [consumer.receive(timeout_s=15) for _ in receipts]
+    assert sorted(m.message_id for m in got if m is not None) == sorted(
+        r.message_id for r in receipts
+    )
+
+
 def test_the_sender_delivers_to_a_broker_group_over_tls(tmp_path):
     pki, new = make_pki(tmp_path / "pki"), make_pki(tmp_path / "new")
     cert, key = tmp_path / "served.pem", tmp_path / "served.key"
@@ -144,15 +158,7 @@ def test_the_sender_delivers_to_a_broker_group_over_tls(tmp_path):
             f'tls_ca_file = "{pki.ca_file}"\n'
         )
         server = ServeProcess(tmp_path / "data", "--config", str(config)).start()
-        with Producer(addr(server.address), timeout_s=5) as producer:  # intake: plain TCP
-            receipts = [producer.send("orders", b"%d" % i, delay_ms=0) for i in range(3)]
-        with Consumer(
-            addr(broker.address), subject="orders", group="g", tls=pki.client(), timeout_s=5
-        ) as consumer:
-            got = [consumer.receive(timeout_s=15) for _ in receipts]
-        assert sorted(m.message_id for m in got if m is not None) == sorted(
-            r.message_id for r in receipts
-        )
+        assert_delivered_over_tls(server, broker, pki)
         # delayd broker: /metrics over TLS, and SIGHUP rotates its certificate too.
         metrics = https_get(broker.metrics_address, "/metrics", pki.ca_file)
         assert metrics.status_code == 200 and "delayd_broker" in metrics.text
@@ -243,15 +249,7 @@ def test_the_sender_delivers_over_tls_to_broker_groups_found_in_etcd(
         server = ServeProcess(
             tmp_path / "data", "--config", str(config), *joined, "--group", "d1"
         ).start()
-        with Producer(addr(server.address), timeout_s=5) as producer:  # intake: plain TCP
-            receipts = [producer.send("orders", b"%d" % i, delay_ms=0) for i in range(3)]
-        with Consumer(
-            addr(broker.address), subject="orders", group="g", tls=pki.client(), timeout_s=5
-        ) as consumer:
-            got = [consumer.receive(timeout_s=15) for _ in receipts]
-        assert sorted(m.message_id for m in got if m is not None) == sorted(
-            r.message_id for r in receipts
-        )
+        assert_delivered_over_tls(server, broker, pki)
     finally:
         if server is not None:
             server.close()
