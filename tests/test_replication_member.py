@@ -35,6 +35,19 @@ class WritesOnPromotion(MemberReplication):
         self.promoted.set()
 
 
+async def promoted_member(runner_class, member: Member, config: ClusterConfig, nursery):
+    """``runner_class`` (whose ``promoted`` event its promotion sets) running ``member``
+    as member "a" of ``config``'s group, once promoted."""
+    membership = Membership(config)
+    listeners = await open_listeners("replication", "127.0.0.1", 0)
+    runner = runner_class(member, membership, config, listeners)
+    await nursery.start(runner.run)
+    await nursery.start(membership.run, MemberInfo("a", intake="127.0.0.1:1"))
+    with trio.fail_after(10):
+        await runner.promoted.wait()
+    return runner
+
+
 async def test_the_epoch_begins_before_the_promoted_member_takes_a_write(
     tmp_path: Path, etcd_server, etcd_prefix, nursery
 ) -> None:
@@ -48,13 +61,8 @@ async def test_the_epoch_begins_before_the_promoted_member_takes_a_write(
             min_in_sync=0,
             prefix=etcd_prefix,
         )
-        membership = Membership(config)
-        listeners = await open_listeners("replication", "127.0.0.1", 0)
-        runner = WritesOnPromotion(member, membership, config, listeners)
-        await nursery.start(runner.run)
-        await nursery.start(membership.run, MemberInfo("a", intake="127.0.0.1:1"))
-        with trio.fail_after(10):
-            await runner.promoted.wait()
+        runner = await promoted_member(WritesOnPromotion, member, config, nursery)
+        membership = runner.membership
         (entry,) = member.history.entries
         assert entry.epoch == membership.view.epoch
         assert entry.starts[MESSAGE_LOG] == runner.end_before_writes > 0
@@ -86,13 +94,9 @@ async def test_a_member_no_longer_registered_leaves_the_in_sync_set_at_promotion
         async with EtcdClient([etcd_server.url]) as etcd:
             keys = GroupKeys(etcd_prefix, "g1")
             await etcd.put(keys.in_sync, encode_members(["a", "ghost"]))
-        membership = Membership(config)
-        listeners = await open_listeners("replication", "127.0.0.1", 0)
-        runner = Promoted(member, membership, config, listeners)
-        await nursery.start(runner.run)
-        await nursery.start(membership.run, MemberInfo("a", intake="127.0.0.1:1"))
+        runner = await promoted_member(Promoted, member, config, nursery)
+        membership = runner.membership
         with trio.fail_after(10):
-            await runner.promoted.wait()
             while runner.leader is None:
                 await trio.sleep(0.01)
         assert runner.leader.in_sync == frozenset()  # ghost is not waited for
