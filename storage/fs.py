@@ -12,6 +12,7 @@ File descriptors are opaque integers owned by the file system object that made t
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Protocol
 
 from storage.errors import DiskFullError
@@ -129,6 +130,28 @@ def create_dirs_durably(fs: FileSystem, directory: str) -> None:
     fs.mkdir(path)
     for each in dirs_up_to(path, os.path.abspath(os.sep)):
         fs.fsync_dir(each)
+
+
+def remove_durably(fs: FileSystem, path: str) -> None:
+    """Unlink ``path`` if it exists, and fsync its directory: gone after a power loss."""
+    if fs.exists(path):
+        fs.unlink(path)
+        fs.fsync_dir(os.path.dirname(path))
+
+
+def empty_directory_durably(
+    fs: FileSystem, directory: str, keep: Callable[[str], bool] = lambda name: False
+) -> list[str]:
+    """Unlink every file of ``directory`` (if it exists) whose name ``keep`` does not
+    keep, with one fsync of the directory; returns the names removed."""
+    if not fs.exists(directory):
+        return []
+    gone = [name for name in fs.listdir(directory) if not keep(name)]
+    for name in gone:
+        fs.unlink(os.path.join(directory, name))
+    if gone:
+        fs.fsync_dir(directory)
+    return gone
 
 
 def dirs_up_to(directory: str, ancestor: str) -> list[str]:

@@ -26,7 +26,7 @@ from typing import Protocol
 
 from delayd.errors import DelaydError
 from storage.checkpoint import read_checkpoint, write_checkpoint
-from storage.fs import O_WRITE, REAL_FS, FileSystem, create_dirs_durably
+from storage.fs import O_WRITE, REAL_FS, FileSystem, create_dirs_durably, empty_directory_durably
 
 MANIFEST = "MANIFEST"
 MANIFEST_FORMAT = 1
@@ -212,9 +212,4 @@ def discard_partial(directory: str, fs: FileSystem = REAL_FS, *, whole_too: bool
             return False
         fs.unlink(manifest)
         fs.fsync_dir(directory)
-    names = fs.listdir(directory)
-    for name in names:
-        fs.unlink(os.path.join(directory, name))
-    if names:
-        fs.fsync_dir(directory)
-    return bool(names)
+    return bool(empty_directory_durably(fs, directory))

@@ -12,11 +12,9 @@ member then follows again, is told to cut again, and finishes the work.
 
 from __future__ import annotations
 
-import os
-
 from delayd.errors import DelaydError
 from delayd.logs import layout
-from storage.fs import REAL_FS, FileSystem
+from storage.fs import REAL_FS, FileSystem, empty_directory_durably, remove_durably
 from storage.segmented_log import DEFAULT_SEGMENT_SIZE, SegmentedLog
 
 
@@ -70,26 +68,10 @@ def remove_derived_state(data_dir: str, *, fs: FileSystem = REAL_FS) -> None:
     checkpoint first (a start then replays from the beginning, whatever else is left),
     then schedule_log, the id index and the other checkpoints (wheel cursors,
     segment_scale). The directories stay, empty."""
-    _remove_file(fs, layout.replay_checkpoint_path(data_dir))
+    remove_durably(fs, layout.replay_checkpoint_path(data_dir))
     for directory in (
         layout.schedule_log_dir(data_dir),
         layout.id_index_dir(data_dir),
         layout.checkpoint_dir(data_dir),
     ):
-        _empty_directory(fs, directory)
-
-
-def _remove_file(fs: FileSystem, path: str) -> None:
-    if fs.exists(path):
-        fs.unlink(path)
-        fs.fsync_dir(os.path.dirname(path))
-
-
-def _empty_directory(fs: FileSystem, directory: str) -> None:
-    if not fs.exists(directory):
-        return
-    names = fs.listdir(directory)
-    for name in names:
-        fs.unlink(os.path.join(directory, name))
-    if names:
-        fs.fsync_dir(directory)
+        empty_directory_durably(fs, directory)

@@ -57,7 +57,14 @@ from delayd.replication.snapshot import (
 )
 from delayd.server.rebuild import RebuildNeeded
 from storage.checkpoint import read_checkpoint
-from storage.fs import O_READ, REAL_FS, FileSystem, create_dirs_durably
+from storage.fs import (
+    O_READ,
+    REAL_FS,
+    FileSystem,
+    create_dirs_durably,
+    empty_directory_durably,
+    remove_durably,
+)
 from storage.record_file import RecordFile
 from storage.scan import BadFrame, scan_frames
 from storage.segmented_log import is_segment_name
@@ -221,9 +228,11 @@ def install_received_snapshot(data_dir: str, fs: FileSystem = REAL_FS) -> dict |
     names = {file.name for file in files}
     if fs.exists(received_file(directory, replay[0])):
         # The old checkpoint first: until the new one is in place no start resumes.
-        _remove(fs, layout.replay_checkpoint_path(data_dir))
+        remove_durably(fs, layout.replay_checkpoint_path(data_dir))
     for sub in REPLACED:
-        _remove_unnamed(fs, os.path.join(delay, sub), sub, names)
+        here = os.path.join(delay, sub)
+        create_dirs_durably(fs, here)
+        empty_directory_durably(fs, here, keep=lambda name, sub=sub: f"{sub}/{name}" in names)
     for index in sorted(range(len(files)), key=lambda i: i == replay[0]):
         received = received_file(directory, index)
         if fs.exists(received):
@@ -267,18 +276,3 @@ def index_schedule_log(data_dir: str, fs: FileSystem = REAL_FS) -> int:
         index.reader.close()
         index.close()
     return count
-
-
-def _remove(fs: FileSystem, path: str) -> None:
-    if fs.exists(path):
-        fs.unlink(path)
-        fs.fsync_dir(os.path.dirname(path))
-
-
-def _remove_unnamed(fs: FileSystem, directory: str, sub: str, names: set[str]) -> None:
-    create_dirs_durably(fs, directory)
-    gone = [n for n in fs.listdir(directory) if f"{sub}/{n}" not in names]
-    for name in gone:
-        fs.unlink(os.path.join(directory, name))
-    if gone:
-        fs.fsync_dir(directory)
