@@ -44,8 +44,17 @@ def retention_env() -> dict[str, str]:
 
 
 def segments(data_dir: Path) -> dict[int, bytes]:
+    """The member's message_log segments by base offset. Retention runs while we look:
+    a segment listed and deleted before it is read is gone, and left out."""
     directory = Path(layout.message_log_dir(str(data_dir)))
-    return {int(p.name): p.read_bytes() for p in directory.iterdir() if p.name.isdigit()}
+    found = {}
+    for path in directory.iterdir():
+        if path.name.isdigit():
+            try:
+                found[int(path.name)] = path.read_bytes()
+            except FileNotFoundError:
+                continue
+    return found
 
 
 def send(address: str, prefix: str, count: int) -> None:
