@@ -67,23 +67,30 @@ HOLD_VIRTUAL_TIME_S = 2.0
 
 def _holding_virtual_time(run_sync):
     """``trio.to_thread.run_sync`` that keeps a task runnable (yielding, never blocked)
-    while any worker thread runs, for up to HOLD_VIRTUAL_TIME_S: the autojump waits for
-    every task to block."""
-    running = [0]
+    while a worker thread runs that began less than HOLD_VIRTUAL_TIME_S ago: the
+    autojump waits for every task to block. The hold is each thread's own: threads
+    that overlap back to back (a busy pipeline's fsyncs and loads) hold virtual time
+    for as long as they keep coming, not for HOLD_VIRTUAL_TIME_S in all."""
+    starts: list[float] = []  # when each running worker thread began
+    holding = [False]
 
     async def keep_runnable() -> None:
-        ends = time.monotonic() + HOLD_VIRTUAL_TIME_S
-        while running[0] and time.monotonic() < ends:
-            await trio.sleep(0)
+        try:
+            while starts and time.monotonic() - max(starts) < HOLD_VIRTUAL_TIME_S:
+                await trio.sleep(0)
+        finally:
+            holding[0] = False
 
     async def run_sync_holding(fn, *args, **options):
-        running[0] += 1
-        if running[0] == 1:
+        start = time.monotonic()
+        starts.append(start)
+        if not holding[0]:
+            holding[0] = True
             trio.lowlevel.spawn_system_task(keep_runnable)
         try:
             return await run_sync(fn, *args, **options)
         finally:
-            running[0] -= 1
+            starts.remove(start)
 
     return run_sync_holding
 

@@ -35,6 +35,7 @@ from tests.delivery_pipeline import T0, Pipeline, RecordingTarget, dispatch_entr
 
 MINUTE = 60_000
 SCALE = 1  # segment_scale_minutes of ServeConfig's default
+LATE_ALLOWED_MS = 5_000  # how late (virtual) a loaded machine may make a delivery here
 
 
 @pytest.fixture
@@ -350,7 +351,11 @@ async def test_a_promoted_follower_decides_what_replication_did_not_bring(tmp_pa
     await deliver_until(promoted, T0 + 6 * MINUTE)
     got = {r.message.message_id: r.at_ms for r in target.received}
     assert len(target.received) == len(got) == 3  # each once
-    assert got == {sent: got[sent], moved: T0 + 4 * MINUTE, kept: T0 + 3 * MINUTE}
+    # Each at its own time, not before; a worker thread outlasting the clock's hold on
+    # a loaded machine may make one late in virtual time, never early or at the other's.
+    assert set(got) == {sent, moved, kept}
+    assert T0 + 4 * MINUTE <= got[moved] < T0 + 4 * MINUTE + LATE_ALLOWED_MS
+    assert T0 + 3 * MINUTE <= got[kept] < T0 + 3 * MINUTE + LATE_ALLOWED_MS
     assert got[sent] < T0 + 5 * MINUTE  # the resend, not the void copy
 
 
