@@ -232,10 +232,12 @@ def test_a_group_added_and_one_drained_while_producing_lose_nothing(cluster: Clu
         before = cluster.accepted("d3")
         send(producer, history, [f"new-{i}" for i in range(200)])
         assert cluster.accepted("d3") - before > 40  # new ids reach the new group
-        # Old ids the new group now owns are still found where they were stored.
+        # Old ids the new group now owns are still found where they were stored (never
+        # UNKNOWN; a loaded machine may have taken DELAY_MS since they were sent).
         now_owned_by_d3 = [i for i in old if producer.view.groups.owner(i) == "d3"]
         assert now_owned_by_d3
-        assert set(cancel(producer, history, now_owned_by_d3)) == {CancelOutcome.CANCELLED}
+        found = {CancelOutcome.CANCELLED, CancelOutcome.ALREADY_DELIVERED}
+        assert set(cancel(producer, history, now_owned_by_d3)) <= found
 
         drained = cluster.cli("drain", "d1")
         assert drained.returncode == 0 and "draining" in drained.stdout, drained.stderr
@@ -245,7 +247,7 @@ def test_a_group_added_and_one_drained_while_producing_lose_nothing(cluster: Clu
         assert cluster.accepted("d1") == held_by_d1  # a draining group takes no new id
         d1_ids = [i for i in old if DelayGroups(("d1", "d2"), ()).owner(i) == "d1"]
         outcomes = cancel(producer, history, d1_ids[-20:])  # still answered by d1
-        assert set(outcomes) <= {CancelOutcome.CANCELLED, CancelOutcome.ALREADY_DELIVERED}
+        assert set(outcomes) <= found
 
         refused = cluster.cli("retire", "d1")
         assert refused.returncode == 1 and "pending message(s)" in refused.stderr
