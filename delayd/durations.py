@@ -50,3 +50,18 @@ def parse_duration_ms(text: str) -> int:
     if total != total.to_integral_value():
         raise ValueError(f"{text!r} is not a whole number of milliseconds")
     return int(total)
+
+
+def format_duration_ms(ms: int) -> str:
+    """Milliseconds -> the largest units, in whole seconds rounded up (``1h30m``,
+    ``23h59m5s``, ``0s``): a wait said this way is never shorter than the real one.
+    ``parse_duration_ms`` reads it back."""
+    left_s = -(-max(ms, 0) // 1000)
+    parts = []
+    for unit, unit_ms in UNITS_MS.items():
+        if unit == "ms":
+            break
+        amount, left_s = divmod(left_s, unit_ms // 1000)
+        if amount:
+            parts.append(f"{amount}{unit}")
+    return "".join(parts) or "0s"

@@ -249,10 +249,12 @@ def test_a_group_added_and_one_drained_while_producing_lose_nothing(cluster: Clu
         outcomes = cancel(producer, history, d1_ids[-20:])  # still answered by d1
         assert set(outcomes) <= found
 
-        refused = cluster.cli("retire", "d1")
+        # This test resends no id of d1's: the resend window need not pass first.
+        retire = ("retire", "d1", "--resend-window-s", "0")
+        refused = cluster.cli(*retire)
         assert refused.returncode == 1 and "pending message(s)" in refused.stderr
         time.sleep((DELAY_MS + 2500) / 1000)  # d1 delivers what it holds
-        wait_until(lambda: cluster.cli("retire", "d1").returncode == 0, 15, "d1 retires")
+        wait_until(lambda: cluster.cli(*retire).returncode == 0, 15, "d1 retires")
         producer.view.stale()
         assert producer.view.groups is not None
         assert "d1" not in producer.delay_groups().lookup
@@ -386,11 +388,12 @@ def test_cluster_status_shows_every_group_with_its_kind_and_status(cluster: Clus
     text = cluster.cli("status").stdout
     not_drained = cluster.cli("retire", "d1")
     assert not_drained.returncode == 1 and "d1 is active, not draining" in not_drained.stderr
-    cannot_tell = cluster.cli("retire", "d2")
+    cannot_tell = cluster.cli("retire", "d2", "--resend-window-s", "0")
     assert cannot_tell.returncode == 1
     assert "cannot tell whether d2 is empty: group d2 has no leader now" in cannot_tell.stderr
     forced = cluster.cli("retire", "d2", "--force")
     assert forced.returncode == 0 and "WARNING: cannot tell whether d2 is empty" in forced.stderr
+    assert "WARNING: d2 has been draining for" in forced.stderr  # the resend window too
     assert "delay group, draining" in text and "delay group, active" in text
     assert "group d2: leader none (no member up)" in text
     assert shown()["d2"][1] == "retired"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from delayd.durations import parse_duration_ms
+from delayd.durations import format_duration_ms, parse_duration_ms
 
 
 @pytest.mark.parametrize(
@@ -68,3 +68,19 @@ def test_the_leaf_imports_nothing_of_delayd():
             if isinstance(node, ast.ImportFrom) and node.module
         }  # fmt: skip
         assert not {name for name in imported if name.split(".")[0] == "delayd"}
+
+
+@pytest.mark.parametrize(
+    ("ms", "text"),
+    [
+        (0, "0s"),
+        (-5, "0s"),
+        (1, "1s"),  # rounded up: a wait said so is never too short
+        (90_000, "1m30s"),
+        (86_400_000 + 60_000, "1d1m"),
+        (86_399_001, "1d"),
+    ],
+)
+def test_a_duration_is_written_in_its_largest_units(ms: int, text: str):
+    assert format_duration_ms(ms) == text
+    assert parse_duration_ms(text) >= ms  # read back, never shorter

@@ -151,6 +151,17 @@ def seconds(text: str) -> float:
     return value
 
 
+def non_negative_seconds(text: str) -> float:
+    """A number of seconds, 0 or more (``0``, ``3600``, ``0.5``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not (value >= 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds, 0 or more")
+    return value
+
+
 class _FromEnvironment(str):
     """An option's default read from an environment variable. argparse converts a
     ``str`` default with the option's type; an error then names the variable."""

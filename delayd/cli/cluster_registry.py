@@ -7,10 +7,11 @@
   Refused for the cluster's last active group of its kind unless ``--force``.
 - ``activate``: the group takes new work again.
 - ``retire``: the group holds nothing the cluster still needs, and lookups by id no
-  longer ask it. Refused unless the group is draining, and, for a delay group, unless
-  its leader reports no pending message (``delayd_pending_messages`` plus
-  ``delayd_replay_lag_records`` on its metrics page): ``--force`` retires anyway, with
-  a warning saying what is then lost.
+  longer ask it. Refused unless the group is draining, has been draining for its
+  window (``_check_window``), and, for a delay group, unless its leader reports no
+  pending message (``delayd_pending_messages`` plus ``delayd_replay_lag_records`` on
+  its metrics page): ``--force`` retires anyway, with a warning saying what is then
+  lost.
 
 Also what ``delayd cluster status`` shows of the registry.
 """
@@ -21,7 +22,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Any
 
-from delayd.cli.args import etcd_endpoints
+from delayd.cli.args import etcd_endpoints, non_negative_count, non_negative_seconds
 
 if TYPE_CHECKING:
     from delayd.cluster.group_state import GroupState
@@ -53,6 +54,17 @@ def add_actions(actions: Any) -> None:
             parser.add_argument(
                 "--force", action="store_true",
                 help="skip the safety check (docs/cluster.md); a warning says what it risks",
+            )  # fmt: skip
+        if action == "retire":
+            parser.add_argument(
+                "--resend-window-s", type=non_negative_seconds, metavar="SECONDS",
+                help="a delay group must have been draining this long (plus 60 s): the "
+                "producers' resend_window_s (default: theirs, one day; 0: no wait)",
+            )  # fmt: skip
+            parser.add_argument(
+                "--doubt-hold-ms", type=non_negative_count, metavar="MS",
+                help="a broker group must have been draining this long (plus 60 s): the "
+                "delay servers' [delivery] doubt_hold_ms (default: theirs, 30000; 0: no wait)",
             )  # fmt: skip
         parser.set_defaults(run=_set_status, status=action)
 
@@ -90,7 +102,8 @@ async def _change(args: argparse.Namespace, prefix: str) -> Registration:
         if status is GroupStatus.DRAINING:
             _check_drain(entry, registry, args.force)
         elif status is GroupStatus.RETIRED:
-            _check_retire(entry, await read_group(etcd, args.group, prefix), args.force)
+            state = await read_group(etcd, args.group, prefix)
+            _check_retire(entry, state, _window_ms(entry, args), wall_ms(), args.force)
         return await set_status(etcd, prefix, args.group, status, wall_ms())
 
 
@@ -111,7 +124,73 @@ def _check_drain(entry: Registration, registry: dict[str, Registration], force: 
         _refuse_or_warn(problem, "add or activate another group first", force)
 
 
-def _check_retire(entry: Registration, state: GroupState, force: bool) -> None:
+def _window_ms(entry: Registration, args: argparse.Namespace) -> int:
+    """How long ``entry``'s group must have been draining before it is retired: a delay
+    group, the producers' resend window (a resend asks the groups that may have owned
+    its id, but never a retired one); a broker group, the delay servers' doubt hold (a
+    message whose send to it went unanswered waits for it that long, but not for a
+    retired group)."""
+    from delayd.cluster.registry import GroupKind
+
+    if entry.kind is GroupKind.DELAY:
+        from delayd.client._routing import RESEND_WINDOW_S
+
+        window_s = RESEND_WINDOW_S if args.resend_window_s is None else args.resend_window_s
+        return round(window_s * 1000)
+    from delayd.sender.sender import SenderConfig
+
+    return SenderConfig().doubt_hold_ms if args.doubt_hold_ms is None else args.doubt_hold_ms
+
+
+def _check_window(entry: Registration, window_ms: int, now_ms: int, force: bool) -> None:
+    """Refuse to retire a group drained less than ``window_ms`` plus CHANGE_MARGIN_MS
+    ago (``changed_ms`` is when its drain was written, by the clock of the host that ran
+    it; the margin also covers the registry reads producers and delay servers route
+    by). An active group counts as drained now; a window of 0 waits for nothing."""
+    from delayd.client._routing import CHANGE_MARGIN_MS
+    from delayd.cluster.registry import GroupKind, GroupStatus
+    from delayd.durations import format_duration_ms
+    from delayd.timestamps import format_utc
+
+    if window_ms == 0 or entry.status is GroupStatus.RETIRED:
+        return
+    draining = entry.status is GroupStatus.DRAINING
+    drained_ms = entry.changed_ms if draining else now_ms
+    ready_ms = drained_ms + window_ms + CHANGE_MARGIN_MS
+    if now_ms >= ready_ms:
+        return
+    window = format_duration_ms(window_ms)
+    since = (
+        f"has been draining for {format_duration_ms((now_ms - drained_ms) // 1000 * 1000)}"
+        if draining
+        else "is active"
+    )
+    if entry.kind is GroupKind.DELAY:
+        problem = (
+            f"{entry.group} {since}, less than the producers' resend window ({window}) plus "
+            "60 s: a resend of an id it took within the window would no longer ask it once "
+            "it is retired, and the id's new owner would store it a second time"
+        )
+        option = "--resend-window-s the producers' resend_window_s"
+    else:
+        problem = (
+            f"{entry.group} {since}, less than the delay servers' doubt hold ({window}) plus "
+            "60 s: a message whose send to it went unanswered may still be waiting for it, "
+            "and would go to another broker group once it is retired, where consumers may "
+            "see it a second time"
+        )
+        option = "--doubt-hold-ms the delay servers' [delivery] doubt_hold_ms"
+    _refuse_or_warn(
+        problem,
+        f"wait {format_duration_ms(ready_ms - now_ms)} more (until {format_utc(ready_ms)}), "
+        f"or give {option} when it is shorter",
+        force,
+    )
+
+
+def _check_retire(
+    entry: Registration, state: GroupState, window_ms: int, now_ms: int, force: bool
+) -> None:
     from delayd.cluster.registry import GroupKind, GroupStatus
 
     if entry.status is not GroupStatus.DRAINING:
@@ -120,6 +199,7 @@ def _check_retire(entry: Registration, state: GroupState, force: bool) -> None:
             f"drain it first (delayd cluster drain {entry.group}) and wait until it is empty",
             force,
         )
+    _check_window(entry, window_ms, now_ms, force)
     if entry.kind is not GroupKind.DELAY:
         return
     try:

@@ -21,7 +21,7 @@ import json
 import sys
 from typing import Any
 
-from delayd.cli.args import etcd_endpoints
+from delayd.cli.args import etcd_endpoints, non_negative_seconds
 
 
 def add_action(actions: Any) -> None:
@@ -36,7 +36,7 @@ def add_action(actions: Any) -> None:
     parser.add_argument("--cluster", metavar="NAME", default="", help="the cluster (default one)")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     parser.add_argument(
-        "--resend-window-s", type=float, metavar="S",
+        "--resend-window-s", type=non_negative_seconds, metavar="S",
         help="the window of previous_owners (default: the producers', one day)",
     )  # fmt: skip
     parser.set_defaults(run=_route)

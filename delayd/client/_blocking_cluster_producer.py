@@ -4,7 +4,9 @@ id"). As the async one (delayd.client._cluster_producer): one Producer per delay
 opened on first use; the groups that may have owned a batch's ids before a change of
 the active set asked first; a batch split by owner, the owners fixed for the call; a lookup by
 id asks the owner first and every other registered delay group on UNKNOWN. The groups
-are asked one after another.
+of a call are asked at once: each group's part but the first in a thread of the
+producer's pool (made on the first call that needs it, shut down by ``close``), so a
+batch over N groups costs about one round trip, not N.
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from delayd.client._cluster_view import ClusterView, read_delay_groups
 from delayd.client._due import reschedule_due_ms
@@ -27,6 +30,12 @@ from delayd.group_address import parse_group_address
 from delayd.protocol import Message
 from delayd.timestamps import wall_ms
 from delayd.tls import ClientTls
+
+T = TypeVar("T")
+
+# The most groups' parts of one call that run at once (more wait for a free thread):
+# a thread each, blocked on its group's round trip.
+MAX_PARALLEL_GROUPS = 16
 
 
 class ClusterProducer(Producer):
@@ -68,6 +77,7 @@ class ClusterProducer(Producer):
             "retry_first_connect": retry_first_connect,
         }
         self._producers: dict[str, Producer] = {}
+        self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._closed = False
 
@@ -114,12 +124,16 @@ class ClusterProducer(Producer):
                 time.sleep(0.2)
 
     def close(self) -> None:
-        """Close every group's connection; later calls raise ConnectionClosedError."""
+        """Close every group's connection and the pool's threads (a part still running
+        ends within its group's ``timeout_s``); later calls raise ConnectionClosedError."""
         with self._lock:
             self._closed = True
             producers = list(self._producers.values())
+            pool, self._pool = self._pool, None
         for producer in producers:
             producer.close()
+        if pool is not None:
+            pool.shutdown(wait=True)
 
     def send_batch(
         self, messages: Iterable[Message | Mapping[str, Any] | tuple[str, bytes]]
@@ -131,31 +145,29 @@ class ClusterProducer(Producer):
             return []
         check = self.view.resend_check([m.message_id for m in batch], self.delay_groups())
 
-        def ask(group: str, indexes: list[int]) -> None:
-            due_ms = self.group(group).held([batch[i].message_id for i in indexes])
-            check.answered(group, indexes, due_ms)
+        def ask(group: str, indexes: list[int]) -> list[int | None]:
+            return self.group(group).held([batch[i].message_id for i in indexes])
 
         if check.asks:
-            self._each(check.asks, ask)
+            for group, due_ms in self._each(check.asks, ask).items():
+                check.answered(group, check.asks[group], due_ms)
         receipts: dict[int, Receipt] = check.receipts()
 
-        def part(group: str, indexes: list[int]) -> None:
-            got = self.group(group).send_batch([batch[i] for i in indexes])
-            receipts.update(zip(indexes, got, strict=True))
+        def part(group: str, indexes: list[int]) -> list[Receipt]:
+            return self.group(group).send_batch([batch[i] for i in indexes])
 
-        self._each(check.parts(), part)
+        parts = check.parts()
+        for group, got in self._each(parts, part).items():
+            receipts.update(zip(parts[group], got, strict=True))
         return [receipts[index] for index in range(len(batch))]
 
     def held(self, message_ids: Iterable[str]) -> list[int | None]:
         """As Producer.held, across the cluster's delay groups (as the async one's)."""
         ids = check_message_ids(message_ids)
         groups = self.delay_groups()
-        answers: dict[str, list[int | None]] = {}
-
-        def ask(group: str, _: list[int]) -> None:
-            answers[group] = self.group(group).held(ids)
-
-        self._each({group: [] for group in groups.lookup}, ask)
+        answers = self._each(
+            {group: [] for group in groups.lookup}, lambda group, _: self.group(group).held(ids)
+        )
         return groups.held(ids, answers)
 
     def cancel(self, message_id: str) -> CancelReceipt:
@@ -194,26 +206,53 @@ class ClusterProducer(Producer):
             return []
         lookup: Lookup[R] = Lookup(ids, self.delay_groups())
 
-        def part(group: str, indexes: list[int]) -> None:
-            lookup.answered(indexes, ask(group, [ids[i] for i in indexes]))
-
         while asks := lookup.next_round():
-            self._each(asks, part)
+            answers = self._each(asks, lambda group, indexes: ask(group, [ids[i] for i in indexes]))
+            for group, receipts in answers.items():
+                lookup.answered(asks[group], receipts)
         return lookup.receipts()
 
-    def _each(self, parts: Mapping[str, list[int]], part: Callable[[str, list[int]], None]) -> None:
-        """``part`` for every group of ``parts``, each to its end (one group's failure
-        does not stop another's); then the first error is raised as itself, and the
-        registry is read again before the next call."""
+    def _each(
+        self, parts: Mapping[str, list[int]], part: Callable[[str, list[int]], T]
+    ) -> dict[str, T]:
+        """``part`` for every group of ``parts`` at once, the first in this thread and
+        the others in the pool's; its results by group, for the caller to take in this
+        thread. Every part runs to its end (one group's failure does not stop
+        another's), then the first error in ``parts``' order is raised as itself, and the
+        registry is read again before the next call. A group's Producer is thread-safe,
+        and its part is the only use of it in this call."""
+        groups = list(parts)
+        running = self._start(groups[1:], parts, part)
+        results: dict[str, T] = {}
         errors: list[Exception] = []
-        for group, indexes in parts.items():
+        for group in groups:
             try:
-                part(group, indexes)
+                started = running.get(group)
+                results[group] = part(group, parts[group]) if started is None else started.result()
             except Exception as exc:
                 errors.append(exc)
         if errors:
             self.view.stale()
             raise errors[0]
+        return results
+
+    def _start(
+        self,
+        groups: list[str],
+        parts: Mapping[str, list[int]],
+        part: Callable[[str, list[int]], T],
+    ) -> dict[str, Future[T]]:
+        """``part`` of each of ``groups`` started in the pool (made on first use; under
+        the lock, so ``close`` cannot shut it down in between)."""
+        if not groups:
+            return {}
+        with self._lock:
+            self._check_open()
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(
+                    MAX_PARALLEL_GROUPS, thread_name_prefix="delayd-cluster-producer"
+                )
+            return {group: self._pool.submit(part, group, parts[group]) for group in groups}
 
     def _check_open(self) -> None:
         if self._closed:
