@@ -24,7 +24,6 @@ import trio.testing
 import delayd.server.snapshot as snapshot_module
 from delayd.logs import layout, message_log, retirement, tombstone
 from delayd.logs.buckets import bucket_name
-from delayd.logs.message_log import MessageRecord
 from delayd.replay import Replayer, open_replayer
 from delayd.replay.state import read_replay_checkpoint
 from delayd.replication.snapshot import Snapshot, SnapshotError, SnapshotReceiver, read_chunk
@@ -35,11 +34,13 @@ from storage.fs import REAL_FS
 from storage.segmented_log import SegmentedLog
 from tests.delivery_pipeline import T0, Pipeline, RecordingTarget
 from tests.test_replay_determinism import files_of, lookups
+from tests.test_retirement_crash import message
 
 MINUTE = 60_000
 B = T0  # the bucket retired
 B1 = T0 + 2 * MINUTE  # filled after a restart, so that P names only it
 B2 = T0 + 4 * MINUTE  # where the reschedule moves the message
+MOVED = "m1"  # the message in B that a reschedule moves to B2
 MOVED_DUE = B2 + 20
 
 
@@ -57,18 +58,13 @@ class LeaderData:
     def _open_replayer(self) -> Replayer:
         return open_replayer(self.data, self.log, segment_scale=1)
 
-    def schedule(self, message_id: str, due_ms: int) -> None:
+    def schedule(self, due_ms: int) -> str:
+        """Append a message due at ``due_ms``; its id."""
         self.sequence += 1
-        record = MessageRecord(
-            due_ms=due_ms,
-            sequence=self.sequence,
-            receive_ms=T0,
-            message_id=message_id,
-            subject="orders",
-            body=message_id.encode(),
-        )
-        self.log.append_batch([message_log.encode_record(record)], message_log.TYPE_MESSAGE)
+        self.log.append_batch([message(self.sequence, due_ms)], message_log.TYPE_MESSAGE)
+        message_id = f"m{self.sequence}"
         self.dues[message_id] = due_ms
+        return message_id
 
     def reschedule(self, message_id: str, due_ms: int) -> None:
         stone = tombstone.Tombstone(message_id, T0, due_ms)
@@ -102,17 +98,17 @@ def retired_after_checkpoint(data: str, *, named: bool) -> tuple[LeaderData, int
     """Checkpoint P (naming B when ``named``), then a reschedule of B's message into B2,
     replayed, then B's retirement, appended but not replayed. Returns P too."""
     leader = LeaderData(data)
-    leader.schedule("moved", T0 + 30_000)  # in B
-    leader.schedule("staying", B2 + 10)
+    leader.schedule(T0 + 30_000)  # in B: the message moved
+    leader.schedule(B2 + 10)
     leader.replay()
     if not named:
         leader.restart()  # nothing open: the next checkpoint names only B1
-        leader.schedule("filler", B1)
+        leader.schedule(B1)
         leader.replay()
     leader.replayer.checkpoint()
     position = leader.replayer.checkpointed_position
     assert (B in read_replay_checkpoint(leader.log.fs, data).bucket_sizes) is named
-    leader.reschedule("moved", MOVED_DUE)
+    leader.reschedule(MOVED, MOVED_DUE)
     leader.replay()  # the copy is in B2 now, the checkpoint still at P
     leader.retire(B)
     assert leader.replayer.checkpointed_position == position
@@ -189,7 +185,7 @@ async def test_a_snapshot_taken_around_a_retirement_keeps_a_moved_message(
 
     assert files_of(layout.schedule_log_dir(b)) == files_of(layout.schedule_log_dir(a))
     assert lookups(b, list(leader.dues)) == lookups(a, list(leader.dues))
-    assert [bucket for bucket, _, _ in lookups(b, ["moved"])["moved"]] == [B2]
+    assert [bucket for bucket, _, _ in lookups(b, [MOVED])[MOVED]] == [B2]
 
     target = RecordingTarget("b")
     with Pipeline(b, [target]) as promoted:  # b, promoted, delivers
