@@ -8,8 +8,9 @@ find nothing to copy and the moved message would never be delivered.
 The retirement is replayed before the snapshot is taken, or while it is (just after it
 read its checkpoint, or just after it listed schedule_log: the two points where a
 deletion could slip past it), with B open when P was written (P names its length) or
-not (a restart closed it: P does not name it). No sockets: the snapshot's files go
-through a SnapshotReceiver as the follower's would."""
+not (a restart closed it: P does not name it); or after (the snapshot holds B, and the
+member deletes it at the record). No sockets: the snapshot's files go through a
+SnapshotReceiver as the follower's would."""
 
 from __future__ import annotations
 
@@ -182,13 +183,39 @@ async def test_a_snapshot_taken_around_a_retirement_keeps_a_moved_message(
     assert snapshot.meta["position"] > position
     install(snapshot, b)
     follow_and_replay(a, b)
+    await assert_member_holds_and_delivers(leader, b)
 
-    assert files_of(layout.schedule_log_dir(b)) == files_of(layout.schedule_log_dir(a))
-    assert lookups(b, list(leader.dues)) == lookups(a, list(leader.dues))
-    assert [bucket for bucket, _, _ in lookups(b, [MOVED])[MOVED]] == [B2]
+
+async def test_a_bucket_a_snapshot_holds_goes_on_the_member_at_its_retirement(
+    tmp_path: Path, autojump_clock
+) -> None:
+    """Retired after the snapshot was taken: the snapshot, at P, holds B; the member's
+    replay copies the moved message from it and deletes it at the record, as the
+    leader did."""
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    leader, position = retired_after_checkpoint(a, named=False)
+    snapshot = DelaySnapshots(a).take()
+    assert snapshot.meta["position"] == position
+    assert f"{layout.SCHEDULE_LOG}/{bucket_name(B)}" in {file.name for file in snapshot.files}
+    leader.close()  # replays the retirement
+    assert leader.replayer.retired_total == 1
+    install(snapshot, b)
+    follow_and_replay(a, b)
+    await assert_member_holds_and_delivers(leader, b)
+
+
+async def assert_member_holds_and_delivers(leader: LeaderData, member: str) -> None:
+    """``member`` derived the leader's schedule_log and id index, B gone and the moved
+    message in B2; promoted, it delivers every message once, none early."""
+    assert files_of(layout.schedule_log_dir(member)) == files_of(
+        layout.schedule_log_dir(leader.data)
+    )
+    assert bucket_name(B) not in os.listdir(layout.schedule_log_dir(member))
+    assert lookups(member, list(leader.dues)) == lookups(leader.data, list(leader.dues))
+    assert [bucket for bucket, _, _ in lookups(member, [MOVED])[MOVED]] == [B2]
 
     target = RecordingTarget("b")
-    with Pipeline(b, [target]) as promoted:  # b, promoted, delivers
+    with Pipeline(member, [target]) as promoted:
         await promoted.run_until(
             MOVED_DUE + 1000, done=lambda: len(target.received) >= len(leader.dues)
         )
