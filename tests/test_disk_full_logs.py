@@ -18,7 +18,8 @@ import trio
 import trio.testing
 
 from delayd.broker import BrokerConfig, open_broker
-from delayd.logs import layout, message_log
+from delayd.logs import layout, message_log, retirement
+from delayd.logs.buckets import bucket_name
 from delayd.logs.dispatch_log import FATES, EntryKind
 from delayd.logs.message_log import MessageRecord
 from delayd.protocol import Message, ResultCode
@@ -247,6 +248,37 @@ async def test_the_replayer_pauses_on_a_full_disk_and_catches_up(clock):
         assert not replayer.refusals.refusing(CHECKPOINT)
         await replayer.stop()
     assert replayer.replayed_total == 10
+    replayer.close()
+    log.close()
+
+
+async def test_a_retirement_waits_for_room_for_its_checkpoint_and_keeps_the_bucket(clock):
+    """The checkpoint a retirement writes before it deletes finds no room: the replayer
+    pauses (refusing for the checkpoint), the bucket stays until the checkpoint is
+    written, and then goes."""
+    fs = sim()
+    log = SegmentedLog.open(layout.message_log_dir("/data"), fs=fs)
+    replayer = open_replayer("/data", log, segment_scale=1, fs=fs)
+    log.append_batch(records(3, 1, [NOW + 1000]), message_log.TYPE_MESSAGE)
+    log.flush()
+    replayer.replay_available()
+    replayer.checkpoint()
+    bucket = f"{layout.schedule_log_dir('/data')}/{bucket_name(NOW)}"
+    complete = retirement.Retirement(NOW, replayer.buckets.size(NOW), NOW)
+    log.append_batch([retirement.encode(complete)], message_log.TYPE_RETIRE_BUCKET)
+    log.flush()
+    fs.capacity = fs.used_bytes()
+    async with running(replayer.run):
+        replayer.notify(0)
+        await trio.sleep(5)
+        assert replayer.refusals.refusing(CHECKPOINT)
+        assert not replayer.refusals.refusing(SCHEDULE_LOG)
+        assert fs.exists(bucket) and replayer.retired_total == 0
+        fs.capacity = None
+        await until(lambda: replayer.retired_total == 1)
+        assert not fs.exists(bucket)
+        await replayer.stop()
+    assert not replayer.refusals.refusing(CHECKPOINT)
     replayer.close()
     log.close()
 

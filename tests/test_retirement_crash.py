@@ -3,7 +3,11 @@ lost at every step of the deletion its replay performs, and of the replay and th
 checkpoint around it, and a restart (remove_orphans, recovery, replay) must leave no
 bucket half deleted in a way that resends or loses: the retired bucket's records and
 its dispatch_log gone together, a record filed into its name afterwards kept (and not
-marked delivered by a stale dispatch_log), every other record kept exactly once.
+marked delivered by a stale dispatch_log), every other record kept exactly once. And at
+every point, before the restart: every bucket the durable replay checkpoint names has
+its schedule_log file — the replay of a retirement writes a checkpoint that no longer
+names the bucket before the file goes, which a snapshot of the data directory relies
+on (delayd.server.snapshot).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from delayd.logs.dispatch_files import DispatchFiles
 from delayd.logs.dispatch_log import EntryKind
 from delayd.logs.message_log import MessageRecord
 from delayd.replay import open_replayer
+from delayd.replay.state import read_replay_checkpoint
 from delayd.server.retention import remove_orphans
 from storage.crashfs import CrashSimFileSystem
 from storage.segmented_log import SegmentedLog
@@ -75,10 +80,21 @@ def workload(fs: CrashSimFileSystem) -> None:
     log.close()
 
 
+def assert_named_buckets_exist(data: str) -> None:
+    if not os.path.isdir(layout.checkpoint_dir(data)):
+        return
+    named = read_replay_checkpoint(NO_SYNC_FS, data).bucket_sizes
+    schedule_dir = layout.schedule_log_dir(data)
+    for start_ms in named:
+        name = bucket_name(start_ms)
+        assert os.path.exists(os.path.join(schedule_dir, name)), f"checkpoint names {name}"
+
+
 def restart_and_check(root: Path) -> None:
     data = str(root)
     if not os.path.isdir(layout.message_log_dir(data)):
         return  # power lost before the data directory existed
+    assert_named_buckets_exist(data)
     remove_orphans(data, NO_SYNC_FS)  # as DelayServer.open does
     log, replayer = open_data(NO_SYNC_FS, data)
     try:

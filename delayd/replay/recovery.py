@@ -13,9 +13,10 @@ message_log offset. Recovery removes them:
    A RESCHEDULE tombstone maps to the bucket of its new due time, where its replay
    appended the moved copy (stamped with the tombstone's offset); a CANCEL to none.
    The same scan finds the last sequence, from which intake numbers on, and the
-   buckets a RETIRE_BUCKET record after C names (delayd.logs.retirement): their
-   replay may have deleted the file C lists and a later record created a new one of
-   that name, so the length C lists is not trusted for them.
+   buckets a RETIRE_BUCKET record after C names (delayd.logs.retirement): a replay
+   by an older version, which deleted before it checkpointed at the record, may have
+   deleted the file C lists and a later record created a new one of that name, so
+   the length C lists is not trusted for them.
 2. For each such bucket that has a file, cut it at the first record whose message_log
    offset is >= C. The checkpoint lists the length of every bucket open when it was
    written (all durable then); for those the cut is that length, checked against the

@@ -16,7 +16,10 @@ index, and before any message after it (docs/cancel.md).
 Bucket retirements (delayd.logs.retirement) are replayed in order too, in steps of
 their own: the replayer deletes the bucket's files (through ``on_retire`` when the
 server has descriptors of them to close first), so every member of a group deletes a
-bucket at the same message_log position.
+bucket at the same message_log position. It first writes a checkpoint at the
+retirement, with the bucket closed: no checkpoint a restart or a snapshot can still
+read then lies before a record that needs the bucket, or names its length
+(delayd.server.snapshot relies on it).
 
 Without ``on_tombstones`` (a follower of a group, offline tools) the replayer derives
 what tombstones put in schedule_log and the id index itself (``derive_tombstones``) and
@@ -40,6 +43,7 @@ import math
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import repeat
 from typing import TypeVar
 
@@ -223,6 +227,7 @@ class Replayer:
         self._reads_paused: trio.Event | None = None
         self._wake = trio.Event()
         self._checkpoint_written = trio.Event()
+        self._checkpoint_dir = layout.checkpoint_dir(data_dir)
         self._stopping = False
         self._stopped = trio.Event()
         self.refusals = WriteRefusals()  # the server shares its own
@@ -277,7 +282,9 @@ class Replayer:
                 raise RuntimeError("retirements need the async run loop (on_retire is set)")
             starts = self._close_retired(step.retirements)
             self._forget_indexed(starts)
-            retirement.delete_bucket_files(self.fs, self.data_dir, starts)
+            if starts:
+                self.checkpoint(always=True)  # see the module docstring
+                retirement.delete_bucket_files(self.fs, self.data_dir, starts)
             self._finish(step, {})
             return step.count
         if step.tombstones:
@@ -372,6 +379,19 @@ class Replayer:
                     break
         count = len(retirements)
         return _Step({}, position, self._replayed_sequence, count, retirements=retirements)
+
+    async def _checkpoint_before_retiring(self) -> None:
+        """A checkpoint at the retirement being replayed, its buckets closed: written
+        before their files go (module docstring). Raises DiskFullError (the step runs
+        again: nothing of it is done yet)."""
+        if self.before_checkpoint is not None:
+            await self.before_checkpoint()
+        await trio.to_thread.run_sync(partial(self.checkpoint, always=True))
+        self._announce_checkpoint()
+
+    def _announce_checkpoint(self) -> None:
+        self._checkpoint_written.set()
+        self._checkpoint_written = trio.Event()
 
     def _close_retired(self, retirements: list[retirement.Retirement]) -> list[int]:
         """The buckets of ``retirements`` to delete, their bucket files closed (flushed:
@@ -596,13 +616,14 @@ class Replayer:
             self.on_scheduled(start, [offset], [due_ms])
         return start, offset
 
-    def checkpoint(self) -> bool:
+    def checkpoint(self, *, always: bool = False) -> bool:
         """Make the replayed records durable and record the position; returns whether a
-        checkpoint was written (False when nothing was replayed since the last one).
+        checkpoint was written (False when nothing was replayed since the last one,
+        unless ``always``: a retirement replaces one that may name a bucket it closed).
 
         Order is the idempotency argument: bucket files first, checkpoint second.
         """
-        if self._position == self._checkpointed and not self.buckets.dirty:
+        if not always and self._position == self._checkpointed and not self.buckets.dirty:
             return False
         position, next_sequence = self._position, self._replayed_sequence + 1
         self.buckets.flush()
@@ -630,7 +651,9 @@ class Replayer:
                 try:
                     replayed = await self._replay_step()
                 except DiskFullError as exc:
-                    next_wait_s = await self._wait_for_space(SCHEDULE_LOG, exc, full_wait_s)
+                    # A retirement's step writes a checkpoint too.
+                    refused = CHECKPOINT if exc.directory == self._checkpoint_dir else SCHEDULE_LOG
+                    next_wait_s = await self._wait_for_space(refused, exc, full_wait_s)
                     if next_wait_s is None:
                         return  # recovery replays the rest from the checkpoint
                     full_wait_s = next_wait_s
@@ -663,8 +686,7 @@ class Replayer:
                         continue
                     self.refusals.clear(CHECKPOINT)
                     last_checkpoint = trio.current_time()
-                    self._checkpoint_written.set()
-                    self._checkpoint_written = trio.Event()
+                    self._announce_checkpoint()
                     continue
                 if self._stopping and self._position >= self.log.durable_offset:
                     return
@@ -701,6 +723,8 @@ class Replayer:
             async with holding(self.append_lock):
                 starts = await trio.to_thread.run_sync(self._close_retired, step.retirements)
                 self._forget_indexed(starts)
+                if starts:
+                    await self._checkpoint_before_retiring()
                 if self.on_retire is None:
                     await trio.to_thread.run_sync(
                         retirement.delete_bucket_files, self.fs, self.data_dir, starts

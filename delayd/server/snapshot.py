@@ -27,6 +27,15 @@ its link makes it take the snapshot again), so retention may delete the original
 while the snapshot is sent; the links go when it was sent. Bucket files and segments
 are append-only, so the bytes below the shipped lengths never change.
 
+A bucket retired after P may still be needed by the replay from P (a reschedule of
+one of its messages copies it from there), so the snapshot must hold every bucket
+that was there when P was read. The replay of a retirement writes a checkpoint at the
+record before it deletes the bucket's files (delayd.replay.replayer), so a deletion
+after P was read replaces the checkpoint file first: the snapshot lists schedule_log,
+then checks that the checkpoint is still the file it linked, and links every bucket
+it listed; a checkpoint replaced by then, or a listed bucket gone, makes it take the
+snapshot again (it then reads the newer checkpoint, which needs no deleted bucket).
+
 Follower side: ``SnapshotReceived`` stops the server once the snapshot is whole in
 ``<data>/delay/snapshot/`` (delayd.replication.snapshot), and every start installs a
 whole one first (``install_received_snapshot``), with nothing open: a crash during the
@@ -75,7 +84,8 @@ REPLAY = f"{layout.CHECKPOINT}/{layout.REPLAY_CHECKPOINT}"
 META = f"{layout.CHECKPOINT}/{layout.META_CHECKPOINT}"
 # The directories of <data>/delay a snapshot replaces whole.
 REPLACED = (layout.MESSAGE_LOG, layout.SCHEDULE_LOG, layout.ID_INDEX, layout.CHECKPOINT)
-TAKE_ATTEMPTS = 3  # retention may delete the segment holding P between listing and linking
+# Retention may delete the segment holding P, or a retirement a bucket, while it links.
+TAKE_ATTEMPTS = 3
 
 
 class SnapshotReceived(RebuildNeeded):
@@ -112,7 +122,7 @@ class DelaySnapshots:
     def take(self) -> Snapshot:
         """Hard-link a consistent set of files (blocking). Raises SnapshotError when
         the data directory has no replay checkpoint yet, or retention keeps deleting
-        the segment that holds it."""
+        what it links, or the checkpoint names a bucket whose file is gone."""
         for _attempt in range(TAKE_ATTEMPTS):
             root = os.path.join(self.directory, str(next(self._numbers)))
             os.makedirs(root)
@@ -126,7 +136,8 @@ class DelaySnapshots:
             shutil.rmtree(root, ignore_errors=True)
         raise SnapshotError(
             f"no snapshot of {self.data_dir}: retention deleted the message_log segment "
-            f"holding the replay checkpoint while it was taken, {TAKE_ATTEMPTS} times"
+            f"holding the replay checkpoint, or a bucket it needs, while it was taken, "
+            f"{TAKE_ATTEMPTS} times"
         )
 
     def _link(self, root: str) -> tuple[list[SnapshotFile] | None, dict]:
@@ -149,6 +160,11 @@ class DelaySnapshots:
         position = checkpoint.position
         # Listed after the checkpoint was read: the segment holding P exists by then.
         names = sorted(os.listdir(layout.message_log_dir(self.data_dir)))
+        schedule_dir = layout.schedule_log_dir(self.data_dir)
+        buckets = bucket_starts(os.listdir(schedule_dir))
+        if not _same_file(replay_path, os.path.join(delay, REPLAY)):
+            return None, {}  # a retirement may have deleted a bucket P needs: read again
+        _check_named(checkpoint.bucket_sizes, buckets, self.data_dir)
         files: list[SnapshotFile] = []
         start = end = None
         for name in filter(is_segment_name, names):
@@ -166,12 +182,11 @@ class DelaySnapshots:
             files.append(SnapshotFile(f"{layout.MESSAGE_LOG}/{name}", size, path))
         if start is None or end is None or end < position:
             return None, {}  # retention passed P meanwhile: a newer checkpoint covers it
-        schedule_dir = layout.schedule_log_dir(self.data_dir)
-        for bucket in bucket_starts(os.listdir(schedule_dir)):
+        for bucket in buckets:
             name = f"{layout.SCHEDULE_LOG}/{bucket_name(bucket)}"
             path = link(name)
             if path is None:
-                continue  # delivered and deleted by retention meanwhile
+                return None, {}  # retired since the listing: the checkpoint is newer
             size = checkpoint.bucket_sizes.get(bucket)
             if size is None:
                 size = _below(path, position)
@@ -181,6 +196,32 @@ class DelaySnapshots:
         files.append(SnapshotFile(META, os.path.getsize(meta_path), meta_path))
         files.append(SnapshotFile(REPLAY, os.path.getsize(replay_path), replay_path))
         return files, {"position": position, "message_log_start": start}
+
+
+def _same_file(link: str, path: str) -> bool:
+    """Whether ``path`` is still the file ``link`` links (a checkpoint is replaced by
+    a rename, never written in place)."""
+    try:
+        return os.path.samefile(link, path)
+    except FileNotFoundError:
+        return False
+
+
+def _check_named(named: dict[int, int], listed: list[int], data_dir: str) -> None:
+    """Raise SnapshotError when the checkpoint names a bucket whose file is not there
+    (checked while the checkpoint is the current one): the replay deletes a bucket
+    only after a checkpoint that no longer names it, so this one went another way — by
+    hand, or by the replay of a version that deleted first — and the replay from the
+    checkpoint could need its records."""
+    missing = sorted(named.keys() - set(listed))
+    if missing:
+        raise SnapshotError(
+            f"no snapshot of {data_dir}: its replay checkpoint names schedule_log bucket "
+            f"{bucket_name(missing[0])}, whose file is gone, and a member replaying from "
+            "that checkpoint could need its records; a snapshot is taken once a newer "
+            "checkpoint no longer names the bucket (the replayer's next, once it replays "
+            "more records; if the file was removed by hand, after a restart of the server)"
+        )
 
 
 def _below(path: str, position: int) -> int:
