@@ -29,7 +29,7 @@ import trio
 
 from delayd.logs import layout, message_log, tombstone
 from delayd.logs.message_log import MessageRecord
-from delayd.replay.replayer import read_tombstones
+from delayd.replay.tombstone_index import read_tombstones
 from storage.fs import REAL_FS
 from storage.segmented_log import SegmentedLog
 
