@@ -492,4 +492,7 @@ async def test_a_take_over_reads_the_tombstones_only_and_misses_none(tmp_path, c
     cancelled = {*first[1:100:20], *second[1:100:20]}
     assert len(target.received) == len(got) == 1000 - len(cancelled)
     assert not cancelled & got.keys()
-    assert got[first[3]] == got[second[3]] == T0 + 4 * MINUTE
+    # Moved: at the new time, not the old one (a worker thread outlasting the clock's
+    # hold on a loaded machine may make a delivery late in virtual time, never early).
+    for moved in (first[3], second[3]):
+        assert T0 + 4 * MINUTE <= got[moved] < T0 + 4 * MINUTE + 30_000
