@@ -766,11 +766,14 @@ class DelayServer:
     async def _scan_tombstones(self) -> None:
         """A group member: find the tombstones below where replay began now, while it
         follows, so that a promotion need not wait for it (``Canceller.take_over``)."""
+        replayer = self.replayer
         started = trio.current_time()
-        await self.replayer.scan_tombstones()
+        await replayer.scan_tombstones()
         log.info(
-            "found %d cancel/reschedule tombstones in message_log in %.2f s",
-            len(self.replayer.tombstones),
+            "tombstone index complete: %d cancel/reschedule tombstones in message_log "
+            "(the scan below offset %d took %.2f s)",
+            len(replayer.tombstones),
+            replayer.tombstones.replay_start,
             trio.current_time() - started,
         )
 
