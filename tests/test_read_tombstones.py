@@ -1,4 +1,4 @@
-"""delayd.replay.replayer.read_tombstones: the tombstones of message_log between two
+"""delayd.replay.tombstone_index.read_tombstones: the tombstones of message_log between two
 offsets, read from its files with descriptors of its own (what a take-over reads in a
 worker thread) — the same records, in the same order, as the log's own reader gives,
 over rolled segments and from and to any record boundary."""
@@ -10,7 +10,7 @@ from pathlib import Path
 
 from delayd.logs import layout, message_log, tombstone
 from delayd.logs.message_log import MessageRecord
-from delayd.replay.replayer import read_tombstones
+from delayd.replay.tombstone_index import read_tombstones
 from storage.fs import REAL_FS
 from storage.segmented_log import SegmentedLog
 

@@ -30,6 +30,8 @@ from delayd.protocol.codes import CancelOutcome, RescheduleOutcome
 from delayd.replay import open_replayer
 from delayd.server.config import RetentionConfig
 from delayd.server.retention import Retention
+from storage.fs import OsFileSystem
+from storage.scan import FRAME_GUESS
 from storage.segmented_log import SegmentedLog
 from tests.delivery_pipeline import T0, Pipeline, RecordingTarget, dispatch_entries
 
@@ -416,3 +418,86 @@ async def test_a_bucket_the_leader_retires_goes_at_the_same_record_on_a_follower
     assert files_of(layout.schedule_log_dir(follower)) == files_of(layout.schedule_log_dir(leader))
     assert lookups(follower, [old, pending]) == lookups(leader, [old, pending])
     assert [bucket for bucket, _, _ in lookups(follower, [old])[old]] == []
+
+
+class MessageLogReads(OsFileSystem):
+    """The real file system, counting the bytes read from message_log's segments."""
+
+    def __init__(self, data: str) -> None:
+        self.directory = layout.message_log_dir(data)
+        self.segment_fds: set[int] = set()
+        self.bytes_read = 0
+
+    def open(self, path: str, flags: int) -> int:
+        fd = super().open(path, flags)
+        if path.startswith(self.directory):
+            self.segment_fds.add(fd)
+        else:
+            self.segment_fds.discard(fd)
+        return fd
+
+    def pread(self, fd: int, size: int, offset: int) -> bytes:
+        data = super().pread(fd, size, offset)
+        if fd in self.segment_fds:
+            self.bytes_read += len(data)
+        return data
+
+
+async def test_a_take_over_reads_the_tombstones_only_and_misses_none(tmp_path, clock):
+    """A follower restarts with its replay checkpoint between two runs of tombstones
+    (five cancels and a move each): the ones below it are found by the scan at start,
+    which runs while replay passes (and notes) the ones above it. Promoted, it decides
+    all twelve again — a missed cancel would be delivered, a missed move at its old
+    time — and reads from message_log the tombstone records only, one read each, not
+    the thousand messages around them."""
+    leader, follower = str(tmp_path / "leader"), str(tmp_path / "follower")
+    pipeline = Pipeline(leader, [RecordingTarget("a")])
+
+    async def cancel_five_and_move_one(batch: list[str]) -> None:
+        for doomed in batch[1:100:20]:
+            assert await cancel(pipeline, doomed) is CancelOutcome.CANCELLED
+        assert await reschedule(pipeline, batch[3], T0 + 4 * MINUTE) is (
+            RescheduleOutcome.RESCHEDULED
+        )
+
+    first = pipeline.schedule([T0 + 3 * MINUTE] * 500)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pipeline.run)
+        await cancel_five_and_move_one(first)
+        second = pipeline.schedule([T0 + 3 * MINUTE] * 500)
+        await cancel_five_and_move_one(second)
+        await pipeline.stop()
+        nursery.cancel_scope.cancel()
+    pipeline.close()
+    shutil.copytree(layout.message_log_dir(leader), layout.message_log_dir(follower))
+    with SegmentedLog.open(layout.message_log_dir(follower)) as log:
+        replayer = open_replayer(follower, log, segment_scale=SCALE)
+        while replayer.tombstones_total < 6 or replayer.replayed_total < 700:
+            replayer.replay_available(100)
+        replayer.checkpoint()
+        replayer.close()
+
+    reads = MessageLogReads(follower)
+    target = RecordingTarget("a")
+    promoted = Pipeline(follower, [target], fs=reads)
+    promoted.delivery.derive_tombstones()  # following
+    assert 0 < promoted.replayer.tombstones.replay_start < promoted.log.end_offset
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(promoted.replayer.scan_tombstones)
+        while promoted.replayer.replay_available():
+            pass
+    assert promoted.replayer.tombstones_total == 6  # the rest, noted by this replay
+    reads.bytes_read = 0
+    decided = await promoted.delivery.canceller.take_over(promoted.replayer)
+    promoted.delivery.decide_tombstones()
+    assert decided == 12
+    assert 0 < reads.bytes_read <= decided * FRAME_GUESS < promoted.log.end_offset / 4
+    await deliver_until(promoted, T0 + 5 * MINUTE)
+    got = {r.message.message_id: r.at_ms for r in target.received}
+    cancelled = {*first[1:100:20], *second[1:100:20]}
+    assert len(target.received) == len(got) == 1000 - len(cancelled)
+    assert not cancelled & got.keys()
+    # Moved: at the new time, not the old one (a worker thread outlasting the clock's
+    # hold on a loaded machine may make a delivery late in virtual time, never early).
+    for moved in (first[3], second[3]):
+        assert T0 + 4 * MINUTE <= got[moved] < T0 + 4 * MINUTE + 30_000

@@ -2,7 +2,8 @@
 
 ``open_replayer`` checks segment_scale against the data directory, loads the checkpoint,
 runs recovery and returns the Replayer; ``state`` holds the persisted files,
-``recovery`` the crash repair, ``replayer`` the copying and its trio task.
+``recovery`` the crash repair, ``replayer`` the copying and its trio task,
+``tombstone_index`` where message_log's tombstones are (what a take-over reads).
 """
 
 from __future__ import annotations

@@ -13,6 +13,10 @@ order: a step holds either messages or tombstones, never both, so a tombstone is
 to ``on_tombstones`` after every message before it is in schedule_log and in the id
 index, and before any message after it (docs/cancel.md).
 
+The replayer notes the offset of every tombstone it passes (``tombstones``,
+delayd.replay.tombstone_index; ``scan_tombstones`` finds those below where it began),
+so that a take-over reads those records only.
+
 Bucket retirements (delayd.logs.retirement) are replayed in order too, in steps of
 their own: the replayer deletes the bucket's files (through ``on_retire`` when the
 server has descriptors of them to close first), so every member of a group deletes a
@@ -55,49 +59,25 @@ from delayd.logs.buckets import bucket_name, bucket_of, bucket_width_ms
 from delayd.logs.dispatch_log import EntryKind, find_entry
 from delayd.logs.id_index import IdIndex, Location, scheduled_id
 from delayd.logs.known_ids import KnownIds
-from delayd.logs.log_files import MESSAGE_LOG, list_files
 from delayd.nowait_acquire import holding
 from delayd.replay.recovery import RecoveryReport
 from delayd.replay.state import ReplayCheckpoint, write_replay_checkpoint
+from delayd.replay.tombstone_index import (
+    TombstoneIndex,
+    TombstoneRecord,
+    read_tombstones_at,
+    scan_offsets,
+)
 from delayd.write_refusals import CHECKPOINT, SCHEDULE_LOG, WriteRefusals
 from storage.errors import DiskFullError, StorageError
 from storage.framing import HEADER_SIZE
-from storage.fs import O_READ, FileSystem
-from storage.scan import Record, scan_frames
+from storage.fs import FileSystem
+from storage.scan import Record
 from storage.segmented_log import SegmentedLog
 
 OnScheduled = Callable[[int, list[int], list[int]], object]
 """``on_scheduled(bucket_start_ms, offsets_in_bucket, dues_ms)``: records just appended
 to the bucket, in order, with their due times; once per bucket per append."""
-
-TombstoneRecord = tuple[int, int, bytes]  # (message_log offset, record type, payload)
-
-
-def read_tombstones(fs: FileSystem, data_dir: str, start: int, end: int) -> list[TombstoneRecord]:
-    """The tombstones of message_log in [start, end) (record boundaries, both within
-    the records written), read from its segment files with descriptors opened here:
-    nothing of a SegmentedLog is touched, so a worker thread may read while the event
-    loop appends to the log. Every CRC is checked (BadFrame for a damaged record)."""
-    found: list[TombstoneRecord] = []
-    tombstone_types = message_log.TOMBSTONE_TYPES
-    for segment in list_files(data_dir, MESSAGE_LOG, fs):
-        if segment.base >= end:
-            break
-        if segment.base + segment.size <= start:
-            continue
-        fd = fs.open(segment.path, O_READ)
-        try:
-            first = max(start - segment.base, 0)
-            limit = min(end - segment.base, segment.size)
-            for offset, rtype, payload, _ in scan_frames(
-                fs, fd, segment.path, segment.base, first, limit
-            ):
-                if rtype in tombstone_types:
-                    found.append((offset, rtype, payload))
-        finally:
-            fs.close(fd)
-    return found
-
 
 OnTombstones = Callable[["Replayer", list[TombstoneRecord]], Awaitable[object]]
 """``await on_tombstones(replayer, records)``: consecutive tombstones, in log order,
@@ -218,6 +198,9 @@ class Replayer:
         self.replayed_total = 0  # records appended to schedule_log by this process
         self.tombstones_total = 0  # tombstones handed to on_tombstones
         self.retired_total = 0  # retirements replayed
+        # Where message_log's tombstones are, for a take-over (scan_tombstones).
+        self.tombstones = TombstoneIndex(checkpoint.position)
+        self._scanning: trio.Event | None = None  # set when scan_tombstones' scan ends
         self.checkpoints = 0  # checkpoints written by this process
         # Held from an append to the end of its on_scheduled calls: whoever reads a
         # bucket file's length under it (the wheel manager, fixing a bucket's loading
@@ -540,7 +523,9 @@ class Replayer:
         self._head_sequence = max(self._head_sequence, step.last_sequence)
         if step.retirements:
             self.retired_total += step.count
-        elif not step.tombstones:
+        elif step.tombstones:
+            self.tombstones.note([offset for offset, _, _ in step.tombstones])
+        else:
             self.replayed_total += step.count
 
     def derive_tombstones(self, records: list[TombstoneRecord]) -> None:
@@ -576,11 +561,40 @@ class Replayer:
 
     def tombstones_between(self, start: int, end: int) -> list[TombstoneRecord]:
         """The tombstones message_log holds in [start, end) (``end`` at most
-        ``position``), in order, read back from disk with descriptors of their own
-        (``read_tombstones``): a worker thread may call it while the event loop appends
-        and reads. What a member that followed a leader decides again when it takes
-        over; segments retention deleted were replayed and decided long before."""
-        return read_tombstones(self.fs, self.data_dir, max(start, self.log.min_offset), end)
+        ``position``), in order: the records at the offsets ``tombstones`` lists, read
+        with descriptors of their own (``read_tombstones_at``), so a worker thread may
+        call it while the event loop appends and reads. What a member that followed a
+        leader decides again when it takes over; segments retention deleted were
+        replayed and decided long before. Below where this process's replay began it
+        needs ``scan_tombstones`` to have returned (RuntimeError before)."""
+        offsets = self.tombstones.between(max(start, self.log.min_offset), end)
+        return read_tombstones_at(self.fs, self.data_dir, offsets)
+
+    async def scan_tombstones(self) -> None:
+        """Fill ``tombstones`` below where this process's replay began: one scan of
+        message_log from its first segment in a worker thread (off the event loop,
+        while replay goes on); a caller that comes while it runs waits for it, one
+        after it returns at once. Retention deletes no segment while it reads
+        (``without_log_reads`` waits for it). Cancelling it stops the scan within
+        CHECK_EVERY_RECORDS records; a later call scans again."""
+        index = self.tombstones
+        while not index.complete:
+            if self._scanning is not None:
+                await self._scanning.wait()
+            elif self._reads_paused is not None:
+                await self._reads_paused.wait()
+            else:
+                scanning = self._scanning = trio.Event()
+                try:
+                    start, end = self.log.min_offset, index.replay_start
+                    check = trio.from_thread.check_cancelled
+                    found = await trio.to_thread.run_sync(
+                        scan_offsets, self.fs, self.data_dir, start, end, check
+                    )
+                    index.add_below(start, found)
+                finally:
+                    self._scanning = None
+                    scanning.set()
 
     def _moved_by_leader(self, locations: list[Location]) -> bool:
         """Whether a type-4 reschedule moved the id whose records are ``locations``:
@@ -769,13 +783,17 @@ class Replayer:
         """Run ``work`` in a worker thread while this replayer reads nothing from
         message_log: storage's SegmentedLog lets a worker thread flush while the event
         loop appends, but not delete segments while the event loop reads (its segment
-        list is not locked for readers)."""
+        list is not locked for readers). A running ``scan_tombstones`` is such a read:
+        the work waits for it. The index forgets the tombstones of deleted segments."""
+        while self._scanning is not None:
+            await self._scanning.wait()
         paused = self._reads_paused = trio.Event()
         try:
             return await trio.to_thread.run_sync(work)
         finally:
             self._reads_paused = None
             paused.set()
+            self.tombstones.forget_below(self.log.min_offset)
 
     async def wait_checkpointed(self, position: int) -> None:
         """Wait until ``run`` wrote a checkpoint at or past message_log ``position``."""

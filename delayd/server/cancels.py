@@ -181,10 +181,15 @@ class Canceller:
         is voided (NOT_MOVED) where it lies. Type 4 reschedules were decided by the
         servers that wrote them; they are left as replay copied them.
 
-        message_log is read back in a worker thread, most of it before the locks are
-        taken (the replayer goes on meanwhile), the rest — what replay passed since —
-        under them; the decisions yield to other tasks every TAKE_OVER_STEP tombstones.
-        A long log makes a promotion take longer, never stall the event loop."""
+        Only the tombstones are read, at the offsets the replayer's index holds
+        (``Replayer.tombstones``: noted by replay, found below its start by one scan
+        at start, which this waits for if it has not finished). They are read in a
+        worker thread, most of them before the locks are taken (the replayer goes on
+        meanwhile), the rest — what replay passed since — under them; the decisions
+        yield to other tasks every TAKE_OVER_STEP tombstones. A promotion takes time
+        in proportion to the tombstones of message_log, and never stalls the event
+        loop."""
+        await replayer.scan_tombstones()
         self.earlier_end = replayer.log.end_offset
         start, read_up_to = replayer.log.min_offset, replayer.position
         earlier = await trio.to_thread.run_sync(replayer.tombstones_between, start, read_up_to)
