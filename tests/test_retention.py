@@ -34,12 +34,6 @@ MINUTE = 60_000
 SEGMENT_BYTES = 4096  # a few dozen messages per message_log segment
 
 
-@pytest.fixture
-def fast_clock():
-    # Minutes of retries against a dead group: jump sooner (lateness is not measured).
-    return trio.testing.MockClock(autojump_threshold=0.005)
-
-
 def buckets(data: str) -> list[str]:
     return sorted(os.listdir(layout.schedule_log_dir(data)))
 
@@ -165,7 +159,10 @@ async def run_for(pipeline: Pipeline, duration_ms: int) -> None:
         await pipeline.stop()
 
 
-async def test_a_bucket_that_is_not_complete_is_never_deleted(tmp_path, fast_clock):
+# Minutes of retries against a dead group, and nothing real to wait for but worker
+# threads: time jumps as soon as every task blocks (lateness is not measured).
+@pytest.mark.instant_autojump
+async def test_a_bucket_that_is_not_complete_is_never_deleted(tmp_path, clock):
     data = str(tmp_path)
     target = RecordingTarget("a", unavailable=True)  # the only broker group is down
     pipeline, retention = pipeline_with_retention(
