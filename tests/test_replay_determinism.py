@@ -40,12 +40,6 @@ SCALE = 1  # segment_scale_minutes of ServeConfig's default
 LATE_ALLOWED_MS = 5_000  # how late (virtual) a loaded machine may make a delivery here
 
 
-@pytest.fixture
-def clock():
-    """As tests/test_cancel_pipeline.py: jump only after 50 ms of real idleness."""
-    return trio.testing.MockClock(autojump_threshold=0.05)
-
-
 async def cancel(pipeline: Pipeline, message_id: str) -> CancelOutcome:
     answer = await pipeline.delivery.canceller.wait(pipeline.append_tombstone(message_id))
     assert isinstance(answer.outcome, CancelOutcome)

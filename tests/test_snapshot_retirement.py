@@ -240,13 +240,6 @@ def test_a_snapshot_is_refused_while_its_checkpoint_names_a_bucket_that_is_gone(
     leader.replayer.close()
 
 
-@pytest.fixture
-def clock():
-    """As tests/test_replay_determinism.py: jump only after 50 ms of real idleness
-    (retention's and the replay's worker threads)."""
-    return trio.testing.MockClock(autojump_threshold=0.05)
-
-
 async def test_a_server_checkpoints_at_a_retirement_before_it_deletes_the_bucket(
     tmp_path: Path, clock
 ) -> None:
