@@ -15,7 +15,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from delayd.logs import layout
-from delayd.logs.known_ids import MIN_WORD_BITS, KnownIds
+from delayd.logs.known_ids import (
+    ENTRIES_PER_WORD,
+    HEADROOM,
+    MIN_WORD_BITS,
+    KnownIds,
+    word_bits_for,
+)
 from delayd.logs.message_log import TYPE_MESSAGE
 from delayd.protocol import Message, ResultCode
 from delayd.replay import open_replayer
@@ -24,7 +30,7 @@ from delayd.server.receiver import IntakeLimits, Receiver
 from storage.crashfs import CrashSimFileSystem
 from storage.flusher import LogWriter
 from storage.fs import REAL_FS, FileSystem, OsFileSystem
-from storage.hashfilter import HashFilter
+from storage.hashfilter import MAX_WORD_BITS, HashFilter
 from storage.index_hashes import read_key_hashes
 from storage.index_store import IndexStore
 from storage.indexfile import default_hash
@@ -287,6 +293,21 @@ async def test_the_filter_is_rebuilt_bigger_when_full_and_keeps_every_id(tmp_pat
             assert known.lookups - lookups <= held + 1  # the held ones (and a false maybe)
     finally:
         close(intake, known)
+
+
+@pytest.mark.parametrize("word_bits", [MIN_WORD_BITS, MIN_WORD_BITS + 2, MAX_WORD_BITS - 2])
+def test_a_filter_that_filled_is_rebuilt_four_times_as_big_not_eight(word_bits):
+    # on_full fires once the filter holds just over its capacity, a power of two.
+    held = (1 << word_bits) * ENTRIES_PER_WORD + 1
+    assert word_bits_for(held) == word_bits + 2
+
+
+@given(st.integers(0, (1 << MAX_WORD_BITS) * ENTRIES_PER_WORD // HEADROOM))
+def test_a_filter_is_built_for_half_of_headroom_to_headroom_times_the_ids(ids):
+    capacity = (1 << word_bits_for(ids)) * ENTRIES_PER_WORD
+    assert capacity >= ids * HEADROOM // 2
+    if word_bits_for(ids) > MIN_WORD_BITS:
+        assert capacity <= ids * HEADROOM
 
 
 async def test_replay_steps_past_a_segment_marker_at_the_durable_end(tmp_path):
