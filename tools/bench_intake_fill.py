@@ -18,7 +18,7 @@ messages caused. ``--delays far`` (default) sends messages due between one and t
 out: nothing is loaded into the wheel or delivered, so a round's cost is intake alone.
 ``--delays hour`` spreads them over the coming hour as bench_intake and bench_routing
 do: as the minutes pass, buckets come into the load-ahead window and the wheel loads and
-delivers (there is no broker: deliveries fail and retry), which a round pays for too.
+delivers (the embedded broker stores them), which a round pays for too.
 
 Per round: ``fill_round_throughput`` (msg/s), ``fill_round_server_cpu_per_message``
 (µs, user + system, the steadier figure on a shared machine) and the messages pending
