@@ -5,29 +5,15 @@ the messages the rounds before it left pending."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
-from tests.process_support import ROOT, child_env
+from tests.process_support import run_bench_tool
 
 pytestmark = pytest.mark.slow
 
 
 def test_each_round_reports_its_cpu_per_message_and_the_pending_it_began_with():
-    tool = ROOT / "tools" / "bench_intake_fill.py"
-    done = subprocess.run(
-        [sys.executable, str(tool), "--rounds", "2", "--per-round", "20000"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=child_env(),
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = [json.loads(line) for line in done.stdout.splitlines()]
-    assert all({"bench", "metric", "value", "unit"} <= set(row) for row in rows)
+    rows = run_bench_tool("bench_intake_fill.py", "--rounds", "2", "--per-round", "20000")
     assert {row["bench"] for row in rows} == {"intake_fill"}
     assert rows[0]["metric"] == "host_reference_loop"
     cpu = [row for row in rows if row["metric"] == "fill_round_server_cpu_per_message"]
