@@ -15,11 +15,18 @@ wider hash may be given; only its low 32 bits count::
     mask = MASKS[hash & 4095]                              two bits of it, from the low 12:
          = 1 << (hash & 63) | 1 << (hash >> 6 & 63)        a table spares the arithmetic
 
-Up to 2**20 words the word and mask bits are independent: four hashes a word give 1.7 %
-false "maybe" answers, two 0.5 % (measured). Bigger filters share bits between the two
-(32 bits are all an index entry keeps): 3.7 % at 2**22 words and four a word, 7 % at
-2**24. The words are anonymous memory, resident only once touched. A filter never
-forgets: a key whose record is gone only costs a false "maybe".
+Up to 2**20 words the word takes at most the top 20 bits and the mask the low 12: four
+hashes a word give 1.7 % false "maybe" answers, two 0.5 % (measured). A bigger filter
+leaves fewer than 12 bits for the mask (32 bits are all an index entry keeps), and
+reading 12 anyway would make its word choose some of its mask bits: a mask's second
+bit confined to a quarter of the word at 2**22 words, to one bit in 16 at 2**24 (3.7 %
+and 7 % false "maybe" at four a word, which a filling server pays for in index
+lookups). So a bigger filter takes its mask from the bits its word leaves, through a
+table of that many two-bit masks spread over all 2,016 pairs of a word's bits
+(``spread_masks``): the word and the mask stay independent, and four hashes a word give
+1.5 % at 2**22 words, 2.6 % at 2**24 (where equal 32-bit hashes alone make 1.6 %).
+The words are anonymous memory, resident only once touched. A filter never forgets: a
+key whose record is gone only costs a false "maybe".
 
 Not thread-safe: ``add`` is a read-modify-write of a word. A rebuild in a worker thread
 fills a filter of its own, which then replaces the old one (delayd.logs.known_ids).
@@ -27,13 +34,27 @@ fills a filter of its own, which then replaces the old one (delayd.logs.known_id
 
 from __future__ import annotations
 
+import functools
+import itertools
 import mmap
+import random
 from collections.abc import Iterable, Sequence
 
 WORD_SIZE = 8
 MAX_WORD_BITS = 26  # 512 MiB
+HASH_BITS = 32  # what an index entry keeps of a key's hash
 MASK_BITS = 12
 MASKS = tuple(1 << (low & 63) | 1 << (low >> 6 & 63) for low in range(1 << MASK_BITS))
+
+
+@functools.cache
+def spread_masks(bits: int) -> tuple[int, ...]:
+    """``2**bits`` two-bit masks: pairs of a word's 64 bits drawn evenly from all 2,016
+    (each once while there are enough), the masks of a filter whose word leaves only
+    ``bits`` bits of the hash. The same on every run (a fixed seed)."""
+    pairs = list(itertools.combinations(range(64), 2))
+    random.Random(0).shuffle(pairs)
+    return tuple(1 << a | 1 << b for a, b in itertools.islice(itertools.cycle(pairs), 1 << bits))
 
 
 class HashFilter:
@@ -43,8 +64,12 @@ class HashFilter:
         if not 6 <= word_bits <= MAX_WORD_BITS:
             raise ValueError(f"word_bits must be in 6..{MAX_WORD_BITS}, got {word_bits}")
         self.word_bits = word_bits
-        self._shift = 32 - word_bits
+        self._shift = HASH_BITS - word_bits
         self._word_mask = (1 << word_bits) - 1
+        if self._shift >= MASK_BITS:
+            self._masks, self._mask_index = MASKS, (1 << MASK_BITS) - 1
+        else:
+            self._masks, self._mask_index = spread_masks(self._shift), (1 << self._shift) - 1
         # Anonymous memory is zero and costs no RSS until a word is written.
         self._memory = mmap.mmap(-1, WORD_SIZE << word_bits)
         self._words = memoryview(self._memory).cast("Q")
@@ -56,17 +81,18 @@ class HashFilter:
 
     def may_contain(self, hash_: int) -> bool:
         """False: ``hash_`` was never added. True: it may have been."""
-        mask = MASKS[hash_ & 4095]
+        mask = self._masks[hash_ & self._mask_index]
         return self._words[hash_ >> self._shift & self._word_mask] & mask == mask
 
     def add_many(self, hashes: Iterable[int]) -> list[int] | None:
         """Add each of ``hashes``; returns those that may have been in already (an
         earlier one of ``hashes`` counts), or None when none was. One loop for a batch,
         with no more per hash than the probe: this is intake's hot path."""
-        words, shift, word_mask, masks = self._words, self._shift, self._word_mask, MASKS
+        words, shift, word_mask = self._words, self._shift, self._word_mask
+        masks, mask_index = self._masks, self._mask_index
         maybes: list[int] | None = None
         for h in hashes:
-            mask = masks[h & 4095]
+            mask = masks[h & mask_index]
             word = h >> shift & word_mask
             old = words[word]
             if old & mask != mask:
@@ -79,9 +105,10 @@ class HashFilter:
 
     def add_all(self, hashes: Sequence[int]) -> None:
         """Add each of ``hashes`` (a rebuild: no answer wanted)."""
-        words, shift, word_mask, masks = self._words, self._shift, self._word_mask, MASKS
+        words, shift, word_mask = self._words, self._shift, self._word_mask
+        masks, mask_index = self._masks, self._mask_index
         for h in hashes:
-            words[h >> shift & word_mask] |= masks[h & 4095]
+            words[h >> shift & word_mask] |= masks[h & mask_index]
         self.added += len(hashes)
 
     def close(self) -> None:

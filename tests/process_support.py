@@ -4,6 +4,7 @@ and their /metrics."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -31,6 +32,22 @@ def child_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     return env
+
+
+def run_bench_tool(*args: str, timeout_s: float = 180) -> list[dict]:
+    """Run tools/``args`` (a benchmark); the JSON figures it printed, each checked for the
+    keys every benchmark prints (bench, metric, value, unit)."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / args[0]), *args[1:]],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=child_env(),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines()]
+    assert rows and all({"bench", "metric", "value", "unit"} <= set(row) for row in rows)
+    return rows
 
 
 class ChildProcess:

@@ -7,13 +7,12 @@ only after etcd named it)."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
 import pytest
 
-from tests.process_support import ROOT, child_env
+from tests.process_support import ROOT, child_env, run_bench_tool
 
 pytestmark = pytest.mark.slow
 
@@ -22,18 +21,8 @@ POLL_RESOLUTION_S = 0.1
 
 
 def run_tool(*args: str) -> dict[str, dict]:
-    """Run tools/``args``; its figures by metric (each row checked for the common keys)."""
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / args[0]), *args[1:]],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=child_env(),
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = [json.loads(line) for line in done.stdout.splitlines()]
-    assert rows and all({"bench", "metric", "value", "unit"} <= set(row) for row in rows)
-    return {row["metric"]: row for row in rows}
+    """Run tools/``args``; its figures by metric."""
+    return {row["metric"]: row for row in run_bench_tool(*args)}
 
 
 def test_failover_kills_and_stops_the_leader_and_times_the_new_leaders_first_ack():

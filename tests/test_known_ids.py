@@ -15,7 +15,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from delayd.logs import layout
-from delayd.logs.known_ids import MIN_WORD_BITS, KnownIds
+from delayd.logs.known_ids import (
+    ENTRIES_PER_WORD,
+    HEADROOM,
+    MIN_WORD_BITS,
+    KnownIds,
+    word_bits_for,
+)
 from delayd.logs.message_log import TYPE_MESSAGE
 from delayd.protocol import Message, ResultCode
 from delayd.replay import open_replayer
@@ -24,7 +30,7 @@ from delayd.server.receiver import IntakeLimits, Receiver
 from storage.crashfs import CrashSimFileSystem
 from storage.flusher import LogWriter
 from storage.fs import REAL_FS, FileSystem, OsFileSystem
-from storage.hashfilter import HashFilter
+from storage.hashfilter import MAX_WORD_BITS, HashFilter
 from storage.index_hashes import read_key_hashes
 from storage.index_store import IndexStore
 from storage.indexfile import default_hash
@@ -37,7 +43,7 @@ NOW = 1_795_341_600_000
 
 
 @settings(max_examples=50, deadline=None)
-@given(st.lists(st.integers(0, 2**64 - 1), max_size=300), st.sampled_from([8, 16, 20]))
+@given(st.lists(st.integers(0, 2**64 - 1), max_size=300), st.sampled_from([8, 16, 20, 21, 22, 26]))
 def test_a_filter_never_forgets_a_hash_and_only_its_low_32_bits_count(hashes, word_bits):
     f = HashFilter(word_bits)  # 8: many collisions, still no false "absent"
     f.add_many(hashes)
@@ -62,6 +68,23 @@ def test_add_many_answers_which_may_have_been_in_and_the_false_rate_is_low():
     false_rate = sum(map(f.may_contain, others)) / len(others)
     assert 0.005 < false_rate < 0.025  # 1.7 % measured at this load
     assert HashFilter(word_bits=14).add_many(others[:100]) is None  # none in an empty one
+    f.close()
+
+
+@pytest.mark.parametrize(("word_bits", "measured"), [(20, 0.014), (22, 0.015), (24, 0.026)])
+def test_a_big_filters_words_and_masks_are_independent(word_bits, measured):
+    # Four hashes in each of 4,096 of the filter's words, and probes of those words: a
+    # filter past 2**20 words has fewer than 12 hash bits left for its masks, and masks
+    # read from bits that also pick the word crowd each word's bits (3.2 % at 2**22
+    # words, 7.2 % at 2**24). At 2**24 equal 32-bit hashes alone make 1.6 %.
+    rnd = random.Random(5)
+    f = HashFilter(word_bits)
+    low_bits = 32 - word_bits
+    words = rnd.sample(range(1 << word_bits), 4096)
+    f.add_all([w << low_bits | rnd.getrandbits(low_bits) for w in words for _ in range(4)])
+    probes = [rnd.choice(words) << low_bits | rnd.getrandbits(low_bits) for _ in range(100_000)]
+    false_rate = sum(map(f.may_contain, probes)) / len(probes)
+    assert false_rate == pytest.approx(measured, abs=0.004)
     f.close()
 
 
@@ -287,6 +310,21 @@ async def test_the_filter_is_rebuilt_bigger_when_full_and_keeps_every_id(tmp_pat
             assert known.lookups - lookups <= held + 1  # the held ones (and a false maybe)
     finally:
         close(intake, known)
+
+
+@pytest.mark.parametrize("word_bits", [MIN_WORD_BITS, MIN_WORD_BITS + 2, MAX_WORD_BITS - 2])
+def test_a_filter_that_filled_is_rebuilt_four_times_as_big_not_eight(word_bits):
+    # on_full fires once the filter holds just over its capacity, a power of two.
+    held = (1 << word_bits) * ENTRIES_PER_WORD + 1
+    assert word_bits_for(held) == word_bits + 2
+
+
+@given(st.integers(0, (1 << MAX_WORD_BITS) * ENTRIES_PER_WORD // HEADROOM))
+def test_a_filter_is_built_for_half_of_headroom_to_headroom_times_the_ids(ids):
+    capacity = (1 << word_bits_for(ids)) * ENTRIES_PER_WORD
+    assert capacity >= ids * HEADROOM // 2
+    if word_bits_for(ids) > MIN_WORD_BITS:
+        assert capacity <= ids * HEADROOM
 
 
 async def test_replay_steps_past_a_segment_marker_at_the_durable_end(tmp_path):

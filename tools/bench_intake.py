@@ -60,10 +60,16 @@ HOUR_MS = 3_600_000
 emit = bench_common.emitter("intake")
 
 
+def cpu_times(pid: int) -> tuple[float, float]:
+    """(user, system) CPU time of process ``pid`` so far (Linux /proc), in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of process ``pid`` so far (Linux /proc), in seconds."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return sum(cpu_times(pid))
 
 
 def pinned(cpu: str, args: list[str]) -> list[str]:
@@ -76,15 +82,16 @@ def pinned(cpu: str, args: list[str]) -> list[str]:
 class IntakeClient(RawClient):
     """The raw client, plus pipelined SEND_BATCH frames encoded before the clock starts."""
 
-    def frames(self, count: int, seed: int) -> list[bytes]:
-        """``count`` SEND_BATCH frames of BATCH messages with unique ids."""
+    def frames(self, count: int, seed: int, delays_from_ms: int = 0) -> list[bytes]:
+        """``count`` SEND_BATCH frames of BATCH messages with unique ids, delays spread
+        over the hour that begins ``delays_from_ms`` from now."""
         rng = random.Random(seed)
         out = []
         for _ in range(count):
             request_id = self.next_request_id()
             messages = [
                 Message(f"m-{seed}-{request_id}-{i}", "orders", body=BODY,
-                        delay_ms=rng.randrange(HOUR_MS))
+                        delay_ms=delays_from_ms + rng.randrange(HOUR_MS))
                 for i in range(BATCH)
             ]  # fmt: skip
             out.append(encode_event(SendBatch(messages, request_id=request_id)))
@@ -112,9 +119,9 @@ def client_main(args: argparse.Namespace) -> None:
     client = IntakeClient(*parse_address(args.addr), "bench-intake", tls_ca=args.tls_ca)
     # Ids carry the seed: each run against one server sends new ones (the server answers
     # a repeated id DUPLICATE, which the figure does not count).
-    warmup = client.frames(20, seed=-args.seed)
+    warmup = client.frames(20, seed=-args.seed, delays_from_ms=args.delays_from_ms)
     client.send_all(warmup, args.in_flight)
-    frames = client.frames(args.messages // BATCH, seed=args.seed)
+    frames = client.frames(args.messages // BATCH, args.seed, args.delays_from_ms)
     acked, seconds = client.send_all(frames, args.in_flight)
     last_ack = time.perf_counter()
     lag_at_end = client.stats()["replay.lag_records"]
@@ -156,11 +163,14 @@ def run_client(
     in_flight: int = 1,
     tls_ca: str | None = None,
     cpu: str = CLIENT_CPU,
+    delays_from_ms: int = 0,
 ) -> dict:
     """Run the client ``mode`` in a process of its own pinned to ``cpu``; its result.
-    Each call sends new message ids (a server answers a repeated one DUPLICATE)."""
+    Each call sends new message ids (a server answers a repeated one DUPLICATE), due
+    over the hour that begins ``delays_from_ms`` from now."""
     args = [sys.executable, __file__, mode, "--addr", addr, "--messages", str(messages),
-            "--in-flight", str(in_flight), "--seed", str(next(_seeds))]  # fmt: skip
+            "--in-flight", str(in_flight), "--seed", str(next(_seeds)),
+            "--delays-from-ms", str(delays_from_ms)]  # fmt: skip
     if tls_ca is not None:
         args += ["--tls-ca", tls_ca]
     done = subprocess.run(pinned(cpu, args), capture_output=True, text=True, check=True, cwd=ROOT)
@@ -280,6 +290,7 @@ def main() -> None:
     parser.add_argument("--in-flight", type=int, default=16, help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=2, help=argparse.SUPPRESS)
     parser.add_argument("--tls-ca", help=argparse.SUPPRESS)
+    parser.add_argument("--delays-from-ms", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument(
         "--repo",
         type=Path,

@@ -19,12 +19,12 @@ where Python allows it (hashes by ``map``, the pending ids by ``dict(zip())``): 
 idempotency check must not cost intake more than a tenth of its throughput.
 
 The filter is sized to what the server holds (ENTRIES_PER_WORD hashes a word, 1.7 %
-false "maybe" when full), from 8 MiB (4 million ids) up: a filter far larger than
-needed costs every message a cache and TLB miss, and one that starts tiny and doubles
-re-reads the ids again and again (both measured: docs/benchmarks.md). It is *built*,
-in a worker thread, from the index files' entries (they carry the 32-bit hash: no
-record is read), for HEADROOM times the ids held — at start-up (until then it is cold:
-every id is looked up) and whenever it fills. A build:
+false "maybe" when full), from 8 MiB (4 million ids) up, 4x at each rebuild: a filter
+far larger than needed costs every message a cache and TLB miss, and one that starts
+tiny and doubles re-reads the ids again and again (both measured: docs/benchmarks.md).
+It is *built*, in a worker thread, from the index files' entries (they carry the 32-bit
+hash: no record is read), for up to HEADROOM times the ids held — at start-up (until
+then it is cold: every id is looked up) and whenever it fills. A build:
 
 1. ``begin_rebuild`` (event loop): the index's entries as they are now, the hashes of
    the ids held but not yet indexed, and from now on every id checked is also
@@ -56,13 +56,19 @@ from storage.indexfile import ENTRY_SIZE, HashSource
 
 ENTRIES_PER_WORD = 4  # a full filter: 16 bits per id, 1.7 % false "maybe" (measured)
 MIN_WORD_BITS = 20  # 8 MiB, 4 million ids: most servers never rebuild after the start
-HEADROOM = 4  # a filter is built for 4x the ids held: few rebuilds while a server fills
+HEADROOM = 4  # a filter is built for up to 4x the ids held: few rebuilds as a server fills
 
 
 def word_bits_for(ids: int) -> int:
-    """The filter size (log2 of words) for ``ids`` ids with HEADROOM."""
+    """The filter size (log2 of words) for ``ids`` ids: room for HEADROOM / 2 to
+    HEADROOM times as many, between MIN_WORD_BITS and MAX_WORD_BITS.
+
+    Rounded down to a power of two, not up: a filter is rebuilt when it holds just
+    over its capacity, itself a power of two, so rounding up would build one twice the
+    size, for 8x the ids, with every page resident (64 MiB instead of 32 at 4 million
+    ids)."""
     words = max(1, ids * HEADROOM // ENTRIES_PER_WORD)
-    return min(MAX_WORD_BITS, max(MIN_WORD_BITS, (words - 1).bit_length()))
+    return min(MAX_WORD_BITS, max(MIN_WORD_BITS, words.bit_length() - 1))
 
 
 @dataclass(frozen=True, slots=True)
