@@ -279,7 +279,9 @@ def test_pipelined_requests_never_read_stall_only_their_senders(tmp_path, procs)
     taken = taken_so_far()
     for pumped in range(30):
         pump(blobs, 1.0, sent)
-        assert healthy(server.metrics_address, 1)
+        # /healthz answers while the pipelines stand (1 s timed out once in a dozen runs
+        # at a load of 12: the server was still working through what it had read).
+        assert healthy(server.metrics_address, 5)
         taken, previous = taken_so_far(), taken
         if pumped >= 2 and taken == previous:
             break
