@@ -202,6 +202,14 @@ class DelayGroup:
             member.close()
 
 
+def read_if_there(path: Path) -> bytes | None:
+    """``path``'s bytes, or None if there is no such file (now)."""
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
+
+
 def differences(leader_dir: Path, follower_dir: Path) -> list[str]:
     """The replicated files of ``leader_dir`` whose copy in ``follower_dir`` is not
     the same bytes: a message_log segment must be equal; a dispatch_log bucket's copy
@@ -215,9 +223,13 @@ def differences(leader_dir: Path, follower_dir: Path) -> list[str]:
         for path in sorted(source.iterdir()) if source.exists() else ():
             if not path.name.isdigit():
                 continue
-            mirrored = copy / path.name
-            held = mirrored.read_bytes() if mirrored.exists() else b""
-            original = path.read_bytes()
+            # The members run while we look: a file listed may be gone when read (a
+            # follower cut back or resyncing, retention). Gone from the leader: nothing
+            # to compare; the follower's copy is read as its bytes now, or none.
+            original = read_if_there(path)
+            if original is None:
+                continue
+            held = read_if_there(copy / path.name) or b""
             if held != original if whole else not original.startswith(held):
                 found.append(str(path.relative_to(leader_dir)))
     return found

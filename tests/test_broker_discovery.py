@@ -265,7 +265,15 @@ def test_a_draining_group_gets_no_new_deliveries(cluster: Cluster, tmp_path: Pat
     try:
         poll(lambda: sent_to(server, "b1") > 0 and sent_to(server, "b2") > 0, 10, "both used")
         trio.run(drain)
-        time.sleep(1.0)  # the next registry read (every 200 ms), and batches in flight
+
+        def b2_quiet() -> bool:
+            before = sent_to(server, "b1"), sent_to(server, "b2")
+            time.sleep(0.5)
+            return sent_to(server, "b1") > before[0] and sent_to(server, "b2") == before[1]
+
+        # The next registry read (every 200 ms) and the batches in flight: a fixed second
+        # is too short on a loaded machine.
+        poll(b2_quiet, 20, "a half second of deliveries to b1 only")
         b1, b2 = sent_to(server, "b1"), sent_to(server, "b2")
         poll(lambda: sent_to(server, "b1") > b1 + 100, 10, "deliveries go on to b1")
         assert sent_to(server, "b2") == b2

@@ -46,7 +46,10 @@ def test_kill_9_right_after_cancel_and_reschedule(procs, tmp_path, checkpoint_ms
     data = tmp_path / "data"
     server = procs.serve(data, "--config", config)
     with delayd.Producer(hostport(server.address)) as producer:
-        receipts = [producer.send("orders", f"m{i}", delay_ms=4000) for i in range(30)]
+        # Due after the 45 calls below even on a loaded machine (a cancel finding its
+        # message delivered would fail the test), and before new_at, which the test
+        # waits for anyway.
+        receipts = [producer.send("orders", f"m{i}", delay_ms=6000) for i in range(30)]
         ids = [r.message_id for r in receipts]
         cancelled = {message_id: producer.cancel(message_id).outcome for message_id in ids[:10]}
         new_at = now_ms() + 7000

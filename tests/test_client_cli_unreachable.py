@@ -19,7 +19,7 @@ COMMANDS = {
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
-def test_nobody_listening_fails_within_a_second_naming_what_to_check(command: str) -> None:
+def test_nobody_listening_fails_at_once_naming_what_to_check(command: str) -> None:
     addr = f"127.0.0.1:{free_port()}"
     flag = "--broker" if command == "consume" else "--server"
     argv = [*DELAYD, *COMMANDS[command], flag, addr]
@@ -32,4 +32,6 @@ def test_nobody_listening_fails_within_a_second_naming_what_to_check(command: st
     assert f"delayd {command}: cannot connect to {addr}: Connection refused" in done.stderr
     assert "Is `delayd serve` (or `delayd broker`) running there" in done.stderr
     assert "is the port right?" in done.stderr
-    assert elapsed < 2.0  # the commands' --timeout is 10 s
+    # The commands' --timeout is 10 s, which a retrying command would spend; a Python
+    # start on a loaded machine alone takes up to a second or two.
+    assert elapsed < 5.0

@@ -347,7 +347,9 @@ def test_reconnections_after_the_first_are_retried_either_way() -> None:
 # --- closing ------------------------------------------------------------------------------
 
 
-def wait_for(condition, timeout_s: float = 2.0) -> bool:
+def wait_for(condition, timeout_s: float = 10.0) -> bool:
+    """Whether ``condition()`` held within ``timeout_s`` (generous: the scripted server's
+    thread may wait for a core on a loaded machine; an open connection never closes)."""
     deadline = time.monotonic() + timeout_s
     while not condition():
         if time.monotonic() > deadline:

@@ -155,12 +155,20 @@ async def test_watch_sees_puts_and_deletes_in_order(etcd, etcd_prefix):
 async def test_watch_from_now_sees_only_later_changes(etcd, etcd_prefix):
     key = f"{etcd_prefix}/now"
     await etcd.put(key, "before")
-    with trio.fail_after(2):
-        async with etcd.watch(key) as events:
-            await trio.sleep(0.1)  # the watch is created before the next put
+
+    async def put_after_until_seen() -> None:
+        # The watch is created some time after it is entered (0.1 s was too short on a
+        # loaded machine): a put before that is not seen, so put again until one is.
+        while True:
             await etcd.put(key, "after")
+            await trio.sleep(0.1)
+
+    with trio.fail_after(10):
+        async with etcd.watch(key) as events, trio.open_nursery() as nursery:
+            nursery.start_soon(put_after_until_seen)
             event = await events.__anext__()
-    assert event.kv.value == b"after"
+            nursery.cancel_scope.cancel()
+    assert event.kv.value == b"after"  # the first event: never the put before the watch
 
 
 async def test_watch_resumes_after_a_lost_connection_without_gaps_or_repeats(

@@ -256,7 +256,10 @@ def test_kill_9_of_the_leader_a_follower_in_sync_takes_over_and_the_client_follo
         started = time.monotonic()
         receipt = producer.send("orders", b"after", message_id="after")
         took_s = time.monotonic() - started
-    assert receipt.ok and took_s < 3.0
+    # The lease's expiry (at most ttl + etcd's 0.5 s check) and a promotion: 2.2 to 2.6 s
+    # measured at a load of 7, so 6 s for a loaded machine; a client that did not
+    # follow would spend its whole 10 s time-out and fail.
+    assert receipt.ok and took_s < 6.0
     assert group.leader_id() == member_id(follower)
 
 

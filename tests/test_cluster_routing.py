@@ -84,10 +84,12 @@ class Cluster:
 
     def command(self, *args: str) -> str:
         """``delayd COMMAND --server <the cluster> ARGS``; its stdout (it must succeed)."""
-        return subprocess.run(
+        done = subprocess.run(
             [*DELAYD, args[0], "--server", self.address, *args[1:]],
-            cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=30, check=True,
-        ).stdout  # fmt: skip
+            cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        assert done.returncode == 0, f"delayd {args[0]} failed: {done.stderr}"
+        return done.stdout
 
     def close(self) -> None:
         for member in self.members.values():

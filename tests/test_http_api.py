@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from delayd.server.http.openapi import openapi_document, render
+from tests.delivery_support import broker_stats, poll
 from tests.intake_support import ServeProcess
 from tests.process_support import ROOT
 
@@ -312,6 +313,11 @@ def test_a_binary_and_an_http_consumer_share_one_group(http_server):
     assert len(over_http) == 4 and over_http | over_binary == {f"m-{i}" for i in range(8)}
 
 
+def members(broker_address: tuple[str, int], group: str = "g", subject: str = "s") -> int:
+    """The members of consumer group ``group`` of ``subject`` the broker has."""
+    return int(broker_stats(broker_address).get(f"group_members/{group}/{subject}", 0))
+
+
 def test_sigterm_answers_a_long_poll_and_stops_the_server(tmp_path, procs):
     """The HTTP listener stops with the server: a pull waiting in a long poll is
     answered at once (empty), and the process exits 0 without waiting it out."""
@@ -320,14 +326,18 @@ def test_sigterm_answers_a_long_poll_and_stops_the_server(tmp_path, procs):
     server = procs.start(http_serve_process(tmp_path))
     answers: list[httpx.Response] = []
     body = {"consumer_id": "c", "wait_ms": 30_000}
-    poll = threading.Thread(
+    long_poll = threading.Thread(
         target=lambda: answers.append(post(server, "/v1/subjects/s/groups/g/pull", body))
     )
-    poll.start()
-    time.sleep(0.5)  # the pull is waiting in the broker (nothing to wait on from here)
+    long_poll.start()
+    # Until the pull joined the group: a fixed half second was no longer than its
+    # thread and client start can take on a loaded machine (a stop before the request
+    # came would refuse it, not answer it).
+    assert server.broker_address is not None
+    poll(lambda: members(server.broker_address) == 1, 10, "the pull waiting in the broker")
     started = time.monotonic()
     assert server.stop() == 0
-    poll.join(10)
+    long_poll.join(10)
     assert time.monotonic() - started < 4  # neither the poll (30 s) nor the grace (5 s)
     assert answers and answers[0].status_code == 200
     assert answers[0].json() == {"messages": [], "commit": []}

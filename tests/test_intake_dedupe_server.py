@@ -46,17 +46,22 @@ def test_ids_sent_twice_are_held_once_and_cancels_are_final(procs, tmp_path, res
     data = tmp_path / "data"
     server = procs.serve(data)
     ids = [f"order-{i}" for i in range(50)]
+    cancelled = ids[::2]
+    first, second, outcomes = [], [], []
     with delayd.Producer(hostport(server.address)) as producer:
-        first = [producer.send(SUBJECT, f"first {i}", delay_ms=DELAY_MS, message_id=i) for i in ids]
-        assert {r.code for r in first} == {ResultCode.OK}
-        first_due = {r.message_id: r.due_ms for r in first}
-        # The same ids again at once: the first records are not even replayed yet.
-        second = [producer.send(SUBJECT, "second", delay_ms=10, message_id=i) for i in ids]
-        assert [r.code for r in second] == [ResultCode.DUPLICATE] * len(ids)
-        assert [r.due_ms for r in second] == [first_due[i] for i in ids]
-        cancelled = ids[::2]
-        outcomes = [producer.cancel(i).outcome for i in cancelled]
-        assert outcomes == [CancelOutcome.CANCELLED] * len(cancelled)
+        # Each id sent, sent again at once (its first record is not even replayed yet)
+        # and cancelled right after: a cancel after all 125 calls could find the first
+        # ids delivered, DELAY_MS after sending, on a loaded machine.
+        for i in ids:
+            first.append(producer.send(SUBJECT, f"first {i}", delay_ms=DELAY_MS, message_id=i))
+            second.append(producer.send(SUBJECT, "second", delay_ms=10, message_id=i))
+            if i in cancelled:
+                outcomes.append(producer.cancel(i).outcome)
+    assert {r.code for r in first} == {ResultCode.OK}
+    first_due = {r.message_id: r.due_ms for r in first}
+    assert [r.code for r in second] == [ResultCode.DUPLICATE] * len(ids)
+    assert [r.due_ms for r in second] == [first_due[i] for i in ids]
+    assert outcomes == [CancelOutcome.CANCELLED] * len(cancelled)
     # A cancelled id sent again stays cancelled: DUPLICATE, not a new schedule.
     resend_all(server.address, ids, first_due)
 

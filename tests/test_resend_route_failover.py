@@ -132,7 +132,7 @@ def test_resends_after_a_failover_reach_the_broker_group_of_the_first_send(clust
     poll(lambda: "b3" in cluster.broker_groups(), 10, "b3 registered")
     poll(lambda: found in leader.log_path.read_text(), 10, "a uses b3")
 
-    leader.kill()  # kill -9: its DISPATCHED entries were never flushed nor shipped
+    leader.kill()  # kill -9: its last DISPATCHED entries were never flushed nor shipped
     poll(lambda: cluster.delay_leader() == member_id(follower), 15, "b leads d1")
     found = "broker group b3 found in etcd"
     poll(lambda: found in follower.log_path.read_text(), 15, "b uses b3 too")
@@ -144,7 +144,14 @@ def test_resends_after_a_failover_reach_the_broker_group_of_the_first_send(clust
             for group in ("b1", "b2", "b3")
         )
 
-    poll(lambda: resent() >= COUNT, 40, "the new leader resent every message")
+    def pending() -> float:
+        metrics = follower.metrics()
+        return sum(v for k, v in metrics.items() if k.startswith("delayd_pending_messages{"))
+
+    # What the old leader's dispatch_log did not ship: all of it, unless the flush that
+    # records a batch's routes shipped an earlier batch's DISPATCHED entries too (a
+    # loaded machine spreads the sends over more batches: 96 of 120 were resent once).
+    poll(lambda: resent() > 0 and pending() == 0, 40, "the new leader resent what it holds")
     assert stored("b3") == 0  # nothing went to the group added after the first sends
     assert stored("b1") + stored("b2") == COUNT  # the resends were answered DUPLICATE
 

@@ -122,10 +122,19 @@ def test_served_retention_deletes_delivers_and_restarts(procs, tmp_path):
         30,
         "replayed segments deleted",
     )
+    deleted = 'delayd_retention_deleted_files_total{{log="{}"}}'.format
+    # The counts follow the unlinks (a worker thread's): wait for them, then assert.
+    poll(
+        lambda: (
+            min(server.metrics().get(deleted(log), 0) for log in ("schedule_log", "dispatch_log"))
+            >= 2
+            and server.metrics().get(deleted("message_log"), 0) >= len(segments_before) - 1
+        ),
+        10,
+        "the deletions counted",
+    )
     values = server.metrics()
-    assert values['delayd_retention_deleted_files_total{log="schedule_log"}'] >= 2
-    assert values['delayd_retention_deleted_files_total{log="dispatch_log"}'] >= 2
-    deleted_segments = values['delayd_retention_deleted_files_total{log="message_log"}']
+    deleted_segments = values[deleted("message_log")]
     assert deleted_segments == len(segments_before) - 1
     assert values['delayd_retention_deleted_bytes_total{log="schedule_log"}'] > 0
     assert "retention: deleted" in server.log_path.read_text()
