@@ -132,6 +132,34 @@ async def test_a_group_added_mid_bucket_gets_routed_entries_until_the_next_bucke
     assert not any(e.kind is EntryKind.ROUTED for e in entries[newer])
 
 
+async def test_a_member_that_may_no_longer_lead_sends_nothing_more_nor_routes_elsewhere(
+    tmp_path, clock
+):
+    """Route records the group does not acknowledge (this member may no longer lead):
+    the sender stops. Had it charged the broker group's circuit and routed the batch to
+    another group, the ROUTED entries it wrote, durable here, would send each message's
+    resend, once this member leads again, away from a group that may hold it (a clean-
+    clone CI run saw messages stored in two broker groups that way)."""
+    data = str(tmp_path)
+    a, b = WatchingTarget("a", data=data), WatchingTarget("b", data=data)
+    asked: list[list[int]] = []
+
+    async def not_leading(buckets) -> bool:
+        asked.append(sorted(buckets))
+        return False
+
+    with Pipeline(data, [a, b], sender=FAST) as pipeline:
+        pipeline.delivery.sender.acknowledge = not_leading
+        pipeline.schedule([T0 + 1000 + i for i in range(100)])
+        await pipeline.run_until(T0 + 5000)
+        assert pipeline.delivery.sender.halted is not None
+    assert asked  # the bucket's route set was recorded and its acknowledgement asked for
+    assert a.tried == [] and b.tried == []  # nothing sent unrecorded
+    kinds = Counter(e.kind for e in durable_entries(data))
+    assert kinds[EntryKind.ROUTE] == 2  # the set: a resend after a promotion goes by it
+    assert kinds[EntryKind.ROUTED] == 0 and kinds[EntryKind.DISPATCHED] == 0
+
+
 async def restart(data: str, targets: list[WatchingTarget], until_ms: int) -> None:
     for target in targets:
         target.received.clear()

@@ -209,6 +209,9 @@ class Sender:
         self._flushes_done = 0
         self._flush_running: trio.Event | None = None
         self.started_ms: int | None = None  # this run sent nothing due at or after it
+        # Set when route records went unacknowledged: this member may no longer lead,
+        # and this sender sends nothing more (``_halt``).
+        self.halted: str | None = None
         self.lateness_s = Histogram(LATENESS_BOUNDS_S)
         self.batch_sizes = Histogram(BATCH_BOUNDS)
         self.refusals = WriteRefusals()  # the server shares its own
@@ -465,6 +468,8 @@ class Sender:
         assert nursery is not None
         max_batch = self.config.max_batch
         while True:
+            if self.halted is not None:
+                await trio.sleep_forever()  # until the demotion stops this delivery
             if not group.queue:
                 group.ready = trio.Event()
                 await group.ready.wait()
@@ -536,7 +541,7 @@ class Sender:
             failure = str(exc)
             for item in batch:
                 item.sending = False
-            self._retry(batch, group, failure, count_attempt=False)
+            self._halt(failure)
             return
         except TargetUnavailable as exc:
             failure = str(exc)
@@ -549,7 +554,10 @@ class Sender:
             self._retry(batch, group, failure, count_attempt=not held)
             return
         finally:
-            self._record_outcome(group, ok, failure)
+            if self.halted is None:
+                self._record_outcome(group, ok, failure)
+            else:
+                group.answered.set()
             group.slots.release()
         self.batch_sizes.observe_many((len(batch),))
         outcomes = self.ledger.sort_answers(batch, results)
@@ -564,6 +572,16 @@ class Sender:
             full = outcomes.disk_full
             group.stats.failed += len(full)
             self._retry(full, group, full[0].reason, count_attempt=False)
+
+    def _halt(self, why: str) -> None:
+        """Send nothing more: route records went unacknowledged, so this member may no
+        longer lead (a promotion builds a new sender from the logs). Neither the broker
+        group's fault — its circuit is not charged — nor a reason to route the batch
+        elsewhere: a ROUTED entry written now, durable here, would send the message's
+        resend after a later promotion away from a group that may hold it."""
+        if self.halted is None:
+            log.warning("sender stops: %s", why)
+        self.halted = why
 
     def _routes_unrecorded(self, group: _Group, batch: list[Item]) -> bool:
         """Whether a resend of some message of ``batch`` after a crash would not go to
@@ -595,6 +613,8 @@ class Sender:
         without the records that did not fit. Raises RoutesNotRecorded when this member
         may no longer lead (nothing is sent)."""
         async with self._routing:
+            if self.halted is not None:
+                raise RoutesNotRecorded(self.halted)  # nothing more written or sent
             async with holding(self.dispatch_lock):
                 try:
                     buckets = self._write_routes(group, batch, self.clock())
