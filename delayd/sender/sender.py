@@ -88,6 +88,10 @@ from storage.errors import DiskFullError
 
 log = logging.getLogger(__name__)
 
+# How long a batch whose route records went unacknowledged holds its slot before it is
+# tried again (``Sender._wait_for_routes``).
+ROUTES_RETRY_S = 0.1
+
 READ_INLINE_MAX = 64  # entries read on the event loop; more go to a worker thread
 # Lateness is whole milliseconds: an on-time delivery is exactly 0, which the 0 bucket
 # keeps at 0 in a quantile (with 1 ms as the first bound it would read as 0.5 ms).
@@ -209,9 +213,7 @@ class Sender:
         self._flushes_done = 0
         self._flush_running: trio.Event | None = None
         self.started_ms: int | None = None  # this run sent nothing due at or after it
-        # Set when route records went unacknowledged: this member may no longer lead,
-        # and this sender sends nothing more (``_halt``).
-        self.halted: str | None = None
+        self.routes_unacknowledged = 0  # batches put back for it (``_wait_for_routes``)
         self.lateness_s = Histogram(LATENESS_BOUNDS_S)
         self.batch_sizes = Histogram(BATCH_BOUNDS)
         self.refusals = WriteRefusals()  # the server shares its own
@@ -468,8 +470,6 @@ class Sender:
         assert nursery is not None
         max_batch = self.config.max_batch
         while True:
-            if self.halted is not None:
-                await trio.sleep_forever()  # until the demotion stops this delivery
             if not group.queue:
                 group.ready = trio.Event()
                 await group.ready.wait()
@@ -526,7 +526,7 @@ class Sender:
 
     async def _send(self, group: _Group, batch: list[Item]) -> None:
         now_ms = self.clock()
-        ok = False
+        ok, charged = False, True
         failure = "the send was cancelled or failed"
         try:
             if self._routes_unrecorded(group, batch):
@@ -538,10 +538,8 @@ class Sender:
                 results = await group.target.send_batch(messages)
             ok = True
         except RoutesNotRecorded as exc:
-            failure = str(exc)
-            for item in batch:
-                item.sending = False
-            self._halt(failure)
+            charged = False
+            await self._wait_for_routes(group, batch, str(exc))
             return
         except TargetUnavailable as exc:
             failure = str(exc)
@@ -554,7 +552,7 @@ class Sender:
             self._retry(batch, group, failure, count_attempt=not held)
             return
         finally:
-            if self.halted is None:
+            if charged:
                 self._record_outcome(group, ok, failure)
             else:
                 group.answered.set()
@@ -573,15 +571,21 @@ class Sender:
             group.stats.failed += len(full)
             self._retry(full, group, full[0].reason, count_attempt=False)
 
-    def _halt(self, why: str) -> None:
-        """Send nothing more: route records went unacknowledged, so this member may no
-        longer lead (a promotion builds a new sender from the logs). Neither the broker
-        group's fault — its circuit is not charged — nor a reason to route the batch
-        elsewhere: a ROUTED entry written now, durable here, would send the message's
-        resend after a later promotion away from a group that may hold it."""
-        if self.halted is None:
-            log.warning("sender stops: %s", why)
-        self.halted = why
+    async def _wait_for_routes(self, group: _Group, batch: list[Item], why: str) -> None:
+        """Route records of ``batch`` went unacknowledged: this member may no longer
+        lead (a demotion then stops this delivery; a promotion builds a new one from
+        the logs). Not the broker group's fault — its circuit is not charged — nor a
+        reason to route the batch elsewhere: a ROUTED entry written now, durable here,
+        would send the message's resend after a later promotion away from a group that
+        may hold it. The batch goes back to the head of its group's queue, and this
+        batch's slot is held for ROUTES_RETRY_S before it is tried again."""
+        for item in batch:
+            item.sending = False
+        group.queue.extendleft(reversed(batch))
+        if not self.routes_unacknowledged:
+            log.warning("%s: sends wait until route records are acknowledged", why)
+        self.routes_unacknowledged += 1
+        await trio.sleep(ROUTES_RETRY_S)
 
     def _routes_unrecorded(self, group: _Group, batch: list[Item]) -> bool:
         """Whether a resend of some message of ``batch`` after a crash would not go to
@@ -613,8 +617,6 @@ class Sender:
         without the records that did not fit. Raises RoutesNotRecorded when this member
         may no longer lead (nothing is sent)."""
         async with self._routing:
-            if self.halted is not None:
-                raise RoutesNotRecorded(self.halted)  # nothing more written or sent
             async with holding(self.dispatch_lock):
                 try:
                     buckets = self._write_routes(group, batch, self.clock())
