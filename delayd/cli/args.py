@@ -142,23 +142,22 @@ def non_negative_count(text: str) -> int:
 
 def seconds(text: str) -> float:
     """A number of seconds above 0 (``0.5``, ``30``)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds above 0")
-    return value
+    return _seconds(text, zero_ok=False)
 
 
 def non_negative_seconds(text: str) -> float:
     """A number of seconds, 0 or more (``0``, ``3600``, ``0.5``)."""
+    return _seconds(text, zero_ok=True)
+
+
+def _seconds(text: str, *, zero_ok: bool) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not (value >= 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds, 0 or more")
+    if not ((value >= 0 if zero_ok else value > 0) and math.isfinite(value)):
+        wanted = ", 0 or more" if zero_ok else " above 0"
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds{wanted}")
     return value
 
 
