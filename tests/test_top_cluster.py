@@ -488,8 +488,14 @@ def test_members_serving_tls_are_scraped_with_tls_ca(tmp_path: Path, etcd_server
     try:
         server.start()
         assert "metrics on https://" in server.stdout
-        lines = top_once(etcd_server.url, cluster, "--tls-ca", pki.ca_file)
-        assert lines[group_line(lines, "secure") + 1].split()[1:] == ["leader", "up"]
+
+        # The member is up before it has won its election (a loaded machine shows it
+        # as candidate for a while): scraped over TLS, it must come to show leader.
+        def role_over_tls() -> list[str]:
+            lines = top_once(etcd_server.url, cluster, "--tls-ca", pki.ca_file)
+            return lines[group_line(lines, "secure") + 1].split()[1:]
+
+        wait_for(lambda: role_over_tls() == ["leader", "up"], "leader, up, scraped over TLS")
         lines = top_once(etcd_server.url, cluster)  # plain http to a TLS listener
         assert "unreachable — " in lines[group_line(lines, "secure") + 1]
     finally:
