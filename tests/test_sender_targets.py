@@ -189,7 +189,9 @@ async def test_embedded_messages_reach_consumers_with_delay_fields(tmp_path):
 
 async def test_kill_9_fails_fast_and_the_same_target_recovers_after_restart(processes):
     process = await start(processes())
-    target = RemoteTarget("remote", [process.addr])
+    # A connect time-out of 5 s, not 1: a just-started broker on a loaded machine was
+    # slower than 1 s to answer HELLO. Failing fast after kill -9 needs no time-out.
+    target = RemoteTarget("remote", [process.addr], connect_timeout_s=5.0)
     before = await target.send_batch(due("g", 3))
     assert [r.code for r in before] == [ResultCode.OK] * 3
     process.kill()
