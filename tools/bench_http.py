@@ -21,10 +21,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import re
-import select
 import signal
 import statistics
 import subprocess
@@ -40,7 +38,6 @@ ROOT = Path(__file__).resolve().parent.parent
 SERVER_CPU, CLIENT_CPU = bench_intake.SERVER_CPU, bench_intake.CLIENT_CPU
 HOUR_MS = 3_600_000
 BODY = "b" * 100
-READY = re.compile(r"delayd serve listening on (\S+):(\d+)")
 HTTP = re.compile(r"delayd serve http on (http://\S+:\d+)/v1")
 
 emit = bench_common.emitter("http")
@@ -102,10 +99,7 @@ def http_client_main(args: argparse.Namespace) -> None:
 def run_http_client(url: str, messages: int, batch: int, in_flight: int) -> dict:
     args = [sys.executable, __file__, "http-client", "--addr", url, "--messages",
             str(messages), "--batch", str(batch), "--in-flight", str(in_flight)]  # fmt: skip
-    done = subprocess.run(
-        bench_intake.pinned(CLIENT_CPU, args), capture_output=True, text=True, check=True, cwd=ROOT
-    )
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return bench_intake.run_pinned_client(CLIENT_CPU, args)
 
 
 # ----------------------------------------------------------------------------- server
@@ -113,27 +107,10 @@ def run_http_client(url: str, messages: int, batch: int, in_flight: int) -> dict
 
 def start_delayd(data: str, http: bool) -> tuple[subprocess.Popen, str, str | None]:
     """``delayd serve`` pinned to SERVER_CPU; (process, binary address, HTTP base URL)."""
-    config = Path(data) / "bench.toml"
-    config.write_text("[intake]\nmax_pending_acks = 1000000\nmax_replay_lag_records = 10000000\n")
-    args = [sys.executable, "-m", "delayd.cli", "serve", "--data", str(Path(data) / "d"),
-            "--config", str(config), "--listen", "127.0.0.1:0", "--broker-listen", "off",
-            "--metrics-listen", "off", "--http-listen", "127.0.0.1:0" if http else "off",
-            "--log-level", "warning"]  # fmt: skip
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen(
-        bench_intake.pinned(SERVER_CPU, args), cwd=ROOT, stdout=subprocess.PIPE, env=env
-    )
-    out = ""
-    deadline = time.monotonic() + 30
-    while (match := READY.search(out)) is None:
-        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
-        chunk = os.read(proc.stdout.fileno(), 65536) if ready else b""
-        if not chunk:
-            proc.kill()
-            raise RuntimeError(f"delayd serve did not start: {out!r}")
-        out += chunk.decode()
+    extra = ("--http-listen", "127.0.0.1:0") if http else ()
+    proc, addr, out = bench_intake.launch_delayd(data, extra=extra)
     url = HTTP.search(out)
-    return proc, f"{match.group(1)}:{match.group(2)}", url.group(1) if url else None
+    return proc, addr, url.group(1) if url else None
 
 
 def stop(proc: subprocess.Popen) -> None:

@@ -76,6 +76,16 @@ def pinned(cpu: str, args: list[str]) -> list[str]:
     return ["taskset", "-c", cpu, *args] if shutil.which("taskset") else args
 
 
+def run_pinned_client(cpu: str, args: list[str]) -> dict:
+    """Run a benchmark's client process pinned to ``cpu``; the JSON result it printed
+    last. A client that fails stops the benchmark with the client's own error (its
+    stderr), not only its exit status."""
+    done = subprocess.run(pinned(cpu, args), capture_output=True, text=True, cwd=ROOT)
+    if done.returncode != 0:
+        raise SystemExit(f"client {args[2:4]} exited {done.returncode}:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 # ----------------------------------------------------------------------------- client
 
 
@@ -173,8 +183,7 @@ def run_client(
             "--delays-from-ms", str(delays_from_ms)]  # fmt: skip
     if tls_ca is not None:
         args += ["--tls-ca", tls_ca]
-    done = subprocess.run(pinned(cpu, args), capture_output=True, text=True, check=True, cwd=ROOT)
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_pinned_client(cpu, args)
 
 
 # ----------------------------------------------------------------------------- servers
@@ -185,15 +194,23 @@ def start_delayd(
 ) -> tuple[subprocess.Popen, str]:
     """``delayd serve`` from checkout ``repo`` with the flags ``extra``, pinned to
     SERVER_CPU; (process, address)."""
+    proc, addr, _ = launch_delayd(data, repo, extra)
+    return proc, addr
+
+
+def launch_delayd(
+    data: str, repo: Path = ROOT, extra: tuple[str, ...] = ()
+) -> tuple[subprocess.Popen, str, str]:
+    """As start_delayd, and what the server printed until it listened (the addresses
+    of its other listeners)."""
     config = Path(data) / "bench.toml"
     config.write_text("[intake]\nmax_pending_acks = 1000000\nmax_replay_lag_records = 10000000\n")
     args = [sys.executable, "-m", "delayd", "serve", "--data", str(Path(data) / "d"),
             "--config", str(config), "--listen", "127.0.0.1:0", "--broker-listen", "off",
             "--log-level", "warning", *extra]  # fmt: skip
-    if "--metrics-listen" in _serve_help(repo):
-        args += ["--metrics-listen", "off"]  # the default port may be taken
-    if "--http-listen" in _serve_help(repo):
-        args += ["--http-listen", "off"]
+    for flag in ("--metrics-listen", "--http-listen"):  # the default ports may be taken
+        if flag not in extra and flag in _serve_help(repo):
+            args += [flag, "off"]
     env = dict(os.environ, PYTHONPATH=str(repo))
     proc = subprocess.Popen(pinned(SERVER_CPU, args), cwd=repo, stdout=subprocess.PIPE, env=env)
     out = ""
@@ -208,7 +225,7 @@ def start_delayd(
             proc.wait()
             raise RuntimeError(f"delayd serve exited ({proc.returncode}) before listening: {out!r}")
         out += data.decode()
-    return proc, f"{match.group(1)}:{match.group(2)}"
+    return proc, f"{match.group(1)}:{match.group(2)}", out
 
 
 def _serve_help(repo: Path) -> str:

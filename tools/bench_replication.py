@@ -315,12 +315,10 @@ def bench_lag(group: ReplicatedGroup, ack: str, rate: float, seconds: float) -> 
     try:
         args = [sys.executable, str(Path(__file__).resolve()), "paced-client", "--addr",
                 leader.intake, "--messages", str(messages), "--rate", str(rate)]  # fmt: skip
-        done = subprocess.run(pinned(FOLLOWER_CPU, args), capture_output=True,
-                              text=True, check=True)  # fmt: skip
+        client = bench_intake.run_pinned_client(FOLLOWER_CPU, args)
     finally:
         stop.set()
         scraper.join()
-    client = json.loads(done.stdout.strip().splitlines()[-1])
     # message_log's growth over the case per message sent: a record's mean size, which
     # turns the exported lag in bytes into records.
     record_bytes = (samples[-1][2] - samples[0][2]) / messages
