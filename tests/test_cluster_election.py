@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -331,6 +332,26 @@ async def test_may_lead_is_false_past_the_deadline_even_before_the_step_down_run
     time.sleep((TTL_MS - TTL_MS // 4) / 1000 + 0.05)  # the event loop stalls past it
     assert stalled.role is Role.LEADER  # no task ran to step down ...
     assert not stalled.member.may_lead()  # ... but nothing may be acknowledged
+
+
+async def test_a_leader_whose_lease_is_revoked_says_so_and_leads_again(
+    etcd_server, etcd_prefix, nursery, caplog
+):
+    """Its key goes while it trusts its lease: the change says it was its own key and
+    that it still trusted the lease, and the session's end says etcd no longer knows it."""
+    caplog.set_level(logging.INFO, logger="delayd.cluster")
+    leader = await Running(etcd_server.url, etcd_prefix, "revoked").start(nursery)
+    await wait_for(lambda: leader.role is Role.LEADER, what="the leader")
+    epoch = leader.member.epoch
+    async with EtcdClient([etcd_server.url]) as etcd:
+        await etcd.lease_revoke(leader.member._lease_id)  # as an operator's etcdctl would
+
+    await wait_for(lambda: leader.member.epoch not in (None, epoch), what="leading again")
+    said = "\n".join(r.getMessage() for r in caplog.records if r.name.startswith("delayd.cluster"))
+    assert "own leader key was deleted while this member still trusted its lease" in said or (
+        "stepping down: etcd no longer knows the lease" in said  # the renewal saw it first
+    ), said
+    assert "etcd no longer knows the lease" in said, said
 
 
 @pytest.mark.slow
