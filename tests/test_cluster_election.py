@@ -354,6 +354,51 @@ async def test_a_leader_whose_lease_is_revoked_says_so_and_leads_again(
     assert "etcd no longer knows the lease" in said, said
 
 
+class SlowToRegister(EtcdClient):
+    """Registers its first session's member key only after that lease can no longer be
+    trusted (a loaded etcd, a stalled process), and counts the campaigns (txns) made
+    before that session's lease is revoked."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.first_session = True
+        self.campaigns_in_first_session = 0
+
+    async def put(self, *args, **kwargs) -> int:
+        if self.first_session:
+            await trio.sleep((TTL_MS - TTL_MS // 4) / 1000 + 0.05)
+        return await super().put(*args, **kwargs)
+
+    async def txn(self, *args, **kwargs):
+        self.campaigns_in_first_session += self.first_session
+        return await super().txn(*args, **kwargs)
+
+    async def lease_revoke(self, lease_id: int) -> None:
+        self.first_session = False
+        await super().lease_revoke(lease_id)
+
+
+async def test_a_member_does_not_campaign_on_a_lease_it_no_longer_trusts(etcd_server, etcd_prefix):
+    """It would lead for no time at all, with a new epoch, and make its server promote
+    and demote; it starts a new session instead, and leads on that one."""
+    changes = []
+    async with SlowToRegister([etcd_server.url], timeout_s=0.3) as etcd, trio.open_nursery() as n:
+        member = GroupMember(
+            etcd,
+            GROUP,
+            MemberInfo("slow"),
+            prefix=etcd_prefix,
+            lease_ttl_ms=TTL_MS,
+            on_change=lambda _, view, why: changes.append((view.role, why)),
+        )
+        n.start_soon(member.run)
+        await wait_for(lambda: member.role is Role.LEADER, what="the leader")
+        n.cancel_scope.cancel()
+    assert etcd.campaigns_in_first_session == 0
+    assert [role for role, _ in changes][:1] == [Role.LEADER], changes
+    assert member.elections_won == 1
+
+
 @pytest.mark.slow
 async def test_a_member_that_is_not_eligible_never_campaigns(
     etcd_server,

@@ -295,6 +295,7 @@ class GroupMember:
         """Campaign and follow until the lease turns out to be gone; returns why."""
         retry_s = RETRY_MIN_S
         while True:
+            await self._until_lease_trusted()
             try:
                 kv, revision = await self._campaign(lease_id)
                 view = view_of(kv, lease_id, self.info.member_id)
@@ -312,6 +313,15 @@ class GroupMember:
                 if exc.code == GRPC_NOT_FOUND:
                     return f"etcd no longer knows the lease ({exc})"
                 raise
+
+    async def _until_lease_trusted(self) -> None:
+        """Return once the session's lease is trusted. A lease no longer trusted (a
+        registration slower than the renewals' slack, a stalled process) ends the session
+        at once (the lease keeper), unless a late answer restores it: a campaign won on it
+        meanwhile would lead for no time at all, yet take a new epoch and make the server
+        promote and demote."""
+        while (guard := self._guard) is None or not guard.trusted(now_ms()):
+            await trio.sleep(RETRY_MIN_S)
 
     async def _campaign(self, lease_id: int) -> tuple[KeyValue | None, int]:
         """The leader key after trying to take it (when eligible), and the revision it
