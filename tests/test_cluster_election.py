@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -331,6 +332,71 @@ async def test_may_lead_is_false_past_the_deadline_even_before_the_step_down_run
     time.sleep((TTL_MS - TTL_MS // 4) / 1000 + 0.05)  # the event loop stalls past it
     assert stalled.role is Role.LEADER  # no task ran to step down ...
     assert not stalled.member.may_lead()  # ... but nothing may be acknowledged
+
+
+async def test_a_leader_whose_lease_is_revoked_says_so_and_leads_again(
+    etcd_server, etcd_prefix, nursery, caplog
+):
+    """Its key goes while it trusts its lease: the change says it was its own key and
+    that it still trusted the lease, and the session's end says etcd no longer knows it."""
+    caplog.set_level(logging.INFO, logger="delayd.cluster")
+    leader = await Running(etcd_server.url, etcd_prefix, "revoked").start(nursery)
+    await wait_for(lambda: leader.role is Role.LEADER, what="the leader")
+    epoch = leader.member.epoch
+    async with EtcdClient([etcd_server.url]) as etcd:
+        await etcd.lease_revoke(leader.member._lease_id)  # as an operator's etcdctl would
+
+    await wait_for(lambda: leader.member.epoch not in (None, epoch), what="leading again")
+    said = "\n".join(r.getMessage() for r in caplog.records if r.name.startswith("delayd.cluster"))
+    assert "own leader key was deleted while this member still trusted its lease" in said or (
+        "stepping down: etcd no longer knows the lease" in said  # the renewal saw it first
+    ), said
+    assert "etcd no longer knows the lease" in said, said
+
+
+class SlowToRegister(EtcdClient):
+    """Registers its first session's member key only after that lease can no longer be
+    trusted (a loaded etcd, a stalled process), and counts the campaigns (txns) made
+    before that session's lease is revoked."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.first_session = True
+        self.campaigns_in_first_session = 0
+
+    async def put(self, *args, **kwargs) -> int:
+        if self.first_session:
+            await trio.sleep((TTL_MS - TTL_MS // 4) / 1000 + 0.05)
+        return await super().put(*args, **kwargs)
+
+    async def txn(self, *args, **kwargs):
+        self.campaigns_in_first_session += self.first_session
+        return await super().txn(*args, **kwargs)
+
+    async def lease_revoke(self, lease_id: int) -> None:
+        self.first_session = False
+        await super().lease_revoke(lease_id)
+
+
+async def test_a_member_does_not_campaign_on_a_lease_it_no_longer_trusts(etcd_server, etcd_prefix):
+    """It would lead for no time at all, with a new epoch, and make its server promote
+    and demote; it starts a new session instead, and leads on that one."""
+    changes = []
+    async with SlowToRegister([etcd_server.url], timeout_s=0.3) as etcd, trio.open_nursery() as n:
+        member = GroupMember(
+            etcd,
+            GROUP,
+            MemberInfo("slow"),
+            prefix=etcd_prefix,
+            lease_ttl_ms=TTL_MS,
+            on_change=lambda _, view, why: changes.append((view.role, why)),
+        )
+        n.start_soon(member.run)
+        await wait_for(lambda: member.role is Role.LEADER, what="the leader")
+        n.cancel_scope.cancel()
+    assert etcd.campaigns_in_first_session == 0
+    assert [role for role, _ in changes][:1] == [Role.LEADER], changes
+    assert member.elections_won == 1
 
 
 @pytest.mark.slow

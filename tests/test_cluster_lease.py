@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import trio
 
@@ -135,3 +137,57 @@ async def test_other_etcd_errors_propagate(autojump_clock):
 
     with pytest.RaisesGroup(pytest.RaisesExc(EtcdError, match="permission denied")):
         await keep_lease(guard, refused)
+
+
+async def test_a_member_slow_to_start_renewing_renews_at_once(autojump_clock):
+    """Registering took longer than the renewals' slack: the first renewal is due an
+    interval after the grant was sent, not after keep_lease started."""
+    guard, start = granted_guard()
+    await trio.sleep(1.0)  # the grant answered, the registration slow
+    renew = Renewals(answered=10**9, then="hang", delay_s=0.1)
+    with trio.move_on_after(60) as scope:
+        await keep_lease(guard, renew)
+    assert scope.cancelled_caught, "stepped down though every renewal was answered"
+    assert renew.sent_ms[0] - start == 1000
+    assert guard.trusted(now_ms())
+
+
+async def test_a_renewal_answered_after_the_next_was_sent_still_counts(autojump_clock):
+    """Renewals answered 800 ms after sending (more than the 666 ms between two): each
+    still proves the lease alive when it was sent, in time for the deadline."""
+    guard, _ = granted_guard()
+    renew = Renewals(answered=10**9, then="hang", delay_s=0.8)
+    with trio.move_on_after(60) as scope:
+        await keep_lease(guard, renew)
+    assert scope.cancelled_caught, "stepped down though every renewal was answered"
+    assert guard.trusted(now_ms())
+
+
+async def test_a_step_down_says_what_became_of_the_renewals(autojump_clock):
+    guard, _ = granted_guard()
+    hung = await keep_lease(guard, Renewals(answered=3, then="hang"))
+    assert "(since the newest answered one: 2 unanswered, the oldest sent 834 ms ago)" in hung
+
+    guard, _ = granted_guard()
+    failed = await keep_lease(guard, Renewals(answered=1, then="unavailable"))
+    assert "2 failed, the last: etcd lease keepalive: no endpoint reachable" in failed
+
+    guard, _ = granted_guard()
+    gone = await keep_lease(guard, Renewals(answered=2, then="not found"))
+    assert "the newest renewal it answered was sent 666 ms ago, the lease's ttl is 2000" in gone
+
+
+async def test_a_step_down_after_the_process_stalled_says_so(autojump_clock):
+    """The event loop runs nothing past the deadline (a stall, or a machine short of
+    CPU): the step-down says how late it ran, not just that nothing was answered."""
+    guard, _ = granted_guard()
+
+    async def stall() -> None:
+        await trio.sleep(0.1)
+        autojump_clock.jump(2.0)  # no task runs while the clock moves 2 s
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(stall)
+        reason = await keep_lease(guard, Renewals(answered=10**9, then="hang"))
+    assert "no lease renewal answered for 1500 ms" in reason
+    assert re.search(r"this process ran up to \d{3,4} ms late", reason), reason

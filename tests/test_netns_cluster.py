@@ -162,7 +162,28 @@ class Cluster(ClusterLoad):
         return sum(m.metrics().get(key, 0.0) for m in members)
 
     def joined_by_both(self, group: str) -> None:
-        poll(lambda: members(self.leader(group)) == 2, 20, f"both consumers joined {group}")
+        try:
+            poll(lambda: members(self.leader(group)) == 2, 20, f"both consumers joined {group}")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{self.consumer_group_report(group)}") from None
+
+    def consumer_group_report(self, group: str) -> str:
+        """What each member of broker group ``group`` says of the consumer group (its
+        STATS, its rebalances), and where the logs are: a failed wait for the
+        consumers says why without the run's files."""
+        lines = [f"leader in etcd: {self.state(group).leader}; logs under {self.tmp_path}"]
+        for member in self.members_of(group):
+            lines.append(f"{group} member {member.address}:")
+            try:
+                with member.client() as client:
+                    stats = client.stats()
+                lines += [f"  {k} = {v}" for k, v in sorted(stats.items()) if "group" in k]
+            except Exception as exc:  # a report: say what failed, go on
+                lines.append(f"  STATS failed: {exc!r}")
+            log = member.log_path.read_text(errors="replace").splitlines()
+            told = [line for line in log if "rebalanced" in line or " -> " in line]
+            lines += [f"  {line[:300]}" for line in told[-8:]]
+        return "\n".join(lines)
 
     def close(self) -> None:
         for member in [*(m for g in self.delay.values() for m in g),

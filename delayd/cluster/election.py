@@ -149,10 +149,11 @@ class GroupMember:
         await self._changed.wait()
         return self.view
 
-    def _set_view(self, view: View, reason: str) -> None:
+    def _set_view(self, view: View, reason: str) -> bool:
+        """Take ``view``, logging why; returns whether the view changed."""
         previous = self.view
         if view == previous:
-            return
+            return False
         self.view = view
         leader = view.leader.member_id if view.leader else "unknown"
         log_level = logging.INFO if view.role != previous.role else logging.DEBUG
@@ -179,6 +180,20 @@ class GroupMember:
             self.on_change(previous, view, reason)
         self._changed.set()
         self._changed = trio.Event()
+        return True
+
+    def _leave(self, lease_id: int, reason: str) -> None:
+        """The session on ``lease_id`` is over: take no role, and say why once (in the
+        role change, or on a line of its own when the member had no role to leave)."""
+        if not self._set_view(NO_LEADER, f"{self._leaving()}: {reason}"):
+            log.info(
+                "group %s member %s: lease %x given up: %s",
+                self.keys.group,
+                self.info.member_id,
+                lease_id,
+                reason,
+                extra=fields(group=self.keys.group, member=self.info.member_id),
+            )
 
     # The sessions
 
@@ -189,14 +204,25 @@ class GroupMember:
         for answers that retrying cannot change."""
         task_status.started()
         retry_s = RETRY_MIN_S
+        outage_told = False
         try:
             while True:
                 try:
                     reason = await self._session()
-                    retry_s = RETRY_MIN_S
+                    retry_s, outage_told = RETRY_MIN_S, False
                 except EtcdUnavailable as exc:
+                    # The grant or the registration failed: said once per outage, not at
+                    # every retry.
                     reason = f"etcd unavailable: {exc}"
-                self._set_view(NO_LEADER, reason)
+                    self._set_view(NO_LEADER, f"{self._leaving()}: {reason}")
+                    log.log(
+                        logging.DEBUG if outage_told else logging.INFO,
+                        "group %s member %s: cannot start a session, retrying: %s",
+                        self.keys.group,
+                        self.info.member_id,
+                        reason,
+                    )
+                    outage_told = True
                 await self._revoke(f"session over: {reason}")
                 await trio.sleep(retry_s)
                 retry_s = min(retry_s * 2, self.lease_ttl_ms / 3000)
@@ -235,7 +261,12 @@ class GroupMember:
             )
         except EtcdError as exc:
             if exc.code == GRPC_NOT_FOUND:
-                return f"lease expired before the member could register ({exc})"
+                ended = (
+                    f"lease expired before the member could register ({exc}), "
+                    f"{now_ms() - sent_ms} ms after it was asked for"
+                )
+                self._leave(lease.id, ended)
+                return ended
             raise
         ended = ""
         async with trio.open_nursery() as nursery:
@@ -243,14 +274,14 @@ class GroupMember:
             async def lease_keeper() -> None:
                 nonlocal ended
                 ended = await keep_lease(guard, lambda: self.etcd.lease_keepalive(lease.id))
-                self._set_view(NO_LEADER, f"{self._leaving()}: {ended}")
+                self._leave(lease.id, ended)
                 nursery.cancel_scope.cancel()
 
             async def elections() -> None:
                 nonlocal ended
                 ended = await self._elect(lease.id)
                 guard.lost()
-                self._set_view(NO_LEADER, f"{self._leaving()}: {ended}")
+                self._leave(lease.id, ended)
                 nursery.cancel_scope.cancel()
 
             nursery.start_soon(lease_keeper)
@@ -264,6 +295,7 @@ class GroupMember:
         """Campaign and follow until the lease turns out to be gone; returns why."""
         retry_s = RETRY_MIN_S
         while True:
+            await self._until_lease_trusted()
             try:
                 kv, revision = await self._campaign(lease_id)
                 view = view_of(kv, lease_id, self.info.member_id)
@@ -281,6 +313,15 @@ class GroupMember:
                 if exc.code == GRPC_NOT_FOUND:
                     return f"etcd no longer knows the lease ({exc})"
                 raise
+
+    async def _until_lease_trusted(self) -> None:
+        """Return once the session's lease is trusted. A lease no longer trusted (a
+        registration slower than the renewals' slack, a stalled process) ends the session
+        at once (the lease keeper), unless a late answer restores it: a campaign won on it
+        meanwhile would lead for no time at all, yet take a new epoch and make the server
+        promote and demote."""
+        while (guard := self._guard) is None or not guard.trusted(now_ms()):
+            await trio.sleep(RETRY_MIN_S)
 
     async def _campaign(self, lease_id: int) -> tuple[KeyValue | None, int]:
         """The leader key after trying to take it (when eligible), and the revision it
@@ -316,7 +357,7 @@ class GroupMember:
                 ) as events:
                     async for event in events:
                         if event.kind is EventKind.DELETE:
-                            self._set_view(NO_LEADER, "the leader key was deleted")
+                            self._set_view(NO_LEADER, self._why_deleted())
                             return
                         view = view_of(event.kv, lease_id, self.info.member_id)
                         self._set_view(view, _why(view))
@@ -324,6 +365,37 @@ class GroupMember:
                 if exc.code != GRPC_OUT_OF_RANGE:
                     raise
                 log.info("group %s: leader watch compacted, reading again", self.keys.group)
+
+    def _why_deleted(self) -> str:
+        """Why the leader key went, as far as this member can tell. A leader's own key
+        goes only with its lease, which it revokes only once it stepped down: seeing
+        the delete while leading means etcd let the lease go first."""
+        if self.view.role is not Role.LEADER:
+            return "the leader key was deleted"
+        guard, now = self._guard, now_ms()
+        if guard is None or guard.trusted_until_ms is None:
+            return "its own leader key was deleted: its lease is gone from etcd"
+        if guard.trusted(now):
+            why = (
+                f"while this member still trusted its lease for {guard.trusted_until_ms - now} "
+                "ms: revoked by hand, the key deleted by hand, or etcd's clock ran fast"
+            )
+        else:
+            why = (
+                f"{now - guard.trusted_until_ms} ms after this member stopped trusting its "
+                "lease, before it stepped down: its event loop ran late"
+            )
+        reason = f"its own leader key was deleted {why}"
+        log.warning(
+            "group %s member %s: %s (the newest renewal answered was sent %d ms ago, "
+            "the lease's ttl is %d ms)",
+            self.keys.group,
+            self.info.member_id,
+            reason,
+            now - (guard.renewed_at_ms or 0),
+            guard.ttl_ms,
+        )
+        return reason
 
 
 def _why(view: View) -> str:

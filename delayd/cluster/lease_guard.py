@@ -60,6 +60,7 @@ class LeaseGuard:
                 f"(the lease ttl minus the renewal interval), got {self.margin_ms}"
             )
         self._trusted_until_ms: int | None = None
+        self._renewed_at_ms: int | None = None
         self._lost = False
 
     def __repr__(self) -> str:
@@ -79,6 +80,7 @@ class LeaseGuard:
         until = sent_ms + self.ttl_ms - self.margin_ms
         if self._trusted_until_ms is None or until > self._trusted_until_ms:
             self._trusted_until_ms = until
+            self._renewed_at_ms = sent_ms
 
     def lost(self) -> None:
         """etcd said the lease is gone (expired or revoked)."""
@@ -90,6 +92,12 @@ class LeaseGuard:
         """The first instant the lease is no longer trusted; None before the grant or
         once lost."""
         return self._trusted_until_ms
+
+    @property
+    def renewed_at_ms(self) -> int | None:
+        """When the newest answered renewal (or the grant) was sent; None before the
+        grant. Kept once lost, to say how long ago the lease was last known alive."""
+        return self._renewed_at_ms
 
     def trusted(self, now_ms: int) -> bool:
         """Whether the member may still act on its lease at ``now_ms``."""
