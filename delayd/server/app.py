@@ -33,7 +33,7 @@ from delayd.broker import Broker
 from delayd.broker.metrics import BrokerCollector
 from delayd.broker.server import broker_listener
 from delayd.cluster.config import DEFAULT_SERVE_REPLICATION_PORT
-from delayd.cluster.members import MemberInfo
+from delayd.cluster.members import MemberInfo, Role
 from delayd.logs import layout
 from delayd.logs.known_ids import KnownIds
 from delayd.logs.message_status import UNKNOWN, MessageStatus, message_status
@@ -755,10 +755,13 @@ class DelayServer:
                 await delivering.start(self.retention.run)
             while membership.may_lead():
                 await membership.wait_change()
+            role = membership.view.role
             log.info(
                 "no longer leading group %s (%s): stopping delivery",
                 membership.keys.group,
-                membership.view.role.name.lower(),
+                # Still LEADER here: its lease is no longer trusted and the step-down has
+                # not run yet.
+                "its lease no longer trusted" if role is Role.LEADER else role.name.lower(),
             )
             await self._stop_delivery()
             delivering.cancel_scope.cancel()
