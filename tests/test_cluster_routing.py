@@ -107,11 +107,13 @@ def messages(ids: list[str], delay_ms: int = DELAY_MS) -> list[dict]:
     return [{"subject": "orders", "body": b"x", "message_id": i, "delay_ms": delay_ms} for i in ids]
 
 
-def send(producer: delayd.Producer, history: History, ids: list[str]) -> None:
-    due_ms = now_ms() + DELAY_MS
+def send(
+    producer: delayd.Producer, history: History, ids: list[str], delay_ms: int = DELAY_MS
+) -> None:
+    due_ms = now_ms() + delay_ms
     for message_id in ids:
         history.sent(message_id, due_ms)
-    receipts = producer.send_batch(messages(ids))
+    receipts = producer.send_batch(messages(ids, delay_ms))
     assert [r.message_id for r in receipts] == ids  # the caller's order
     for receipt in receipts:
         assert receipt.ok, receipt
@@ -139,9 +141,13 @@ def test_ids_spread_over_the_groups_and_every_lookup_finds_its_message(cluster: 
     cluster.start("d2")
     history = History()
     ids = [f"a-{i}" for i in range(300)]
+    # Those cancelled, moved or looked up below are due in a minute: still pending after
+    # the calls before them, however long a loaded machine takes (two are commands).
+    acted_on = [*ids[:50], ids[60], ids[100]]
     with delayd.Producer(cluster.address, timeout_s=20) as producer:
         assert isinstance(producer, delayd.Producer)
-        send(producer, history, ids)
+        send(producer, history, [i for i in ids if i not in acted_on])
+        send(producer, history, acted_on, delay_ms=60_000)
         counts = {g: cluster.accepted(g) for g in ("d1", "d2")}
         assert sum(counts.values()) == 300 and min(counts.values()) > 100, counts
         # A retry lands where the first try went: every id answered DUPLICATE there.
@@ -314,16 +320,22 @@ def test_a_resend_after_the_active_groups_changed_is_a_duplicate(cluster: Cluste
     check(history, due_by_ms=now_ms() - 1000).assert_clean()
 
 
-RESEND_DELAY_MS = 7_500  # the ids are still pending when they are cancelled
+RESEND_DELAY_MS = 7_500
+# The ids cancelled at the end (ids[::2]) are due in a minute: still pending after the
+# group changes before the cancel, however long a loaded machine takes to start d3 and
+# run the commands (a cancel that found one delivered would fail the test).
+CANCELLED_DELAY_MS = 60_000
 
 
 def resent(ids: list[str], history: History) -> list[dict]:
     """``ids`` as one batch, recorded in ``history`` as sent (``answered`` records the
-    receipts)."""
-    due_ms = now_ms() + RESEND_DELAY_MS
-    for message_id in ids:
-        history.sent(message_id, due_ms)
-    return messages(ids, RESEND_DELAY_MS)
+    receipts); ids[::2] are due in CANCELLED_DELAY_MS, the rest in RESEND_DELAY_MS."""
+    batch = []
+    for index, message_id in enumerate(ids):
+        delay_ms = CANCELLED_DELAY_MS if index % 2 == 0 else RESEND_DELAY_MS
+        history.sent(message_id, now_ms() + delay_ms)
+        batch += messages([message_id], delay_ms)
+    return batch
 
 
 def answered(history: History, receipts: list) -> list:
