@@ -26,7 +26,15 @@ from tests.etcd_support import EtcdServer
 from tests.fault_checker import History, check
 from tests.intake_support import ServeProcess
 from tests.test_cluster_replication import in_sync_pair, member
-from tests.test_cluster_roles import LEASE_TTL_MS, Group, addr, member_id, state, wait_until
+from tests.test_cluster_roles import (
+    LEASE_TTL_MS,
+    Group,
+    addr,
+    member_id,
+    state,
+    steady,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -69,7 +77,7 @@ def send(address: str, prefix: str, count: int) -> None:
 def test_the_follower_deletes_message_log_in_step_with_its_leader(
     tmp_path: Path, etcd_server: EtcdServer
 ):
-    group = Group(tmp_path, etcd_server.url, env=retention_env())
+    group = Group(tmp_path, etcd_server.url, env=steady(retention_env()))
     try:
         a, b = in_sync_pair(group)
         send(addr(a.address), "m", 400)
@@ -200,7 +208,7 @@ def test_the_follower_deletes_a_bucket_when_it_replays_the_leaders_retirement(
         ]
         log.append_batch(list(map(message_log.encode_record, records)), message_log.TYPE_MESSAGE)
     old = bucket_name(bucket_of(received_ms, 1))
-    env = {**retention_env(), "DELAYD_RETENTION_BUCKET_MS": "0"}
+    env = steady({**retention_env(), "DELAYD_RETENTION_BUCKET_MS": "0"})
     group = Group(tmp_path, etcd_server.url, env=env)
     try:
         a, b = in_sync_pair(group)
