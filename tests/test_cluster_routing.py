@@ -37,7 +37,7 @@ from tests.etcd_support import EtcdServer
 from tests.fault_checker import History, check
 from tests.intake_support import ServeProcess
 from tests.process_support import DELAYD, ROOT, child_env, free_port
-from tests.test_cluster_roles import member_env, wait_until
+from tests.test_cluster_roles import member_env, steady, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -53,6 +53,9 @@ class Cluster:
         self.address = f"etcd://{etcd.url.removeprefix('http://')}/{self.name}/*"
         self.tmp_path = tmp_path
         self.members: dict[str, ServeProcess] = {}
+        # A lease no loaded machine makes a leader step down from; a test that kills a
+        # member and waits for its keys to expire sets member_env()'s 1 s one.
+        self.env = steady(member_env())
 
     def start(self, group: str) -> ServeProcess:
         member = self.members.get(group) or ServeProcess(
@@ -61,7 +64,7 @@ class Cluster:
             # A fixed port: a member restarted is the same member (its id is its address),
             # still in its group's in-sync set.
             "--listen", f"127.0.0.1:{free_port()}",
-            env=member_env(), http_listen="127.0.0.1:0",
+            env=self.env, http_listen="127.0.0.1:0",
         )  # fmt: skip
         self.members[group] = member
         member.start()
@@ -346,6 +349,7 @@ def answered(history: History, receipts: list) -> list:
 
 
 def test_a_group_that_is_down_keeps_its_ids(cluster: Cluster):
+    cluster.env = member_env()  # d2 comes back as itself once its old leader key expired
     cluster.start("d1")
     d2 = cluster.start("d2")
     d2.kill()
@@ -378,6 +382,7 @@ def test_a_group_that_is_down_keeps_its_ids(cluster: Cluster):
 
 
 def test_cluster_status_shows_every_group_with_its_kind_and_status(cluster: Cluster):
+    cluster.env = member_env()  # the killed d2's keys expire within a second
     cluster.start("d1")
     cluster.start("d2")
     assert cluster.cli("drain", "d2").returncode == 0
