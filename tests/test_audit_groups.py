@@ -148,7 +148,8 @@ def test_a_serving_member_registers_its_data_dir(tmp_path: Path, etcd_server: Et
     )
     try:
         process.start()
-        wait_until(lambda: state(etcd_server.url, name).leader is not None, 10, "it leads")
+        # 20 s: an election right after a start may take seconds on a loaded machine.
+        wait_until(lambda: state(etcd_server.url, name).leader is not None, 20, "it leads")
         (info,) = state(etcd_server.url, name).members
         assert info.data_dir == os.path.abspath(tmp_path / "member")
         assert info.hostname == socket.gethostname()
