@@ -156,13 +156,22 @@ def group(tmp_path: Path, etcd_server: EtcdServer) -> Iterator[Group]:
     made.close()
 
 
+@pytest.fixture
+def steady_group(tmp_path: Path, etcd_server: EtcdServer) -> Iterator[Group]:
+    """A group of a test that kills no member and cuts none from etcd."""
+    made = Group(tmp_path, etcd_server.url, env=steady(member_env()))
+    yield made
+    made.close()
+
+
 def not_leader(answer: object) -> str | None:
     """The leader a NOT_LEADER answer names (None: unknown); fails on any other answer."""
     assert isinstance(answer, Error) and answer.code is ErrorCode.NOT_LEADER, answer
     return leader_in(answer.reason)
 
 
-def test_one_leads_and_the_follower_answers_not_leader_naming_it(group: Group):
+def test_one_leads_and_the_follower_answers_not_leader_naming_it(steady_group: Group):
+    group = steady_group
     leader, follower = group.start_pair()
     seen = state(group.etcd_url, group.name)
     assert seen.role_of(member_id(leader)) == "leader"
@@ -211,7 +220,8 @@ def test_one_leads_and_the_follower_answers_not_leader_naming_it(group: Group):
     assert "delayd_cluster_role_state 2.0" in leader_metrics.read().decode()
 
 
-def test_clients_given_the_members_or_etcd_reach_the_leader(group: Group):
+def test_clients_given_the_members_or_etcd_reach_the_leader(steady_group: Group):
+    group = steady_group
     leader, follower = group.start_pair()
     members = f"{addr(follower.address)},{addr(leader.address)}"
     with delayd.Producer(members, timeout_s=5) as producer:
@@ -296,7 +306,7 @@ def test_sigterm_of_the_leader_hands_over_at_once(tmp_path: Path, etcd_server: E
 
 
 def test_http_api_of_a_follower_names_the_leader(tmp_path: Path, etcd_server: EtcdServer):
-    group = Group(tmp_path, etcd_server.url, http=True)
+    group = Group(tmp_path, etcd_server.url, http=True, env=steady(member_env()))
     try:
         leader, follower = group.start_pair()
         request = urllib.request.Request(
@@ -315,7 +325,8 @@ def test_http_api_of_a_follower_names_the_leader(tmp_path: Path, etcd_server: Et
         group.close()
 
 
-def test_cluster_status_shows_the_group(group: Group):
+def test_cluster_status_shows_the_group(steady_group: Group):
+    group = steady_group
     leader, follower = in_sync_pair(group)
     done = subprocess.run(
         [*DELAYD, "cluster", "status", "--etcd", group.etcd_url, "--json"],
@@ -359,7 +370,7 @@ def test_a_group_of_a_named_cluster_is_found_under_that_cluster(
     name = f"g{uuid.uuid4().hex[:10]}"
     server = ServeProcess(
         tmp_path / "a", "--etcd", etcd_server.url, "--group", name, "--cluster", "prod",
-        env=member_env(), http_listen="off",
+        env=steady(member_env()), http_listen="off",
     ).start()  # fmt: skip
     try:
         endpoint = etcd_server.url.removeprefix("http://")
@@ -417,7 +428,7 @@ def test_a_broker_group_follower_names_its_leader_and_a_consumer_follows(
     etcd_server: EtcdServer,
     monkeypatch: pytest.MonkeyPatch,
 ):
-    for name, value in member_env().items():
+    for name, value in steady(member_env()).items():
         monkeypatch.setenv(name, value)  # BrokerProcess passes its environment on
     name = f"b{uuid.uuid4().hex[:10]}"
     flags = ("--etcd", etcd_server.url, "--group", name)
