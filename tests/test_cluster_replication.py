@@ -26,7 +26,15 @@ from tests.delivery_support import consume, now_ms
 from tests.etcd_support import EtcdProxy, EtcdServer
 from tests.fault_checker import History, check
 from tests.intake_support import RawClient, ServeProcess
-from tests.test_cluster_roles import LEASE_TTL_MS, Group, addr, member_id, state, wait_until
+from tests.test_cluster_roles import (
+    LEASE_TTL_MS,
+    Group,
+    addr,
+    member_id,
+    state,
+    steady,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -207,7 +215,7 @@ def test_the_follower_copies_takes_over_after_kill_9_and_the_old_leader_follows(
 def test_acks_wait_for_the_follower_under_sync(tmp_path: Path, etcd_server: EtcdServer):
     """A lone member under ack = sync has no follower to count: its acks wait, and
     come once a follower joined and copied the records."""
-    group = sync_group(tmp_path, etcd_server.url)
+    group = Group(tmp_path, etcd_server.url, env=steady(sync_env()))  # no failover here
     try:
         a = group.start("a")
         wait_until(lambda: group.leader_id() == member_id(a), 20, "the first member leads")
@@ -320,7 +328,7 @@ async def test_a_leader_that_steps_down_while_an_ack_waits_answers_not_leader(
 
 
 def test_a_wiped_follower_copies_everything_again(tmp_path: Path, etcd_server: EtcdServer):
-    group = sync_group(tmp_path, etcd_server.url)
+    group = Group(tmp_path, etcd_server.url, env=steady(sync_env()))  # the leader stays
     try:
         a, b = group.start_pair()
         history = History()
