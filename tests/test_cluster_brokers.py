@@ -26,7 +26,7 @@ from tests.delivery_support import broker_stats, consume, exactly_once, now_ms, 
 from tests.etcd_support import EtcdServer
 from tests.fault_checker import History, Sighting, check
 from tests.intake_support import ServeProcess, write_config
-from tests.test_cluster_replication import dispatched, in_sync_pair, member, sync_env, sync_group
+from tests.test_cluster_replication import dispatched, in_sync_pair, sync_env, sync_group
 from tests.test_cluster_roles import addr, member_id, state, wait_until
 
 pytestmark = pytest.mark.slow
@@ -314,12 +314,7 @@ def test_a_resend_of_what_the_old_leader_delivered_is_a_duplicate(
         # left the produce and consume below only 10 s before the old leader flushed,
         # and cost 10 s of the new leader's wait, on a loaded machine too.)
         unflushed = {**sync_env(), "DELAYD_DELIVERY_DISPATCH_FLUSH_INTERVAL_MS": "600000"}
-        a = member(group, tmp_path / "a", env=unflushed).start()
-        wait_until(lambda: group.leader_id() == member_id(a), 20, "the first member leads")
-        b = group.start("b")
-        both = {member_id(a), member_id(b)}
-        in_set = lambda: state(group.etcd_url, group.name).in_sync == both  # noqa: E731
-        wait_until(in_set, 20, "the follower joins the in-sync set")
+        a, b = in_sync_pair(group, first_env=unflushed)
         count = 20
         history = History()
         produce(addr(a.address), history, "r", count, 200)

@@ -93,9 +93,17 @@ def sync_group(tmp_path: Path, etcd_url: str) -> Group:
 # a loaded machine, so 20 s (they return as soon as the condition holds).
 
 
-def in_sync_pair(group: Group) -> tuple[ServeProcess, ServeProcess]:
-    """A leader and a follower of ``group``, the follower in the in-sync set."""
-    a, b = group.start_pair()
+def in_sync_pair(
+    group: Group, first_env: dict[str, str] | None = None
+) -> tuple[ServeProcess, ServeProcess]:
+    """A leader and a follower of ``group``, the follower in the in-sync set; the
+    leader started with ``first_env`` when given (else the group's)."""
+    if first_env is None:
+        a, b = group.start_pair()
+    else:
+        a = member(group, group.tmp_path / "a", env=first_env).start()
+        wait_until(lambda: group.leader_id() == member_id(a), 20, "the first member leads")
+        b = group.start("b")
     both = {member_id(a), member_id(b)}
     in_set = lambda: state(group.etcd_url, group.name).in_sync == both  # noqa: E731
     wait_until(in_set, 20, "the follower joins the in-sync set")
@@ -246,13 +254,7 @@ def test_a_returning_old_leader_cuts_its_unacknowledged_tail(
     derived from the cut records and replays (a start of its own), then follows."""
     group = sync_group(tmp_path, etcd_server.url)
     try:
-        leader_env = {**sync_env(), "DELAYD_CLUSTER_ACK": "leader"}
-        a = member(group, tmp_path / "a", env=leader_env).start()
-        wait_until(lambda: group.leader_id() == member_id(a), 20, "the first member leads")
-        b = group.start("b")
-        both = {member_id(a), member_id(b)}
-        in_set = lambda: state(group.etcd_url, group.name).in_sync == both  # noqa: E731
-        wait_until(in_set, 20, "the follower joins the in-sync set")
+        a, b = in_sync_pair(group, first_env={**sync_env(), "DELAYD_CLUSTER_ACK": "leader"})
         history = History()
         send_all(addr(a.address), history, "m", 20)
         wait_until(

@@ -25,25 +25,15 @@ from tests.delivery_support import consume, now_ms
 from tests.etcd_support import EtcdServer
 from tests.fault_checker import History, check
 from tests.intake_support import ServeProcess
-from tests.test_cluster_replication import in_sync_pair, member
-from tests.test_cluster_roles import (
-    LEASE_TTL_MS,
-    Group,
-    addr,
-    member_id,
-    state,
-    steady,
-    wait_until,
-)
+from tests.test_cluster_replication import in_sync_pair, member, sync_env
+from tests.test_cluster_roles import Group, addr, member_id, state, steady, wait_until
 
 pytestmark = pytest.mark.slow
 
 
 def retention_env() -> dict[str, str]:
     return {
-        "DELAYD_CLUSTER_REPLICATION_LISTEN": "127.0.0.1:0",
-        "DELAYD_CLUSTER_LEASE_TTL_MS": str(LEASE_TTL_MS),
-        "DELAYD_CLUSTER_ACK": "sync",
+        **sync_env(),
         "DELAYD_MESSAGE_LOG_SEGMENT_BYTES": "8192",  # a few dozen messages a segment
         "DELAYD_INTAKE_MAX_RECORD_BYTES": "4096",
         "DELAYD_RETENTION_MESSAGE_LOG_MS": "0",  # as soon as it is safe
