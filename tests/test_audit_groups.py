@@ -24,7 +24,7 @@ from tests.audit_support import group_copy
 from tests.etcd_support import EtcdServer
 from tests.intake_support import ServeProcess
 from tests.process_support import ROOT
-from tests.test_cluster_roles import member_env, member_id, state, wait_until
+from tests.test_cluster_roles import member_env, member_id, state, steady, wait_until
 
 
 def test_the_leaders_copy_is_read_when_it_is_readable(tmp_path):
@@ -144,11 +144,12 @@ def test_audit_of_an_empty_cluster_prefix_says_so(etcd_server, etcd_prefix, caps
 def test_a_serving_member_registers_its_data_dir(tmp_path: Path, etcd_server: EtcdServer):
     name = f"audited-{uuid.uuid4().hex[:8]}"  # the default prefix is shared by the session
     process = ServeProcess(
-        tmp_path / "member", "--etcd", etcd_server.url, "--group", name, env=member_env()
+        tmp_path / "member", "--etcd", etcd_server.url, "--group", name, env=steady(member_env())
     )
     try:
         process.start()
-        wait_until(lambda: state(etcd_server.url, name).leader is not None, 10, "it leads")
+        # 20 s: an election right after a start may take seconds on a loaded machine.
+        wait_until(lambda: state(etcd_server.url, name).leader is not None, 20, "it leads")
         (info,) = state(etcd_server.url, name).members
         assert info.data_dir == os.path.abspath(tmp_path / "member")
         assert info.hostname == socket.gethostname()

@@ -161,9 +161,9 @@ def test_a_delay_server_delivers_to_the_broker_groups_in_etcd_and_consumers_shar
     group"), so neither reads what the other has in hand."""
     cluster.broker("b1", "a")
     cluster.broker("b2", "a")
-    poll(lambda: len(cluster.groups().get("b2", ())) == 1, 10, "b2's first member leads")
+    poll(lambda: len(cluster.groups().get("b2", ())) == 1, 20, "b2's first member leads")
     cluster.broker("b2", "b")
-    poll(lambda: len(cluster.groups().get("b2", ())) == 2, 10, "b2 has two members")
+    poll(lambda: len(cluster.groups().get("b2", ())) == 2, 20, "b2 has two members")
     server = cluster.delay_server()
     host = Loopback()
     address = f"127.0.0.1:{server.address[1]}"
@@ -222,9 +222,13 @@ def test_a_delay_server_delivers_to_the_broker_groups_in_etcd_and_consumers_shar
 
     # `delayd consume` over the whole cluster: a new consumer group reads every group
     # from the start (three broker groups, and the delay group's embedded broker).
+    # Until it printed as many as the consumers saw (3 s without a message is not the
+    # end on a loaded machine: a group's join may take longer); 30 s of silence, should
+    # one be missing.
     flags = ["--broker", cluster.every_group, "--subject", "orders", "--group", "cli"]
+    flags += ["--count", str(len(seen())), "--timeout", "30"]
     out = subprocess.run(
-        [*DELAYD, "consume", *flags, "--json", "--timeout", "3"],
+        [*DELAYD, "consume", *flags, "--json"],
         cwd=ROOT,
         env=child_env(),
         capture_output=True,
@@ -263,7 +267,7 @@ def test_a_draining_group_gets_no_new_deliveries(cluster: Cluster, tmp_path: Pat
 
     cluster.broker("b1", "a")
     cluster.broker("b2", "a")
-    poll(lambda: set(cluster.groups()) >= {"b1", "b2"}, 10, "both groups registered")
+    poll(lambda: set(cluster.groups()) >= {"b1", "b2"}, 20, "both groups registered")
     server = cluster.delay_server()
 
     async def drain() -> None:

@@ -27,7 +27,7 @@ from tests.etcd_support import EtcdServer
 from tests.fault_checker import History, Sighting, check
 from tests.intake_support import ServeProcess, write_config
 from tests.test_cluster_replication import dispatched, in_sync_pair, sync_env, sync_group
-from tests.test_cluster_roles import Group, addr, member_id, state, wait_until
+from tests.test_cluster_roles import addr, member_id, state, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -174,12 +174,13 @@ def broker_id(broker: BrokerProcess) -> str:
 
 
 def start_in_sync(etcd_url: str, name: str, first: BrokerProcess, second: BrokerProcess) -> None:
+    # Each wait follows a process start: seconds on a loaded machine, so 20 s.
     first.start()
     leads = lambda: (state(etcd_url, name).leader or MemberInfo("x")).member_id  # noqa: E731
-    wait_until(lambda: leads() == broker_id(first), 10, "the first broker leads")
+    wait_until(lambda: leads() == broker_id(first), 20, "the first broker leads")
     second.start()
     both = {broker_id(first), broker_id(second)}
-    wait_until(lambda: state(etcd_url, name).in_sync == both, 10, "the follower is in sync")
+    wait_until(lambda: state(etcd_url, name).in_sync == both, 20, "the follower is in sync")
 
 
 def test_a_broker_member_publishes_its_metrics_address(
@@ -306,14 +307,18 @@ def test_a_resend_of_what_the_old_leader_delivered_is_a_duplicate(
     DISPATCHED entries were flushed (a long dispatch_flush_interval_ms): the new leader
     sends the messages again, and its broker, a copy of the old one's, answers
     DUPLICATE: each message is stored once and a consumer group reads it once."""
-    env = {**sync_env(), "DELAYD_DELIVERY_DISPATCH_FLUSH_INTERVAL_MS": "10000"}
-    group = Group(tmp_path, etcd_server.url, env=env)
+    group = sync_group(tmp_path, etcd_server.url)
     try:
-        a, b = in_sync_pair(group)
+        # The old leader never flushes while the test runs; the follower flushes as
+        # usual, so what it sends again is recorded at once. (A 10 s interval for both
+        # left the produce and consume below only 10 s before the old leader flushed,
+        # and cost 10 s of the new leader's wait, on a loaded machine too.)
+        unflushed = {**sync_env(), "DELAYD_DELIVERY_DISPATCH_FLUSH_INTERVAL_MS": "600000"}
+        a, b = in_sync_pair(group, first_env=unflushed)
         count = 20
         history = History()
         produce(addr(a.address), history, "r", count, 200)
-        first = consume(a.broker_address, count, group="first", timeout_s=10)
+        first = consume(a.broker_address, count, group="first", timeout_s=30)
         assert sorted(r.message_id for r in first) == sorted(f"r-{i}" for i in range(count))
         a.kill()
         copied = dispatched(b.data_dir)
@@ -324,7 +329,7 @@ def test_a_resend_of_what_the_old_leader_delivered_is_a_duplicate(
         stats = broker_stats(b.broker_address)
         assert stats["broker.duplicates_total"] >= count - copied
         assert stored_count(stats) == count
-        second = consume(b.broker_address, count, group="second", timeout_s=10)
+        second = consume(b.broker_address, count, group="second", timeout_s=30)
         exactly_once(second)
         assert sorted(r.message_id for r in second) == sorted(f"r-{i}" for i in range(count))
     finally:

@@ -45,7 +45,8 @@ class Brokers:
         process = BrokerProcess(self.tmp_path / group, *flags).start()
         self.processes[group] = process
         address = GroupAddress(etcd=(self.etcd.url,), group=group, cluster=self.cluster)
-        poll(lambda: trio.run(lookup_group, address).leader is not None, 10, f"{group} leads")
+        # 20 s: an election right after a start may take seconds on a loaded machine.
+        poll(lambda: trio.run(lookup_group, address).leader is not None, 20, f"{group} leads")
         return process
 
     def send(self, group: str, prefix: str, count: int) -> set[str]:

@@ -128,7 +128,9 @@ async def test_leases(etcd, etcd_prefix):
 async def test_a_lease_expires_after_its_ttl(etcd, etcd_prefix):
     lease = await etcd.lease_grant(1)
     await etcd.put(f"{etcd_prefix}/k", "x", lease=lease.id)
-    with trio.fail_after(3):
+    # The ttl, plus etcd's expiry check every 0.5 s, both late on a loaded machine: a
+    # lease that never expired fails however long this is.
+    with trio.fail_after(10):
         while await etcd.get(f"{etcd_prefix}/k") is not None:
             await trio.sleep(0.05)
 
@@ -139,7 +141,7 @@ async def test_watch_sees_puts_and_deletes_in_order(etcd, etcd_prefix):
     await etcd.delete(f"{etcd_prefix}/w/a")
     await etcd.put(f"{etcd_prefix}/other", "not watched")
     seen = []
-    with trio.fail_after(2):
+    with trio.fail_after(10):  # a new stream and its watch: slow on a loaded machine
         async with etcd.watch(f"{etcd_prefix}/w/", prefix=True, start_revision=start) as events:
             async for event in events:
                 seen.append((event.kind, event.kv.key.rsplit(b"/", 1)[1], event.kv.value))

@@ -26,7 +26,15 @@ from tests.delivery_support import consume, now_ms
 from tests.etcd_support import EtcdProxy, EtcdServer
 from tests.fault_checker import History, check
 from tests.intake_support import RawClient, ServeProcess
-from tests.test_cluster_roles import LEASE_TTL_MS, Group, addr, member_id, state, wait_until
+from tests.test_cluster_roles import (
+    LEASE_TTL_MS,
+    Group,
+    addr,
+    member_id,
+    state,
+    steady,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -81,12 +89,24 @@ def sync_group(tmp_path: Path, etcd_url: str) -> Group:
     return Group(tmp_path, etcd_url, env=sync_env())
 
 
-def in_sync_pair(group: Group) -> tuple[ServeProcess, ServeProcess]:
-    """A leader and a follower of ``group``, the follower in the in-sync set."""
-    a, b = group.start_pair()
+# The waits below follow process starts, elections and catching up: seconds each on
+# a loaded machine, so 20 s (they return as soon as the condition holds).
+
+
+def in_sync_pair(
+    group: Group, first_env: dict[str, str] | None = None
+) -> tuple[ServeProcess, ServeProcess]:
+    """A leader and a follower of ``group``, the follower in the in-sync set; the
+    leader started with ``first_env`` when given (else the group's)."""
+    if first_env is None:
+        a, b = group.start_pair()
+    else:
+        a = member(group, group.tmp_path / "a", env=first_env).start()
+        wait_until(lambda: group.leader_id() == member_id(a), 20, "the first member leads")
+        b = group.start("b")
     both = {member_id(a), member_id(b)}
     in_set = lambda: state(group.etcd_url, group.name).in_sync == both  # noqa: E731
-    wait_until(in_set, 10, "the follower joins the in-sync set")
+    wait_until(in_set, 20, "the follower joins the in-sync set")
     return a, b
 
 
@@ -113,7 +133,9 @@ def member(
 
 
 def send_all(address: str, history: History, prefix: str, count: int) -> None:
-    with delayd.Producer(address, timeout_s=10) as producer:
+    # Under ack = sync the first send may wait for a follower just started to copy
+    # everything (seconds on a loaded machine): a generous time-out.
+    with delayd.Producer(address, timeout_s=30) as producer:
         for i in range(count):
             send_one(producer, history, f"{prefix}-{i}")
 
@@ -168,10 +190,10 @@ def test_the_follower_copies_takes_over_after_kill_9_and_the_old_leader_follows(
         assert scraped[lag] == 0
 
         a.kill()
-        wait_until(lambda: group.leader_id() == member_id(b), 10, "the follower leads")
+        wait_until(lambda: group.leader_id() == member_id(b), 20, "the follower leads")
         # The follower derived the tombstones only; promoted, it decided them again.
         took_over = f"{len(cancelled) + len(moved)} cancels and reschedules decided again"
-        wait_until(lambda: took_over in b.log_path.read_text(), 10, "the new leader takes over")
+        wait_until(lambda: took_over in b.log_path.read_text(), 20, "the new leader takes over")
         # A producer's retry across the failover: the copied id is held, not stored again.
         with delayd.Producer(addr(b.address), timeout_s=10) as producer:
             retry = producer.send("orders", b"x" * 50, message_id="m-7", delay_ms=DELAY_MS)
@@ -181,7 +203,7 @@ def test_the_follower_copies_takes_over_after_kill_9_and_the_old_leader_follows(
         a.start()
         wait_until(
             lambda: state(group.etcd_url, group.name).role_of(member_id(a)) == "follower",
-            10,
+            20,
             "the old leader follows",
         )
         send_all(addr(b.address), history, "n", 20)
@@ -201,14 +223,14 @@ def test_the_follower_copies_takes_over_after_kill_9_and_the_old_leader_follows(
 def test_acks_wait_for_the_follower_under_sync(tmp_path: Path, etcd_server: EtcdServer):
     """A lone member under ack = sync has no follower to count: its acks wait, and
     come once a follower joined and copied the records."""
-    group = sync_group(tmp_path, etcd_server.url)
+    group = Group(tmp_path, etcd_server.url, env=steady(sync_env()))  # no failover here
     try:
         a = group.start("a")
-        wait_until(lambda: group.leader_id() == member_id(a), 10, "the first member leads")
+        wait_until(lambda: group.leader_id() == member_id(a), 20, "the first member leads")
         answered: list[object] = []
 
         def send() -> None:
-            with delayd.Producer(addr(a.address), timeout_s=20) as producer:
+            with delayd.Producer(addr(a.address), timeout_s=30) as producer:
                 answered.append(producer.send("orders", b"x", message_id="w-1", delay_ms=60_000))
 
         sender = threading.Thread(target=send)
@@ -216,7 +238,7 @@ def test_acks_wait_for_the_follower_under_sync(tmp_path: Path, etcd_server: Etcd
         time.sleep(1.0)
         assert answered == []  # no follower: not acknowledged
         b = group.start("b")
-        sender.join(15)
+        sender.join(30)  # b's start, registration and copy
         assert answered and answered[0].ok  # type: ignore[attr-defined]
         assert message_log_bytes(b.data_dir) == message_log_bytes(a.data_dir)
     finally:
@@ -232,18 +254,12 @@ def test_a_returning_old_leader_cuts_its_unacknowledged_tail(
     derived from the cut records and replays (a start of its own), then follows."""
     group = sync_group(tmp_path, etcd_server.url)
     try:
-        leader_env = {**sync_env(), "DELAYD_CLUSTER_ACK": "leader"}
-        a = member(group, tmp_path / "a", env=leader_env).start()
-        wait_until(lambda: group.leader_id() == member_id(a), 10, "the first member leads")
-        b = group.start("b")
-        both = {member_id(a), member_id(b)}
-        in_set = lambda: state(group.etcd_url, group.name).in_sync == both  # noqa: E731
-        wait_until(in_set, 10, "the follower joins the in-sync set")
+        a, b = in_sync_pair(group, first_env={**sync_env(), "DELAYD_CLUSTER_ACK": "leader"})
         history = History()
         send_all(addr(a.address), history, "m", 20)
         wait_until(
             lambda: message_log_bytes(b.data_dir) == message_log_bytes(a.data_dir),
-            10,
+            20,
             "the follower has the first sends",
         )
 
@@ -258,18 +274,18 @@ def test_a_returning_old_leader_cuts_its_unacknowledged_tail(
         assert b.address is not None
         # The same address, so the same member id: it is in the set.
         b_again = member(group, b.data_dir, "--listen", addr(b.address)).start()
-        wait_until(lambda: group.leader_id() == member_id(b_again), 10, "b leads again")
+        wait_until(lambda: group.leader_id() == member_id(b_again), 20, "b leads again")
 
         assert a.address is not None
         # The same address: its start again (after the cut) binds it again.
         a = member(group, a.data_dir, "--listen", addr(a.address))
         a.start()  # cut back: what it derived from the tail is removed, it starts again
         restarted = lambda: "starting again" in a.log_tail()  # noqa: E731
-        wait_until(restarted, 10, "the old leader starts again")
+        wait_until(restarted, 20, "the old leader starts again")
         assert "derived state removed, message_log cut, starting again" in a.log_path.read_text()
         wait_until(
             lambda: state(group.etcd_url, group.name).role_of(member_id(a)) == "follower",
-            10,
+            20,
             "the old leader follows",
         )
         send_all(addr(b_again.address), history, "n", 5)
@@ -283,7 +299,7 @@ async def start_leading_through(group, proxy: EtcdProxy):
     """Start member "a", reaching etcd through ``proxy`` (so the test can cut it), and
     wait until it leads."""
     a = await trio.to_thread.run_sync(group.start, "a", proxy.url)
-    with trio.fail_after(10):
+    with trio.fail_after(20):
         while await trio.to_thread.run_sync(group.leader_id) != member_id(a):
             await trio.sleep(0.02)
     return a
@@ -314,7 +330,7 @@ async def test_a_leader_that_steps_down_while_an_ack_waits_answers_not_leader(
 
 
 def test_a_wiped_follower_copies_everything_again(tmp_path: Path, etcd_server: EtcdServer):
-    group = sync_group(tmp_path, etcd_server.url)
+    group = Group(tmp_path, etcd_server.url, env=steady(sync_env()))  # the leader stays
     try:
         a, b = group.start_pair()
         history = History()
@@ -346,7 +362,7 @@ async def test_a_leader_cut_from_etcd_follows_the_new_leader_in_process(
         a = await start_leading_through(group, proxy)
         b = await trio.to_thread.run_sync(group.start, "b")
         both = {member_id(a), member_id(b)}
-        with trio.fail_after(10):
+        with trio.fail_after(20):
             while (
                 await trio.to_thread.run_sync(state, group.etcd_url, group.name)
             ).in_sync != both:
@@ -355,11 +371,11 @@ async def test_a_leader_cut_from_etcd_follows_the_new_leader_in_process(
         await trio.to_thread.run_sync(send_all, addr(a.address), history, "m", 20)
 
         proxy.cut()
-        with trio.fail_after(10):
+        with trio.fail_after(20):
             while await trio.to_thread.run_sync(group.leader_id) != member_id(b):
                 await trio.sleep(0.05)
         proxy.heal()
-        with trio.fail_after(10):
+        with trio.fail_after(20):
             while (await trio.to_thread.run_sync(state, group.etcd_url, group.name)).role_of(
                 member_id(a)
             ) != "follower":
@@ -391,19 +407,19 @@ def test_the_new_leader_does_not_deliver_again_what_the_old_one_delivered(
                 assert receipt.ok, receipt
                 history.acked(f"d-{i}", receipt.due_ms)
         assert a.broker_address is not None
-        delivered = consume(a.broker_address, early, timeout_s=10)
+        delivered = consume(a.broker_address, early, timeout_s=30)
         history.seen_all(r.sighting("check", committed=True) for r in delivered)
         # The leader's DISPATCHED entries, durable, reach the follower byte for byte.
         copied = lambda: dispatched(b.data_dir) == early  # noqa: E731
-        wait_until(copied, 10, "the follower has the leader's dispatch_log")
+        wait_until(copied, 20, "the follower has the leader's dispatch_log")
         assert dispatch_log_bytes(b.data_dir) == dispatch_log_bytes(a.data_dir)
 
         a.kill()
-        wait_until(lambda: group.leader_id() == member_id(b), 10, "the follower leads")
+        wait_until(lambda: group.leader_id() == member_id(b), 20, "the follower leads")
         a.start()  # acks of the new leader wait for a follower (min_in_sync = 1)
         wait_until(
             lambda: state(group.etcd_url, group.name).role_of(member_id(a)) == "follower",
-            10,
+            20,
             "the old leader follows",
         )
         later = 10

@@ -25,17 +25,15 @@ from tests.delivery_support import consume, now_ms
 from tests.etcd_support import EtcdServer
 from tests.fault_checker import History, check
 from tests.intake_support import ServeProcess
-from tests.test_cluster_replication import in_sync_pair, member
-from tests.test_cluster_roles import LEASE_TTL_MS, Group, addr, member_id, state, wait_until
+from tests.test_cluster_replication import in_sync_pair, member, sync_env
+from tests.test_cluster_roles import Group, addr, member_id, state, steady, wait_until
 
 pytestmark = pytest.mark.slow
 
 
 def retention_env() -> dict[str, str]:
     return {
-        "DELAYD_CLUSTER_REPLICATION_LISTEN": "127.0.0.1:0",
-        "DELAYD_CLUSTER_LEASE_TTL_MS": str(LEASE_TTL_MS),
-        "DELAYD_CLUSTER_ACK": "sync",
+        **sync_env(),
         "DELAYD_MESSAGE_LOG_SEGMENT_BYTES": "8192",  # a few dozen messages a segment
         "DELAYD_INTAKE_MAX_RECORD_BYTES": "4096",
         "DELAYD_RETENTION_MESSAGE_LOG_MS": "0",  # as soon as it is safe
@@ -69,7 +67,7 @@ def send(address: str, prefix: str, count: int) -> None:
 def test_the_follower_deletes_message_log_in_step_with_its_leader(
     tmp_path: Path, etcd_server: EtcdServer
 ):
-    group = Group(tmp_path, etcd_server.url, env=retention_env())
+    group = Group(tmp_path, etcd_server.url, env=steady(retention_env()))
     try:
         a, b = in_sync_pair(group)
         send(addr(a.address), "m", 400)
@@ -200,7 +198,7 @@ def test_the_follower_deletes_a_bucket_when_it_replays_the_leaders_retirement(
         ]
         log.append_batch(list(map(message_log.encode_record, records)), message_log.TYPE_MESSAGE)
     old = bucket_name(bucket_of(received_ms, 1))
-    env = {**retention_env(), "DELAYD_RETENTION_BUCKET_MS": "0"}
+    env = steady({**retention_env(), "DELAYD_RETENTION_BUCKET_MS": "0"})
     group = Group(tmp_path, etcd_server.url, env=env)
     try:
         a, b = in_sync_pair(group)

@@ -46,12 +46,23 @@ from tests.process_support import DELAYD, ROOT, child_env
 pytestmark = pytest.mark.slow
 
 LEASE_TTL_MS = 1000  # the shortest etcd grants: failovers in about a second
+LEASE_TTL = "DELAYD_CLUSTER_LEASE_TTL_MS"
+# For a group whose test kills no member and cuts none from etcd. A leader steps down
+# when no renewal was answered for ttl - ttl/4: 750 ms of a 1 s lease, which a loaded
+# machine exceeds (at a load of 24 a leader stepped down and won again six times in
+# a test, and one came back a follower, cut back). 6 s: 4.5 s without an answer.
+STEADY_LEASE_TTL_MS = 6000
+
+
+def steady(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with the lease of a group no test fails over (STEADY_LEASE_TTL_MS)."""
+    return {**env, LEASE_TTL: str(STEADY_LEASE_TTL_MS)}
 
 
 def member_env() -> dict[str, str]:
     return {
         "DELAYD_CLUSTER_REPLICATION_LISTEN": "127.0.0.1:0",  # the default port would collide
-        "DELAYD_CLUSTER_LEASE_TTL_MS": str(LEASE_TTL_MS),
+        LEASE_TTL: str(LEASE_TTL_MS),
         # Roles, not the data path: a lone member under ack = sync waits for a follower.
         "DELAYD_CLUSTER_ACK": "leader",
     }
@@ -124,12 +135,13 @@ class Group:
         return leader.member_id if leader else None
 
     def start_pair(self) -> tuple[ServeProcess, ServeProcess]:
+        # Each wait follows a process start: seconds on a loaded machine, so 20 s.
         first = self.start("a")
-        wait_until(lambda: self.leader_id() == member_id(first), 10, "the first member leads")
+        wait_until(lambda: self.leader_id() == member_id(first), 20, "the first member leads")
         second = self.start("b")
         registered = lambda: len(state(self.etcd_url, self.name).members) == 2  # noqa: E731
-        wait_until(registered, 10, "both members registered")
-        wait_until(lambda: follows_a_leader(second), 10, "the second member follows")
+        wait_until(registered, 20, "both members registered")
+        wait_until(lambda: follows_a_leader(second), 20, "the second member follows")
         return first, second
 
     def close(self) -> None:
@@ -144,13 +156,22 @@ def group(tmp_path: Path, etcd_server: EtcdServer) -> Iterator[Group]:
     made.close()
 
 
+@pytest.fixture
+def steady_group(tmp_path: Path, etcd_server: EtcdServer) -> Iterator[Group]:
+    """A group of a test that kills no member and cuts none from etcd."""
+    made = Group(tmp_path, etcd_server.url, env=steady(member_env()))
+    yield made
+    made.close()
+
+
 def not_leader(answer: object) -> str | None:
     """The leader a NOT_LEADER answer names (None: unknown); fails on any other answer."""
     assert isinstance(answer, Error) and answer.code is ErrorCode.NOT_LEADER, answer
     return leader_in(answer.reason)
 
 
-def test_one_leads_and_the_follower_answers_not_leader_naming_it(group: Group):
+def test_one_leads_and_the_follower_answers_not_leader_naming_it(steady_group: Group):
+    group = steady_group
     leader, follower = group.start_pair()
     seen = state(group.etcd_url, group.name)
     assert seen.role_of(member_id(leader)) == "leader"
@@ -199,7 +220,8 @@ def test_one_leads_and_the_follower_answers_not_leader_naming_it(group: Group):
     assert "delayd_cluster_role_state 2.0" in leader_metrics.read().decode()
 
 
-def test_clients_given_the_members_or_etcd_reach_the_leader(group: Group):
+def test_clients_given_the_members_or_etcd_reach_the_leader(steady_group: Group):
+    group = steady_group
     leader, follower = group.start_pair()
     members = f"{addr(follower.address)},{addr(leader.address)}"
     with delayd.Producer(members, timeout_s=5) as producer:
@@ -229,7 +251,9 @@ def test_kill_9_of_the_leader_no_takeover_by_a_member_not_in_sync(group: Group):
     leader.kill()
     # A member that never copied the leader's logs: not in the set, it may not lead.
     newcomer = group.start("b")
-    time.sleep(3 * LEASE_TTL_MS / 1000)  # the lease expired long ago: the key is gone
+    # The lease expires (ttl, plus etcd's 0.5 s check; later on a loaded machine) ...
+    wait_until(lambda: group.leader_id() is None, 10, "the killed leader's key expires")
+    time.sleep(LEASE_TTL_MS / 1000)  # ... and the newcomer, asking every ttl/3, stays out
     assert group.leader_id() is None
     intake = RawClient(newcomer.address)
     message = Message("m-2", "orders", body=b"x")
@@ -243,7 +267,7 @@ def in_sync_pair(group: Group) -> tuple[ServeProcess, ServeProcess]:
     leader, follower = group.start_pair()
     both = {member_id(leader), member_id(follower)}
     in_set = lambda: state(group.etcd_url, group.name).in_sync == both  # noqa: E731
-    wait_until(in_set, 10, "the follower joins the in-sync set")
+    wait_until(in_set, 20, "the follower joins the in-sync set")
     return leader, follower
 
 
@@ -263,18 +287,26 @@ def test_kill_9_of_the_leader_a_follower_in_sync_takes_over_and_the_client_follo
     assert group.leader_id() == member_id(follower)
 
 
-def test_sigterm_of_the_leader_hands_over_at_once(group: Group):
-    leader, follower = in_sync_pair(group)
-    started = time.monotonic()
-    leader.proc.send_signal(15)
-    took_s = wait_until(lambda: group.leader_id() == member_id(follower), 5, "the follower leads")
-    assert took_s < 0.5 * LEASE_TTL_MS / 1000 + 0.5  # not the lease's expiry
-    assert leader.proc.wait(10) == 0
-    assert time.monotonic() - started < 10
+def test_sigterm_of_the_leader_hands_over_at_once(tmp_path: Path, etcd_server: EtcdServer):
+    # A lease of 6 s, renewed every 2 s: had the leader not resigned, its key would go
+    # at least 4 s after the signal. The handover took 0.04 to 0.17 s at a load of 17;
+    # a 1 s lease's expiry (0.67 to 1.5 s after the signal) was too close to tell apart.
+    group = Group(tmp_path, etcd_server.url, env=steady(member_env()))
+    try:
+        leader, follower = in_sync_pair(group)
+        started = time.monotonic()
+        leader.proc.send_signal(15)
+        leads = lambda: group.leader_id() == member_id(follower)  # noqa: E731
+        took_s = wait_until(leads, 10, "the follower leads")
+        assert took_s < 3.0  # not the lease's expiry
+        assert leader.proc.wait(10) == 0
+        assert time.monotonic() - started < 10
+    finally:
+        group.close()
 
 
 def test_http_api_of_a_follower_names_the_leader(tmp_path: Path, etcd_server: EtcdServer):
-    group = Group(tmp_path, etcd_server.url, http=True)
+    group = Group(tmp_path, etcd_server.url, http=True, env=steady(member_env()))
     try:
         leader, follower = group.start_pair()
         request = urllib.request.Request(
@@ -293,7 +325,8 @@ def test_http_api_of_a_follower_names_the_leader(tmp_path: Path, etcd_server: Et
         group.close()
 
 
-def test_cluster_status_shows_the_group(group: Group):
+def test_cluster_status_shows_the_group(steady_group: Group):
+    group = steady_group
     leader, follower = in_sync_pair(group)
     done = subprocess.run(
         [*DELAYD, "cluster", "status", "--etcd", group.etcd_url, "--json"],
@@ -337,7 +370,7 @@ def test_a_group_of_a_named_cluster_is_found_under_that_cluster(
     name = f"g{uuid.uuid4().hex[:10]}"
     server = ServeProcess(
         tmp_path / "a", "--etcd", etcd_server.url, "--group", name, "--cluster", "prod",
-        env=member_env(), http_listen="off",
+        env=steady(member_env()), http_listen="off",
     ).start()  # fmt: skip
     try:
         endpoint = etcd_server.url.removeprefix("http://")
@@ -395,7 +428,7 @@ def test_a_broker_group_follower_names_its_leader_and_a_consumer_follows(
     etcd_server: EtcdServer,
     monkeypatch: pytest.MonkeyPatch,
 ):
-    for name, value in member_env().items():
+    for name, value in steady(member_env()).items():
         monkeypatch.setenv(name, value)  # BrokerProcess passes its environment on
     name = f"b{uuid.uuid4().hex[:10]}"
     flags = ("--etcd", etcd_server.url, "--group", name)
@@ -436,7 +469,9 @@ async def test_a_leader_that_steps_down_and_leads_again_delivers_again(
     # delivery built anew at that promotion.
     await trio.to_thread.run_sync(send, "due-later", 1500)
     etcd_proxy.cut()
-    await trio.sleep(LEASE_TTL_MS / 1000)  # stepped down: delivery stopped
+    # Stepped down at ttl - ttl/4 after its last renewal (later on a loaded machine).
+    stopped = lambda: ": stopping delivery" in member.log_path.read_text()  # noqa: E731
+    await trio.to_thread.run_sync(wait_until, stopped, 10, "the member steps down")
     etcd_proxy.heal()
     await trio.to_thread.run_sync(wait_until, leads, 10, "the member leads again")
     await trio.to_thread.run_sync(send, "due-now", 0)

@@ -37,7 +37,7 @@ from tests.etcd_support import EtcdServer
 from tests.fault_checker import History, check
 from tests.intake_support import ServeProcess
 from tests.process_support import DELAYD, ROOT, child_env, free_port
-from tests.test_cluster_roles import member_env, wait_until
+from tests.test_cluster_roles import member_env, steady, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -53,6 +53,9 @@ class Cluster:
         self.address = f"etcd://{etcd.url.removeprefix('http://')}/{self.name}/*"
         self.tmp_path = tmp_path
         self.members: dict[str, ServeProcess] = {}
+        # A lease no loaded machine makes a leader step down from; a test that kills a
+        # member and waits for its keys to expire sets member_env()'s 1 s one.
+        self.env = steady(member_env())
 
     def start(self, group: str) -> ServeProcess:
         member = self.members.get(group) or ServeProcess(
@@ -61,7 +64,7 @@ class Cluster:
             # A fixed port: a member restarted is the same member (its id is its address),
             # still in its group's in-sync set.
             "--listen", f"127.0.0.1:{free_port()}",
-            env=member_env(), http_listen="127.0.0.1:0",
+            env=self.env, http_listen="127.0.0.1:0",
         )  # fmt: skip
         self.members[group] = member
         member.start()
@@ -107,11 +110,13 @@ def messages(ids: list[str], delay_ms: int = DELAY_MS) -> list[dict]:
     return [{"subject": "orders", "body": b"x", "message_id": i, "delay_ms": delay_ms} for i in ids]
 
 
-def send(producer: delayd.Producer, history: History, ids: list[str]) -> None:
-    due_ms = now_ms() + DELAY_MS
+def send(
+    producer: delayd.Producer, history: History, ids: list[str], delay_ms: int = DELAY_MS
+) -> None:
+    due_ms = now_ms() + delay_ms
     for message_id in ids:
         history.sent(message_id, due_ms)
-    receipts = producer.send_batch(messages(ids))
+    receipts = producer.send_batch(messages(ids, delay_ms))
     assert [r.message_id for r in receipts] == ids  # the caller's order
     for receipt in receipts:
         assert receipt.ok, receipt
@@ -139,9 +144,13 @@ def test_ids_spread_over_the_groups_and_every_lookup_finds_its_message(cluster: 
     cluster.start("d2")
     history = History()
     ids = [f"a-{i}" for i in range(300)]
+    # Those cancelled, moved or looked up below are due in a minute: still pending after
+    # the calls before them, however long a loaded machine takes (two are commands).
+    acted_on = [*ids[:50], ids[60], ids[100]]
     with delayd.Producer(cluster.address, timeout_s=20) as producer:
         assert isinstance(producer, delayd.Producer)
-        send(producer, history, ids)
+        send(producer, history, [i for i in ids if i not in acted_on])
+        send(producer, history, acted_on, delay_ms=60_000)
         counts = {g: cluster.accepted(g) for g in ("d1", "d2")}
         assert sum(counts.values()) == 300 and min(counts.values()) > 100, counts
         # A retry lands where the first try went: every id answered DUPLICATE there.
@@ -314,16 +323,22 @@ def test_a_resend_after_the_active_groups_changed_is_a_duplicate(cluster: Cluste
     check(history, due_by_ms=now_ms() - 1000).assert_clean()
 
 
-RESEND_DELAY_MS = 7_500  # the ids are still pending when they are cancelled
+RESEND_DELAY_MS = 7_500
+# The ids cancelled at the end (ids[::2]) are due in a minute: still pending after the
+# group changes before the cancel, however long a loaded machine takes to start d3 and
+# run the commands (a cancel that found one delivered would fail the test).
+CANCELLED_DELAY_MS = 60_000
 
 
 def resent(ids: list[str], history: History) -> list[dict]:
     """``ids`` as one batch, recorded in ``history`` as sent (``answered`` records the
-    receipts)."""
-    due_ms = now_ms() + RESEND_DELAY_MS
-    for message_id in ids:
-        history.sent(message_id, due_ms)
-    return messages(ids, RESEND_DELAY_MS)
+    receipts); ids[::2] are due in CANCELLED_DELAY_MS, the rest in RESEND_DELAY_MS."""
+    batch = []
+    for index, message_id in enumerate(ids):
+        delay_ms = CANCELLED_DELAY_MS if index % 2 == 0 else RESEND_DELAY_MS
+        history.sent(message_id, now_ms() + delay_ms)
+        batch += messages([message_id], delay_ms)
+    return batch
 
 
 def answered(history: History, receipts: list) -> list:
@@ -334,6 +349,7 @@ def answered(history: History, receipts: list) -> list:
 
 
 def test_a_group_that_is_down_keeps_its_ids(cluster: Cluster):
+    cluster.env = member_env()  # d2 comes back as itself once its old leader key expired
     cluster.start("d1")
     d2 = cluster.start("d2")
     d2.kill()
@@ -366,6 +382,7 @@ def test_a_group_that_is_down_keeps_its_ids(cluster: Cluster):
 
 
 def test_cluster_status_shows_every_group_with_its_kind_and_status(cluster: Cluster):
+    cluster.env = member_env()  # the killed d2's keys expire within a second
     cluster.start("d1")
     cluster.start("d2")
     assert cluster.cli("drain", "d2").returncode == 0

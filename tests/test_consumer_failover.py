@@ -74,12 +74,17 @@ async def consumer(kind: str, port: int, name: str) -> AsyncIterator:
         await trio.to_thread.run_sync(blocking.close)
 
 
-async def receive_all(consumer, quiet_s: float) -> list[Message]:
-    """Messages received (each committed) until none came for ``quiet_s``."""
+async def receive_all(consumer, count: int) -> list[Message]:
+    """``count`` messages (each committed), then none for half a second. Each may take
+    10 s: after the failover the consumer waits out a back-off, connects and joins
+    again, later on a loaded machine (a quiet second was not the end)."""
     got = []
-    while (message := await consumer.receive(timeout_s=quiet_s)) is not None:
+    while len(got) < count:
+        message = await consumer.receive(timeout_s=10)
+        assert message is not None, f"{len(got)} of {count} received: {got}"
         got.append(message)
         await consumer.commit(message)
+    assert await consumer.receive(timeout_s=0.5) is None
     return got
 
 
@@ -109,10 +114,10 @@ async def test_a_message_in_a_consumers_hand_is_not_handed_to_another_after_a_fa
 
             # c2 joins the new leader first. Were every queue handed out at once, it
             # would read c1's from the committed offset: in_hand among them.
-            seen_by_c2 = await receive_all(c2, quiet_s=1.0)
+            seen_by_c2 = await receive_all(c2, MESSAGES // 2)
             assert {m.queue for m in seen_by_c2} == {2, 3}
             await c1.commit(in_hand)  # c1 joins again, gets 0 and 1 back, commits there
-            seen_by_c1 = [in_hand, *await receive_all(c1, quiet_s=0.5)]
+            seen_by_c1 = [in_hand, *await receive_all(c1, MESSAGES // 2 - 1)]
         ids_c1 = [m.message_id for m in seen_by_c1]
         ids_c2 = [m.message_id for m in seen_by_c2]
         assert not set(ids_c1) & set(ids_c2)

@@ -210,11 +210,13 @@ def pull(server, group: str, consumer: str, wait_ms: int = 0, subject: str = "jo
 
 
 def pull_all(server, group: str, consumer: str, count: int, subject: str = "jobs") -> dict:
-    """Pull until ``count`` messages came (each pull waits up to 2 s for more)."""
+    """Pull until ``count`` messages came (each pull waits up to 2 s for more), for 20 s
+    at most: a delivery or a rebalance late on a loaded machine may leave a pull empty."""
+    deadline = time.monotonic() + 20
     got = pull(server, group, consumer, wait_ms=2000, subject=subject)
     while len(got["messages"]) < count:
+        assert time.monotonic() < deadline, got
         more = pull(server, group, consumer, wait_ms=2000, subject=subject)
-        assert more["messages"], got
         got["messages"] += more["messages"]
         got["commit"] += more["commit"]
     return got

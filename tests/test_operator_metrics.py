@@ -66,7 +66,10 @@ def test_pending_by_horizon_follows_schedule_and_dispatch_logs(procs, tmp_path):
     ]
     results = client.send_batch(batch)
     assert all(r.code.is_success for r in results)
-    poll(lambda: pending(server) == BANDS, 5, f"pending == {BANDS}")
+    # The counts follow the replayer and a pass over dispatch_log every second, both
+    # late on a loaded machine: the waits return once the counts are there, so their
+    # bounds are generous.
+    poll(lambda: pending(server) == BANDS, 20, f"pending == {BANDS}")
 
     # The oldest undelivered bucket is that of the 4 s messages.
     first_due = min(r.due_ms for r in results)
@@ -78,7 +81,7 @@ def test_pending_by_horizon_follows_schedule_and_dispatch_logs(procs, tmp_path):
     sent = 'delayd_delivery_sent_messages_total{group="local"}'
     poll(lambda: server.metrics()[sent] == 2, 20, "2 sent")
     after = {**BANDS, "1m": 3}
-    poll(lambda: pending(server) == after, 5, f"pending == {after}")
+    poll(lambda: pending(server) == after, 20, f"pending == {after}")
     second_due = min(r.due_ms for r in results if r.due_ms > first_due + 10 * SECOND_MS)
     assert server.metrics()[oldest] == bucket_of(second_due, 1) / 1000
 
@@ -108,7 +111,7 @@ def test_pending_by_horizon_follows_schedule_and_dispatch_logs(procs, tmp_path):
     # A restart counts the logs: same numbers, none of the hook's.
     assert time.time_ns() // 1_000_000 < sent_at_ms + 35 * SECOND_MS, "too slow for 45 s"
     server = procs.serve(data)
-    poll(lambda: pending(server) == after, 10, f"pending == {after} after a restart")
+    poll(lambda: pending(server) == after, 20, f"pending == {after} after a restart")
     assert server.metrics()[oldest] == bucket_of(second_due, 1) / 1000
     terminate(server)
 
@@ -125,7 +128,7 @@ def test_metrics_listen_on_without_a_flag(tmp_path, procs):
         )
     )
     assert server.metrics_address is not None
-    poll(lambda: bool(pending(server)), 5, "the start-up count")
+    poll(lambda: bool(pending(server)), 20, "the start-up count")
     assert pending(server) == dict.fromkeys(BANDS, 0)
     oldest = "delayd_store_oldest_undelivered_bucket_start_timestamp_seconds"
     assert oldest not in server.metrics()

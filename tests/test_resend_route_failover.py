@@ -109,13 +109,17 @@ def cluster(tmp_path: Path, etcd_server: EtcdServer, monkeypatch: pytest.MonkeyP
 def test_resends_after_a_failover_reach_the_broker_group_of_the_first_send(cluster: Cluster):
     cluster.broker("b1")
     cluster.broker("b2")
-    poll(lambda: cluster.broker_groups() == {"b1", "b2"}, 10, "b1 and b2 registered")
+    # The waits after a start are 20 s: seconds each on a loaded machine.
+    poll(lambda: cluster.broker_groups() == {"b1", "b2"}, 20, "b1 and b2 registered")
     leader = cluster.delay_member("a")
-    poll(lambda: cluster.delay_leader() == member_id(leader), 10, "a leads d1")
+    poll(lambda: cluster.delay_leader() == member_id(leader), 20, "a leads d1")
     follower = cluster.delay_member("b")
 
     history = History()
-    with delayd.Producer(f"{addr(leader.address)},{addr(follower.address)}") as producer:
+    # Under ack = sync the first send waits for b, just started, to copy and join the
+    # in-sync set: 30 s rather than the producer's default 10.
+    members = f"{addr(leader.address)},{addr(follower.address)}"
+    with delayd.Producer(members, timeout_s=30) as producer:
         for i in range(COUNT):
             history.sent(f"m-{i}", now_ms() + DELAY_MS)
             receipt = producer.send("orders", b"x", message_id=f"m-{i}", delay_ms=DELAY_MS)
@@ -129,8 +133,8 @@ def test_resends_after_a_failover_reach_the_broker_group_of_the_first_send(clust
     assert stored("b1") and stored("b2")
     found = "broker group b3 found in etcd"
     cluster.broker("b3")  # a set change between the first sends and the resends
-    poll(lambda: "b3" in cluster.broker_groups(), 10, "b3 registered")
-    poll(lambda: found in leader.log_path.read_text(), 10, "a uses b3")
+    poll(lambda: "b3" in cluster.broker_groups(), 20, "b3 registered")
+    poll(lambda: found in leader.log_path.read_text(), 20, "a uses b3")
 
     leader.kill()  # kill -9: its last DISPATCHED entries were never flushed nor shipped
     poll(lambda: cluster.delay_leader() == member_id(follower), 15, "b leads d1")

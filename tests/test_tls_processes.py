@@ -14,11 +14,15 @@ from pathlib import Path
 
 import httpx
 import pytest
+import trio
 
 from delayd.client import ClientTls, Consumer, Producer
+from delayd.cluster.group_state import lookup_group
 from delayd.errors import DelaydError
+from delayd.group_address import GroupAddress
 from delayd.protocol import ResultCode
 from tests.broker_support import BrokerProcess
+from tests.delivery_support import poll
 from tests.intake_support import DELAYD, ServeProcess
 from tests.tls_support import Pki, make_pki
 
@@ -249,6 +253,14 @@ def test_the_sender_delivers_over_tls_to_broker_groups_found_in_etcd(
         server = ServeProcess(
             tmp_path / "data", "--config", str(config), *joined, "--group", "d1"
         ).start()
+
+        def leads(group: str) -> bool:
+            where = GroupAddress(etcd=(etcd_server.url,), group=group, cluster=cluster)
+            return trio.run(lookup_group, where).leader is not None
+
+        # Up is not elected (a loaded machine shows a member as candidate for a while):
+        # the producer and the consumer below wait 5 s at most for a leader.
+        poll(lambda: leads("b1") and leads("d1"), 20, "b1 and d1 elect their leaders")
         assert_delivered_over_tls(server, broker, pki)
     finally:
         if server is not None:

@@ -388,6 +388,8 @@ async def test_once_against_a_real_metrics_endpoint():
                 "--once",
                 "--interval",
                 "0.3",
+                "--timeout",  # not the interval: this loop answers late on a loaded machine
+                "5",
                 target,
                 "127.0.0.1:1",
             ],

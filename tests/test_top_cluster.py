@@ -382,10 +382,12 @@ def member_env() -> dict[str, str]:
 
 
 def top_once(etcd_url: str, cluster: str, *extra: str) -> list[str]:
+    # Each scrape may take 5 s, not the interval (0.3 s, the default): a member's
+    # /metrics answers late on a loaded machine, and would be shown timed out.
     done = subprocess.run(
         [
             *DELAYD, "top", "--etcd", etcd_url, "--cluster", cluster, "--once",
-            "--interval", "0.3", *extra,
+            "--interval", "0.3", "--timeout", "5", *extra,
         ],
         cwd=ROOT, env={**child_env(), "COLUMNS": "80", "LINES": "24"},
         capture_output=True, text=True, timeout=30,
