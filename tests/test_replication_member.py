@@ -29,7 +29,7 @@ class WritesOnPromotion(MemberReplication):
         self.promoted = trio.Event()
         self.end_before_writes = -1
 
-    async def _promoted(self) -> None:
+    async def _promoted(self, epoch: int) -> None:
         self.end_before_writes = self.member.streams.message_log.end_offset
         self.member.append_messages(5, b"new-epoch")
         self.promoted.set()
@@ -77,7 +77,7 @@ class Promoted(MemberReplication):
         super().__init__(member.streams, member.history, *args, **kwargs)
         self.promoted = trio.Event()
 
-    async def _promoted(self) -> None:
+    async def _promoted(self, epoch: int) -> None:
         self.promoted.set()
 
 
@@ -103,6 +103,66 @@ async def test_a_member_no_longer_registered_leaves_the_in_sync_set_at_promotion
         async with EtcdClient([etcd_server.url]) as etcd:
             found = await etcd.get(keys.in_sync)
         assert found is not None and decode_members(found.value) == {"a"}
+        membership.resign()
+    finally:
+        member.close()
+
+
+class SlowFirstPromotion(MemberReplication):
+    """Its first promotion's hook runs until the member leads at a newer epoch (its lease
+    revoked meanwhile, a new one won): the hooks must act for the epoch of their own
+    Leader, not the role's epoch of the moment."""
+
+    def __init__(self, member: Member, *args, **kwargs) -> None:
+        super().__init__(member.streams, member.history, *args, **kwargs)
+        self.promoted = trio.Event()
+        self.first_hook_runs = trio.Event()
+        self.calls: list[tuple[str, int, int | None]] = []  # hook, its epoch, role's epoch
+
+    async def _promoted(self, epoch: int) -> None:
+        self.calls.append(("promoted", epoch, self.membership.view.epoch))
+        if len(self.calls) == 1:
+            self.first_hook_runs.set()
+            while self.membership.view.epoch in (None, epoch):
+                await self.membership.wait_change()
+        else:
+            self.promoted.set()
+
+    def _demoted(self, epoch: int) -> None:
+        self.calls.append(("demoted", epoch, self.membership.view.epoch))
+
+
+async def test_hooks_act_for_their_own_leaders_epoch_when_the_role_moved_on(
+    tmp_path: Path, etcd_server, etcd_prefix, nursery
+) -> None:
+    """A stale promotion (its hook still running when the member stepped down and won a
+    newer epoch) told its hooks the role's epoch: the delay server then took the newer
+    epoch's promotion stages for it, and the stale Leader's demotion undid them."""
+    member = Member(tmp_path / "a")
+    try:
+        config = ClusterConfig(
+            etcd=(etcd_server.url,), group="g1", lease_ttl_ms=6000, prefix=etcd_prefix
+        )
+        membership = Membership(config)
+        listeners = await open_listeners("replication", "127.0.0.1", 0)
+        runner = SlowFirstPromotion(member, membership, config, listeners)
+        await nursery.start(runner.run)
+        await nursery.start(membership.run, MemberInfo("a", intake="127.0.0.1:1"))
+        with trio.fail_after(10):
+            await runner.first_hook_runs.wait()
+        async with EtcdClient([etcd_server.url]) as etcd:
+            leader_key = await etcd.get(GroupKeys(etcd_prefix, "g1").leader)
+            assert leader_key is not None
+            await etcd.lease_revoke(leader_key.lease)  # the member wins again, later
+        with trio.fail_after(20):
+            await runner.promoted.wait()
+        (hook, first_epoch, _), demoted, promoted = runner.calls[:3]
+        assert hook == "promoted"
+        second_epoch = promoted[1]
+        assert promoted == ("promoted", second_epoch, second_epoch)
+        assert second_epoch > first_epoch
+        # The stale Leader's demotion is told its own epoch, before the newer promotion.
+        assert demoted == ("demoted", first_epoch, second_epoch)
         membership.resign()
     finally:
         member.close()

@@ -91,14 +91,19 @@ class MemberReplication:
     async def _snapshot_received(self, manifest: dict) -> None:
         """A whole snapshot is durable in the receiver's directory: install it."""
 
-    async def _promoted(self) -> None:
-        """The member leads: what was copied is derived before requests are taken."""
+    async def _promoted(self, epoch: int) -> None:
+        """The member leads at ``epoch``: what was copied is derived before requests are
+        taken. ``epoch`` is the one this Leader began, which the member's role may have
+        left already (a step-down and a new win while this ran): a hook acts for it, not
+        for the role's epoch of the moment."""
 
     async def _while_leading(self, leader: Leader) -> None:
         """Runs beside ``leader`` while it serves (cancelled when it stops)."""
 
-    def _demoted(self) -> None:
-        """The member's Leader stopped."""
+    def _demoted(self, epoch: int) -> None:
+        """The member's Leader of ``epoch`` stopped: the member no longer leads, leads at
+        a newer epoch (its next Leader's ``_promoted`` follows), or still leads at
+        ``epoch`` (the Leader stopped on its own: another one is started for it)."""
 
     async def _following(self) -> None:
         """Before a Follower copies into the streams."""
@@ -222,7 +227,7 @@ class MemberReplication:
             log.warning("group %s: %s", self.config.group, fenced)
             await trio.sleep(RESTART_LEADER_S)
             return
-        await self._promoted()
+        await self._promoted(epoch)
         group = self.config.group
         log.info("group %s: replication leader at epoch %d on port %d", group, epoch, port)
         async with trio.open_nursery() as nursery:
@@ -239,7 +244,7 @@ class MemberReplication:
         self.leader = None
         if self.membership.may_lead():
             await trio.sleep(RESTART_LEADER_S)  # stopped on its own: not in a tight loop
-        self._demoted()
+        self._demoted(epoch)
         if isinstance(leader.stopped, LeaderFenced):
             # A member saw a newer epoch: this member's lease is going or gone; until
             # its role says so, acks wait (the Leader of this epoch is refused again).

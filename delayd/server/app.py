@@ -528,7 +528,7 @@ class DelayServer:
             listeners.replication,
             fs=self.delivery.fs,
             on_promoted=self._catch_up_intake,
-            on_demoted=self._hold_intake,
+            on_demoted=self._replication_leader_stopped,
             on_following=self._start_following,
             tls=self.tls,
             dispatch_files=lambda: self.delivery.dispatch.files,
@@ -567,6 +567,18 @@ class DelayServer:
             return None
         return replication.leader or replication.follower
 
+    def _replication_leader_stopped(self, epoch: int) -> None:
+        """The replication Leader of ``epoch`` stopped. While the member still leads at
+        that epoch (the Leader stopped on its own: the role loop starts another, and
+        acks wait for it), delivery and its canceller go on: holding intake here would
+        leave the replayer deriving tombstones that no one decides, as the take-over
+        that decides them again runs once per epoch. Otherwise intake is held until the
+        next promotion."""
+        membership = self.membership
+        if membership is not None and membership.may_lead() and membership.view.epoch == epoch:
+            return
+        self._hold_intake()
+
     def _hold_intake(self) -> None:
         """Until the next promotion's catch-up, intake takes nothing (make_room waits),
         and replay decides no tombstone (follower mode: the leader decides)."""
@@ -595,13 +607,14 @@ class DelayServer:
             self._ids_copying = True
             self._ids_caught_up = trio.Event()
 
-    async def _catch_up_intake(self) -> None:
-        """Promoted: replay what was copied, wait for the canceller to take over
-        (``_take_over``), number new messages after it, let intake in. The id index
+    async def _catch_up_intake(self, epoch: int) -> None:
+        """Promoted at ``epoch``: replay what was copied, wait for the canceller to take
+        over (``_take_over``), number new messages after it, let intake in. The id index
         then holds every id the group acknowledged (DUPLICATE for a producer's retry
-        across the failover). Intake stays held if the member stops leading first."""
+        across the failover). Intake stays held if the member stops leading at
+        ``epoch`` first — also when it already leads at a newer one: that promotion's
+        stages are its own Leader's to reach, after this one's ``_demoted``."""
         replayer = self.replayer
-        epoch = self.membership.view.epoch if self.membership is not None else None
         await self.writer.flush()  # copied records the follower had not flushed yet
         while replayer.position < self.message_log.durable_offset:
             await trio.sleep(0.005)

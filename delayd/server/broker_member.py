@@ -182,7 +182,7 @@ class BrokerGroupReplication(MemberReplication):
         self.broker = broker
         broker.join(self, "")
 
-    async def _promoted(self) -> None:
+    async def _promoted(self, epoch: int) -> None:
         self.broker.promoted()
 
     async def _while_leading(self, leader: Leader) -> None:

@@ -64,8 +64,8 @@ class GroupReplication(MemberReplication):
         listeners: list[trio.SocketListener] | None,
         *,
         fs: FileSystem = REAL_FS,
-        on_promoted: Callable[[], Awaitable[object]] | None = None,
-        on_demoted: Callable[[], object] | None = None,
+        on_promoted: Callable[[int], Awaitable[object]] | None = None,
+        on_demoted: Callable[[int], object] | None = None,
         on_following: Callable[[], Awaitable[object]] | None = None,
         tls: ServerTls | None = None,
         dispatch_files: Callable[[], BucketFiles] | None = None,
@@ -187,22 +187,22 @@ class GroupReplication(MemberReplication):
         # The buckets copied as a follower are closed: the server's writer opens them.
         self.delay_streams.share_dispatch(self.dispatch_files)
 
-    async def _promoted(self) -> None:
+    async def _promoted(self, epoch: int) -> None:
         # The embedded broker leads before delivery starts (on_promoted lets it).
         if self.broker is not None:
             self.broker.promoted()
         if self.on_promoted is not None:
             # What was copied as a follower is replayed before intake takes more.
-            await self.on_promoted()
+            await self.on_promoted(epoch)
         self.replayer.poll_interval_s = self._leader_poll_s
 
     async def _while_leading(self, leader: Leader) -> None:
         if self.broker is not None:
             await self.broker.follow_high_watermark(leader)
 
-    def _demoted(self) -> None:
+    def _demoted(self, epoch: int) -> None:
         if self.on_demoted is not None:
-            self.on_demoted()
+            self.on_demoted(epoch)
 
     async def _following(self) -> None:
         # Copied records become durable in the follower's own flushes: the replayer
