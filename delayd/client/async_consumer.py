@@ -265,10 +265,12 @@ class AsyncConsumer(ReceivingIterator):
                 link = await self._session.link()
                 if link is self._joined:
                     return link
+                self._state.rejoining()
                 held: tuple[int, ...] | None = None
                 if link.protocol_version >= JOIN_HELD_VERSION:
                     # A broker that has just begun to lead gives these back.
                     held = self._state.heartbeat_held()
+                asked = self._state.asks
                 try:
                     result = await link.request(partial(self.subscription.join, held))
                 except ConnectionClosedError as exc:
@@ -282,7 +284,7 @@ class AsyncConsumer(ReceivingIterator):
                     await anyio.sleep(self._busy_backoff.next_delay())
                     continue
                 assert isinstance(result, JoinGroupResult)
-                self._state.set_assignment(result.queues)
+                self._state.set_assignment(result.queues, asked)
                 if held and not set(held) <= set(result.queues):
                     self._heartbeat_now.set()  # let go of them as soon as nothing is held
                 self._joined = link
@@ -309,9 +311,10 @@ class AsyncConsumer(ReceivingIterator):
         try:
             with anyio.move_on_after(self.pull_wait_ms / 1000 + self.timeout_s) as scope:
                 pull = partial(self.subscription.pull, self.max_messages, self.pull_wait_ms)
+                pulled_at = self._state.assignments
                 result = await link.request(pull)
                 assert isinstance(result, PullResult)
-                self._state.add_pulled(result.messages)
+                self._state.add_pulled(result.messages, pulled_at)
                 self._session.succeeded()
                 self._busy_backoff.reset()
             if scope.cancelled_caught:
@@ -352,12 +355,13 @@ class AsyncConsumer(ReceivingIterator):
                 if self._state.letting_go():
                     await self._flush_commits()  # committed, the lost queue can go
                 held: tuple[int, ...] | None = self._state.heartbeat_held()
+                asked = self._state.asks
                 if link.protocol_version < HELD_QUEUES_VERSION:
                     held = None  # a version-1 broker: it lets go of them with any HEARTBEAT
                 with anyio.move_on_after(self.timeout_s) as scope:
                     result = await link.request(partial(self.subscription.heartbeat, held))
                     assert isinstance(result, HeartbeatResult)
-                    self._state.set_assignment(result.queues)
+                    self._state.set_assignment(result.queues, asked)
                     letting_go = held is not None and not set(held) <= set(result.queues)
                 if scope.cancelled_caught:
                     link.abort("closed: no answer to HEARTBEAT in time")
