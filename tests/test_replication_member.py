@@ -35,16 +35,18 @@ class WritesOnPromotion(MemberReplication):
         self.promoted.set()
 
 
-async def promoted_member(runner_class, member: Member, config: ClusterConfig, nursery):
+async def promoted_member(
+    runner_class, member: Member, config: ClusterConfig, nursery, event: str = "promoted"
+):
     """``runner_class`` (whose ``promoted`` event its promotion sets) running ``member``
-    as member "a" of ``config``'s group, once promoted."""
+    as member "a" of ``config``'s group, once promoted (once its ``event`` is set)."""
     membership = Membership(config)
     listeners = await open_listeners("replication", "127.0.0.1", 0)
     runner = runner_class(member, membership, config, listeners)
     await nursery.start(runner.run)
     await nursery.start(membership.run, MemberInfo("a", intake="127.0.0.1:1"))
     with trio.fail_after(10):
-        await runner.promoted.wait()
+        await getattr(runner, event).wait()
     return runner
 
 
@@ -143,13 +145,10 @@ async def test_hooks_act_for_their_own_leaders_epoch_when_the_role_moved_on(
         config = ClusterConfig(
             etcd=(etcd_server.url,), group="g1", lease_ttl_ms=6000, prefix=etcd_prefix
         )
-        membership = Membership(config)
-        listeners = await open_listeners("replication", "127.0.0.1", 0)
-        runner = SlowFirstPromotion(member, membership, config, listeners)
-        await nursery.start(runner.run)
-        await nursery.start(membership.run, MemberInfo("a", intake="127.0.0.1:1"))
-        with trio.fail_after(10):
-            await runner.first_hook_runs.wait()
+        runner = await promoted_member(
+            SlowFirstPromotion, member, config, nursery, event="first_hook_runs"
+        )
+        membership = runner.membership
         async with EtcdClient([etcd_server.url]) as etcd:
             leader_key = await etcd.get(GroupKeys(etcd_prefix, "g1").leader)
             assert leader_key is not None
