@@ -289,14 +289,14 @@ def test_a_lost_queue_is_held_until_the_message_in_hand_is_committed() -> None:
     state.add_pulled([msg(0, 0), msg(1, 0), msg(0, 1), msg(0, 2)])
     state.advance()
     assert state.pop() == msg(0, 0)  # the user handles it
-    pulled_at = state.assignments  # a PULL on its way
     state.set_assignment([1])  # the broker took queue 0 away
     assert state.heartbeat_held() == (0, 1) and not state.letting_go()
-    assert state.add_pulled([msg(0, 3)], pulled_at) == 0  # made before the revoke: dropped
+    assert state.add_pulled([msg(0, 3)]) == 0  # lost: not handed out
     state.advance()  # msg(0, 0) done
     assert state.letting_go() and state.commits_due() == [(0, 1)]
     state.committed(0, 1)
     assert state.heartbeat_held() == (1,) and not state.letting_go()
+    state.set_assignment([1])  # the answer: another's, and msg(0, 3) with it
     assert [state.pop(), state.pop()] == [msg(1, 0), None]  # 0-1, 0-2 were dropped
     # Given back: what was handed out is not handed out again, what was only
     # prefetched comes from the committed offset.
@@ -312,88 +312,43 @@ def test_a_lost_queue_of_which_nothing_was_handed_out_is_let_go_at_once() -> Non
     assert state.heartbeat_held() == (1,)
 
 
-def test_a_pull_read_before_the_answer_that_gives_a_queue_back_is_kept() -> None:
-    # The async consumer reads a PULL's and a HEARTBEAT's answers in tasks of their own:
-    # messages of a queue given back may be read before the answer that gives it back.
-    state = ConsumerState()
-    state.set_assignment([0, 1])
-    pulled_at = state.assignments
-    state.set_assignment([1])  # queue 0 lost, nothing of it handed out
-    assert state.add_pulled([msg(0, 0)], pulled_at) == 0  # made before the revoke
-    assert state.heartbeat_held() == (1,)  # let go
-    assert state.add_pulled([msg(0, 0), msg(0, 1)]) == 0  # given back, not yet known
-    assert state.buffered == 0
-    state.set_assignment([0, 1])
-    assert [state.pop(), state.pop(), state.pop()] == [msg(0, 0), msg(0, 1), None]
-
-
 def test_a_queue_given_back_before_the_consumer_heard_keeps_what_a_pull_brought() -> None:
     """The broker gave queue 0 back (its other reader let go) and a PULL brought its
-    messages before this consumer's next HEARTBEAT said so. The broker's cursor moved past
-    them: dropped at that HEARTBEAT, the group skipped them for good once a later offset
-    was committed (CI: 373 messages of one queue never seen, test_rebalance_handover)."""
+    messages before this consumer's next HEARTBEAT answer said so. The broker's cursor
+    moved past them: dropped when that HEARTBEAT was made, the group skipped them for
+    good once a later offset was committed (CI: 373 messages of one queue never seen,
+    test_rebalance_handover)."""
     state = ConsumerState()
     state.set_assignment([0, 1])
     state.set_assignment([1])  # queue 0 lost, nothing of it handed out
     assert state.heartbeat_held() == (1,)  # let go
-    state.set_assignment([1], state.asks)  # the answer: queue 0 is another's
+    state.set_assignment([1])  # the answer: queue 0 is another's
     assert state.add_pulled([msg(0, 5), msg(0, 6)]) == 0  # given back meanwhile
-    assert state.heartbeat_held() == (1,)  # the next HEARTBEAT: nothing dropped
-    state.set_assignment([0, 1], state.asks)  # its answer says queue 0 is back
+    assert state.heartbeat_held() == (1,)  # the next HEARTBEAT drops nothing
+    state.set_assignment([0, 1])  # its answer says queue 0 is back
     assert [state.pop(), state.pop(), state.pop()] == [msg(0, 5), msg(0, 6), None]
 
 
-def test_what_a_pull_brought_of_a_lost_queue_goes_with_the_answer_that_says_so() -> None:
+def test_what_a_pull_brought_of_a_lost_queue_goes_with_an_answer_that_says_it_is_not_ours() -> None:
+    """Given back and taken away again before this consumer heard it had the queue: the
+    member that reads it now starts from the committed offset."""
     state = ConsumerState()
     state.set_assignment([0, 1])
     state.set_assignment([1])
-    assert state.add_pulled([msg(0, 1)]) == 0  # made after the revoke, before the let-go
-    state.heartbeat_held()
-    state.set_assignment([1], state.asks)  # another's: msg(0, 1) may be read by it
-    state.set_assignment([0, 1])  # back later: the cursor restarts at the committed offset
+    assert state.add_pulled([msg(0, 1)]) == 0
+    state.set_assignment([1])  # an answer after it: another's
+    state.set_assignment([0, 1])  # back later: its cursor restarts at the committed offset
     assert state.buffered == 0
     assert state.add_pulled([msg(0, 0), msg(0, 1)]) == 2
-
-
-def test_a_pull_made_before_the_revoke_is_dropped_even_if_the_queue_comes_back() -> None:
-    """Its messages came from the cursor the broker dropped at the revoke: a queue given
-    back restarts at the committed offset, and a stale message taken then would make the
-    ones before it look like repeats."""
-    state = ConsumerState()
-    state.set_assignment([0, 1])
-    pulled_at = state.assignments
-    state.set_assignment([1])
-    assert state.add_pulled([msg(0, 3)], pulled_at) == 0
-    state.heartbeat_held()
-    state.set_assignment([0, 1], state.asks)  # given back at the let-go itself
-    assert state.buffered == 0
-    assert state.add_pulled([msg(0, 0), msg(0, 1), msg(0, 2), msg(0, 3)]) == 4
-
-
-def test_a_pull_read_after_the_request_waits_for_a_later_answer() -> None:
-    # The async consumer may read a PULL's answer after it made a HEARTBEAT whose answer
-    # the broker computed before that PULL's: that answer says nothing of those messages.
-    state = ConsumerState()
-    state.set_assignment([0, 1])
-    state.set_assignment([1])
-    state.heartbeat_held()
-    asked = state.asks
-    assert state.add_pulled([msg(0, 3)]) == 0  # read after the HEARTBEAT was made
-    state.set_assignment([1], asked)  # its answer: kept
-    state.heartbeat_held()
-    state.set_assignment([0, 1], state.asks)
-    assert [state.pop(), state.pop()] == [msg(0, 3), None]
 
 
 def test_a_rejoin_forgets_what_pulls_brought_of_lost_queues() -> None:
     state = ConsumerState()
     state.set_assignment([0, 1])
     state.set_assignment([1])
-    state.heartbeat_held()
     assert state.add_pulled([msg(0, 3)]) == 0
     state.rejoining()  # others may have read queue 0 since: its cursor restarts
-    state.heartbeat_held()
-    state.set_assignment([0, 1], state.asks)
+    state.set_assignment([0, 1])
     assert state.buffered == 0
 
 

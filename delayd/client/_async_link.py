@@ -56,12 +56,13 @@ async def _connect(address: Address, tls: ClientTls | None) -> anyio.abc.ByteStr
 class _Waiter:
     """A request waiting for its answer."""
 
-    __slots__ = ("done", "error", "response")
+    __slots__ = ("done", "error", "on_answer", "response")
 
-    def __init__(self) -> None:
+    def __init__(self, on_answer: Callable[[Response], object] | None) -> None:
         self.done = anyio.Event()
         self.response: Response | None = None
         self.error: DelaydError | None = None
+        self.on_answer = on_answer
 
 
 class AsyncLink:
@@ -163,6 +164,8 @@ class AsyncLink:
         waiter = self._waiters.pop(answer.request_id, None)
         if waiter is not None:
             waiter.response = answer
+            if waiter.on_answer is not None and not isinstance(answer, Error):
+                waiter.on_answer(answer)
             waiter.done.set()
 
     def _fail(self, exc: DelaydError) -> None:
@@ -200,8 +203,17 @@ class AsyncLink:
         finally:
             self._writing = False
 
-    async def request(self, build: Callable[[int], Request]) -> Response:
+    async def request(
+        self,
+        build: Callable[[int], Request],
+        on_answer: Callable[[Response], object] | None = None,
+    ) -> Response:
         """Send ``build(request_id)`` and return the server's answer.
+
+        ``on_answer`` runs with the answer (not an ERROR) as the link reads it, before
+        anything read after it: state that several requests change (a consumer's
+        assignment and its prefetch) then follows the server's order, whichever task
+        waits for which answer and whenever it runs. It must not block nor raise.
 
         Raises ConnectionClosedError when the link is or goes down before the answer
         (the request may or may not have been carried out), the mapped exception for an
@@ -212,7 +224,7 @@ class AsyncLink:
             raise ConnectionClosedError(f"connection to {self.addr} is down: {self.failure}")
         request = build(self._conn.next_request_id())
         data = self._conn.send(request)
-        waiter = _Waiter()
+        waiter = _Waiter(on_answer)
         self._waiters[request.request_id] = waiter
         try:
             self._outbox.append(data)

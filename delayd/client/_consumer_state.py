@@ -17,11 +17,13 @@ Invariants:
   dropped at once, and ``heartbeat_held()`` keeps naming it while a message of it was handed to
   the user and not committed; the broker gives it to its new owner when a HEARTBEAT
   no longer names it (delayd.broker.groups), so nobody sees that message again.
-- A message is never dropped while it may be this consumer's to read: messages of a
-  queue the consumer counts as lost wait (``_limbo``) for the answer to a HEARTBEAT or
-  JOIN_GROUP made after they were read. The broker may have given the queue back before
-  the consumer heard so, and its cursor then moved past them: dropped, they would be
-  skipped by the whole group once a later offset of the queue is committed.
+- Answers are applied in the order the broker sent them (the blocking consumer makes one
+  request at a time; the async one applies each answer as its link reads it). A PULL
+  answer that brings messages of a queue this consumer counts as lost therefore comes
+  after the queue was given back, before the answer that says so: they wait
+  (``_limbo``) for the next assignment, which hands them out or drops them. Dropped
+  earlier, they would be skipped by the whole group: the broker's cursor moved past
+  them, and the consumer's next commit of the queue moves the offset past them too.
 - With auto-commit a message counts as processed when the user asks for the next one
   (the loop body for it ran), or when the consumer is closed without an error; a
   message whose processing raised is not committed and comes again after a restart.
@@ -102,15 +104,9 @@ class ConsumerState:
         self._fetched: dict[int, int] = {}  # queue -> offset after the last accepted message
         self._handed: dict[int, int] = {}  # queue -> offset after the last handed to the user
         self._revoked: set[int] = set()  # queues the broker took away: not yet given back
-        self._assignments = 0  # set_assignment calls: a PULL made before a revoke is stale
-        self._revoked_at: dict[int, int] = {}  # lost queue -> _assignments when it was lost
-        # Messages of a lost queue that a PULL brought, each with the count of requests
-        # made (``asks``) when it was read: read before the queue was taken away (dropped
-        # once an answer says it is another's), or after it was given back and before
-        # this consumer read the answer that says so (the async consumer reads the
-        # answers to its PULL and its HEARTBEAT in tasks of their own, in either order).
-        self._limbo: dict[int, list[tuple[int, Message]]] = {}
-        self._asks = 0  # HEARTBEATs and JOIN_GROUPs made (heartbeat_held)
+        # Messages of a lost queue that a PULL brought after it was given back and before
+        # the answer that says so came (the invariants above).
+        self._limbo: dict[int, list[Message]] = {}
         self._processed: dict[int, int] = {}  # queue -> commit offset of processed messages
         self._committed: dict[int, int] = {}  # queue -> offset the broker confirmed
         self._current: Message | None = None  # handed to the user, being processed
@@ -118,20 +114,14 @@ class ConsumerState:
 
     # --- membership -------------------------------------------------------------------
 
-    def set_assignment(self, queues: Iterable[int], asked: int | None = None) -> None:
-        """The broker assigned ``queues``, in its answer to the request made when
-        :attr:`asks` was ``asked`` (None: to every request so far); forget prefetched
-        messages of the others.
+    def set_assignment(self, queues: Iterable[int]) -> None:
+        """The broker assigned ``queues``; forget prefetched messages of the others.
 
         Messages of a lost queue go to its new owner, which starts from the committed
         offset once this consumer let go (:meth:`heartbeat_held`); handing them out here too
-        would deliver them twice. Those read after the request was made stay: the broker
-        may have given the queue back since, which the next answer says.
+        would deliver them twice.
         """
         lost = set(self.queues).difference(queues)
-        self._assignments += 1
-        for queue in lost:
-            self._revoked_at[queue] = self._assignments
         self.queues = tuple(sorted(queues))
         given_back = self._revoked.intersection(self.queues)
         self._revoked = (self._revoked | lost).difference(self.queues)
@@ -145,19 +135,11 @@ class ConsumerState:
             else:
                 self._fetched.pop(queue, None)
         for queue in given_back:
-            self.add_pulled(message for _, message in self._limbo.pop(queue, ()))
-        for queue, waiting in list(self._limbo.items()):
-            later = [] if asked is None else [(n, m) for n, m in waiting if n >= asked]
-            if later:
-                self._limbo[queue] = later
-            else:
-                del self._limbo[queue]
-
-    @property
-    def asks(self) -> int:
-        """How many requests :meth:`heartbeat_held` was asked for: read it right after,
-        and give it to :meth:`set_assignment` with that request's answer."""
-        return self._asks
+            self.add_pulled(self._limbo.pop(queue, ()))
+        # Still another's in an answer sent after they were read: taken away again
+        # before this consumer heard it had the queue, which another member reads now
+        # from the committed offset.
+        self._limbo.clear()
 
     def rejoining(self) -> None:
         """A JOIN_GROUP after a reconnect or after the broker dropped this member: the
@@ -173,9 +155,7 @@ class ConsumerState:
         """The queues to name in the next HEARTBEAT, or in the JOIN_GROUP after a
         reconnect: the assignment, and every lost queue of which a message was handed
         to the user and is not committed yet. The lost queues it leaves out are let go
-        with that request: what a PULL brought of them before it is dropped with the
-        answer, unless the answer gives the queue back (:meth:`set_assignment`)."""
-        self._asks += 1
+        with that request."""
         unfinished = {
             q for q in self._revoked if self._handed.get(q, 0) > self._committed.get(q, 0)
         }
@@ -200,27 +180,13 @@ class ConsumerState:
 
     # --- messages ---------------------------------------------------------------------
 
-    @property
-    def assignments(self) -> int:
-        """A count of assignments taken: read it when a PULL is made, and give it to
-        :meth:`add_pulled` with that PULL's answer."""
-        return self._assignments
-
-    def add_pulled(self, messages: Iterable[Message], pulled_at: int | None = None) -> int:
-        """Accept the messages of a PULL_RESULT, for the PULL made when
-        :attr:`assignments` was ``pulled_at`` (None: made after every assignment so far);
-        returns how many were new.
-
-        A lost queue's messages that a PULL made before it was lost brought are dropped:
-        the broker restarts its cursor at the committed offset whoever reads it next.
-        Those of a PULL made after it was lost wait for an answer (``_limbo``): the broker
-        gave the queue back before this consumer heard so."""
+    def add_pulled(self, messages: Iterable[Message]) -> int:
+        """Accept the messages of a PULL_RESULT; returns how many were new."""
         added = 0
         for m in messages:
             queue, offset = m.queue, m.queue_offset
             if queue in self._revoked:
-                if pulled_at is None or pulled_at >= self._revoked_at[queue]:
-                    self._limbo.setdefault(queue, []).append((self._asks, m))
+                self._limbo.setdefault(queue, []).append(m)
                 continue
             if queue is not None and offset is not None:
                 if offset < self._fetched.get(queue, 0):

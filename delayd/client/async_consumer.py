@@ -60,6 +60,7 @@ from delayd.protocol import (
     JoinGroupResult,
     Message,
     PullResult,
+    Response,
 )
 from delayd.tls import ClientTls
 
@@ -270,9 +271,9 @@ class AsyncConsumer(ReceivingIterator):
                 if link.protocol_version >= JOIN_HELD_VERSION:
                     # A broker that has just begun to lead gives these back.
                     held = self._state.heartbeat_held()
-                asked = self._state.asks
                 try:
-                    result = await link.request(partial(self.subscription.join, held))
+                    join = partial(self.subscription.join, held)
+                    result = await link.request(join, on_answer=self._assigned)
                 except ConnectionClosedError as exc:
                     self._session.lost(link, exc)
                     continue
@@ -284,12 +285,23 @@ class AsyncConsumer(ReceivingIterator):
                     await anyio.sleep(self._busy_backoff.next_delay())
                     continue
                 assert isinstance(result, JoinGroupResult)
-                self._state.set_assignment(result.queues, asked)
                 if held and not set(held) <= set(result.queues):
                     self._heartbeat_now.set()  # let go of them as soon as nothing is held
                 self._joined = link
                 self._joins += 1
                 return link
+
+    def _assigned(self, answer: Response) -> None:
+        """A JOIN_GROUP's or HEARTBEAT's answer, applied as the link reads it: in the
+        broker's order with the PULLs' (ConsumerState's invariants), not when the task
+        that waits for it runs."""
+        if isinstance(answer, JoinGroupResult | HeartbeatResult):
+            self._state.set_assignment(answer.queues)
+
+    def _pulled(self, answer: Response) -> None:
+        """A PULL's answer, applied as the link reads it (``_assigned``)."""
+        if isinstance(answer, PullResult):
+            self._state.add_pulled(answer.messages)
 
     async def _pull(self) -> None:
         """One PULL into the prefetch buffer. Never raises: errors go to receive()."""
@@ -311,10 +323,8 @@ class AsyncConsumer(ReceivingIterator):
         try:
             with anyio.move_on_after(self.pull_wait_ms / 1000 + self.timeout_s) as scope:
                 pull = partial(self.subscription.pull, self.max_messages, self.pull_wait_ms)
-                pulled_at = self._state.assignments
-                result = await link.request(pull)
+                result = await link.request(pull, on_answer=self._pulled)
                 assert isinstance(result, PullResult)
-                self._state.add_pulled(result.messages, pulled_at)
                 self._session.succeeded()
                 self._busy_backoff.reset()
             if scope.cancelled_caught:
@@ -355,13 +365,12 @@ class AsyncConsumer(ReceivingIterator):
                 if self._state.letting_go():
                     await self._flush_commits()  # committed, the lost queue can go
                 held: tuple[int, ...] | None = self._state.heartbeat_held()
-                asked = self._state.asks
                 if link.protocol_version < HELD_QUEUES_VERSION:
                     held = None  # a version-1 broker: it lets go of them with any HEARTBEAT
                 with anyio.move_on_after(self.timeout_s) as scope:
-                    result = await link.request(partial(self.subscription.heartbeat, held))
+                    heartbeat = partial(self.subscription.heartbeat, held)
+                    result = await link.request(heartbeat, on_answer=self._assigned)
                     assert isinstance(result, HeartbeatResult)
-                    self._state.set_assignment(result.queues, asked)
                     letting_go = held is not None and not set(held) <= set(result.queues)
                 if scope.cancelled_caught:
                     link.abort("closed: no answer to HEARTBEAT in time")

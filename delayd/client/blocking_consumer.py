@@ -271,7 +271,6 @@ class Consumer(BlockingClient):
             held: tuple[int, ...] | None = None
             if link.protocol_version >= JOIN_HELD_VERSION:
                 held = self._state.heartbeat_held()  # a broker just leading gives them back
-            asked = self._state.asks
             try:
                 result = link.request(
                     partial(self.subscription.join, held),
@@ -295,7 +294,7 @@ class Consumer(BlockingClient):
                 _sleep_until(deadline, self._busy_backoff.next_delay())
                 continue
             assert isinstance(result, JoinGroupResult)
-            self._state.set_assignment(result.queues, asked)
+            self._state.set_assignment(result.queues)
             if held and not set(held) <= set(result.queues):
                 self._letting_go = True  # the heartbeat thread lets go of them soon
             self._joined = link
@@ -317,7 +316,6 @@ class Consumer(BlockingClient):
             self._commit_request(queue, offset) for queue, offset in due
         ]
         builds.append(partial(self.subscription.pull, self.max_messages, wait_ms))
-        pulled_at = self._state.assignments
         answers: dict[int, Response | DelaydError] = {}
 
         def on_answer(index: int, answer: Response | DelaydError) -> None:
@@ -348,7 +346,7 @@ class Consumer(BlockingClient):
         if isinstance(result, PullResult):
             self._session.succeeded()
             self._busy_backoff.reset()
-            self._state.add_pulled(result.messages, pulled_at)
+            self._state.add_pulled(result.messages)
         elif isinstance(result, NotLeaderError):
             # The group's leader moved: join it there; it resumes from the committed offsets.
             self._session.redirected(result)
@@ -413,7 +411,6 @@ class Consumer(BlockingClient):
                     if self._state.letting_go():
                         self._flush_commits(deadline, retry=False)
                     held: tuple[int, ...] | None = self._state.heartbeat_held()
-                    asked = self._state.asks
                     if link.protocol_version < HELD_QUEUES_VERSION:
                         held = None  # a version-1 broker: it lets go with any HEARTBEAT
                     result = link.request(partial(self.subscription.heartbeat, held), deadline)
@@ -425,7 +422,7 @@ class Consumer(BlockingClient):
                     self._session.lost(exc)  # the next receive() reconnects
                     continue
                 assert isinstance(result, HeartbeatResult)
-                self._state.set_assignment(result.queues, asked)
+                self._state.set_assignment(result.queues)
                 self._letting_go = held is not None and not set(held) <= set(result.queues)
 
 
